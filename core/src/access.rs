@@ -2,7 +2,9 @@
 //! itself needs (fill, copy, scale, accumulate) — the ones gradient accumulation, optimizers
 //! and collectives use. None of these are recorded by autograd.
 
-use parking_lot::{MappedRwLockReadGuard, MappedRwLockWriteGuard, RwLockReadGuard, RwLockWriteGuard};
+use parking_lot::{
+    MappedRwLockReadGuard, MappedRwLockWriteGuard, RwLockReadGuard, RwLockWriteGuard,
+};
 
 use crate::storage::CpuStorage;
 use crate::{
@@ -13,7 +15,11 @@ use crate::{
 impl Tensor {
     fn expect_dtype<T: Element>(&self, op: &'static str) -> Result<()> {
         if self.dtype() != T::DTYPE {
-            return Err(Error::DTypeMismatch { op, lhs: self.dtype(), rhs: T::DTYPE });
+            return Err(Error::DTypeMismatch {
+                op,
+                lhs: self.dtype(),
+                rhs: T::DTYPE,
+            });
         }
         Ok(())
     }
@@ -25,10 +31,18 @@ impl Tensor {
     pub fn read_slice<T: Element>(&self) -> Result<MappedRwLockReadGuard<'_, [T]>> {
         self.expect_dtype::<T>("read_slice")?;
         if !self.is_contiguous() {
-            return Err(Error::invalid("read_slice", "tensor is not contiguous; call contiguous() first"));
+            return Err(Error::invalid(
+                "read_slice",
+                "tensor is not contiguous; call contiguous() first",
+            ));
         }
-        let (start, end) = (self.layout().offset(), self.layout().offset() + self.numel());
-        Ok(RwLockReadGuard::map(self.storage().read(), |s| &T::slice(s).expect("dtype checked")[start..end]))
+        let (start, end) = (
+            self.layout().offset(),
+            self.layout().offset() + self.numel(),
+        );
+        Ok(RwLockReadGuard::map(self.storage().read(), |s| {
+            &T::slice(s).expect("dtype checked")[start..end]
+        }))
     }
 
     /// Mutably borrows the elements of a contiguous tensor. Writes are seen by every view of
@@ -38,7 +52,10 @@ impl Tensor {
         if !self.is_contiguous() {
             return Err(Error::invalid("write_slice", "tensor is not contiguous"));
         }
-        let (start, end) = (self.layout().offset(), self.layout().offset() + self.numel());
+        let (start, end) = (
+            self.layout().offset(),
+            self.layout().offset() + self.numel(),
+        );
         Ok(RwLockWriteGuard::map(self.storage().write(), |s| {
             &mut T::slice_mut(s).expect("dtype checked")[start..end]
         }))
@@ -66,7 +83,14 @@ impl Tensor {
     /// The single element of a one-element tensor, as f64.
     pub fn item(&self) -> Result<f64> {
         if self.numel() != 1 {
-            return Err(Error::shape("item", format!("tensor of shape {:?} has {} elements, not 1", self.dims(), self.numel())));
+            return Err(Error::shape(
+                "item",
+                format!(
+                    "tensor of shape {:?} has {} elements, not 1",
+                    self.dims(),
+                    self.numel()
+                ),
+            ));
         }
         Ok(self.to_vec_f64()?[0])
     }
@@ -109,10 +133,17 @@ impl Tensor {
     fn check_same_shape(&self, op: &'static str, src: &Tensor) -> Result<()> {
         self.device().same_as(src.device(), op)?;
         if self.dims() != src.dims() {
-            return Err(Error::shape(op, format!("destination {:?} vs source {:?}", self.dims(), src.dims())));
+            return Err(Error::shape(
+                op,
+                format!("destination {:?} vs source {:?}", self.dims(), src.dims()),
+            ));
         }
         if self.dtype() != src.dtype() {
-            return Err(Error::DTypeMismatch { op, lhs: self.dtype(), rhs: src.dtype() });
+            return Err(Error::DTypeMismatch {
+                op,
+                lhs: self.dtype(),
+                rhs: src.dtype(),
+            });
         }
         Ok(())
     }
@@ -198,9 +229,17 @@ impl Tensor {
     }
 
     /// A fresh contiguous tensor with `f` applied to each element of a float tensor.
-    pub fn map_float<T: FloatElement>(&self, op: &'static str, f: impl Fn(T) -> T) -> Result<Tensor> {
+    pub fn map_float<T: FloatElement>(
+        &self,
+        op: &'static str,
+        f: impl Fn(T) -> T,
+    ) -> Result<Tensor> {
         if self.dtype() != T::DTYPE {
-            return Err(Error::DTypeMismatch { op, lhs: self.dtype(), rhs: T::DTYPE });
+            return Err(Error::DTypeMismatch {
+                op,
+                lhs: self.dtype(),
+                rhs: T::DTYPE,
+            });
         }
         let data: Vec<T> = self.to_vec::<T>()?.into_iter().map(f).collect();
         Tensor::from_vec(data, self.dims(), self.device())
@@ -220,7 +259,9 @@ mod tests {
     #[test]
     fn in_place_kernels_respect_views() {
         let t = Tensor::from_vec((0..6).map(|x| x as f32).collect(), &[2, 3], Device::Cpu).unwrap();
-        let col = t.view_detached(t.layout().narrow("n", 1, 1, 1).unwrap()).unwrap();
+        let col = t
+            .view_detached(t.layout().narrow("n", 1, 1, 1).unwrap())
+            .unwrap();
         col.fill_(9.0).unwrap();
         assert_eq!(t.to_vec::<f32>().unwrap(), vec![0., 9., 2., 3., 9., 5.]);
         t.add_(&t.copy_detached().unwrap()).unwrap();
@@ -236,18 +277,28 @@ mod tests {
             let back = t.to_dtype(dt).unwrap().to_dtype(DType::F32).unwrap();
             assert_eq!(back.to_vec::<f32>().unwrap(), vec![1.5, -2.25, 3.0]);
         }
-        assert_eq!(t.to_dtype(DType::I64).unwrap().to_vec::<i64>().unwrap(), vec![1, -2, 3]);
+        assert_eq!(
+            t.to_dtype(DType::I64).unwrap().to_vec::<i64>().unwrap(),
+            vec![1, -2, 3]
+        );
     }
 
     #[test]
     fn cuda_is_a_clear_error_until_the_backend_lands() {
-        let err = Tensor::zeros(&[2], DType::F32, Device::Cuda(0)).unwrap_err().to_string();
+        let err = Tensor::zeros(&[2], DType::F32, Device::Cuda(0))
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("cuda:0") && err.contains("not built"), "{err}");
     }
 
     #[test]
     fn from_vec_checks_element_count() {
-        let err = Tensor::from_vec(vec![1.0f32; 5], &[2, 3], Device::Cpu).unwrap_err().to_string();
-        assert!(err.contains("5 elements") && err.contains("[2, 3]"), "{err}");
+        let err = Tensor::from_vec(vec![1.0f32; 5], &[2, 3], Device::Cpu)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("5 elements") && err.contains("[2, 3]"),
+            "{err}"
+        );
     }
 }

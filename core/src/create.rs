@@ -12,10 +12,17 @@ impl Tensor {
         if numel != data.len() {
             return Err(Error::shape(
                 "Tensor::from_vec",
-                format!("{} elements cannot have shape {:?} ({numel} elements)", data.len(), shape),
+                format!(
+                    "{} elements cannot have shape {:?} ({numel} elements)",
+                    data.len(),
+                    shape
+                ),
             ));
         }
-        Tensor::from_storage(Storage::cpu(T::into_storage(data)), Layout::contiguous(shape))
+        Tensor::from_storage(
+            Storage::cpu(T::into_storage(data)),
+            Layout::contiguous(shape),
+        )
     }
 
     /// A tensor copied from `data`.
@@ -32,7 +39,10 @@ impl Tensor {
     pub fn zeros(shape: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
         device.ensure_available()?;
         let numel = shape.iter().product();
-        Tensor::from_storage(Storage::cpu(CpuStorage::zeros(dtype, numel)), Layout::contiguous(shape))
+        Tensor::from_storage(
+            Storage::cpu(CpuStorage::zeros(dtype, numel)),
+            Layout::contiguous(shape),
+        )
     }
 
     /// A tensor of ones.
@@ -60,7 +70,10 @@ impl Tensor {
     /// `start, start+step, …` up to (not including) `end`, as a 1-D tensor.
     pub fn arange(start: f64, end: f64, step: f64, dtype: DType, device: Device) -> Result<Tensor> {
         if step == 0.0 || !step.is_finite() || !start.is_finite() || !end.is_finite() {
-            return Err(Error::invalid("arange", format!("invalid range {start}..{end} step {step}")));
+            return Err(Error::invalid(
+                "arange",
+                format!("invalid range {start}..{end} step {step}"),
+            ));
         }
         let n = ((end - start) / step).ceil().max(0.0) as usize;
         with_element_type!(dtype, T => {

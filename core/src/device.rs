@@ -23,8 +23,9 @@ impl Device {
             Device::Cpu => Ok(()),
             Device::Cuda(_) => Err(Error::DeviceUnavailable {
                 device: self,
-                reason: "the CUDA backend is not built yet in this version of tandem; use Device::Cpu"
-                    .into(),
+                reason:
+                    "the CUDA backend is not built yet in this version of tandem; use Device::Cpu"
+                        .into(),
             }),
         }
     }
@@ -34,7 +35,11 @@ impl Device {
         if self == other {
             Ok(())
         } else {
-            Err(Error::DeviceMismatch { op, lhs: self, rhs: other })
+            Err(Error::DeviceMismatch {
+                op,
+                lhs: self,
+                rhs: other,
+            })
         }
     }
 }

@@ -17,15 +17,27 @@ pub enum Error {
 
     /// Two inputs of different dtypes where the operation needs one.
     #[error("{op}: dtype mismatch: {lhs} vs {rhs}")]
-    DTypeMismatch { op: &'static str, lhs: DType, rhs: DType },
+    DTypeMismatch {
+        op: &'static str,
+        lhs: DType,
+        rhs: DType,
+    },
 
     /// A dtype the operation does not support.
     #[error("{op}: unsupported dtype {dtype} (supported: {supported})")]
-    UnsupportedDType { op: &'static str, dtype: DType, supported: &'static str },
+    UnsupportedDType {
+        op: &'static str,
+        dtype: DType,
+        supported: &'static str,
+    },
 
     /// Inputs living on different devices; tandem never copies between devices silently.
     #[error("{op}: device mismatch: {lhs} vs {rhs}; move the tensors to one device first")]
-    DeviceMismatch { op: &'static str, lhs: Device, rhs: Device },
+    DeviceMismatch {
+        op: &'static str,
+        lhs: Device,
+        rhs: Device,
+    },
 
     /// A device that this build or this machine cannot use.
     #[error("device {device} is not available: {reason}")]
@@ -51,12 +63,18 @@ pub enum Error {
 impl Error {
     /// Shape error helper.
     pub fn shape(op: &'static str, msg: impl Into<String>) -> Self {
-        Error::Shape { op, msg: msg.into() }
+        Error::Shape {
+            op,
+            msg: msg.into(),
+        }
     }
 
     /// Invalid-argument helper.
     pub fn invalid(op: &'static str, msg: impl Into<String>) -> Self {
-        Error::InvalidArgument { op, msg: msg.into() }
+        Error::InvalidArgument {
+            op,
+            msg: msg.into(),
+        }
     }
 
     /// Autograd misuse helper.
@@ -70,7 +88,10 @@ impl Error {
         context: impl Into<String>,
         source: impl Into<Box<dyn std::error::Error + Send + Sync>>,
     ) -> Self {
-        Error::External { context: context.into(), source: source.into() }
+        Error::External {
+            context: context.into(),
+            source: source.into(),
+        }
     }
 }
 

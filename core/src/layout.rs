@@ -37,8 +37,16 @@ pub fn broadcast_shapes(op: &'static str, a: &[usize], b: &[usize]) -> Result<Sh
     let rank = a.len().max(b.len());
     let mut out: Shape = SmallVec::from_elem(0, rank);
     for i in 0..rank {
-        let da = if i + a.len() >= rank { a[i + a.len() - rank] } else { 1 };
-        let db = if i + b.len() >= rank { b[i + b.len() - rank] } else { 1 };
+        let da = if i + a.len() >= rank {
+            a[i + a.len() - rank]
+        } else {
+            1
+        };
+        let db = if i + b.len() >= rank {
+            b[i + b.len() - rank]
+        } else {
+            1
+        };
         out[i] = if da == db || db == 1 {
             da
         } else if da == 1 {
@@ -46,7 +54,10 @@ pub fn broadcast_shapes(op: &'static str, a: &[usize], b: &[usize]) -> Result<Sh
         } else {
             return Err(Error::shape(
                 op,
-                format!("cannot broadcast {:?} with {:?} (dim {i}: {da} vs {db})", a, b),
+                format!(
+                    "cannot broadcast {:?} with {:?} (dim {i}: {da} vs {db})",
+                    a, b
+                ),
             ));
         };
     }
@@ -59,7 +70,10 @@ pub fn normalize_dim(op: &'static str, dim: isize, rank: usize) -> Result<usize>
     let r = rank.max(1) as isize;
     let d = if dim < 0 { dim + r } else { dim };
     if d < 0 || d >= r {
-        return Err(Error::invalid(op, format!("dim {dim} is out of range for a tensor of rank {rank}")));
+        return Err(Error::invalid(
+            op,
+            format!("dim {dim} is out of range for a tensor of rank {rank}"),
+        ));
     }
     Ok(d as usize)
 }
@@ -75,13 +89,21 @@ pub struct Layout {
 impl Layout {
     /// The row-major layout of a fresh tensor of this shape.
     pub fn contiguous(shape: &[usize]) -> Self {
-        Layout { shape: Shape::from_slice(shape), strides: contiguous_strides(shape), offset: 0 }
+        Layout {
+            shape: Shape::from_slice(shape),
+            strides: contiguous_strides(shape),
+            offset: 0,
+        }
     }
 
     /// A layout from explicit parts. The caller guarantees the invariants above.
     pub fn from_parts(shape: Shape, strides: Strides, offset: usize) -> Self {
         debug_assert_eq!(shape.len(), strides.len());
-        Layout { shape, strides, offset }
+        Layout {
+            shape,
+            strides,
+            offset,
+        }
     }
 
     /// The dimensions.
@@ -126,7 +148,14 @@ impl Layout {
         if self.numel() == 0 {
             return self.offset;
         }
-        self.offset + self.shape.iter().zip(&self.strides).map(|(&n, &s)| (n - 1) * s).sum::<usize>() + 1
+        self.offset
+            + self
+                .shape
+                .iter()
+                .zip(&self.strides)
+                .map(|(&n, &s)| (n - 1) * s)
+                .sum::<usize>()
+            + 1
     }
 
     /// A view with a new shape of the same element count. Works without a copy when the
@@ -152,7 +181,10 @@ impl Layout {
         for (i, &d) in requested.iter().enumerate() {
             if d == -1 {
                 if infer_at.replace(i).is_some() {
-                    return Err(Error::shape(op, format!("only one -1 is allowed in {requested:?}")));
+                    return Err(Error::shape(
+                        op,
+                        format!("only one -1 is allowed in {requested:?}"),
+                    ));
                 }
                 out.push(1);
             } else if d < 0 {
@@ -174,7 +206,10 @@ impl Layout {
         if out.iter().product::<usize>() != numel {
             return Err(Error::shape(
                 op,
-                format!("cannot view {} ({numel} elements) as {requested:?}", fmt_shape(&self.shape)),
+                format!(
+                    "cannot view {} ({numel} elements) as {requested:?}",
+                    fmt_shape(&self.shape)
+                ),
             ));
         }
         Ok(out)
@@ -184,8 +219,15 @@ impl Layout {
     pub fn permute(&self, op: &'static str, perm: &[usize]) -> Result<Layout> {
         let rank = self.rank();
         let mut seen = vec![false; rank];
-        if perm.len() != rank || perm.iter().any(|&p| p >= rank || std::mem::replace(&mut seen[p], true)) {
-            return Err(Error::invalid(op, format!("{perm:?} is not a permutation of the {rank} dims")));
+        if perm.len() != rank
+            || perm
+                .iter()
+                .any(|&p| p >= rank || std::mem::replace(&mut seen[p], true))
+        {
+            return Err(Error::invalid(
+                op,
+                format!("{perm:?} is not a permutation of the {rank} dims"),
+            ));
         }
         Ok(Layout {
             shape: perm.iter().map(|&p| self.shape[p]).collect(),
@@ -198,7 +240,10 @@ impl Layout {
     pub fn transpose(&self, op: &'static str, a: usize, b: usize) -> Result<Layout> {
         let mut perm: Vec<usize> = (0..self.rank()).collect();
         if a >= perm.len() || b >= perm.len() {
-            return Err(Error::invalid(op, format!("dims ({a}, {b}) out of range for rank {}", self.rank())));
+            return Err(Error::invalid(
+                op,
+                format!("dims ({a}, {b}) out of range for rank {}", self.rank()),
+            ));
         }
         perm.swap(a, b);
         self.permute(op, &perm)
@@ -209,7 +254,11 @@ impl Layout {
         if dim >= self.rank() || start + len > self.shape[dim] {
             return Err(Error::invalid(
                 op,
-                format!("range {start}..{} of dim {dim} is outside shape {}", start + len, fmt_shape(&self.shape)),
+                format!(
+                    "range {start}..{} of dim {dim} is outside shape {}",
+                    start + len,
+                    fmt_shape(&self.shape)
+                ),
             ));
         }
         let mut out = self.clone();
@@ -223,7 +272,11 @@ impl Layout {
         if target.len() < self.rank() {
             return Err(Error::shape(
                 op,
-                format!("cannot expand {} to fewer dims {:?}", fmt_shape(&self.shape), target),
+                format!(
+                    "cannot expand {} to fewer dims {:?}",
+                    fmt_shape(&self.shape),
+                    target
+                ),
             ));
         }
         let lead = target.len() - self.rank();
@@ -240,11 +293,19 @@ impl Layout {
             } else {
                 return Err(Error::shape(
                     op,
-                    format!("cannot expand {} to {:?} (dim {i}: {s} vs {t})", fmt_shape(&self.shape), target),
+                    format!(
+                        "cannot expand {} to {:?} (dim {i}: {s} vs {t})",
+                        fmt_shape(&self.shape),
+                        target
+                    ),
                 ));
             };
         }
-        Ok(Layout { shape: Shape::from_slice(target), strides, offset: self.offset })
+        Ok(Layout {
+            shape: Shape::from_slice(target),
+            strides,
+            offset: self.offset,
+        })
     }
 
     /// Removes a dim of size 1.
@@ -252,7 +313,10 @@ impl Layout {
         if dim >= self.rank() || self.shape[dim] != 1 {
             return Err(Error::invalid(
                 op,
-                format!("dim {dim} of shape {} is not of size 1", fmt_shape(&self.shape)),
+                format!(
+                    "dim {dim} of shape {} is not of size 1",
+                    fmt_shape(&self.shape)
+                ),
             ));
         }
         let mut out = self.clone();
@@ -264,10 +328,17 @@ impl Layout {
     /// Inserts a dim of size 1 at `dim` (0..=rank).
     pub fn unsqueeze(&self, op: &'static str, dim: usize) -> Result<Layout> {
         if dim > self.rank() {
-            return Err(Error::invalid(op, format!("dim {dim} out of range for rank {}", self.rank())));
+            return Err(Error::invalid(
+                op,
+                format!("dim {dim} out of range for rank {}", self.rank()),
+            ));
         }
         let mut out = self.clone();
-        let stride = if dim < self.rank() { self.strides[dim] * self.shape[dim] } else { 1 };
+        let stride = if dim < self.rank() {
+            self.strides[dim] * self.shape[dim]
+        } else {
+            1
+        };
         out.shape.insert(dim, 1);
         out.strides.insert(dim, stride);
         Ok(out)
@@ -323,7 +394,12 @@ mod tests {
 
     #[test]
     fn broadcast_shapes_follow_numpy() {
-        assert_eq!(broadcast_shapes("b", &[4, 1, 3], &[5, 1]).unwrap().as_slice(), &[4, 5, 3]);
+        assert_eq!(
+            broadcast_shapes("b", &[4, 1, 3], &[5, 1])
+                .unwrap()
+                .as_slice(),
+            &[4, 5, 3]
+        );
         assert!(broadcast_shapes("b", &[2, 3], &[4, 3]).is_err());
     }
 

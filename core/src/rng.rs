@@ -19,7 +19,9 @@ pub struct Generator {
 impl Generator {
     /// A generator whose sequence is fixed by `seed`.
     pub fn new(seed: u64) -> Self {
-        Generator { rng: ChaCha8Rng::seed_from_u64(seed) }
+        Generator {
+            rng: ChaCha8Rng::seed_from_u64(seed),
+        }
     }
 
     /// A uniform sample in `[0, 1)`.

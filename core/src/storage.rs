@@ -74,7 +74,10 @@ pub struct Storage {
 impl Storage {
     /// Wraps host memory.
     pub fn cpu(data: CpuStorage) -> Self {
-        Storage { data: Arc::new(RwLock::new(data)), device: Device::Cpu }
+        Storage {
+            data: Arc::new(RwLock::new(data)),
+            device: Device::Cpu,
+        }
     }
 
     /// The device holding the buffer.

@@ -25,12 +25,16 @@ pub struct Event {
 impl Event {
     /// An event that is not complete yet; [`Event::complete`] completes it.
     pub fn pending() -> Self {
-        Event { state: Arc::new((Mutex::new(false), Condvar::new())) }
+        Event {
+            state: Arc::new((Mutex::new(false), Condvar::new())),
+        }
     }
 
     /// An event that is already complete.
     pub fn completed() -> Self {
-        Event { state: Arc::new((Mutex::new(true), Condvar::new())) }
+        Event {
+            state: Arc::new((Mutex::new(true), Condvar::new())),
+        }
     }
 
     /// Marks the event complete and wakes every waiter.
@@ -74,7 +78,10 @@ enum StreamKind {
     /// Kernels run on the thread that issues them.
     Compute,
     /// A thread that runs queued jobs in order.
-    Worker { queue: Mutex<Option<Sender<Job>>>, thread: Mutex<Option<JoinHandle<()>>> },
+    Worker {
+        queue: Mutex<Option<Sender<Job>>>,
+        thread: Mutex<Option<JoinHandle<()>>>,
+    },
 }
 
 struct StreamInner {
@@ -113,20 +120,26 @@ impl Stream {
     /// The compute stream of `device`: on the CPU, the calling thread.
     pub fn compute(device: Device) -> Self {
         Stream {
-            inner: Arc::new(StreamInner { device, name: "compute".into(), kind: StreamKind::Compute }),
+            inner: Arc::new(StreamInner {
+                device,
+                name: "compute".into(),
+                kind: StreamKind::Compute,
+            }),
         }
     }
 
     /// A CPU stream backed by its own thread, named `name` (visible in debuggers and traces).
     pub fn worker(name: &str) -> std::io::Result<Self> {
         let (tx, rx) = channel::<Job>();
-        let thread = std::thread::Builder::new().name(name.to_string()).spawn(move || {
-            while let Ok(job) = rx.recv() {
-                // A panicking job must not take the stream down: later jobs (and the events
-                // that waiters block on) still run. The job's own result channel reports it.
-                let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
-            }
-        })?;
+        let thread = std::thread::Builder::new()
+            .name(name.to_string())
+            .spawn(move || {
+                while let Ok(job) = rx.recv() {
+                    // A panicking job must not take the stream down: later jobs (and the events
+                    // that waiters block on) still run. The job's own result channel reports it.
+                    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
+                }
+            })?;
         Ok(Stream {
             inner: Arc::new(StreamInner {
                 device: Device::Cpu,
@@ -217,7 +230,10 @@ mod tests {
         let first = stream.record_event();
         let c = counter.clone();
         stream.enqueue(move || assert_eq!(c.fetch_add(1, Ordering::SeqCst), 1));
-        assert!(!first.wait_timeout(Duration::from_millis(20)), "must wait for the gate");
+        assert!(
+            !first.wait_timeout(Duration::from_millis(20)),
+            "must wait for the gate"
+        );
         gate.complete();
         first.synchronize();
         stream.synchronize();

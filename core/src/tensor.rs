@@ -58,7 +58,10 @@ impl Tensor {
         if layout.storage_extent() > len {
             return Err(Error::shape(
                 "Tensor::from_storage",
-                format!("layout {:?} reaches past a storage of {len} elements", layout),
+                format!(
+                    "layout {:?} reaches past a storage of {len} elements",
+                    layout
+                ),
             ));
         }
         Ok(Self::assemble(storage, layout, dtype, None, false))
@@ -139,6 +142,12 @@ impl Tensor {
         self.0.layout.is_contiguous()
     }
 
+    /// Whether this handle is the only reference to the tensor and to its storage, so its
+    /// buffer may be updated in place without anyone else seeing it.
+    pub fn is_exclusive(&self) -> bool {
+        Arc::strong_count(&self.0) == 1 && self.0.storage.is_unique()
+    }
+
     /// Whether two tensors are the same tensor (same id).
     pub fn same_tensor(&self, other: &Tensor) -> bool {
         Arc::ptr_eq(&self.0, &other.0)
@@ -151,10 +160,19 @@ impl Tensor {
         if layout.storage_extent() > len {
             return Err(Error::shape(
                 "view",
-                format!("layout {:?} reaches past a storage of {len} elements", layout),
+                format!(
+                    "layout {:?} reaches past a storage of {len} elements",
+                    layout
+                ),
             ));
         }
-        Ok(Self::assemble(self.0.storage.clone(), layout, self.0.dtype, None, false))
+        Ok(Self::assemble(
+            self.0.storage.clone(),
+            layout,
+            self.0.dtype,
+            None,
+            false,
+        ))
     }
 
     // ---- autograd metadata -------------------------------------------------------------
@@ -201,12 +219,24 @@ impl Tensor {
     /// A new tensor sharing this one's storage and layout, produced by `node`. Used by ops to
     /// return their output with its place in the graph.
     pub fn with_grad_fn(&self, node: Arc<Node>) -> Tensor {
-        Self::assemble(self.0.storage.clone(), self.0.layout.clone(), self.0.dtype, Some(node), true)
+        Self::assemble(
+            self.0.storage.clone(),
+            self.0.layout.clone(),
+            self.0.dtype,
+            Some(node),
+            true,
+        )
     }
 
     /// The same data, cut from the graph: a leaf that does not require grad.
     pub fn detach(&self) -> Tensor {
-        Self::assemble(self.0.storage.clone(), self.0.layout.clone(), self.0.dtype, None, false)
+        Self::assemble(
+            self.0.storage.clone(),
+            self.0.layout.clone(),
+            self.0.dtype,
+            None,
+            false,
+        )
     }
 
     /// The accumulated gradient of a leaf.
@@ -245,7 +275,13 @@ impl Tensor {
 
 impl fmt::Debug for Tensor {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Tensor(shape={:?}, dtype={}, device={}", self.dims(), self.dtype(), self.device())?;
+        write!(
+            f,
+            "Tensor(shape={:?}, dtype={}, device={}",
+            self.dims(),
+            self.dtype(),
+            self.device()
+        )?;
         if self.requires_grad() {
             write!(f, ", requires_grad")?;
         }

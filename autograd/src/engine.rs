@@ -1,0 +1,331 @@
+//! The backward engine.
+//!
+//! `backward` walks the graph from the output, counts for every node and leaf how many
+//! gradient contributions it will receive, and then runs nodes as soon as all of theirs have
+//! arrived. Among ready nodes the most recently recorded runs first, which gives reverse
+//! topological order — reverse layer order for a feed-forward network — so the last layer's
+//! parameters become ready first. A node's incoming gradient is dropped once the node has run,
+//! so intermediate gradients live only as long as needed.
+//!
+//! When the last contribution to a leaf has arrived it is accumulated into the leaf's `.grad`
+//! and the leaf's gradient-ready hooks run; after the walk, each backward-finished hook of the
+//! reached leaves runs once.
+
+use std::collections::{BTreeMap, BinaryHeap, HashMap, HashSet};
+use std::sync::Arc;
+
+use tandem_core::graph::{BackwardSummary, HookId};
+use tandem_core::{Device, Edge, Error, GradReady, Node, Result, Stream, Tensor, TensorId};
+
+use crate::grad_mode::NoGradGuard;
+
+/// Options of a backward pass.
+#[derive(Clone, Debug, Default)]
+pub struct BackwardOptions {
+    /// Keep the saved tensors so that backward can run through the graph again.
+    pub retain_graph: bool,
+}
+
+/// Adds `new` to an optional running sum, reusing the sum's buffer when nothing else holds it.
+fn accumulate(sum: Option<Tensor>, new: Tensor) -> Result<Tensor> {
+    match sum {
+        None => Ok(new),
+        Some(s) => {
+            let s = if s.is_exclusive() && s.is_contiguous() {
+                s
+            } else {
+                s.copy_detached()?
+            };
+            s.add_(&new)?;
+            Ok(s)
+        }
+    }
+}
+
+struct HeapEntry(Arc<Node>);
+
+impl PartialEq for HeapEntry {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.sequence() == other.0.sequence()
+    }
+}
+impl Eq for HeapEntry {}
+impl PartialOrd for HeapEntry {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for HeapEntry {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.0.sequence().cmp(&other.0.sequence())
+    }
+}
+
+struct LeafState {
+    leaf: Tensor,
+    remaining: usize,
+    pending: Option<Tensor>,
+}
+
+fn node_key(node: &Arc<Node>) -> *const Node {
+    Arc::as_ptr(node)
+}
+
+/// Computes the gradient of `root` with respect to every leaf that requires grad, accumulating
+/// into their `.grad`. `grad` defaults to 1 for a one-element `root`.
+pub fn backward(root: &Tensor, grad: Option<&Tensor>, options: &BackwardOptions) -> Result<()> {
+    if !root.requires_grad() {
+        return Err(Error::autograd(
+            "backward on a tensor that does not require grad: no parameter it was computed from \
+             requires grad (or it was computed under no_grad)",
+        ));
+    }
+    let seed = match grad {
+        Some(g) => {
+            if g.dims() != root.dims() || g.dtype() != root.dtype() {
+                return Err(Error::shape(
+                    "backward",
+                    format!(
+                        "gradient {:?} {} does not match output {:?} {}",
+                        g.dims(),
+                        g.dtype(),
+                        root.dims(),
+                        root.dtype()
+                    ),
+                ));
+            }
+            g.detach()
+        }
+        None => {
+            if root.numel() != 1 {
+                return Err(Error::shape(
+                    "backward",
+                    format!(
+                        "a gradient can only be implied for a one-element output, not {:?}; pass one",
+                        root.dims()
+                    ),
+                ));
+            }
+            root.ones_like()?
+        }
+    };
+    let _no_grad = NoGradGuard::new();
+    let compute = Stream::compute(root.device());
+
+    // Count the contributions every node and leaf will receive.
+    let mut node_deps: HashMap<*const Node, usize> = HashMap::new();
+    let mut leaves: BTreeMap<TensorId, LeafState> = BTreeMap::new();
+    let root_edge = match root.grad_fn() {
+        Some(n) => Edge::Node(n.clone()),
+        None => Edge::Leaf(root.clone()),
+    };
+    let mut stack = vec![root_edge.clone()];
+    let mut visited: HashSet<*const Node> = HashSet::new();
+    count_edge(&root_edge, &mut node_deps, &mut leaves);
+    while let Some(edge) = stack.pop() {
+        if let Edge::Node(node) = edge {
+            if !visited.insert(node_key(&node)) {
+                continue;
+            }
+            for input in node.inputs().iter().flatten() {
+                count_edge(input, &mut node_deps, &mut leaves);
+                if let Edge::Node(_) = input {
+                    stack.push(input.clone());
+                }
+            }
+        }
+    }
+
+    let mut pending: HashMap<*const Node, Option<Tensor>> = HashMap::new();
+    let mut ready: BinaryHeap<HeapEntry> = BinaryHeap::new();
+    let mut reached: HashSet<TensorId> = HashSet::new();
+    deliver(
+        &root_edge,
+        Some(seed),
+        &mut node_deps,
+        &mut pending,
+        &mut ready,
+        &mut leaves,
+        &mut reached,
+        &compute,
+    )?;
+
+    while let Some(HeapEntry(node)) = ready.pop() {
+        let grad_out = pending.remove(&node_key(&node)).flatten();
+        let grads = match &grad_out {
+            Some(g) => node.run_backward(g, options.retain_graph)?,
+            None => vec![None; node.inputs().len()],
+        };
+        drop(grad_out);
+        for (input, grad) in node.inputs().iter().zip(grads) {
+            match input {
+                Some(edge) => deliver(
+                    edge,
+                    grad,
+                    &mut node_deps,
+                    &mut pending,
+                    &mut ready,
+                    &mut leaves,
+                    &mut reached,
+                    &compute,
+                )?,
+                None => {
+                    if grad.is_some() {
+                        // The input needs no gradient; the op computed one anyway. Dropping it
+                        // is correct, only wasteful.
+                    }
+                }
+            }
+        }
+    }
+
+    // Each backward-finished hook once, in registration order.
+    let mut finished: BTreeMap<HookId, tandem_core::graph::BackwardFinishedHook> = BTreeMap::new();
+    for state in leaves.values() {
+        for (id, hook) in &state.leaf.hooks().lock().backward_finished {
+            finished.entry(*id).or_insert_with(|| hook.clone());
+        }
+    }
+    let summary = BackwardSummary { reached };
+    for hook in finished.values() {
+        hook(&summary)?;
+    }
+    Ok(())
+}
+
+fn count_edge(
+    edge: &Edge,
+    node_deps: &mut HashMap<*const Node, usize>,
+    leaves: &mut BTreeMap<TensorId, LeafState>,
+) {
+    match edge {
+        Edge::Node(n) => *node_deps.entry(node_key(n)).or_insert(0) += 1,
+        Edge::Leaf(t) => {
+            leaves
+                .entry(t.id())
+                .or_insert_with(|| LeafState {
+                    leaf: t.clone(),
+                    remaining: 0,
+                    pending: None,
+                })
+                .remaining += 1
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn deliver(
+    edge: &Edge,
+    grad: Option<Tensor>,
+    node_deps: &mut HashMap<*const Node, usize>,
+    pending: &mut HashMap<*const Node, Option<Tensor>>,
+    ready: &mut BinaryHeap<HeapEntry>,
+    leaves: &mut BTreeMap<TensorId, LeafState>,
+    reached: &mut HashSet<TensorId>,
+    compute: &Stream,
+) -> Result<()> {
+    match edge {
+        Edge::Node(node) => {
+            let key = node_key(node);
+            let slot = pending.entry(key).or_insert(None);
+            if let Some(g) = grad {
+                *slot = Some(accumulate(slot.take(), g)?);
+            }
+            let remaining = node_deps.get_mut(&key).expect("counted during discovery");
+            *remaining -= 1;
+            if *remaining == 0 {
+                ready.push(HeapEntry(node.clone()));
+            }
+        }
+        Edge::Leaf(leaf) => {
+            let state = leaves
+                .get_mut(&leaf.id())
+                .expect("counted during discovery");
+            if let Some(g) = grad {
+                if g.dims() != leaf.dims() {
+                    return Err(Error::autograd(format!(
+                        "gradient of shape {:?} delivered to a leaf of shape {:?}",
+                        g.dims(),
+                        leaf.dims()
+                    )));
+                }
+                state.pending = Some(accumulate(state.pending.take(), g)?);
+            }
+            state.remaining -= 1;
+            if state.remaining == 0 {
+                if let Some(g) = state.pending.take() {
+                    finalize_leaf(&state.leaf, g, compute)?;
+                    reached.insert(leaf.id());
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Accumulates the leaf's gradient for this pass into `.grad` and runs its ready hooks.
+fn finalize_leaf(leaf: &Tensor, grad: Tensor, compute: &Stream) -> Result<()> {
+    let grad = if grad.dtype() != leaf.dtype() {
+        grad.to_dtype(leaf.dtype())?
+    } else {
+        grad
+    };
+    let total = match leaf.grad() {
+        // Accumulate in place: the existing gradient may be a view into a communication
+        // bucket, which must keep receiving the values.
+        Some(existing) => {
+            existing.add_(&grad)?;
+            existing
+        }
+        None => {
+            // Own the buffer: the incoming tensor may share storage with a tensor of the graph.
+            let owned =
+                if grad.is_exclusive() && grad.is_contiguous() && grad.layout().offset() == 0 {
+                    grad
+                } else {
+                    grad.copy_detached()?
+                };
+            leaf.set_grad(Some(owned.clone()))?;
+            owned
+        }
+    };
+    debug_assert_eq!(compute.device(), Device::Cpu);
+    let event = compute.record_event();
+    let hooks: Vec<_> = leaf
+        .hooks()
+        .lock()
+        .grad_ready
+        .iter()
+        .map(|(_, h)| h.clone())
+        .collect();
+    if hooks.is_empty() {
+        return Ok(());
+    }
+    let ready = GradReady {
+        param: leaf.clone(),
+        grad: total,
+        event,
+    };
+    for hook in hooks {
+        hook(&ready)?;
+    }
+    Ok(())
+}
+
+/// `tensor.backward()` and friends.
+pub trait TensorBackward {
+    /// Backward from a one-element output, freeing the graph afterwards.
+    fn backward(&self) -> Result<()>;
+    /// Backward with an explicit output gradient and options.
+    fn backward_with(&self, grad: Option<&Tensor>, options: &BackwardOptions) -> Result<()>;
+}
+
+impl TensorBackward for Tensor {
+    fn backward(&self) -> Result<()> {
+        backward(self, None, &BackwardOptions::default())
+    }
+
+    fn backward_with(&self, grad: Option<&Tensor>, options: &BackwardOptions) -> Result<()> {
+        backward(self, grad, options)
+    }
+}
