@@ -64,7 +64,7 @@ pub trait Element: Copy + Send + Sync + PartialOrd + fmt::Debug + 'static {
     /// Lossy conversion used by casts (floats to integers truncate toward zero and saturate).
     fn from_f64(v: f64) -> Self;
     /// The zero of the type.
-    fn zero() -> Self;
+    const ZERO: Self;
     /// Borrows the storage as a slice of this type, if it holds this type.
     fn slice(storage: &CpuStorage) -> Option<&[Self]>;
     /// Mutably borrows the storage as a slice of this type, if it holds this type.
@@ -87,10 +87,7 @@ macro_rules! element {
                 #[allow(clippy::redundant_closure_call)]
                 ($from)(v)
             }
-            #[inline]
-            fn zero() -> Self {
-                $zero
-            }
+            const ZERO: Self = $zero;
             fn slice(storage: &CpuStorage) -> Option<&[Self]> {
                 match storage {
                     CpuStorage::$variant(v) => Some(v),

@@ -1,0 +1,34 @@
+//! `tandem-ops`: differentiable operations on tensors.
+//!
+//! Each op (or small family of ops sharing a kernel) has a folder: `mod.rs` holds the public
+//! functions with a `# Shapes` section, their backward and their tests (every op is
+//! gradient-checked in f64); `cpu.rs` holds the CPU kernel. Ops run where their inputs are,
+//! return `Result`, and name themselves and the offending shapes in errors.
+
+pub mod batch_norm;
+pub mod binary;
+pub mod cat;
+pub mod conv2d;
+pub mod dropout;
+pub mod linear;
+pub mod loss;
+pub mod matmul;
+pub mod pool;
+pub mod reduce;
+pub mod softmax;
+pub mod unary;
+pub mod util;
+pub mod views;
+
+#[cfg(test)]
+pub(crate) mod testing;
+
+pub use binary::{add, add_scalar, div, mul, mul_scalar, sub};
+pub use reduce::{mean, mean_all, sum, sum_all};
+pub use views::{
+    contiguous, expand, flatten, narrow, permute, reshape, squeeze, transpose, unsqueeze,
+};
+
+// --- re-exports: unary, max, softmax, loss, dropout, cat ---
+
+// --- re-exports: matmul, linear, conv2d, pool, batch_norm ---
