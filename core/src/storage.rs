@@ -80,6 +80,13 @@ impl Storage {
         }
     }
 
+    /// Host memory labelled as belonging to `device`. Exists only so that device checks can be
+    /// tested before a device backend is built; kernels still read it as host memory.
+    #[doc(hidden)]
+    pub fn host_memory_labelled(data: CpuStorage, device: Device) -> Self {
+        Storage { data: Arc::new(RwLock::new(data)), device }
+    }
+
     /// The device holding the buffer.
     pub fn device(&self) -> Device {
         self.device
