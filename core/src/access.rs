@@ -199,7 +199,7 @@ impl Tensor {
     pub fn scale_(&self, factor: f64) -> Result<()> {
         with_float_type!("scale_", self.dtype(), T => {
             let f = T::from_f64(factor);
-            self.map_in_place::<T>(|x| *x = *x * f);
+            self.map_in_place::<T>(|x| *x *= f);
             Ok(())
         })
     }
@@ -210,7 +210,7 @@ impl Tensor {
         self.check_same_shape("add_scaled_", src)?;
         with_float_type!("add_scaled_", self.dtype(), T => {
             let a = T::from_f64(alpha);
-            self.zip_in_place::<T>(src, |d, s| *d = *d + a * s)
+            self.zip_in_place::<T>(src, |d, s| *d += a * s)
         })
     }
 

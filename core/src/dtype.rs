@@ -115,7 +115,15 @@ element!(i64, I64, |x: i64| x as f64, |v: f64| v as i64, 0);
 element!(u8, U8, |x: u8| x as f64, |v: f64| v as u8, 0);
 
 /// A floating-point element in which tandem's kernels compute (f32 and f64).
-pub trait FloatElement: Element + num_traits::Float + std::iter::Sum + Default {
+pub trait FloatElement:
+    Element
+    + num_traits::Float
+    + std::iter::Sum
+    + Default
+    + std::ops::AddAssign
+    + std::ops::SubAssign
+    + std::ops::MulAssign
+{
     /// Conversion from an f32 constant.
     fn from_f32(v: f32) -> Self;
 }

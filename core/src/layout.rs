@@ -133,6 +133,9 @@ impl Layout {
 
     /// Whether the elements are dense and in row-major order.
     pub fn is_contiguous(&self) -> bool {
+        if self.numel() == 0 {
+            return true;
+        }
         let mut acc = 1;
         for d in (0..self.shape.len()).rev() {
             if self.shape[d] != 1 && self.strides[d] != acc {
@@ -195,7 +198,7 @@ impl Layout {
             }
         }
         if let Some(i) = infer_at {
-            if known == 0 || numel % known != 0 {
+            if known == 0 || !numel.is_multiple_of(known) {
                 return Err(Error::shape(
                     op,
                     format!("cannot view {} as {requested:?}", fmt_shape(&self.shape)),

@@ -54,7 +54,7 @@ impl Generator {
 }
 
 thread_local! {
-    static DEFAULT: RefCell<Generator> = RefCell::new(Generator::new(0x7a4d_e3));
+    static DEFAULT: RefCell<Generator> = RefCell::new(Generator::new(0x007a_4de3));
 }
 
 /// Re-seeds this thread's default generator.

@@ -84,7 +84,10 @@ impl Storage {
     /// tested before a device backend is built; kernels still read it as host memory.
     #[doc(hidden)]
     pub fn host_memory_labelled(data: CpuStorage, device: Device) -> Self {
-        Storage { data: Arc::new(RwLock::new(data)), device }
+        Storage {
+            data: Arc::new(RwLock::new(data)),
+            device,
+        }
     }
 
     /// The device holding the buffer.

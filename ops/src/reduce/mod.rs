@@ -6,12 +6,15 @@
 //! Backward broadcasts the output gradient back over the reduced dims.
 
 mod cpu;
+mod max;
 
 use tandem_autograd::record_fn;
 use tandem_core::{normalize_dim, Error, Result, Tensor};
 
 use crate::util::float_dtype;
 use crate::views::{expand, reshape};
+
+pub use max::{argmax, max};
 
 /// Resolves the dims to reduce: sorted, unique, non-negative. Empty means every dim.
 pub(crate) fn resolve_dims(op: &'static str, x: &Tensor, dims: &[isize]) -> Result<Vec<usize>> {
@@ -114,10 +117,10 @@ mod tests {
     #[test]
     fn gradcheck_sum_and_mean() {
         let x = rand_f64(&[2, 3, 4], 3);
-        check(|t| sum(&t[0], &[1], false), &[x.clone()]);
-        check(|t| sum(&t[0], &[0, 2], true), &[x.clone()]);
-        check(|t| sum_all(&t[0]), &[x.clone()]);
-        check(|t| mean(&t[0], &[-1], true), &[x.clone()]);
+        check(|t| sum(&t[0], &[1], false), std::slice::from_ref(&x));
+        check(|t| sum(&t[0], &[0, 2], true), std::slice::from_ref(&x));
+        check(|t| sum_all(&t[0]), std::slice::from_ref(&x));
+        check(|t| mean(&t[0], &[-1], true), std::slice::from_ref(&x));
         check(
             |t| mean(&t[0], &[0, 2], false),
             &[rand_f64_noncontiguous(&[3, 4, 5], 4)],

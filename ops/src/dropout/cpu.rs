@@ -1,0 +1,71 @@
+//! CPU kernels of dropout: drawing the keep-mask and applying it.
+//!
+//! The mask is drawn in fixed-size chunks, each from its own generator seeded from one draw of
+//! the caller's generator, so chunks fill in parallel and the mask depends only on the seed,
+//! never on the thread count. One 64-bit draw decides two elements (each half compared with
+//! `p · 2³²`). The mask is kept as bytes — a quarter of an f32 mask's memory — and applied with
+//! a branch-free select that vectorises.
+
+use rayon::prelude::*;
+use tandem_core::{FloatElement, Generator, Result, Tensor};
+
+use crate::util::PARALLEL_THRESHOLD;
+
+/// Elements per independently seeded mask chunk. Part of the mask's definition: changing it
+/// changes which elements a given seed drops.
+const MASK_CHUNK: usize = 1 << 14;
+
+/// Elements per rayon task when applying the mask.
+const APPLY_CHUNK: usize = 1 << 13;
+
+/// A keep-mask of `n` elements (1 = keep), each dropped with probability `p` (in `[0, 1)`).
+pub(crate) fn draw_mask(n: usize, p: f64, generator: &mut Generator) -> Vec<u8> {
+    // keep iff a uniform 32-bit draw is >= threshold: P(keep) = 1 − threshold / 2³²
+    let threshold = ((p * 4_294_967_296.0).round() as u64).min(u32::MAX as u64) as u32;
+    let base = generator.next_u64();
+    let fill = |(i, chunk): (usize, &mut [u8])| {
+        let seed = base.wrapping_add((i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+        let mut g = Generator::new(seed);
+        for pair in chunk.chunks_mut(2) {
+            let r = g.next_u64();
+            pair[0] = (r as u32 >= threshold) as u8;
+            if let Some(second) = pair.get_mut(1) {
+                *second = ((r >> 32) as u32 >= threshold) as u8;
+            }
+        }
+    };
+    let mut mask = vec![0u8; n];
+    if n >= PARALLEL_THRESHOLD {
+        mask.par_chunks_mut(MASK_CHUNK).enumerate().for_each(fill);
+    } else {
+        mask.chunks_mut(MASK_CHUNK).enumerate().for_each(fill);
+    }
+    mask
+}
+
+/// `x · scale` where the mask keeps an element, 0 where it drops it (any layout in,
+/// contiguous out).
+pub(crate) fn apply_mask<T: FloatElement>(x: &Tensor, mask: &[u8], scale: f64) -> Result<Tensor> {
+    if x.numel() == 0 {
+        return crate::unary::empty_like::<T>(x);
+    }
+    let c = x.contiguous_detached()?;
+    let src = c.read_slice::<T>()?;
+    let scale = T::from_f64(scale);
+    let mut out = vec![T::ZERO; src.len()];
+    let body = |((o, s), m): ((&mut [T], &[T]), &[u8])| {
+        for ((o, &s), &m) in o.iter_mut().zip(s).zip(m) {
+            *o = if m != 0 { s * scale } else { T::ZERO };
+        }
+    };
+    if out.len() >= PARALLEL_THRESHOLD {
+        out.par_chunks_mut(APPLY_CHUNK)
+            .zip(src.par_chunks(APPLY_CHUNK))
+            .zip(mask.par_chunks(APPLY_CHUNK))
+            .for_each(body);
+    } else {
+        body(((&mut out, &src), mask));
+    }
+    drop(src);
+    Tensor::from_vec(out, x.dims(), x.device())
+}
