@@ -1,1 +1,255 @@
-fn main() {}
+//! Trains LeNet-5 on MNIST with SGD and momentum, printing the test accuracy after each epoch.
+//!
+//! ```text
+//! cargo run --release --example mnist -- --epochs 2
+//! ```
+//!
+//! Reads the gzipped IDX files shipped in `data/mnist` (or `--data-dir`), normalises the images
+//! with MNIST's mean and standard deviation, and trains with cross entropy. On a terminal a
+//! progress bar shows the running loss and throughput; elsewhere (CI) it prints one line per
+//! epoch. `--metrics-out FILE` writes the results as JSON.
+//!
+//! Defaults: batch 64, SGD with lr 0.02 and momentum 0.9, the learning rate multiplied by 0.3
+//! after each epoch; two epochs reach about 98.8–99.0% test accuracy.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Instant;
+
+use clap::Parser;
+use indicatif::{ProgressBar, ProgressStyle};
+use tandem::autograd::{no_grad, TensorBackward};
+use tandem::core::rng::manual_seed;
+use tandem::nn::data::{DataLoader, DataLoaderConfig, Mnist, Split};
+use tandem::nn::loss::{cross_entropy, Reduction};
+use tandem::nn::models::lenet5;
+use tandem::nn::Module;
+use tandem::optim::{Optimizer, Sgd, SgdConfig};
+
+type AnyError = Box<dyn std::error::Error>;
+
+/// Train LeNet-5 on MNIST.
+#[derive(Parser, Debug)]
+#[command(about)]
+struct Args {
+    /// Passes over the training set.
+    #[arg(long, default_value_t = 2)]
+    epochs: usize,
+    /// Training batch size.
+    #[arg(long, default_value_t = 64)]
+    batch_size: usize,
+    /// SGD learning rate.
+    #[arg(long, default_value_t = 0.02)]
+    lr: f64,
+    /// Multiply the learning rate by this after every epoch (step decay; 1 = constant). The
+    /// default settles the second epoch, which makes 2 epochs reach ~98.8% for any seed.
+    #[arg(long, default_value_t = 0.3)]
+    lr_decay: f64,
+    /// SGD momentum.
+    #[arg(long, default_value_t = 0.9)]
+    momentum: f64,
+    /// Seed of the initialisation and of the shuffling.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Directory with the MNIST IDX files (raw or .gz) [default: data/mnist of this crate].
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
+    /// Threads of the compute pool [default: all cores].
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Write the results as a JSON object to this file.
+    #[arg(long)]
+    metrics_out: Option<PathBuf>,
+}
+
+/// What one epoch produced.
+struct EpochResult {
+    train_loss: f64,
+    test_accuracy: f64,
+    images_per_sec: f64,
+    seconds: f64,
+}
+
+fn main() -> ExitCode {
+    match run(Args::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(args: Args) -> Result<(), AnyError> {
+    if let Some(threads) = args.threads {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build_global()?;
+    }
+    let threads = rayon::current_num_threads();
+    let data_dir = args
+        .data_dir
+        .clone()
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/mnist"));
+    let train_set = Arc::new(Mnist::load(&data_dir, Split::Train)?);
+    let test_set = Arc::new(Mnist::load(&data_dir, Split::Test)?);
+    let train = DataLoader::new(
+        train_set,
+        DataLoaderConfig {
+            batch_size: args.batch_size,
+            shuffle: true,
+            seed: args.seed,
+            ..Default::default()
+        },
+    )?;
+    let test = DataLoader::new(
+        test_set,
+        DataLoaderConfig {
+            batch_size: 1000,
+            ..Default::default()
+        },
+    )?;
+
+    manual_seed(args.seed);
+    let model = lenet5()?;
+    let mut optimizer = Sgd::new(
+        model.parameters(),
+        SgdConfig::new(args.lr).with_momentum(args.momentum),
+    )?;
+    println!(
+        "LeNet-5 ({} parameters) on MNIST: {} epochs, batch {}, lr {} (×{} per epoch), \
+         momentum {}, {} threads",
+        model.num_parameters(),
+        args.epochs,
+        args.batch_size,
+        args.lr,
+        args.lr_decay,
+        args.momentum,
+        threads
+    );
+
+    let started = Instant::now();
+    let mut history = Vec::new();
+    for epoch in 1..=args.epochs {
+        let result = train_epoch(&model, &mut optimizer, &train, epoch, args.epochs)?;
+        let test_accuracy = evaluate(&model, &test)?;
+        let result = EpochResult {
+            test_accuracy,
+            ..result
+        };
+        println!(
+            "epoch {epoch}/{}: train loss {:.4}, test accuracy {:.2}%, {:.0} images/s, {:.1} s",
+            args.epochs,
+            result.train_loss,
+            100.0 * result.test_accuracy,
+            result.images_per_sec,
+            result.seconds
+        );
+        history.push(result);
+        let lr = optimizer.learning_rate() * args.lr_decay;
+        optimizer.set_learning_rate(lr)?;
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    let last = history.last();
+    let images_per_sec = if history.is_empty() {
+        0.0
+    } else {
+        history.iter().map(|r| r.images_per_sec).sum::<f64>() / history.len() as f64
+    };
+    println!("done in {seconds:.1} s");
+
+    if let Some(path) = &args.metrics_out {
+        let metrics = serde_json::json!({
+            "model": "lenet5",
+            "epochs": args.epochs,
+            "batch_size": args.batch_size,
+            "lr": args.lr,
+            "lr_decay": args.lr_decay,
+            "momentum": args.momentum,
+            "seed": args.seed,
+            "threads": threads,
+            "test_accuracy": last.map(|r| r.test_accuracy),
+            "train_loss": last.map(|r| r.train_loss),
+            "images_per_sec": images_per_sec,
+            "seconds": seconds,
+            "history": history.iter().enumerate().map(|(i, r)| serde_json::json!({
+                "epoch": i + 1,
+                "train_loss": r.train_loss,
+                "test_accuracy": r.test_accuracy,
+                "images_per_sec": r.images_per_sec,
+                "seconds": r.seconds,
+            })).collect::<Vec<_>>(),
+        });
+        std::fs::write(path, serde_json::to_string_pretty(&metrics)? + "\n")
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+    }
+    Ok(())
+}
+
+/// One pass over the training set; the test accuracy is filled in by the caller.
+fn train_epoch(
+    model: &dyn Module,
+    optimizer: &mut Sgd,
+    train: &DataLoader,
+    epoch: usize,
+    epochs: usize,
+) -> Result<EpochResult, AnyError> {
+    model.train();
+    let bar = ProgressBar::new(train.len() as u64);
+    bar.set_style(
+        ProgressStyle::with_template("epoch {prefix} [{bar:30}] {pos}/{len} {msg} ({eta})")?
+            .progress_chars("=> "),
+    );
+    bar.set_prefix(format!("{epoch}/{epochs}"));
+    let started = Instant::now();
+    let (mut loss_sum, mut batches, mut images) = (0.0, 0usize, 0usize);
+    for batch in train.epoch(epoch as u64 - 1) {
+        let batch = batch?;
+        let logits = model.forward(&batch.inputs)?;
+        let loss = cross_entropy(&logits, &batch.targets, Reduction::Mean)?;
+        optimizer.zero_grad()?;
+        loss.backward()?;
+        optimizer.step()?;
+        loss_sum += loss.item()?;
+        batches += 1;
+        images += batch.targets.numel();
+        if batches % 20 == 0 {
+            let rate = images as f64 / started.elapsed().as_secs_f64();
+            bar.set_message(format!(
+                "loss {:.4}, {rate:.0} images/s",
+                loss_sum / batches as f64
+            ));
+        }
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    let seconds = started.elapsed().as_secs_f64();
+    Ok(EpochResult {
+        train_loss: loss_sum / batches.max(1) as f64,
+        test_accuracy: 0.0,
+        images_per_sec: images as f64 / seconds,
+        seconds,
+    })
+}
+
+/// Fraction of the test set classified correctly.
+fn evaluate(model: &dyn Module, test: &DataLoader) -> Result<f64, AnyError> {
+    model.eval();
+    let (mut correct, mut total) = (0usize, 0usize);
+    for batch in test.epoch(0) {
+        let batch = batch?;
+        let predicted = no_grad(|| -> Result<Vec<i64>, AnyError> {
+            let logits = model.forward(&batch.inputs)?;
+            Ok(tandem::ops::argmax(&logits, 1, false)?.to_vec::<i64>()?)
+        })?;
+        let labels = batch.targets.to_vec::<i64>()?;
+        correct += predicted
+            .iter()
+            .zip(&labels)
+            .filter(|(p, l)| p == l)
+            .count();
+        total += labels.len();
+    }
+    Ok(correct as f64 / total.max(1) as f64)
+}

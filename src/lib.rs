@@ -1,8 +1,27 @@
-//! tandem: a deep-learning framework whose data-parallel training overlaps the gradient
-//! all-reduce with backward. (facade being written)
+#![doc = include_str!("../README.md")]
+
+mod tensor_ext;
 
 pub use tandem_autograd as autograd;
 pub use tandem_core as core;
 pub use tandem_nn as nn;
 pub use tandem_ops as ops;
 pub use tandem_optim as optim;
+
+pub use tensor_ext::TensorOps;
+
+/// What a training program usually needs, in one import: `use tandem::prelude::*;`.
+pub mod prelude {
+    pub use crate::tensor_ext::TensorOps;
+    pub use tandem_autograd::{no_grad, TensorBackward};
+    pub use tandem_core::rng::manual_seed;
+    pub use tandem_core::{DType, Device, Generator, Tensor};
+    pub use tandem_nn::data::{DataLoader, DataLoaderConfig, Dataset, Mnist, Split};
+    pub use tandem_nn::loss::{cross_entropy, mse_loss, nll_loss, Reduction};
+    pub use tandem_nn::models::lenet5;
+    pub use tandem_nn::{
+        BatchNorm2d, Conv2d, Conv2dConfig, Dropout, Flatten, Linear, MaxPool2d, Module, ReLU,
+        Sequential,
+    };
+    pub use tandem_optim::{Optimizer, Sgd, SgdConfig};
+}

@@ -1,0 +1,18 @@
+//! Data loading: datasets, samplers, a prefetching data loader, and MNIST.
+//!
+//! A [`Dataset`] turns a list of sample indices into one [`Batch`] of tensors. A [`Sampler`]
+//! decides which indices an epoch visits and in what order (every index in order, a seeded
+//! shuffle, or — in distributed training — one rank's share). A [`DataLoader`] cuts the
+//! sampler's order into batches and builds them on a background thread while the caller
+//! trains on the previous ones.
+
+mod dataset;
+pub mod idx;
+mod loader;
+pub mod mnist;
+mod sampler;
+
+pub use dataset::{Batch, Dataset, TensorDataset};
+pub use loader::{Batches, DataLoader, DataLoaderConfig};
+pub use mnist::{Mnist, MnistDataset, Split};
+pub use sampler::{RandomSampler, Sampler, SequentialSampler};

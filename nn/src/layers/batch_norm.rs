@@ -1,0 +1,327 @@
+//! Batch normalisation over the channels of `[N, C, H, W]` inputs.
+
+use tandem_core::{DType, Device, Tensor};
+
+use crate::module::{parameter, Module, ParamKind, TrainingFlag};
+use crate::{Error, Result};
+
+/// Options of a [`BatchNorm2d`]. Defaults (PyTorch's): eps 1e-5, momentum 0.1, affine, tracking
+/// running statistics.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct BatchNormConfig {
+    /// Added to the variance before the square root.
+    pub eps: f64,
+    /// Weight of the current batch in the running statistics:
+    /// `running = (1 − momentum) · running + momentum · batch`.
+    pub momentum: f64,
+    /// Learn a per-channel scale (`weight`, initialised to 1) and shift (`bias`, 0).
+    pub affine: bool,
+    /// Keep running statistics (buffers `running_mean`, `running_var`,
+    /// `num_batches_tracked`) for evaluation mode; without them batch statistics are always
+    /// used.
+    pub track_running_stats: bool,
+}
+
+impl Default for BatchNormConfig {
+    fn default() -> Self {
+        BatchNormConfig {
+            eps: 1e-5,
+            momentum: 0.1,
+            affine: true,
+            track_running_stats: true,
+        }
+    }
+}
+
+/// Normalises each channel of `[N, C, H, W]` to zero mean and unit variance, then scales and
+/// shifts it.
+///
+/// In training mode it uses the statistics of the batch (the biased variance) and updates the
+/// running statistics (with the unbiased variance) and `num_batches_tracked`; in evaluation
+/// mode it uses the running statistics. Parameters `weight`, `bias` `[C]`; buffers
+/// `running_mean` (0), `running_var` (1) `[C]` f32 and `num_batches_tracked` (a 0-dim i64).
+///
+/// # Shapes
+/// `x` `[N, C, H, W]` → the same shape.
+#[derive(Debug)]
+pub struct BatchNorm2d {
+    num_features: usize,
+    config: BatchNormConfig,
+    weight: Option<Tensor>,
+    bias: Option<Tensor>,
+    running_mean: Option<Tensor>,
+    running_var: Option<Tensor>,
+    num_batches_tracked: Option<Tensor>,
+    training: TrainingFlag,
+}
+
+impl BatchNorm2d {
+    /// Batch normalisation of `num_features` channels with the default config.
+    pub fn new(num_features: usize) -> Result<Self> {
+        Self::with_config(num_features, BatchNormConfig::default())
+    }
+
+    /// Batch normalisation of `num_features` channels with `config`.
+    pub fn with_config(num_features: usize, config: BatchNormConfig) -> Result<Self> {
+        if num_features == 0 {
+            return Err(Error::config("BatchNorm2d", "num_features must be > 0"));
+        }
+        let eps_ok = config.eps.is_finite() && config.eps > 0.0;
+        let momentum_ok = config.momentum.is_finite() && (0.0..=1.0).contains(&config.momentum);
+        if !eps_ok || !momentum_ok {
+            return Err(Error::config(
+                "BatchNorm2d",
+                format!("need eps > 0 and momentum in [0, 1], got {config:?}"),
+            ));
+        }
+        let c = [num_features];
+        let filled = |v: f64| Tensor::full(&c, v, DType::F32, Device::Cpu);
+        let (weight, bias) = if config.affine {
+            (
+                Some(parameter(filled(1.0)?)?),
+                Some(parameter(filled(0.0)?)?),
+            )
+        } else {
+            (None, None)
+        };
+        let (running_mean, running_var, num_batches_tracked) = if config.track_running_stats {
+            (
+                Some(filled(0.0)?),
+                Some(filled(1.0)?),
+                Some(Tensor::scalar(0i64, Device::Cpu)?),
+            )
+        } else {
+            (None, None, None)
+        };
+        Ok(BatchNorm2d {
+            num_features,
+            config,
+            weight,
+            bias,
+            running_mean,
+            running_var,
+            num_batches_tracked,
+            training: TrainingFlag::new(),
+        })
+    }
+
+    /// Number of channels.
+    pub fn num_features(&self) -> usize {
+        self.num_features
+    }
+
+    /// The options.
+    pub fn config(&self) -> &BatchNormConfig {
+        &self.config
+    }
+
+    /// The per-channel scale, if affine.
+    pub fn weight(&self) -> Option<&Tensor> {
+        self.weight.as_ref()
+    }
+
+    /// The per-channel shift, if affine.
+    pub fn bias(&self) -> Option<&Tensor> {
+        self.bias.as_ref()
+    }
+
+    /// The running mean, if tracked.
+    pub fn running_mean(&self) -> Option<&Tensor> {
+        self.running_mean.as_ref()
+    }
+
+    /// The running (unbiased) variance, if tracked.
+    pub fn running_var(&self) -> Option<&Tensor> {
+        self.running_var.as_ref()
+    }
+
+    /// How many training batches updated the running statistics, if tracked.
+    pub fn num_batches_tracked(&self) -> Option<&Tensor> {
+        self.num_batches_tracked.as_ref()
+    }
+}
+
+impl Module for BatchNorm2d {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if x.rank() != 4 || x.dims()[1] != self.num_features {
+            return Err(Error::input(
+                "BatchNorm2d",
+                format!(
+                    "expected input [N, {}, H, W] (num_features = {}), got shape {:?}",
+                    self.num_features,
+                    self.num_features,
+                    x.dims()
+                ),
+            ));
+        }
+        let training = self.is_training();
+        let use_batch_stats = training || !self.config.track_running_stats;
+        if use_batch_stats && x.numel() / self.num_features <= 1 {
+            return Err(Error::input(
+                "BatchNorm2d",
+                format!(
+                    "batch statistics need more than one value per channel, got input shape {:?}",
+                    x.dims()
+                ),
+            ));
+        }
+        let out = tandem_ops::batch_norm::batch_norm(
+            x,
+            self.running_mean.as_ref(),
+            self.running_var.as_ref(),
+            self.weight.as_ref(),
+            self.bias.as_ref(),
+            use_batch_stats,
+            self.config.momentum,
+            self.config.eps,
+        )?;
+        if training {
+            if let Some(count) = &self.num_batches_tracked {
+                count.write_slice::<i64>()?[0] += 1;
+            }
+        }
+        Ok(out)
+    }
+
+    fn training_flag(&self) -> &TrainingFlag {
+        &self.training
+    }
+
+    fn visit_own(&self, visitor: &mut dyn FnMut(&str, ParamKind, &Tensor)) {
+        let entries = [
+            ("weight", ParamKind::Parameter, &self.weight),
+            ("bias", ParamKind::Parameter, &self.bias),
+            ("running_mean", ParamKind::Buffer, &self.running_mean),
+            ("running_var", ParamKind::Buffer, &self.running_var),
+            (
+                "num_batches_tracked",
+                ParamKind::Buffer,
+                &self.num_batches_tracked,
+            ),
+        ];
+        for (name, kind, tensor) in entries {
+            if let Some(t) = tensor {
+                visitor(name, kind, t);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tandem_core::Generator;
+
+    fn input() -> Tensor {
+        let mut g = Generator::new(5);
+        Tensor::randn(&[4, 2, 3, 3], 2.0, 3.0, DType::F32, Device::Cpu, &mut g).unwrap()
+    }
+
+    /// Per-channel mean and biased variance of an `[N, C, H, W]` tensor, in f64.
+    fn channel_stats(t: &Tensor) -> Vec<(f64, f64)> {
+        let (n, c, hw) = (t.dims()[0], t.dims()[1], t.dims()[2] * t.dims()[3]);
+        let v = t.to_vec_f64().unwrap();
+        (0..c)
+            .map(|ch| {
+                let xs: Vec<f64> = (0..n)
+                    .flat_map(|i| v[(i * c + ch) * hw..(i * c + ch + 1) * hw].to_vec())
+                    .collect();
+                let mean = xs.iter().sum::<f64>() / xs.len() as f64;
+                let var = xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / xs.len() as f64;
+                (mean, var)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn batch_norm_registers_pytorch_parameters_and_buffers() {
+        let bn = BatchNorm2d::new(3).unwrap();
+        let names: Vec<(String, ParamKind)> = bn
+            .named_tensors()
+            .into_iter()
+            .map(|(n, k, _)| (n, k))
+            .collect();
+        let want = [
+            ("weight", ParamKind::Parameter),
+            ("bias", ParamKind::Parameter),
+            ("running_mean", ParamKind::Buffer),
+            ("running_var", ParamKind::Buffer),
+            ("num_batches_tracked", ParamKind::Buffer),
+        ];
+        assert_eq!(names.len(), want.len());
+        for ((n, k), (wn, wk)) in names.iter().zip(want) {
+            assert_eq!((n.as_str(), *k), (wn, wk));
+        }
+        assert_eq!(bn.weight().unwrap().to_vec::<f32>().unwrap(), vec![1.0; 3]);
+        assert_eq!(
+            bn.running_var().unwrap().to_vec::<f32>().unwrap(),
+            vec![1.0; 3]
+        );
+        let bare = BatchNorm2d::with_config(
+            3,
+            BatchNormConfig {
+                affine: false,
+                track_running_stats: false,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        assert!(bare.named_tensors().is_empty());
+    }
+
+    #[test]
+    fn training_mode_normalises_with_batch_statistics_and_updates_running_ones() {
+        let bn = BatchNorm2d::new(2).unwrap();
+        let x = input();
+        let y = bn.forward(&x).unwrap();
+        for (mean, var) in channel_stats(&y) {
+            assert!(
+                mean.abs() < 1e-4 && (var - 1.0).abs() < 1e-3,
+                "{mean} {var}"
+            );
+        }
+        let stats = channel_stats(&x);
+        let count = 4.0 * 9.0;
+        let rm = bn.running_mean().unwrap().to_vec_f64().unwrap();
+        let rv = bn.running_var().unwrap().to_vec_f64().unwrap();
+        for (c, (mean, var)) in stats.iter().enumerate() {
+            assert!((rm[c] - 0.1 * mean).abs() < 1e-4);
+            let unbiased = var * count / (count - 1.0);
+            assert!((rv[c] - (0.9 + 0.1 * unbiased)).abs() < 1e-3);
+        }
+        assert_eq!(bn.num_batches_tracked().unwrap().item().unwrap(), 1.0);
+    }
+
+    #[test]
+    fn eval_mode_uses_running_statistics_and_leaves_them_alone() {
+        let bn = BatchNorm2d::new(2).unwrap();
+        bn.eval();
+        let x = input();
+        let y = bn.forward(&x).unwrap().to_vec_f64().unwrap();
+        // Fresh running stats are mean 0, var 1: y = x / sqrt(1 + eps).
+        let scale = 1.0 / (1.0f64 + 1e-5).sqrt();
+        for (a, b) in y.iter().zip(x.to_vec_f64().unwrap()) {
+            assert!((a - b * scale).abs() < 1e-5);
+        }
+        assert_eq!(
+            bn.running_mean().unwrap().to_vec::<f32>().unwrap(),
+            vec![0.0; 2]
+        );
+        assert_eq!(bn.num_batches_tracked().unwrap().item().unwrap(), 0.0);
+    }
+
+    #[test]
+    fn batch_norm_rejects_wrong_channels_and_single_values() {
+        let bn = BatchNorm2d::new(3).unwrap();
+        let x = Tensor::zeros(&[2, 2, 4, 4], DType::F32, Device::Cpu).unwrap();
+        let err = bn.forward(&x).unwrap_err().to_string();
+        assert!(
+            err.contains("BatchNorm2d") && err.contains("[2, 2, 4, 4]"),
+            "{err}"
+        );
+        let one = Tensor::zeros(&[1, 3, 1, 1], DType::F32, Device::Cpu).unwrap();
+        assert!(bn.forward(&one).is_err());
+        bn.eval();
+        assert!(bn.forward(&one).is_ok());
+    }
+}

@@ -1,0 +1,247 @@
+//! The 2-D convolution layer and its configuration.
+
+use tandem_core::{DType, Device, Tensor};
+use tandem_ops::Conv2dParams;
+
+use crate::init::{kaiming_uniform, uniform, FanMode};
+use crate::layers::IntoPair;
+use crate::module::{parameter, Module, ParamKind, TrainingFlag};
+use crate::{Error, Result};
+
+/// Options of a [`Conv2d`]. Defaults (PyTorch's): stride 1, padding 0, dilation 1, with bias.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Conv2dConfig {
+    /// Step of the kernel, `(height, width)`.
+    pub stride: (usize, usize),
+    /// Zero padding added on both sides, `(height, width)`.
+    pub padding: (usize, usize),
+    /// Spacing between kernel taps, `(height, width)`.
+    pub dilation: (usize, usize),
+    /// Whether the layer adds a learned bias per output channel.
+    pub bias: bool,
+}
+
+impl Default for Conv2dConfig {
+    fn default() -> Self {
+        Conv2dConfig {
+            stride: (1, 1),
+            padding: (0, 0),
+            dilation: (1, 1),
+            bias: true,
+        }
+    }
+}
+
+impl Conv2dConfig {
+    /// The same config with stride `stride` (one number or `(h, w)`).
+    pub fn with_stride(self, stride: impl IntoPair) -> Self {
+        Conv2dConfig {
+            stride: stride.into_pair(),
+            ..self
+        }
+    }
+
+    /// The same config with padding `padding` (one number or `(h, w)`).
+    pub fn with_padding(self, padding: impl IntoPair) -> Self {
+        Conv2dConfig {
+            padding: padding.into_pair(),
+            ..self
+        }
+    }
+
+    /// The same config with dilation `dilation` (one number or `(h, w)`).
+    pub fn with_dilation(self, dilation: impl IntoPair) -> Self {
+        Conv2dConfig {
+            dilation: dilation.into_pair(),
+            ..self
+        }
+    }
+
+    /// The same config with or without bias.
+    pub fn with_bias(self, bias: bool) -> Self {
+        Conv2dConfig { bias, ..self }
+    }
+}
+
+/// A 2-D convolution (cross-correlation, as in PyTorch) over `[N, C, H, W]` inputs.
+///
+/// Parameters: `weight` `[out_channels, in_channels, kh, kw]`, `bias` `[out_channels]`
+/// (optional). Initialised like PyTorch: U(−1/√fan_in, 1/√fan_in) with
+/// `fan_in = in_channels · kh · kw`.
+///
+/// # Shapes
+/// `x` `[N, in_channels, H, W]` → `[N, out_channels, H', W']` with
+/// `H' = (H + 2·padding − dilation·(kh − 1) − 1) / stride + 1` (likewise `W'`).
+#[derive(Debug)]
+pub struct Conv2d {
+    weight: Tensor,
+    bias: Option<Tensor>,
+    params: Conv2dParams,
+    training: TrainingFlag,
+}
+
+impl Conv2d {
+    /// A convolution from `in_channels` to `out_channels` with a `kernel_size` kernel (one
+    /// number or `(kh, kw)`) and the options in `config`.
+    pub fn new(
+        in_channels: usize,
+        out_channels: usize,
+        kernel_size: impl IntoPair,
+        config: Conv2dConfig,
+    ) -> Result<Self> {
+        let (kh, kw) = kernel_size.into_pair();
+        let positive = [
+            in_channels,
+            out_channels,
+            kh,
+            kw,
+            config.stride.0,
+            config.stride.1,
+            config.dilation.0,
+            config.dilation.1,
+        ];
+        if positive.contains(&0) {
+            return Err(Error::config(
+                "Conv2d",
+                format!(
+                    "channels, kernel size, stride and dilation must be > 0, got in_channels \
+                     {in_channels}, out_channels {out_channels}, kernel ({kh}, {kw}), {config:?}"
+                ),
+            ));
+        }
+        let weight = Tensor::zeros(
+            &[out_channels, in_channels, kh, kw],
+            DType::F32,
+            Device::Cpu,
+        )?;
+        kaiming_uniform(&weight, 5f64.sqrt(), FanMode::FanIn)?;
+        let bias = if config.bias {
+            let b = Tensor::zeros(&[out_channels], DType::F32, Device::Cpu)?;
+            let bound = 1.0 / ((in_channels * kh * kw) as f64).sqrt();
+            uniform(&b, -bound, bound)?;
+            Some(parameter(b)?)
+        } else {
+            None
+        };
+        Ok(Conv2d {
+            weight: parameter(weight)?,
+            bias,
+            params: Conv2dParams {
+                stride: config.stride,
+                padding: config.padding,
+                dilation: config.dilation,
+            },
+            training: TrainingFlag::new(),
+        })
+    }
+
+    /// The weight `[out_channels, in_channels, kh, kw]`.
+    pub fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+
+    /// The bias `[out_channels]`, if any.
+    pub fn bias(&self) -> Option<&Tensor> {
+        self.bias.as_ref()
+    }
+
+    /// Channels of the input.
+    pub fn in_channels(&self) -> usize {
+        self.weight.dims()[1]
+    }
+
+    /// Channels of the output.
+    pub fn out_channels(&self) -> usize {
+        self.weight.dims()[0]
+    }
+
+    /// `(kh, kw)`.
+    pub fn kernel_size(&self) -> (usize, usize) {
+        (self.weight.dims()[2], self.weight.dims()[3])
+    }
+
+    /// Stride, padding and dilation.
+    pub fn params(&self) -> &Conv2dParams {
+        &self.params
+    }
+}
+
+impl Module for Conv2d {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if x.rank() != 4 || x.dims()[1] != self.in_channels() {
+            return Err(Error::input(
+                "Conv2d",
+                format!(
+                    "expected input [N, {}, H, W] (in_channels = {}), got shape {:?}",
+                    self.in_channels(),
+                    self.in_channels(),
+                    x.dims()
+                ),
+            ));
+        }
+        Ok(tandem_ops::conv2d(
+            x,
+            &self.weight,
+            self.bias.as_ref(),
+            &self.params,
+        )?)
+    }
+
+    fn training_flag(&self) -> &TrainingFlag {
+        &self.training
+    }
+
+    fn visit_own(&self, visitor: &mut dyn FnMut(&str, ParamKind, &Tensor)) {
+        visitor("weight", ParamKind::Parameter, &self.weight);
+        if let Some(b) = &self.bias {
+            visitor("bias", ParamKind::Parameter, b);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn conv_output_shape_follows_padding_stride_and_dilation() {
+        let x = Tensor::zeros(&[2, 3, 10, 9], DType::F32, Device::Cpu).unwrap();
+        let same = Conv2d::new(3, 8, 3, Conv2dConfig::default().with_padding(1)).unwrap();
+        assert_eq!(same.forward(&x).unwrap().dims(), &[2, 8, 10, 9]);
+        let strided = Conv2d::new(
+            3,
+            4,
+            (3, 1),
+            Conv2dConfig::default().with_stride(2).with_dilation((2, 1)),
+        )
+        .unwrap();
+        // H: (10 - 2*2 - 1)/2 + 1 = 3; W: (9 - 1)/2 + 1 = 5.
+        assert_eq!(strided.forward(&x).unwrap().dims(), &[2, 4, 3, 5]);
+    }
+
+    #[test]
+    fn conv_parameters_have_pytorch_shapes_and_init_bounds() {
+        let conv = Conv2d::new(6, 16, 5, Conv2dConfig::default()).unwrap();
+        assert_eq!(conv.weight().dims(), &[16, 6, 5, 5]);
+        assert_eq!(conv.bias().unwrap().dims(), &[16]);
+        let bound = 1.0 / 150f64.sqrt();
+        for t in [conv.weight(), conv.bias().unwrap()] {
+            assert!(t.to_vec_f64().unwrap().iter().all(|v| v.abs() <= bound));
+        }
+        let no_bias = Conv2d::new(6, 16, 5, Conv2dConfig::default().with_bias(false)).unwrap();
+        assert_eq!(no_bias.parameters().len(), 1);
+    }
+
+    #[test]
+    fn conv_rejects_wrong_channels_and_zero_sizes() {
+        let conv = Conv2d::new(3, 4, 3, Conv2dConfig::default()).unwrap();
+        let x = Tensor::zeros(&[1, 2, 5, 5], DType::F32, Device::Cpu).unwrap();
+        let err = conv.forward(&x).unwrap_err().to_string();
+        assert!(
+            err.contains("Conv2d") && err.contains("[1, 2, 5, 5]"),
+            "{err}"
+        );
+        assert!(Conv2d::new(3, 4, 0, Conv2dConfig::default()).is_err());
+        assert!(Conv2d::new(3, 4, 3, Conv2dConfig::default().with_stride(0)).is_err());
+    }
+}

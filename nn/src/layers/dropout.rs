@@ -1,0 +1,105 @@
+//! Dropout with a per-layer, reseedable generator.
+
+use parking_lot::Mutex;
+use tandem_core::rng::with_default_generator;
+use tandem_core::{Generator, Tensor};
+
+use crate::module::{Module, TrainingFlag};
+use crate::{Error, Result};
+
+/// Zeroes each element with probability `p` during training and scales the survivors by
+/// `1 / (1 − p)` (inverted dropout); the identity in evaluation mode.
+///
+/// Each layer owns a generator, seeded at construction from the thread's default generator
+/// (so `manual_seed` before building a model fixes every mask) and reseedable with
+/// [`Dropout::reseed`].
+///
+/// # Shapes
+/// Any input; the output has its shape.
+#[derive(Debug)]
+pub struct Dropout {
+    p: f64,
+    generator: Mutex<Generator>,
+    training: TrainingFlag,
+}
+
+impl Dropout {
+    /// Dropout with probability `p` in `[0, 1)`.
+    pub fn new(p: f64) -> Result<Self> {
+        if !(0.0..1.0).contains(&p) {
+            return Err(Error::config(
+                "Dropout",
+                format!("probability must be in [0, 1), got {p}"),
+            ));
+        }
+        let seed = with_default_generator(|g| g.next_u64());
+        Ok(Dropout {
+            p,
+            generator: Mutex::new(Generator::new(seed)),
+            training: TrainingFlag::new(),
+        })
+    }
+
+    /// The drop probability.
+    pub fn p(&self) -> f64 {
+        self.p
+    }
+
+    /// Restarts this layer's masks from `seed`.
+    pub fn reseed(&self, seed: u64) {
+        *self.generator.lock() = Generator::new(seed);
+    }
+}
+
+impl Module for Dropout {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let training = self.is_training();
+        let mut generator = self.generator.lock();
+        Ok(tandem_ops::dropout(x, self.p, training, &mut generator)?)
+    }
+
+    fn training_flag(&self) -> &TrainingFlag {
+        &self.training
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tandem_core::{DType, Device};
+
+    #[test]
+    fn dropout_zeroes_and_rescales_in_training_and_is_identity_in_eval() {
+        let layer = Dropout::new(0.25).unwrap();
+        let x = Tensor::ones(&[4000], DType::F32, Device::Cpu).unwrap();
+        let y = layer.forward(&x).unwrap().to_vec::<f32>().unwrap();
+        let kept = y.iter().filter(|&&v| v != 0.0).count();
+        assert!(y.iter().all(|&v| v == 0.0 || (v - 4.0 / 3.0).abs() < 1e-6));
+        assert!((kept as f64 / 4000.0 - 0.75).abs() < 0.03, "kept {kept}");
+        layer.eval();
+        assert_eq!(
+            layer.forward(&x).unwrap().to_vec::<f32>().unwrap(),
+            vec![1.0; 4000]
+        );
+    }
+
+    #[test]
+    fn reseeding_repeats_the_masks() {
+        let layer = Dropout::new(0.5).unwrap();
+        let x = Tensor::ones(&[64], DType::F32, Device::Cpu).unwrap();
+        layer.reseed(3);
+        let a = layer.forward(&x).unwrap().to_vec::<f32>().unwrap();
+        let b = layer.forward(&x).unwrap().to_vec::<f32>().unwrap();
+        layer.reseed(3);
+        let c = layer.forward(&x).unwrap().to_vec::<f32>().unwrap();
+        assert_ne!(a, b);
+        assert_eq!(a, c);
+    }
+
+    #[test]
+    fn dropout_probability_must_be_below_one() {
+        assert!(Dropout::new(1.0).is_err());
+        assert!(Dropout::new(-0.1).is_err());
+        assert!(Dropout::new(0.0).is_ok());
+    }
+}

@@ -1,0 +1,173 @@
+//! The fully connected layer.
+
+use tandem_core::{DType, Device, Tensor};
+
+use crate::init::{kaiming_uniform, uniform, FanMode};
+use crate::module::{parameter, Module, ParamKind, TrainingFlag};
+use crate::{Error, Result};
+
+/// `y = x · weightᵀ + bias`, applied to the last dim of `x`.
+///
+/// Parameters: `weight` `[out_features, in_features]`, `bias` `[out_features]` (optional).
+/// Initialised like PyTorch: both from U(−1/√in_features, 1/√in_features) (the weight via
+/// Kaiming-uniform with `a = √5`), drawn from the thread's default generator.
+///
+/// # Shapes
+/// `x` `[…, in_features]` → `[…, out_features]`.
+#[derive(Debug)]
+pub struct Linear {
+    weight: Tensor,
+    bias: Option<Tensor>,
+    training: TrainingFlag,
+}
+
+impl Linear {
+    /// A layer from `in_features` to `out_features` (both > 0), with a bias if `bias`.
+    pub fn new(in_features: usize, out_features: usize, bias: bool) -> Result<Self> {
+        if in_features == 0 || out_features == 0 {
+            return Err(Error::config(
+                "Linear",
+                format!(
+                    "in_features and out_features must be > 0, got {in_features} and \
+                     {out_features}"
+                ),
+            ));
+        }
+        let weight = Tensor::zeros(&[out_features, in_features], DType::F32, Device::Cpu)?;
+        kaiming_uniform(&weight, 5f64.sqrt(), FanMode::FanIn)?;
+        let bias = if bias {
+            let b = Tensor::zeros(&[out_features], DType::F32, Device::Cpu)?;
+            let bound = 1.0 / (in_features as f64).sqrt();
+            uniform(&b, -bound, bound)?;
+            Some(parameter(b)?)
+        } else {
+            None
+        };
+        Ok(Linear {
+            weight: parameter(weight)?,
+            bias,
+            training: TrainingFlag::new(),
+        })
+    }
+
+    /// The weight `[out_features, in_features]`.
+    pub fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+
+    /// The bias `[out_features]`, if any.
+    pub fn bias(&self) -> Option<&Tensor> {
+        self.bias.as_ref()
+    }
+
+    /// Size of each input sample.
+    pub fn in_features(&self) -> usize {
+        self.weight.dims()[1]
+    }
+
+    /// Size of each output sample.
+    pub fn out_features(&self) -> usize {
+        self.weight.dims()[0]
+    }
+}
+
+impl Module for Linear {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if x.dims().last() != Some(&self.in_features()) {
+            return Err(Error::input(
+                "Linear",
+                format!(
+                    "expected input [.., {}] (in_features = {}), got shape {:?}",
+                    self.in_features(),
+                    self.in_features(),
+                    x.dims()
+                ),
+            ));
+        }
+        Ok(tandem_ops::linear(x, &self.weight, self.bias.as_ref())?)
+    }
+
+    fn training_flag(&self) -> &TrainingFlag {
+        &self.training
+    }
+
+    fn visit_own(&self, visitor: &mut dyn FnMut(&str, ParamKind, &Tensor)) {
+        visitor("weight", ParamKind::Parameter, &self.weight);
+        if let Some(b) = &self.bias {
+            visitor("bias", ParamKind::Parameter, b);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn linear_computes_x_times_weight_transposed_plus_bias() {
+        let layer = Linear::new(3, 2, true).unwrap();
+        let x = Tensor::from_vec(
+            vec![1.0f32, -2.0, 0.5, 3.0, 0.0, -1.0],
+            &[2, 3],
+            Device::Cpu,
+        )
+        .unwrap();
+        let y = layer.forward(&x).unwrap().to_vec_f64().unwrap();
+        let (w, b) = (
+            layer.weight().to_vec_f64().unwrap(),
+            layer.bias().unwrap().to_vec_f64().unwrap(),
+        );
+        let xv = x.to_vec_f64().unwrap();
+        for n in 0..2 {
+            for o in 0..2 {
+                let want: f64 = (0..3).map(|i| xv[n * 3 + i] * w[o * 3 + i]).sum::<f64>() + b[o];
+                assert!((y[n * 2 + o] - want).abs() < 1e-5, "{y:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn linear_initialisation_stays_within_one_over_sqrt_fan_in() {
+        let layer = Linear::new(100, 50, true).unwrap();
+        let bound = 0.1; // 1 / sqrt(100)
+        for t in [layer.weight(), layer.bias().unwrap()] {
+            assert!(t.to_vec_f64().unwrap().iter().all(|v| v.abs() <= bound));
+            assert!(t.requires_grad() && t.dtype() == DType::F32);
+        }
+        let spread = layer
+            .weight()
+            .to_vec_f64()
+            .unwrap()
+            .iter()
+            .cloned()
+            .fold(0.0, f64::max);
+        assert!(
+            spread > 0.09,
+            "weights do not fill the interval: max {spread}"
+        );
+    }
+
+    #[test]
+    fn linear_without_bias_has_only_a_weight() {
+        let layer = Linear::new(4, 3, false).unwrap();
+        let names: Vec<String> = layer
+            .named_parameters()
+            .into_iter()
+            .map(|(n, _)| n)
+            .collect();
+        assert_eq!(names, ["weight"]);
+        assert_eq!((layer.in_features(), layer.out_features()), (4, 3));
+    }
+
+    #[test]
+    fn linear_rejects_a_wrong_feature_count_naming_the_shapes() {
+        let layer = Linear::new(4, 3, true).unwrap();
+        let x = Tensor::zeros(&[2, 5], DType::F32, Device::Cpu).unwrap();
+        let err = layer.forward(&x).unwrap_err().to_string();
+        assert!(
+            err.contains("Linear") && err.contains("[2, 5]") && err.contains("4"),
+            "{err}"
+        );
+        assert!(Linear::new(0, 3, true).is_err());
+    }
+}

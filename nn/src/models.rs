@@ -1,0 +1,40 @@
+//! Ready-made networks.
+
+use crate::layers::{Conv2d, Conv2dConfig, Flatten, Linear, MaxPool2d, ReLU, Sequential};
+use crate::Result;
+
+/// LeNet-5 for 28×28 single-channel images (MNIST), as in the PyTorch examples:
+///
+/// ```text
+/// features:   0 conv 1→6 5×5 pad 2 · 1 relu · 2 maxpool 2
+///             3 conv 6→16 5×5      · 4 relu · 5 maxpool 2
+/// flatten                                          [N, 16·5·5 = 400]
+/// classifier: 0 fc 400→120 · 1 relu · 2 fc 120→84 · 3 relu · 4 fc 84→10
+/// ```
+///
+/// Parameters are named `features.0.weight`, …, `classifier.4.bias` (61 706 in all). Takes
+/// `[N, 1, 28, 28]`, returns logits `[N, 10]`.
+pub fn lenet5() -> Result<Sequential> {
+    let features = Sequential::new()
+        .add(Conv2d::new(
+            1,
+            6,
+            5,
+            Conv2dConfig::default().with_padding(2),
+        )?)
+        .add(ReLU::new())
+        .add(MaxPool2d::new(2))
+        .add(Conv2d::new(6, 16, 5, Conv2dConfig::default())?)
+        .add(ReLU::new())
+        .add(MaxPool2d::new(2));
+    let classifier = Sequential::new()
+        .add(Linear::new(16 * 5 * 5, 120, true)?)
+        .add(ReLU::new())
+        .add(Linear::new(120, 84, true)?)
+        .add(ReLU::new())
+        .add(Linear::new(84, 10, true)?);
+    Sequential::new()
+        .add_named("features", features)?
+        .add_named("flatten", Flatten::new())?
+        .add_named("classifier", classifier)
+}
