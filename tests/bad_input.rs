@@ -14,38 +14,60 @@ fn device_mismatch_names_the_op_and_both_devices() {
         Layout::contiguous(&[2, 3]),
     )
     .unwrap();
-    let err = tandem::ops::add(&zeros(&[2, 3]), &on_gpu).unwrap_err().to_string();
-    assert!(err.contains("add") && err.contains("cpu") && err.contains("cuda:1"), "{err}");
-    let err = tandem::ops::matmul::matmul(&zeros(&[2, 3]), &on_gpu).unwrap_err().to_string();
+    let err = tandem::ops::add(&zeros(&[2, 3]), &on_gpu)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("add") && err.contains("cpu") && err.contains("cuda:1"),
+        "{err}"
+    );
+    let err = tandem::ops::matmul::matmul(&zeros(&[2, 3]), &on_gpu)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("matmul") && err.contains("cuda:1"), "{err}");
 }
 
 #[test]
 fn matmul_inner_dimension_mismatch_names_both_shapes() {
-    let err = tandem::ops::matmul::matmul(&zeros(&[2, 3]), &zeros(&[4, 5])).unwrap_err().to_string();
-    assert!(err.contains("matmul") && err.contains("[2, 3]") && err.contains("[4, 5]"), "{err}");
+    let err = tandem::ops::matmul::matmul(&zeros(&[2, 3]), &zeros(&[4, 5]))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("matmul") && err.contains("[2, 3]") && err.contains("[4, 5]"),
+        "{err}"
+    );
 }
 
 #[test]
 fn conv_channel_mismatch_names_both_shapes() {
     let params = tandem::ops::conv2d::Conv2dParams::default();
-    let err = tandem::ops::conv2d::conv2d(&zeros(&[1, 3, 8, 8]), &zeros(&[4, 2, 3, 3]), None, &params)
-        .unwrap_err()
-        .to_string();
-    assert!(err.contains("conv2d") && err.contains("[1, 3, 8, 8]") && err.contains("[4, 2, 3, 3]"), "{err}");
+    let err =
+        tandem::ops::conv2d::conv2d(&zeros(&[1, 3, 8, 8]), &zeros(&[4, 2, 3, 3]), None, &params)
+            .unwrap_err()
+            .to_string();
+    assert!(
+        err.contains("conv2d") && err.contains("[1, 3, 8, 8]") && err.contains("[4, 2, 3, 3]"),
+        "{err}"
+    );
 }
 
 #[test]
 fn cross_entropy_label_out_of_range_names_the_label_and_the_class_count() {
     let labels = Tensor::from_vec(vec![1i64, 10], &[2], Device::Cpu).unwrap();
-    let err = tandem::ops::loss::cross_entropy(&zeros(&[2, 10]), &labels, tandem::ops::loss::Reduction::Mean)
-        .unwrap_err()
-        .to_string();
+    let err = tandem::ops::loss::cross_entropy(
+        &zeros(&[2, 10]),
+        &labels,
+        tandem::ops::loss::Reduction::Mean,
+    )
+    .unwrap_err()
+    .to_string();
     assert!(err.contains("cross_entropy") && err.contains("10"), "{err}");
 }
 
 #[test]
 fn creating_a_cuda_tensor_says_the_backend_is_not_built() {
-    let err = Tensor::zeros(&[1], DType::F32, Device::Cuda(0)).unwrap_err().to_string();
+    let err = Tensor::zeros(&[1], DType::F32, Device::Cuda(0))
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("cuda:0") && err.contains("not built"), "{err}");
 }

@@ -22,7 +22,10 @@ struct Cnn {
 impl Cnn {
     fn new(gen: &mut Generator) -> Self {
         let mut p = |shape: &[usize]| {
-            Tensor::randn(shape, 0.0, 0.3, DType::F32, Device::Cpu, gen).unwrap().with_requires_grad().unwrap()
+            Tensor::randn(shape, 0.0, 0.3, DType::F32, Device::Cpu, gen)
+                .unwrap()
+                .with_requires_grad()
+                .unwrap()
         };
         let params = vec![
             (1, "conv1.weight", p(&[4, 1, 3, 3])),
@@ -44,12 +47,41 @@ impl Cnn {
 
     fn loss(&self, x: &Tensor, y: &Tensor) -> Tensor {
         let same = Conv2dParams::default();
-        let h = relu(&conv2d(x, self.get("conv1.weight"), Some(self.get("conv1.bias")), &same).unwrap()).unwrap();
-        let h = relu(&conv2d(&h, self.get("conv2.weight"), Some(self.get("conv2.bias")), &same).unwrap()).unwrap();
-        let h = relu(&linear(&flatten(&h, 1, -1).unwrap(), self.get("fc.weight"), Some(self.get("fc.bias"))).unwrap())
-            .unwrap();
+        let h = relu(
+            &conv2d(
+                x,
+                self.get("conv1.weight"),
+                Some(self.get("conv1.bias")),
+                &same,
+            )
+            .unwrap(),
+        )
+        .unwrap();
+        let h = relu(
+            &conv2d(
+                &h,
+                self.get("conv2.weight"),
+                Some(self.get("conv2.bias")),
+                &same,
+            )
+            .unwrap(),
+        )
+        .unwrap();
+        let h = relu(
+            &linear(
+                &flatten(&h, 1, -1).unwrap(),
+                self.get("fc.weight"),
+                Some(self.get("fc.bias")),
+            )
+            .unwrap(),
+        )
+        .unwrap();
         let h = linear(&h, self.get("shared.weight"), None).unwrap();
-        let h = mul_scalar(&relu(&linear(&h, self.get("shared.weight"), None).unwrap()).unwrap(), 0.5).unwrap();
+        let h = mul_scalar(
+            &relu(&linear(&h, self.get("shared.weight"), None).unwrap()).unwrap(),
+            0.5,
+        )
+        .unwrap();
         let logits = linear(&h, self.get("head.weight"), None).unwrap();
         cross_entropy(&logits, y, Reduction::Mean).unwrap()
     }
@@ -57,7 +89,11 @@ impl Cnn {
 
 #[derive(Debug, Clone)]
 enum Record {
-    Ready { layer: usize, name: &'static str, grad_at_event: Vec<f32> },
+    Ready {
+        layer: usize,
+        name: &'static str,
+        grad_at_event: Vec<f32>,
+    },
     Finished,
 }
 
@@ -72,9 +108,18 @@ fn grad_ready_fires_once_per_parameter_after_its_gradient_is_final_in_reverse_la
     for (layer, name, p) in &model.params {
         let (log, layer, name) = (log.clone(), *layer, *name);
         register_grad_ready_hook(p, move |ready| {
-            assert!(ready.event.is_complete() || { ready.event.synchronize(); true });
+            assert!(
+                ready.event.is_complete() || {
+                    ready.event.synchronize();
+                    true
+                }
+            );
             let grad_at_event = ready.grad.to_vec::<f32>()?;
-            log.lock().push(Record::Ready { layer, name, grad_at_event });
+            log.lock().push(Record::Ready {
+                layer,
+                name,
+                grad_at_event,
+            });
             Ok(())
         })
         .unwrap();
@@ -97,7 +142,11 @@ fn grad_ready_fires_once_per_parameter_after_its_gradient_is_final_in_reverse_la
         let records = log.lock().clone();
 
         // Exactly once per parameter, then the finished hook, once, last.
-        assert_eq!(records.len(), model.params.len() + 1, "pass {pass}: {records:?}");
+        assert_eq!(
+            records.len(),
+            model.params.len() + 1,
+            "pass {pass}: {records:?}"
+        );
         assert!(matches!(records.last(), Some(Record::Finished)));
         let mut names: Vec<&str> = records
             .iter()
@@ -114,15 +163,26 @@ fn grad_ready_fires_once_per_parameter_after_its_gradient_is_final_in_reverse_la
                 Record::Finished => None,
             })
             .collect();
-        assert!(layers.windows(2).all(|w| w[0] >= w[1]), "pass {pass}: layers in event order {layers:?}");
+        assert!(
+            layers.windows(2).all(|w| w[0] >= w[1]),
+            "pass {pass}: layers in event order {layers:?}"
+        );
         assert_eq!(layers.first(), Some(&6));
         assert_eq!(layers.last(), Some(&1));
         // After the gradient is final: what the hook saw is what .grad holds at the end,
         // including the parameter used twice (both contributions were in).
         for r in &records {
-            if let Record::Ready { name, grad_at_event, .. } = r {
+            if let Record::Ready {
+                name,
+                grad_at_event,
+                ..
+            } = r
+            {
                 let final_grad = model.get(name).grad().unwrap().to_vec::<f32>().unwrap();
-                assert_eq!(grad_at_event, &final_grad, "pass {pass}: {name} changed after its event");
+                assert_eq!(
+                    grad_at_event, &final_grad,
+                    "pass {pass}: {name} changed after its event"
+                );
             }
         }
         names.sort();
@@ -134,7 +194,10 @@ fn grad_ready_fires_once_per_parameter_after_its_gradient_is_final_in_reverse_la
 #[test]
 fn a_parameter_used_twice_gets_the_sum_of_both_contributions() {
     // d/dw of (w·x)·w summed = 2·w·x per element for a scalar pair, checked with numbers.
-    let w = Tensor::from_vec(vec![3.0f32], &[1, 1], Device::Cpu).unwrap().with_requires_grad().unwrap();
+    let w = Tensor::from_vec(vec![3.0f32], &[1, 1], Device::Cpu)
+        .unwrap()
+        .with_requires_grad()
+        .unwrap();
     let x = Tensor::from_vec(vec![2.0f32], &[1, 1], Device::Cpu).unwrap();
     let count = Arc::new(Mutex::new(0));
     let c = count.clone();
@@ -146,5 +209,8 @@ fn a_parameter_used_twice_gets_the_sum_of_both_contributions() {
     let y = linear(&linear(&x, &w, None).unwrap(), &w, None).unwrap(); // y = w·w·x
     tandem::ops::sum_all(&y).unwrap().backward().unwrap();
     assert_eq!(*count.lock(), 1);
-    assert_eq!(w.grad().unwrap().to_vec::<f32>().unwrap(), vec![2.0 * 3.0 * 2.0]);
+    assert_eq!(
+        w.grad().unwrap().to_vec::<f32>().unwrap(),
+        vec![2.0 * 3.0 * 2.0]
+    );
 }

@@ -151,6 +151,16 @@ impl Tensor {
     /// Applies `f(dst, src)` elementwise in place. Reading from the same storage as the
     /// destination is handled by copying the source first.
     fn zip_in_place<T: Element>(&self, src: &Tensor, mut f: impl FnMut(&mut T, T)) -> Result<()> {
+        if self.is_contiguous() && src.is_contiguous() && !self.storage().same_buffer(src.storage())
+        {
+            // The common case (gradient accumulation, optimizer updates): two dense buffers.
+            let source = src.read_slice::<T>()?;
+            let mut dest = self.write_slice::<T>()?;
+            dest.iter_mut()
+                .zip(source.iter())
+                .for_each(|(d, &s)| f(d, s));
+            return Ok(());
+        }
         let src_values: Vec<T> = src.to_vec::<T>()?;
         let layout: Layout = self.layout().clone();
         let mut guard = self.storage().write();

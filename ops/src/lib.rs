@@ -30,5 +30,16 @@ pub use views::{
 };
 
 // --- re-exports: unary, max, softmax, loss, dropout, cat ---
+pub use cat::cat;
+pub use dropout::dropout;
+pub use loss::{cross_entropy, mse_loss, nll_loss, Reduction};
+pub use reduce::{argmax, max};
+pub use softmax::{log_softmax, softmax};
+pub use unary::{exp, log, neg, pow_scalar, relu, sigmoid, sqrt, tanh};
 
 // --- re-exports: matmul, linear, conv2d, pool, batch_norm ---
+pub use batch_norm::batch_norm;
+pub use conv2d::{conv2d, Conv2dParams};
+pub use linear::linear;
+pub use matmul::matmul;
+pub use pool::{adaptive_avg_pool2d, avg_pool2d, max_pool2d};

@@ -1,1 +1,391 @@
-//! (being written)
+//! Batch normalization over the channel dim (dim 1) of `[N, C]` or `[N, C, ...]` inputs, with
+//! fused forward and backward kernels and the running statistics updated in place.
+//!
+//! Training normalises with the batch statistics (biased variance) and folds
+//! `running = (1 − momentum)·running + momentum·batch_stat` into the running mean and the running
+//! variance (the latter with the unbiased batch variance, as PyTorch does). Evaluation normalises
+//! with the running statistics. The backward is the closed form
+//! `grad_x = (w/σ)·(g − mean(g) − x̂·mean(g·x̂))` per channel in training, `g·w/σ_running` in
+//! evaluation.
+
+mod cpu;
+
+use tandem_autograd::record_fn;
+use tandem_core::{with_float_type, DType, Error, Result, Tensor};
+
+use crate::util::{float_dtype, same_dtype_device};
+use cpu::Dims;
+
+/// Checks that a per-channel argument is `[C]` with the input's dtype and device.
+fn check_channel_param(name: &str, x: &Tensor, t: Option<&Tensor>) -> Result<()> {
+    let Some(t) = t else { return Ok(()) };
+    same_dtype_device("batch_norm", x, t)?;
+    let c = x.dims()[1];
+    if t.dims() != [c] {
+        return Err(Error::shape(
+            "batch_norm",
+            format!(
+                "{name} has shape {:?} but input {:?} has {c} channels (need [{c}])",
+                t.dims(),
+                x.dims()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Batch normalization of `x` per channel (dim 1).
+///
+/// `y = (x − mean) / sqrt(var + eps) · weight + bias`, where in training `mean`/`var` are the
+/// batch statistics over every dim but 1 (biased variance) and `running_mean`/`running_var`
+/// (when given) are updated in place as `running = (1 − momentum)·running + momentum·stat`
+/// (unbiased variance for `running_var`); in evaluation (`training = false`) the running
+/// statistics are used and left unchanged. `weight` defaults to ones and `bias` to zeros. The
+/// running statistics are buffers: they receive no gradient.
+///
+/// # Shapes
+/// - `x`: `[N, C]` or `[N, C, ...]` (e.g. `[N, C, H, W]`); output: same as `x`;
+/// - `running_mean`, `running_var`, `weight`, `bias`: `[C]`.
+///
+/// Errors (naming the shapes) when a per-channel tensor is not `[C]`, when training sees only
+/// one value per channel, or when evaluation has no running statistics.
+#[allow(clippy::too_many_arguments)]
+pub fn batch_norm(
+    x: &Tensor,
+    running_mean: Option<&Tensor>,
+    running_var: Option<&Tensor>,
+    weight: Option<&Tensor>,
+    bias: Option<&Tensor>,
+    training: bool,
+    momentum: f64,
+    eps: f64,
+) -> Result<Tensor> {
+    const OP: &str = "batch_norm";
+    float_dtype(OP, x)?;
+    if x.rank() < 2 {
+        return Err(Error::shape(
+            OP,
+            format!("need input [N, C] or [N, C, ...], got {:?}", x.dims()),
+        ));
+    }
+    check_channel_param("running_mean", x, running_mean)?;
+    check_channel_param("running_var", x, running_var)?;
+    check_channel_param("weight", x, weight)?;
+    check_channel_param("bias", x, bias)?;
+    if eps.is_nan() || eps < 0.0 {
+        return Err(Error::invalid(
+            OP,
+            format!("eps must be non-negative, got {eps}"),
+        ));
+    }
+    let d = Dims {
+        n: x.dims()[0],
+        c: x.dims()[1],
+        l: x.dims()[2..].iter().product(),
+    };
+    let count = d.n * d.l;
+
+    let xc = x.contiguous_detached()?;
+    let (mean, var) = if training {
+        if count <= 1 {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "training needs more than one value per channel, got input {:?}",
+                    x.dims()
+                ),
+            ));
+        }
+        let (mean, var) =
+            with_float_type!(OP, x.dtype(), T => Ok(cpu::moments::<T>(&xc.read_slice::<T>()?, d)))?;
+        let unbiased = count as f64 / (count - 1) as f64;
+        update_running(running_mean, &mean, momentum, 1.0)?;
+        update_running(running_var, &var, momentum, unbiased)?;
+        (mean, var)
+    } else {
+        match (running_mean, running_var) {
+            (Some(m), Some(v)) => (m.to_vec_f64()?, v.to_vec_f64()?),
+            _ => {
+                return Err(Error::invalid(
+                    OP,
+                    format!(
+                        "evaluation (training = false) needs running_mean and running_var for input {:?}",
+                        x.dims()
+                    ),
+                ))
+            }
+        }
+    };
+    let invstd: Vec<f64> = var.iter().map(|v| 1.0 / (v + eps).sqrt()).collect();
+    let w: Vec<f64> = match weight {
+        Some(w) => w.to_vec_f64()?,
+        None => vec![1.0; d.c],
+    };
+    let b: Vec<f64> = match bias {
+        Some(b) => b.to_vec_f64()?,
+        None => vec![0.0; d.c],
+    };
+    let scale: Vec<f64> = (0..d.c).map(|c| w[c] * invstd[c]).collect();
+    let shift: Vec<f64> = (0..d.c).map(|c| b[c] - mean[c] * scale[c]).collect();
+    let out = with_float_type!(OP, x.dtype(), T => {
+        let y = cpu::normalize::<T>(&xc.read_slice::<T>()?, d, &scale, &shift);
+        Tensor::from_vec(y, x.dims(), x.device())
+    })?;
+
+    let needs = (
+        x.requires_grad(),
+        weight.is_some_and(|t| t.requires_grad()),
+        bias.is_some_and(|t| t.requires_grad()),
+    );
+    let (has_weight, has_bias) = (weight.is_some(), bias.is_some());
+    let mut inputs = vec![x];
+    inputs.extend(weight);
+    inputs.extend(bias);
+    Ok(record_fn(out, &inputs, OP, move || {
+        move |g: &Tensor| {
+            let gc = g.contiguous_detached()?;
+            let (sum_g, sum_g_centered) = with_float_type!("batch_norm_backward", g.dtype(), T => {
+                Ok(cpu::grad_sums::<T>(&gc.read_slice::<T>()?, &xc.read_slice::<T>()?, d, &mean))
+            })?;
+            // Σ g·x̂ per channel.
+            let sum_g_xhat: Vec<f64> = (0..d.c).map(|c| sum_g_centered[c] * invstd[c]).collect();
+            let grad_x = if needs.0 {
+                let m = count as f64;
+                let a: Vec<f64> = (0..d.c).map(|c| w[c] * invstd[c]).collect();
+                let (slope, offset): (Vec<f64>, Vec<f64>) = if training {
+                    (0..d.c)
+                        .map(|c| {
+                            let slope = -a[c] * invstd[c] * sum_g_xhat[c] / m;
+                            (slope, -a[c] * sum_g[c] / m - slope * mean[c])
+                        })
+                        .unzip()
+                } else {
+                    (vec![0.0; d.c], vec![0.0; d.c])
+                };
+                Some(with_float_type!("batch_norm_backward", g.dtype(), T => {
+                    let gx = cpu::grad_input::<T>(&gc.read_slice::<T>()?, &xc.read_slice::<T>()?, d, &a, &slope, &offset);
+                    Tensor::from_vec(gx, xc.dims(), g.device())
+                })?)
+            } else {
+                None
+            };
+            let per_channel = |values: &[f64]| -> Result<Tensor> {
+                Tensor::from_vec(values.to_vec(), &[d.c], g.device())?.to_dtype(g.dtype())
+            };
+            let mut grads = vec![grad_x];
+            if has_weight {
+                grads.push(if needs.1 {
+                    Some(per_channel(&sum_g_xhat)?)
+                } else {
+                    None
+                });
+            }
+            if has_bias {
+                grads.push(if needs.2 {
+                    Some(per_channel(&sum_g)?)
+                } else {
+                    None
+                });
+            }
+            Ok(grads)
+        }
+    }))
+}
+
+/// `running = (1 − momentum)·running + momentum·factor·stat`, in place.
+fn update_running(
+    running: Option<&Tensor>,
+    stat: &[f64],
+    momentum: f64,
+    factor: f64,
+) -> Result<()> {
+    let Some(r) = running else { return Ok(()) };
+    let old = r.to_vec_f64()?;
+    let new: Vec<f64> = old
+        .iter()
+        .zip(stat)
+        .map(|(o, s)| (1.0 - momentum) * o + momentum * factor * s)
+        .collect();
+    let update = Tensor::from_vec(new, r.dims(), r.device())?;
+    let update = if r.dtype() == DType::F64 {
+        update
+    } else {
+        update.to_dtype(r.dtype())?
+    };
+    r.copy_(&update)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::{check, rand_f64, rand_f64_noncontiguous};
+    use tandem_core::Device;
+
+    /// Direct-loop reference: per-channel batch mean and biased variance of `[N, C, L]` values.
+    fn naive_moments(v: &[f64], n: usize, c: usize, l: usize) -> (Vec<f64>, Vec<f64>) {
+        let mut mean = vec![0.0; c];
+        let mut var = vec![0.0; c];
+        for ch in 0..c {
+            let vals: Vec<f64> = (0..n)
+                .flat_map(|i| (0..l).map(move |j| (i, j)))
+                .map(|(i, j)| v[(i * c + ch) * l + j])
+                .collect();
+            mean[ch] = vals.iter().sum::<f64>() / vals.len() as f64;
+            var[ch] = vals.iter().map(|x| (x - mean[ch]).powi(2)).sum::<f64>() / vals.len() as f64;
+        }
+        (mean, var)
+    }
+
+    fn vec_tensor(v: Vec<f64>) -> Tensor {
+        let n = v.len();
+        Tensor::from_vec(v, &[n], Device::Cpu).unwrap()
+    }
+
+    #[test]
+    fn training_forward_and_running_stats_match_direct_loops() {
+        for (shape, l) in [(vec![4usize, 3, 2, 5], 10usize), (vec![6, 3], 1)] {
+            let (n, c) = (shape[0], shape[1]);
+            let x = rand_f64(&shape, 1);
+            let w = rand_f64(&[c], 2);
+            let b = rand_f64(&[c], 3);
+            let rm = vec_tensor(vec![0.5, -0.25, 1.0]);
+            let rv = vec_tensor(vec![2.0, 1.0, 0.5]);
+            let (old_m, old_v) = (rm.to_vec_f64().unwrap(), rv.to_vec_f64().unwrap());
+            let eps = 1e-5;
+            let y =
+                batch_norm(&x, Some(&rm), Some(&rv), Some(&w), Some(&b), true, 0.1, eps).unwrap();
+            let xv = x.to_vec_f64().unwrap();
+            let (wv, bv) = (w.to_vec_f64().unwrap(), b.to_vec_f64().unwrap());
+            let (mean, var) = naive_moments(&xv, n, c, l);
+            let yv = y.to_vec_f64().unwrap();
+            for (i, &xe) in xv.iter().enumerate() {
+                let ch = (i / l) % c;
+                let want = (xe - mean[ch]) / (var[ch] + eps).sqrt() * wv[ch] + bv[ch];
+                assert!((yv[i] - want).abs() < 1e-12, "{i}: {} vs {want}", yv[i]);
+            }
+            let m = (n * l) as f64;
+            let (new_m, new_v) = (rm.to_vec_f64().unwrap(), rv.to_vec_f64().unwrap());
+            for ch in 0..c {
+                let want_m = 0.9 * old_m[ch] + 0.1 * mean[ch];
+                let want_v = 0.9 * old_v[ch] + 0.1 * var[ch] * m / (m - 1.0);
+                assert!((new_m[ch] - want_m).abs() < 1e-12);
+                assert!((new_v[ch] - want_v).abs() < 1e-12);
+            }
+        }
+    }
+
+    #[test]
+    fn eval_forward_uses_running_stats_and_leaves_them_alone() {
+        let x = rand_f64(&[2, 3, 4], 4);
+        let rm = vec_tensor(vec![0.1, -0.2, 0.3]);
+        let rv = vec_tensor(vec![1.5, 0.5, 2.5]);
+        let y = batch_norm(&x, Some(&rm), Some(&rv), None, None, false, 0.1, 1e-3).unwrap();
+        let (xv, yv) = (x.to_vec_f64().unwrap(), y.to_vec_f64().unwrap());
+        let (m, v) = (rm.to_vec_f64().unwrap(), rv.to_vec_f64().unwrap());
+        for (i, &xe) in xv.iter().enumerate() {
+            let ch = (i / 4) % 3;
+            assert!((yv[i] - (xe - m[ch]) / (v[ch] + 1e-3).sqrt()).abs() < 1e-12);
+        }
+        assert_eq!(rm.to_vec_f64().unwrap(), vec![0.1, -0.2, 0.3]);
+    }
+
+    #[test]
+    fn f32_training_forward_is_normalised() {
+        let mut gen = tandem_core::Generator::new(5);
+        let x = Tensor::randn(&[8, 4, 6, 6], 3.0, 2.0, DType::F32, Device::Cpu, &mut gen).unwrap();
+        let y = batch_norm(&x, None, None, None, None, true, 0.1, 1e-5).unwrap();
+        let (mean, var) = naive_moments(&y.to_vec_f64().unwrap(), 8, 4, 36);
+        for ch in 0..4 {
+            assert!(
+                mean[ch].abs() < 1e-5 && (var[ch] - 1.0).abs() < 1e-3,
+                "{mean:?} {var:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn gradcheck_batch_norm_training_and_eval() {
+        let bn_train =
+            |t: &[Tensor]| batch_norm(&t[0], None, None, Some(&t[1]), Some(&t[2]), true, 0.1, 1e-5);
+        check(
+            bn_train,
+            &[
+                rand_f64(&[4, 3, 2, 3], 10),
+                rand_f64(&[3], 11),
+                rand_f64(&[3], 12),
+            ],
+        );
+        check(
+            bn_train,
+            &[
+                rand_f64(&[5, 4], 13),
+                rand_f64(&[4], 14),
+                rand_f64(&[4], 15),
+            ],
+        );
+        check(
+            bn_train,
+            &[
+                rand_f64_noncontiguous(&[3, 2, 4, 3], 16),
+                rand_f64(&[2], 17),
+                rand_f64(&[2], 18),
+            ],
+        );
+        let (rm, rv) = (vec_tensor(vec![0.0; 3]), vec_tensor(vec![1.0; 3]));
+        check(
+            |t| batch_norm(&t[0], Some(&rm), Some(&rv), None, None, true, 0.1, 1e-5),
+            &[rand_f64(&[3, 3, 5], 19)],
+        );
+        let (rm, rv) = (
+            vec_tensor(vec![0.2, -0.1, 0.4]),
+            vec_tensor(vec![0.8, 1.3, 2.0]),
+        );
+        check(
+            |t| {
+                batch_norm(
+                    &t[0],
+                    Some(&rm),
+                    Some(&rv),
+                    Some(&t[1]),
+                    Some(&t[2]),
+                    false,
+                    0.1,
+                    1e-5,
+                )
+            },
+            &[
+                rand_f64_noncontiguous(&[2, 3, 4], 20),
+                rand_f64(&[3], 21),
+                rand_f64(&[3], 22),
+            ],
+        );
+    }
+
+    #[test]
+    fn bad_inputs_are_errors_naming_the_op_and_shapes() {
+        let x = Tensor::zeros(&[2, 4, 5, 5], DType::F32, Device::Cpu).unwrap();
+        let short = Tensor::zeros(&[3], DType::F32, Device::Cpu).unwrap();
+        let ok = Tensor::ones(&[4], DType::F32, Device::Cpu).unwrap();
+        let err = batch_norm(&x, Some(&short), Some(&ok), None, None, true, 0.1, 1e-5)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.starts_with("batch_norm:") && err.contains("[3]") && err.contains("[2, 4, 5, 5]"),
+            "{err}"
+        );
+        let err = batch_norm(&x, Some(&ok), Some(&short), None, None, false, 0.1, 1e-5)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("running_var") && err.contains("[3]"), "{err}");
+        let v = Tensor::zeros(&[4], DType::F32, Device::Cpu).unwrap();
+        assert!(batch_norm(&v, None, None, None, None, true, 0.1, 1e-5).is_err());
+        let single = Tensor::zeros(&[1, 4], DType::F32, Device::Cpu).unwrap();
+        let err = batch_norm(&single, None, None, None, None, true, 0.1, 1e-5)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("[1, 4]"), "{err}");
+        assert!(batch_norm(&x, None, None, None, None, false, 0.1, 1e-5).is_err());
+        let f64_stats = Tensor::zeros(&[4], DType::F64, Device::Cpu).unwrap();
+        assert!(batch_norm(&x, Some(&f64_stats), None, None, None, true, 0.1, 1e-5).is_err());
+    }
+}

@@ -116,7 +116,7 @@ pub(crate) fn cross_entropy_backward<T: ExpFloat>(
         for (d, &x) in d.iter_mut().zip(x) {
             *d = s * ((x - m) - ls).exp_fast();
         }
-        d[labels[i]] = d[labels[i]] - s;
+        d[labels[i]] -= s;
     };
     if logits.len() >= PARALLEL_THRESHOLD {
         grad.par_chunks_mut(c)
@@ -146,7 +146,7 @@ pub(crate) fn squared_error_sum<T: FloatElement>(a: &[T], b: &[T]) -> T {
         for (x, y) in ca.zip(cb) {
             for i in 0..8 {
                 let d = x[i] - y[i];
-                lanes[i] = lanes[i] + d * d;
+                lanes[i] += d * d;
             }
         }
         lanes_sum(&lanes) + rest
@@ -198,7 +198,7 @@ pub(crate) fn grad_scales<T: FloatElement>(g: &Tensor, divide_by: Option<usize>)
     let mut scales = g.to_vec::<T>()?;
     if let Some(count) = divide_by {
         let inv = T::one() / T::from_f64(count as f64);
-        scales.iter_mut().for_each(|s| *s = *s * inv);
+        scales.iter_mut().for_each(|s| *s *= inv);
     }
     Ok(scales)
 }

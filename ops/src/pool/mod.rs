@@ -1,1 +1,360 @@
-//! (being written)
+//! 2-D pooling over the last two dims: max pooling, average pooling (padding counted in the
+//! divisor, PyTorch's default `count_include_pad = true`) and adaptive average pooling to a
+//! fixed output size.
+//!
+//! # Shapes
+//! Input `[N, C, H, W]` or `[C, H, W]`; the output keeps the leading dims and replaces
+//! `H, W` by the pooled sizes. For max and average pooling,
+//! `OH = (H + 2·padding.0 − kernel.0) / stride.0 + 1` (floor) and likewise `OW`.
+
+mod cpu;
+
+use tandem_autograd::{needs_grad, record_fn};
+use tandem_core::{with_float_type, Error, Result, Tensor};
+
+use crate::util::float_dtype;
+use cpu::Windows;
+
+/// Checks that `x` is `[N, C, H, W]` or `[C, H, W]` and returns `(H, W)`.
+fn plane_dims(op: &'static str, x: &Tensor) -> Result<(usize, usize)> {
+    float_dtype(op, x)?;
+    if x.rank() != 3 && x.rank() != 4 {
+        return Err(Error::shape(
+            op,
+            format!("need input [N, C, H, W] or [C, H, W], got {:?}", x.dims()),
+        ));
+    }
+    let r = x.rank();
+    Ok((x.dims()[r - 2], x.dims()[r - 1]))
+}
+
+/// Windows of a sliding pool along one dim: output `o` covers `[o·stride − pad, +kernel)`,
+/// clipped to the input.
+fn sliding(len: usize, kernel: usize, stride: usize, pad: usize) -> Vec<(usize, usize)> {
+    let out = (len + 2 * pad - kernel) / stride + 1;
+    (0..out)
+        .map(|o| {
+            let start = (o * stride).saturating_sub(pad);
+            let end = (o * stride + kernel).saturating_sub(pad).min(len);
+            (start, end)
+        })
+        .collect()
+}
+
+/// Validates sliding-pool arguments and builds its windows.
+fn sliding_windows(
+    op: &'static str,
+    x: &Tensor,
+    kernel: (usize, usize),
+    stride: (usize, usize),
+    padding: (usize, usize),
+    divisor: Option<usize>,
+) -> Result<Windows> {
+    let (h, w) = plane_dims(op, x)?;
+    if kernel.0 == 0 || kernel.1 == 0 || stride.0 == 0 || stride.1 == 0 {
+        return Err(Error::invalid(
+            op,
+            format!("kernel {kernel:?} and stride {stride:?} must be at least 1"),
+        ));
+    }
+    if 2 * padding.0 > kernel.0 || 2 * padding.1 > kernel.1 {
+        return Err(Error::invalid(
+            op,
+            format!("padding {padding:?} must be at most half of kernel {kernel:?}"),
+        ));
+    }
+    if kernel.0 > h + 2 * padding.0 || kernel.1 > w + 2 * padding.1 {
+        return Err(Error::shape(
+            op,
+            format!(
+                "kernel {kernel:?} is larger than input {:?} padded by {padding:?}",
+                x.dims()
+            ),
+        ));
+    }
+    Ok(Windows {
+        rows: sliding(h, kernel.0, stride.0, padding.0),
+        cols: sliding(w, kernel.1, stride.1, padding.1),
+        divisor,
+    })
+}
+
+fn out_shape(x: &Tensor, win: &Windows) -> Vec<usize> {
+    let mut shape = x.dims().to_vec();
+    let r = shape.len();
+    shape[r - 2] = win.rows.len();
+    shape[r - 1] = win.cols.len();
+    shape
+}
+
+/// Max pooling over `kernel`-sized windows moved by `stride`, with implicit `-inf` padding.
+///
+/// # Shapes
+/// `[N, C, H, W]` (or `[C, H, W]`) → `[N, C, OH, OW]`, `OH = (H + 2·padding.0 − kernel.0) /
+/// stride.0 + 1`. Padding may be at most half the kernel (as in PyTorch). The gradient goes to
+/// the first maximal element of each window.
+pub fn max_pool2d(
+    x: &Tensor,
+    kernel: (usize, usize),
+    stride: (usize, usize),
+    padding: (usize, usize),
+) -> Result<Tensor> {
+    const OP: &str = "max_pool2d";
+    let win = sliding_windows(OP, x, kernel, stride, padding, None)?;
+    let hw = plane_dims(OP, x)?;
+    let keep = needs_grad(&[x]);
+    let shape = out_shape(x, &win);
+    let out_per = win.rows.len() * win.cols.len();
+    let (out, indices) = with_float_type!(OP, x.dtype(), T => {
+        let xc = x.contiguous_detached()?;
+        let (values, indices) = cpu::max_forward::<T>(&xc.read_slice::<T>()?, hw, &win, keep);
+        Ok((Tensor::from_vec(values, &shape, x.device())?, indices))
+    })?;
+    let in_shape = x.dims().to_vec();
+    Ok(record_fn(out, &[x], OP, move || {
+        move |g: &Tensor| {
+            with_float_type!("max_pool2d_backward", g.dtype(), T => {
+                let gc = g.contiguous_detached()?;
+                let gx = cpu::max_backward::<T>(&gc.read_slice::<T>()?, &indices, hw, out_per);
+                Ok(vec![Some(Tensor::from_vec(gx, &in_shape, g.device())?)])
+            })
+        }
+    }))
+}
+
+/// Average pooling; windows of `kernel` moved by `stride` over the zero-padded input, each
+/// divided by `kernel.0 · kernel.1` (padding counts, PyTorch's `count_include_pad = true`).
+///
+/// # Shapes
+/// `[N, C, H, W]` (or `[C, H, W]`) → `[N, C, OH, OW]`, `OH = (H + 2·padding.0 − kernel.0) /
+/// stride.0 + 1`. Padding may be at most half the kernel.
+pub fn avg_pool2d(
+    x: &Tensor,
+    kernel: (usize, usize),
+    stride: (usize, usize),
+    padding: (usize, usize),
+) -> Result<Tensor> {
+    let divisor = kernel.0 * kernel.1;
+    let win = sliding_windows("avg_pool2d", x, kernel, stride, padding, Some(divisor))?;
+    average("avg_pool2d", x, win)
+}
+
+/// Adaptive average pooling to a fixed `output` size `(OH, OW)`: output row `i` averages
+/// input rows `floor(i·H/OH) .. ceil((i+1)·H/OH)` (likewise columns), as in PyTorch.
+///
+/// # Shapes
+/// `[N, C, H, W]` (or `[C, H, W]`) → `[N, C, OH, OW]`. `H`, `W`, `OH` and `OW` must be
+/// positive; `OH` may exceed `H` (windows then overlap).
+pub fn adaptive_avg_pool2d(x: &Tensor, output: (usize, usize)) -> Result<Tensor> {
+    const OP: &str = "adaptive_avg_pool2d";
+    let (h, w) = plane_dims(OP, x)?;
+    if output.0 == 0 || output.1 == 0 || h == 0 || w == 0 {
+        return Err(Error::shape(
+            OP,
+            format!(
+                "input {:?} and output size {output:?} must have positive spatial sizes",
+                x.dims()
+            ),
+        ));
+    }
+    let adaptive = |len: usize, out: usize| -> Vec<(usize, usize)> {
+        (0..out)
+            .map(|i| ((i * len) / out, ((i + 1) * len).div_ceil(out)))
+            .collect()
+    };
+    let win = Windows {
+        rows: adaptive(h, output.0),
+        cols: adaptive(w, output.1),
+        divisor: None,
+    };
+    average(OP, x, win)
+}
+
+/// Shared forward/backward of the average pools.
+fn average(op: &'static str, x: &Tensor, win: Windows) -> Result<Tensor> {
+    let hw = plane_dims(op, x)?;
+    let shape = out_shape(x, &win);
+    let out = with_float_type!(op, x.dtype(), T => {
+        let xc = x.contiguous_detached()?;
+        let values = cpu::avg_forward::<T>(&xc.read_slice::<T>()?, hw, &win);
+        Tensor::from_vec(values, &shape, x.device())
+    })?;
+    let in_shape = x.dims().to_vec();
+    Ok(record_fn(out, &[x], op, move || {
+        move |g: &Tensor| {
+            with_float_type!(op, g.dtype(), T => {
+                let gc = g.contiguous_detached()?;
+                let gx = cpu::avg_backward::<T>(&gc.read_slice::<T>()?, hw, &win);
+                Ok(vec![Some(Tensor::from_vec(gx, &in_shape, g.device())?)])
+            })
+        }
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::{check, rand_f64, rand_f64_noncontiguous};
+    use tandem_core::{DType, Device};
+
+    type Pool = (usize, usize);
+
+    /// Direct-loop reference of max (`is_max`) or average pooling on `[P, H, W]` values.
+    fn naive_sliding(x: &Tensor, k: Pool, s: Pool, p: Pool, is_max: bool) -> Vec<f64> {
+        let d = x.dims();
+        let (h, w) = (d[d.len() - 2], d[d.len() - 1]);
+        let planes = x.numel() / (h * w);
+        let v = x.to_vec_f64().unwrap();
+        let (oh, ow) = ((h + 2 * p.0 - k.0) / s.0 + 1, (w + 2 * p.1 - k.1) / s.1 + 1);
+        let mut out = Vec::new();
+        for pl in 0..planes {
+            for i in 0..oh {
+                for j in 0..ow {
+                    let mut acc = if is_max { f64::NEG_INFINITY } else { 0.0 };
+                    for a in 0..k.0 {
+                        for b in 0..k.1 {
+                            let r = (i * s.0 + a) as isize - p.0 as isize;
+                            let c = (j * s.1 + b) as isize - p.1 as isize;
+                            if r < 0 || c < 0 || r >= h as isize || c >= w as isize {
+                                continue;
+                            }
+                            let e = v[pl * h * w + r as usize * w + c as usize];
+                            acc = if is_max { acc.max(e) } else { acc + e };
+                        }
+                    }
+                    out.push(if is_max {
+                        acc
+                    } else {
+                        acc / (k.0 * k.1) as f64
+                    });
+                }
+            }
+        }
+        out
+    }
+
+    fn assert_close(got: &Tensor, want: &[f64]) {
+        let got = got.to_vec_f64().unwrap();
+        assert_eq!(got.len(), want.len());
+        for (i, (g, w)) in got.iter().zip(want).enumerate() {
+            assert!((g - w).abs() < 1e-12, "{i}: {g} vs {w}");
+        }
+    }
+
+    #[test]
+    fn sliding_pools_match_direct_loops_with_padding_and_strides() {
+        let cases: [([usize; 4], Pool, Pool, Pool); 4] = [
+            ([2, 3, 8, 8], (2, 2), (2, 2), (0, 0)),
+            ([1, 2, 7, 9], (3, 2), (2, 1), (1, 1)),
+            ([2, 1, 9, 6], (3, 3), (2, 3), (1, 0)),
+            ([1, 2, 5, 5], (5, 4), (1, 1), (2, 2)),
+        ];
+        for (i, (shape, k, s, p)) in cases.iter().enumerate() {
+            let x = rand_f64(shape, i as u64);
+            let y = max_pool2d(&x, *k, *s, *p).unwrap();
+            assert_close(&y, &naive_sliding(&x, *k, *s, *p, true));
+            let y = avg_pool2d(&x, *k, *s, *p).unwrap();
+            assert_close(&y, &naive_sliding(&x, *k, *s, *p, false));
+        }
+        let x = rand_f64(&[3, 7, 9], 9);
+        assert_eq!(
+            max_pool2d(&x, (3, 2), (2, 1), (1, 1)).unwrap().dims(),
+            &[3, 4, 10]
+        );
+    }
+
+    #[test]
+    fn adaptive_avg_pool_uses_pytorch_window_bounds() {
+        let x = rand_f64(&[2, 3, 7, 5], 20);
+        let v = x.to_vec_f64().unwrap();
+        for (oh, ow) in [(3, 2), (1, 1), (7, 5), (4, 8)] {
+            let y = adaptive_avg_pool2d(&x, (oh, ow)).unwrap();
+            assert_eq!(y.dims(), &[2, 3, oh, ow]);
+            let mut want = Vec::new();
+            for pl in 0..6 {
+                for i in 0..oh {
+                    for j in 0..ow {
+                        let (r0, r1) =
+                            ((i * 7) as f64 / oh as f64, ((i + 1) * 7) as f64 / oh as f64);
+                        let (c0, c1) =
+                            ((j * 5) as f64 / ow as f64, ((j + 1) * 5) as f64 / ow as f64);
+                        let (r0, r1) = (r0.floor() as usize, r1.ceil() as usize);
+                        let (c0, c1) = (c0.floor() as usize, c1.ceil() as usize);
+                        let mut acc = 0.0;
+                        for r in r0..r1 {
+                            for c in c0..c1 {
+                                acc += v[pl * 35 + r * 5 + c];
+                            }
+                        }
+                        want.push(acc / ((r1 - r0) * (c1 - c0)) as f64);
+                    }
+                }
+            }
+            assert_close(&y, &want);
+        }
+    }
+
+    #[test]
+    fn gradcheck_pools() {
+        let x = rand_f64(&[2, 2, 7, 6], 30);
+        check(
+            |t| max_pool2d(&t[0], (3, 2), (2, 1), (1, 1)),
+            std::slice::from_ref(&x),
+        );
+        check(
+            |t| avg_pool2d(&t[0], (3, 2), (2, 1), (1, 1)),
+            std::slice::from_ref(&x),
+        );
+        check(
+            |t| adaptive_avg_pool2d(&t[0], (3, 4)),
+            std::slice::from_ref(&x),
+        );
+        check(|t| adaptive_avg_pool2d(&t[0], (1, 1)), &[x]);
+        let nc = rand_f64_noncontiguous(&[2, 3, 5, 7], 31);
+        check(
+            |t| max_pool2d(&t[0], (2, 3), (2, 2), (1, 1)),
+            std::slice::from_ref(&nc),
+        );
+        check(
+            |t| avg_pool2d(&t[0], (3, 3), (1, 2), (1, 0)),
+            std::slice::from_ref(&nc),
+        );
+        check(|t| adaptive_avg_pool2d(&t[0], (2, 3)), &[nc]);
+        check(
+            |t| max_pool2d(&t[0], (2, 2), (2, 2), (0, 0)),
+            &[rand_f64(&[3, 4, 4], 32)],
+        );
+    }
+
+    #[test]
+    fn bad_inputs_are_errors_naming_the_op_and_shape() {
+        let flat = Tensor::zeros(&[4, 4], DType::F32, Device::Cpu).unwrap();
+        for err in [
+            max_pool2d(&flat, (2, 2), (2, 2), (0, 0)).unwrap_err(),
+            avg_pool2d(&flat, (2, 2), (2, 2), (0, 0)).unwrap_err(),
+            adaptive_avg_pool2d(&flat, (1, 1)).unwrap_err(),
+        ] {
+            let msg = err.to_string();
+            assert!(msg.contains("pool2d:") && msg.contains("[4, 4]"), "{msg}");
+        }
+        let x = Tensor::zeros(&[1, 1, 4, 4], DType::F32, Device::Cpu).unwrap();
+        let err = max_pool2d(&x, (6, 2), (1, 1), (0, 0))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("[1, 1, 4, 4]") && err.contains("(6, 2)"),
+            "{err}"
+        );
+        assert!(avg_pool2d(&x, (2, 2), (1, 1), (2, 0))
+            .unwrap_err()
+            .to_string()
+            .contains("half"));
+        assert!(max_pool2d(&x, (2, 2), (0, 1), (0, 0)).is_err());
+        assert!(adaptive_avg_pool2d(&x, (0, 2)).is_err());
+        let ints = Tensor::zeros(&[1, 1, 4, 4], DType::I64, Device::Cpu).unwrap();
+        assert!(max_pool2d(&ints, (2, 2), (2, 2), (0, 0))
+            .unwrap_err()
+            .to_string()
+            .contains("dtype"));
+    }
+}

@@ -36,15 +36,15 @@ fn block_sum<T: FloatElement>(block: &[T]) -> T {
     let rest = chunks.remainder();
     for c in chunks {
         for i in 0..8 {
-            lanes[i] = lanes[i] + c[i];
+            lanes[i] += c[i];
         }
     }
     let mut total = T::ZERO;
     for l in lanes {
-        total = total + l;
+        total += l;
     }
     for &r in rest {
-        total = total + r;
+        total += r;
     }
     total
 }

@@ -38,7 +38,7 @@ pub(crate) fn lanes_sum<T: FloatElement>(v: &[T]) -> T {
     let rest = chunks.remainder();
     for c in chunks {
         for i in 0..8 {
-            lanes[i] = lanes[i] + c[i];
+            lanes[i] += c[i];
         }
     }
     lanes.iter().fold(T::ZERO, |a, &b| a + b) + rest.iter().fold(T::ZERO, |a, &b| a + b)
@@ -51,7 +51,7 @@ pub(crate) fn lanes_sum_exp<T: ExpFloat>(v: &[T], shift: T) -> T {
     let rest = chunks.remainder();
     for c in chunks {
         for i in 0..8 {
-            lanes[i] = lanes[i] + (c[i] - shift).exp_fast();
+            lanes[i] += (c[i] - shift).exp_fast();
         }
     }
     let tail = rest
@@ -131,13 +131,13 @@ fn row_forward<T: ExpFloat>(x: &[T], y: &mut [T], log: bool) {
         }
         let s = lanes_sum_exp(y, T::ZERO);
         let ls = s.ln();
-        y.iter_mut().for_each(|y| *y = *y - ls);
+        y.iter_mut().for_each(|y| *y -= ls);
     } else {
         for (y, &x) in y.iter_mut().zip(x) {
             *y = (x - m).exp_fast();
         }
         let inv = T::one() / lanes_sum(y);
-        y.iter_mut().for_each(|y| *y = *y * inv);
+        y.iter_mut().for_each(|y| *y *= inv);
     }
 }
 
@@ -156,19 +156,19 @@ fn block_forward<T: ExpFloat>(x: &[T], y: &mut [T], split: Split, log: bool) {
         for (((y, &x), &m), s) in yr.iter_mut().zip(xr).zip(&m).zip(s.iter_mut()) {
             let shifted = x - m;
             let e = shifted.exp_fast();
-            *s = *s + e;
+            *s += e;
             *y = if log { shifted } else { e };
         }
     }
     if log {
         s.iter_mut().for_each(|s| *s = s.ln());
         for yr in y.chunks_exact_mut(inner) {
-            yr.iter_mut().zip(&s).for_each(|(y, &ls)| *y = *y - ls);
+            yr.iter_mut().zip(&s).for_each(|(y, &ls)| *y -= ls);
         }
     } else {
         s.iter_mut().for_each(|s| *s = T::one() / *s);
         for yr in y.chunks_exact_mut(inner) {
-            yr.iter_mut().zip(&s).for_each(|(y, &inv)| *y = *y * inv);
+            yr.iter_mut().zip(&s).for_each(|(y, &inv)| *y *= inv);
         }
     }
 }
@@ -210,7 +210,7 @@ fn row_backward<T: ExpFloat>(g: &[T], y: &[T], dx: &mut [T], log: bool) {
         }
         let dot = lanes_sum(dx);
         for (dx, &y) in dx.iter_mut().zip(y) {
-            *dx = *dx - y * dot;
+            *dx -= y * dot;
         }
     }
 }
@@ -219,7 +219,7 @@ fn block_backward<T: ExpFloat>(g: &[T], y: &[T], dx: &mut [T], inner: usize, log
     let mut acc = vec![T::ZERO; inner];
     for (gr, yr) in g.chunks_exact(inner).zip(y.chunks_exact(inner)) {
         for ((a, &g), &y) in acc.iter_mut().zip(gr).zip(yr) {
-            *a = *a + if log { g } else { g * y };
+            *a += if log { g } else { g * y };
         }
     }
     for ((dr, gr), yr) in dx

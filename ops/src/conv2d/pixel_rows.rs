@@ -1,0 +1,125 @@
+//! The column matrix transposed — one row per output pixel — built for the weight gradient.
+//!
+//! `grad_W = g · colsᵀ` is a product whose depth is the number of pixels. gemm runs it several
+//! times faster when the column operand is laid out pixel-major (its rows are then read
+//! straight into the kernels instead of being repacked), so the backward builds that layout
+//! directly. Entries are ordered `(ki, kj, c)` within a row: from a zero-padded channels-last
+//! copy of the sample, each kernel row `ki` of a pixel is then one contiguous run of `kw·C`
+//! elements (`C` when the width is dilated). The caller maps the resulting gradient back to the
+//! `[O, C, kh, kw]` order.
+
+use tandem_core::FloatElement;
+
+use super::cpu::Geometry;
+use super::im2col::{copy_run, wide_simd_method};
+
+/// Builder of pixel-major column matrices for one geometry.
+pub(crate) struct PixelRows {
+    g: Geometry,
+    /// Padded height and width.
+    hp: usize,
+    wp: usize,
+}
+
+impl PixelRows {
+    /// Whether this layout pays off: the runs it copies (`kw·C` elements) must be long enough.
+    pub(crate) fn suits(g: &Geometry) -> bool {
+        let run = if g.dilation.1 == 1 {
+            g.kernel.1 * g.in_channels
+        } else {
+            g.in_channels
+        };
+        run >= 16
+    }
+
+    pub(crate) fn new(g: &Geometry) -> Self {
+        PixelRows {
+            g: *g,
+            hp: g.in_h + 2 * g.padding.0,
+            wp: g.in_w + 2 * g.padding.1,
+        }
+    }
+
+    /// Elements of one sample's padded channels-last copy.
+    pub(crate) fn padded_len(&self) -> usize {
+        self.hp * self.wp * self.g.in_channels
+    }
+
+    wide_simd_method!(
+        /// Writes sample `x` (`[C, H, W]`) as `[H + 2·ph, W + 2·pw, C]` with zero borders.
+        pub(crate) fn pad_channels_last = PixelRows::pad_sample(&self, x: &[T], xh: &mut [T])
+    );
+
+    #[inline(always)]
+    fn pad_sample<T: FloatElement>(&self, x: &[T], xh: &mut [T]) {
+        let g = &self.g;
+        let c_n = g.in_channels;
+        let xh = &mut xh[..self.padded_len()];
+        xh.fill(T::ZERO);
+        for ih in 0..g.in_h {
+            let dst_row =
+                &mut xh[((ih + g.padding.0) * self.wp + g.padding.1) * c_n..][..g.in_w * c_n];
+            for c in 0..c_n {
+                let src = &x[(c * g.in_h + ih) * g.in_w..][..g.in_w];
+                dst_row[c..]
+                    .iter_mut()
+                    .step_by(c_n)
+                    .zip(src)
+                    .for_each(|(d, &s)| *d = s);
+            }
+        }
+    }
+
+    wide_simd_method!(
+        /// Writes the rows of output pixels `first..first + count` of a sample's pixel-major
+        /// column matrix (`C·kh·kw` entries a row, ordered `(ki, kj, c)`) into `rows`, from its
+        /// padded channels-last copy `xh`.
+        pub(crate) fn fill = PixelRows::fill_rows(
+            &self, xh: &[T], rows: &mut [T], first: usize, count: usize
+        )
+    );
+
+    #[inline(always)]
+    fn fill_rows<T: FloatElement>(&self, xh: &[T], rows: &mut [T], first: usize, count: usize) {
+        let g = &self.g;
+        let (kh, kw, c_n) = (g.kernel.0, g.kernel.1, g.in_channels);
+        let patch = c_n * kh * kw;
+        for (i, dst) in rows[..count * patch]
+            .chunks_exact_mut(patch.max(1))
+            .enumerate()
+        {
+            let (oh, ow) = ((first + i) / g.out_w, (first + i) % g.out_w);
+            for ki in 0..kh {
+                let ih = oh * g.stride.0 + ki * g.dilation.0;
+                let at = (ih * self.wp + ow * g.stride.1) * c_n;
+                let dst = &mut dst[ki * kw * c_n..(ki + 1) * kw * c_n];
+                if g.dilation.1 == 1 {
+                    copy_run(dst, &xh[at..at + kw * c_n]);
+                } else {
+                    for kj in 0..kw {
+                        let from = at + kj * g.dilation.1 * c_n;
+                        copy_run(&mut dst[kj * c_n..(kj + 1) * c_n], &xh[from..from + c_n]);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Moves a weight gradient from `[O, (ki, kj, c)]` order to `[O, C, kh, kw]`.
+    pub(crate) fn to_weight_order<T: FloatElement>(&self, gw: &[T]) -> Vec<T> {
+        let g = &self.g;
+        let (kh, kw, c_n) = (g.kernel.0, g.kernel.1, g.in_channels);
+        let patch = c_n * kh * kw;
+        let mut out = vec![T::ZERO; gw.len()];
+        for (o, row) in gw.chunks(patch.max(1)).enumerate() {
+            for ki in 0..kh {
+                for kj in 0..kw {
+                    for c in 0..c_n {
+                        out[o * patch + (c * kh + ki) * kw + kj] = row[(ki * kw + kj) * c_n + c];
+                    }
+                }
+            }
+        }
+        out
+    }
+}

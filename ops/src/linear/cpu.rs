@@ -1,0 +1,26 @@
+//! CPU kernel of linear's bias gradient: the column sums of the output gradient. The products
+//! themselves go through `matmul::cpu`.
+
+use tandem_core::{with_float_type, FloatElement, Result, Tensor};
+
+/// Sums the rows of `g` viewed as `[rows, cols]` (`cols` = its last dim): the gradient of a
+/// bias added to every row.
+pub(crate) fn column_sums(g: &Tensor) -> Result<Tensor> {
+    with_float_type!("linear_backward", g.dtype(), T => {
+        let cols = g.dims().last().copied().unwrap_or(1);
+        let g = g.contiguous_detached()?;
+        let values = g.read_slice::<T>()?;
+        Tensor::from_vec(sum_rows::<T>(&values, cols), &[cols], g.device())
+    })
+}
+
+fn sum_rows<T: FloatElement>(values: &[T], cols: usize) -> Vec<T> {
+    let mut acc = vec![T::ZERO; cols];
+    if cols == 0 {
+        return acc;
+    }
+    for row in values.chunks_exact(cols) {
+        acc.iter_mut().zip(row).for_each(|(a, &v)| *a += v);
+    }
+    acc
+}
