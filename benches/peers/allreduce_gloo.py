@@ -1,9 +1,11 @@
 """torch.distributed (gloo) side of `cargo bench --bench allreduce`.
 
-Launched by the bench as N processes with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set
-(the variables torchrun sets). Every rank runs the same f32 all_reduce sizes with the same
-warm-up and repetition counts as the tandem side; rank 0 prints one JSON object per size on
-stdout: {"bytes": B, "median_us": T, "times_us": [...]}.
+Launched by the bench (through tandem's launcher with --no-store) as N processes with RANK,
+WORLD_SIZE, MASTER_ADDR and MASTER_PORT set, the variables torchrun sets. Every rank runs the
+same f32 all_reduce sizes with the same warm-up and repetition protocol as the tandem side: per
+size, untimed warm-up repetitions, then timed ones, each preceded by a one-element broadcast
+from rank 0 saying whether to go on. Rank 0 writes one JSON object per size to --out (or
+stdout): {"bytes": B, "median_us": T, "times_us": [...]}.
 
 Usage (normally done by the bench):
     RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 \
@@ -26,6 +28,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=3, help="untimed repetitions per size")
     parser.add_argument("--max-seconds", type=float, default=2.0,
                         help="stop repeating a size after this much time (at least 3 repetitions)")
+    parser.add_argument("--out", help="file for rank 0's results (default: stdout)")
     args = parser.parse_args()
 
     warnings.filterwarnings("ignore")
@@ -36,6 +39,7 @@ def main() -> int:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     sizes = [int(s) for s in args.sizes.split(",") if s]
+    out = open(args.out, "w") if (rank == 0 and args.out) else sys.stdout
     for nbytes in sizes:
         x = torch.ones(nbytes // 4, dtype=torch.float32)
         for _ in range(args.warmup):
@@ -53,7 +57,7 @@ def main() -> int:
             times.append((time.perf_counter() - t0) * 1e6)
         if rank == 0:
             print(json.dumps({"bytes": nbytes, "median_us": statistics.median(times),
-                              "times_us": times}), flush=True)
+                              "times_us": times}), file=out, flush=True)
     dist.barrier()
     dist.destroy_process_group()
     return 0

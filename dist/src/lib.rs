@@ -1,1 +1,86 @@
-//! tandem-dist (being written)
+//! `tandem-dist`: process groups for data-parallel training — rendezvous, collectives over
+//! threads and TCP, and the `tandem-run` launcher.
+//!
+//! # The process-group model
+//!
+//! A data-parallel job runs **one process per device**. Each process is a *rank* in
+//! `0..world_size`; together the ranks form a [`ProcessGroup`] that offers the collectives
+//! training needs: [`all_reduce`](ProcessGroup::all_reduce) (sum, average, max, min),
+//! [`broadcast`](ProcessGroup::broadcast), [`all_gather`](ProcessGroup::all_gather),
+//! [`reduce_scatter`](ProcessGroup::reduce_scatter) and [`barrier`](ProcessGroup::barrier).
+//!
+//! **Rendezvous.** Ranks find each other through a small TCP key-value [store] served
+//! at `MASTER_ADDR:MASTER_PORT` (by rank 0, or by the launcher). [`init_from_env`] reads who
+//! this process is from the variables torchrun, `tandem-run`, SLURM or Open MPI set
+//! ([`rendezvous`]), joins the store, publishes this rank's listening address and connects to
+//! every other rank:
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//! use tandem_core::{DType, Device, Tensor};
+//! use tandem_dist::{init_from_env, ProcessGroup, ReduceOp};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let pg: Arc<dyn ProcessGroup> = init_from_env()?; // e.g. under `tandem-run --nproc-per-node 4`
+//! let grads = Tensor::ones(&[1024], DType::F32, Device::Cpu)?;
+//! let work = pg.all_reduce(&grads, ReduceOp::Avg)?; // returns at once
+//! // … keep computing …
+//! work.wait()?; // grads now hold the mean over ranks, identical on every rank
+//! # Ok(()) }
+//! ```
+//!
+//! **Asynchronous, stream-ordered collectives.** Every collective returns a [`Work`] at once
+//! and runs later on the group's *comm stream* (a worker thread for CPU backends), in issue
+//! order, in place on the tensors' storage. The caller overlaps its own computation and blocks
+//! only in [`Work::wait`]; stream-ordered code can instead wait on [`Work::event`]. Groups are
+//! `Send + Sync` and cheap to issue from any thread, so a DDP reducer can launch bucket
+//! all-reduces from inside backward hooks.
+//!
+//! **Backends.** [`TcpProcessGroup`] connects separate processes on one or many hosts (Linux),
+//! in a full mesh of TCP connections. Small messages (≤ 64 KiB by default) go directly from
+//! every rank to every rank, for latency. Large ones go around a ring (reduce-scatter then
+//! all-gather; a chain for broadcast) in pipelined chunks, driven by one non-blocking event loop
+//! per rank so that sending, receiving and reducing overlap. When every rank runs on one host
+//! and the ranks may read each other's memory (checked at set-up), large messages are instead
+//! copied straight between the processes with `process_vm_readv`, one copy instead of two
+//! through the TCP stack, with TCP only synchronising ([`GroupConfig::same_host_copy`]).
+//! [`ThreadProcessGroup`] runs ranks as threads of one process and exchanges through shared
+//! memory; it is for tests. Reductions combine contributions in a fixed order, so every rank
+//! ends with bit-identical results; f16/bf16 reduce in f32 precision per element. The
+//! [`testing::conformance`] suite checks a backend against a serial f64 reference.
+//!
+//! **Sequence numbers and mismatches.** Collectives are numbered per group (#1, #2, …) and every
+//! rank must issue the same ones in the same order. Each message carries the sequence number,
+//! the collective, its dtype and element count; a rank that receives something else reports
+//! both sides — `rank 1 issued all_reduce(f32, 100, sum) as collective #3 but rank 0 issued
+//! broadcast(f32, 100, root 0)` — instead of corrupting data. Malformed or oversized frames are
+//! rejected before any payload is read.
+//!
+//! **Timeouts and failures.** No collective waits for ever: each fails after
+//! [`GroupConfig::timeout`] (default 300 s). Failures are detected much sooner when they can be
+//! seen: a rank whose process dies closes its connections, and every rank that needs it fails
+//! at once with a [`DistError`] naming it and the collective's sequence number; a failing rank
+//! tells its peers (an *abort* frame) so they fail too and learn the cause; a rank that drops
+//! its group says goodbye, so ranks still waiting for it learn that it left. After a failure
+//! the group is broken and refuses further collectives ([`DistError::GroupBroken`]), like an
+//! aborted NCCL communicator: restart the job.
+//!
+//! **Launching.** `tandem-run --nproc-per-node N -- PROGRAM ARGS…` ([`launch`]) starts N local
+//! ranks with the environment set, serves the store, prefixes each rank's output with
+//! `[rank K] `, and stops the whole job when one rank fails, naming it.
+
+pub mod error;
+pub mod launch;
+pub mod process_group;
+pub mod rendezvous;
+pub mod store;
+pub mod testing;
+
+pub use error::{DistError, Result};
+pub use process_group::tcp::TcpProcessGroup;
+pub use process_group::threads::ThreadProcessGroup;
+pub use process_group::{
+    CollectiveDesc, CollectiveKind, GroupConfig, ProcessGroup, ReduceOp, Work,
+};
+pub use rendezvous::{init_from_env, init_from_env_with, init_process_group, EnvSource, LaunchEnv};
+pub use store::{StoreServer, TcpStore};

@@ -1,0 +1,48 @@
+//! `tandem-run`: starts the ranks of a data-parallel job on this node.
+//!
+//! `tandem-run --nproc-per-node N [--nnodes M --node-rank R --master-addr A --master-port P]
+//! -- PROGRAM ARGS…` — see [`tandem_dist::launch`] for what it does and `--help` for the
+//! options. Exits 0 when every rank succeeded; otherwise prints which rank failed and how, and
+//! exits with that rank's exit code (128 + signal for a rank killed by a signal).
+
+use std::process::ExitCode;
+
+use tandem_dist::launch::{self, LaunchOptions};
+
+fn main() -> ExitCode {
+    let opts = match LaunchOptions::parse_args(std::env::args_os().skip(1)) {
+        Ok(Some(opts)) => opts,
+        Ok(None) => {
+            print!("{}", launch::USAGE);
+            return ExitCode::SUCCESS;
+        }
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::from(2);
+        }
+    };
+    if let Err(e) = launch::forward_signals() {
+        eprintln!("tandem-run: warning: {e}; Ctrl-C will not be forwarded to the ranks");
+    }
+    match launch::launch(&opts) {
+        Ok(report) => {
+            if let Some(failure) = &report.failed {
+                eprintln!(
+                    "tandem-run: rank {} failed with {}; stopped the other ranks",
+                    failure.rank,
+                    failure.describe()
+                );
+                return ExitCode::from(failure.exit_code().clamp(1, 255) as u8);
+            }
+            if let Some(sig) = report.interrupted {
+                eprintln!("tandem-run: received signal {sig}; forwarded it to the ranks");
+                return ExitCode::from((128 + sig).clamp(1, 255) as u8);
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("{e}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,340 @@
+//! The error type of `tandem-dist`.
+//!
+//! A distributed failure is only useful if it says *where*: every variant raised by a
+//! collective names the rank that reports it, the collective (with its dtype and element
+//! count) and the collective's sequence number, and, when another rank is to blame, that rank.
+//! Errors are `Clone` because one failure is handed to every waiter of a work handle and is
+//! remembered by a broken group as the cause of every later failure.
+
+use std::fmt;
+use std::time::Duration;
+
+/// Result alias used across `tandem-dist`.
+pub type Result<T> = std::result::Result<T, DistError>;
+
+/// What went wrong in rendezvous, a collective or the launcher.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum DistError {
+    /// A launcher environment variable is missing or malformed.
+    #[error("environment variable {name}: {problem}")]
+    Env {
+        /// The variable, e.g. `WORLD_SIZE`.
+        name: String,
+        /// What is wrong with it and how to fix it.
+        problem: String,
+    },
+
+    /// A request to the rendezvous store failed.
+    #[error("rendezvous store at {addr}: {op}: {detail}")]
+    Store {
+        /// The store's address.
+        addr: String,
+        /// The request, e.g. `get "tandem/default/addr/3"`.
+        op: String,
+        /// What failed.
+        detail: String,
+    },
+
+    /// Keys did not appear in the rendezvous store in time.
+    #[error(
+        "rendezvous store at {addr}: timed out after {timeout:?} waiting for {keys:?}; are all \
+         ranks started, with the same WORLD_SIZE, MASTER_ADDR and MASTER_PORT?"
+    )]
+    StoreTimeout {
+        /// The store's address.
+        addr: String,
+        /// The keys that were still missing.
+        keys: Vec<String>,
+        /// How long the caller waited.
+        timeout: Duration,
+    },
+
+    /// Connecting the ranks of a process group to each other failed.
+    #[error("rank {rank}: setting up the process group failed: {detail}")]
+    Connect {
+        /// The rank that was connecting.
+        rank: usize,
+        /// What failed.
+        detail: String,
+    },
+
+    /// A collective was called with arguments it cannot accept. Detected before the collective
+    /// is issued, so it consumes no sequence number.
+    #[error("rank {rank}: {collective}: {problem}")]
+    InvalidArgument {
+        /// The calling rank.
+        rank: usize,
+        /// The collective, e.g. `all_gather`.
+        collective: &'static str,
+        /// What is wrong.
+        problem: String,
+    },
+
+    /// Two ranks issued different collectives (or the same one with different dtypes, sizes,
+    /// reduce ops or roots) under one sequence number.
+    #[error("{}", fmt_mismatch(*rank, *peer, *seq, *their_seq, ours, theirs))]
+    Mismatch {
+        /// The rank reporting the mismatch.
+        rank: usize,
+        /// The rank that disagrees.
+        peer: usize,
+        /// The sequence number of the collective on this rank.
+        seq: u64,
+        /// The sequence number the peer gave its collective (differs from `seq` when the ranks
+        /// issued different numbers of collectives).
+        their_seq: u64,
+        /// What this rank issued, e.g. `all_reduce(f32, 100, sum)`.
+        ours: String,
+        /// What the peer issued.
+        theirs: String,
+    },
+
+    /// Peers went away during a collective: their connection closed or was reset, or (threads
+    /// backend) their group handle was dropped.
+    #[error("rank {rank}: {collective} (collective #{seq}) failed: {cause}")]
+    PeerLost {
+        /// The rank reporting the loss.
+        rank: usize,
+        /// The ranks that went away.
+        peers: Vec<usize>,
+        /// The collective in progress.
+        collective: String,
+        /// Its sequence number.
+        seq: u64,
+        /// How they went away.
+        cause: String,
+    },
+
+    /// A collective did not finish within the group's timeout.
+    #[error(
+        "rank {rank}: {collective} (collective #{seq}) timed out after {timeout:?} waiting for {}",
+        fmt_ranks(waiting_for)
+    )]
+    Timeout {
+        /// The rank that gave up.
+        rank: usize,
+        /// The collective in progress.
+        collective: String,
+        /// Its sequence number.
+        seq: u64,
+        /// The configured timeout.
+        timeout: Duration,
+        /// The ranks this rank was still waiting for.
+        waiting_for: Vec<usize>,
+    },
+
+    /// Another rank failed and told this one, so this collective cannot complete.
+    #[error(
+        "rank {rank}: {collective} (collective #{seq}) aborted because rank {peer} failed: \
+         {message}"
+    )]
+    PeerAborted {
+        /// The rank receiving the report.
+        rank: usize,
+        /// The rank that failed and reported it.
+        peer: usize,
+        /// The collective in progress here.
+        collective: String,
+        /// Its sequence number here.
+        seq: u64,
+        /// The failed rank's own error message.
+        message: String,
+    },
+
+    /// Bytes from a peer that are not a valid frame (bad magic, truncated, oversized, out of
+    /// order). The connection cannot be trusted afterwards.
+    #[error(
+        "rank {rank}: {collective} (collective #{seq}): malformed data from rank {peer}: {problem}"
+    )]
+    Protocol {
+        /// The receiving rank.
+        rank: usize,
+        /// The sending rank.
+        peer: usize,
+        /// The collective in progress.
+        collective: String,
+        /// Its sequence number.
+        seq: u64,
+        /// What is wrong with the bytes.
+        problem: String,
+    },
+
+    /// The group failed earlier; like an aborted NCCL communicator it cannot run collectives
+    /// any more. Create a new group (in practice: restart the job).
+    #[error(
+        "rank {rank}: {collective} (collective #{seq}) not run: the process group is broken by an \
+         earlier failure: {cause}"
+    )]
+    GroupBroken {
+        /// The calling rank.
+        rank: usize,
+        /// The collective that was refused.
+        collective: String,
+        /// Its sequence number.
+        seq: u64,
+        /// The failure that broke the group.
+        cause: Box<DistError>,
+    },
+
+    /// An operating-system error outside a collective (binding, spawning, signals).
+    #[error("{context}: {message}")]
+    Io {
+        /// What was being done.
+        context: String,
+        /// The OS error.
+        message: String,
+    },
+
+    /// An error from the tensor layer while reading or writing a collective's tensors.
+    #[error("rank {rank}: {collective}: {message}")]
+    Tensor {
+        /// The calling rank.
+        rank: usize,
+        /// The collective.
+        collective: &'static str,
+        /// The tensor layer's message.
+        message: String,
+    },
+
+    /// The launcher was misused or a launched rank failed.
+    #[error("tandem-run: {0}")]
+    Launch(String),
+}
+
+impl DistError {
+    /// An [`DistError::Io`] from an OS error.
+    pub(crate) fn io(context: impl Into<String>, err: std::io::Error) -> Self {
+        DistError::Io {
+            context: context.into(),
+            message: err.to_string(),
+        }
+    }
+
+    /// An [`DistError::Env`] for variable `name`.
+    pub(crate) fn env(name: &str, problem: impl Into<String>) -> Self {
+        DistError::Env {
+            name: name.to_string(),
+            problem: problem.into(),
+        }
+    }
+
+    /// The ranks this error blames, if any (the peer that went away, disagreed, sent garbage,
+    /// or that this rank was waiting for).
+    pub fn blamed_ranks(&self) -> Vec<usize> {
+        match self {
+            DistError::Mismatch { peer, .. }
+            | DistError::PeerAborted { peer, .. }
+            | DistError::Protocol { peer, .. } => vec![*peer],
+            DistError::PeerLost { peers, .. } => peers.clone(),
+            DistError::Timeout { waiting_for, .. } => waiting_for.clone(),
+            DistError::GroupBroken { cause, .. } => cause.blamed_ranks(),
+            _ => Vec::new(),
+        }
+    }
+}
+
+impl From<DistError> for tandem_core::Error {
+    fn from(err: DistError) -> Self {
+        tandem_core::Error::external("collective", err)
+    }
+}
+
+fn fmt_mismatch(
+    rank: usize,
+    peer: usize,
+    seq: u64,
+    their_seq: u64,
+    ours: &str,
+    theirs: &str,
+) -> String {
+    if seq == their_seq {
+        format!("rank {peer} issued {theirs} as collective #{seq} but rank {rank} issued {ours}")
+    } else {
+        format!(
+            "rank {peer} issued {theirs} as collective #{their_seq} but rank {rank} issued \
+             {ours} as collective #{seq}: the ranks issued different numbers of collectives"
+        )
+    }
+}
+
+/// `after collective #4`, or `before its first collective` for 0 completed collectives.
+pub(crate) fn fmt_left_after(completed: u64) -> String {
+    if completed == 0 {
+        "before its first collective".to_string()
+    } else {
+        format!("after collective #{completed}")
+    }
+}
+
+/// Formats `[3]` as `rank 3` and `[1, 2]` as `ranks 1, 2` for messages.
+pub(crate) fn fmt_ranks(ranks: &[usize]) -> String {
+    struct Ranks<'a>(&'a [usize]);
+    impl fmt::Display for Ranks<'_> {
+        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            match self.0 {
+                [] => f.write_str("no rank"),
+                [one] => write!(f, "rank {one}"),
+                many => {
+                    f.write_str("ranks ")?;
+                    for (i, r) in many.iter().enumerate() {
+                        if i > 0 {
+                            f.write_str(", ")?;
+                        }
+                        write!(f, "{r}")?;
+                    }
+                    Ok(())
+                }
+            }
+        }
+    }
+    Ranks(ranks).to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mismatch_message_names_both_ranks_and_the_sequence_number() {
+        let err = DistError::Mismatch {
+            rank: 0,
+            peer: 1,
+            seq: 3,
+            their_seq: 3,
+            ours: "broadcast(f32, 100, root 0)".into(),
+            theirs: "all_reduce(f32, 100, sum)".into(),
+        };
+        assert_eq!(
+            err.to_string(),
+            "rank 1 issued all_reduce(f32, 100, sum) as collective #3 but rank 0 issued \
+             broadcast(f32, 100, root 0)"
+        );
+        assert_eq!(err.blamed_ranks(), vec![1]);
+    }
+
+    #[test]
+    fn rank_lists_read_naturally() {
+        assert_eq!(fmt_ranks(&[3]), "rank 3");
+        assert_eq!(fmt_ranks(&[1, 2]), "ranks 1, 2");
+        assert_eq!(fmt_ranks(&[]), "no rank");
+    }
+
+    #[test]
+    fn broken_group_blames_the_original_culprit() {
+        let cause = DistError::PeerLost {
+            rank: 0,
+            peers: vec![2],
+            collective: "all_reduce(f32, 8, sum)".into(),
+            seq: 4,
+            cause: "rank 2 closed its connection".into(),
+        };
+        let err = DistError::GroupBroken {
+            rank: 0,
+            collective: "barrier()".into(),
+            seq: 5,
+            cause: Box::new(cause),
+        };
+        assert_eq!(err.blamed_ranks(), vec![2]);
+        assert!(err.to_string().contains("rank 2 closed"), "{err}");
+    }
+}

@@ -1,0 +1,521 @@
+//! The launcher behind `tandem-run`: starts the local ranks of a job, serves the rendezvous
+//! store, labels their output, and stops everything when one rank fails.
+//!
+//! `tandem-run --nproc-per-node N -- PROGRAM ARGS…` starts N copies of PROGRAM with the
+//! torchrun variables set (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`,
+//! `GROUP_RANK`, `MASTER_ADDR`, `MASTER_PORT`). On node 0 the launcher itself serves the
+//! rendezvous store (on `--master-port`, or a free port it picks) and tells the ranks so with
+//! `TANDEM_STORE_HOSTED=1`; `--no-store` leaves that to rank 0 (for programs that bring their
+//! own, such as torch.distributed). Every line a rank prints is prefixed with `[rank K] ` on the
+//! launcher's stdout or stderr. When a rank exits with a failure, the others are sent SIGTERM,
+//! then SIGKILL after a grace period, and the launch reports which rank failed and how.
+//! SIGINT/SIGTERM/SIGHUP received by the launcher (when [`forward_signals`] was called) are
+//! passed on to the ranks.
+
+use std::ffi::OsString;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{Ipv4Addr, SocketAddr, TcpListener};
+use std::process::{Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use crate::rendezvous::STORE_HOSTED_VAR;
+use crate::store::StoreServer;
+use crate::{DistError, Result};
+
+/// The command-line help of `tandem-run`.
+pub const USAGE: &str = "\
+usage: tandem-run --nproc-per-node N [OPTIONS] [--] PROGRAM [ARGS...]
+
+Starts N ranks of PROGRAM on this node with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+MASTER_ADDR and MASTER_PORT set, prefixes their output with [rank K], and stops all ranks when
+one fails.
+
+options:
+  --nproc-per-node N   ranks to start on this node (required)
+  --nnodes M           nodes in the job (default 1)
+  --node-rank R        this node's index, 0..M (default 0)
+  --master-addr A      host of node 0, where the rendezvous store runs (default 127.0.0.1)
+  --master-port P      port of the store (default: a free port; required when --nnodes > 1)
+  --no-store           do not serve tandem's store; rank 0 serves it (torch.distributed programs)
+  --kill-grace S       seconds between SIGTERM and SIGKILL when stopping ranks (default 5)
+  -h, --help           print this help
+";
+
+/// What to launch.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LaunchOptions {
+    /// Ranks to start on this node.
+    pub nproc_per_node: usize,
+    /// Nodes in the job. Default 1.
+    pub nnodes: usize,
+    /// This node's index. Default 0.
+    pub node_rank: usize,
+    /// Host of node 0. Default `127.0.0.1`.
+    pub master_addr: String,
+    /// Port of the store; `None` picks a free one (single node only).
+    pub master_port: Option<u16>,
+    /// Whether the launcher on node 0 serves tandem's rendezvous store. Default true.
+    pub serve_store: bool,
+    /// Time between SIGTERM and SIGKILL when stopping ranks. Default 5 s.
+    pub kill_grace: Duration,
+    /// The program every rank runs.
+    pub program: OsString,
+    /// Its arguments.
+    pub args: Vec<OsString>,
+}
+
+impl LaunchOptions {
+    /// Options for `nproc_per_node` local ranks of `program args…`, other settings default.
+    pub fn new(nproc_per_node: usize, program: impl Into<OsString>, args: Vec<OsString>) -> Self {
+        LaunchOptions {
+            nproc_per_node,
+            nnodes: 1,
+            node_rank: 0,
+            master_addr: "127.0.0.1".into(),
+            master_port: None,
+            serve_store: true,
+            kill_grace: Duration::from_secs(5),
+            program: program.into(),
+            args,
+        }
+    }
+
+    /// Parses `tandem-run`'s arguments (without the program name). `Ok(None)` means help was
+    /// asked for.
+    pub fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Option<Self>> {
+        let bad = |m: String| DistError::Launch(format!("{m}\n\n{USAGE}"));
+        let mut opts = LaunchOptions::new(0, OsString::new(), Vec::new());
+        let mut nproc = None;
+        let mut it = args.into_iter();
+        while let Some(arg) = it.next() {
+            let Some(text) = arg.to_str().map(str::to_string) else {
+                opts.program = arg;
+                break;
+            };
+            if text == "--" {
+                opts.program = it.next().ok_or_else(|| bad("no PROGRAM after --".into()))?;
+                break;
+            }
+            if text == "-h" || text == "--help" {
+                return Ok(None);
+            }
+            if text == "--no-store" {
+                opts.serve_store = false;
+                continue;
+            }
+            if !text.starts_with("--") {
+                opts.program = arg;
+                break;
+            }
+            let (name, inline) = match text.split_once('=') {
+                Some((n, v)) => (n.to_string(), Some(v.to_string())),
+                None => (text.clone(), None),
+            };
+            let value = match inline {
+                Some(v) => v,
+                None => it
+                    .next()
+                    .and_then(|v| v.into_string().ok())
+                    .ok_or_else(|| bad(format!("{name} needs a value")))?,
+            };
+            let num = |v: &str| {
+                v.parse::<usize>()
+                    .map_err(|_| bad(format!("{name}: {v:?} is not a number")))
+            };
+            match name.as_str() {
+                "--nproc-per-node" | "--nproc_per_node" => nproc = Some(num(&value)?),
+                "--nnodes" => opts.nnodes = num(&value)?,
+                "--node-rank" | "--node_rank" => opts.node_rank = num(&value)?,
+                "--master-addr" | "--master_addr" => opts.master_addr = value,
+                "--master-port" | "--master_port" => {
+                    opts.master_port = Some(
+                        value
+                            .parse()
+                            .map_err(|_| bad(format!("{name}: {value:?} is not a port number")))?,
+                    )
+                }
+                "--kill-grace" => {
+                    let secs: f64 = value
+                        .parse()
+                        .map_err(|_| bad(format!("{name}: {value:?} is not seconds")))?;
+                    if !(0.0..=3600.0).contains(&secs) {
+                        return Err(bad(format!(
+                            "{name}: {secs} is not between 0 and 3600 seconds"
+                        )));
+                    }
+                    opts.kill_grace = Duration::from_secs_f64(secs);
+                }
+                _ => return Err(bad(format!("unknown option {name}"))),
+            }
+        }
+        opts.args = it.collect();
+        opts.nproc_per_node = nproc.ok_or_else(|| bad("--nproc-per-node is required".into()))?;
+        if opts.program.is_empty() {
+            return Err(bad("no PROGRAM given".into()));
+        }
+        opts.validate()?;
+        Ok(Some(opts))
+    }
+
+    fn validate(&self) -> Result<()> {
+        if self.nproc_per_node == 0 || self.nnodes == 0 {
+            return Err(DistError::Launch(
+                "--nproc-per-node and --nnodes must be at least 1".into(),
+            ));
+        }
+        if self.node_rank >= self.nnodes {
+            return Err(DistError::Launch(format!(
+                "--node-rank {} is not below --nnodes {}",
+                self.node_rank, self.nnodes
+            )));
+        }
+        if self.nnodes > 1 && self.master_port.is_none() {
+            return Err(DistError::Launch(
+                "--master-port is required when --nnodes > 1".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// How a rank ended when it did not succeed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RankFailure {
+    /// The global rank.
+    pub rank: usize,
+    /// Its exit status.
+    pub status: ExitStatus,
+}
+
+impl RankFailure {
+    /// `exit status 3` or `killed by signal 9 (SIGKILL)`.
+    pub fn describe(&self) -> String {
+        describe_status(self.status)
+    }
+
+    /// The conventional shell exit code for the failure (the rank's code, or 128 + signal).
+    pub fn exit_code(&self) -> i32 {
+        use std::os::unix::process::ExitStatusExt;
+        match (self.status.code(), self.status.signal()) {
+            (Some(c), _) if c != 0 => c,
+            (_, Some(s)) => 128 + s,
+            _ => 1,
+        }
+    }
+}
+
+/// Describes an exit status for people.
+pub fn describe_status(status: ExitStatus) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    match (status.code(), status.signal()) {
+        (Some(c), _) => format!("exit status {c}"),
+        (None, Some(s)) => {
+            let name = match s {
+                libc::SIGINT => " (SIGINT)",
+                libc::SIGKILL => " (SIGKILL)",
+                libc::SIGTERM => " (SIGTERM)",
+                libc::SIGSEGV => " (SIGSEGV)",
+                libc::SIGABRT => " (SIGABRT)",
+                libc::SIGHUP => " (SIGHUP)",
+                _ => "",
+            };
+            format!("killed by signal {s}{name}")
+        }
+        _ => "an unknown status".into(),
+    }
+}
+
+/// The outcome of a launch.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LaunchReport {
+    /// The first rank that failed, if any (the others were then stopped).
+    pub failed: Option<RankFailure>,
+    /// A signal the launcher received and forwarded, if any.
+    pub interrupted: Option<i32>,
+    /// The port the ranks met on.
+    pub master_port: u16,
+}
+
+impl LaunchReport {
+    /// Whether every rank succeeded.
+    pub fn success(&self) -> bool {
+        self.failed.is_none() && self.interrupted.is_none()
+    }
+}
+
+static PENDING_SIGNAL: AtomicI32 = AtomicI32::new(0);
+
+extern "C" fn remember_signal(sig: libc::c_int) {
+    PENDING_SIGNAL.store(sig, Ordering::SeqCst);
+}
+
+/// Makes SIGINT, SIGTERM and SIGHUP delivered to this process be forwarded to the ranks of a
+/// running [`launch`] instead of killing the launcher. Call once, from a launcher binary.
+pub fn forward_signals() -> Result<()> {
+    for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
+        // SAFETY: `sigaction` is a plain C struct for which zero bytes are valid; the handler only
+        // stores to an atomic, which is async-signal-safe; the pointers passed live for the call.
+        let rc = unsafe {
+            let mut action: libc::sigaction = std::mem::zeroed();
+            action.sa_sigaction = remember_signal as *const () as libc::sighandler_t;
+            libc::sigemptyset(&mut action.sa_mask);
+            action.sa_flags = libc::SA_RESTART;
+            libc::sigaction(sig, &action, std::ptr::null_mut())
+        };
+        if rc != 0 {
+            return Err(DistError::io(
+                "installing signal handlers",
+                std::io::Error::last_os_error(),
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn send_signal(pid: u32, sig: libc::c_int) {
+    // SAFETY: kill(2) has no memory-safety preconditions; the pid is one of our children that
+    // has not been reported as exited.
+    unsafe {
+        libc::kill(pid as libc::pid_t, sig);
+    }
+}
+
+/// Copies `from` to `to` line by line, each line prefixed with `prefix`.
+fn relay(from: impl Read, prefix: String, to_stderr: bool) {
+    let mut reader = BufReader::new(from);
+    let mut line = Vec::new();
+    loop {
+        line.clear();
+        match reader.read_until(b'\n', &mut line) {
+            Ok(0) | Err(_) => return,
+            Ok(_) => {
+                if !line.ends_with(b"\n") {
+                    line.push(b'\n');
+                }
+                let mut out: Box<dyn Write> = if to_stderr {
+                    Box::new(std::io::stderr().lock())
+                } else {
+                    Box::new(std::io::stdout().lock())
+                };
+                let _ = out
+                    .write_all(prefix.as_bytes())
+                    .and_then(|()| out.write_all(&line))
+                    .and_then(|()| out.flush());
+            }
+        }
+    }
+}
+
+/// Runs the ranks of this node to completion. Returns when all have exited: successfully, or
+/// because one failed (the first failure is reported, the rest were stopped), or because a
+/// forwarded signal ended them.
+pub fn launch(opts: &LaunchOptions) -> Result<LaunchReport> {
+    opts.validate()?;
+    let world = opts.nproc_per_node * opts.nnodes;
+    // Node 0 serves the store on the requested port or a free one; it binds before any rank
+    // starts, so there is no race for the port.
+    let (server, port) = if opts.serve_store && opts.node_rank == 0 {
+        let server = StoreServer::bind(SocketAddr::from((
+            Ipv4Addr::UNSPECIFIED,
+            opts.master_port.unwrap_or(0),
+        )))?;
+        let port = server.local_addr().port();
+        (Some(server), port)
+    } else {
+        let port = match opts.master_port {
+            Some(p) => p,
+            None => TcpListener::bind((opts.master_addr.as_str(), 0))
+                .and_then(|l| l.local_addr())
+                .map_err(|e| DistError::io("picking a free port", e))?
+                .port(),
+        };
+        (None, port)
+    };
+
+    let (exits_tx, exits_rx) = mpsc::channel::<(usize, std::io::Result<ExitStatus>)>();
+    let mut pids: Vec<(usize, u32)> = Vec::new();
+    let mut relays = Vec::new();
+    let mut spawn_error = None;
+    for local in 0..opts.nproc_per_node {
+        let rank = opts.node_rank * opts.nproc_per_node + local;
+        let mut cmd = Command::new(&opts.program);
+        cmd.args(&opts.args)
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", world.to_string())
+            .env("LOCAL_RANK", local.to_string())
+            .env("LOCAL_WORLD_SIZE", opts.nproc_per_node.to_string())
+            .env("GROUP_RANK", opts.node_rank.to_string())
+            .env("MASTER_ADDR", &opts.master_addr)
+            .env("MASTER_PORT", port.to_string())
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        if opts.serve_store {
+            cmd.env(STORE_HOSTED_VAR, "1");
+        } else {
+            cmd.env_remove(STORE_HOSTED_VAR);
+        }
+        let mut child = match cmd.spawn() {
+            Ok(c) => c,
+            Err(e) => {
+                spawn_error = Some(DistError::io(
+                    format!("starting rank {rank} ({:?})", opts.program),
+                    e,
+                ));
+                break;
+            }
+        };
+        pids.push((rank, child.id()));
+        let prefix = format!("[rank {rank}] ");
+        if let Some(out) = child.stdout.take() {
+            let p = prefix.clone();
+            relays.push(std::thread::spawn(move || relay(out, p, false)));
+        }
+        if let Some(err) = child.stderr.take() {
+            relays.push(std::thread::spawn(move || relay(err, prefix, true)));
+        }
+        let tx = exits_tx.clone();
+        std::thread::spawn(move || {
+            let status = child.wait();
+            let _ = tx.send((rank, status));
+        });
+    }
+    drop(exits_tx);
+
+    let mut running: Vec<(usize, u32)> = pids.clone();
+    let mut failed: Option<RankFailure> = None;
+    let mut interrupted = None;
+    let mut stop_deadline: Option<Instant> = None;
+    let mut killed = false;
+    if spawn_error.is_some() {
+        for &(_, pid) in &running {
+            send_signal(pid, libc::SIGTERM);
+        }
+        stop_deadline = Some(Instant::now() + opts.kill_grace);
+    }
+    while !running.is_empty() {
+        match exits_rx.recv_timeout(Duration::from_millis(50)) {
+            Ok((rank, status)) => {
+                running.retain(|&(r, _)| r != rank);
+                let failure = match status {
+                    Ok(s) if s.success() => None,
+                    Ok(s) => Some(RankFailure { rank, status: s }),
+                    Err(_) => None,
+                };
+                if let Some(f) = failure {
+                    if failed.is_none() && interrupted.is_none() && stop_deadline.is_none() {
+                        for &(_, pid) in &running {
+                            send_signal(pid, libc::SIGTERM);
+                        }
+                        stop_deadline = Some(Instant::now() + opts.kill_grace);
+                    }
+                    if failed.is_none() && interrupted.is_none() {
+                        failed = Some(f);
+                    }
+                }
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
+            Err(mpsc::RecvTimeoutError::Disconnected) => break,
+        }
+        let sig = PENDING_SIGNAL.swap(0, Ordering::SeqCst);
+        if sig != 0 {
+            interrupted = Some(sig);
+            for &(_, pid) in &running {
+                send_signal(pid, sig);
+            }
+            stop_deadline.get_or_insert(Instant::now() + opts.kill_grace);
+        }
+        if !killed && stop_deadline.is_some_and(|d| Instant::now() >= d) {
+            for &(_, pid) in &running {
+                send_signal(pid, libc::SIGKILL);
+            }
+            killed = true;
+        }
+    }
+    // Let the relays print what the ranks wrote last (bounded: a grandchild could hold a pipe).
+    let deadline = Instant::now() + Duration::from_secs(2);
+    for r in relays {
+        while !r.is_finished() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        if r.is_finished() {
+            let _ = r.join();
+        }
+    }
+    drop(server);
+    if let Some(e) = spawn_error {
+        return Err(e);
+    }
+    Ok(LaunchReport {
+        failed,
+        interrupted,
+        master_port: port,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(s: &[&str]) -> Vec<OsString> {
+        s.iter().map(OsString::from).collect()
+    }
+
+    #[test]
+    fn arguments_parse_in_both_styles() {
+        let o = LaunchOptions::parse_args(args(&[
+            "--nproc-per-node",
+            "4",
+            "--master-port=1234",
+            "--",
+            "prog",
+            "-x",
+            "--y",
+        ]))
+        .unwrap()
+        .unwrap();
+        assert_eq!(o.nproc_per_node, 4);
+        assert_eq!(o.master_port, Some(1234));
+        assert_eq!(o.program, "prog");
+        assert_eq!(o.args, args(&["-x", "--y"]));
+        let o = LaunchOptions::parse_args(args(&[
+            "--nproc_per_node=2",
+            "--no-store",
+            "python3",
+            "train.py",
+        ]))
+        .unwrap()
+        .unwrap();
+        assert_eq!(
+            (o.nproc_per_node, o.serve_store, o.args.len()),
+            (2, false, 1)
+        );
+        assert_eq!(LaunchOptions::parse_args(args(&["--help"])).unwrap(), None);
+    }
+
+    #[test]
+    fn bad_arguments_say_what_is_wrong() {
+        for (a, want) in [
+            (vec!["prog"], "--nproc-per-node is required"),
+            (vec!["--nproc-per-node", "two", "prog"], "not a number"),
+            (vec!["--nproc-per-node", "2"], "no PROGRAM"),
+            (
+                vec!["--nproc-per-node", "2", "--bogus", "1", "prog"],
+                "unknown option --bogus",
+            ),
+            (
+                vec!["--nproc-per-node", "2", "--nnodes", "2", "prog"],
+                "--master-port is required",
+            ),
+            (
+                vec!["--nproc-per-node", "2", "--node-rank", "1", "prog"],
+                "not below --nnodes",
+            ),
+        ] {
+            let err = LaunchOptions::parse_args(args(&a)).unwrap_err().to_string();
+            assert!(err.contains(want), "{a:?}: {err}");
+        }
+    }
+}

@@ -1,0 +1,501 @@
+//! The threads backend: all ranks are threads of one process and exchange data through shared
+//! memory. It exists for tests (of this crate and of DDP above it): fast, deterministic, no
+//! sockets, yet with the same asynchronous contract, sequence numbers, mismatch detection and
+//! failure reporting as the TCP backend.
+//!
+//! Each collective is a rendezvous on a shared board: every rank posts a snapshot of its
+//! contribution under the collective's sequence number, waits until all ranks have posted, and
+//! computes its own result from all contributions in rank order — the same inputs in the same
+//! order on every rank, so every rank gets bit-identical results. A rank that fails (a timeout,
+//! a mismatch) marks the board broken so the others fail at once naming it; a rank whose handle
+//! is dropped is marked as having left, and a collective that still needs it fails naming it.
+
+use std::collections::VecDeque;
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
+use tandem_core::{Stream, Tensor};
+
+use super::reduce::{self, with_tensor_bytes, with_tensor_bytes_mut, AlignedBuf};
+use super::{
+    describe_all_gather, describe_all_reduce, describe_barrier, describe_broadcast,
+    describe_reduce_scatter, tensor_error, CollectiveDesc, CollectiveKind, CommQueue, GroupConfig,
+    ProcessGroup, ReduceOp, Work,
+};
+use crate::error::fmt_left_after;
+use crate::{DistError, Result};
+
+/// One rank's contribution to one collective.
+struct Post {
+    seq: u64,
+    desc: CollectiveDesc,
+    data: Arc<AlignedBuf>,
+    /// Ranks that have not read it yet; removed when it reaches 0.
+    unread: usize,
+}
+
+struct Board {
+    posts: Vec<VecDeque<Post>>,
+    /// `Some(completed)` once a rank's handle was dropped after `completed` collectives.
+    left: Vec<Option<u64>>,
+    /// The first rank that failed, and its error.
+    failed: Option<(usize, DistError)>,
+}
+
+struct Shared {
+    world: usize,
+    timeout: Duration,
+    board: Mutex<Board>,
+    changed: Condvar,
+}
+
+/// One rank of a group whose ranks are threads of this process. Create a whole group with
+/// [`ThreadProcessGroup::new_group`] and hand one handle to each thread.
+pub struct ThreadProcessGroup {
+    rank: usize,
+    shared: Arc<Shared>,
+    queue: CommQueue,
+    completed: Arc<AtomicU64>,
+}
+
+impl fmt::Debug for ThreadProcessGroup {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "ThreadProcessGroup(rank {} of {})",
+            self.rank, self.shared.world
+        )
+    }
+}
+
+impl ThreadProcessGroup {
+    /// A group of `world_size` ranks with the default configuration; element `k` is rank `k`.
+    pub fn new_group(world_size: usize) -> Result<Vec<ThreadProcessGroup>> {
+        Self::new_group_with(world_size, &GroupConfig::default())
+    }
+
+    /// A group of `world_size` ranks; only `config.timeout` applies to this backend.
+    pub fn new_group_with(
+        world_size: usize,
+        config: &GroupConfig,
+    ) -> Result<Vec<ThreadProcessGroup>> {
+        if world_size == 0 {
+            return Err(DistError::Connect {
+                rank: 0,
+                detail: "a group needs at least one rank".into(),
+            });
+        }
+        let shared = Arc::new(Shared {
+            world: world_size,
+            timeout: config.timeout,
+            board: Mutex::new(Board {
+                posts: (0..world_size).map(|_| VecDeque::new()).collect(),
+                left: vec![None; world_size],
+                failed: None,
+            }),
+            changed: Condvar::new(),
+        });
+        (0..world_size)
+            .map(|rank| {
+                Ok(ThreadProcessGroup {
+                    rank,
+                    shared: shared.clone(),
+                    queue: CommQueue::new("threads", rank)?,
+                    completed: Arc::new(AtomicU64::new(0)),
+                })
+            })
+            .collect()
+    }
+
+    /// Issues a collective: `contribute` (on the comm thread) returns this rank's snapshot,
+    /// `apply` computes the result from every rank's snapshot, in rank order.
+    fn issue(
+        &self,
+        desc: CollectiveDesc,
+        contribute: impl FnOnce() -> tandem_core::Result<AlignedBuf> + Send + 'static,
+        apply: impl FnOnce(&[Arc<AlignedBuf>]) -> Result<()> + Send + 'static,
+    ) -> Work {
+        let (rank, shared, completed) = (self.rank, self.shared.clone(), self.completed.clone());
+        self.queue.issue(desc, move |seq| {
+            let result = contribute()
+                .map_err(|e| tensor_error(rank, &desc, e))
+                .and_then(|data| exchange(&shared, rank, seq, &desc, data))
+                .and_then(|all| apply(&all));
+            match &result {
+                Ok(()) => completed.store(seq, Ordering::SeqCst),
+                Err(err) => {
+                    let mut board = shared.board.lock();
+                    board.failed.get_or_insert_with(|| (rank, err.clone()));
+                    shared.changed.notify_all();
+                }
+            }
+            result
+        })
+    }
+}
+
+/// Posts `data` as `rank`'s contribution to collective `seq` and waits for everyone's.
+fn exchange(
+    shared: &Shared,
+    rank: usize,
+    seq: u64,
+    desc: &CollectiveDesc,
+    data: AlignedBuf,
+) -> Result<Vec<Arc<AlignedBuf>>> {
+    let world = shared.world;
+    let mut board = shared.board.lock();
+    board.posts[rank].push_back(Post {
+        seq,
+        desc: *desc,
+        data: Arc::new(data),
+        unread: world,
+    });
+    shared.changed.notify_all();
+    let deadline = Instant::now() + shared.timeout;
+    loop {
+        let mut missing = Vec::new();
+        for q in 0..world {
+            match board.posts[q].iter().find(|p| p.seq == seq) {
+                Some(post) if post.desc != *desc => {
+                    return Err(DistError::Mismatch {
+                        rank,
+                        peer: q,
+                        seq,
+                        their_seq: seq,
+                        ours: desc.to_string(),
+                        theirs: post.desc.to_string(),
+                    })
+                }
+                Some(_) => {}
+                None => missing.push(q),
+            }
+        }
+        if missing.is_empty() {
+            break;
+        }
+        // The root cause first: a rank that left is named directly, not through the first
+        // rank that noticed.
+        let gone: Vec<(usize, u64)> = missing
+            .iter()
+            .filter_map(|&q| board.left[q].map(|c| (q, c)))
+            .collect();
+        if let Some(&(q, completed)) = gone.first() {
+            return Err(DistError::PeerLost {
+                rank,
+                peers: gone.iter().map(|g| g.0).collect(),
+                collective: desc.to_string(),
+                seq,
+                cause: format!(
+                    "rank {q} left the group (its ThreadProcessGroup was dropped) {}; it never \
+                     issued collective #{seq}",
+                    fmt_left_after(completed)
+                ),
+            });
+        }
+        if let Some((peer, err)) = &board.failed {
+            if *peer != rank {
+                return Err(DistError::PeerAborted {
+                    rank,
+                    peer: *peer,
+                    collective: desc.to_string(),
+                    seq,
+                    message: err.to_string(),
+                });
+            }
+        }
+        if shared.changed.wait_until(&mut board, deadline).timed_out() {
+            return Err(DistError::Timeout {
+                rank,
+                collective: desc.to_string(),
+                seq,
+                timeout: shared.timeout,
+                waiting_for: missing,
+            });
+        }
+    }
+    let mut all = Vec::with_capacity(world);
+    for q in 0..world {
+        let queue = &mut board.posts[q];
+        let Some(at) = queue.iter().position(|p| p.seq == seq) else {
+            return Err(DistError::Io {
+                context: format!("rank {rank}: {desc}"),
+                message: "internal error: post vanished".into(),
+            });
+        };
+        all.push(queue[at].data.clone());
+        queue[at].unread -= 1;
+        if queue[at].unread == 0 {
+            queue.remove(at);
+        }
+    }
+    Ok(all)
+}
+
+fn snapshot(t: &Tensor) -> tandem_core::Result<AlignedBuf> {
+    with_tensor_bytes(t, |b| {
+        let mut buf = AlignedBuf::default();
+        buf.resize(b.len());
+        buf.bytes_mut().copy_from_slice(b);
+        buf
+    })
+}
+
+fn fold(rank: usize, desc: &CollectiveDesc, sources: &[&[u8]], out: &mut [u8]) -> Result<()> {
+    let (Some(dtype), Some(op)) = (desc.dtype, desc.op) else {
+        return Ok(());
+    };
+    if out.is_empty() {
+        return Ok(());
+    }
+    reduce::reduce_all(dtype, op, sources, out).map_err(|message| DistError::Io {
+        context: format!("rank {rank}: {desc}"),
+        message,
+    })
+}
+
+impl ProcessGroup for ThreadProcessGroup {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.shared.world
+    }
+
+    fn backend(&self) -> &'static str {
+        "threads"
+    }
+
+    fn comm_stream(&self) -> &Stream {
+        self.queue.stream()
+    }
+
+    fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Work> {
+        let desc = describe_all_reduce(self.rank, tensor, op)?;
+        let (t, t2, rank) = (tensor.clone(), tensor.clone(), self.rank);
+        Ok(self.issue(
+            desc,
+            move || snapshot(&t),
+            move |all| {
+                let sources: Vec<&[u8]> = all.iter().map(|b| b.bytes()).collect();
+                with_tensor_bytes_mut(&t2, |out| fold(rank, &desc, &sources, out))
+                    .map_err(|e| tensor_error(rank, &desc, e))?
+            },
+        ))
+    }
+
+    fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<Work> {
+        let desc = describe_broadcast(self.rank, self.shared.world, tensor, root)?;
+        let (t, t2, rank) = (tensor.clone(), tensor.clone(), self.rank);
+        let contribute = move || {
+            if rank == root {
+                snapshot(&t)
+            } else {
+                Ok(AlignedBuf::default())
+            }
+        };
+        Ok(self.issue(desc, contribute, move |all| {
+            if rank == root {
+                return Ok(());
+            }
+            with_tensor_bytes_mut(&t2, |out| out.copy_from_slice(all[root].bytes()))
+                .map_err(|e| tensor_error(rank, &desc, e))
+        }))
+    }
+
+    fn all_gather(&self, input: &Tensor, output: &Tensor) -> Result<Work> {
+        let desc = describe_all_gather(self.rank, self.shared.world, input, output)?;
+        let (input, output, rank) = (input.clone(), output.clone(), self.rank);
+        Ok(self.issue(
+            desc,
+            move || snapshot(&input),
+            move |all| {
+                with_tensor_bytes_mut(&output, |out| {
+                    let block = out.len() / all.len();
+                    for (q, data) in all.iter().enumerate() {
+                        out[q * block..(q + 1) * block].copy_from_slice(data.bytes());
+                    }
+                })
+                .map_err(|e| tensor_error(rank, &desc, e))
+            },
+        ))
+    }
+
+    fn reduce_scatter(&self, input: &Tensor, output: &Tensor, op: ReduceOp) -> Result<Work> {
+        let desc = describe_reduce_scatter(self.rank, self.shared.world, input, output, op)?;
+        let (input, output, rank) = (input.clone(), output.clone(), self.rank);
+        Ok(self.issue(
+            desc,
+            move || snapshot(&input),
+            move |all| {
+                with_tensor_bytes_mut(&output, |out| {
+                    let block = out.len();
+                    let sources: Vec<&[u8]> = all
+                        .iter()
+                        .map(|b| &b.bytes()[rank * block..(rank + 1) * block])
+                        .collect();
+                    fold(rank, &desc, &sources, out)
+                })
+                .map_err(|e| tensor_error(rank, &desc, e))?
+            },
+        ))
+    }
+
+    fn barrier(&self) -> Result<Work> {
+        let desc = describe_barrier();
+        debug_assert_eq!(desc.kind, CollectiveKind::Barrier);
+        Ok(self.issue(desc, || Ok(AlignedBuf::default()), |_| Ok(())))
+    }
+}
+
+impl Drop for ThreadProcessGroup {
+    fn drop(&mut self) {
+        self.queue.drain();
+        let mut board = self.shared.board.lock();
+        board.left[self.rank] = Some(self.completed.load(Ordering::SeqCst));
+        self.shared.changed.notify_all();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::conformance;
+    use tandem_core::{DType, Device};
+
+    /// Runs `f(group)` on one thread per rank and returns the results in rank order.
+    fn on_each_rank<R: Send>(
+        groups: Vec<ThreadProcessGroup>,
+        f: impl Fn(ThreadProcessGroup) -> R + Sync,
+    ) -> Vec<R> {
+        std::thread::scope(|s| {
+            let handles: Vec<_> = groups.into_iter().map(|g| s.spawn(|| f(g))).collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("rank thread panicked"))
+                .collect()
+        })
+    }
+
+    #[test]
+    fn every_collective_matches_the_serial_reference_on_1_2_3_4_and_8_ranks() {
+        for world in [1, 2, 3, 4, 8] {
+            let results = on_each_rank(ThreadProcessGroup::new_group(world).unwrap(), |pg| {
+                conformance(&pg, 7 + world as u64, &[0, 1, 5, 1001, 20_003])
+            });
+            for r in results {
+                r.unwrap();
+            }
+        }
+    }
+
+    #[test]
+    fn ranks_issuing_different_collectives_get_an_error_naming_both() {
+        let errors = on_each_rank(ThreadProcessGroup::new_group(2).unwrap(), |pg| {
+            let t = Tensor::zeros(&[100], DType::F32, Device::Cpu).unwrap();
+            pg.barrier().unwrap().wait().unwrap();
+            let work = if pg.rank() == 0 {
+                pg.broadcast(&t, 0).unwrap()
+            } else {
+                pg.all_reduce(&t, ReduceOp::Sum).unwrap()
+            };
+            work.wait().unwrap_err().to_string()
+        });
+        for err in &errors {
+            assert!(
+                err.contains("collective #2")
+                    && err.contains("broadcast(f32, 100, root 0)")
+                    && err.contains("all_reduce(f32, 100, sum)"),
+                "{err}"
+            );
+            assert!(err.contains("rank 0") && err.contains("rank 1"), "{err}");
+        }
+    }
+
+    #[test]
+    fn a_dropped_rank_fails_the_others_naming_it_instead_of_hanging() {
+        let mut groups = ThreadProcessGroup::new_group(3).unwrap();
+        drop(groups.pop());
+        let started = Instant::now();
+        let errors = on_each_rank(groups, |pg| {
+            let t = Tensor::ones(&[8], DType::F32, Device::Cpu).unwrap();
+            pg.all_reduce(&t, ReduceOp::Sum)
+                .unwrap()
+                .wait()
+                .unwrap_err()
+        });
+        assert!(started.elapsed() < Duration::from_secs(5));
+        for err in errors {
+            assert_eq!(err.blamed_ranks(), vec![2], "{err}");
+            let msg = err.to_string();
+            assert!(
+                msg.contains("rank 2 left the group") && msg.contains("collective #1"),
+                "{msg}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_missing_rank_times_out_naming_it_and_breaks_the_group() {
+        let config = GroupConfig {
+            timeout: Duration::from_millis(200),
+            ..GroupConfig::default()
+        };
+        let groups = ThreadProcessGroup::new_group_with(2, &config).unwrap();
+        let (first, _second) = (&groups[0], &groups[1]);
+        let err = first.barrier().unwrap().wait().unwrap_err();
+        assert!(
+            matches!(&err, DistError::Timeout { waiting_for, seq: 1, .. } if waiting_for == &[1]),
+            "{err}"
+        );
+        let later = first.barrier().unwrap().wait().unwrap_err().to_string();
+        assert!(
+            later.contains("broken") && later.contains("collective #2"),
+            "{later}"
+        );
+    }
+
+    #[test]
+    fn collectives_are_asynchronous_and_complete_when_every_rank_has_issued() {
+        let groups = ThreadProcessGroup::new_group(2).unwrap();
+        let a = Tensor::ones(&[4], DType::F32, Device::Cpu).unwrap();
+        let b = Tensor::ones(&[4], DType::F32, Device::Cpu).unwrap();
+        let work = groups[0].all_reduce(&a, ReduceOp::Sum).unwrap();
+        assert!(
+            !work.wait_timeout(Duration::from_millis(50)).unwrap(),
+            "rank 1 has not issued yet"
+        );
+        assert!(!work.is_completed());
+        groups[1]
+            .all_reduce(&b, ReduceOp::Sum)
+            .unwrap()
+            .wait()
+            .unwrap();
+        work.wait().unwrap();
+        assert!(work.event().is_complete());
+        assert_eq!(a.to_vec::<f32>().unwrap(), vec![2.0; 4]);
+        assert_eq!(work.sequence_number(), 1);
+    }
+
+    #[test]
+    fn dropping_the_last_handle_from_its_own_comm_stream_does_not_deadlock() {
+        let pg = std::sync::Arc::new(ThreadProcessGroup::new_group(1).unwrap().remove(0));
+        let t = Tensor::ones(&[4], DType::F32, Device::Cpu).unwrap();
+        let work = pg.all_reduce(&t, ReduceOp::Sum).unwrap();
+        let stream = pg.comm_stream().clone();
+        let done = tandem_core::Event::pending();
+        let finished = done.clone();
+        stream.enqueue(move || {
+            drop(pg);
+            finished.complete();
+        });
+        assert!(
+            done.wait_timeout(Duration::from_secs(10)),
+            "drop on the comm stream hung"
+        );
+        work.wait().unwrap();
+    }
+}

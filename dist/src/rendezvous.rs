@@ -1,0 +1,483 @@
+//! Rendezvous: reading who this process is from the launcher's environment, and joining the
+//! TCP process group through the store at `MASTER_ADDR:MASTER_PORT`.
+//!
+//! Three launchers are understood, tried in this order:
+//!
+//! * **torchrun / tandem-run**: `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`,
+//!   `MASTER_ADDR`, `MASTER_PORT`. (`LOCAL_RANK`/`LOCAL_WORLD_SIZE` may both be absent, as in
+//!   a hand-written single-node launch; they then default to `RANK`/`WORLD_SIZE`.)
+//! * **SLURM** (`srun`): `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`, and
+//!   `SLURM_NTASKS_PER_NODE` or else `SLURM_TASKS_PER_NODE` with `SLURM_NODEID` for the local
+//!   world size; `MASTER_ADDR`/`MASTER_PORT` must be exported by the job script.
+//! * **Open MPI** (`mpirun`): `OMPI_COMM_WORLD_RANK`, `OMPI_COMM_WORLD_SIZE`,
+//!   `OMPI_COMM_WORLD_LOCAL_RANK`, `OMPI_COMM_WORLD_LOCAL_SIZE`, plus `MASTER_ADDR`/`MASTER_PORT`.
+//!
+//! A missing or malformed variable is an error naming it. Parsing is a pure function over a
+//! map ([`LaunchEnv::from_map`]) so it can be tested; [`LaunchEnv::from_process_env`] wraps it.
+//!
+//! Who serves the store: rank 0, unless `TANDEM_STORE_HOSTED=1` says the launcher already does
+//! (`tandem-run` serves it and sets that variable). Under torchrun, whose own agent store
+//! (a different protocol) occupies `MASTER_PORT` when `TORCHELASTIC_USE_AGENT_STORE=True`,
+//! rank 0 serves tandem's store on `MASTER_PORT + 1`.
+
+use std::collections::HashMap;
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, ToSocketAddrs};
+use std::str::FromStr;
+use std::sync::Arc;
+
+use crate::process_group::tcp::TcpProcessGroup;
+use crate::process_group::GroupConfig;
+use crate::store::{StoreServer, TcpStore};
+use crate::{DistError, Result};
+
+/// Set to `1` by a launcher that serves the rendezvous store itself (so rank 0 must not).
+pub const STORE_HOSTED_VAR: &str = "TANDEM_STORE_HOSTED";
+
+/// Which launcher's variables described this process.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EnvSource {
+    /// `RANK`, `WORLD_SIZE`, … as set by torchrun and tandem-run.
+    Torchrun,
+    /// `SLURM_PROCID`, `SLURM_NTASKS`, … as set by `srun`.
+    Slurm,
+    /// `OMPI_COMM_WORLD_RANK`, … as set by Open MPI's `mpirun`.
+    OpenMpi,
+}
+
+/// Who this process is in the job, and where the rendezvous store is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LaunchEnv {
+    /// Global rank, in `0..world_size`.
+    pub rank: usize,
+    /// Number of ranks in the job.
+    pub world_size: usize,
+    /// Rank among the processes on this node (selects the device).
+    pub local_rank: usize,
+    /// Number of ranks on this node.
+    pub local_world_size: usize,
+    /// Host of the rendezvous store.
+    pub master_addr: String,
+    /// `MASTER_PORT` as given.
+    pub master_port: u16,
+    /// The port tandem's store listens on (`master_port`, or `master_port + 1` under
+    /// torchrun's agent store).
+    pub store_port: u16,
+    /// Whether a launcher already serves the store (rank 0 then only connects to it).
+    pub store_hosted: bool,
+    /// Which launcher's variables were read.
+    pub source: EnvSource,
+}
+
+fn get<'a>(env: &'a HashMap<String, String>, name: &str) -> Option<&'a str> {
+    env.get(name).map(|s| s.trim())
+}
+
+fn required<'a>(env: &'a HashMap<String, String>, name: &str, hint: &str) -> Result<&'a str> {
+    match get(env, name) {
+        Some(v) if !v.is_empty() => Ok(v),
+        Some(_) => Err(DistError::env(name, format!("is empty; {hint}"))),
+        None => Err(DistError::env(name, format!("is not set; {hint}"))),
+    }
+}
+
+fn number<T: FromStr>(env: &HashMap<String, String>, name: &str, hint: &str) -> Result<T> {
+    let v = required(env, name, hint)?;
+    v.parse()
+        .map_err(|_| DistError::env(name, format!("{v:?} is not a valid number")))
+}
+
+const MASTER_HINT: &str =
+    "set MASTER_ADDR and MASTER_PORT to the host and a free port of the node running rank 0 \
+     (tandem-run and torchrun set them)";
+
+/// `SLURM_TASKS_PER_NODE` is a compressed list like `4(x2),3`: node `node` gets which count?
+fn slurm_tasks_on_node(list: &str, node: usize) -> Option<usize> {
+    let mut seen = 0;
+    for part in list.split(',') {
+        let (count, repeat) = match part.split_once("(x") {
+            Some((c, r)) => (c.parse().ok()?, r.strip_suffix(')')?.parse::<usize>().ok()?),
+            None => (part.parse().ok()?, 1),
+        };
+        if node < seen + repeat {
+            return Some(count);
+        }
+        seen += repeat;
+    }
+    None
+}
+
+impl LaunchEnv {
+    /// Reads the launch environment from `env` (variable name → value). Pure: use it to test,
+    /// or to describe a process other than this one.
+    pub fn from_map(env: &HashMap<String, String>) -> Result<Self> {
+        let (source, rank, world_size, local_rank, local_world_size) = if get(env, "RANK").is_some()
+        {
+            let hint =
+                "torchrun and tandem-run set RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE";
+            let rank = number(env, "RANK", hint)?;
+            let world = number(env, "WORLD_SIZE", hint)?;
+            let (local_rank, local_world) =
+                match (get(env, "LOCAL_RANK"), get(env, "LOCAL_WORLD_SIZE")) {
+                    (None, None) => (rank, world),
+                    _ => (
+                        number(env, "LOCAL_RANK", hint)?,
+                        number(env, "LOCAL_WORLD_SIZE", hint)?,
+                    ),
+                };
+            (EnvSource::Torchrun, rank, world, local_rank, local_world)
+        } else if get(env, "SLURM_PROCID").is_some() {
+            let hint = "run the program with srun inside a SLURM allocation";
+            let rank = number(env, "SLURM_PROCID", hint)?;
+            let world = if get(env, "SLURM_NTASKS").is_none() && get(env, "SLURM_NPROCS").is_some()
+            {
+                number(env, "SLURM_NPROCS", hint)?
+            } else {
+                number(env, "SLURM_NTASKS", hint)?
+            };
+            let local_rank = number(env, "SLURM_LOCALID", hint)?;
+            let local_world = if get(env, "SLURM_NTASKS_PER_NODE").is_some() {
+                number(env, "SLURM_NTASKS_PER_NODE", hint)?
+            } else {
+                let list = required(env, "SLURM_TASKS_PER_NODE", hint)?;
+                let node: usize = number(env, "SLURM_NODEID", hint)?;
+                slurm_tasks_on_node(list, node).ok_or_else(|| {
+                    DistError::env(
+                        "SLURM_TASKS_PER_NODE",
+                        format!("{list:?} does not give a task count for node {node}"),
+                    )
+                })?
+            };
+            (EnvSource::Slurm, rank, world, local_rank, local_world)
+        } else if get(env, "OMPI_COMM_WORLD_RANK").is_some() {
+            let hint = "run the program with Open MPI's mpirun";
+            (
+                EnvSource::OpenMpi,
+                number(env, "OMPI_COMM_WORLD_RANK", hint)?,
+                number(env, "OMPI_COMM_WORLD_SIZE", hint)?,
+                number(env, "OMPI_COMM_WORLD_LOCAL_RANK", hint)?,
+                number(env, "OMPI_COMM_WORLD_LOCAL_SIZE", hint)?,
+            )
+        } else {
+            return Err(DistError::env(
+                "RANK",
+                "is not set, and neither are SLURM_PROCID nor OMPI_COMM_WORLD_RANK; start the \
+                 program with tandem-run (or torchrun, srun, mpirun), or set RANK, WORLD_SIZE, \
+                 MASTER_ADDR and MASTER_PORT",
+            ));
+        };
+        let (rank_var, world_var) = match source {
+            EnvSource::Torchrun => ("RANK", "WORLD_SIZE"),
+            EnvSource::Slurm => ("SLURM_PROCID", "SLURM_NTASKS"),
+            EnvSource::OpenMpi => ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+        };
+        if world_size == 0 {
+            return Err(DistError::env(
+                world_var,
+                "is 0; a job needs at least one rank",
+            ));
+        }
+        if rank >= world_size {
+            return Err(DistError::env(
+                rank_var,
+                format!("is {rank}, not below the world size {world_size}"),
+            ));
+        }
+        if local_world_size == 0 || local_rank >= local_world_size || local_world_size > world_size
+        {
+            return Err(DistError::env(
+                match source {
+                    EnvSource::Torchrun => "LOCAL_RANK",
+                    EnvSource::Slurm => "SLURM_LOCALID",
+                    EnvSource::OpenMpi => "OMPI_COMM_WORLD_LOCAL_RANK",
+                },
+                format!(
+                    "local rank {local_rank} of {local_world_size} on this node is inconsistent \
+                     (world size {world_size})"
+                ),
+            ));
+        }
+        let master_addr = required(env, "MASTER_ADDR", MASTER_HINT)?.to_string();
+        let master_port: u16 = number(env, "MASTER_PORT", MASTER_HINT)?;
+        if master_port == 0 {
+            return Err(DistError::env(
+                "MASTER_PORT",
+                "is 0; give the port the store listens on",
+            ));
+        }
+        let store_hosted = match get(env, STORE_HOSTED_VAR) {
+            None | Some("") | Some("0") => false,
+            Some("1") => true,
+            Some(other) => {
+                return Err(DistError::env(
+                    STORE_HOSTED_VAR,
+                    format!("{other:?} is not 0 or 1"),
+                ))
+            }
+        };
+        let agent_store = source == EnvSource::Torchrun
+            && matches!(
+                get(env, "TORCHELASTIC_USE_AGENT_STORE"),
+                Some("True" | "true" | "1")
+            );
+        let store_port = if agent_store && !store_hosted {
+            master_port.checked_add(1).ok_or_else(|| {
+                DistError::env(
+                    "MASTER_PORT",
+                    "is 65535; tandem needs the next port too under torchrun",
+                )
+            })?
+        } else {
+            master_port
+        };
+        Ok(LaunchEnv {
+            rank,
+            world_size,
+            local_rank,
+            local_world_size,
+            master_addr,
+            master_port,
+            store_port,
+            store_hosted,
+            source,
+        })
+    }
+
+    /// Reads this process's launch environment.
+    pub fn from_process_env() -> Result<Self> {
+        let env: HashMap<String, String> = std::env::vars_os()
+            .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
+            .collect();
+        Self::from_map(&env)
+    }
+
+    /// `host:port` of tandem's rendezvous store.
+    pub fn store_addr(&self) -> String {
+        if self.master_addr.contains(':') && !self.master_addr.starts_with('[') {
+            format!("[{}]:{}", self.master_addr, self.store_port)
+        } else {
+            format!("{}:{}", self.master_addr, self.store_port)
+        }
+    }
+}
+
+/// Joins the job's TCP process group as described by the environment, with the default
+/// [`GroupConfig`]. Blocks until every rank has joined.
+pub fn init_from_env() -> Result<Arc<TcpProcessGroup>> {
+    init_from_env_with(GroupConfig::default())
+}
+
+/// [`init_from_env`] with a configuration (timeouts, thresholds).
+pub fn init_from_env_with(config: GroupConfig) -> Result<Arc<TcpProcessGroup>> {
+    init_process_group(&LaunchEnv::from_process_env()?, config).map(Arc::new)
+}
+
+/// Joins the TCP process group described by `env`: rank 0 serves the store (unless a launcher
+/// does), every rank connects to it, then the ranks connect to each other.
+pub fn init_process_group(env: &LaunchEnv, config: GroupConfig) -> Result<TcpProcessGroup> {
+    let addr = env.store_addr();
+    let server = if env.rank == 0 && !env.store_hosted {
+        // Listen on every interface of the family MASTER_ADDR resolves to.
+        let v6 = addr
+            .to_socket_addrs()
+            .ok()
+            .and_then(|mut a| a.next())
+            .is_some_and(|a: SocketAddr| a.is_ipv6());
+        let bind = if v6 {
+            SocketAddr::from((Ipv6Addr::UNSPECIFIED, env.store_port))
+        } else {
+            SocketAddr::from((Ipv4Addr::UNSPECIFIED, env.store_port))
+        };
+        Some(StoreServer::bind(bind)?)
+    } else {
+        None
+    };
+    let store = Arc::new(TcpStore::connect(&addr, config.connect_timeout)?);
+    TcpProcessGroup::connect_with_server(store, env.rank, env.world_size, config, server)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn map(pairs: &[(&str, &str)]) -> HashMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    const MASTER: [(&str, &str); 2] = [("MASTER_ADDR", "10.0.0.1"), ("MASTER_PORT", "29500")];
+
+    #[test]
+    fn torchrun_variables_are_read() {
+        let mut pairs = vec![
+            ("RANK", "5"),
+            ("WORLD_SIZE", "8"),
+            ("LOCAL_RANK", "1"),
+            ("LOCAL_WORLD_SIZE", "4"),
+        ];
+        pairs.extend(MASTER);
+        let env = LaunchEnv::from_map(&map(&pairs)).unwrap();
+        assert_eq!(
+            (
+                env.rank,
+                env.world_size,
+                env.local_rank,
+                env.local_world_size
+            ),
+            (5, 8, 1, 4)
+        );
+        assert_eq!(env.store_addr(), "10.0.0.1:29500");
+        assert_eq!(env.source, EnvSource::Torchrun);
+        assert!(!env.store_hosted);
+    }
+
+    #[test]
+    fn local_variables_default_only_when_both_are_absent() {
+        let mut pairs = vec![("RANK", "1"), ("WORLD_SIZE", "2")];
+        pairs.extend(MASTER);
+        let env = LaunchEnv::from_map(&map(&pairs)).unwrap();
+        assert_eq!((env.local_rank, env.local_world_size), (1, 2));
+        pairs.push(("LOCAL_RANK", "1"));
+        let err = LaunchEnv::from_map(&map(&pairs)).unwrap_err().to_string();
+        assert!(err.contains("LOCAL_WORLD_SIZE"), "{err}");
+    }
+
+    #[test]
+    fn slurm_variables_are_read_including_compressed_task_lists() {
+        let mut pairs = vec![
+            ("SLURM_PROCID", "6"),
+            ("SLURM_NTASKS", "7"),
+            ("SLURM_LOCALID", "0"),
+            ("SLURM_NODEID", "2"),
+            ("SLURM_TASKS_PER_NODE", "2(x2),3"),
+        ];
+        pairs.extend(MASTER);
+        let env = LaunchEnv::from_map(&map(&pairs)).unwrap();
+        assert_eq!(
+            (
+                env.rank,
+                env.world_size,
+                env.local_rank,
+                env.local_world_size
+            ),
+            (6, 7, 0, 3)
+        );
+        assert_eq!(env.source, EnvSource::Slurm);
+        pairs.push(("SLURM_NTASKS_PER_NODE", "2"));
+        assert_eq!(
+            LaunchEnv::from_map(&map(&pairs)).unwrap().local_world_size,
+            2
+        );
+        assert_eq!(slurm_tasks_on_node("4(x2),3", 1), Some(4));
+        assert_eq!(slurm_tasks_on_node("4(x2),3", 3), None);
+        assert_eq!(slurm_tasks_on_node("garbage", 0), None);
+    }
+
+    #[test]
+    fn open_mpi_variables_are_read() {
+        let mut pairs = vec![
+            ("OMPI_COMM_WORLD_RANK", "3"),
+            ("OMPI_COMM_WORLD_SIZE", "4"),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
+        ];
+        pairs.extend(MASTER);
+        let env = LaunchEnv::from_map(&map(&pairs)).unwrap();
+        assert_eq!(
+            (
+                env.rank,
+                env.world_size,
+                env.local_rank,
+                env.local_world_size
+            ),
+            (3, 4, 1, 2)
+        );
+        assert_eq!(env.source, EnvSource::OpenMpi);
+    }
+
+    #[test]
+    fn missing_and_malformed_variables_are_named() {
+        let cases: Vec<(Vec<(&str, &str)>, &str)> = vec![
+            (vec![], "RANK"),
+            (vec![("RANK", "0")], "WORLD_SIZE"),
+            (vec![("RANK", "zero"), ("WORLD_SIZE", "2")], "RANK"),
+            (vec![("RANK", "2"), ("WORLD_SIZE", "2")], "RANK"),
+            (vec![("RANK", "0"), ("WORLD_SIZE", "0")], "WORLD_SIZE"),
+            (
+                vec![("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h")],
+                "MASTER_PORT",
+            ),
+            (
+                vec![("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "1")],
+                "MASTER_ADDR",
+            ),
+            (
+                vec![
+                    ("RANK", "0"),
+                    ("WORLD_SIZE", "2"),
+                    ("MASTER_ADDR", "h"),
+                    ("MASTER_PORT", "70000"),
+                ],
+                "MASTER_PORT",
+            ),
+            (
+                vec![("SLURM_PROCID", "0"), ("SLURM_NTASKS", "2")],
+                "SLURM_LOCALID",
+            ),
+            (
+                vec![
+                    ("SLURM_PROCID", "0"),
+                    ("SLURM_NTASKS", "2"),
+                    ("SLURM_LOCALID", "0"),
+                ],
+                "SLURM_TASKS_PER_NODE",
+            ),
+            (
+                vec![("OMPI_COMM_WORLD_RANK", "0"), ("OMPI_COMM_WORLD_SIZE", "x")],
+                "OMPI_COMM_WORLD_SIZE",
+            ),
+        ];
+        for (pairs, name) in cases {
+            let err = LaunchEnv::from_map(&map(&pairs)).unwrap_err();
+            assert!(
+                matches!(&err, DistError::Env { name: n, .. } if n == name),
+                "{pairs:?}: expected {name}, got {err}"
+            );
+        }
+    }
+
+    #[test]
+    fn launcher_hosted_and_torchrun_agent_stores_are_respected() {
+        let mut pairs = vec![("RANK", "0"), ("WORLD_SIZE", "2"), (STORE_HOSTED_VAR, "1")];
+        pairs.extend(MASTER);
+        assert!(LaunchEnv::from_map(&map(&pairs)).unwrap().store_hosted);
+        pairs[2] = ("TORCHELASTIC_USE_AGENT_STORE", "True");
+        let env = LaunchEnv::from_map(&map(&pairs)).unwrap();
+        assert_eq!((env.master_port, env.store_port), (29500, 29501));
+        pairs.push((STORE_HOSTED_VAR, "maybe"));
+        assert!(LaunchEnv::from_map(&map(&pairs))
+            .unwrap_err()
+            .to_string()
+            .contains(STORE_HOSTED_VAR));
+    }
+
+    #[test]
+    fn ipv6_master_addresses_are_bracketed() {
+        let mut pairs = vec![
+            ("RANK", "0"),
+            ("WORLD_SIZE", "1"),
+            ("MASTER_ADDR", "::1"),
+            ("MASTER_PORT", "1234"),
+        ];
+        assert_eq!(
+            LaunchEnv::from_map(&map(&pairs)).unwrap().store_addr(),
+            "[::1]:1234"
+        );
+        pairs[2] = ("MASTER_ADDR", "localhost");
+        assert_eq!(
+            LaunchEnv::from_map(&map(&pairs)).unwrap().store_addr(),
+            "localhost:1234"
+        );
+    }
+}

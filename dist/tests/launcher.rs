@@ -1,0 +1,127 @@
+//! `tandem-run` end to end: a 4-rank tandem program runs to completion, output is labelled by
+//! rank, a failing rank stops the job and is named, and termination is forwarded to the ranks.
+
+mod common;
+
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+#[test]
+fn worker() {
+    common::worker_main();
+}
+
+fn tandem_run(args: &[&str], env: &[(&str, &str)]) -> (Output, Duration) {
+    let started = Instant::now();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tandem-run"));
+    cmd.args(args).stdin(Stdio::null());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().expect("run tandem-run");
+    (out, started.elapsed())
+}
+
+#[test]
+fn launcher_runs_a_four_rank_program_to_completion() {
+    let exe = std::env::current_exe().unwrap();
+    let mut args = vec!["--nproc-per-node", "4", "--"];
+    args.push(exe.to_str().unwrap());
+    let worker_args = common::worker_args();
+    args.extend(worker_args.iter().map(String::as_str));
+    let (out, _) = tandem_run(&args, &[(common::WORKER_VAR, "sum")]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}: {stdout}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for rank in 0..4 {
+        // (libtest's own "test worker ... " may precede the worker's words on the line.)
+        let prefix = format!("[rank {rank}] ");
+        assert!(
+            stdout
+                .lines()
+                .any(|l| l.starts_with(&prefix) && l.ends_with("all_reduce ok: sum of ranks = 6")),
+            "{stdout}"
+        );
+    }
+}
+
+#[test]
+fn launcher_prefixes_every_line_with_its_rank() {
+    let script = "echo hello from $RANK of $WORLD_SIZE; echo local $LOCAL_RANK >&2";
+    let (out, _) = tandem_run(&["--nproc-per-node", "3", "sh", "-c", script], &[]);
+    assert!(out.status.success());
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    for rank in 0..3 {
+        assert!(
+            stdout
+                .lines()
+                .any(|l| l == format!("[rank {rank}] hello from {rank} of 3")),
+            "{stdout}"
+        );
+        assert!(
+            stderr
+                .lines()
+                .any(|l| l == format!("[rank {rank}] local {rank}")),
+            "{stderr}"
+        );
+    }
+}
+
+#[test]
+fn launcher_stops_the_job_and_names_the_rank_that_failed() {
+    let script = r#"if [ "$RANK" = 2 ]; then exit 3; fi; exec sleep 60"#;
+    let (out, elapsed) = tandem_run(&["--nproc-per-node", "4", "--", "sh", "-c", script], &[]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{stderr}");
+    assert!(
+        stderr.contains("rank 2 failed with exit status 3"),
+        "{stderr}"
+    );
+    assert!(
+        elapsed < Duration::from_secs(20),
+        "the other ranks were not stopped: {elapsed:?}"
+    );
+}
+
+#[test]
+fn launcher_forwards_termination_to_the_ranks() {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tandem-run"))
+        .args([
+            "--nproc-per-node",
+            "2",
+            "--",
+            "sh",
+            "-c",
+            "echo up; exec sleep 60",
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Wait until both ranks run, then terminate the launcher only.
+    let mut stdout = child.stdout.take().unwrap();
+    let mut seen = String::new();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while seen.matches("up").count() < 2 && Instant::now() < deadline {
+        let mut buf = [0u8; 256];
+        let n = std::io::Read::read(&mut stdout, &mut buf).unwrap();
+        seen.push_str(&String::from_utf8_lossy(&buf[..n]));
+    }
+    let started = Instant::now();
+    // SAFETY: kill(2) has no memory-safety preconditions; the pid is our running child.
+    let rc = unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+    assert_eq!(rc, 0);
+    let status = child.wait().unwrap();
+    assert!(started.elapsed() < Duration::from_secs(10));
+    assert_eq!(
+        status.code(),
+        Some(128 + 15),
+        "launcher exit status {status}"
+    );
+}
