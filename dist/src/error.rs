@@ -185,6 +185,48 @@ pub enum DistError {
         message: String,
     },
 
+    /// DistributedDataParallel found that the ranks hold different models.
+    #[error("rank {rank}: DistributedDataParallel: the model differs across ranks: {detail}")]
+    ModelMismatch {
+        /// The reporting rank.
+        rank: usize,
+        /// The first difference, naming the ranks and the parameter.
+        detail: String,
+    },
+
+    /// The previous backward produced no gradient for some parameters, so their buckets could
+    /// not be reduced.
+    #[error(
+        "rank {rank}: DistributedDataParallel: the previous backward produced no gradient for {}; \
+         if parts of the model are legitimately unused in some iterations, set \
+         DdpConfig::find_unused_parameters = true; otherwise make every parameter take part in the loss",
+        paths.iter().map(|p| format!("`{p}`")).collect::<Vec<_>>().join(", ")
+    )]
+    UnusedParameters {
+        /// The reporting rank.
+        rank: usize,
+        /// Module paths of the parameters without gradient.
+        paths: Vec<String>,
+    },
+
+    /// A parameter's gradient became ready twice in one backward.
+    #[error("rank {rank}: DistributedDataParallel: the gradient of `{path}` arrived twice in one backward")]
+    GradientReadyTwice {
+        /// The reporting rank.
+        rank: usize,
+        /// The parameter's module path.
+        path: String,
+    },
+
+    /// The wrapped model (or the tensor layer under it) failed.
+    #[error("rank {rank}: {detail}")]
+    Model {
+        /// The reporting rank.
+        rank: usize,
+        /// What failed.
+        detail: String,
+    },
+
     /// An error from the tensor layer while reading or writing a collective's tensors.
     #[error("rank {rank}: {collective}: {message}")]
     Tensor {

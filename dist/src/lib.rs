@@ -69,18 +69,28 @@
 //! ranks with the environment set, serves the store, prefixes each rank's output with
 //! `[rank K] `, and stops the whole job when one rank fails, naming it.
 
+pub mod ddp;
 pub mod error;
 pub mod launch;
 pub mod process_group;
+pub mod reducer;
 pub mod rendezvous;
+pub mod sampler;
 pub mod store;
+pub mod sync_batch_norm;
 pub mod testing;
 
+pub use ddp::{DdpConfig, DistributedDataParallel};
 pub use error::{DistError, Result};
 pub use process_group::tcp::TcpProcessGroup;
 pub use process_group::threads::ThreadProcessGroup;
 pub use process_group::{
     CollectiveDesc, CollectiveKind, GroupConfig, ProcessGroup, ReduceOp, Work,
 };
+pub use reducer::comm_hook::{AllReduceHook, BucketReduction, CommHook, CompressionHook};
+pub use reducer::telemetry::{BucketTiming, OverlapSummary, StepTiming, Telemetry};
+pub use reducer::{GradReduction, LaunchRecord};
 pub use rendezvous::{init_from_env, init_from_env_with, init_process_group, EnvSource, LaunchEnv};
+pub use sampler::DistributedSampler;
 pub use store::{StoreServer, TcpStore};
+pub use sync_batch_norm::{convert_sync_batch_norm, SyncBatchNorm};

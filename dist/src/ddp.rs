@@ -1,0 +1,281 @@
+//! `DistributedDataParallel`: the user-facing wrapper that makes a model train on many ranks.
+//!
+//! ```text
+//! rank r:  forward ──► loss ──► backward: grads of layer L, L-1, … , 1
+//!                                    │ gradient-ready events
+//!                                    ▼
+//!          Reducer: scale grad by 1/world in its bucket slot; bucket full ──► all-reduce on
+//!                   the comm stream while backward goes on
+//!          backward finished ──► wait for the buckets still in flight
+//!                                    ▼
+//!          optimizer.step() reads averaged gradients (views into the buckets)
+//! ```
+//!
+//! **Averaging.** Gradients are averaged over ranks by default ([`GradReduction::Mean`]): with
+//! a mean-reduced loss and a global batch B split into B/N per rank, the averaged gradient is
+//! exactly the gradient one process computes on the whole batch B, so the single-process
+//! learning rate stays right. `GradReduction::Sum` is an explicit choice and makes gradients N
+//! times larger. With a sum-reduced loss, `Mean` yields the full-batch sum divided by N.
+//!
+//! **When synchronisation happens.** During backward, bucket by bucket, in reverse layer order
+//! (the order gradients become ready); backward's end waits only for what is still in flight.
+//!
+//! **BatchNorm.** Plain BatchNorm under DDP normalises each rank's B/N samples with that
+//! rank's own statistics — not what one process with batch B computes. Use
+//! [`SyncBatchNorm`](crate::SyncBatchNorm) (see [`convert_sync_batch_norm`](crate::convert_sync_batch_norm))
+//! for statistics over the global batch. Buffers (running statistics) are broadcast from rank
+//! 0 before every forward unless [`DdpConfig::broadcast_buffers`] is off.
+
+use std::sync::Arc;
+
+use tandem_core::{Device, Tensor};
+use tandem_nn::Module;
+
+use crate::reducer::comm_hook::CommHook;
+use crate::reducer::telemetry::Telemetry;
+use crate::reducer::{GradReduction, LaunchRecord, Reducer, ReducerConfig};
+use crate::{DistError, ProcessGroup, ReduceOp, Result};
+
+/// Settings of [`DistributedDataParallel`]; every rank must use the same.
+#[derive(Clone)]
+pub struct DdpConfig {
+    /// How gradients are combined across ranks. Default: [`GradReduction::Mean`].
+    pub reduction: GradReduction,
+    /// Largest bucket, in MiB. Default: 25.
+    pub bucket_cap_mb: f64,
+    /// Largest first bucket (the last layers' gradients), in MiB, so that communication
+    /// starts early. Default: 1.
+    pub first_bucket_mb: f64,
+    /// Broadcast buffers (BatchNorm running statistics) from rank 0 before each forward.
+    /// Default: true.
+    pub broadcast_buffers: bool,
+    /// Treat parameters that a backward did not reach as ready with a zero contribution, so
+    /// models with conditional branches train. Default: false (such a parameter makes the next
+    /// forward fail with an error naming it).
+    pub find_unused_parameters: bool,
+    /// After the first iteration, rebuild buckets in the order gradients actually became ready
+    /// (rank 0's order is broadcast). Default: true.
+    pub rebuild_buckets: bool,
+    /// Replaces each bucket's all-reduce (for example [`CompressionHook::bf16`](crate::CompressionHook::bf16)).
+    /// Default: none (plain all-reduce).
+    pub comm_hook: Option<Arc<dyn CommHook>>,
+}
+
+impl Default for DdpConfig {
+    fn default() -> Self {
+        DdpConfig {
+            reduction: GradReduction::Mean,
+            bucket_cap_mb: 25.0,
+            first_bucket_mb: 1.0,
+            broadcast_buffers: true,
+            find_unused_parameters: false,
+            rebuild_buckets: true,
+            comm_hook: None,
+        }
+    }
+}
+
+/// A model replicated on every rank whose gradients are averaged during backward.
+pub struct DistributedDataParallel {
+    module: Arc<dyn Module>,
+    group: Arc<dyn ProcessGroup>,
+    reducer: Arc<Reducer>,
+    buffers: Vec<(String, Tensor)>,
+    config: DdpConfig,
+}
+
+impl DistributedDataParallel {
+    /// Wraps `module`: checks that every rank holds the same parameter names and shapes,
+    /// broadcasts parameters and buffers from rank 0, and sets up the buckets and hooks.
+    pub fn new(
+        module: Arc<dyn Module>,
+        group: Arc<dyn ProcessGroup>,
+        config: DdpConfig,
+    ) -> Result<Self> {
+        let rank = group.rank();
+        if !(config.bucket_cap_mb > 0.0 && config.first_bucket_mb > 0.0) {
+            return Err(DistError::Model {
+                rank,
+                detail: format!(
+                    "DdpConfig: bucket_cap_mb ({}) and first_bucket_mb ({}) must be positive",
+                    config.bucket_cap_mb, config.first_bucket_mb
+                ),
+            });
+        }
+        let params = module.named_parameters();
+        let buffers = module.named_buffers();
+        for (path, p) in &params {
+            if p.device() != Device::Cpu || !p.is_contiguous() {
+                return Err(DistError::Model {
+                    rank,
+                    detail: format!(
+                        "parameter `{path}` must be a contiguous CPU tensor for this backend"
+                    ),
+                });
+            }
+        }
+        check_same_model(group.as_ref(), &params, &buffers)?;
+        // Every rank starts from rank 0's values.
+        let mut works = Vec::new();
+        for (_, t) in params.iter().chain(&buffers) {
+            works.push(group.broadcast(t, 0)?);
+        }
+        for w in works {
+            w.wait()?;
+        }
+        let mib = |m: f64| ((m * (1 << 20) as f64) as usize).max(1);
+        let reducer = Reducer::new(
+            group.clone(),
+            params,
+            ReducerConfig {
+                reduction: config.reduction,
+                bucket_cap_bytes: mib(config.bucket_cap_mb),
+                first_bucket_bytes: mib(config.first_bucket_mb),
+                find_unused_parameters: config.find_unused_parameters,
+                rebuild_buckets: config.rebuild_buckets,
+                comm_hook: config.comm_hook.clone(),
+            },
+        )?;
+        Ok(DistributedDataParallel {
+            module,
+            group,
+            reducer,
+            buffers,
+            config,
+        })
+    }
+
+    /// Runs the wrapped module's forward. Reports parameters the previous backward did not
+    /// reach, rebuilds buckets after the first iteration, and broadcasts buffers from rank 0.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let rank = self.group.rank();
+        self.reducer.prepare_forward()?;
+        if self.config.broadcast_buffers && self.group.world_size() > 1 && !self.buffers.is_empty()
+        {
+            let mut works = Vec::with_capacity(self.buffers.len());
+            for (_, b) in &self.buffers {
+                works.push(self.group.broadcast(b, 0)?);
+            }
+            for w in works {
+                w.wait()?;
+            }
+        }
+        let out = self.module.forward(x).map_err(|e| DistError::Model {
+            rank,
+            detail: e.to_string(),
+        })?;
+        self.reducer.mark_forward_end();
+        Ok(out)
+    }
+
+    /// Runs `f` (typically forward and backward of a micro-batch) without synchronising:
+    /// gradients accumulate locally, and the next synchronised backward reduces the
+    /// accumulated sum. Use it for gradient accumulation.
+    pub fn no_sync<R>(&self, f: impl FnOnce() -> R) -> R {
+        let previous = self.reducer.is_sync();
+        self.reducer.set_sync(false);
+        let out = f();
+        self.reducer.set_sync(previous);
+        out
+    }
+
+    /// The wrapped module.
+    pub fn module(&self) -> &Arc<dyn Module> {
+        &self.module
+    }
+
+    /// The process group.
+    pub fn group(&self) -> &Arc<dyn ProcessGroup> {
+        &self.group
+    }
+
+    /// Per-step overlap telemetry.
+    pub fn telemetry(&self) -> Telemetry {
+        self.reducer.telemetry()
+    }
+
+    /// The current buckets, as parameter paths, in launch order.
+    pub fn bucket_layout(&self) -> Vec<Vec<String>> {
+        self.reducer.bucket_layout()
+    }
+
+    /// Every bucket launch so far (bucket index, and whether it was issued while backward was
+    /// still computing).
+    pub fn launch_log(&self) -> Vec<LaunchRecord> {
+        self.reducer.launch_log()
+    }
+}
+
+impl Drop for DistributedDataParallel {
+    fn drop(&mut self) {
+        self.reducer.detach();
+    }
+}
+
+/// Checks that every rank has the same parameter and buffer names, shapes and dtypes. Rank 0's
+/// description is broadcast; each rank compares and the ranks' verdicts are gathered, so every
+/// rank fails with an error naming the first rank that differs and the first difference.
+fn check_same_model(
+    group: &dyn ProcessGroup,
+    params: &[(String, Tensor)],
+    buffers: &[(String, Tensor)],
+) -> Result<()> {
+    let rank = group.rank();
+    let world = group.world_size();
+    if world == 1 {
+        return Ok(());
+    }
+    let describe = |kind: &str, list: &[(String, Tensor)]| -> Vec<String> {
+        list.iter()
+            .map(|(n, t)| format!("{kind} `{n}` {:?} {}", t.dims(), t.dtype()))
+            .collect()
+    };
+    let mut mine = describe("parameter", params);
+    mine.extend(describe("buffer", buffers));
+    let text = mine.join("\n");
+    let model_err = |e: tandem_core::Error| DistError::Model {
+        rank,
+        detail: e.to_string(),
+    };
+
+    let len = Tensor::from_vec(vec![text.len() as i64], &[1], Device::Cpu).map_err(model_err)?;
+    group.broadcast(&len, 0)?.wait()?;
+    let n = len.to_vec::<i64>().map_err(model_err)?[0].max(0) as usize;
+    let bytes = if rank == 0 {
+        text.as_bytes().to_vec()
+    } else {
+        vec![0u8; n]
+    };
+    let reference = Tensor::from_vec(bytes, &[n], Device::Cpu).map_err(model_err)?;
+    group.broadcast(&reference, 0)?.wait()?;
+    let reference_text =
+        String::from_utf8_lossy(&reference.to_vec::<u8>().map_err(model_err)?).into_owned();
+    let theirs: Vec<&str> = reference_text
+        .split('\n')
+        .filter(|l| !l.is_empty())
+        .collect();
+
+    // Index of this rank's first difference with rank 0 (or -1 when identical).
+    let first_diff = (0..mine.len().max(theirs.len()))
+        .find(|&i| mine.get(i).map(String::as_str) != theirs.get(i).copied())
+        .map_or(-1.0, |i| i as f64);
+    let mut verdicts = vec![0.0f64; world];
+    verdicts[rank] = first_diff;
+    let verdicts = Tensor::from_vec(verdicts, &[world], Device::Cpu).map_err(model_err)?;
+    group.all_reduce(&verdicts, ReduceOp::Sum)?.wait()?;
+    let verdicts = verdicts.to_vec::<f64>().map_err(model_err)?;
+    if let Some((bad_rank, &at)) = verdicts.iter().enumerate().find(|(_, &v)| v >= 0.0) {
+        let at = at as usize;
+        let reference = theirs.get(at).copied().unwrap_or("nothing");
+        let detail = if bad_rank == rank {
+            let ours = mine.get(at).map(String::as_str).unwrap_or("nothing");
+            format!("rank {rank} has {ours} where rank 0 has {reference} (entry #{at})")
+        } else {
+            format!(
+                "rank {bad_rank} differs from rank 0 at entry #{at}, where rank 0 has {reference}"
+            )
+        };
+        return Err(DistError::ModelMismatch { rank, detail });
+    }
+    Ok(())
+}

@@ -1,0 +1,194 @@
+//! Overlap telemetry: when each bucket's all-reduce was issued, started and ended relative to
+//! backward, and how much communication was left exposed after backward's compute finished.
+//!
+//! *Exposed* communication is the time from the end of backward's computation (the moment the
+//! backward-finished hook runs) to the end of the last bucket's reduction: what the step
+//! waits for. Everything else of the communication ran while backward was still computing.
+//! [`Telemetry::write_chrome_trace`] writes the steps as a Chrome trace (open it in Perfetto
+//! or `chrome://tracing`) with one track for compute and one for communication.
+
+use std::fmt::Write as _;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+/// Timing of one bucket's reduction.
+#[derive(Clone, Debug)]
+pub struct BucketTiming {
+    /// Index of the bucket.
+    pub bucket: usize,
+    /// Bytes of the bucket.
+    pub bytes: usize,
+    /// When the reducer issued the collective (on the compute thread).
+    pub issued: Instant,
+    /// When the comm stream started it.
+    pub started: Option<Instant>,
+    /// When the comm stream finished it.
+    pub ended: Option<Instant>,
+}
+
+/// Timing of one synchronised step.
+#[derive(Clone, Debug)]
+pub struct StepTiming {
+    /// When forward returned (backward starts soon after, once the loss is computed).
+    pub forward_end: Instant,
+    /// When backward's computation finished (the backward-finished hook ran).
+    pub backward_compute_end: Instant,
+    /// When the last bucket was reduced.
+    pub comm_end: Instant,
+    /// Every bucket, in launch order.
+    pub buckets: Vec<BucketTiming>,
+}
+
+impl StepTiming {
+    /// Backward computation time (from the end of forward).
+    pub fn backward_compute(&self) -> Duration {
+        self.backward_compute_end
+            .saturating_duration_since(self.forward_end)
+    }
+
+    /// Communication the step waited for after backward's computation.
+    pub fn exposed_comm(&self) -> Duration {
+        self.comm_end
+            .saturating_duration_since(self.backward_compute_end)
+    }
+
+    /// Sum of the buckets' reduction times on the comm stream.
+    pub fn comm_busy(&self) -> Duration {
+        self.buckets
+            .iter()
+            .filter_map(|b| Some(b.ended?.saturating_duration_since(b.started?)))
+            .sum()
+    }
+}
+
+/// Per-step records of a DDP model, most recent last (bounded).
+#[derive(Clone, Debug, Default)]
+pub struct Telemetry {
+    steps: Vec<StepTiming>,
+    dropped: usize,
+}
+
+const MAX_STEPS: usize = 10_000;
+
+impl Telemetry {
+    pub(crate) fn push(&mut self, step: StepTiming) {
+        if self.steps.len() == MAX_STEPS {
+            self.steps.remove(0);
+            self.dropped += 1;
+        }
+        self.steps.push(step);
+    }
+
+    /// The recorded steps.
+    pub fn steps(&self) -> &[StepTiming] {
+        &self.steps
+    }
+
+    /// Summary over the recorded steps.
+    pub fn summary(&self) -> OverlapSummary {
+        let n = self.steps.len();
+        let sum = |f: &dyn Fn(&StepTiming) -> Duration| self.steps.iter().map(f).sum::<Duration>();
+        let comm = sum(&|s| s.comm_busy());
+        let exposed = sum(&|s| s.exposed_comm().min(s.comm_busy()));
+        OverlapSummary {
+            steps: n,
+            backward_compute: sum(&|s| s.backward_compute()),
+            comm,
+            exposed,
+            hidden_fraction: if comm.is_zero() {
+                0.0
+            } else {
+                1.0 - exposed.as_secs_f64() / comm.as_secs_f64()
+            },
+        }
+    }
+
+    /// Writes the steps as a Chrome trace (JSON) to `path`.
+    pub fn write_chrome_trace(&self, path: &Path) -> std::io::Result<()> {
+        let Some(origin) = self.steps.first().map(|s| s.forward_end) else {
+            return std::fs::write(path, "[]");
+        };
+        let us = |t: Instant| t.saturating_duration_since(origin).as_secs_f64() * 1e6;
+        let mut out = String::from("[\n");
+        let mut first = true;
+        let mut event = |name: &str, tid: u32, start: f64, end: f64, out: &mut String| {
+            if !first {
+                out.push_str(",\n");
+            }
+            first = false;
+            let _ = write!(
+                out,
+                r#"{{"name":"{name}","ph":"X","pid":0,"tid":{tid},"ts":{start:.1},"dur":{:.1}}}"#,
+                (end - start).max(0.0)
+            );
+        };
+        for (i, s) in self.steps.iter().enumerate() {
+            event(
+                &format!("backward (step {i})"),
+                0,
+                us(s.forward_end),
+                us(s.backward_compute_end),
+                &mut out,
+            );
+            for b in &s.buckets {
+                if let (Some(st), Some(en)) = (b.started, b.ended) {
+                    event(
+                        &format!("all_reduce bucket {} ({} KiB)", b.bucket, b.bytes >> 10),
+                        1,
+                        us(st),
+                        us(en),
+                        &mut out,
+                    );
+                }
+            }
+            event(
+                &format!("exposed comm (step {i})"),
+                0,
+                us(s.backward_compute_end),
+                us(s.comm_end),
+                &mut out,
+            );
+        }
+        out.push_str("\n]\n");
+        let tmp = path.with_extension("tmp");
+        std::fs::write(&tmp, out)?;
+        std::fs::rename(tmp, path)
+    }
+}
+
+/// Totals over the recorded steps.
+#[derive(Clone, Debug)]
+pub struct OverlapSummary {
+    /// Number of steps.
+    pub steps: usize,
+    /// Total backward computation.
+    pub backward_compute: Duration,
+    /// Total communication (buckets' busy time on the comm stream).
+    pub comm: Duration,
+    /// Total communication the steps waited for after backward's computation.
+    pub exposed: Duration,
+    /// Share of communication hidden behind backward, in [0, 1].
+    pub hidden_fraction: f64,
+}
+
+impl std::fmt::Display for OverlapSummary {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} steps: backward compute {:.1} ms/step, communication {:.1} ms/step, exposed {:.1} ms/step, {:.0}% of communication hidden behind backward",
+            self.steps,
+            per_step(self.backward_compute, self.steps),
+            per_step(self.comm, self.steps),
+            per_step(self.exposed, self.steps),
+            100.0 * self.hidden_fraction.clamp(0.0, 1.0)
+        )
+    }
+}
+
+fn per_step(d: Duration, steps: usize) -> f64 {
+    if steps == 0 {
+        0.0
+    } else {
+        d.as_secs_f64() * 1e3 / steps as f64
+    }
+}

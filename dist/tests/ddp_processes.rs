@@ -1,0 +1,108 @@
+//! DistributedDataParallel with ranks as real processes over TCP on loopback: after five SGD
+//! steps every rank's parameters match one process trained on the full batch, for 2, 4 and 8
+//! processes, with plain all-reduce buckets and with SyncBatchNorm.
+
+mod common;
+mod ddp_common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{Job, WORKER_VAR};
+use ddp_common::*;
+use tandem_dist::{init_process_group, DdpConfig, GroupConfig, LaunchEnv, ProcessGroup};
+
+const STEPS: usize = 5;
+
+/// In a re-executed worker process: trains and prints its final parameters.
+#[test]
+fn worker() {
+    let Ok(mode) = std::env::var(WORKER_VAR) else {
+        return;
+    };
+    let code = match ddp_worker(&mode) {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("worker error: {e}");
+            1
+        }
+    };
+    std::process::exit(code);
+}
+
+fn model_of(mode: &str) -> Result<(Model, bool), String> {
+    match mode {
+        "ddp-mlp" => Ok((Model::Mlp, false)),
+        "ddp-cnn-syncbn" => Ok((Model::CnnBatchNorm, true)),
+        other => Err(format!("unknown worker mode {other}")),
+    }
+}
+
+fn ddp_worker(mode: &str) -> Result<(), String> {
+    let (model, sync_bn) = model_of(mode)?;
+    let env = LaunchEnv::from_process_env().map_err(|e| e.to_string())?;
+    let config = GroupConfig {
+        timeout: Duration::from_secs(60),
+        ..GroupConfig::default()
+    };
+    let group: Arc<dyn ProcessGroup> =
+        Arc::new(init_process_group(&env, config).map_err(|e| e.to_string())?);
+    let rank = group.rank();
+    let config = DdpConfig {
+        bucket_cap_mb: 0.002,
+        first_bucket_mb: 0.001,
+        ..DdpConfig::default()
+    };
+    let (outcome, ddp) = train_ddp(model, rank, group, STEPS, config, sync_bn);
+    for (name, values) in &outcome.final_params {
+        let text: Vec<String> = values.iter().map(|v| v.to_string()).collect();
+        println!("param {name} {}", text.join(","));
+    }
+    println!("buckets {}", ddp.bucket_layout().len());
+    Ok(())
+}
+
+fn parse_params(output: &str) -> Vec<(String, Vec<f32>)> {
+    output
+        .lines()
+        // libtest may print "test worker ... " in front of the first line.
+        .filter_map(|l| l.find("param ").map(|at| &l[at + "param ".len()..]))
+        .map(|l| {
+            let (name, values) = l.split_once(' ').expect("name and values");
+            (
+                name.to_string(),
+                values.split(',').map(|v| v.parse().expect("f32")).collect(),
+            )
+        })
+        .collect()
+}
+
+fn check(mode: &str, model: Model) {
+    let want = reference(model, STEPS, 1);
+    for world in [2, 4, 8] {
+        let results = Job::start(world, mode).wait(Duration::from_secs(180));
+        for (rank, (status, output)) in results.iter().enumerate() {
+            assert!(
+                status.success(),
+                "{mode}, {world} processes: rank {rank} failed with {status}:\n{output}"
+            );
+            let got = parse_params(output);
+            assert_close(
+                &format!("{mode}, {world} processes, rank {rank}"),
+                &got,
+                &want.final_params,
+                1e-5,
+            );
+        }
+    }
+}
+
+#[test]
+fn ddp_over_tcp_processes_matches_single_process_full_batch() {
+    check("ddp-mlp", Model::Mlp);
+}
+
+#[test]
+fn ddp_with_sync_batch_norm_over_tcp_processes_matches_single_process_full_batch() {
+    check("ddp-cnn-syncbn", Model::CnnBatchNorm);
+}
