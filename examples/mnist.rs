@@ -11,6 +11,14 @@
 //!
 //! Defaults: batch 64, SGD with lr 0.02 and momentum 0.9, the learning rate multiplied by 0.3
 //! after each epoch; two epochs reach about 98.8–99.0% test accuracy.
+//!
+//! **Data-parallel.** `--nproc-per-node N` trains with DistributedDataParallel on N local
+//! processes over TCP: the example re-launches itself through `tandem-run`'s launcher, and each
+//! rank joins the group from its environment. When the environment already describes a group
+//! (`tandem-run`, torchrun, SLURM's srun or mpirun set it), the example joins that group
+//! instead. `--batch-size` stays the *global* batch: each rank takes batch / world_size samples
+//! of its own disjoint shard (a `DistributedSampler`), and gradients are averaged, so the
+//! learning rate that suits one process suits N. Rank 0 alone prints and writes the metrics.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -21,7 +29,12 @@ use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use tandem::autograd::{no_grad, TensorBackward};
 use tandem::core::rng::manual_seed;
-use tandem::nn::data::{DataLoader, DataLoaderConfig, Mnist, Split};
+use tandem::dist::launch::{launch, LaunchOptions};
+use tandem::dist::{
+    init_process_group, DdpConfig, DistributedDataParallel, DistributedSampler, GroupConfig,
+    LaunchEnv, ProcessGroup,
+};
+use tandem::nn::data::{DataLoader, DataLoaderConfig, Dataset, Mnist, Split};
 use tandem::nn::loss::{cross_entropy, Reduction};
 use tandem::nn::models::lenet5;
 use tandem::nn::Module;
@@ -61,6 +74,40 @@ struct Args {
     /// Write the results as a JSON object to this file.
     #[arg(long)]
     metrics_out: Option<PathBuf>,
+    /// Train data-parallel on this many local processes (DDP over TCP).
+    #[arg(long, default_value_t = 1)]
+    nproc_per_node: usize,
+}
+
+/// The training side of one rank: the model as the step sees it, and the group if any.
+struct Trainer {
+    model: Arc<dyn Module>,
+    ddp: Option<DistributedDataParallel>,
+}
+
+impl Trainer {
+    fn forward(&self, x: &tandem::core::Tensor) -> Result<tandem::core::Tensor, AnyError> {
+        Ok(match &self.ddp {
+            Some(ddp) => ddp.forward(x)?,
+            None => self.model.forward(x)?,
+        })
+    }
+
+    fn rank(&self) -> usize {
+        self.ddp.as_ref().map_or(0, |d| d.group().rank())
+    }
+
+    fn world_size(&self) -> usize {
+        self.ddp.as_ref().map_or(1, |d| d.group().world_size())
+    }
+}
+
+/// Whether the environment describes a process group this process should join.
+fn group_in_environment() -> bool {
+    let set = |k: &str| std::env::var_os(k).is_some();
+    (set("RANK") && set("WORLD_SIZE"))
+        || (set("SLURM_PROCID") && set("SLURM_NTASKS"))
+        || set("OMPI_COMM_WORLD_RANK")
 }
 
 /// What one epoch produced.
@@ -82,10 +129,44 @@ fn main() -> ExitCode {
 }
 
 fn run(args: Args) -> Result<(), AnyError> {
-    if let Some(threads) = args.threads {
+    let joining = group_in_environment();
+    if args.nproc_per_node > 1 && !joining {
+        // Start N ranks of this same program; each finds the group in its environment.
+        let program = std::env::current_exe()?;
+        let rest: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
+        let report = launch(&LaunchOptions::new(args.nproc_per_node, program, rest))?;
+        if let Some(failed) = report.failed {
+            return Err(format!("rank {} failed: {}", failed.rank, failed.describe()).into());
+        }
+        return Ok(());
+    }
+    let group: Option<Arc<dyn ProcessGroup>> = if joining {
+        let env = LaunchEnv::from_process_env()?;
+        let threads = args.threads.unwrap_or_else(|| {
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            (cores / env.local_world_size.max(1)).max(1)
+        });
         rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .build_global()?;
+        Some(Arc::new(init_process_group(&env, GroupConfig::default())?))
+    } else {
+        if let Some(threads) = args.threads {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build_global()?;
+        }
+        None
+    };
+    let (rank, world) = group
+        .as_ref()
+        .map_or((0, 1), |g| (g.rank(), g.world_size()));
+    if !args.batch_size.is_multiple_of(world) {
+        return Err(format!(
+            "--batch-size {} (the global batch) must be divisible by the world size {world}",
+            args.batch_size
+        )
+        .into());
     }
     let threads = rayon::current_num_threads();
     let data_dir = args
@@ -94,15 +175,24 @@ fn run(args: Args) -> Result<(), AnyError> {
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/mnist"));
     let train_set = Arc::new(Mnist::load(&data_dir, Split::Train)?);
     let test_set = Arc::new(Mnist::load(&data_dir, Split::Test)?);
-    let train = DataLoader::new(
-        train_set,
-        DataLoaderConfig {
-            batch_size: args.batch_size,
-            shuffle: true,
-            seed: args.seed,
-            ..Default::default()
-        },
-    )?;
+    let loader_config = DataLoaderConfig {
+        batch_size: args.batch_size / world,
+        shuffle: true,
+        seed: args.seed,
+        ..Default::default()
+    };
+    let train = match &group {
+        // Each rank its own disjoint shard, reshuffled every epoch from the shared seed.
+        Some(_) => {
+            let sampler = DistributedSampler::new(train_set.len(), world, rank, true, args.seed)?;
+            let config = DataLoaderConfig {
+                shuffle: false,
+                ..loader_config
+            };
+            DataLoader::with_sampler(train_set, Arc::new(sampler), config)?
+        }
+        None => DataLoader::new(train_set, loader_config)?,
+    };
     let test = DataLoader::new(
         test_set,
         DataLoaderConfig {
@@ -112,40 +202,61 @@ fn run(args: Args) -> Result<(), AnyError> {
     )?;
 
     manual_seed(args.seed);
-    let model = lenet5()?;
+    let model: Arc<dyn Module> = Arc::new(lenet5()?);
+    let ddp = match &group {
+        Some(g) => Some(DistributedDataParallel::new(
+            model.clone(),
+            g.clone(),
+            DdpConfig::default(),
+        )?),
+        None => None,
+    };
+    let trainer = Trainer { model, ddp };
     let mut optimizer = Sgd::new(
-        model.parameters(),
+        trainer.model.parameters(),
         SgdConfig::new(args.lr).with_momentum(args.momentum),
     )?;
-    println!(
-        "LeNet-5 ({} parameters) on MNIST: {} epochs, batch {}, lr {} (×{} per epoch), \
-         momentum {}, {} threads",
-        model.num_parameters(),
-        args.epochs,
-        args.batch_size,
-        args.lr,
-        args.lr_decay,
-        args.momentum,
-        threads
-    );
+    let leader = trainer.rank() == 0;
+    if leader {
+        println!(
+            "LeNet-5 ({} parameters) on MNIST: {} epochs, global batch {} ({} per rank × {} ranks), \
+             lr {} (×{} per epoch), momentum {}, {} threads per rank",
+            trainer.model.num_parameters(),
+            args.epochs,
+            args.batch_size,
+            args.batch_size / world,
+            world,
+            args.lr,
+            args.lr_decay,
+            args.momentum,
+            threads
+        );
+    }
 
     let started = Instant::now();
     let mut history = Vec::new();
     for epoch in 1..=args.epochs {
-        let result = train_epoch(&model, &mut optimizer, &train, epoch, args.epochs)?;
-        let test_accuracy = evaluate(&model, &test)?;
+        let result = train_epoch(&trainer, &mut optimizer, &train, epoch, args.epochs)?;
+        // Every rank holds the same parameters; rank 0 alone evaluates and reports.
+        let test_accuracy = if leader {
+            evaluate(trainer.model.as_ref(), &test)?
+        } else {
+            0.0
+        };
         let result = EpochResult {
             test_accuracy,
             ..result
         };
-        println!(
-            "epoch {epoch}/{}: train loss {:.4}, test accuracy {:.2}%, {:.0} images/s, {:.1} s",
-            args.epochs,
-            result.train_loss,
-            100.0 * result.test_accuracy,
-            result.images_per_sec,
-            result.seconds
-        );
+        if leader {
+            println!(
+                "epoch {epoch}/{}: train loss {:.4}, test accuracy {:.2}%, {:.0} images/s, {:.1} s",
+                args.epochs,
+                result.train_loss,
+                100.0 * result.test_accuracy,
+                result.images_per_sec,
+                result.seconds
+            );
+        }
         history.push(result);
         let lr = optimizer.learning_rate() * args.lr_decay;
         optimizer.set_learning_rate(lr)?;
@@ -157,7 +268,13 @@ fn run(args: Args) -> Result<(), AnyError> {
     } else {
         history.iter().map(|r| r.images_per_sec).sum::<f64>() / history.len() as f64
     };
+    if !leader {
+        return Ok(());
+    }
     println!("done in {seconds:.1} s");
+    if let Some(ddp) = &trainer.ddp {
+        println!("overlap: {}", ddp.telemetry().summary());
+    }
 
     if let Some(path) = &args.metrics_out {
         let metrics = serde_json::json!({
@@ -169,6 +286,7 @@ fn run(args: Args) -> Result<(), AnyError> {
             "momentum": args.momentum,
             "seed": args.seed,
             "threads": threads,
+            "world_size": world,
             "test_accuracy": last.map(|r| r.test_accuracy),
             "train_loss": last.map(|r| r.train_loss),
             "images_per_sec": images_per_sec,
@@ -189,14 +307,18 @@ fn run(args: Args) -> Result<(), AnyError> {
 
 /// One pass over the training set; the test accuracy is filled in by the caller.
 fn train_epoch(
-    model: &dyn Module,
+    trainer: &Trainer,
     optimizer: &mut Sgd,
     train: &DataLoader,
     epoch: usize,
     epochs: usize,
 ) -> Result<EpochResult, AnyError> {
-    model.train();
-    let bar = ProgressBar::new(train.len() as u64);
+    trainer.model.train();
+    let bar = if trainer.rank() == 0 {
+        ProgressBar::new(train.len() as u64)
+    } else {
+        ProgressBar::hidden()
+    };
     bar.set_style(
         ProgressStyle::with_template("epoch {prefix} [{bar:30}] {pos}/{len} {msg} ({eta})")?
             .progress_chars("=> "),
@@ -206,14 +328,14 @@ fn train_epoch(
     let (mut loss_sum, mut batches, mut images) = (0.0, 0usize, 0usize);
     for batch in train.epoch(epoch as u64 - 1) {
         let batch = batch?;
-        let logits = model.forward(&batch.inputs)?;
+        let logits = trainer.forward(&batch.inputs)?;
         let loss = cross_entropy(&logits, &batch.targets, Reduction::Mean)?;
         optimizer.zero_grad()?;
         loss.backward()?;
         optimizer.step()?;
         loss_sum += loss.item()?;
         batches += 1;
-        images += batch.targets.numel();
+        images += batch.targets.numel() * trainer.world_size();
         if batches % 20 == 0 {
             let rate = images as f64 / started.elapsed().as_secs_f64();
             bar.set_message(format!(

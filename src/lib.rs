@@ -4,6 +4,7 @@ mod tensor_ext;
 
 pub use tandem_autograd as autograd;
 pub use tandem_core as core;
+pub use tandem_dist as dist;
 pub use tandem_nn as nn;
 pub use tandem_ops as ops;
 pub use tandem_optim as optim;
