@@ -13,39 +13,21 @@ use std::sync::Arc;
 use tandem_autograd::record_fn;
 use tandem_core::{Device, Tensor};
 use tandem_nn::module::{Module, ParamKind, TrainingFlag};
-use tandem_nn::{BatchNorm2d, BatchNormConfig};
+use tandem_nn::BatchNorm2d;
 
 use crate::{ProcessGroup, ReduceOp};
 
-/// Batch normalisation with statistics all-reduced over a process group.
+/// Batch normalisation with statistics all-reduced over a process group. It wraps a
+/// [`BatchNorm2d`], whose parameters, buffers, settings and train/eval flag it uses as they are.
 pub struct SyncBatchNorm {
-    num_features: usize,
-    config: BatchNormConfig,
-    weight: Option<Tensor>,
-    bias: Option<Tensor>,
-    running_mean: Option<Tensor>,
-    running_var: Option<Tensor>,
-    num_batches_tracked: Option<Tensor>,
+    bn: Arc<BatchNorm2d>,
     group: Arc<dyn ProcessGroup>,
-    training: TrainingFlag,
 }
 
 impl SyncBatchNorm {
-    /// A SyncBatchNorm sharing `bn`'s parameters, buffers, settings and mode.
-    pub fn from_batch_norm(bn: &BatchNorm2d, group: Arc<dyn ProcessGroup>) -> Self {
-        let training = TrainingFlag::new();
-        training.set(bn.is_training());
-        SyncBatchNorm {
-            num_features: bn.num_features(),
-            config: *bn.config(),
-            weight: bn.weight().cloned(),
-            bias: bn.bias().cloned(),
-            running_mean: bn.running_mean().cloned(),
-            running_var: bn.running_var().cloned(),
-            num_batches_tracked: bn.num_batches_tracked().cloned(),
-            group,
-            training,
-        }
+    /// A SyncBatchNorm over `group` sharing everything of `bn`.
+    pub fn new(bn: Arc<BatchNorm2d>, group: Arc<dyn ProcessGroup>) -> Self {
+        SyncBatchNorm { bn, group }
     }
 
     fn input_error(&self, msg: String) -> tandem_nn::Error {
@@ -84,25 +66,25 @@ fn channel_sums(
 
 impl Module for SyncBatchNorm {
     fn forward(&self, x: &Tensor) -> tandem_nn::Result<Tensor> {
-        if x.rank() < 2 || x.dims()[1] != self.num_features {
+        if x.rank() < 2 || x.dims()[1] != self.bn.num_features() {
             return Err(self.input_error(format!(
                 "expected input [N, {}, …], got shape {:?}",
-                self.num_features,
+                self.bn.num_features(),
                 x.dims()
             )));
         }
         let training = self.is_training();
-        if !training && self.config.track_running_stats {
+        if !training && self.bn.config().track_running_stats {
             // Evaluation uses the running statistics: nothing to synchronise.
             return Ok(tandem_ops::batch_norm(
                 x,
-                self.running_mean.as_ref(),
-                self.running_var.as_ref(),
-                self.weight.as_ref(),
-                self.bias.as_ref(),
+                self.bn.running_mean(),
+                self.bn.running_var(),
+                self.bn.weight(),
+                self.bn.bias(),
                 false,
-                self.config.momentum,
-                self.config.eps,
+                self.bn.config().momentum,
+                self.bn.config().eps,
             )?);
         }
         let (n, c) = (x.dims()[0], x.dims()[1]);
@@ -131,11 +113,11 @@ impl Module for SyncBatchNorm {
             .collect();
         let invstd: Vec<f64> = var
             .iter()
-            .map(|v| 1.0 / (v + self.config.eps).sqrt())
+            .map(|v| 1.0 / (v + self.bn.config().eps).sqrt())
             .collect();
 
-        if let (Some(rm), Some(rv)) = (&self.running_mean, &self.running_var) {
-            let m = self.config.momentum;
+        if let (Some(rm), Some(rv)) = (self.bn.running_mean(), self.bn.running_var()) {
+            let m = self.bn.config().momentum;
             let unbiased = count / (count - 1.0);
             let new_mean: Vec<f64> = rm
                 .to_vec_f64()?
@@ -151,16 +133,16 @@ impl Module for SyncBatchNorm {
                 .collect();
             rm.copy_(&Tensor::from_vec(new_mean, &[c], Device::Cpu)?.to_dtype(rm.dtype())?)?;
             rv.copy_(&Tensor::from_vec(new_var, &[c], Device::Cpu)?.to_dtype(rv.dtype())?)?;
-            if let Some(count) = &self.num_batches_tracked {
+            if let Some(count) = self.bn.num_batches_tracked() {
                 count.write_slice::<i64>()?[0] += 1;
             }
         }
 
-        let w: Vec<f64> = match &self.weight {
+        let w: Vec<f64> = match self.bn.weight() {
             Some(w) => w.to_vec_f64()?,
             None => vec![1.0; c],
         };
-        let b: Vec<f64> = match &self.bias {
+        let b: Vec<f64> = match self.bn.bias() {
             Some(b) => b.to_vec_f64()?,
             None => vec![0.0; c],
         };
@@ -178,9 +160,9 @@ impl Module for SyncBatchNorm {
         let out = Tensor::from_vec(y, x.dims(), Device::Cpu)?.to_dtype(x.dtype())?;
 
         let mut inputs: Vec<&Tensor> = vec![x];
-        inputs.extend(self.weight.iter());
-        inputs.extend(self.bias.iter());
-        let (has_w, has_b) = (self.weight.is_some(), self.bias.is_some());
+        inputs.extend(self.bn.weight());
+        inputs.extend(self.bn.bias());
+        let (has_w, has_b) = (self.bn.weight().is_some(), self.bn.bias().is_some());
         let group = self.group.clone();
         let dtype = x.dtype();
         let dims = x.dims().to_vec();
@@ -226,26 +208,11 @@ impl Module for SyncBatchNorm {
     }
 
     fn training_flag(&self) -> &TrainingFlag {
-        &self.training
+        self.bn.training_flag()
     }
 
     fn visit_own(&self, visitor: &mut dyn FnMut(&str, ParamKind, &Tensor)) {
-        let entries = [
-            ("weight", ParamKind::Parameter, &self.weight),
-            ("bias", ParamKind::Parameter, &self.bias),
-            ("running_mean", ParamKind::Buffer, &self.running_mean),
-            ("running_var", ParamKind::Buffer, &self.running_var),
-            (
-                "num_batches_tracked",
-                ParamKind::Buffer,
-                &self.num_batches_tracked,
-            ),
-        ];
-        for (name, kind, tensor) in entries {
-            if let Some(t) = tensor {
-                visitor(name, kind, t);
-            }
-        }
+        self.bn.visit_own(visitor);
     }
 }
 
@@ -256,17 +223,18 @@ pub fn convert_sync_batch_norm(
     module: Arc<dyn Module>,
     group: Arc<dyn ProcessGroup>,
 ) -> tandem_nn::Result<Arc<dyn Module>> {
-    if let Some(bn) = module.as_any().downcast_ref::<BatchNorm2d>() {
-        return Ok(Arc::new(SyncBatchNorm::from_batch_norm(bn, group)));
-    }
+    let module = match module.downcast_arc::<BatchNorm2d>() {
+        Ok(bn) => return Ok(Arc::new(SyncBatchNorm::new(bn, group))),
+        Err(module) => module,
+    };
     for (name, child) in module.children() {
-        if let Some(bn) = child.as_any().downcast_ref::<BatchNorm2d>() {
-            module.replace_child(
-                &name,
-                Arc::new(SyncBatchNorm::from_batch_norm(bn, group.clone())),
-            )?;
-        } else {
-            convert_sync_batch_norm(child, group.clone())?;
+        match child.downcast_arc::<BatchNorm2d>() {
+            Ok(bn) => {
+                module.replace_child(&name, Arc::new(SyncBatchNorm::new(bn, group.clone())))?;
+            }
+            Err(child) => {
+                convert_sync_batch_norm(child, group.clone())?;
+            }
         }
     }
     Ok(module)
