@@ -7,6 +7,7 @@
 //! prefetching [`DataLoader`](data::DataLoader) and MNIST; [`models`] has ready-made networks.
 //! The losses of `tandem-ops` are re-exported in [`loss`] for convenience.
 
+pub mod checkpoint;
 pub mod data;
 pub mod error;
 pub mod init;

@@ -1,0 +1,1 @@
+//! Checkpoints (being written).
