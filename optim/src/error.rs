@@ -45,6 +45,22 @@ pub enum Error {
         /// What does not match.
         msg: String,
     },
+
+    /// A learning-rate schedule built with parameters it does not accept.
+    #[error("{schedule}: invalid schedule: {msg}")]
+    Schedule {
+        /// The schedule, e.g. `StepLr`.
+        schedule: &'static str,
+        /// What is wrong and what is allowed.
+        msg: String,
+    },
+
+    /// Gradient clipping that cannot proceed (bad arguments or a non-finite gradient norm).
+    #[error("clip_grad_norm: {msg}")]
+    Clip {
+        /// What is wrong.
+        msg: String,
+    },
 }
 
 impl Error {

@@ -1,0 +1,872 @@
+//! Adam and AdamW, with exactly PyTorch's update rules (`torch.optim.Adam` and
+//! `torch.optim.AdamW`, single-tensor path, `maximize = False`).
+//!
+//! For each parameter `p` with gradient `g`, at its `t`-th update (`t` counts from 1 and is
+//! kept per parameter, so a parameter that skipped a step is not bias-corrected as if it had
+//! taken it), one step computes
+//!
+//! ```text
+//! Adam:   g = g + weight_decay * p                (L2 penalty folded into the gradient)
+//! AdamW:  p = p * (1 - lr * weight_decay)         (decoupled weight decay)
+//! m = m + (1 - beta1) * (g - m)
+//! v = beta2 * v + (1 - beta2) * g * g
+//! if amsgrad: v_max = max(v_max, v), and v_max replaces v below
+//! p = p - (lr / (1 - beta1^t)) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+//! ```
+//!
+//! The arithmetic runs in the parameter's dtype, in place on its buffer. State is exposed as
+//! `"{i}.exp_avg"`, `"{i}.exp_avg_sq"`, `"{i}.max_exp_avg_sq"` (amsgrad only) and `"{i}.step"`
+//! (an i64 scalar per parameter, as in PyTorch), plus the optimizer-wide `"step"`.
+
+use tandem_core::{with_float_type, DType, Device, Error as TensorError, FloatElement, Tensor};
+
+use crate::optimizer::{check_learning_rate, check_parameters};
+use crate::{Error, Optimizer, Result};
+
+/// Hyper-parameters of [`Adam`] and [`AdamW`]. Defaults: `lr` 1e-3, `betas` (0.9, 0.999),
+/// `eps` 1e-8, `weight_decay` 0 ([`AdamConfig::adamw`] has 1e-2), `amsgrad` off.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamConfig {
+    /// Learning rate (>= 0).
+    pub lr: f64,
+    /// Decay rates of the first and second moment estimates, each in `[0, 1)`.
+    pub betas: (f64, f64),
+    /// Added to the denominator for numerical stability (> 0).
+    pub eps: f64,
+    /// Weight decay (>= 0): an L2 penalty added to the gradient for [`Adam`], a decoupled
+    /// shrinking of the parameter for [`AdamW`].
+    pub weight_decay: f64,
+    /// Use the maximum of all second-moment estimates so far (AMSGrad).
+    pub amsgrad: bool,
+}
+
+impl Default for AdamConfig {
+    fn default() -> Self {
+        AdamConfig {
+            lr: 1e-3,
+            betas: (0.9, 0.999),
+            eps: 1e-8,
+            weight_decay: 0.0,
+            amsgrad: false,
+        }
+    }
+}
+
+impl AdamConfig {
+    /// The defaults with learning rate `lr`.
+    pub fn new(lr: f64) -> Self {
+        AdamConfig {
+            lr,
+            ..Default::default()
+        }
+    }
+
+    /// PyTorch's `AdamW` defaults with learning rate `lr`: those of Adam with
+    /// `weight_decay` 1e-2.
+    pub fn adamw(lr: f64) -> Self {
+        AdamConfig {
+            lr,
+            weight_decay: 1e-2,
+            ..Default::default()
+        }
+    }
+
+    /// The same config with betas `(beta1, beta2)`.
+    pub fn with_betas(self, beta1: f64, beta2: f64) -> Self {
+        AdamConfig {
+            betas: (beta1, beta2),
+            ..self
+        }
+    }
+
+    /// The same config with `eps`.
+    pub fn with_eps(self, eps: f64) -> Self {
+        AdamConfig { eps, ..self }
+    }
+
+    /// The same config with weight decay `weight_decay`.
+    pub fn with_weight_decay(self, weight_decay: f64) -> Self {
+        AdamConfig {
+            weight_decay,
+            ..self
+        }
+    }
+
+    /// The same config with AMSGrad switched on or off.
+    pub fn with_amsgrad(self, amsgrad: bool) -> Self {
+        AdamConfig { amsgrad, ..self }
+    }
+
+    /// Checks the values, naming what is wrong; `optimizer` is the name used in the error.
+    fn validate_for(&self, optimizer: &'static str) -> Result<()> {
+        check_learning_rate(optimizer, self.lr)?;
+        let invalid = |msg: String| Err(Error::InvalidConfig { optimizer, msg });
+        for (which, beta) in [("betas.0", self.betas.0), ("betas.1", self.betas.1)] {
+            if !(0.0..1.0).contains(&beta) {
+                return invalid(format!("{which} must be in [0, 1), got {beta}"));
+            }
+        }
+        if !self.eps.is_finite() || self.eps <= 0.0 {
+            return invalid(format!("eps must be finite and > 0, got {}", self.eps));
+        }
+        if !self.weight_decay.is_finite() || self.weight_decay < 0.0 {
+            return invalid(format!(
+                "weight_decay must be finite and >= 0, got {}",
+                self.weight_decay
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The moment estimates of one parameter.
+struct ParamState {
+    /// Updates this parameter has received (the `t` of the bias corrections).
+    step: u64,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    /// Present exactly when amsgrad is on.
+    max_exp_avg_sq: Option<Tensor>,
+}
+
+/// The implementation shared by [`Adam`] and [`AdamW`]; they differ in name and in how
+/// weight decay is applied.
+struct AdamCore {
+    name: &'static str,
+    decoupled_weight_decay: bool,
+    params: Vec<Tensor>,
+    config: AdamConfig,
+    /// One per parameter; `None` until the parameter's first update.
+    states: Vec<Option<ParamState>>,
+    steps: u64,
+}
+
+impl AdamCore {
+    fn new(
+        name: &'static str,
+        decoupled_weight_decay: bool,
+        params: Vec<Tensor>,
+        config: AdamConfig,
+    ) -> Result<Self> {
+        config.validate_for(name)?;
+        check_parameters(name, &params)?;
+        let states = (0..params.len()).map(|_| None).collect();
+        Ok(AdamCore {
+            name,
+            decoupled_weight_decay,
+            params,
+            config,
+            states,
+            steps: 0,
+        })
+    }
+
+    fn update_one(&mut self, index: usize) -> Result<()> {
+        let name = self.name;
+        let param = &self.params[index];
+        let Some(grad) = param.grad() else {
+            return Ok(());
+        };
+        if grad.dims() != param.dims() || grad.dtype() != param.dtype() {
+            return Err(Error::parameter(
+                name,
+                index,
+                param,
+                format!(
+                    "gradient {:?} {} does not match the parameter",
+                    grad.dims(),
+                    grad.dtype()
+                ),
+            ));
+        }
+        // The kernel borrows several buffers at once; give it a contiguous gradient that does
+        // not share the parameter's buffer.
+        let grad = if grad.is_contiguous() && !grad.storage().same_buffer(param.storage()) {
+            grad
+        } else {
+            grad.copy_detached()?
+        };
+        let target = if param.is_contiguous() {
+            param.clone()
+        } else {
+            param.copy_detached()?
+        };
+        if self.states[index].is_none() {
+            let zeros = || Tensor::zeros(param.dims(), param.dtype(), param.device());
+            self.states[index] = Some(ParamState {
+                step: 0,
+                exp_avg: zeros()?,
+                exp_avg_sq: zeros()?,
+                max_exp_avg_sq: if self.config.amsgrad {
+                    Some(zeros()?)
+                } else {
+                    None
+                },
+            });
+        }
+        let state = self.states[index]
+            .as_mut()
+            .expect("state was created just above");
+        let step = state.step + 1;
+        let rule = UpdateRule::new(&self.config, self.decoupled_weight_decay, step);
+        with_float_type!(name, param.dtype(), T => {
+            update_in_place::<T>(&target, &grad, state, &rule)
+        })?;
+        state.step = step;
+        if !target.same_tensor(param) {
+            param.copy_(&target)?;
+        }
+        Ok(())
+    }
+
+    fn step(&mut self) -> Result<()> {
+        for index in 0..self.params.len() {
+            self.update_one(index)?;
+        }
+        self.steps += 1;
+        Ok(())
+    }
+
+    fn set_learning_rate(&mut self, lr: f64) -> Result<()> {
+        check_learning_rate(self.name, lr)?;
+        self.config.lr = lr;
+        Ok(())
+    }
+
+    fn state(&self) -> Vec<(String, Tensor)> {
+        let mut out = Vec::new();
+        for (i, s) in self.states.iter().enumerate() {
+            let Some(s) = s else { continue };
+            out.push((format!("{i}.exp_avg"), s.exp_avg.clone()));
+            out.push((format!("{i}.exp_avg_sq"), s.exp_avg_sq.clone()));
+            if let Some(m) = &s.max_exp_avg_sq {
+                out.push((format!("{i}.max_exp_avg_sq"), m.clone()));
+            }
+            if let Ok(step) = Tensor::scalar(s.step as i64, Device::Cpu) {
+                out.push((format!("{i}.step"), step));
+            }
+        }
+        if let Ok(step) = Tensor::scalar(self.steps as i64, Device::Cpu) {
+            out.push(("step".to_string(), step));
+        }
+        out
+    }
+
+    fn load_state(&mut self, state: &[(String, Tensor)]) -> Result<()> {
+        let name = self.name;
+        let bad = |msg: String| Error::State {
+            optimizer: name,
+            msg,
+        };
+        let read_step = |entry: &str, tensor: &Tensor| -> Result<u64> {
+            if tensor.dtype() != DType::I64 || tensor.numel() != 1 {
+                return Err(bad(format!(
+                    "`{entry}` must be one i64, got {:?} {}",
+                    tensor.dims(),
+                    tensor.dtype()
+                )));
+            }
+            let value = tensor.item()?;
+            if value < 0.0 {
+                return Err(bad(format!("`{entry}` must be >= 0, got {value}")));
+            }
+            Ok(value as u64)
+        };
+        /// The entries found for one parameter.
+        #[derive(Default)]
+        struct Found {
+            step: Option<u64>,
+            exp_avg: Option<Tensor>,
+            exp_avg_sq: Option<Tensor>,
+            max_exp_avg_sq: Option<Tensor>,
+        }
+        let mut found: Vec<Found> = (0..self.params.len()).map(|_| Found::default()).collect();
+        let mut steps = self.steps;
+        for (entry, tensor) in state {
+            if entry == "step" {
+                steps = read_step(entry, tensor)?;
+                continue;
+            }
+            let (index, what) = entry
+                .split_once('.')
+                .and_then(|(i, what)| Some((i.parse::<usize>().ok()?, what)))
+                .ok_or_else(|| bad(format!("unknown entry `{entry}`")))?;
+            let param = self.params.get(index).ok_or_else(|| {
+                bad(format!(
+                    "`{entry}` refers to parameter {index}, but there are {} parameters",
+                    self.params.len()
+                ))
+            })?;
+            let slot = &mut found[index];
+            if what == "step" {
+                slot.step = Some(read_step(entry, tensor)?);
+                continue;
+            }
+            let target = match what {
+                "exp_avg" => &mut slot.exp_avg,
+                "exp_avg_sq" => &mut slot.exp_avg_sq,
+                "max_exp_avg_sq" if self.config.amsgrad => &mut slot.max_exp_avg_sq,
+                "max_exp_avg_sq" => {
+                    return Err(bad(format!(
+                        "`{entry}` is AMSGrad state, but this optimizer has amsgrad off"
+                    )))
+                }
+                _ => return Err(bad(format!("unknown entry `{entry}`"))),
+            };
+            if tensor.dims() != param.dims() || tensor.dtype() != param.dtype() {
+                return Err(bad(format!(
+                    "`{entry}` is {:?} {} but parameter {index} is {:?} {}",
+                    tensor.dims(),
+                    tensor.dtype(),
+                    param.dims(),
+                    param.dtype()
+                )));
+            }
+            *target = Some(tensor.copy_detached()?);
+        }
+        let mut states = Vec::with_capacity(found.len());
+        for (index, f) in found.into_iter().enumerate() {
+            let any = f.step.is_some()
+                || f.exp_avg.is_some()
+                || f.exp_avg_sq.is_some()
+                || f.max_exp_avg_sq.is_some();
+            if !any {
+                states.push(None);
+                continue;
+            }
+            let missing = |what: &str| {
+                bad(format!(
+                    "parameter {index} has state but no `{index}.{what}`"
+                ))
+            };
+            let max_exp_avg_sq = match (self.config.amsgrad, f.max_exp_avg_sq) {
+                (true, None) => return Err(missing("max_exp_avg_sq")),
+                (_, m) => m,
+            };
+            states.push(Some(ParamState {
+                step: f.step.ok_or_else(|| missing("step"))?,
+                exp_avg: f.exp_avg.ok_or_else(|| missing("exp_avg"))?,
+                exp_avg_sq: f.exp_avg_sq.ok_or_else(|| missing("exp_avg_sq"))?,
+                max_exp_avg_sq,
+            }));
+        }
+        self.states = states;
+        self.steps = steps;
+        Ok(())
+    }
+
+    fn exp_avg(&self, index: usize) -> Option<&Tensor> {
+        self.states.get(index)?.as_ref().map(|s| &s.exp_avg)
+    }
+
+    fn exp_avg_sq(&self, index: usize) -> Option<&Tensor> {
+        self.states.get(index)?.as_ref().map(|s| &s.exp_avg_sq)
+    }
+}
+
+/// The scalars of one update, computed once in f64 as PyTorch does on the host.
+struct UpdateRule {
+    lr: f64,
+    beta1: f64,
+    beta2: f64,
+    eps: f64,
+    /// Weight decay added to the gradient (Adam), or 0.
+    l2: f64,
+    /// Factor the parameter is multiplied by first (AdamW), or 1.
+    shrink: f64,
+    amsgrad: bool,
+    /// `lr / (1 - beta1^t)`.
+    step_size: f64,
+    /// `sqrt(1 - beta2^t)`.
+    bias_correction2_sqrt: f64,
+}
+
+impl UpdateRule {
+    fn new(cfg: &AdamConfig, decoupled: bool, step: u64) -> Self {
+        let (beta1, beta2) = cfg.betas;
+        let t = step.min(i32::MAX as u64) as i32;
+        let (l2, shrink) = if decoupled {
+            (0.0, 1.0 - cfg.lr * cfg.weight_decay)
+        } else {
+            (cfg.weight_decay, 1.0)
+        };
+        UpdateRule {
+            lr: cfg.lr,
+            beta1,
+            beta2,
+            eps: cfg.eps,
+            l2,
+            shrink,
+            amsgrad: cfg.amsgrad,
+            step_size: cfg.lr / (1.0 - beta1.powi(t)),
+            bias_correction2_sqrt: (1.0 - beta2.powi(t)).sqrt(),
+        }
+    }
+}
+
+/// One Adam(W) update of a contiguous parameter and its state, in its dtype.
+fn update_in_place<T: FloatElement>(
+    param: &Tensor,
+    grad: &Tensor,
+    state: &ParamState,
+    rule: &UpdateRule,
+) -> std::result::Result<(), TensorError> {
+    let c = |v: f64| T::from_f64(v);
+    let (one_minus_beta1, beta2, one_minus_beta2) =
+        (c(1.0 - rule.beta1), c(rule.beta2), c(1.0 - rule.beta2));
+    let (l2, shrink, eps) = (c(rule.l2), c(rule.shrink), c(rule.eps));
+    let (step_size, bias_correction2_sqrt) = (c(rule.step_size), c(rule.bias_correction2_sqrt));
+    let mut p = param.write_slice::<T>()?;
+    let g = grad.read_slice::<T>()?;
+    let mut m = state.exp_avg.write_slice::<T>()?;
+    let mut v = state.exp_avg_sq.write_slice::<T>()?;
+    let mut v_max = match &state.max_exp_avg_sq {
+        Some(t) if rule.amsgrad => Some(t.write_slice::<T>()?),
+        _ => None,
+    };
+    let decay = rule.l2 != 0.0;
+    let shrinks = rule.shrink != 1.0 && rule.lr != 0.0;
+    for i in 0..p.len() {
+        let mut gi = g[i];
+        if decay {
+            gi += l2 * p[i];
+        }
+        if shrinks {
+            p[i] *= shrink;
+        }
+        let mi = m[i];
+        m[i] = mi + one_minus_beta1 * (gi - mi);
+        v[i] = beta2 * v[i] + one_minus_beta2 * gi * gi;
+        let second = match v_max.as_deref_mut() {
+            Some(v_max) => {
+                if v[i] > v_max[i] {
+                    v_max[i] = v[i];
+                }
+                v_max[i]
+            }
+            None => v[i],
+        };
+        let denom = second.sqrt() / bias_correction2_sqrt + eps;
+        p[i] -= step_size * (m[i] / denom);
+    }
+    Ok(())
+}
+
+/// Generates the public wrapper type around [`AdamCore`] and its `Optimizer` impl.
+macro_rules! adam_variant {
+    ($(#[$doc:meta])* $ty:ident, $name:literal, $decoupled:expr) => {
+        $(#[$doc])*
+        pub struct $ty(AdamCore);
+
+        impl $ty {
+            /// An optimizer over `params` (usually `model.parameters()`). Errors for an
+            /// invalid config or a parameter that is not a distinct floating-point leaf
+            /// requiring grad.
+            pub fn new(params: Vec<Tensor>, config: AdamConfig) -> Result<Self> {
+                AdamCore::new($name, $decoupled, params, config).map($ty)
+            }
+
+            /// The hyper-parameters.
+            pub fn config(&self) -> &AdamConfig {
+                &self.0.config
+            }
+
+            /// The first-moment estimate of parameter `index`, once it exists.
+            pub fn exp_avg(&self, index: usize) -> Option<&Tensor> {
+                self.0.exp_avg(index)
+            }
+
+            /// The second-moment estimate of parameter `index`, once it exists.
+            pub fn exp_avg_sq(&self, index: usize) -> Option<&Tensor> {
+                self.0.exp_avg_sq(index)
+            }
+        }
+
+        impl Optimizer for $ty {
+            fn name(&self) -> &'static str {
+                $name
+            }
+
+            fn parameters(&self) -> &[Tensor] {
+                &self.0.params
+            }
+
+            fn step(&mut self) -> Result<()> {
+                self.0.step()
+            }
+
+            fn step_count(&self) -> u64 {
+                self.0.steps
+            }
+
+            fn learning_rate(&self) -> f64 {
+                self.0.config.lr
+            }
+
+            fn set_learning_rate(&mut self, lr: f64) -> Result<()> {
+                self.0.set_learning_rate(lr)
+            }
+
+            fn state(&self) -> Vec<(String, Tensor)> {
+                self.0.state()
+            }
+
+            fn load_state(&mut self, state: &[(String, Tensor)]) -> Result<()> {
+                self.0.load_state(state)
+            }
+        }
+    };
+}
+
+adam_variant!(
+    /// Adam with its weight decay as an L2 penalty folded into the gradient (PyTorch's
+    /// `torch.optim.Adam`; see the module documentation for the exact rule).
+    Adam,
+    "Adam",
+    false
+);
+
+adam_variant!(
+    /// Adam with decoupled weight decay (PyTorch's `torch.optim.AdamW`): the parameter is
+    /// multiplied by `1 - lr * weight_decay` before the Adam update. Build its config with
+    /// [`AdamConfig::adamw`] for PyTorch's defaults (weight decay 1e-2).
+    AdamW,
+    "AdamW",
+    true
+);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const INIT: [f64; 4] = [0.5, -1.25, 2.0, 0.125];
+    const TARGET: [f64; 4] = [1.0, 0.5, -0.75, 0.0];
+    /// Per-step gradient scales; large then small, so AMSGrad's maximum differs from `v`.
+    const SCALES: [f64; 5] = [3.0, 0.5, 1.0, 0.2, 2.0];
+
+    fn param(values: &[f64]) -> Tensor {
+        let v: Vec<f32> = values.iter().map(|&x| x as f32).collect();
+        Tensor::from_vec(v, &[values.len()], Device::Cpu)
+            .unwrap()
+            .with_requires_grad()
+            .unwrap()
+    }
+
+    /// The gradient of `scale * sum((p - target)^2)`, so gradients vary by step.
+    fn grad_of(p: &[f64], step: usize) -> Vec<f64> {
+        let scale = SCALES[step % SCALES.len()];
+        p.iter()
+            .zip(TARGET)
+            .map(|(p, t)| 2.0 * scale * (p - t))
+            .collect()
+    }
+
+    /// PyTorch's Adam / AdamW written out in f64 from the published algorithm, independently
+    /// of the kernel.
+    fn reference(cfg: &AdamConfig, decoupled: bool, steps: usize) -> Vec<f64> {
+        let (b1, b2) = cfg.betas;
+        let n = INIT.len();
+        let mut p = INIT.to_vec();
+        let (mut m, mut v, mut v_max) = (vec![0.0f64; n], vec![0.0f64; n], vec![0.0f64; n]);
+        for step in 0..steps {
+            let t = (step + 1) as i32;
+            let g = grad_of(&p, step);
+            for i in 0..n {
+                let mut gi = g[i];
+                if decoupled {
+                    p[i] *= 1.0 - cfg.lr * cfg.weight_decay;
+                } else {
+                    gi += cfg.weight_decay * p[i];
+                }
+                m[i] = b1 * m[i] + (1.0 - b1) * gi;
+                v[i] = b2 * v[i] + (1.0 - b2) * gi * gi;
+                v_max[i] = v_max[i].max(v[i]);
+                let second = if cfg.amsgrad { v_max[i] } else { v[i] };
+                let m_hat = m[i] / (1.0 - b1.powi(t));
+                let v_hat_sqrt = second.sqrt() / (1.0 - b2.powi(t)).sqrt();
+                p[i] -= cfg.lr * m_hat / (v_hat_sqrt + cfg.eps);
+            }
+        }
+        p
+    }
+
+    fn set_grad(p: &Tensor, step: usize) {
+        let current = p.to_vec_f64().unwrap();
+        let g: Vec<f32> = grad_of(&current, step).iter().map(|&x| x as f32).collect();
+        p.set_grad(Some(Tensor::from_vec(g, &[4], Device::Cpu).unwrap()))
+            .unwrap();
+    }
+
+    fn run(opt: &mut dyn Optimizer, p: &Tensor, steps: usize) -> Vec<f64> {
+        for step in 0..steps {
+            set_grad(p, step);
+            opt.step().unwrap();
+        }
+        assert_eq!(opt.step_count(), steps as u64);
+        p.to_vec_f64().unwrap()
+    }
+
+    fn run_adam(cfg: AdamConfig, steps: usize) -> Vec<f64> {
+        let p = param(&INIT);
+        run(&mut Adam::new(vec![p.clone()], cfg).unwrap(), &p, steps)
+    }
+
+    fn run_adamw(cfg: AdamConfig, steps: usize) -> Vec<f64> {
+        let p = param(&INIT);
+        run(&mut AdamW::new(vec![p.clone()], cfg).unwrap(), &p, steps)
+    }
+
+    fn assert_close(got: &[f64], want: &[f64]) {
+        assert_eq!(got.len(), want.len());
+        for (g, w) in got.iter().zip(want) {
+            assert!(
+                (g - w).abs() <= 2e-5 * (1.0 + w.abs()),
+                "got {got:?}, want {want:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn adam_first_step_moves_each_weight_by_about_lr() {
+        // At t = 1, m_hat = g and sqrt(v_hat) = |g|, so the step is lr * sign(g) (up to eps).
+        let got = run_adam(AdamConfig::new(0.1), 1);
+        let want: Vec<f64> = INIT
+            .iter()
+            .zip(TARGET)
+            .map(|(p, t)| p - 0.1 * (p - t).signum())
+            .collect();
+        assert_close(&got, &want);
+    }
+
+    #[test]
+    fn adam_matches_reference_over_steps() {
+        let cfg = AdamConfig::new(0.05).with_betas(0.8, 0.95);
+        assert_close(&run_adam(cfg, 5), &reference(&cfg, false, 5));
+        let cfg = AdamConfig::default();
+        assert_close(&run_adam(cfg, 4), &reference(&cfg, false, 4));
+    }
+
+    #[test]
+    fn adam_weight_decay_is_added_to_the_gradient() {
+        let cfg = AdamConfig::new(0.05).with_weight_decay(0.1).with_eps(1e-6);
+        assert_close(&run_adam(cfg, 5), &reference(&cfg, false, 5));
+        // It must differ from the decoupled rule, or the test would not tell them apart.
+        let decoupled = reference(&cfg, true, 5);
+        assert!((decoupled[1] - reference(&cfg, false, 5)[1]).abs() > 1e-4);
+    }
+
+    #[test]
+    fn adamw_decays_weights_before_the_update() {
+        let cfg = AdamConfig::adamw(0.05);
+        assert_eq!(cfg.weight_decay, 1e-2);
+        assert_close(&run_adamw(cfg, 5), &reference(&cfg, true, 5));
+        let cfg = AdamConfig::new(0.1).with_weight_decay(0.5);
+        assert_close(&run_adamw(cfg, 4), &reference(&cfg, true, 4));
+    }
+
+    #[test]
+    fn amsgrad_uses_the_running_maximum_of_second_moments() {
+        let cfg = AdamConfig::new(0.05)
+            .with_betas(0.9, 0.5)
+            .with_amsgrad(true);
+        assert_close(&run_adam(cfg, 5), &reference(&cfg, false, 5));
+        let plain = reference(&cfg.with_amsgrad(false), false, 5);
+        assert!((plain[0] - reference(&cfg, false, 5)[0]).abs() > 1e-4);
+        let cfg = cfg.with_weight_decay(0.1);
+        assert_close(&run_adamw(cfg, 5), &reference(&cfg, true, 5));
+    }
+
+    #[test]
+    fn f64_parameters_match_reference_closely() {
+        let p = Tensor::from_vec(INIT.to_vec(), &[4], Device::Cpu)
+            .unwrap()
+            .with_requires_grad()
+            .unwrap();
+        let cfg = AdamConfig::new(0.05)
+            .with_weight_decay(0.1)
+            .with_amsgrad(true);
+        let mut opt = AdamW::new(vec![p.clone()], cfg).unwrap();
+        for step in 0..4 {
+            let g = grad_of(&p.to_vec_f64().unwrap(), step);
+            p.set_grad(Some(Tensor::from_vec(g, &[4], Device::Cpu).unwrap()))
+                .unwrap();
+            opt.step().unwrap();
+        }
+        let (got, want) = (p.to_vec_f64().unwrap(), reference(&cfg, true, 4));
+        for (g, w) in got.iter().zip(&want) {
+            assert!((g - w).abs() < 1e-12, "got {got:?}, want {want:?}");
+        }
+    }
+
+    #[test]
+    fn parameters_without_gradient_are_skipped_and_keep_their_own_step() {
+        let (a, b) = (param(&INIT), param(&INIT));
+        let cfg = AdamConfig::new(0.05);
+        let mut opt = Adam::new(vec![a.clone(), b.clone()], cfg).unwrap();
+        set_grad(&a, 0);
+        opt.step().unwrap();
+        assert_close(&b.to_vec_f64().unwrap(), &INIT);
+        assert!(opt.exp_avg(1).is_none());
+        // b's first update is bias-corrected as step 1, as in PyTorch, though the optimizer
+        // has taken two steps.
+        a.set_grad(None).unwrap();
+        set_grad(&b, 0);
+        opt.step().unwrap();
+        assert_close(&b.to_vec_f64().unwrap(), &reference(&cfg, false, 1));
+        let names: Vec<String> = opt.state().into_iter().map(|(n, _)| n).collect();
+        assert_eq!(
+            names,
+            [
+                "0.exp_avg",
+                "0.exp_avg_sq",
+                "0.step",
+                "1.exp_avg",
+                "1.exp_avg_sq",
+                "1.step",
+                "step"
+            ]
+        );
+    }
+
+    #[test]
+    fn non_contiguous_parameter_is_updated_through_its_view() {
+        let base = Tensor::from_vec(vec![1.0f32, 2.0, 3.0, 4.0], &[2, 2], Device::Cpu).unwrap();
+        let t = base
+            .view_detached(base.layout().transpose("t", 0, 1).unwrap())
+            .unwrap()
+            .with_requires_grad()
+            .unwrap();
+        let mut opt = Adam::new(vec![t.clone()], AdamConfig::new(0.5)).unwrap();
+        t.set_grad(Some(
+            Tensor::from_vec(vec![2.0f32, 0.0, 0.0, -4.0], &[2, 2], Device::Cpu).unwrap(),
+        ))
+        .unwrap();
+        opt.step().unwrap();
+        // First step: lr * sign(g) where g != 0 (up to eps); t = [[1, 3], [2, 4]].
+        assert_close(&t.to_vec_f64().unwrap(), &[0.5, 3.0, 2.0, 4.5]);
+        assert_close(&base.to_vec_f64().unwrap(), &[0.5, 2.0, 3.0, 4.5]);
+    }
+
+    #[test]
+    fn invalid_configs_are_rejected_with_a_reason() {
+        let p = || vec![param(&INIT)];
+        let cases = [
+            (AdamConfig::new(-0.1), "learning rate"),
+            (AdamConfig::new(f64::NAN), "learning rate"),
+            (AdamConfig::default().with_betas(-0.1, 0.999), "betas.0"),
+            (AdamConfig::default().with_betas(1.0, 0.999), "betas.0"),
+            (AdamConfig::default().with_betas(0.9, 1.0), "betas.1"),
+            (AdamConfig::default().with_betas(0.9, f64::NAN), "betas.1"),
+            (AdamConfig::default().with_eps(0.0), "eps"),
+            (AdamConfig::default().with_eps(-1e-8), "eps"),
+            (
+                AdamConfig::default().with_weight_decay(-0.1),
+                "weight_decay",
+            ),
+        ];
+        for (cfg, needle) in cases {
+            let err = Adam::new(p(), cfg).err().expect("config must be rejected");
+            let msg = err.to_string();
+            assert!(msg.contains("Adam:") && msg.contains(needle), "{msg}");
+            let err = AdamW::new(p(), cfg).err().expect("config must be rejected");
+            let msg = err.to_string();
+            assert!(msg.contains("AdamW") && msg.contains(needle), "{msg}");
+        }
+        let mut opt = AdamW::new(p(), AdamConfig::adamw(0.1)).unwrap();
+        assert!(opt.set_learning_rate(-1.0).is_err());
+        opt.set_learning_rate(0.2).unwrap();
+        assert_eq!(opt.learning_rate(), 0.2);
+        let a = param(&INIT);
+        let err = Adam::new(vec![a.clone(), a], AdamConfig::default())
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            err.contains("parameter 1") && err.contains("more than once"),
+            "{err}"
+        );
+    }
+
+    fn copied_state(opt: &dyn Optimizer) -> Vec<(String, Tensor)> {
+        opt.state()
+            .into_iter()
+            .map(|(n, t)| (n, t.copy_detached().unwrap()))
+            .collect()
+    }
+
+    #[test]
+    fn state_round_trips_into_a_fresh_optimizer() {
+        let cfg = AdamConfig::new(0.05)
+            .with_amsgrad(true)
+            .with_weight_decay(0.1);
+        let p = param(&INIT);
+        let mut opt = AdamW::new(vec![p.clone()], cfg).unwrap();
+        run(&mut opt, &p, 3);
+        let state = copied_state(&opt);
+        let names: Vec<&str> = state.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "0.exp_avg",
+                "0.exp_avg_sq",
+                "0.max_exp_avg_sq",
+                "0.step",
+                "step"
+            ]
+        );
+
+        let q = param(&p.to_vec_f64().unwrap());
+        let mut fresh = AdamW::new(vec![q.clone()], cfg).unwrap();
+        fresh.load_state(&state).unwrap();
+        assert_eq!(fresh.step_count(), 3);
+        for step in 3..6 {
+            set_grad(&p, step);
+            set_grad(&q, step);
+            opt.step().unwrap();
+            fresh.step().unwrap();
+        }
+        assert_eq!(p.to_vec::<f32>().unwrap(), q.to_vec::<f32>().unwrap());
+        assert_close(&q.to_vec_f64().unwrap(), &reference(&cfg, true, 6));
+    }
+
+    #[test]
+    fn mismatched_state_is_rejected_with_a_reason() {
+        let p = param(&INIT);
+        let mut adam = Adam::new(vec![p.clone()], AdamConfig::new(0.1).with_amsgrad(true)).unwrap();
+        run(&mut adam, &p, 1);
+        let state = copied_state(&adam);
+
+        let mut plain = Adam::new(vec![param(&INIT)], AdamConfig::new(0.1)).unwrap();
+        let err = plain.load_state(&state).unwrap_err().to_string();
+        assert!(
+            err.contains("0.max_exp_avg_sq") && err.contains("amsgrad off"),
+            "{err}"
+        );
+
+        let mut ams =
+            Adam::new(vec![param(&INIT)], AdamConfig::new(0.1).with_amsgrad(true)).unwrap();
+        let without_step: Vec<_> = state
+            .iter()
+            .filter(|(n, _)| n != "0.step")
+            .cloned()
+            .collect();
+        let err = ams.load_state(&without_step).unwrap_err().to_string();
+        assert!(err.contains("`0.step`"), "{err}");
+
+        let wrong = vec![(
+            "0.exp_avg".to_string(),
+            Tensor::zeros(&[5], DType::F32, Device::Cpu).unwrap(),
+        )];
+        let err = ams.load_state(&wrong).unwrap_err().to_string();
+        assert!(err.contains("[5]") && err.contains("[4]"), "{err}");
+
+        let wrong = vec![(
+            "3.exp_avg".to_string(),
+            Tensor::zeros(&[4], DType::F32, Device::Cpu).unwrap(),
+        )];
+        let err = ams.load_state(&wrong).unwrap_err().to_string();
+        assert!(err.contains("parameter 3"), "{err}");
+        let err = ams.load_state(&[("0.momentum_buffer".to_string(), state[0].1.clone())]);
+        assert!(err.unwrap_err().to_string().contains("unknown entry"));
+    }
+}
