@@ -4,8 +4,6 @@
 //! constructor for its backward. The backward (and the tensors it saves) is only built when
 //! some input requires grad and recording is on, so inference pays nothing.
 
-use std::sync::Arc;
-
 use tandem_core::{BackwardOp, Edge, Node, Result, Tensor};
 
 use crate::grad_mode::is_grad_enabled;
@@ -81,6 +79,3 @@ where
 {
     record(output, inputs, || FnBackward::new(name, f()))
 }
-
-/// Keeps `Arc` in this module's public surface tidy for users who store nodes.
-pub type NodeRef = Arc<Node>;

@@ -6,10 +6,8 @@ use parking_lot::{
     MappedRwLockReadGuard, MappedRwLockWriteGuard, RwLockReadGuard, RwLockWriteGuard,
 };
 
-use crate::storage::CpuStorage;
 use crate::{
-    with_element_type, with_float_type, DType, Device, Element, Error, FloatElement, Layout,
-    Result, Storage, Tensor,
+    with_element_type, with_float_type, DType, Device, Element, Error, Layout, Result, Tensor,
 };
 
 impl Tensor {
@@ -236,29 +234,6 @@ impl Tensor {
             self.map_in_place::<T>(|x| *x = T::from_f64(f(x.to_f64())));
             Ok(())
         })
-    }
-
-    /// A fresh contiguous tensor with `f` applied to each element of a float tensor.
-    pub fn map_float<T: FloatElement>(
-        &self,
-        op: &'static str,
-        f: impl Fn(T) -> T,
-    ) -> Result<Tensor> {
-        if self.dtype() != T::DTYPE {
-            return Err(Error::DTypeMismatch {
-                op,
-                lhs: self.dtype(),
-                rhs: T::DTYPE,
-            });
-        }
-        let data: Vec<T> = self.to_vec::<T>()?.into_iter().map(f).collect();
-        Tensor::from_vec(data, self.dims(), self.device())
-    }
-
-    /// A new tensor with the given storage contents and shape (contiguous), for kernels that
-    /// build their output as a vector.
-    pub fn from_cpu_storage(data: CpuStorage, shape: &[usize]) -> Result<Tensor> {
-        Tensor::from_storage(Storage::cpu(data), Layout::contiguous(shape))
     }
 }
 

@@ -2,7 +2,7 @@
 //! operands, and reducing a broadcast gradient back to an input's shape.
 
 use smallvec::SmallVec;
-use tandem_core::{DType, Error, Result, Shape, Tensor};
+use tandem_core::{DType, Error, Result, Tensor};
 
 /// Checks that two inputs share a dtype and a device.
 pub fn same_dtype_device(op: &'static str, a: &Tensor, b: &Tensor) -> Result<()> {
@@ -92,11 +92,6 @@ pub fn sum_to_shape(grad: &Tensor, target: &[usize]) -> Result<Tensor> {
     let summed = crate::reduce::sum(grad, &dims, true)?;
     let shape: Vec<isize> = target.iter().map(|&d| d as isize).collect();
     crate::views::reshape(&summed, &shape)
-}
-
-/// The shape as an owned `Shape`.
-pub fn to_shape(dims: &[usize]) -> Shape {
-    Shape::from_slice(dims)
 }
 
 /// Below this many elements a kernel runs on one thread: rayon's fork-join costs more.
