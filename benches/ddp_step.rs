@@ -1,0 +1,787 @@
+//! Data-parallel training-step benchmark: what communication costs per step, and how much of
+//! it `DistributedDataParallel` hides behind backward.
+//!
+//! ```text
+//! cargo bench --bench ddp_step -- --nproc 2 [--model lenet|convnet] [--batch-size 32]
+//!     [--steps 30] [--link-mbit R] [--peer-python python3] [--json FILE]
+//! ```
+//!
+//! Runs `--nproc` local ranks (this binary re-executed as worker processes, meeting over TCP
+//! at a store this process serves) and reports the median time of one step (forward, cross
+//! entropy, backward, SGD with momentum) per rank, for three modes on the same model, per-rank
+//! batch and ranks:
+//!
+//! - `no_comm`: every rank trains alone (no collective during the timed steps);
+//! - `allreduce_after_backward`: after backward, each gradient is all-reduced (sum) and scaled
+//!   by 1/world one parameter at a time, the loop users write by hand;
+//! - `ddp`: [`DistributedDataParallel`] with its default configuration, which all-reduces
+//!   buckets while backward still runs; its telemetry gives the share of communication left
+//!   exposed after backward.
+//!
+//! When `--peer-python` can import torch, `benches/peers/ddp_step_torch.py` times PyTorch DDP
+//! (gloo) on the same model, batch and number of ranks, each rank with cores/N threads.
+//!
+//! `--link-mbit R` puts every rank in its own network namespace (`tandem-bench-K`, addresses in
+//! 10.231.0.0/24 behind a bridge) whose link is shaped to R Mbit/s each way with `tc tbf`, so
+//! the numbers show a slow network rather than loopback. It needs root and iproute2, and turns
+//! off tandem's same-host copies (which would bypass the link). Namespaces, links and the
+//! bridge are removed when the benchmark ends.
+
+use std::io::Read;
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitCode, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use clap::{Parser, ValueEnum};
+use tandem::autograd::TensorBackward;
+use tandem::core::rng::manual_seed;
+use tandem::core::{DType, Device, Generator, Tensor};
+use tandem::dist::rendezvous::STORE_HOSTED_VAR;
+use tandem::dist::{
+    init_process_group, DdpConfig, DistributedDataParallel, GroupConfig, LaunchEnv, ProcessGroup,
+    ReduceOp, StoreServer,
+};
+use tandem::nn::loss::{cross_entropy, Reduction};
+use tandem::nn::{
+    AdaptiveAvgPool2d, Conv2d, Conv2dConfig, Flatten, Linear, MaxPool2d, Module, ReLU, Sequential,
+};
+use tandem::optim::{Optimizer, Sgd, SgdConfig};
+
+type AnyError = Box<dyn std::error::Error>;
+
+/// Selects the worker mode of a re-executed benchmark binary (`no_comm`,
+/// `allreduce_after_backward` or `ddp`).
+const WORKER_VAR: &str = "TANDEM_DDP_STEP_WORKER";
+
+/// Prefix of the line rank 0 prints with its result.
+const RESULT_PREFIX: &str = "RESULT ";
+
+/// Longest time one mode (all its ranks) may take.
+const MODE_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// The models the benchmark knows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum ModelKind {
+    /// LeNet-5 on 1×28×28 inputs, 10 classes (62 k parameters).
+    Lenet,
+    /// A mid-size CNN on 3×32×32 inputs, 10 classes (~160 k parameters).
+    Convnet,
+    /// ResNet-20 (not available yet).
+    Resnet20,
+}
+
+impl ModelKind {
+    fn name(self) -> &'static str {
+        match self {
+            ModelKind::Lenet => "lenet",
+            ModelKind::Convnet => "convnet",
+            ModelKind::Resnet20 => "resnet20",
+        }
+    }
+
+    /// The model, the shape of one input sample and the number of classes.
+    fn build(self) -> Result<(Sequential, Vec<usize>, usize), AnyError> {
+        match self {
+            ModelKind::Lenet => Ok((tandem::nn::models::lenet5()?, vec![1, 28, 28], 10)),
+            ModelKind::Convnet => Ok((convnet()?, vec![3, 32, 32], 10)),
+            ModelKind::Resnet20 => Err(
+                "--model resnet20: ResNet-20 is not available in tandem yet; use lenet or convnet"
+                    .into(),
+            ),
+        }
+    }
+}
+
+/// conv 3→32 · relu · maxpool 2 · conv 32→64 · relu · maxpool 2 · conv 64→128 · relu ·
+/// adaptive avg pool 1 · flatten · fc 128→512 · relu · fc 512→10 (3×3 kernels, padding 1).
+/// `benches/peers/ddp_step_torch.py` builds the same network.
+fn convnet() -> Result<Sequential, AnyError> {
+    let conv = |i, o| Conv2d::new(i, o, 3, Conv2dConfig::default().with_padding(1));
+    Ok(Sequential::new()
+        .add(conv(3, 32)?)
+        .add(ReLU::new())
+        .add(MaxPool2d::new(2))
+        .add(conv(32, 64)?)
+        .add(ReLU::new())
+        .add(MaxPool2d::new(2))
+        .add(conv(64, 128)?)
+        .add(ReLU::new())
+        .add(AdaptiveAvgPool2d::new(1))
+        .add(Flatten::new())
+        .add(Linear::new(128, 512, true)?)
+        .add(ReLU::new())
+        .add(Linear::new(512, 10, true)?))
+}
+
+/// The three tandem modes, in the order they run.
+const MODES: [&str; 3] = ["no_comm", "allreduce_after_backward", "ddp"];
+
+/// Time a data-parallel training step with and without communication, tandem vs PyTorch DDP.
+#[derive(Parser, Debug, Clone)]
+struct Args {
+    /// Number of ranks (local processes).
+    #[arg(long)]
+    nproc: usize,
+    /// The model.
+    #[arg(long, value_enum, default_value_t = ModelKind::Lenet)]
+    model: ModelKind,
+    /// Samples per step on each rank.
+    #[arg(long, default_value_t = 32)]
+    batch_size: usize,
+    /// Timed steps per mode.
+    #[arg(long, default_value_t = 30)]
+    steps: usize,
+    /// Untimed steps before timing.
+    #[arg(long, default_value_t = 5)]
+    warmup: usize,
+    /// Seed of the model and of the random batches.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Shape every rank's link to this many Mbit/s each way (needs root and iproute2).
+    #[arg(long)]
+    link_mbit: Option<u32>,
+    /// Python interpreter for the PyTorch side.
+    #[arg(long, default_value = "python3")]
+    peer_python: String,
+    /// Skip the PyTorch side.
+    #[arg(long)]
+    no_peer: bool,
+    /// Also write the results as JSON to this file.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Set in workers under `--link-mbit`: always use the TCP ring.
+    #[arg(long, hide = true)]
+    tcp_only: bool,
+    /// Benchmark-name filters passed by `cargo bench` (ignored).
+    #[arg(hide = true)]
+    filters: Vec<String>,
+}
+
+fn main() -> ExitCode {
+    // `cargo bench` appends `--bench` to the arguments of harness = false benchmarks.
+    let args = Args::parse_from(std::env::args().filter(|a| a != "--bench"));
+    let result = match std::env::var(WORKER_VAR) {
+        Ok(mode) => worker(&args, &mode),
+        Err(_) => run(&args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn cores() -> usize {
+    std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Worker side: one rank of one mode.
+
+fn worker(args: &Args, mode: &str) -> Result<(), AnyError> {
+    let env = LaunchEnv::from_process_env()?;
+    let config = GroupConfig {
+        same_host_copy: !args.tcp_only,
+        ..GroupConfig::default()
+    };
+    let group: Arc<dyn ProcessGroup> = Arc::new(init_process_group(&env, config)?);
+    let (rank, world) = (group.rank(), group.world_size());
+    rayon::ThreadPoolBuilder::new()
+        .num_threads((cores() / world).max(1))
+        .build_global()?;
+
+    manual_seed(args.seed);
+    let (model, sample_shape, classes) = args.model.build()?;
+    let model: Arc<dyn Module> = Arc::new(model);
+    model.train();
+    let ddp = if mode == "ddp" {
+        Some(DistributedDataParallel::new(
+            model.clone(),
+            group.clone(),
+            DdpConfig::default(),
+        )?)
+    } else {
+        None
+    };
+    let mut optimizer = Sgd::new(model.parameters(), SgdConfig::new(0.01).with_momentum(0.9))?;
+    // Each rank its own fixed batch.
+    let mut generator = Generator::new(args.seed.wrapping_add(1 + rank as u64));
+    let mut shape = vec![args.batch_size];
+    shape.extend(&sample_shape);
+    let inputs = Tensor::randn(&shape, 0.0, 1.0, DType::F32, Device::Cpu, &mut generator)?;
+    let labels: Vec<i64> = (0..args.batch_size)
+        .map(|_| generator.below(classes) as i64)
+        .collect();
+    let targets = Tensor::from_vec(labels, &[args.batch_size], Device::Cpu)?;
+    let params = model.parameters();
+    let scale = 1.0 / world as f64;
+
+    let mut step = || -> Result<(), AnyError> {
+        optimizer.zero_grad()?;
+        let logits = match &ddp {
+            Some(ddp) => ddp.forward(&inputs)?,
+            None => model.forward(&inputs)?,
+        };
+        let loss = cross_entropy(&logits, &targets, Reduction::Mean)?;
+        loss.backward()?;
+        if mode == "allreduce_after_backward" {
+            for p in &params {
+                if let Some(grad) = p.grad() {
+                    group.all_reduce(&grad, ReduceOp::Sum)?.wait()?;
+                    grad.scale_(scale)?;
+                }
+            }
+        }
+        optimizer.step()?;
+        Ok(())
+    };
+    for _ in 0..args.warmup {
+        step()?;
+    }
+    let before = ddp.as_ref().map(|d| d.telemetry().summary());
+    // Start the timed steps together.
+    group.barrier()?.wait()?;
+    let mut times = Vec::with_capacity(args.steps);
+    for _ in 0..args.steps {
+        let start = Instant::now();
+        step()?;
+        times.push(start.elapsed().as_secs_f64() * 1e3);
+    }
+    // Only the timed steps: the totals now minus those after warm-up.
+    let overlap = match (&ddp, before) {
+        (Some(ddp), Some(before)) => {
+            let after = ddp.telemetry().summary();
+            let comm = after.comm.saturating_sub(before.comm).as_secs_f64();
+            let exposed = after.exposed.saturating_sub(before.exposed).as_secs_f64();
+            let per_step = |t: f64| t * 1e3 / args.steps as f64;
+            let fraction = if comm > 0.0 {
+                format!("{:.4}", exposed / comm)
+            } else {
+                "none".into()
+            };
+            format!(
+                " exposed={fraction} comm_ms={:.3} exposed_ms={:.3}",
+                per_step(comm),
+                per_step(exposed)
+            )
+        }
+        _ => String::new(),
+    };
+    group.barrier()?.wait()?;
+    if rank == 0 {
+        println!(
+            "{RESULT_PREFIX}mode={mode} median_ms={:.4}{overlap}",
+            median(&mut times)
+        );
+    }
+    Ok(())
+}
+
+fn median(times: &mut [f64]) -> f64 {
+    times.sort_by(|a, b| a.total_cmp(b));
+    let n = times.len();
+    if n % 2 == 1 {
+        times[n / 2]
+    } else {
+        0.5 * (times[n / 2 - 1] + times[n / 2])
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Parent side: start the ranks of each mode, collect and print.
+
+/// What one mode measured (rank 0's view).
+struct ModeResult {
+    median_ms: f64,
+    /// DDP only: exposed communication over all communication, timed steps.
+    exposed_fraction: Option<f64>,
+    /// DDP only: communication per timed step (buckets' busy time), in ms.
+    comm_ms: Option<f64>,
+    /// DDP only: communication per timed step left after backward's computation, in ms.
+    exposed_ms: Option<f64>,
+}
+
+fn run(args: &Args) -> Result<(), AnyError> {
+    if args.nproc == 0 || args.steps == 0 || args.batch_size == 0 {
+        return Err("--nproc, --steps and --batch-size must be > 0".into());
+    }
+    // Fail early on a model tandem lacks.
+    args.model.build()?;
+    let network = match args.link_mbit {
+        Some(0) => return Err("--link-mbit must be > 0".into()),
+        Some(mbit) => Some(ShapedNetwork::create(args.nproc, mbit)?),
+        None => None,
+    };
+    let threads = (cores() / args.nproc).max(1);
+
+    let mut results = Vec::new();
+    for mode in MODES {
+        eprintln!("ddp_step: running {mode} on {} ranks…", args.nproc);
+        results.push(run_tandem_mode(args, mode, network.as_ref())?);
+    }
+    let torch = if args.no_peer {
+        Err("skipped (--no-peer)".to_string())
+    } else {
+        eprintln!("ddp_step: running PyTorch DDP on {} ranks…", args.nproc);
+        run_torch(args, threads, network.as_ref())
+    };
+    drop(network);
+
+    let [no_comm, after_backward, ddp] = &results[..] else {
+        unreachable!("three modes")
+    };
+    let link = args
+        .link_mbit
+        .map(|m| format!("{m} Mbit/s links"))
+        .unwrap_or_else(|| "loopback".into());
+    println!(
+        "ddp_step: model {}, batch {} per rank, {} ranks × {} threads, {link}, median of {} steps after {} warm-up",
+        args.model.name(),
+        args.batch_size,
+        args.nproc,
+        threads,
+        args.steps,
+        args.warmup
+    );
+    println!("{:<28} {:>12}", "mode", "median ms");
+    println!("{:<28} {:>12.2}", "no_comm", no_comm.median_ms);
+    println!(
+        "{:<28} {:>12.2}",
+        "allreduce_after_backward", after_backward.median_ms
+    );
+    println!("{:<28} {:>12.2}", "ddp", ddp.median_ms);
+    match &torch {
+        Ok(t) => println!("{:<28} {:>12.2}", "torch_ddp (gloo)", t.median_ms),
+        Err(why) => println!("torch_ddp: not run: {why}"),
+    }
+    match ddp.exposed_fraction {
+        Some(f) => println!(
+            "ddp communication: {:.2} ms/step, exposed after backward {:.2} ms/step ({:.1}%)",
+            ddp.comm_ms.unwrap_or(f64::NAN),
+            ddp.exposed_ms.unwrap_or(f64::NAN),
+            f * 100.0
+        ),
+        None => println!("ddp exposed communication: no communication recorded"),
+    }
+    println!(
+        "ddp / no_comm:           {:.2}",
+        ddp.median_ms / no_comm.median_ms
+    );
+    println!(
+        "ddp / after_backward:    {:.2}",
+        ddp.median_ms / after_backward.median_ms
+    );
+    if let Ok(t) = &torch {
+        println!(
+            "ddp / torch_ddp:         {:.2} (torch {})",
+            ddp.median_ms / t.median_ms,
+            t.version
+        );
+    }
+
+    if let Some(path) = &args.json {
+        let torch_ok = torch.as_ref().ok();
+        let json = serde_json::json!({
+            "nproc": args.nproc,
+            "model": args.model.name(),
+            "batch_size": args.batch_size,
+            "link_mbit": args.link_mbit,
+            "step_ms_no_comm": no_comm.median_ms,
+            "step_ms_allreduce_after_backward": after_backward.median_ms,
+            "step_ms_ddp": ddp.median_ms,
+            "exposed_comm_fraction": ddp.exposed_fraction,
+            "torch_ddp_step_ms": torch_ok.map(|t| t.median_ms),
+        });
+        std::fs::write(path, serde_json::to_string_pretty(&json)? + "\n")
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+    }
+    Ok(())
+}
+
+/// Runs one tandem mode on `args.nproc` ranks and parses rank 0's result line.
+fn run_tandem_mode(
+    args: &Args,
+    mode: &str,
+    network: Option<&ShapedNetwork>,
+) -> Result<ModeResult, AnyError> {
+    let bind = if network.is_some() {
+        format!("{}:0", ShapedNetwork::HOST_ADDR)
+    } else {
+        "127.0.0.1:0".into()
+    };
+    let store = StoreServer::bind(bind.as_str())?;
+    let addr = store.local_addr();
+    let exe = std::env::current_exe()?;
+    let world = args.nproc;
+    let outputs = run_ranks(world, |rank| {
+        let mut cmd = match network {
+            Some(n) => n.command_in(rank, &exe),
+            None => Command::new(&exe),
+        };
+        cmd.args(["--nproc", &world.to_string()])
+            .args(["--model", args.model.name()])
+            .args(["--batch-size", &args.batch_size.to_string()])
+            .args(["--steps", &args.steps.to_string()])
+            .args(["--warmup", &args.warmup.to_string()])
+            .args(["--seed", &args.seed.to_string()]);
+        if network.is_some() {
+            cmd.arg("--tcp-only");
+        }
+        cmd.env(WORKER_VAR, mode)
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", world.to_string())
+            .env("LOCAL_RANK", rank.to_string())
+            .env("LOCAL_WORLD_SIZE", world.to_string())
+            .env("MASTER_ADDR", addr.ip().to_string())
+            .env("MASTER_PORT", addr.port().to_string())
+            .env(STORE_HOSTED_VAR, "1");
+        cmd
+    })
+    .map_err(|e| format!("mode {mode}: {e}"))?;
+    drop(store);
+    let line = outputs[0]
+        .lines()
+        .find_map(|l| l.strip_prefix(RESULT_PREFIX))
+        .ok_or_else(|| format!("mode {mode}: rank 0 printed no result: {}", outputs[0]))?;
+    let field = |name: &str| {
+        line.split_whitespace()
+            .find_map(|kv| kv.strip_prefix(name)?.strip_prefix('='))
+            .ok_or_else(|| format!("mode {mode}: result line lacks `{name}`: {line}"))
+    };
+    let median_ms: f64 = field("median_ms")?.parse()?;
+    let optional = |name: &str| -> Result<Option<f64>, AnyError> {
+        match field(name) {
+            Err(_) | Ok("none") => Ok(None),
+            Ok(v) => Ok(Some(v.parse()?)),
+        }
+    };
+    Ok(ModeResult {
+        median_ms,
+        exposed_fraction: optional("exposed")?,
+        comm_ms: optional("comm_ms")?,
+        exposed_ms: optional("exposed_ms")?,
+    })
+}
+
+/// Collects what a child writes, in the background.
+fn collect(from: impl Read + Send + 'static, into: Arc<Mutex<String>>) {
+    std::thread::spawn(move || {
+        let mut from = from;
+        let mut buf = [0u8; 4096];
+        while let Ok(n) = from.read(&mut buf) {
+            if n == 0 {
+                break;
+            }
+            if let Ok(mut s) = into.lock() {
+                s.push_str(&String::from_utf8_lossy(&buf[..n]));
+            }
+        }
+    });
+}
+
+/// Kills and reaps the children still running when dropped.
+struct Children(Vec<Child>);
+
+impl Drop for Children {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            if matches!(c.try_wait(), Ok(None)) {
+                let _ = c.kill();
+            }
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Starts `world` processes (`command(rank)`), waits for all, and returns each one's stdout.
+/// When one fails the others are killed and the error carries every rank's output.
+fn run_ranks(world: usize, command: impl Fn(usize) -> Command) -> Result<Vec<String>, String> {
+    let mut children = Children(Vec::new());
+    let mut stdout = Vec::new();
+    let mut stderr = Vec::new();
+    for rank in 0..world {
+        let mut child = command(rank)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("cannot start rank {rank}: {e}"))?;
+        let (out, err) = (Arc::default(), Arc::default());
+        if let (Some(o), Some(e)) = (child.stdout.take(), child.stderr.take()) {
+            collect(o, Arc::clone(&out));
+            collect(e, Arc::clone(&err));
+        }
+        children.0.push(child);
+        stdout.push(out);
+        stderr.push(err);
+    }
+    let text = |v: &Arc<Mutex<String>>| v.lock().map(|s| s.clone()).unwrap_or_default();
+    let report = |why: String| {
+        let mut msg = why;
+        for (rank, (o, e)) in stdout.iter().zip(&stderr).enumerate() {
+            msg.push_str(&format!(
+                "\n--- rank {rank} ---\n{}{}",
+                text(o),
+                text(e).trim_end()
+            ));
+        }
+        msg
+    };
+    let deadline = Instant::now() + MODE_TIMEOUT;
+    let mut done = vec![false; world];
+    while done.iter().any(|d| !d) {
+        for (rank, child) in children.0.iter_mut().enumerate() {
+            if done[rank] {
+                continue;
+            }
+            match child.try_wait() {
+                Ok(Some(status)) if status.success() => done[rank] = true,
+                Ok(Some(status)) => {
+                    drop(children);
+                    std::thread::sleep(Duration::from_millis(100));
+                    return Err(report(format!("rank {rank} failed ({status})")));
+                }
+                Ok(None) => {}
+                Err(e) => return Err(report(format!("rank {rank}: {e}"))),
+            }
+        }
+        if Instant::now() >= deadline {
+            drop(children);
+            return Err(report(format!(
+                "ranks still running after {MODE_TIMEOUT:?}"
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // Give the collectors a moment to read the last bytes.
+    std::thread::sleep(Duration::from_millis(100));
+    Ok(stdout.iter().map(text).collect())
+}
+
+// ---------------------------------------------------------------------------------------------
+// PyTorch peer.
+
+/// PyTorch DDP's median step time and version.
+struct TorchResult {
+    median_ms: f64,
+    version: String,
+}
+
+/// Runs the PyTorch DDP peer on `args.nproc` ranks; `Err` says why it could not run.
+fn run_torch(
+    args: &Args,
+    threads: usize,
+    network: Option<&ShapedNetwork>,
+) -> Result<TorchResult, String> {
+    let probe = Command::new(&args.peer_python)
+        .args(["-c", "import torch"])
+        .output()
+        .map_err(|e| format!("cannot run `{}`: {e}", args.peer_python))?;
+    if !probe.status.success() {
+        return Err(format!(
+            "`{}` cannot import torch (install it, or pass --peer-python)",
+            args.peer_python
+        ));
+    }
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/benches/peers/ddp_step_torch.py"
+    );
+    let (master, port, ifname) = match network {
+        Some(n) => (n.rank_addr(0), 29500, ShapedNetwork::RANK_IFNAME),
+        None => {
+            // A port that was free a moment ago.
+            let port = std::net::TcpListener::bind("127.0.0.1:0")
+                .and_then(|l| l.local_addr())
+                .map_err(|e| format!("cannot find a free port: {e}"))?
+                .port();
+            ("127.0.0.1".to_string(), port, "lo")
+        }
+    };
+    let world = args.nproc;
+    let python = PathBuf::from(&args.peer_python);
+    let outputs = run_ranks(world, |rank| {
+        let mut cmd = match network {
+            Some(n) => n.command_in(rank, &python),
+            None => Command::new(&python),
+        };
+        cmd.arg(script)
+            .args(["--model", args.model.name()])
+            .args(["--batch-size", &args.batch_size.to_string()])
+            .args(["--threads", &threads.to_string()])
+            .args(["--warmup", &args.warmup.to_string()])
+            .args(["--steps", &args.steps.to_string()])
+            .args(["--seed", &args.seed.to_string()])
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", world.to_string())
+            .env("LOCAL_RANK", rank.to_string())
+            .env("LOCAL_WORLD_SIZE", world.to_string())
+            .env("MASTER_ADDR", &master)
+            .env("MASTER_PORT", port.to_string())
+            .env("GLOO_SOCKET_IFNAME", ifname);
+        cmd
+    })?;
+    let last = outputs[0].lines().last().unwrap_or("");
+    let value: serde_json::Value =
+        serde_json::from_str(last).map_err(|e| format!("unreadable peer output `{last}`: {e}"))?;
+    Ok(TorchResult {
+        median_ms: value["median_ms"]
+            .as_f64()
+            .ok_or_else(|| format!("peer output lacks `median_ms`: {last}"))?,
+        version: value["torch_version"].as_str().unwrap_or("?").to_string(),
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Shaped links (`--link-mbit`).
+
+/// One network namespace per rank, each joined to a bridge in the root namespace by a veth
+/// pair whose two ends are shaped with `tc tbf`; removed on drop.
+struct ShapedNetwork {
+    ranks: usize,
+}
+
+impl ShapedNetwork {
+    const BRIDGE: &'static str = "tdmbench0";
+    /// The bridge's address, where this process serves the store.
+    const HOST_ADDR: &'static str = "10.231.0.1";
+    /// Name of each rank's interface inside its namespace.
+    const RANK_IFNAME: &'static str = "tdm0";
+
+    fn namespace(rank: usize) -> String {
+        format!("tandem-bench-{rank}")
+    }
+
+    fn host_veth(rank: usize) -> String {
+        format!("tdmb-h{rank}")
+    }
+
+    fn rank_addr(&self, rank: usize) -> String {
+        format!("10.231.0.{}", 10 + rank)
+    }
+
+    fn create(ranks: usize, mbit: u32) -> Result<Self, AnyError> {
+        let needs = "--link-mbit needs root and iproute2";
+        if ranks > 200 {
+            return Err(format!("{needs}; and at most 200 ranks (one /24)").into());
+        }
+        let root = Command::new("id")
+            .arg("-u")
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+            .unwrap_or(false);
+        if !root {
+            return Err(format!("{needs}: this process is not running as root").into());
+        }
+        for tool in ["ip", "tc"] {
+            if Command::new(tool).arg("-V").output().is_err() {
+                return Err(format!("{needs}: `{tool}` was not found").into());
+            }
+        }
+        // Leftovers of an interrupted run would make the setup fail.
+        Self::remove(ranks);
+        let network = ShapedNetwork { ranks };
+        network
+            .setup(mbit)
+            .map_err(|e| format!("{needs}: setting up the shaped links failed: {e}"))?;
+        Ok(network)
+    }
+
+    fn setup(&self, mbit: u32) -> Result<(), String> {
+        let bytes_per_sec = mbit as u64 * 1_000_000 / 8;
+        // Room for a full GSO segment, and at least 10 ms at the rate.
+        let burst = (bytes_per_sec / 100).max(128 * 1024);
+        let shape = |dev: &str, ns: Option<&str>| -> Result<(), String> {
+            let mut cmd = vec![];
+            if let Some(ns) = ns {
+                cmd.extend(["-n", ns]);
+            }
+            let (rate, burst) = (format!("{mbit}mbit"), burst.to_string());
+            cmd.extend(["qdisc", "add", "dev", dev, "root", "tbf", "rate", &rate]);
+            cmd.extend(["burst", &burst, "latency", "100ms"]);
+            sh("tc", &cmd)
+        };
+        let bridge = Self::BRIDGE;
+        let host_cidr = format!("{}/24", Self::HOST_ADDR);
+        sh("ip", &["link", "add", bridge, "type", "bridge"])?;
+        sh("ip", &["addr", "add", &host_cidr, "dev", bridge])?;
+        sh("ip", &["link", "set", bridge, "up"])?;
+        for rank in 0..self.ranks {
+            let ns = Self::namespace(rank);
+            let host = Self::host_veth(rank);
+            let peer = format!("tdmb-n{rank}");
+            let cidr = format!("{}/24", self.rank_addr(rank));
+            let inner = Self::RANK_IFNAME;
+            sh("ip", &["netns", "add", &ns])?;
+            sh(
+                "ip",
+                &["link", "add", &host, "type", "veth", "peer", "name", &peer],
+            )?;
+            sh("ip", &["link", "set", &host, "master", bridge])?;
+            sh("ip", &["link", "set", &host, "up"])?;
+            sh("ip", &["link", "set", &peer, "netns", &ns])?;
+            sh("ip", &["-n", &ns, "link", "set", &peer, "name", inner])?;
+            sh("ip", &["-n", &ns, "addr", "add", &cidr, "dev", inner])?;
+            sh("ip", &["-n", &ns, "link", "set", inner, "up"])?;
+            sh("ip", &["-n", &ns, "link", "set", "lo", "up"])?;
+            // Out of the rank, and into it.
+            shape(inner, Some(&ns))?;
+            shape(&host, None)?;
+        }
+        Ok(())
+    }
+
+    /// `program` run inside rank `rank`'s namespace.
+    fn command_in(&self, rank: usize, program: &std::path::Path) -> Command {
+        let mut cmd = Command::new("ip");
+        cmd.args(["netns", "exec", &Self::namespace(rank)])
+            .arg(program);
+        cmd
+    }
+
+    /// Removes what [`ShapedNetwork::setup`] may have made; errors are ignored.
+    fn remove(ranks: usize) {
+        for rank in 0..ranks {
+            let _ = quiet("ip", &["link", "del", &Self::host_veth(rank)]);
+            let _ = quiet("ip", &["netns", "del", &Self::namespace(rank)]);
+        }
+        let _ = quiet("ip", &["link", "del", Self::BRIDGE]);
+    }
+}
+
+impl Drop for ShapedNetwork {
+    fn drop(&mut self) {
+        Self::remove(self.ranks);
+    }
+}
+
+/// Runs `program args`; `Err` carries the command and its stderr.
+fn sh(program: &str, args: &[&str]) -> Result<(), String> {
+    let out = Command::new(program)
+        .args(args)
+        .output()
+        .map_err(|e| format!("`{program} {}`: {e}", args.join(" ")))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "`{program} {}` failed: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
+}
+
+/// Runs `program args` with its output discarded.
+fn quiet(program: &str, args: &[&str]) -> std::io::Result<std::process::ExitStatus> {
+    Command::new(program)
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+}

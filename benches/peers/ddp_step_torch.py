@@ -1,0 +1,138 @@
+"""PyTorch peer of `benches/ddp_step.rs`: times a DistributedDataParallel (gloo) training step.
+
+Run as one process per rank with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set (the
+benchmark starts them). One step is zero_grad, forward through DDP, cross entropy, backward
+(with DDP's bucketed all-reduce) and an SGD-with-momentum update, on a fixed random batch per
+rank. Rank 0 prints one JSON object on the last line of stdout:
+{"median_ms", "mean_ms", "min_ms", "steps", "world_size", "torch_version", "threads"}.
+
+    RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 \\
+        python3 benches/peers/ddp_step_torch.py --model convnet --batch-size 32 --threads 1
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import OrderedDict
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+
+def lenet5():
+    """LeNet-5 with the same layers and parameter names as `tandem_nn::models::lenet5`."""
+    return nn.Sequential(
+        OrderedDict(
+            features=nn.Sequential(
+                nn.Conv2d(1, 6, 5, padding=2),
+                nn.ReLU(),
+                nn.MaxPool2d(2),
+                nn.Conv2d(6, 16, 5),
+                nn.ReLU(),
+                nn.MaxPool2d(2),
+            ),
+            flatten=nn.Flatten(),
+            classifier=nn.Sequential(
+                nn.Linear(16 * 5 * 5, 120),
+                nn.ReLU(),
+                nn.Linear(120, 84),
+                nn.ReLU(),
+                nn.Linear(84, 10),
+            ),
+        )
+    )
+
+
+def convnet():
+    """The mid-size CNN of `benches/ddp_step.rs` (`convnet()`), layer for layer."""
+    return nn.Sequential(
+        nn.Conv2d(3, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(64, 128, 3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(128, 512),
+        nn.ReLU(),
+        nn.Linear(512, 10),
+    )
+
+
+MODELS = {
+    # name: (constructor, input shape without the batch dim, classes)
+    "lenet": (lenet5, (1, 28, 28), 10),
+    "convnet": (convnet, (3, 32, 32), 10),
+}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="lenet")
+    parser.add_argument("--batch-size", type=int, default=32, help="samples per rank")
+    parser.add_argument("--threads", type=int, default=1, help="compute threads per rank")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--momentum", type=float, default=0.9)
+    args = parser.parse_args()
+
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", init_method="env://")
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    torch.manual_seed(args.seed)
+    build, shape, classes = MODELS[args.model]
+    model = build()
+    model.train()
+    ddp = DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=args.momentum)
+    # Each rank its own fixed batch.
+    generator = torch.Generator().manual_seed(args.seed + 1 + rank)
+    x = torch.randn(args.batch_size, *shape, generator=generator)
+    y = torch.randint(0, classes, (args.batch_size,), generator=generator)
+
+    def step():
+        optimizer.zero_grad()
+        loss = F.cross_entropy(ddp(x), y)
+        loss.backward()
+        optimizer.step()
+
+    for _ in range(args.warmup):
+        step()
+    dist.barrier()
+    times = []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - start) * 1e3)
+    dist.barrier()
+    if rank == 0:
+        print(
+            json.dumps(
+                {
+                    "median_ms": statistics.median(times),
+                    "mean_ms": statistics.fmean(times),
+                    "min_ms": min(times),
+                    "steps": args.steps,
+                    "world_size": world,
+                    "torch_version": torch.__version__,
+                    "threads": torch.get_num_threads(),
+                }
+            )
+        )
+        sys.stdout.flush()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
