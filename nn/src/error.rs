@@ -66,6 +66,16 @@ pub enum Error {
         msg: String,
     },
 
+    /// A checkpoint's tensors do not fit the module they are loaded into: missing or
+    /// unexpected names, or a shape or dtype that differs from the parameter's.
+    #[error("{origin}: state does not fit the model: {msg}")]
+    StateDict {
+        /// Where the state came from (the checkpoint file).
+        origin: String,
+        /// Which names, shapes or dtypes disagree.
+        msg: String,
+    },
+
     /// A dataset or loader asked for something it cannot give (an index out of range, a
     /// batch of inconsistent samples), or its worker thread died.
     #[error("{what}: {msg}")]
