@@ -2,6 +2,7 @@
 //!
 //! ```text
 //! cargo bench --bench train_step -- --model lenet --batch-size 64 --threads 2 [--json FILE]
+//! cargo bench --bench train_step -- --model resnet20 --batch-size 32 --threads 2
 //! ```
 //!
 //! Times `--steps` steps (default 30) after `--warmup` untimed ones (default 5) on one fixed
@@ -30,12 +31,15 @@ type AnyError = Box<dyn std::error::Error>;
 enum ModelKind {
     /// LeNet-5 on 1×28×28 inputs, 10 classes.
     Lenet,
+    /// ResNet-20 (CIFAR) on 3×32×32 inputs, 10 classes.
+    Resnet20,
 }
 
 impl ModelKind {
     fn name(self) -> &'static str {
         match self {
             ModelKind::Lenet => "lenet",
+            ModelKind::Resnet20 => "resnet20",
         }
     }
 
@@ -45,6 +49,11 @@ impl ModelKind {
             ModelKind::Lenet => Ok(Workload {
                 model: Box::new(tandem::nn::models::lenet5()?),
                 sample_shape: vec![1, 28, 28],
+                classes: 10,
+            }),
+            ModelKind::Resnet20 => Ok(Workload {
+                model: Box::new(tandem::nn::models::resnet20()?),
+                sample_shape: vec![3, 32, 32],
                 classes: 10,
             }),
         }

@@ -14,6 +14,7 @@ pub mod init;
 pub mod layers;
 pub mod models;
 pub mod module;
+pub mod resnet;
 
 pub use error::{Error, Result};
 pub use layers::{

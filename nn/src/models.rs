@@ -1,4 +1,5 @@
-//! Ready-made networks.
+//! Ready-made networks: LeNet-5 for MNIST here, and the CIFAR ResNets of [`crate::resnet`]
+//! re-exported.
 
 use crate::layers::{Conv2d, Conv2dConfig, Flatten, Linear, MaxPool2d, ReLU, Sequential};
 use crate::Result;
@@ -38,3 +39,5 @@ pub fn lenet5() -> Result<Sequential> {
         .add_named("flatten", Flatten::new())?
         .add_named("classifier", classifier)
 }
+
+pub use crate::resnet::{resnet20, resnet32, resnet56, resnet_cifar, BasicBlock, CifarResNet};

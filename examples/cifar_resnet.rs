@@ -1,0 +1,347 @@
+//! Trains a CIFAR ResNet (ResNet-20 by default) on CIFAR-10, or on MNIST shaped as 3×32×32
+//! images, printing the test accuracy after each epoch.
+//!
+//! ```text
+//! cargo run --release --example cifar_resnet -- --data-dir cifar-10-batches-bin --epochs 30
+//! cargo run --release --example cifar_resnet -- --dataset mnist32 --epochs 1
+//! ```
+//!
+//! CIFAR-10 is not shipped: download the "CIFAR-10 binary version" from
+//! <https://www.cs.toronto.edu/~kriz/cifar.html> and pass its unpacked directory (the one with
+//! `data_batch_1.bin` … `test_batch.bin`) as `--data-dir`. Training images are augmented with
+//! random 4-pixel-padded crops and horizontal flips, seeded per epoch and sample.
+//! `--dataset mnist32` instead trains on the MNIST files shipped in `data/mnist`, each digit
+//! padded to 32×32 and repeated into 3 channels (no augmentation).
+//!
+//! Optimisation: SGD with momentum 0.9 and weight decay 5e-4, cross entropy, batch 128. The
+//! learning rate rises linearly from 0 to `--lr` (0.1) over the first `--warmup-frac` of all
+//! steps and then falls linearly to 0 at the last step, so even one epoch ends well settled:
+//! one epoch of `mnist32` reaches about 99% test accuracy. On a terminal a progress bar shows
+//! the running loss and throughput; one line per epoch is printed. `--metrics-out FILE`
+//! writes the results as JSON.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Instant;
+
+use clap::{Parser, ValueEnum};
+use indicatif::{ProgressBar, ProgressStyle};
+use tandem::autograd::{no_grad, TensorBackward};
+use tandem::core::rng::manual_seed;
+use tandem::nn::data::{
+    Augmentation, Cifar10, CifarDataset, DataLoader, DataLoaderConfig, Dataset, Mnist32, Split,
+};
+use tandem::nn::loss::{cross_entropy, Reduction};
+use tandem::nn::models::resnet_cifar;
+use tandem::nn::Module;
+use tandem::optim::{Optimizer, Sgd, SgdConfig};
+
+type AnyError = Box<dyn std::error::Error>;
+
+const CIFAR_HELP: &str = "CIFAR-10 is not included: download the \"CIFAR-10 binary version\" \
+from https://www.cs.toronto.edu/~kriz/cifar.html, unpack it, and pass the directory holding \
+data_batch_1.bin … test_batch.bin with --data-dir; or train on the shipped MNIST with \
+--dataset mnist32";
+
+/// Which data to train on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum DatasetKind {
+    /// CIFAR-10 from `--data-dir`.
+    Cifar10,
+    /// The shipped MNIST, padded to 3×32×32.
+    Mnist32,
+}
+
+/// Train a CIFAR ResNet.
+#[derive(Parser, Debug)]
+#[command(about)]
+struct Args {
+    /// Directory of the CIFAR-10 binary files (implies --dataset cifar10).
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
+    /// The data set [default: cifar10 with --data-dir].
+    #[arg(long, value_enum)]
+    dataset: Option<DatasetKind>,
+    /// ResNet depth, 6n + 2 (20, 32, 44, 56, 110).
+    #[arg(long, default_value_t = 20)]
+    depth: usize,
+    /// Passes over the training set.
+    #[arg(long, default_value_t = 1)]
+    epochs: usize,
+    /// Training batch size.
+    #[arg(long, default_value_t = 128)]
+    batch_size: usize,
+    /// Peak SGD learning rate.
+    #[arg(long, default_value_t = 0.1)]
+    lr: f64,
+    /// Fraction of all steps spent warming the learning rate up from 0.
+    #[arg(long, default_value_t = 0.1)]
+    warmup_frac: f64,
+    /// SGD momentum.
+    #[arg(long, default_value_t = 0.9)]
+    momentum: f64,
+    /// L2 weight decay.
+    #[arg(long, default_value_t = 5e-4)]
+    weight_decay: f64,
+    /// Seed of the initialisation, the shuffling and the augmentation.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Threads of the compute pool [default: all cores].
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Write the results as a JSON object to this file.
+    #[arg(long)]
+    metrics_out: Option<PathBuf>,
+}
+
+/// What one epoch produced.
+struct EpochResult {
+    train_loss: f64,
+    test_accuracy: f64,
+    images_per_sec: f64,
+    seconds: f64,
+}
+
+/// The training data: CIFAR-10 needs its epoch set for the augmentation.
+enum TrainData {
+    Cifar(Arc<CifarDataset>),
+    Mnist(Arc<Mnist32>),
+}
+
+impl TrainData {
+    fn dataset(&self) -> Arc<dyn Dataset> {
+        match self {
+            TrainData::Cifar(d) => d.clone(),
+            TrainData::Mnist(d) => d.clone(),
+        }
+    }
+
+    fn set_epoch(&self, epoch: u64) {
+        if let TrainData::Cifar(d) = self {
+            d.set_epoch(epoch);
+        }
+    }
+}
+
+/// Linear warm-up to `peak` over `warmup` steps, then linear decay to 0 at `total`.
+fn learning_rate(peak: f64, step: usize, warmup: usize, total: usize) -> f64 {
+    if step < warmup {
+        peak * (step + 1) as f64 / warmup as f64
+    } else {
+        peak * (total - step) as f64 / (total - warmup).max(1) as f64
+    }
+}
+
+fn main() -> ExitCode {
+    match run(Args::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(args: Args) -> Result<(), AnyError> {
+    let kind = match (args.dataset, &args.data_dir) {
+        (Some(kind), _) => kind,
+        (None, Some(_)) => DatasetKind::Cifar10,
+        (None, None) => return Err(CIFAR_HELP.into()),
+    };
+    if args.batch_size == 0 || args.epochs == 0 {
+        return Err("--batch-size and --epochs must be > 0".into());
+    }
+    if !(0.0..1.0).contains(&args.warmup_frac) {
+        return Err(format!("--warmup-frac must be in [0, 1), got {}", args.warmup_frac).into());
+    }
+    if let Some(threads) = args.threads {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build_global()?;
+    }
+    let threads = rayon::current_num_threads();
+    let (train_data, test_set): (TrainData, Arc<dyn Dataset>) = match kind {
+        DatasetKind::Cifar10 => {
+            let dir = args.data_dir.clone().ok_or(CIFAR_HELP)?;
+            let train = Cifar10::load(&dir, Split::Train)?
+                .with_augmentation(Augmentation::cifar(), args.seed);
+            let test = Cifar10::load(&dir, Split::Test)?;
+            (TrainData::Cifar(Arc::new(train)), Arc::new(test))
+        }
+        DatasetKind::Mnist32 => {
+            let dir = args
+                .data_dir
+                .clone()
+                .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/mnist"));
+            let train = Mnist32::load(&dir, Split::Train)?;
+            let test = Mnist32::load(&dir, Split::Test)?;
+            (TrainData::Mnist(Arc::new(train)), Arc::new(test))
+        }
+    };
+    let train = DataLoader::new(
+        train_data.dataset(),
+        DataLoaderConfig {
+            batch_size: args.batch_size,
+            shuffle: true,
+            seed: args.seed,
+            ..Default::default()
+        },
+    )?;
+    let test = DataLoader::new(
+        test_set,
+        DataLoaderConfig {
+            batch_size: 500,
+            ..Default::default()
+        },
+    )?;
+
+    manual_seed(args.seed);
+    let model = resnet_cifar(args.depth, 10)?;
+    let mut optimizer = Sgd::new(
+        model.parameters(),
+        SgdConfig::new(args.lr)
+            .with_momentum(args.momentum)
+            .with_weight_decay(args.weight_decay),
+    )?;
+    let total_steps = args.epochs * train.len();
+    let warmup_steps = (args.warmup_frac * total_steps as f64).round() as usize;
+    println!(
+        "ResNet-{} ({} parameters) on {:?}: {} epochs, batch {}, lr {} (linear warm-up over {} \
+         steps, then linear decay to 0), momentum {}, weight decay {}, {} threads",
+        args.depth,
+        model.num_parameters(),
+        kind,
+        args.epochs,
+        args.batch_size,
+        args.lr,
+        warmup_steps,
+        args.momentum,
+        args.weight_decay,
+        threads
+    );
+
+    let started = Instant::now();
+    let mut history = Vec::new();
+    let mut step = 0;
+    for epoch in 1..=args.epochs {
+        train_data.set_epoch(epoch as u64 - 1);
+        let mut result = train_epoch(&model, &mut optimizer, &train, epoch, args.epochs, |s| {
+            learning_rate(args.lr, step + s, warmup_steps, total_steps)
+        })?;
+        step += train.len();
+        result.test_accuracy = evaluate(&model, &test)?;
+        println!(
+            "epoch {epoch}/{}: train loss {:.4}, test accuracy {:.2}%, {:.0} images/s, {:.1} s",
+            args.epochs,
+            result.train_loss,
+            100.0 * result.test_accuracy,
+            result.images_per_sec,
+            result.seconds
+        );
+        history.push(result);
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    println!("done in {seconds:.1} s");
+    let last = history.last();
+    let images_per_sec =
+        history.iter().map(|r| r.images_per_sec).sum::<f64>() / history.len().max(1) as f64;
+    if let Some(path) = &args.metrics_out {
+        let metrics = serde_json::json!({
+            "model": format!("resnet{}", args.depth),
+            "dataset": format!("{kind:?}").to_lowercase(),
+            "epochs": args.epochs,
+            "batch_size": args.batch_size,
+            "lr": args.lr,
+            "warmup_frac": args.warmup_frac,
+            "momentum": args.momentum,
+            "weight_decay": args.weight_decay,
+            "seed": args.seed,
+            "threads": threads,
+            "test_accuracy": last.map(|r| r.test_accuracy),
+            "train_loss": last.map(|r| r.train_loss),
+            "images_per_sec": images_per_sec,
+            "seconds": seconds,
+            "history": history.iter().enumerate().map(|(i, r)| serde_json::json!({
+                "epoch": i + 1,
+                "train_loss": r.train_loss,
+                "test_accuracy": r.test_accuracy,
+                "images_per_sec": r.images_per_sec,
+                "seconds": r.seconds,
+            })).collect::<Vec<_>>(),
+        });
+        std::fs::write(path, serde_json::to_string_pretty(&metrics)? + "\n")
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+    }
+    Ok(())
+}
+
+/// One pass over the training set, setting the learning rate of step `s` of the epoch to
+/// `lr_at(s)`; the test accuracy is filled in by the caller.
+fn train_epoch(
+    model: &dyn Module,
+    optimizer: &mut Sgd,
+    train: &DataLoader,
+    epoch: usize,
+    epochs: usize,
+    lr_at: impl Fn(usize) -> f64,
+) -> Result<EpochResult, AnyError> {
+    model.train();
+    let bar = ProgressBar::new(train.len() as u64);
+    bar.set_style(
+        ProgressStyle::with_template("epoch {prefix} [{bar:30}] {pos}/{len} {msg} ({eta})")?
+            .progress_chars("=> "),
+    );
+    bar.set_prefix(format!("{epoch}/{epochs}"));
+    let started = Instant::now();
+    let (mut loss_sum, mut batches, mut images) = (0.0, 0usize, 0usize);
+    for batch in train.epoch(epoch as u64 - 1) {
+        let batch = batch?;
+        optimizer.set_learning_rate(lr_at(batches))?;
+        let logits = model.forward(&batch.inputs)?;
+        let loss = cross_entropy(&logits, &batch.targets, Reduction::Mean)?;
+        optimizer.zero_grad()?;
+        loss.backward()?;
+        optimizer.step()?;
+        loss_sum += loss.item()?;
+        batches += 1;
+        images += batch.targets.numel();
+        if batches % 10 == 0 {
+            let rate = images as f64 / started.elapsed().as_secs_f64();
+            bar.set_message(format!(
+                "loss {:.4}, {rate:.0} images/s",
+                loss_sum / batches as f64
+            ));
+        }
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    let seconds = started.elapsed().as_secs_f64();
+    Ok(EpochResult {
+        train_loss: loss_sum / batches.max(1) as f64,
+        test_accuracy: 0.0,
+        images_per_sec: images as f64 / seconds,
+        seconds,
+    })
+}
+
+/// Fraction of the test set classified correctly.
+fn evaluate(model: &dyn Module, test: &DataLoader) -> Result<f64, AnyError> {
+    model.eval();
+    let (mut correct, mut total) = (0usize, 0usize);
+    for batch in test.epoch(0) {
+        let batch = batch?;
+        let predicted = no_grad(|| -> Result<Vec<i64>, AnyError> {
+            let logits = model.forward(&batch.inputs)?;
+            Ok(tandem::ops::argmax(&logits, 1, false)?.to_vec::<i64>()?)
+        })?;
+        let labels = batch.targets.to_vec::<i64>()?;
+        correct += predicted
+            .iter()
+            .zip(&labels)
+            .filter(|(p, l)| p == l)
+            .count();
+        total += labels.len();
+    }
+    Ok(correct as f64 / total.max(1) as f64)
+}

@@ -1,0 +1,290 @@
+//! ResNets for 32×32 images (CIFAR-10), after He et al., "Deep Residual Learning for Image
+//! Recognition", section 4.2: ResNet-20, -32, -56 and any depth 6n + 2.
+//!
+//! The network is a 3×3 stem convolution with 16 channels, three stages of `n`
+//! [`BasicBlock`]s with 16, 32 and 64 channels (the second and third start with stride 2),
+//! global average pooling and one fully connected layer. Where a block changes the shape, its
+//! shortcut is a 1×1 convolution with stride 2 and a batch norm ("option B"). Parameter and
+//! buffer paths, and their order, are those of the same model written in PyTorch with
+//! attributes `conv1`, `bn1`, `layer1`…`layer3`, `avgpool`, `fc` (`layer2.0.downsample.0.weight`,
+//! `layer1.0.bn1.running_mean`, `fc.bias`), so a PyTorch `state_dict` maps onto it by name.
+
+use std::sync::Arc;
+
+use tandem_core::Tensor;
+
+use crate::layers::{
+    AdaptiveAvgPool2d, BatchNorm2d, Conv2d, Conv2dConfig, Flatten, Linear, Sequential,
+};
+use crate::module::{Module, TrainingFlag};
+use crate::{Error, Result};
+
+/// A 3×3 convolution without bias, padding 1.
+fn conv3x3(in_channels: usize, out_channels: usize, stride: usize) -> Result<Conv2d> {
+    Conv2d::new(
+        in_channels,
+        out_channels,
+        3,
+        Conv2dConfig::default()
+            .with_stride(stride)
+            .with_padding(1)
+            .with_bias(false),
+    )
+}
+
+/// Runs `child` named `name` on `x`, wrapping an error with the child's path.
+fn run_child(name: &str, child: &dyn Module, x: &Tensor) -> Result<Tensor> {
+    child
+        .forward(x)
+        .map_err(|e| e.in_module(name, child.type_name()))
+}
+
+/// The residual block of ResNet-18/34 and the CIFAR ResNets:
+/// `relu(bn2(conv2(relu(bn1(conv1(x))))) + shortcut(x))`.
+///
+/// `conv1` is 3×3 with the block's stride, `conv2` 3×3 with stride 1. The shortcut is the
+/// identity, or — when the stride is not 1 or the channel count changes — the child
+/// `downsample`: a 1×1 convolution with the block's stride and no bias (`downsample.0`) and a
+/// batch norm (`downsample.1`).
+///
+/// # Shapes
+/// `[N, in, H, W]` → `[N, out, H / stride, W / stride]` (rounded up).
+pub struct BasicBlock {
+    conv1: Arc<dyn Module>,
+    bn1: Arc<dyn Module>,
+    conv2: Arc<dyn Module>,
+    bn2: Arc<dyn Module>,
+    downsample: Option<Arc<dyn Module>>,
+    training: TrainingFlag,
+}
+
+impl BasicBlock {
+    /// A block from `in_channels` to `out_channels` whose first convolution has `stride`.
+    pub fn new(in_channels: usize, out_channels: usize, stride: usize) -> Result<Self> {
+        if stride == 0 {
+            return Err(Error::config("BasicBlock", "stride must be > 0"));
+        }
+        let downsample: Option<Arc<dyn Module>> = if stride != 1 || in_channels != out_channels {
+            let conv = Conv2d::new(
+                in_channels,
+                out_channels,
+                1,
+                Conv2dConfig::default().with_stride(stride).with_bias(false),
+            )?;
+            Some(Arc::new(
+                Sequential::new()
+                    .add(conv)
+                    .add(BatchNorm2d::new(out_channels)?),
+            ))
+        } else {
+            None
+        };
+        Ok(BasicBlock {
+            conv1: Arc::new(conv3x3(in_channels, out_channels, stride)?),
+            bn1: Arc::new(BatchNorm2d::new(out_channels)?),
+            conv2: Arc::new(conv3x3(out_channels, out_channels, 1)?),
+            bn2: Arc::new(BatchNorm2d::new(out_channels)?),
+            downsample,
+            training: TrainingFlag::new(),
+        })
+    }
+
+    /// Whether the shortcut is a projection (`downsample`) rather than the identity.
+    pub fn has_downsample(&self) -> bool {
+        self.downsample.is_some()
+    }
+}
+
+impl Module for BasicBlock {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let out = run_child("conv1", self.conv1.as_ref(), x)?;
+        let out = run_child("bn1", self.bn1.as_ref(), &out)?;
+        let out = tandem_ops::relu(&out)?;
+        let out = run_child("conv2", self.conv2.as_ref(), &out)?;
+        let out = run_child("bn2", self.bn2.as_ref(), &out)?;
+        let shortcut = match &self.downsample {
+            Some(d) => run_child("downsample", d.as_ref(), x)?,
+            None => x.clone(),
+        };
+        Ok(tandem_ops::relu(&tandem_ops::add(&out, &shortcut)?)?)
+    }
+
+    fn training_flag(&self) -> &TrainingFlag {
+        &self.training
+    }
+
+    fn children(&self) -> Vec<(String, Arc<dyn Module>)> {
+        let mut out = vec![
+            ("conv1".to_string(), self.conv1.clone()),
+            ("bn1".to_string(), self.bn1.clone()),
+            ("conv2".to_string(), self.conv2.clone()),
+            ("bn2".to_string(), self.bn2.clone()),
+        ];
+        if let Some(d) = &self.downsample {
+            out.push(("downsample".to_string(), d.clone()));
+        }
+        out
+    }
+}
+
+/// A ResNet for 32×32 images: see the [module documentation](self).
+///
+/// Children, in order: `conv1`, `bn1`, `layer1`, `layer2`, `layer3` (each a [`Sequential`] of
+/// [`BasicBlock`]s named `0`, `1`, …), `avgpool`, `flatten`, `fc`.
+///
+/// # Shapes
+/// `[N, 3, 32, 32]` → logits `[N, num_classes]` (any `H, W` ≥ 1 work, thanks to the global
+/// pooling).
+pub struct CifarResNet {
+    depth: usize,
+    children: Vec<(String, Arc<dyn Module>)>,
+    training: TrainingFlag,
+}
+
+impl CifarResNet {
+    /// The network's depth (6n + 2).
+    pub fn depth(&self) -> usize {
+        self.depth
+    }
+}
+
+impl Module for CifarResNet {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let mut out = x.clone();
+        for (name, child) in &self.children {
+            out = run_child(name, child.as_ref(), &out)?;
+            if name == "bn1" {
+                out = tandem_ops::relu(&out)?;
+            }
+        }
+        Ok(out)
+    }
+
+    fn training_flag(&self) -> &TrainingFlag {
+        &self.training
+    }
+
+    fn children(&self) -> Vec<(String, Arc<dyn Module>)> {
+        self.children.clone()
+    }
+}
+
+/// A CIFAR ResNet of `depth` = 6n + 2 layers (20, 32, 44, 56, 110, …) with `num_classes`
+/// outputs. Errors if `depth` is not of that form or `num_classes` is 0.
+pub fn resnet_cifar(depth: usize, num_classes: usize) -> Result<CifarResNet> {
+    if depth < 8 || !(depth - 2).is_multiple_of(6) {
+        return Err(Error::config(
+            "resnet_cifar",
+            format!("depth must be 6n + 2 with n ≥ 1 (20, 32, 44, 56, 110), got {depth}"),
+        ));
+    }
+    if num_classes == 0 {
+        return Err(Error::config("resnet_cifar", "num_classes must be > 0"));
+    }
+    let blocks = (depth - 2) / 6;
+    let mut children: Vec<(String, Arc<dyn Module>)> = vec![
+        ("conv1".into(), Arc::new(conv3x3(3, 16, 1)?)),
+        ("bn1".into(), Arc::new(BatchNorm2d::new(16)?)),
+    ];
+    let mut in_channels = 16;
+    for (stage, (channels, stride)) in [(16, 1), (32, 2), (64, 2)].into_iter().enumerate() {
+        let mut layer = Sequential::new();
+        for i in 0..blocks {
+            let block_stride = if i == 0 { stride } else { 1 };
+            layer = layer.add(BasicBlock::new(in_channels, channels, block_stride)?);
+            in_channels = channels;
+        }
+        children.push((format!("layer{}", stage + 1), Arc::new(layer)));
+    }
+    children.push(("avgpool".into(), Arc::new(AdaptiveAvgPool2d::new(1))));
+    children.push(("flatten".into(), Arc::new(Flatten::new())));
+    children.push(("fc".into(), Arc::new(Linear::new(64, num_classes, true)?)));
+    Ok(CifarResNet {
+        depth,
+        children,
+        training: TrainingFlag::new(),
+    })
+}
+
+/// ResNet-20 (3 blocks a stage, 272 474 parameters) for 10 classes.
+pub fn resnet20() -> Result<CifarResNet> {
+    resnet_cifar(20, 10)
+}
+
+/// ResNet-32 (5 blocks a stage) for 10 classes.
+pub fn resnet32() -> Result<CifarResNet> {
+    resnet_cifar(32, 10)
+}
+
+/// ResNet-56 (9 blocks a stage) for 10 classes.
+pub fn resnet56() -> Result<CifarResNet> {
+    resnet_cifar(56, 10)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tandem_core::{DType, Device};
+
+    #[test]
+    fn resnet20_has_pytorch_parameter_paths_in_state_dict_order() {
+        let model = resnet20().unwrap();
+        let names: Vec<String> = model.named_tensors().into_iter().map(|t| t.0).collect();
+        assert_eq!(
+            &names[..7],
+            [
+                "conv1.weight",
+                "bn1.weight",
+                "bn1.bias",
+                "bn1.running_mean",
+                "bn1.running_var",
+                "bn1.num_batches_tracked",
+                "layer1.0.conv1.weight",
+            ]
+        );
+        let ds = names
+            .iter()
+            .position(|n| n == "layer2.0.downsample.0.weight")
+            .unwrap();
+        assert_eq!(names[ds - 1], "layer2.0.bn2.num_batches_tracked");
+        assert_eq!(names[ds + 1], "layer2.0.downsample.1.weight");
+        assert!(!names.iter().any(|n| n.starts_with("layer1.0.downsample")));
+        assert_eq!(&names[names.len() - 2..], ["fc.weight", "fc.bias"]);
+    }
+
+    #[test]
+    fn resnet_parameter_counts_match_the_paper() {
+        // He et al. report 0.27M, 0.46M and 0.85M; these are PyTorch's exact counts with
+        // option-B shortcuts.
+        assert_eq!(resnet20().unwrap().num_parameters(), 272_474);
+        assert_eq!(resnet32().unwrap().num_parameters(), 466_906);
+        assert_eq!(resnet56().unwrap().num_parameters(), 855_770);
+    }
+
+    #[test]
+    fn resnet_maps_32x32_images_to_logits() {
+        let model = resnet_cifar(8, 7).unwrap();
+        let x = Tensor::zeros(&[2, 3, 32, 32], DType::F32, Device::Cpu).unwrap();
+        assert_eq!(model.forward(&x).unwrap().dims(), &[2, 7]);
+    }
+
+    #[test]
+    fn resnet_rejects_depths_not_of_the_form_6n_plus_2() {
+        for depth in [0, 2, 18, 21] {
+            let err = resnet_cifar(depth, 10).err().unwrap().to_string();
+            assert!(
+                err.contains("6n + 2") && err.contains(&depth.to_string()),
+                "{err}"
+            );
+        }
+        assert!(resnet_cifar(20, 0).is_err());
+    }
+
+    #[test]
+    fn resnet_errors_name_the_failing_layer() {
+        let model = resnet20().unwrap();
+        let x = Tensor::zeros(&[1, 1, 32, 32], DType::F32, Device::Cpu).unwrap();
+        let err = model.forward(&x).unwrap_err().to_string();
+        assert!(err.contains("conv1"), "{err}");
+    }
+}
