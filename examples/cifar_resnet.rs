@@ -19,7 +19,20 @@
 //! one epoch of `mnist32` reaches about 99% test accuracy. On a terminal a progress bar shows
 //! the running loss and throughput; one line per epoch is printed. `--metrics-out FILE`
 //! writes the results as JSON.
+//!
+//! **Checkpoints.** After each epoch the model, its BatchNorm statistics, the optimizer's
+//! momentum buffers and the position in the schedule are saved atomically (safetensors, names
+//! as in PyTorch's `state_dict`) to `--checkpoint-dir` (default `checkpoints/`) as
+//! `resnet{depth}-epoch{E}.safetensors`. `--resume FILE` continues from such a file exactly
+//! where it stopped (pass the same `--epochs`: the learning-rate schedule spans all of them).
+//!
+//! **Data-parallel.** `--nproc-per-node N` trains with DistributedDataParallel on N local
+//! processes over TCP (or joins a group the environment describes, as `tandem-run`, torchrun,
+//! srun or mpirun set it). `--batch-size` is the global batch, split evenly; gradients are
+//! averaged, so the single-process learning rate stays right. Rank 0 prints, evaluates and
+//! writes checkpoints and metrics.
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -29,6 +42,12 @@ use clap::{Parser, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use tandem::autograd::{no_grad, TensorBackward};
 use tandem::core::rng::manual_seed;
+use tandem::dist::launch::{launch, LaunchOptions};
+use tandem::dist::{
+    init_process_group, DdpConfig, DistributedDataParallel, DistributedSampler, GroupConfig,
+    LaunchEnv, ProcessGroup,
+};
+use tandem::nn::checkpoint::{load_module, save_checkpoint, OPTIMIZER_PREFIX};
 use tandem::nn::data::{
     Augmentation, Cifar10, CifarDataset, DataLoader, DataLoaderConfig, Dataset, Mnist32, Split,
 };
@@ -93,6 +112,38 @@ struct Args {
     /// Write the results as a JSON object to this file.
     #[arg(long)]
     metrics_out: Option<PathBuf>,
+    /// Directory for the checkpoint written after each epoch.
+    #[arg(long, default_value = "checkpoints")]
+    checkpoint_dir: PathBuf,
+    /// Continue from this checkpoint (written by this example).
+    #[arg(long)]
+    resume: Option<PathBuf>,
+    /// Train data-parallel on this many local processes (DDP over TCP).
+    #[arg(long, default_value_t = 1)]
+    nproc_per_node: usize,
+}
+
+/// Whether the environment describes a process group this process should join.
+fn group_in_environment() -> bool {
+    let set = |k: &str| std::env::var_os(k).is_some();
+    (set("RANK") && set("WORLD_SIZE"))
+        || (set("SLURM_PROCID") && set("SLURM_NTASKS"))
+        || set("OMPI_COMM_WORLD_RANK")
+}
+
+/// Where the step's forward goes: through DDP when training data-parallel.
+struct Trainer {
+    model: Arc<dyn Module>,
+    ddp: Option<DistributedDataParallel>,
+}
+
+impl Trainer {
+    fn forward(&self, x: &tandem::core::Tensor) -> Result<tandem::core::Tensor, AnyError> {
+        Ok(match &self.ddp {
+            Some(ddp) => ddp.forward(x)?,
+            None => self.model.forward(x)?,
+        })
+    }
 }
 
 /// What one epoch produced.
@@ -155,10 +206,45 @@ fn run(args: Args) -> Result<(), AnyError> {
     if !(0.0..1.0).contains(&args.warmup_frac) {
         return Err(format!("--warmup-frac must be in [0, 1), got {}", args.warmup_frac).into());
     }
-    if let Some(threads) = args.threads {
+    let joining = group_in_environment();
+    if args.nproc_per_node > 1 && !joining {
+        // Start N ranks of this same program; each finds the group in its environment.
+        let program = std::env::current_exe()?;
+        let rest: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
+        let report = launch(&LaunchOptions::new(args.nproc_per_node, program, rest))?;
+        if let Some(failed) = report.failed {
+            return Err(format!("rank {} failed: {}", failed.rank, failed.describe()).into());
+        }
+        return Ok(());
+    }
+    let group: Option<Arc<dyn ProcessGroup>> = if joining {
+        let env = LaunchEnv::from_process_env()?;
+        let threads = args.threads.unwrap_or_else(|| {
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            (cores / env.local_world_size.max(1)).max(1)
+        });
         rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .build_global()?;
+        Some(Arc::new(init_process_group(&env, GroupConfig::default())?))
+    } else {
+        if let Some(threads) = args.threads {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build_global()?;
+        }
+        None
+    };
+    let (rank, world) = group
+        .as_ref()
+        .map_or((0, 1), |g| (g.rank(), g.world_size()));
+    let leader = rank == 0;
+    if !args.batch_size.is_multiple_of(world) {
+        return Err(format!(
+            "--batch-size {} (the global batch) must be divisible by the world size {world}",
+            args.batch_size
+        )
+        .into());
     }
     let threads = rayon::current_num_threads();
     let (train_data, test_set): (TrainData, Arc<dyn Dataset>) = match kind {
@@ -179,15 +265,27 @@ fn run(args: Args) -> Result<(), AnyError> {
             (TrainData::Mnist(Arc::new(train)), Arc::new(test))
         }
     };
-    let train = DataLoader::new(
-        train_data.dataset(),
-        DataLoaderConfig {
-            batch_size: args.batch_size,
-            shuffle: true,
-            seed: args.seed,
-            ..Default::default()
-        },
-    )?;
+    let train_set = train_data.dataset();
+    let train = match &group {
+        // Each rank its own disjoint shard, reshuffled every epoch from the shared seed.
+        Some(_) => {
+            let sampler = DistributedSampler::new(train_set.len(), world, rank, true, args.seed)?;
+            let config = DataLoaderConfig {
+                batch_size: args.batch_size / world,
+                ..Default::default()
+            };
+            DataLoader::with_sampler(train_set, Arc::new(sampler), config)?
+        }
+        None => DataLoader::new(
+            train_set,
+            DataLoaderConfig {
+                batch_size: args.batch_size,
+                shuffle: true,
+                seed: args.seed,
+                ..Default::default()
+            },
+        )?,
+    };
     let test = DataLoader::new(
         test_set,
         DataLoaderConfig {
@@ -197,7 +295,7 @@ fn run(args: Args) -> Result<(), AnyError> {
     )?;
 
     manual_seed(args.seed);
-    let model = resnet_cifar(args.depth, 10)?;
+    let model: Arc<dyn Module> = Arc::new(resnet_cifar(args.depth, 10)?);
     let mut optimizer = Sgd::new(
         model.parameters(),
         SgdConfig::new(args.lr)
@@ -206,7 +304,40 @@ fn run(args: Args) -> Result<(), AnyError> {
     )?;
     let total_steps = args.epochs * train.len();
     let warmup_steps = (args.warmup_frac * total_steps as f64).round() as usize;
-    println!(
+    // Resume before DDP wraps the model: DDP then broadcasts rank 0's (resumed) values.
+    let mut first_epoch = 1;
+    if let Some(path) = &args.resume {
+        let checkpoint = load_module(path, model.as_ref(), true)?;
+        optimizer.load_state(&checkpoint.extra(OPTIMIZER_PREFIX))?;
+        let epoch: usize = checkpoint
+            .metadata()
+            .get("epoch")
+            .and_then(|e| e.parse().ok())
+            .ok_or_else(|| {
+                format!(
+                    "{}: no `epoch` in the checkpoint's metadata",
+                    path.display()
+                )
+            })?;
+        first_epoch = epoch + 1;
+        if leader {
+            println!("resumed from {} after epoch {epoch}", path.display());
+        }
+    }
+    let ddp = match &group {
+        Some(g) => Some(DistributedDataParallel::new(
+            model.clone(),
+            g.clone(),
+            DdpConfig::default(),
+        )?),
+        None => None,
+    };
+    let trainer = Trainer {
+        model: model.clone(),
+        ddp,
+    };
+    if leader {
+        println!(
         "ResNet-{} ({} parameters) on {:?}: {} epochs, batch {}, lr {} (linear warm-up over {} \
          steps, then linear decay to 0), momentum {}, weight decay {}, {} threads",
         args.depth,
@@ -220,17 +351,42 @@ fn run(args: Args) -> Result<(), AnyError> {
         args.weight_decay,
         threads
     );
+    }
 
     let started = Instant::now();
     let mut history = Vec::new();
-    let mut step = 0;
-    for epoch in 1..=args.epochs {
+    let mut step = (first_epoch - 1) * train.len();
+    for epoch in first_epoch..=args.epochs {
         train_data.set_epoch(epoch as u64 - 1);
-        let mut result = train_epoch(&model, &mut optimizer, &train, epoch, args.epochs, |s| {
-            learning_rate(args.lr, step + s, warmup_steps, total_steps)
-        })?;
+        let mut result = train_epoch(
+            &trainer,
+            &mut optimizer,
+            &train,
+            epoch,
+            args.epochs,
+            leader,
+            |s| learning_rate(args.lr, step + s, warmup_steps, total_steps),
+        )?;
         step += train.len();
-        result.test_accuracy = evaluate(&model, &test)?;
+        if !leader {
+            continue;
+        }
+        result.test_accuracy = evaluate(model.as_ref(), &test)?;
+        let path = args
+            .checkpoint_dir
+            .join(format!("resnet{}-epoch{epoch}.safetensors", args.depth));
+        std::fs::create_dir_all(&args.checkpoint_dir)
+            .map_err(|e| format!("{}: {e}", args.checkpoint_dir.display()))?;
+        let metadata = BTreeMap::from([
+            ("epoch".to_string(), epoch.to_string()),
+            ("model".to_string(), format!("resnet{}", args.depth)),
+        ]);
+        let extras: Vec<(String, tandem::core::Tensor)> = optimizer
+            .state()
+            .into_iter()
+            .map(|(name, t)| (format!("{OPTIMIZER_PREFIX}{name}"), t))
+            .collect();
+        save_checkpoint(&path, model.as_ref(), &extras, &metadata)?;
         println!(
             "epoch {epoch}/{}: train loss {:.4}, test accuracy {:.2}%, {:.0} images/s, {:.1} s",
             args.epochs,
@@ -241,8 +397,14 @@ fn run(args: Args) -> Result<(), AnyError> {
         );
         history.push(result);
     }
+    if !leader {
+        return Ok(());
+    }
     let seconds = started.elapsed().as_secs_f64();
     println!("done in {seconds:.1} s");
+    if let Some(ddp) = &trainer.ddp {
+        println!("overlap: {}", ddp.telemetry().summary());
+    }
     let last = history.last();
     let images_per_sec =
         history.iter().map(|r| r.images_per_sec).sum::<f64>() / history.len().max(1) as f64;
@@ -258,6 +420,7 @@ fn run(args: Args) -> Result<(), AnyError> {
             "weight_decay": args.weight_decay,
             "seed": args.seed,
             "threads": threads,
+            "world_size": world,
             "test_accuracy": last.map(|r| r.test_accuracy),
             "train_loss": last.map(|r| r.train_loss),
             "images_per_sec": images_per_sec,
@@ -279,15 +442,20 @@ fn run(args: Args) -> Result<(), AnyError> {
 /// One pass over the training set, setting the learning rate of step `s` of the epoch to
 /// `lr_at(s)`; the test accuracy is filled in by the caller.
 fn train_epoch(
-    model: &dyn Module,
+    trainer: &Trainer,
     optimizer: &mut Sgd,
     train: &DataLoader,
     epoch: usize,
     epochs: usize,
+    leader: bool,
     lr_at: impl Fn(usize) -> f64,
 ) -> Result<EpochResult, AnyError> {
-    model.train();
-    let bar = ProgressBar::new(train.len() as u64);
+    trainer.model.train();
+    let bar = if leader {
+        ProgressBar::new(train.len() as u64)
+    } else {
+        ProgressBar::hidden()
+    };
     bar.set_style(
         ProgressStyle::with_template("epoch {prefix} [{bar:30}] {pos}/{len} {msg} ({eta})")?
             .progress_chars("=> "),
@@ -298,14 +466,15 @@ fn train_epoch(
     for batch in train.epoch(epoch as u64 - 1) {
         let batch = batch?;
         optimizer.set_learning_rate(lr_at(batches))?;
-        let logits = model.forward(&batch.inputs)?;
+        let logits = trainer.forward(&batch.inputs)?;
         let loss = cross_entropy(&logits, &batch.targets, Reduction::Mean)?;
         optimizer.zero_grad()?;
         loss.backward()?;
         optimizer.step()?;
         loss_sum += loss.item()?;
         batches += 1;
-        images += batch.targets.numel();
+        images +=
+            batch.targets.numel() * trainer.ddp.as_ref().map_or(1, |d| d.group().world_size());
         if batches % 10 == 0 {
             let rate = images as f64 / started.elapsed().as_secs_f64();
             bar.set_message(format!(
