@@ -60,6 +60,9 @@ const RESULT_PREFIX: &str = "RESULT ";
 /// Longest time one mode (all its ranks) may take.
 const MODE_TIMEOUT: Duration = Duration::from_secs(600);
 
+/// A model, the shape of one input sample and the number of classes.
+type BuiltModel = (Arc<dyn Module>, Vec<usize>, usize);
+
 /// The models the benchmark knows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum ModelKind {
@@ -67,7 +70,7 @@ enum ModelKind {
     Lenet,
     /// A mid-size CNN on 3×32×32 inputs, 10 classes (~160 k parameters).
     Convnet,
-    /// ResNet-20 (not available yet).
+    /// ResNet-20 on 3×32×32 inputs, 10 classes (272 k parameters, ~1.1 MB of gradients).
     Resnet20,
 }
 
@@ -81,14 +84,15 @@ impl ModelKind {
     }
 
     /// The model, the shape of one input sample and the number of classes.
-    fn build(self) -> Result<(Sequential, Vec<usize>, usize), AnyError> {
+    fn build(self) -> Result<BuiltModel, AnyError> {
         match self {
-            ModelKind::Lenet => Ok((tandem::nn::models::lenet5()?, vec![1, 28, 28], 10)),
-            ModelKind::Convnet => Ok((convnet()?, vec![3, 32, 32], 10)),
-            ModelKind::Resnet20 => Err(
-                "--model resnet20: ResNet-20 is not available in tandem yet; use lenet or convnet"
-                    .into(),
-            ),
+            ModelKind::Lenet => Ok((Arc::new(tandem::nn::models::lenet5()?), vec![1, 28, 28], 10)),
+            ModelKind::Convnet => Ok((Arc::new(convnet()?), vec![3, 32, 32], 10)),
+            ModelKind::Resnet20 => Ok((
+                Arc::new(tandem::nn::models::resnet20()?),
+                vec![3, 32, 32],
+                10,
+            )),
         }
     }
 }
@@ -197,7 +201,6 @@ fn worker(args: &Args, mode: &str) -> Result<(), AnyError> {
 
     manual_seed(args.seed);
     let (model, sample_shape, classes) = args.model.build()?;
-    let model: Arc<dyn Module> = Arc::new(model);
     model.train();
     let ddp = if mode == "ddp" {
         Some(DistributedDataParallel::new(

@@ -67,10 +67,23 @@ def convnet():
     )
 
 
+def resnet20():
+    """ResNet-20 as `benches/peers/train_step_torch.py` (and tandem's `resnet20()`) build it."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).with_name("train_step_torch.py")
+    spec = importlib.util.spec_from_file_location("train_step_torch", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.CifarResNet(20, 10)
+
+
 MODELS = {
     # name: (constructor, input shape without the batch dim, classes)
     "lenet": (lenet5, (1, 28, 28), 10),
     "convnet": (convnet, (3, 32, 32), 10),
+    "resnet20": (resnet20, (3, 32, 32), 10),
 }
 
 
