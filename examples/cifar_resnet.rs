@@ -40,13 +40,9 @@ use std::time::Instant;
 
 use clap::{Parser, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
-use tandem::autograd::{no_grad, TensorBackward};
+use tandem::autograd::TensorBackward;
 use tandem::core::rng::manual_seed;
-use tandem::dist::launch::{launch, LaunchOptions};
-use tandem::dist::{
-    init_process_group, DdpConfig, DistributedDataParallel, DistributedSampler, GroupConfig,
-    LaunchEnv, ProcessGroup,
-};
+use tandem::dist::{DdpConfig, DistributedDataParallel, DistributedSampler};
 use tandem::nn::checkpoint::{load_module, save_checkpoint, OPTIMIZER_PREFIX};
 use tandem::nn::data::{
     Augmentation, Cifar10, CifarDataset, DataLoader, DataLoaderConfig, Dataset, Mnist32, Split,
@@ -55,8 +51,6 @@ use tandem::nn::loss::{cross_entropy, Reduction};
 use tandem::nn::models::resnet_cifar;
 use tandem::nn::Module;
 use tandem::optim::{Optimizer, Sgd, SgdConfig};
-
-type AnyError = Box<dyn std::error::Error>;
 
 const CIFAR_HELP: &str = "CIFAR-10 is not included: download the \"CIFAR-10 binary version\" \
 from https://www.cs.toronto.edu/~kriz/cifar.html, unpack it, and pass the directory holding \
@@ -123,37 +117,6 @@ struct Args {
     nproc_per_node: usize,
 }
 
-/// Whether the environment describes a process group this process should join.
-fn group_in_environment() -> bool {
-    let set = |k: &str| std::env::var_os(k).is_some();
-    (set("RANK") && set("WORLD_SIZE"))
-        || (set("SLURM_PROCID") && set("SLURM_NTASKS"))
-        || set("OMPI_COMM_WORLD_RANK")
-}
-
-/// Where the step's forward goes: through DDP when training data-parallel.
-struct Trainer {
-    model: Arc<dyn Module>,
-    ddp: Option<DistributedDataParallel>,
-}
-
-impl Trainer {
-    fn forward(&self, x: &tandem::core::Tensor) -> Result<tandem::core::Tensor, AnyError> {
-        Ok(match &self.ddp {
-            Some(ddp) => ddp.forward(x)?,
-            None => self.model.forward(x)?,
-        })
-    }
-}
-
-/// What one epoch produced.
-struct EpochResult {
-    train_loss: f64,
-    test_accuracy: f64,
-    images_per_sec: f64,
-    seconds: f64,
-}
-
 /// The training data: CIFAR-10 needs its epoch set for the augmentation.
 enum TrainData {
     Cifar(Arc<CifarDataset>),
@@ -184,6 +147,10 @@ fn learning_rate(peak: f64, step: usize, warmup: usize, total: usize) -> f64 {
     }
 }
 
+mod common;
+
+use common::{evaluate, join_or_launch, AnyError, EpochResult, Role, Trainer};
+
 fn main() -> ExitCode {
     match run(Args::parse()) {
         Ok(()) => ExitCode::SUCCESS,
@@ -206,34 +173,9 @@ fn run(args: Args) -> Result<(), AnyError> {
     if !(0.0..1.0).contains(&args.warmup_frac) {
         return Err(format!("--warmup-frac must be in [0, 1), got {}", args.warmup_frac).into());
     }
-    let joining = group_in_environment();
-    if args.nproc_per_node > 1 && !joining {
-        // Start N ranks of this same program; each finds the group in its environment.
-        let program = std::env::current_exe()?;
-        let rest: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
-        let report = launch(&LaunchOptions::new(args.nproc_per_node, program, rest))?;
-        if let Some(failed) = report.failed {
-            return Err(format!("rank {} failed: {}", failed.rank, failed.describe()).into());
-        }
-        return Ok(());
-    }
-    let group: Option<Arc<dyn ProcessGroup>> = if joining {
-        let env = LaunchEnv::from_process_env()?;
-        let threads = args.threads.unwrap_or_else(|| {
-            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-            (cores / env.local_world_size.max(1)).max(1)
-        });
-        rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .build_global()?;
-        Some(Arc::new(init_process_group(&env, GroupConfig::default())?))
-    } else {
-        if let Some(threads) = args.threads {
-            rayon::ThreadPoolBuilder::new()
-                .num_threads(threads)
-                .build_global()?;
-        }
-        None
+    let group = match join_or_launch(args.nproc_per_node, args.threads)? {
+        Role::Launched => return Ok(()),
+        Role::Train(group) => group,
     };
     let (rank, world) = group
         .as_ref()
@@ -358,15 +300,9 @@ fn run(args: Args) -> Result<(), AnyError> {
     let mut step = (first_epoch - 1) * train.len();
     for epoch in first_epoch..=args.epochs {
         train_data.set_epoch(epoch as u64 - 1);
-        let mut result = train_epoch(
-            &trainer,
-            &mut optimizer,
-            &train,
-            epoch,
-            args.epochs,
-            leader,
-            |s| learning_rate(args.lr, step + s, warmup_steps, total_steps),
-        )?;
+        let mut result = train_epoch(&trainer, &mut optimizer, &train, epoch, args.epochs, |s| {
+            learning_rate(args.lr, step + s, warmup_steps, total_steps)
+        })?;
         step += train.len();
         if !leader {
             continue;
@@ -447,11 +383,10 @@ fn train_epoch(
     train: &DataLoader,
     epoch: usize,
     epochs: usize,
-    leader: bool,
     lr_at: impl Fn(usize) -> f64,
 ) -> Result<EpochResult, AnyError> {
     trainer.model.train();
-    let bar = if leader {
+    let bar = if trainer.rank() == 0 {
         ProgressBar::new(train.len() as u64)
     } else {
         ProgressBar::hidden()
@@ -473,8 +408,7 @@ fn train_epoch(
         optimizer.step()?;
         loss_sum += loss.item()?;
         batches += 1;
-        images +=
-            batch.targets.numel() * trainer.ddp.as_ref().map_or(1, |d| d.group().world_size());
+        images += batch.targets.numel() * trainer.world_size();
         if batches % 10 == 0 {
             let rate = images as f64 / started.elapsed().as_secs_f64();
             bar.set_message(format!(
@@ -492,25 +426,4 @@ fn train_epoch(
         images_per_sec: images as f64 / seconds,
         seconds,
     })
-}
-
-/// Fraction of the test set classified correctly.
-fn evaluate(model: &dyn Module, test: &DataLoader) -> Result<f64, AnyError> {
-    model.eval();
-    let (mut correct, mut total) = (0usize, 0usize);
-    for batch in test.epoch(0) {
-        let batch = batch?;
-        let predicted = no_grad(|| -> Result<Vec<i64>, AnyError> {
-            let logits = model.forward(&batch.inputs)?;
-            Ok(tandem::ops::argmax(&logits, 1, false)?.to_vec::<i64>()?)
-        })?;
-        let labels = batch.targets.to_vec::<i64>()?;
-        correct += predicted
-            .iter()
-            .zip(&labels)
-            .filter(|(p, l)| p == l)
-            .count();
-        total += labels.len();
-    }
-    Ok(correct as f64 / total.max(1) as f64)
 }

@@ -27,20 +27,14 @@ use std::time::Instant;
 
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
-use tandem::autograd::{no_grad, TensorBackward};
+use tandem::autograd::TensorBackward;
 use tandem::core::rng::manual_seed;
-use tandem::dist::launch::{launch, LaunchOptions};
-use tandem::dist::{
-    init_process_group, DdpConfig, DistributedDataParallel, DistributedSampler, GroupConfig,
-    LaunchEnv, ProcessGroup,
-};
+use tandem::dist::{DdpConfig, DistributedDataParallel, DistributedSampler};
 use tandem::nn::data::{DataLoader, DataLoaderConfig, Dataset, Mnist, Split};
 use tandem::nn::loss::{cross_entropy, Reduction};
 use tandem::nn::models::lenet5;
 use tandem::nn::Module;
 use tandem::optim::{Optimizer, Sgd, SgdConfig};
-
-type AnyError = Box<dyn std::error::Error>;
 
 /// Train LeNet-5 on MNIST.
 #[derive(Parser, Debug)]
@@ -79,44 +73,9 @@ struct Args {
     nproc_per_node: usize,
 }
 
-/// The training side of one rank: the model as the step sees it, and the group if any.
-struct Trainer {
-    model: Arc<dyn Module>,
-    ddp: Option<DistributedDataParallel>,
-}
+mod common;
 
-impl Trainer {
-    fn forward(&self, x: &tandem::core::Tensor) -> Result<tandem::core::Tensor, AnyError> {
-        Ok(match &self.ddp {
-            Some(ddp) => ddp.forward(x)?,
-            None => self.model.forward(x)?,
-        })
-    }
-
-    fn rank(&self) -> usize {
-        self.ddp.as_ref().map_or(0, |d| d.group().rank())
-    }
-
-    fn world_size(&self) -> usize {
-        self.ddp.as_ref().map_or(1, |d| d.group().world_size())
-    }
-}
-
-/// Whether the environment describes a process group this process should join.
-fn group_in_environment() -> bool {
-    let set = |k: &str| std::env::var_os(k).is_some();
-    (set("RANK") && set("WORLD_SIZE"))
-        || (set("SLURM_PROCID") && set("SLURM_NTASKS"))
-        || set("OMPI_COMM_WORLD_RANK")
-}
-
-/// What one epoch produced.
-struct EpochResult {
-    train_loss: f64,
-    test_accuracy: f64,
-    images_per_sec: f64,
-    seconds: f64,
-}
+use common::{evaluate, join_or_launch, AnyError, EpochResult, Role, Trainer};
 
 fn main() -> ExitCode {
     match run(Args::parse()) {
@@ -129,34 +88,9 @@ fn main() -> ExitCode {
 }
 
 fn run(args: Args) -> Result<(), AnyError> {
-    let joining = group_in_environment();
-    if args.nproc_per_node > 1 && !joining {
-        // Start N ranks of this same program; each finds the group in its environment.
-        let program = std::env::current_exe()?;
-        let rest: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
-        let report = launch(&LaunchOptions::new(args.nproc_per_node, program, rest))?;
-        if let Some(failed) = report.failed {
-            return Err(format!("rank {} failed: {}", failed.rank, failed.describe()).into());
-        }
-        return Ok(());
-    }
-    let group: Option<Arc<dyn ProcessGroup>> = if joining {
-        let env = LaunchEnv::from_process_env()?;
-        let threads = args.threads.unwrap_or_else(|| {
-            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-            (cores / env.local_world_size.max(1)).max(1)
-        });
-        rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .build_global()?;
-        Some(Arc::new(init_process_group(&env, GroupConfig::default())?))
-    } else {
-        if let Some(threads) = args.threads {
-            rayon::ThreadPoolBuilder::new()
-                .num_threads(threads)
-                .build_global()?;
-        }
-        None
+    let group = match join_or_launch(args.nproc_per_node, args.threads)? {
+        Role::Launched => return Ok(()),
+        Role::Train(group) => group,
     };
     let (rank, world) = group
         .as_ref()
@@ -353,25 +287,4 @@ fn train_epoch(
         images_per_sec: images as f64 / seconds,
         seconds,
     })
-}
-
-/// Fraction of the test set classified correctly.
-fn evaluate(model: &dyn Module, test: &DataLoader) -> Result<f64, AnyError> {
-    model.eval();
-    let (mut correct, mut total) = (0usize, 0usize);
-    for batch in test.epoch(0) {
-        let batch = batch?;
-        let predicted = no_grad(|| -> Result<Vec<i64>, AnyError> {
-            let logits = model.forward(&batch.inputs)?;
-            Ok(tandem::ops::argmax(&logits, 1, false)?.to_vec::<i64>()?)
-        })?;
-        let labels = batch.targets.to_vec::<i64>()?;
-        correct += predicted
-            .iter()
-            .zip(&labels)
-            .filter(|(p, l)| p == l)
-            .count();
-        total += labels.len();
-    }
-    Ok(correct as f64 / total.max(1) as f64)
 }
