@@ -145,6 +145,12 @@ struct Args {
     /// Shape every rank's link to this many Mbit/s each way (needs root and iproute2).
     #[arg(long)]
     link_mbit: Option<u32>,
+    /// DDP's bucket cap in MiB (tandem and PyTorch; default 25 as in both).
+    #[arg(long, default_value_t = 25.0)]
+    bucket_cap_mb: f64,
+    /// tandem DDP's first-bucket cap in MiB (default 1; PyTorch fixes its first bucket at 1 MiB).
+    #[arg(long, default_value_t = 1.0)]
+    first_bucket_mb: f64,
     /// Python interpreter for the PyTorch side.
     #[arg(long, default_value = "python3")]
     peer_python: String,
@@ -206,7 +212,11 @@ fn worker(args: &Args, mode: &str) -> Result<(), AnyError> {
         Some(DistributedDataParallel::new(
             model.clone(),
             group.clone(),
-            DdpConfig::default(),
+            DdpConfig {
+                bucket_cap_mb: args.bucket_cap_mb,
+                first_bucket_mb: args.first_bucket_mb,
+                ..DdpConfig::default()
+            },
         )?)
     } else {
         None
@@ -431,7 +441,9 @@ fn run_tandem_mode(
             .args(["--batch-size", &args.batch_size.to_string()])
             .args(["--steps", &args.steps.to_string()])
             .args(["--warmup", &args.warmup.to_string()])
-            .args(["--seed", &args.seed.to_string()]);
+            .args(["--seed", &args.seed.to_string()])
+            .args(["--bucket-cap-mb", &args.bucket_cap_mb.to_string()])
+            .args(["--first-bucket-mb", &args.first_bucket_mb.to_string()]);
         if network.is_some() {
             cmd.arg("--tcp-only");
         }
@@ -620,6 +632,7 @@ fn run_torch(
             .args(["--warmup", &args.warmup.to_string()])
             .args(["--steps", &args.steps.to_string()])
             .args(["--seed", &args.seed.to_string()])
+            .args(["--bucket-cap-mb", &args.bucket_cap_mb.to_string()])
             .env("RANK", rank.to_string())
             .env("WORLD_SIZE", world.to_string())
             .env("LOCAL_RANK", rank.to_string())

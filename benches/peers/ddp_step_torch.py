@@ -97,6 +97,7 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--momentum", type=float, default=0.9)
+    parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -107,7 +108,7 @@ def main():
     build, shape, classes = MODELS[args.model]
     model = build()
     model.train()
-    ddp = DistributedDataParallel(model)
+    ddp = DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=args.momentum)
     # Each rank its own fixed batch.
     generator = torch.Generator().manual_seed(args.seed + 1 + rank)
