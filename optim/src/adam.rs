@@ -20,7 +20,9 @@
 
 use tandem_core::{with_float_type, DType, Device, Error as TensorError, FloatElement, Tensor};
 
-use crate::optimizer::{check_learning_rate, check_parameters};
+use crate::optimizer::{
+    check_learning_rate, check_parameters, update_operands, write_back, UpdateOperands,
+};
 use crate::{Error, Optimizer, Result};
 
 /// Hyper-parameters of [`Adam`] and [`AdamW`]. Defaults: `lr` 1e-3, `betas` (0.9, 0.999),
@@ -164,32 +166,8 @@ impl AdamCore {
     fn update_one(&mut self, index: usize) -> Result<()> {
         let name = self.name;
         let param = &self.params[index];
-        let Some(grad) = param.grad() else {
+        let Some(UpdateOperands { grad, target }) = update_operands(name, index, param)? else {
             return Ok(());
-        };
-        if grad.dims() != param.dims() || grad.dtype() != param.dtype() {
-            return Err(Error::parameter(
-                name,
-                index,
-                param,
-                format!(
-                    "gradient {:?} {} does not match the parameter",
-                    grad.dims(),
-                    grad.dtype()
-                ),
-            ));
-        }
-        // The kernel borrows several buffers at once; give it a contiguous gradient that does
-        // not share the parameter's buffer.
-        let grad = if grad.is_contiguous() && !grad.storage().same_buffer(param.storage()) {
-            grad
-        } else {
-            grad.copy_detached()?
-        };
-        let target = if param.is_contiguous() {
-            param.clone()
-        } else {
-            param.copy_detached()?
         };
         if self.states[index].is_none() {
             let zeros = || Tensor::zeros(param.dims(), param.dtype(), param.device());
@@ -213,10 +191,7 @@ impl AdamCore {
             update_in_place::<T>(&target, &grad, state, &rule)
         })?;
         state.step = step;
-        if !target.same_tensor(param) {
-            param.copy_(&target)?;
-        }
-        Ok(())
+        write_back(param, &target)
     }
 
     fn step(&mut self) -> Result<()> {

@@ -113,3 +113,54 @@ pub(crate) fn check_learning_rate(optimizer: &'static str, lr: f64) -> Result<()
     }
     Ok(())
 }
+
+/// What an update kernel works on: the parameter's gradient and a contiguous tensor holding the
+/// parameter's values (the parameter itself, or a copy to write back with [`write_back`]).
+pub(crate) struct UpdateOperands {
+    pub grad: Tensor,
+    pub target: Tensor,
+}
+
+/// The operands for updating parameter `index`, or `None` when it has no gradient. The kernels
+/// borrow several buffers at once, so the gradient is made contiguous and never shares the
+/// parameter's buffer.
+pub(crate) fn update_operands(
+    optimizer: &'static str,
+    index: usize,
+    param: &Tensor,
+) -> Result<Option<UpdateOperands>> {
+    let Some(grad) = param.grad() else {
+        return Ok(None);
+    };
+    if grad.dims() != param.dims() || grad.dtype() != param.dtype() {
+        return Err(Error::parameter(
+            optimizer,
+            index,
+            param,
+            format!(
+                "gradient {:?} {} does not match the parameter",
+                grad.dims(),
+                grad.dtype()
+            ),
+        ));
+    }
+    let grad = if grad.is_contiguous() && !grad.storage().same_buffer(param.storage()) {
+        grad
+    } else {
+        grad.copy_detached()?
+    };
+    let target = if param.is_contiguous() {
+        param.clone()
+    } else {
+        param.copy_detached()?
+    };
+    Ok(Some(UpdateOperands { grad, target }))
+}
+
+/// Copies an updated `target` back into a non-contiguous `param`.
+pub(crate) fn write_back(param: &Tensor, target: &Tensor) -> Result<()> {
+    if !target.same_tensor(param) {
+        param.copy_(target)?;
+    }
+    Ok(())
+}

@@ -16,7 +16,9 @@
 
 use tandem_core::{with_float_type, DType, Error as TensorError, FloatElement, Tensor};
 
-use crate::optimizer::{check_learning_rate, check_parameters};
+use crate::optimizer::{
+    check_learning_rate, check_parameters, update_operands, write_back, UpdateOperands,
+};
 use crate::{Error, Optimizer, Result};
 
 const NAME: &str = "SGD";
@@ -152,32 +154,8 @@ impl Sgd {
 
     fn update_one(&mut self, index: usize) -> Result<()> {
         let param = &self.params[index];
-        let Some(grad) = param.grad() else {
+        let Some(UpdateOperands { grad, target }) = update_operands(NAME, index, param)? else {
             return Ok(());
-        };
-        if grad.dims() != param.dims() || grad.dtype() != param.dtype() {
-            return Err(Error::parameter(
-                NAME,
-                index,
-                param,
-                format!(
-                    "gradient {:?} {} does not match the parameter",
-                    grad.dims(),
-                    grad.dtype()
-                ),
-            ));
-        }
-        // The kernel borrows three buffers at once; give it a contiguous gradient that does not
-        // share the parameter's buffer.
-        let grad = if grad.is_contiguous() && !grad.storage().same_buffer(param.storage()) {
-            grad
-        } else {
-            grad.copy_detached()?
-        };
-        let target = if param.is_contiguous() {
-            param.clone()
-        } else {
-            param.copy_detached()?
         };
         let cfg = self.config;
         let first = self.momentum_buffers[index].is_none();
@@ -193,10 +171,7 @@ impl Sgd {
         with_float_type!(NAME, param.dtype(), T => {
             update_in_place::<T>(&target, &grad, buffer, first, &cfg)
         })?;
-        if !target.same_tensor(param) {
-            param.copy_(&target)?;
-        }
-        Ok(())
+        write_back(param, &target)
     }
 }
 
