@@ -39,15 +39,12 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use clap::{Parser, ValueEnum};
-use indicatif::{ProgressBar, ProgressStyle};
-use tandem::autograd::TensorBackward;
 use tandem::core::rng::manual_seed;
 use tandem::dist::{DdpConfig, DistributedDataParallel, DistributedSampler};
 use tandem::nn::checkpoint::{load_module, save_checkpoint, OPTIMIZER_PREFIX};
 use tandem::nn::data::{
     Augmentation, Cifar10, CifarDataset, DataLoader, DataLoaderConfig, Dataset, Mnist32, Split,
 };
-use tandem::nn::loss::{cross_entropy, Reduction};
 use tandem::nn::models::resnet_cifar;
 use tandem::nn::Module;
 use tandem::optim::{Optimizer, Sgd, SgdConfig};
@@ -149,7 +146,7 @@ fn learning_rate(peak: f64, step: usize, warmup: usize, total: usize) -> f64 {
 
 mod common;
 
-use common::{evaluate, join_or_launch, AnyError, EpochResult, Role, Trainer};
+use common::{evaluate, join_or_launch, train_epoch, write_metrics, AnyError, Role, Trainer};
 
 fn main() -> ExitCode {
     match run(Args::parse()) {
@@ -300,9 +297,15 @@ fn run(args: Args) -> Result<(), AnyError> {
     let mut step = (first_epoch - 1) * train.len();
     for epoch in first_epoch..=args.epochs {
         train_data.set_epoch(epoch as u64 - 1);
-        let mut result = train_epoch(&trainer, &mut optimizer, &train, epoch, args.epochs, |s| {
-            learning_rate(args.lr, step + s, warmup_steps, total_steps)
-        })?;
+        let lr_at = |s: usize| learning_rate(args.lr, step + s, warmup_steps, total_steps);
+        let mut result = train_epoch(
+            &trainer,
+            &mut optimizer,
+            &train,
+            epoch,
+            args.epochs,
+            Some(&lr_at),
+        )?;
         step += train.len();
         if !leader {
             continue;
@@ -341,11 +344,8 @@ fn run(args: Args) -> Result<(), AnyError> {
     if let Some(ddp) = &trainer.ddp {
         println!("overlap: {}", ddp.telemetry().summary());
     }
-    let last = history.last();
-    let images_per_sec =
-        history.iter().map(|r| r.images_per_sec).sum::<f64>() / history.len().max(1) as f64;
     if let Some(path) = &args.metrics_out {
-        let metrics = serde_json::json!({
+        let settings = serde_json::json!({
             "model": format!("resnet{}", args.depth),
             "dataset": format!("{kind:?}").to_lowercase(),
             "epochs": args.epochs,
@@ -357,73 +357,8 @@ fn run(args: Args) -> Result<(), AnyError> {
             "seed": args.seed,
             "threads": threads,
             "world_size": world,
-            "test_accuracy": last.map(|r| r.test_accuracy),
-            "train_loss": last.map(|r| r.train_loss),
-            "images_per_sec": images_per_sec,
-            "seconds": seconds,
-            "history": history.iter().enumerate().map(|(i, r)| serde_json::json!({
-                "epoch": i + 1,
-                "train_loss": r.train_loss,
-                "test_accuracy": r.test_accuracy,
-                "images_per_sec": r.images_per_sec,
-                "seconds": r.seconds,
-            })).collect::<Vec<_>>(),
         });
-        std::fs::write(path, serde_json::to_string_pretty(&metrics)? + "\n")
-            .map_err(|e| format!("{}: {e}", path.display()))?;
+        write_metrics(path, settings, &history, seconds)?;
     }
     Ok(())
-}
-
-/// One pass over the training set, setting the learning rate of step `s` of the epoch to
-/// `lr_at(s)`; the test accuracy is filled in by the caller.
-fn train_epoch(
-    trainer: &Trainer,
-    optimizer: &mut Sgd,
-    train: &DataLoader,
-    epoch: usize,
-    epochs: usize,
-    lr_at: impl Fn(usize) -> f64,
-) -> Result<EpochResult, AnyError> {
-    trainer.model.train();
-    let bar = if trainer.rank() == 0 {
-        ProgressBar::new(train.len() as u64)
-    } else {
-        ProgressBar::hidden()
-    };
-    bar.set_style(
-        ProgressStyle::with_template("epoch {prefix} [{bar:30}] {pos}/{len} {msg} ({eta})")?
-            .progress_chars("=> "),
-    );
-    bar.set_prefix(format!("{epoch}/{epochs}"));
-    let started = Instant::now();
-    let (mut loss_sum, mut batches, mut images) = (0.0, 0usize, 0usize);
-    for batch in train.epoch(epoch as u64 - 1) {
-        let batch = batch?;
-        optimizer.set_learning_rate(lr_at(batches))?;
-        let logits = trainer.forward(&batch.inputs)?;
-        let loss = cross_entropy(&logits, &batch.targets, Reduction::Mean)?;
-        optimizer.zero_grad()?;
-        loss.backward()?;
-        optimizer.step()?;
-        loss_sum += loss.item()?;
-        batches += 1;
-        images += batch.targets.numel() * trainer.world_size();
-        if batches % 10 == 0 {
-            let rate = images as f64 / started.elapsed().as_secs_f64();
-            bar.set_message(format!(
-                "loss {:.4}, {rate:.0} images/s",
-                loss_sum / batches as f64
-            ));
-        }
-        bar.inc(1);
-    }
-    bar.finish_and_clear();
-    let seconds = started.elapsed().as_secs_f64();
-    Ok(EpochResult {
-        train_loss: loss_sum / batches.max(1) as f64,
-        test_accuracy: 0.0,
-        images_per_sec: images as f64 / seconds,
-        seconds,
-    })
 }

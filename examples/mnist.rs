@@ -26,12 +26,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use clap::Parser;
-use indicatif::{ProgressBar, ProgressStyle};
-use tandem::autograd::TensorBackward;
 use tandem::core::rng::manual_seed;
 use tandem::dist::{DdpConfig, DistributedDataParallel, DistributedSampler};
 use tandem::nn::data::{DataLoader, DataLoaderConfig, Dataset, Mnist, Split};
-use tandem::nn::loss::{cross_entropy, Reduction};
 use tandem::nn::models::lenet5;
 use tandem::nn::Module;
 use tandem::optim::{Optimizer, Sgd, SgdConfig};
@@ -75,7 +72,7 @@ struct Args {
 
 mod common;
 
-use common::{evaluate, join_or_launch, AnyError, EpochResult, Role, Trainer};
+use common::{evaluate, join_or_launch, train_epoch, write_metrics, AnyError, Role, Trainer};
 
 fn main() -> ExitCode {
     match run(Args::parse()) {
@@ -170,18 +167,10 @@ fn run(args: Args) -> Result<(), AnyError> {
     let started = Instant::now();
     let mut history = Vec::new();
     for epoch in 1..=args.epochs {
-        let result = train_epoch(&trainer, &mut optimizer, &train, epoch, args.epochs)?;
+        let mut result = train_epoch(&trainer, &mut optimizer, &train, epoch, args.epochs, None)?;
         // Every rank holds the same parameters; rank 0 alone evaluates and reports.
-        let test_accuracy = if leader {
-            evaluate(trainer.model.as_ref(), &test)?
-        } else {
-            0.0
-        };
-        let result = EpochResult {
-            test_accuracy,
-            ..result
-        };
         if leader {
+            result.test_accuracy = evaluate(trainer.model.as_ref(), &test)?;
             println!(
                 "epoch {epoch}/{}: train loss {:.4}, test accuracy {:.2}%, {:.0} images/s, {:.1} s",
                 args.epochs,
@@ -196,12 +185,6 @@ fn run(args: Args) -> Result<(), AnyError> {
         optimizer.set_learning_rate(lr)?;
     }
     let seconds = started.elapsed().as_secs_f64();
-    let last = history.last();
-    let images_per_sec = if history.is_empty() {
-        0.0
-    } else {
-        history.iter().map(|r| r.images_per_sec).sum::<f64>() / history.len() as f64
-    };
     if !leader {
         return Ok(());
     }
@@ -211,7 +194,7 @@ fn run(args: Args) -> Result<(), AnyError> {
     }
 
     if let Some(path) = &args.metrics_out {
-        let metrics = serde_json::json!({
+        let settings = serde_json::json!({
             "model": "lenet5",
             "epochs": args.epochs,
             "batch_size": args.batch_size,
@@ -221,70 +204,8 @@ fn run(args: Args) -> Result<(), AnyError> {
             "seed": args.seed,
             "threads": threads,
             "world_size": world,
-            "test_accuracy": last.map(|r| r.test_accuracy),
-            "train_loss": last.map(|r| r.train_loss),
-            "images_per_sec": images_per_sec,
-            "seconds": seconds,
-            "history": history.iter().enumerate().map(|(i, r)| serde_json::json!({
-                "epoch": i + 1,
-                "train_loss": r.train_loss,
-                "test_accuracy": r.test_accuracy,
-                "images_per_sec": r.images_per_sec,
-                "seconds": r.seconds,
-            })).collect::<Vec<_>>(),
         });
-        std::fs::write(path, serde_json::to_string_pretty(&metrics)? + "\n")
-            .map_err(|e| format!("{}: {e}", path.display()))?;
+        write_metrics(path, settings, &history, seconds)?;
     }
     Ok(())
-}
-
-/// One pass over the training set; the test accuracy is filled in by the caller.
-fn train_epoch(
-    trainer: &Trainer,
-    optimizer: &mut Sgd,
-    train: &DataLoader,
-    epoch: usize,
-    epochs: usize,
-) -> Result<EpochResult, AnyError> {
-    trainer.model.train();
-    let bar = if trainer.rank() == 0 {
-        ProgressBar::new(train.len() as u64)
-    } else {
-        ProgressBar::hidden()
-    };
-    bar.set_style(
-        ProgressStyle::with_template("epoch {prefix} [{bar:30}] {pos}/{len} {msg} ({eta})")?
-            .progress_chars("=> "),
-    );
-    bar.set_prefix(format!("{epoch}/{epochs}"));
-    let started = Instant::now();
-    let (mut loss_sum, mut batches, mut images) = (0.0, 0usize, 0usize);
-    for batch in train.epoch(epoch as u64 - 1) {
-        let batch = batch?;
-        let logits = trainer.forward(&batch.inputs)?;
-        let loss = cross_entropy(&logits, &batch.targets, Reduction::Mean)?;
-        optimizer.zero_grad()?;
-        loss.backward()?;
-        optimizer.step()?;
-        loss_sum += loss.item()?;
-        batches += 1;
-        images += batch.targets.numel() * trainer.world_size();
-        if batches % 20 == 0 {
-            let rate = images as f64 / started.elapsed().as_secs_f64();
-            bar.set_message(format!(
-                "loss {:.4}, {rate:.0} images/s",
-                loss_sum / batches as f64
-            ));
-        }
-        bar.inc(1);
-    }
-    bar.finish_and_clear();
-    let seconds = started.elapsed().as_secs_f64();
-    Ok(EpochResult {
-        train_loss: loss_sum / batches.max(1) as f64,
-        test_accuracy: 0.0,
-        images_per_sec: images as f64 / seconds,
-        seconds,
-    })
 }

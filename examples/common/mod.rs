@@ -1,16 +1,22 @@
 //! What the training examples share: joining or launching the ranks of a data-parallel job,
 //! the forward that goes through DDP when there is one, and evaluation.
 
+use std::path::Path;
 use std::sync::Arc;
+use std::time::Instant;
 
-use tandem::autograd::no_grad;
+use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::json;
+use tandem::autograd::{no_grad, TensorBackward};
 use tandem::core::Tensor;
 use tandem::dist::launch::{launch, LaunchOptions};
 use tandem::dist::{
     init_process_group, DistributedDataParallel, GroupConfig, LaunchEnv, ProcessGroup,
 };
 use tandem::nn::data::DataLoader;
+use tandem::nn::loss::{cross_entropy, Reduction};
 use tandem::nn::Module;
+use tandem::optim::Optimizer;
 
 /// Errors of the examples' `run`.
 pub type AnyError = Box<dyn std::error::Error>;
@@ -121,4 +127,98 @@ pub fn evaluate(model: &dyn Module, test: &DataLoader) -> Result<f64, AnyError> 
         total += labels.len();
     }
     Ok(correct as f64 / total.max(1) as f64)
+}
+
+/// One pass over the training set (cross entropy; the test accuracy is filled in by the
+/// caller). `lr_at(s)`, when given, sets the learning rate of the epoch's step `s`. Rank 0
+/// shows a progress bar with the running loss and the global throughput.
+pub fn train_epoch(
+    trainer: &Trainer,
+    optimizer: &mut dyn Optimizer,
+    train: &DataLoader,
+    epoch: usize,
+    epochs: usize,
+    lr_at: Option<&dyn Fn(usize) -> f64>,
+) -> Result<EpochResult, AnyError> {
+    trainer.model.train();
+    let bar = if trainer.rank() == 0 {
+        ProgressBar::new(train.len() as u64)
+    } else {
+        ProgressBar::hidden()
+    };
+    bar.set_style(
+        ProgressStyle::with_template("epoch {prefix} [{bar:30}] {pos}/{len} {msg} ({eta})")?
+            .progress_chars("=> "),
+    );
+    bar.set_prefix(format!("{epoch}/{epochs}"));
+    let started = Instant::now();
+    let (mut loss_sum, mut batches, mut images) = (0.0, 0usize, 0usize);
+    for batch in train.epoch(epoch as u64 - 1) {
+        let batch = batch?;
+        if let Some(lr_at) = lr_at {
+            optimizer.set_learning_rate(lr_at(batches))?;
+        }
+        let logits = trainer.forward(&batch.inputs)?;
+        let loss = cross_entropy(&logits, &batch.targets, Reduction::Mean)?;
+        optimizer.zero_grad()?;
+        loss.backward()?;
+        optimizer.step()?;
+        loss_sum += loss.item()?;
+        batches += 1;
+        images += batch.targets.numel() * trainer.world_size();
+        if batches % 10 == 0 {
+            let rate = images as f64 / started.elapsed().as_secs_f64();
+            bar.set_message(format!(
+                "loss {:.4}, {rate:.0} images/s",
+                loss_sum / batches as f64
+            ));
+        }
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    let seconds = started.elapsed().as_secs_f64();
+    Ok(EpochResult {
+        train_loss: loss_sum / batches.max(1) as f64,
+        test_accuracy: 0.0,
+        images_per_sec: images as f64 / seconds,
+        seconds,
+    })
+}
+
+/// Writes `settings` (a JSON object describing the run) extended with the results —
+/// `test_accuracy` (a fraction), `train_loss`, `images_per_sec` (mean over epochs),
+/// `seconds` and the per-epoch `history` — to `path`.
+pub fn write_metrics(
+    path: &Path,
+    settings: serde_json::Value,
+    history: &[EpochResult],
+    seconds: f64,
+) -> Result<(), AnyError> {
+    let serde_json::Value::Object(mut metrics) = settings else {
+        return Err("metrics settings must be a JSON object".into());
+    };
+    let last = history.last();
+    let images_per_sec =
+        history.iter().map(|r| r.images_per_sec).sum::<f64>() / history.len().max(1) as f64;
+    metrics.insert("test_accuracy".into(), json!(last.map(|r| r.test_accuracy)));
+    metrics.insert("train_loss".into(), json!(last.map(|r| r.train_loss)));
+    metrics.insert("images_per_sec".into(), json!(images_per_sec));
+    metrics.insert("seconds".into(), json!(seconds));
+    let epochs: Vec<serde_json::Value> = history
+        .iter()
+        .enumerate()
+        .map(|(i, r)| {
+            json!({
+                "epoch": i + 1,
+                "train_loss": r.train_loss,
+                "test_accuracy": r.test_accuracy,
+                "images_per_sec": r.images_per_sec,
+                "seconds": r.seconds,
+            })
+        })
+        .collect();
+    metrics.insert("history".into(), json!(epochs));
+    let text = serde_json::to_string_pretty(&serde_json::Value::Object(metrics))? + "\n";
+    std::fs::write(path, text).map_err(|e| format!("{}: {e}", path.display()))?;
+    Ok(())
 }
