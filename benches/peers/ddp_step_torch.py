@@ -15,75 +15,20 @@ import json
 import statistics
 import sys
 import time
-from collections import OrderedDict
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-
-def lenet5():
-    """LeNet-5 with the same layers and parameter names as `tandem_nn::models::lenet5`."""
-    return nn.Sequential(
-        OrderedDict(
-            features=nn.Sequential(
-                nn.Conv2d(1, 6, 5, padding=2),
-                nn.ReLU(),
-                nn.MaxPool2d(2),
-                nn.Conv2d(6, 16, 5),
-                nn.ReLU(),
-                nn.MaxPool2d(2),
-            ),
-            flatten=nn.Flatten(),
-            classifier=nn.Sequential(
-                nn.Linear(16 * 5 * 5, 120),
-                nn.ReLU(),
-                nn.Linear(120, 84),
-                nn.ReLU(),
-                nn.Linear(84, 10),
-            ),
-        )
-    )
-
-
-def convnet():
-    """The mid-size CNN of `benches/ddp_step.rs` (`convnet()`), layer for layer."""
-    return nn.Sequential(
-        nn.Conv2d(3, 32, 3, padding=1),
-        nn.ReLU(),
-        nn.MaxPool2d(2),
-        nn.Conv2d(32, 64, 3, padding=1),
-        nn.ReLU(),
-        nn.MaxPool2d(2),
-        nn.Conv2d(64, 128, 3, padding=1),
-        nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1),
-        nn.Flatten(),
-        nn.Linear(128, 512),
-        nn.ReLU(),
-        nn.Linear(512, 10),
-    )
-
-
-def resnet20():
-    """ResNet-20 as `benches/peers/train_step_torch.py` (and tandem's `resnet20()`) build it."""
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).with_name("train_step_torch.py")
-    spec = importlib.util.spec_from_file_location("train_step_torch", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.CifarResNet(20, 10)
+from models import CifarResNet, convnet, lenet5
 
 
 MODELS = {
     # name: (constructor, input shape without the batch dim, classes)
     "lenet": (lenet5, (1, 28, 28), 10),
     "convnet": (convnet, (3, 32, 32), 10),
-    "resnet20": (resnet20, (3, 32, 32), 10),
+    "resnet20": (lambda: CifarResNet(20, 10), (3, 32, 32), 10),
 }
 
 
