@@ -113,22 +113,21 @@ pub fn backward(root: &Tensor, grad: Option<&Tensor>, options: &BackwardOptions)
     let compute = Stream::compute(root.device());
 
     // Count the contributions every node and leaf will receive.
-    let mut node_deps: HashMap<*const Node, usize> = HashMap::new();
-    let mut leaves: BTreeMap<TensorId, LeafState> = BTreeMap::new();
     let root_edge = match root.grad_fn() {
         Some(n) => Edge::Node(n.clone()),
         None => Edge::Leaf(root.clone()),
     };
+    let mut walk = Walk::default();
+    walk.count(&root_edge);
     let mut stack = vec![root_edge.clone()];
     let mut visited: HashSet<*const Node> = HashSet::new();
-    count_edge(&root_edge, &mut node_deps, &mut leaves);
     while let Some(edge) = stack.pop() {
         if let Edge::Node(node) = edge {
             if !visited.insert(node_key(&node)) {
                 continue;
             }
             for input in node.inputs().iter().flatten() {
-                count_edge(input, &mut node_deps, &mut leaves);
+                walk.count(input);
                 if let Edge::Node(_) = input {
                     stack.push(input.clone());
                 }
@@ -136,131 +135,123 @@ pub fn backward(root: &Tensor, grad: Option<&Tensor>, options: &BackwardOptions)
         }
     }
 
-    let mut pending: HashMap<*const Node, Option<Tensor>> = HashMap::new();
-    let mut ready: BinaryHeap<HeapEntry> = BinaryHeap::new();
-    let mut reached: HashSet<TensorId> = HashSet::new();
-    deliver(
-        &root_edge,
-        Some(seed),
-        &mut node_deps,
-        &mut pending,
-        &mut ready,
-        &mut leaves,
-        &mut reached,
-        &compute,
-    )?;
-
-    while let Some(HeapEntry(node)) = ready.pop() {
-        let grad_out = pending.remove(&node_key(&node)).flatten();
+    walk.deliver(&root_edge, Some(seed), &compute)?;
+    while let Some(HeapEntry(node)) = walk.ready.pop() {
+        let grad_out = walk.take_pending(&node);
         let grads = match &grad_out {
             Some(g) => node.run_backward(g, options.retain_graph)?,
             None => vec![None; node.inputs().len()],
         };
         drop(grad_out);
+        // An input that needs no gradient has no edge; a gradient computed for it is dropped.
         for (input, grad) in node.inputs().iter().zip(grads) {
-            match input {
-                Some(edge) => deliver(
-                    edge,
-                    grad,
-                    &mut node_deps,
-                    &mut pending,
-                    &mut ready,
-                    &mut leaves,
-                    &mut reached,
-                    &compute,
-                )?,
-                None => {
-                    if grad.is_some() {
-                        // The input needs no gradient; the op computed one anyway. Dropping it
-                        // is correct, only wasteful.
-                    }
-                }
+            if let Some(edge) = input {
+                walk.deliver(edge, grad, &compute)?;
             }
         }
     }
 
     // Each backward-finished hook once, in registration order.
     let mut finished: BTreeMap<HookId, tandem_core::graph::BackwardFinishedHook> = BTreeMap::new();
-    for state in leaves.values() {
+    for state in walk.leaves.values() {
         for (id, hook) in &state.leaf.hooks().lock().backward_finished {
             finished.entry(*id).or_insert_with(|| hook.clone());
         }
     }
-    let summary = BackwardSummary { reached };
+    let summary = BackwardSummary {
+        reached: walk.reached,
+    };
     for hook in finished.values() {
         hook(&summary)?;
     }
     Ok(())
 }
 
-fn count_edge(
-    edge: &Edge,
-    node_deps: &mut HashMap<*const Node, usize>,
-    leaves: &mut BTreeMap<TensorId, LeafState>,
-) {
-    match edge {
-        Edge::Node(n) => *node_deps.entry(node_key(n)).or_insert(0) += 1,
-        Edge::Leaf(t) => {
-            leaves
-                .entry(t.id())
-                .or_insert_with(|| LeafState {
-                    leaf: t.clone(),
-                    remaining: 0,
-                    pending: None,
-                })
-                .remaining += 1
-        }
-    }
+/// The state of one backward walk: what every node and leaf still waits for, the gradients
+/// gathered for them so far, and the nodes ready to run.
+#[derive(Default)]
+struct Walk {
+    nodes: HashMap<*const Node, NodeState>,
+    leaves: BTreeMap<TensorId, LeafState>,
+    ready: BinaryHeap<HeapEntry>,
+    reached: HashSet<TensorId>,
 }
 
-#[allow(clippy::too_many_arguments)]
-fn deliver(
-    edge: &Edge,
-    grad: Option<Tensor>,
-    node_deps: &mut HashMap<*const Node, usize>,
-    pending: &mut HashMap<*const Node, Option<Tensor>>,
-    ready: &mut BinaryHeap<HeapEntry>,
-    leaves: &mut BTreeMap<TensorId, LeafState>,
-    reached: &mut HashSet<TensorId>,
-    compute: &Stream,
-) -> Result<()> {
-    match edge {
-        Edge::Node(node) => {
-            let key = node_key(node);
-            let slot = pending.entry(key).or_insert(None);
-            if let Some(g) = grad {
-                *slot = Some(accumulate(slot.take(), g)?);
-            }
-            let remaining = node_deps.get_mut(&key).expect("counted during discovery");
-            *remaining -= 1;
-            if *remaining == 0 {
-                ready.push(HeapEntry(node.clone()));
-            }
-        }
-        Edge::Leaf(leaf) => {
-            let state = leaves
-                .get_mut(&leaf.id())
-                .expect("counted during discovery");
-            if let Some(g) = grad {
-                if g.dims() != leaf.dims() {
-                    return Err(Error::autograd(format!(
-                        "gradient of shape {:?} delivered to a leaf of shape {:?}",
-                        g.dims(),
-                        leaf.dims()
-                    )));
-                }
-                state.pending = Some(accumulate(state.pending.take(), g)?);
-            }
-            state.remaining -= 1;
-            if state.remaining == 0 {
-                if let Some(g) = state.pending.take() {
-                    finalize_leaf(&state.leaf, g, compute)?;
-                    reached.insert(leaf.id());
-                }
+#[derive(Default)]
+struct NodeState {
+    remaining: usize,
+    pending: Option<Tensor>,
+}
+
+impl Walk {
+    /// Counts one future contribution through `edge`.
+    fn count(&mut self, edge: &Edge) {
+        match edge {
+            Edge::Node(n) => self.nodes.entry(node_key(n)).or_default().remaining += 1,
+            Edge::Leaf(t) => {
+                self.leaves
+                    .entry(t.id())
+                    .or_insert_with(|| LeafState {
+                        leaf: t.clone(),
+                        remaining: 0,
+                        pending: None,
+                    })
+                    .remaining += 1
             }
         }
     }
-    Ok(())
+
+    /// The gradient gathered for `node` (released from the walk).
+    fn take_pending(&mut self, node: &Arc<Node>) -> Option<Tensor> {
+        self.nodes
+            .get_mut(&node_key(node))
+            .and_then(|state| state.pending.take())
+    }
+
+    /// Delivers one contribution (`None`: nothing flows, but the contribution is accounted
+    /// for) through `edge`; a node whose last contribution arrived becomes ready, a leaf whose
+    /// last one arrived is finalised.
+    fn deliver(&mut self, edge: &Edge, grad: Option<Tensor>, compute: &Stream) -> Result<()> {
+        match edge {
+            Edge::Node(node) => {
+                let state = self
+                    .nodes
+                    .get_mut(&node_key(node))
+                    .expect("counted during discovery");
+                if let Some(g) = grad {
+                    state.pending = Some(accumulate(state.pending.take(), g)?);
+                }
+                state.remaining -= 1;
+                if state.remaining == 0 {
+                    self.ready.push(HeapEntry(node.clone()));
+                }
+            }
+            Edge::Leaf(leaf) => {
+                let state = self
+                    .leaves
+                    .get_mut(&leaf.id())
+                    .expect("counted during discovery");
+                if let Some(g) = grad {
+                    if g.dims() != leaf.dims() {
+                        return Err(Error::autograd(format!(
+                            "gradient of shape {:?} delivered to a leaf of shape {:?}",
+                            g.dims(),
+                            leaf.dims()
+                        )));
+                    }
+                    state.pending = Some(accumulate(state.pending.take(), g)?);
+                }
+                state.remaining -= 1;
+                if state.remaining == 0 {
+                    if let Some(g) = state.pending.take() {
+                        finalize_leaf(&state.leaf, g, compute)?;
+                        self.reached.insert(leaf.id());
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Accumulates the leaf's gradient for this pass into `.grad` and runs its ready hooks.
