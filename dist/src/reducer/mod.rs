@@ -13,7 +13,7 @@ mod bucket;
 pub mod comm_hook;
 pub mod telemetry;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Weak};
 use std::time::Instant;
 
@@ -82,9 +82,12 @@ struct State {
     unfinished: Option<Vec<String>>,
     forward_end: Instant,
     telemetry: Telemetry,
-    /// Every launch, for tests and traces: (backward index, bucket, issued before finish?).
-    launch_log: Vec<LaunchRecord>,
+    /// The most recent launches (at most `MAX_LAUNCH_RECORDS`), for tests and traces.
+    launch_log: VecDeque<LaunchRecord>,
 }
+
+/// How many bucket launches the reducer remembers (a long run must not grow without bound).
+const MAX_LAUNCH_RECORDS: usize = 100_000;
 
 /// One bucket launch, as recorded for tests and traces.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -142,7 +145,7 @@ impl Reducer {
                 unfinished: None,
                 forward_end: Instant::now(),
                 telemetry: Telemetry::default(),
-                launch_log: Vec::new(),
+                launch_log: VecDeque::new(),
             }),
             hooks: Mutex::new(Vec::new()),
         });
@@ -244,7 +247,6 @@ impl Reducer {
             st.slots = slots;
             st.rebuilt = true;
         }
-        st.forward_end = Instant::now();
         Ok(())
     }
 
@@ -342,7 +344,10 @@ impl Reducer {
         stream.enqueue(move || t.lock().ended = Some(Instant::now()));
         let stamped = stream.record_event();
         let backward = st.sync_backwards;
-        st.launch_log.push(LaunchRecord {
+        if st.launch_log.len() == MAX_LAUNCH_RECORDS {
+            st.launch_log.pop_front();
+        }
+        st.launch_log.push_back(LaunchRecord {
             backward,
             bucket: b,
             during_backward,
@@ -425,7 +430,7 @@ impl Reducer {
 
     /// Every bucket launch so far.
     pub fn launch_log(&self) -> Vec<LaunchRecord> {
-        self.state.lock().launch_log.clone()
+        self.state.lock().launch_log.iter().cloned().collect()
     }
 
     /// The current bucket layout: parameter paths per bucket, in launch order.
