@@ -68,8 +68,19 @@ impl Tensor {
             let off = self.layout().offset();
             return Ok(data[off..off + self.numel()].to_vec());
         }
-        let mut out = Vec::with_capacity(self.numel());
-        self.layout().for_each_index(|i| out.push(data[i]));
+        let mut out = crate::alloc::uninit::<T>(self.numel());
+        let row_len = self.dims().last().copied().unwrap_or(1);
+        let mut rows = out.chunks_mut(row_len.max(1));
+        self.layout().for_each_row(|start, stride| {
+            let row = rows.next().expect("one output row per layout row");
+            if stride == 1 {
+                row.copy_from_slice(&data[start..start + row.len()]);
+            } else {
+                for (j, v) in row.iter_mut().enumerate() {
+                    *v = data[start + j * stride];
+                }
+            }
+        });
         Ok(out)
     }
 

@@ -4,6 +4,7 @@
 use half::{bf16, f16};
 use std::fmt;
 
+use crate::alloc::{Pool, Pools};
 use crate::storage::CpuStorage;
 
 /// The element type of a tensor.
@@ -71,10 +72,13 @@ pub trait Element: Copy + Send + Sync + PartialOrd + fmt::Debug + 'static {
     fn slice_mut(storage: &mut CpuStorage) -> Option<&mut [Self]>;
     /// Wraps a vector as storage.
     fn into_storage(data: Vec<Self>) -> CpuStorage;
+    /// The caching allocator's free buffers of this type.
+    #[doc(hidden)]
+    fn pool(pools: &mut Pools) -> &mut Pool<Self>;
 }
 
 macro_rules! element {
-    ($t:ty, $variant:ident, $to:expr, $from:expr, $zero:expr) => {
+    ($t:ty, $variant:ident, $field:ident, $to:expr, $from:expr, $zero:expr) => {
         impl Element for $t {
             const DTYPE: DType = DType::$variant;
             #[inline]
@@ -103,16 +107,26 @@ macro_rules! element {
             fn into_storage(data: Vec<Self>) -> CpuStorage {
                 CpuStorage::$variant(data)
             }
+            fn pool(pools: &mut Pools) -> &mut Pool<Self> {
+                &mut pools.$field
+            }
         }
     };
 }
 
-element!(f32, F32, |x: f32| x as f64, |v: f64| v as f32, 0.0);
-element!(f64, F64, |x: f64| x, |v: f64| v, 0.0);
-element!(f16, F16, |x: f16| x.to_f64(), f16::from_f64, f16::ZERO);
-element!(bf16, BF16, |x: bf16| x.to_f64(), bf16::from_f64, bf16::ZERO);
-element!(i64, I64, |x: i64| x as f64, |v: f64| v as i64, 0);
-element!(u8, U8, |x: u8| x as f64, |v: f64| v as u8, 0);
+element!(f32, F32, f32, |x: f32| x as f64, |v: f64| v as f32, 0.0);
+element!(f64, F64, f64, |x: f64| x, |v: f64| v, 0.0);
+element!(f16, F16, f16, |x: f16| x.to_f64(), f16::from_f64, f16::ZERO);
+element!(
+    bf16,
+    BF16,
+    bf16,
+    |x: bf16| x.to_f64(),
+    bf16::from_f64,
+    bf16::ZERO
+);
+element!(i64, I64, i64, |x: i64| x as f64, |v: f64| v as i64, 0);
+element!(u8, U8, u8, |x: u8| x as f64, |v: f64| v as u8, 0);
 
 /// A floating-point element in which tandem's kernels compute (f32 and f64).
 pub trait FloatElement:

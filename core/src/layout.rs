@@ -375,9 +375,67 @@ impl Layout {
     }
 }
 
+impl Layout {
+    /// Calls `f(start, stride)` for every innermost row in row-major order: the row's elements
+    /// are at `start + j · stride` for `j` in `0..row_len`, where `row_len` (returned) is the
+    /// innermost extent. A rank-0 layout is one row of one element.
+    pub fn for_each_row(&self, mut f: impl FnMut(usize, usize)) -> usize {
+        if self.numel() == 0 {
+            return 0;
+        }
+        let rank = self.rank();
+        if rank == 0 {
+            f(self.offset, 1);
+            return 1;
+        }
+        let (len, stride) = (self.shape[rank - 1], self.strides[rank - 1]);
+        let outer = &self.shape[..rank - 1];
+        let mut idx: SmallVec<[usize; 6]> = SmallVec::from_elem(0, rank - 1);
+        let mut pos = self.offset;
+        let rows: usize = outer.iter().product();
+        for _ in 0..rows {
+            f(pos, stride);
+            for d in (0..rank - 1).rev() {
+                idx[d] += 1;
+                pos += self.strides[d];
+                if idx[d] < outer[d] {
+                    break;
+                }
+                pos -= self.strides[d] * outer[d];
+                idx[d] = 0;
+            }
+        }
+        len
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rows_of_a_transposed_layout_visit_every_element_in_row_major_order() {
+        let l = Layout::contiguous(&[2, 3, 4])
+            .permute("p", &[2, 0, 1])
+            .unwrap();
+        let mut by_rows = vec![];
+        let mut starts = vec![];
+        let len = l.for_each_row(|start, stride| starts.push((start, stride)));
+        for (start, stride) in starts {
+            by_rows.extend((0..len).map(|j| start + j * stride));
+        }
+        let mut by_elements = vec![];
+        l.for_each_index(|i| by_elements.push(i));
+        assert_eq!(by_rows, by_elements);
+        assert_eq!(
+            Layout::contiguous(&[]).for_each_row(|s, _| assert_eq!(s, 0)),
+            1
+        );
+        assert_eq!(
+            Layout::contiguous(&[3, 0]).for_each_row(|_, _| panic!("empty")),
+            0
+        );
+    }
 
     #[test]
     fn transpose_then_iterate_visits_column_major() {

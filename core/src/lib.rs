@@ -6,6 +6,7 @@
 //! a tensor points at the node that produced it; the engine that runs it is `tandem-autograd`.
 
 mod access;
+pub mod alloc;
 mod create;
 pub mod device;
 pub mod dtype;

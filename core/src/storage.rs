@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use parking_lot::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
-use crate::{DType, Device};
+use crate::{alloc, DType, Device};
 
 /// Host memory of one dtype.
 #[derive(Clone, Debug)]
@@ -51,15 +51,29 @@ impl CpuStorage {
         self.len() == 0
     }
 
-    /// Zero-filled storage.
+    /// Zero-filled storage (from the caching allocator).
     pub fn zeros(dtype: DType, len: usize) -> Self {
         match dtype {
-            DType::F32 => CpuStorage::F32(vec![0.0; len]),
-            DType::F64 => CpuStorage::F64(vec![0.0; len]),
-            DType::F16 => CpuStorage::F16(vec![half::f16::ZERO; len]),
-            DType::BF16 => CpuStorage::BF16(vec![half::bf16::ZERO; len]),
-            DType::I64 => CpuStorage::I64(vec![0; len]),
-            DType::U8 => CpuStorage::U8(vec![0; len]),
+            DType::F32 => CpuStorage::F32(alloc::zeroed(len)),
+            DType::F64 => CpuStorage::F64(alloc::zeroed(len)),
+            DType::F16 => CpuStorage::F16(alloc::zeroed(len)),
+            DType::BF16 => CpuStorage::BF16(alloc::zeroed(len)),
+            DType::I64 => CpuStorage::I64(alloc::zeroed(len)),
+            DType::U8 => CpuStorage::U8(alloc::zeroed(len)),
+        }
+    }
+}
+
+/// The buffer goes back to the caching allocator.
+impl Drop for CpuStorage {
+    fn drop(&mut self) {
+        match self {
+            CpuStorage::F32(v) => alloc::recycle(std::mem::take(v)),
+            CpuStorage::F64(v) => alloc::recycle(std::mem::take(v)),
+            CpuStorage::F16(v) => alloc::recycle(std::mem::take(v)),
+            CpuStorage::BF16(v) => alloc::recycle(std::mem::take(v)),
+            CpuStorage::I64(v) => alloc::recycle(std::mem::take(v)),
+            CpuStorage::U8(v) => alloc::recycle(std::mem::take(v)),
         }
     }
 }

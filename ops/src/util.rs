@@ -96,3 +96,11 @@ pub fn sum_to_shape(grad: &Tensor, target: &[usize]) -> Result<Tensor> {
 
 /// Below this many elements a kernel runs on one thread: rayon's fork-join costs more.
 pub const PARALLEL_THRESHOLD: usize = 1 << 15;
+
+/// Whether a kernel touching `work` elements should split it across the rayon pool: only when
+/// the work is large and the pool has more than one thread (with one thread, going through
+/// rayon costs two context switches and gains nothing, since the calling thread is usually not
+/// a pool worker).
+pub fn parallel(work: usize) -> bool {
+    work >= PARALLEL_THRESHOLD && rayon::current_num_threads() > 1
+}

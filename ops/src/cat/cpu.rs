@@ -7,13 +7,14 @@
 use rayon::prelude::*;
 use tandem_core::{Element, Result, Tensor};
 
-use crate::util::PARALLEL_THRESHOLD;
+use crate::util::parallel;
 
 /// The output (of `shape`) holding the inputs one after the other along `dim`.
 pub(crate) fn cat<T: Element>(inputs: &[&Tensor], dim: usize, shape: &[usize]) -> Result<Tensor> {
     let inner: usize = shape[dim + 1..].iter().product();
     let numel: usize = shape.iter().product();
-    let mut out = vec![T::ZERO; numel];
+    // The inputs cover the output, every element is written.
+    let mut out = tandem_core::alloc::uninit::<T>(numel);
     if numel == 0 {
         return Tensor::from_vec(out, shape, inputs[0].device());
     }
@@ -45,7 +46,7 @@ pub(crate) fn cat<T: Element>(inputs: &[&Tensor], dim: usize, shape: &[usize]) -
             dst[at..at + width].copy_from_slice(&src[o * width..(o + 1) * width]);
         }
     };
-    if numel >= PARALLEL_THRESHOLD {
+    if parallel(numel) {
         out.par_chunks_mut(row).enumerate().for_each(fill);
     } else {
         out.chunks_mut(row).enumerate().for_each(fill);
@@ -67,14 +68,14 @@ pub(crate) fn slice_back<T: Element>(
     let row = g.dims()[dim] * inner;
     let (at, width) = (start * inner, input_shape[dim] * inner);
     let numel: usize = input_shape.iter().product();
-    let mut out = vec![T::ZERO; numel];
+    let mut out = tandem_core::alloc::uninit::<T>(numel);
     if numel > 0 {
         let gc = g.contiguous_detached()?;
         let src = gc.read_slice::<T>()?;
         let take = |(o, dst): (usize, &mut [T])| {
             dst.copy_from_slice(&src[o * row + at..o * row + at + width]);
         };
-        if numel >= PARALLEL_THRESHOLD {
+        if parallel(numel) {
             out.par_chunks_mut(width).enumerate().for_each(take);
         } else {
             out.chunks_mut(width).enumerate().for_each(take);

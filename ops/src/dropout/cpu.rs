@@ -9,7 +9,7 @@
 use rayon::prelude::*;
 use tandem_core::{FloatElement, Generator, Result, Tensor};
 
-use crate::util::PARALLEL_THRESHOLD;
+use crate::util::parallel;
 
 /// Elements per independently seeded mask chunk. Part of the mask's definition: changing it
 /// changes which elements a given seed drops.
@@ -35,7 +35,7 @@ pub(crate) fn draw_mask(n: usize, p: f64, generator: &mut Generator) -> Vec<u8> 
         }
     };
     let mut mask = vec![0u8; n];
-    if n >= PARALLEL_THRESHOLD {
+    if parallel(n) {
         mask.par_chunks_mut(MASK_CHUNK).enumerate().for_each(fill);
     } else {
         mask.chunks_mut(MASK_CHUNK).enumerate().for_each(fill);
@@ -58,7 +58,7 @@ pub(crate) fn apply_mask<T: FloatElement>(x: &Tensor, mask: &[u8], scale: f64) -
             *o = if m != 0 { s * scale } else { T::ZERO };
         }
     };
-    if out.len() >= PARALLEL_THRESHOLD {
+    if parallel(out.len()) {
         out.par_chunks_mut(APPLY_CHUNK)
             .zip(src.par_chunks(APPLY_CHUNK))
             .zip(mask.par_chunks(APPLY_CHUNK))

@@ -11,7 +11,7 @@ use tandem_core::{FloatElement, Result, Tensor};
 
 use crate::softmax::cpu::{lanes_max, lanes_sum, lanes_sum_exp};
 use crate::unary::ExpFloat;
-use crate::util::PARALLEL_THRESHOLD;
+use crate::util::parallel;
 
 const CHUNK: usize = 1 << 13;
 
@@ -76,7 +76,7 @@ pub(crate) fn cross_entropy_forward<T: ExpFloat>(
         let ls = s.ln();
         (ls - (x[t] - m), m, ls)
     };
-    let rows: Vec<(T, T, T)> = if logits.len() >= PARALLEL_THRESHOLD {
+    let rows: Vec<(T, T, T)> = if parallel(logits.len()) {
         logits
             .par_chunks(c)
             .zip(labels.par_iter())
@@ -118,7 +118,7 @@ pub(crate) fn cross_entropy_backward<T: ExpFloat>(
         }
         d[labels[i]] -= s;
     };
-    if logits.len() >= PARALLEL_THRESHOLD {
+    if parallel(logits.len()) {
         grad.par_chunks_mut(c)
             .zip(logits.par_chunks(c))
             .enumerate()
@@ -151,7 +151,7 @@ pub(crate) fn squared_error_sum<T: FloatElement>(a: &[T], b: &[T]) -> T {
         }
         lanes_sum(&lanes) + rest
     };
-    let partials: Vec<T> = if a.len() >= PARALLEL_THRESHOLD {
+    let partials: Vec<T> = if parallel(a.len()) {
         a.par_chunks(CHUNK)
             .zip(b.par_chunks(CHUNK))
             .map(chunk_sum)
@@ -174,7 +174,7 @@ pub(crate) fn squared_error_grad<T: FloatElement>(a: &[T], b: &[T], scales: &[T]
         crate::unary::zip_slices(a, b, &mut out, |x, y| (x - y) * s);
         return out;
     }
-    if out.len() >= PARALLEL_THRESHOLD {
+    if parallel(out.len()) {
         out.par_chunks_mut(CHUNK)
             .zip(a.par_chunks(CHUNK))
             .zip(b.par_chunks(CHUNK))

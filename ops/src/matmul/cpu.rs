@@ -248,7 +248,12 @@ fn product_kernel<T: FloatElement>(
 ) -> Vec<T> {
     let out_count: usize = out_batch.iter().product();
     let batch_count: usize = batch.iter().product();
-    let mut out = vec![T::ZERO; out_count * m * n];
+    // Every element is written by the products below unless there is nothing to multiply.
+    let mut out = if k == 0 || batch_count == 0 {
+        tandem_core::alloc::zeroed(out_count * m * n)
+    } else {
+        tandem_core::alloc::uninit(out_count * m * n)
+    };
     if let Some(b) = bias {
         out.chunks_mut(n.max(1))
             .for_each(|row| row.copy_from_slice(b));

@@ -4,7 +4,7 @@
 use rayon::prelude::*;
 use tandem_core::{with_float_type, Element, FloatElement, Result, Tensor};
 
-use crate::util::PARALLEL_THRESHOLD;
+use crate::util::parallel;
 
 /// Sum over `dims`, returning a tensor of shape `kept` (reduced dims of size 1).
 pub(crate) fn sum_kept(x: &Tensor, dims: &[usize], kept: &[usize]) -> Result<Tensor> {
@@ -18,7 +18,7 @@ pub(crate) fn sum_kept(x: &Tensor, dims: &[usize], kept: &[usize]) -> Result<Ten
         let data = c.read_slice::<T>()?;
         let out: Vec<T> = if inner == 0 {
             vec![T::ZERO; outer]
-        } else if outer * inner >= PARALLEL_THRESHOLD && outer > 1 {
+        } else if parallel(outer * inner) && outer > 1 {
             data.par_chunks(inner).map(block_sum::<T>).collect()
         } else {
             data.chunks(inner).map(block_sum::<T>).collect()

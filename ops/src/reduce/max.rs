@@ -13,7 +13,7 @@ use tandem_core::{
 };
 
 use super::{keepdim_shape, resolve_dims};
-use crate::util::{float_dtype, PARALLEL_THRESHOLD};
+use crate::util::{float_dtype, parallel};
 
 /// The maximum over `dims` (all dims when empty), keeping them as size-1 dims if `keepdim`.
 ///
@@ -93,7 +93,7 @@ fn reduce_max<T: FloatElement>(
     let permuted = x.view_detached(x.layout().permute(op, &perm)?)?;
     let c = permuted.contiguous_detached()?;
     let data = c.read_slice::<T>()?;
-    let pairs: Vec<(T, usize)> = if outer * inner >= PARALLEL_THRESHOLD && outer > 1 {
+    let pairs: Vec<(T, usize)> = if parallel(outer * inner) && outer > 1 {
         data.par_chunks(inner).map(first_max).collect()
     } else {
         data.chunks(inner).map(first_max).collect()

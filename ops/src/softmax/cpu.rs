@@ -10,7 +10,7 @@ use rayon::prelude::*;
 use tandem_core::{Element, FloatElement, Result, Tensor};
 
 use crate::unary::ExpFloat;
-use crate::util::PARALLEL_THRESHOLD;
+use crate::util::parallel;
 
 /// The split of a contiguous tensor around the softmax dim.
 #[derive(Clone, Copy, Debug)]
@@ -91,7 +91,7 @@ fn for_each_block<T: Element>(
         return;
     }
     let b = b.unwrap_or(a);
-    if out.len() >= PARALLEL_THRESHOLD && split.outer > 1 {
+    if parallel(out.len()) && split.outer > 1 {
         out.par_chunks_mut(block)
             .zip(a.par_chunks(block))
             .zip(b.par_chunks(block))
