@@ -201,9 +201,7 @@ fn worker(args: &Args, mode: &str) -> Result<(), AnyError> {
     };
     let group: Arc<dyn ProcessGroup> = Arc::new(init_process_group(&env, config)?);
     let (rank, world) = (group.rank(), group.world_size());
-    rayon::ThreadPoolBuilder::new()
-        .num_threads((cores() / world).max(1))
-        .build_global()?;
+    tandem::ops::set_num_threads((cores() / world).max(1))?;
 
     manual_seed(args.seed);
     let (model, sample_shape, classes) = args.model.build()?;

@@ -133,9 +133,7 @@ fn run(args: Args) -> Result<(), AnyError> {
             .map(|n| n.get())
             .unwrap_or(1)
     });
-    rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build_global()?;
+    tandem::ops::set_num_threads(threads)?;
 
     let tandem = time_tandem(&args)?;
     let torch = if args.no_peer {

@@ -61,11 +61,7 @@ pub fn join_or_launch(nproc_per_node: usize, threads: Option<usize>) -> Result<R
         return Ok(Role::Launched);
     }
     if !joining {
-        if let Some(threads) = threads {
-            rayon::ThreadPoolBuilder::new()
-                .num_threads(threads)
-                .build_global()?;
-        }
+        tandem::ops::set_num_threads(threads.unwrap_or(0))?;
         return Ok(Role::Train(None));
     }
     let env = LaunchEnv::from_process_env()?;
@@ -73,9 +69,7 @@ pub fn join_or_launch(nproc_per_node: usize, threads: Option<usize>) -> Result<R
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         (cores / env.local_world_size.max(1)).max(1)
     });
-    rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build_global()?;
+    tandem::ops::set_num_threads(threads)?;
     Ok(Role::Train(Some(Arc::new(init_process_group(
         &env,
         GroupConfig::default(),

@@ -16,6 +16,7 @@ pub mod matmul;
 pub mod pool;
 pub mod reduce;
 pub mod softmax;
+pub mod threads;
 pub mod unary;
 pub mod util;
 pub mod views;
@@ -31,6 +32,7 @@ pub use views::{
 
 // --- re-exports: unary, max, softmax, loss, dropout, cat ---
 pub use cat::cat;
+pub use threads::set_num_threads;
 pub use dropout::dropout;
 pub use loss::{cross_entropy, mse_loss, nll_loss, Reduction};
 pub use reduce::{argmax, max};
