@@ -31,6 +31,7 @@ use std::sync::Arc;
 use tandem_core::{Device, Tensor};
 use tandem_nn::Module;
 
+use crate::coalesce::CoalescedBroadcast;
 use crate::reducer::comm_hook::CommHook;
 use crate::reducer::telemetry::Telemetry;
 use crate::reducer::{GradReduction, LaunchRecord, Reducer, ReducerConfig};
@@ -80,7 +81,8 @@ pub struct DistributedDataParallel {
     module: Arc<dyn Module>,
     group: Arc<dyn ProcessGroup>,
     reducer: Arc<Reducer>,
-    buffers: Vec<(String, Tensor)>,
+    /// The buffers, packed for one broadcast per dtype before each forward.
+    buffers: Option<CoalescedBroadcast>,
     config: DdpConfig,
 }
 
@@ -116,13 +118,18 @@ impl DistributedDataParallel {
         }
         check_same_model(group.as_ref(), &params, &buffers)?;
         // Every rank starts from rank 0's values.
-        let mut works = Vec::new();
-        for (_, t) in params.iter().chain(&buffers) {
-            works.push(group.broadcast(t, 0)?);
-        }
-        for w in works {
-            w.wait()?;
-        }
+        let everything: Vec<Tensor> = params
+            .iter()
+            .chain(&buffers)
+            .map(|(_, t)| t.clone())
+            .collect();
+        CoalescedBroadcast::new(rank, &everything)?.broadcast(group.as_ref(), 0)?;
+        let buffers = if buffers.is_empty() || group.world_size() == 1 {
+            None
+        } else {
+            let tensors: Vec<Tensor> = buffers.iter().map(|(_, t)| t.clone()).collect();
+            Some(CoalescedBroadcast::new(rank, &tensors)?)
+        };
         let mib = |m: f64| ((m * (1 << 20) as f64) as usize).max(1);
         let reducer = Reducer::new(
             group.clone(),
@@ -150,15 +157,12 @@ impl DistributedDataParallel {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let rank = self.group.rank();
         self.reducer.prepare_forward()?;
-        if self.config.broadcast_buffers && self.group.world_size() > 1 && !self.buffers.is_empty()
+        if let Some(buffers) = self
+            .buffers
+            .as_ref()
+            .filter(|_| self.config.broadcast_buffers)
         {
-            let mut works = Vec::with_capacity(self.buffers.len());
-            for (_, b) in &self.buffers {
-                works.push(self.group.broadcast(b, 0)?);
-            }
-            for w in works {
-                w.wait()?;
-            }
+            buffers.broadcast(self.group.as_ref(), 0)?;
         }
         let out = self.module.forward(x).map_err(|e| DistError::Model {
             rank,

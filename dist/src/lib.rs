@@ -69,6 +69,7 @@
 //! ranks with the environment set, serves the store, prefixes each rank's output with
 //! `[rank K] `, and stops the whole job when one rank fails, naming it.
 
+mod coalesce;
 pub mod ddp;
 pub mod error;
 pub mod launch;
