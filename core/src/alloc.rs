@@ -18,8 +18,10 @@
 //! recycled buffer can be handed out without clearing it: [`uninit`] does that for kernels that
 //! overwrite their whole output, [`zeroed`] clears it for kernels that accumulate into it.
 //! Dropping a [`CpuStorage`](crate::CpuStorage) recycles its buffer; scratch vectors of a
-//! kernel go back with [`recycle`]. Only buffers that came from the cache are kept (their
-//! capacity is exactly a class size); other vectors go straight back to the system.
+//! kernel go back with [`recycle`]. Only buffers that came from the cache are kept; other
+//! vectors go straight back to the system.
+
+use std::collections::HashSet;
 
 use parking_lot::Mutex;
 
@@ -72,9 +74,15 @@ pub struct Pools {
     cached_bytes: usize,
     limit: usize,
     counters: CacheStats,
+    /// Addresses of the buffers handed out and not yet back: only these are kept on recycle.
+    lent: Option<HashSet<usize>>,
 }
 
 impl Pools {
+    fn lent(&mut self) -> &mut HashSet<usize> {
+        self.lent.get_or_insert_with(HashSet::new)
+    }
+
     fn clear(&mut self) {
         self.f32.clear();
         self.f64.clear();
@@ -101,6 +109,7 @@ static POOLS: Mutex<Pools> = Mutex::new(Pools {
         cached_bytes: 0,
         peak_cached_bytes: 0,
     },
+    lent: None,
 });
 
 /// How the cache has fared since the process started.
@@ -159,12 +168,14 @@ pub fn uninit<T: Element>(len: usize) -> Vec<T> {
             Some(buffer) => {
                 pools.cached_bytes -= buffer.capacity() * std::mem::size_of::<T>();
                 pools.counters.hits += 1;
+                let address = buffer.as_ptr() as usize;
+                pools.lent().insert(address);
             }
             None => pools.counters.misses += 1,
         }
         found
     };
-    match cached {
+    let buffer = match cached {
         Some(mut buffer) => {
             // The buffer's capacity covers the class, hence `len`; only a tail beyond its
             // current length needs writing.
@@ -179,9 +190,12 @@ pub fn uninit<T: Element>(len: usize) -> Vec<T> {
             let elements = class_bytes(class).div_ceil(std::mem::size_of::<T>());
             let mut buffer = vec![T::ZERO; elements];
             buffer.truncate(len);
+            let address = buffer.as_ptr() as usize;
+            POOLS.lock().lent().insert(address);
             buffer
         }
-    }
+    };
+    buffer
 }
 
 /// A vector of `len` zeros.
@@ -194,16 +208,19 @@ pub fn zeroed<T: Element>(len: usize) -> Vec<T> {
 /// Hands a buffer back to the cache (or to the system when it is small or the cache is full).
 pub fn recycle<T: Element>(buffer: Vec<T>) {
     let bytes = buffer.capacity() * std::mem::size_of::<T>();
-    // Only buffers of a class's exact size are kept: they are the ones this cache handed out
-    // (a vector built elsewhere rarely fits a class, and keeping it would hold memory that
-    // requests, rounded up to the next class, never take).
     let Some(class) = class_below(bytes) else {
         return;
     };
+    // Only buffers this cache handed out are kept, with their capacity unchanged: a vector
+    // built elsewhere belongs to a kernel that does not ask the cache, so keeping it would
+    // hold memory that no request takes.
     if class_bytes(class).div_ceil(std::mem::size_of::<T>()) != buffer.capacity() {
         return;
     }
     let mut pools = POOLS.lock();
+    if !pools.lent().remove(&(buffer.as_ptr() as usize)) {
+        return;
+    }
     if pools.cached_bytes + bytes > pools.limit {
         return;
     }
@@ -297,18 +314,15 @@ mod tests {
 
     #[test]
     fn vectors_not_made_by_the_cache_are_not_kept() {
-        let before = stats();
-        recycle(vec![0u8; 555_555]);
-        let after = stats();
-        assert_eq!(
-            after.peak_cached_bytes,
-            after.peak_cached_bytes.max(before.peak_cached_bytes)
-        );
-        let mine = uninit::<u8>(555_555);
-        assert!(
-            mine.capacity() > 555_555,
-            "class-sized, not the foreign vector"
-        );
+        // A class-sized vector made elsewhere: recycling it must not make it available.
+        let bytes = class_bytes(class_above(3_333_333).unwrap());
+        let foreign = vec![5u8; bytes];
+        let address = foreign.as_ptr() as usize;
+        recycle(foreign);
+        let class = class_below(bytes).unwrap();
+        let pools = POOLS.lock();
+        let kept = pools.u8.classes.get(class).into_iter().flatten();
+        assert!(kept.into_iter().all(|b| b.as_ptr() as usize != address));
     }
 
     #[test]
