@@ -34,7 +34,7 @@ pub(crate) fn draw_mask(n: usize, p: f64, generator: &mut Generator) -> Vec<u8> 
             }
         }
     };
-    let mut mask = vec![0u8; n];
+    let mut mask = tandem_core::alloc::uninit::<u8>(n);
     if parallel(n) {
         mask.par_chunks_mut(MASK_CHUNK).enumerate().for_each(fill);
     } else {
@@ -52,7 +52,7 @@ pub(crate) fn apply_mask<T: FloatElement>(x: &Tensor, mask: &[u8], scale: f64) -
     let c = x.contiguous_detached()?;
     let src = c.read_slice::<T>()?;
     let scale = T::from_f64(scale);
-    let mut out = vec![T::ZERO; src.len()];
+    let mut out = tandem_core::alloc::uninit::<T>(src.len());
     let body = |((o, s), m): ((&mut [T], &[T]), &[u8])| {
         for ((o, &s), &m) in o.iter_mut().zip(s).zip(m) {
             *o = if m != 0 { s * scale } else { T::ZERO };

@@ -39,7 +39,7 @@ pub(crate) fn nll_forward<T: FloatElement>(log_probs: &Tensor, labels: &[usize])
 
 /// The `[n, c]` gradient of nll: `−scale_i` at `(i, labels[i])`, zero elsewhere.
 pub(crate) fn nll_backward<T: FloatElement>(labels: &[usize], c: usize, scales: &[T]) -> Vec<T> {
-    let mut grad = vec![T::ZERO; labels.len() * c];
+    let mut grad = tandem_core::alloc::zeroed::<T>(labels.len() * c);
     for (i, &t) in labels.iter().enumerate() {
         grad[i * c + t] = -scale_at(scales, i);
     }
@@ -107,7 +107,7 @@ pub(crate) fn cross_entropy_backward<T: ExpFloat>(
     scales: &[T],
 ) -> Vec<T> {
     let (max, log_sum) = rows;
-    let mut grad = vec![T::ZERO; logits.len()];
+    let mut grad = tandem_core::alloc::uninit::<T>(logits.len());
     if labels.is_empty() {
         return grad;
     }
@@ -167,7 +167,7 @@ pub(crate) fn squared_error_sum<T: FloatElement>(a: &[T], b: &[T]) -> T {
 
 /// `2 (a − b) · scale` elementwise, the scale being one number or one per element.
 pub(crate) fn squared_error_grad<T: FloatElement>(a: &[T], b: &[T], scales: &[T]) -> Vec<T> {
-    let mut out = vec![T::ZERO; a.len()];
+    let mut out = tandem_core::alloc::uninit::<T>(a.len());
     let two = T::from_f32(2.0);
     if scales.len() == 1 {
         let s = two * scales[0];

@@ -111,7 +111,7 @@ pub(crate) fn forward<T: ExpFloat>(x: &Tensor, split: Split, log: bool) -> Resul
     }
     let c = x.contiguous_detached()?;
     let data = c.read_slice::<T>()?;
-    let mut out = vec![T::ZERO; data.len()];
+    let mut out = tandem_core::alloc::uninit::<T>(data.len());
     for_each_block(split, &mut out, &data, None, |y, x, _| {
         if split.inner == 1 {
             row_forward(x, y, log)
@@ -186,7 +186,7 @@ pub(crate) fn backward<T: ExpFloat>(
     }
     let (gc, yc) = (g.contiguous_detached()?, y.contiguous_detached()?);
     let (gs, ys) = (gc.read_slice::<T>()?, yc.read_slice::<T>()?);
-    let mut out = vec![T::ZERO; gs.len()];
+    let mut out = tandem_core::alloc::uninit::<T>(gs.len());
     for_each_block(split, &mut out, &gs, Some(&ys), |dx, g, y| {
         if split.inner == 1 {
             row_backward(g, y, dx, log)
