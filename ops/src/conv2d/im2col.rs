@@ -57,14 +57,16 @@ pub(crate) struct Im2col {
 }
 
 impl Im2col {
-    /// Works out the runs of `g`, with the output pixels split into `tiles` near-equal tiles.
-    pub(crate) fn new(g: &Geometry, tiles: usize) -> Self {
+    /// Works out the runs of `g`, with the output pixels split into tiles of `width` pixels
+    /// (the last one shorter).
+    pub(crate) fn new(g: &Geometry, width: usize) -> Self {
         let (kh, kw) = g.kernel;
         let (ow, pixels, plane) = (g.out_w, g.out_h * g.out_w, g.in_h * g.in_w);
-        let tiles = tiles.clamp(1, pixels.max(1));
+        let width = width.clamp(1, pixels.max(1));
+        let tiles = pixels.div_ceil(width).max(1);
         let shift = g.stride == (1, 1) && g.out_w == g.in_w;
         let mut table = Im2col {
-            bounds: (0..=tiles).map(|t| t * pixels / tiles).collect(),
+            bounds: (0..=tiles).map(|t| (t * width).min(pixels)).collect(),
             tiles: (0..tiles).map(|_| Tile::default()).collect(),
             step: if shift { 1 } else { g.stride.1 },
         };
@@ -363,7 +365,7 @@ mod tests {
             out_h: 4,
             out_w: 4,
         };
-        let mut table = Im2col::new(&g, 2);
+        let mut table = Im2col::new(&g, 8);
         table.tiles.iter_mut().for_each(|t| *t = Tile::default());
         table.zero(0, 0, 3);
         table.zero(0, 3, 5);

@@ -1,0 +1,153 @@
+//! Release-mode timing of the conv2d CPU kernels over the LeNet-5 and ResNet-20 layer shapes
+//! (forward, input gradient, weight gradient), at 1 and 2 rayon threads. Ignored by default:
+//! `cargo test -p tandem-ops --release conv_timing -- --ignored --nocapture`.
+
+use std::time::Instant;
+
+use super::cpu::{backward, forward, Geometry, Needs};
+
+/// `(name, N, C, H, W, O, k, stride, pad)` of a layer.
+type Shape = (
+    &'static str,
+    usize,
+    usize,
+    usize,
+    usize,
+    usize,
+    usize,
+    usize,
+    usize,
+);
+
+/// The layer shapes timed.
+const SHAPES: [Shape; 8] = [
+    ("lenet1", 64, 1, 28, 28, 6, 5, 1, 2),
+    ("lenet2", 64, 6, 14, 14, 16, 5, 1, 0),
+    ("r20_3_16", 32, 3, 32, 32, 16, 3, 1, 1),
+    ("r20_16_16", 32, 16, 32, 32, 16, 3, 1, 1),
+    ("r20_16_32s2", 32, 16, 32, 32, 32, 3, 2, 1),
+    ("r20_32_32", 32, 32, 16, 16, 32, 3, 1, 1),
+    ("r20_32_64s2", 32, 32, 16, 16, 64, 3, 2, 1),
+    ("r20_64_64", 32, 64, 8, 8, 64, 3, 1, 1),
+];
+
+/// Best time in milliseconds of `f` over enough repetitions.
+fn best_ms(mut f: impl FnMut()) -> f64 {
+    f();
+    let mut best = f64::INFINITY;
+    let start = Instant::now();
+    let mut reps = 0;
+    while reps < 5 || (start.elapsed().as_secs_f64() < 0.4 && reps < 200) {
+        let t = Instant::now();
+        f();
+        best = best.min(t.elapsed().as_secs_f64() * 1e3);
+        reps += 1;
+    }
+    best
+}
+
+#[test]
+#[ignore]
+fn conv_timing() {
+    // CONV_SHAPE=<name prefix> and CONV_THREADS=<n> narrow the run (for profiling).
+    let only_shape = std::env::var("CONV_SHAPE").unwrap_or_default();
+    let thread_counts: Vec<usize> = match std::env::var("CONV_THREADS") {
+        Ok(t) => vec![t.parse().unwrap_or(1)],
+        Err(_) => vec![1, 2],
+    };
+    for threads in thread_counts {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        let (mut tot_lenet, mut tot_resnet) = (0.0, 0.0);
+        for (name, n, c, h, w, o, k, s, p) in SHAPES {
+            if !name.starts_with(only_shape.as_str()) {
+                continue;
+            }
+            let oh = (h + 2 * p - k) / s + 1;
+            let g = Geometry {
+                batch: n,
+                in_channels: c,
+                in_h: h,
+                in_w: w,
+                out_channels: o,
+                kernel: (k, k),
+                stride: (s, s),
+                padding: (p, p),
+                dilation: (1, 1),
+                out_h: oh,
+                out_w: oh,
+            };
+            let x: Vec<f32> = (0..n * c * h * w)
+                .map(|i| (i % 17) as f32 * 0.1 - 0.8)
+                .collect();
+            let wt: Vec<f32> = (0..o * c * k * k)
+                .map(|i| (i % 13) as f32 * 0.1 - 0.6)
+                .collect();
+            let b: Vec<f32> = (0..o).map(|i| i as f32 * 0.01).collect();
+            let gy: Vec<f32> = (0..n * o * oh * oh)
+                .map(|i| (i % 7) as f32 * 0.1 - 0.3)
+                .collect();
+            let only = |input, weight| Needs {
+                input,
+                weight,
+                bias: weight,
+            };
+            let (f, gi, gw) = pool.install(|| {
+                (
+                    best_ms(|| drop(forward(&x, &wt, Some(&b), &g))),
+                    best_ms(|| drop(backward(&x, &wt, &gy, &g, only(true, false)).input)),
+                    best_ms(|| drop(backward(&x, &wt, &gy, &g, only(false, true)).weight)),
+                )
+            });
+            let both = pool
+                .install(|| best_ms(|| drop(backward(&x, &wt, &gy, &g, only(c > 1, true)).weight)));
+            let total = f + both;
+            if name.starts_with("lenet") {
+                tot_lenet += total;
+            } else {
+                tot_resnet += total;
+            }
+            println!(
+                "T{threads} {name:12} fwd {f:7.3} dx {gi:7.3} dw {gw:7.3} bwd {both:7.3} total {total:7.3} ms"
+            );
+        }
+        println!("T{threads} TOTAL lenet {tot_lenet:7.3} resnet {tot_resnet:7.3} ms");
+    }
+}
+
+#[test]
+#[ignore]
+fn conv_timing_kernel_rate() {
+    use super::tile_product::{product, TileShape};
+    for (o_n, depth, width) in [
+        (16, 144, 64),
+        (16, 144, 48),
+        (64, 576, 64),
+        (6, 25, 784),
+        (32, 288, 64),
+    ] {
+        let a = vec![0.5f32; o_n * depth];
+        let b = vec![0.25f32; depth * width];
+        let mut out = vec![0f32; o_n * width];
+        let s = TileShape {
+            o_n,
+            depth,
+            width,
+            a_rs: 1,
+            a_cs: o_n,
+            b_rs: width,
+            out_stride: width,
+            accumulate: false,
+        };
+        let reps = 20000;
+        let ms = best_ms(|| {
+            for _ in 0..reps {
+                product(s, &a, &b, None, &mut out);
+            }
+        });
+        let gflops = (2 * o_n * depth * width * reps) as f64 / (ms * 1e6);
+        println!("kernel {o_n}x{depth}x{width}: {gflops:.1} GFLOP/s");
+    }
+}
