@@ -15,6 +15,7 @@ pub mod loss;
 pub mod matmul;
 pub mod pool;
 pub mod reduce;
+pub(crate) mod simd;
 pub mod softmax;
 pub mod threads;
 pub mod unary;

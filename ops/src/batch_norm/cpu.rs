@@ -1,13 +1,20 @@
 //! CPU kernels of batch normalization. The input is viewed as `[N, C, L]` (L = product of the
 //! dims after the channel), so each `(n, c)` pair owns one contiguous run of `L` elements.
-//! Reductions accumulate in f64 with several independent lanes (so they vectorise) and run in
-//! parallel over chunks of samples, each producing per-channel partial sums; elementwise passes
-//! are fused into one `a·g + b·x + c`-style sweep with per-channel constants.
+//!
+//! Reductions sum each run in the element type with [`LANES`] independent accumulators (so
+//! they vectorise), over blocks of at most [`BLOCK`] elements whose totals are added in f64:
+//! the float error of a block stays that of a short sum, whatever `L` is. The moments take
+//! one pass over memory: each run's sum and its squared deviations from its own mean (the
+//! second sweep hits the cache), merged per channel in f64 by the parallel-variance formula
+//! (the run sums are kept, so that the between-run term needs no cancelling subtraction).
+//! Elementwise passes are one `a·x + b (+ k·y)` sweep with per-channel constants. Every loop
+//! is compiled for the widest vector instructions the CPU has, and samples are split across
+//! rayon threads only when the pool has more than one and the input is large.
 
 use rayon::prelude::*;
-use tandem_core::FloatElement;
+use tandem_core::{alloc, FloatElement};
 
-use crate::util::PARALLEL_THRESHOLD;
+use crate::simd::{parallel, wide_simd_fn};
 
 /// The input viewed as `[n, c, l]`.
 #[derive(Clone, Copy, Debug)]
@@ -17,54 +24,134 @@ pub(crate) struct Dims {
     pub l: usize,
 }
 
-const LANES: usize = 8;
+/// Independent accumulators of a run sum: two AVX-512 registers of f32, enough to hide the
+/// latency of the vector add.
+const LANES: usize = 32;
 
-/// `Σ f(a[i], b[i])` over two equally long runs, with independent lanes so the additions
-/// vectorise (a single running sum would serialise on the add latency).
+/// Elements summed in the element type before the partial total moves to f64.
+const BLOCK: usize = 1024;
+
+/// `Σ f(a[i], b[i])` over two equally long runs, in blocks of [`BLOCK`] with [`LANES`]
+/// accumulators each, block totals in f64.
 #[inline(always)]
-fn lane_sum<T: FloatElement>(a: &[T], b: &[T], f: impl Fn(T, T) -> f64) -> f64 {
-    let mut acc = [0.0f64; LANES];
-    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
-    let (ra, rb) = (ca.remainder(), cb.remainder());
-    for (xa, xb) in ca.zip(cb) {
-        for k in 0..LANES {
-            acc[k] += f(xa[k], xb[k]);
+fn lane_sum<T: FloatElement>(a: &[T], b: &[T], f: impl Fn(T, T) -> T) -> f64 {
+    let mut total = 0.0f64;
+    for (block_a, block_b) in a.chunks(BLOCK).zip(b.chunks(BLOCK)) {
+        let mut acc = [T::ZERO; LANES];
+        let (ca, cb) = (block_a.chunks_exact(LANES), block_b.chunks_exact(LANES));
+        let (ra, rb) = (ca.remainder(), cb.remainder());
+        for (xa, xb) in ca.zip(cb) {
+            for k in 0..LANES {
+                acc[k] += f(xa[k], xb[k]);
+            }
         }
-    }
-    let mut total: f64 = acc.iter().sum();
-    for (&va, &vb) in ra.iter().zip(rb) {
-        total += f(va, vb);
+        // pairwise fold of the lanes
+        let mut width = LANES;
+        while width > 1 {
+            width /= 2;
+            for k in 0..width {
+                acc[k] += acc[k + width];
+            }
+        }
+        let mut block = acc[0];
+        for (&va, &vb) in ra.iter().zip(rb) {
+            block += f(va, vb);
+        }
+        total += block.to_f64();
     }
     total
 }
 
-/// Sums, per channel, `k` values produced by `f(run_of_x, run_of_y, channel) -> [f64; K]`
-/// over every `(n, c)` run of two same-shaped arrays, in parallel over samples when large.
-fn channel_sums<T: FloatElement, const K: usize>(
+/// For samples `first..` (as many as `run_sums` holds, `c` a sample): each run's sum into
+/// `run_sums[(n − first)·c + c]`, and per channel `Σ(x − run mean)²` added into `squares`.
+#[inline(always)]
+fn moment_runs<T: FloatElement>(
     x: &[T],
-    y: &[T],
     d: Dims,
-    f: impl Fn(&[T], &[T], usize) -> [f64; K] + Sync,
-) -> Vec<[f64; K]> {
-    let per_sample = d.c * d.l;
-    let partial = |samples: std::ops::Range<usize>| {
-        let mut acc = vec![[0.0; K]; d.c];
-        for n in samples {
-            for (c, a) in acc.iter_mut().enumerate() {
-                let at = n * per_sample + c * d.l;
-                let v = f(&x[at..at + d.l], &y[at..at + d.l], c);
-                a.iter_mut().zip(v).for_each(|(a, v)| *a += v);
-            }
+    first: usize,
+    run_sums: &mut [f64],
+    squares: &mut [f64],
+) {
+    let l = d.l as f64;
+    for (i, sums) in run_sums.chunks_exact_mut(d.c).enumerate() {
+        let n = first + i;
+        for (c, (sum, square)) in sums.iter_mut().zip(squares.iter_mut()).enumerate() {
+            let at = (n * d.c + c) * d.l;
+            let run = &x[at..at + d.l];
+            let s = lane_sum(run, run, |v, _| v);
+            let m = T::from_f64(s / l);
+            *square += lane_sum(run, run, |v, _| (v - m) * (v - m));
+            *sum = s;
         }
-        acc
-    };
-    if x.len() < PARALLEL_THRESHOLD || d.n < 2 {
-        return partial(0..d.n);
+    }
+}
+
+wide_simd_fn!(
+    /// [`moment_runs`] in the widest vector instructions the CPU has.
+    fn moment_runs_wide[T: FloatElement](
+        x: &[T],
+        d: Dims,
+        first: usize,
+        run_sums: &mut [f64],
+        squares: &mut [f64]
+    ) = moment_runs
+);
+
+/// Per-channel `[Σg, Σg·(x − mean[c])]` of `samples` (`mean` in the element type).
+#[inline(always)]
+fn grad_runs<T: FloatElement>(
+    g: &[T],
+    x: &[T],
+    d: Dims,
+    mean: &[T],
+    samples: std::ops::Range<usize>,
+    acc: &mut [[f64; 2]],
+) {
+    // Written out rather than through a closure: a closure body may not be inlined into the
+    // wide-vector caller, and would then run in baseline instructions.
+    let per_sample = d.c * d.l;
+    for n in samples {
+        for (c, (a, &m)) in acc.iter_mut().zip(mean).enumerate() {
+            let at = n * per_sample + c * d.l;
+            let (gs, xs) = (&g[at..at + d.l], &x[at..at + d.l]);
+            a[0] += lane_sum(gs, gs, |gv, _| gv);
+            a[1] += lane_sum(gs, xs, |gv, xv| gv * (xv - m));
+        }
+    }
+}
+
+wide_simd_fn!(
+    /// [`grad_runs`] in the widest vector instructions the CPU has.
+    fn grad_runs_wide[T: FloatElement](
+        g: &[T],
+        x: &[T],
+        d: Dims,
+        mean: &[T],
+        samples: std::ops::Range<usize>,
+        acc: &mut [[f64; 2]]
+    ) = grad_runs
+);
+
+/// Per-channel sums over all samples: `partial(samples, acc)` adds those of a range of
+/// samples into `acc`; ranges run in parallel (and are then added up) when worth it.
+fn channel_sums<const K: usize>(
+    d: Dims,
+    work: usize,
+    partial: impl Fn(std::ops::Range<usize>, &mut [[f64; K]]) + Sync,
+) -> Vec<[f64; K]> {
+    if !parallel(work) || d.n < 2 {
+        let mut acc = vec![[0.0; K]; d.c];
+        partial(0..d.n, &mut acc);
+        return acc;
     }
     let chunk = d.n.div_ceil(rayon::current_num_threads() * 4).max(1);
     (0..d.n.div_ceil(chunk))
         .into_par_iter()
-        .map(|i| partial(i * chunk..((i + 1) * chunk).min(d.n)))
+        .map(|i| {
+            let mut acc = vec![[0.0; K]; d.c];
+            partial(i * chunk..((i + 1) * chunk).min(d.n), &mut acc);
+            acc
+        })
         .reduce(
             || vec![[0.0; K]; d.c],
             |mut a, b| {
@@ -76,36 +163,63 @@ fn channel_sums<T: FloatElement, const K: usize>(
         )
 }
 
-/// Per-channel mean and biased variance of `x` (two passes, for accuracy).
+/// Per-channel mean and biased variance of `x`.
 pub(crate) fn moments<T: FloatElement>(x: &[T], d: Dims) -> (Vec<f64>, Vec<f64>) {
     let count = (d.n * d.l) as f64;
-    let sums = channel_sums(x, x, d, |run, _, _| [lane_sum(run, run, |v, _| v.to_f64())]);
-    let mean: Vec<f64> = sums.iter().map(|s| s[0] / count).collect();
-    let sq = channel_sums(x, x, d, |run, _, c| {
-        let m = mean[c];
-        [lane_sum(run, run, |v, _| {
-            let v = v.to_f64() - m;
-            v * v
-        })]
-    });
-    let var = sq.iter().map(|s| s[0] / count).collect();
-    (mean, var)
+    let mut run_sums = vec![0.0f64; d.n * d.c];
+    let squares = if parallel(x.len()) && d.n >= 2 && d.c > 0 {
+        let per_task = d.n.div_ceil(rayon::current_num_threads() * 4).max(1);
+        run_sums
+            .par_chunks_mut(per_task * d.c)
+            .enumerate()
+            .map(|(i, sums)| {
+                let mut squares = vec![0.0; d.c];
+                moment_runs_wide(x, d, i * per_task, sums, &mut squares);
+                squares
+            })
+            .reduce(
+                || vec![0.0; d.c],
+                |mut a, b| {
+                    a.iter_mut().zip(&b).for_each(|(a, b)| *a += b);
+                    a
+                },
+            )
+    } else {
+        let mut squares = vec![0.0; d.c];
+        moment_runs_wide(x, d, 0, &mut run_sums, &mut squares);
+        squares
+    };
+    let l = d.l as f64;
+    (0..d.c)
+        .map(|c| {
+            let run_sum = |n: usize| run_sums[n * d.c + c];
+            let mean = (0..d.n).map(run_sum).sum::<f64>() / count;
+            // Σ(x − mean)² = Σ over runs of (their own squared deviations + l·(run mean − mean)²)
+            let between: f64 = (0..d.n)
+                .map(|n| {
+                    let off = run_sum(n) / l - mean;
+                    l * off * off
+                })
+                .sum();
+            (mean, (squares[c] + between) / count)
+        })
+        .unzip()
 }
 
-/// Applies per-channel `out = a[c]·x + b[c] (+ y·k[c] when given)` over every `(n, c)` run.
-fn per_channel_map<T: FloatElement>(
+/// `out = a·x + b (+ k·y)` with per-channel `(a, b, k)` for samples `first..`, `out` holding
+/// whole samples.
+#[inline(always)]
+fn map_runs<T: FloatElement>(
     x: &[T],
     y: Option<&[T]>,
     d: Dims,
-    coef: impl Fn(usize) -> (T, T, T) + Sync,
-) -> Vec<T> {
-    let mut out = vec![T::ZERO; x.len()];
+    coefs: &[(T, T, T)],
+    first: usize,
+    out: &mut [T],
+) {
     let per_sample = d.c * d.l;
-    if per_sample == 0 {
-        return out;
-    }
-    let coefs: Vec<(T, T, T)> = (0..d.c).map(coef).collect();
-    let run = |n: usize, o: &mut [T]| {
+    for (i, o) in out.chunks_exact_mut(per_sample).enumerate() {
+        let n = first + i;
         for (c, &(a, b, k)) in coefs.iter().enumerate() {
             let at = n * per_sample + c * d.l;
             let dst = &mut o[c * d.l..(c + 1) * d.l];
@@ -121,15 +235,42 @@ fn per_channel_map<T: FloatElement>(
                 None => dst.iter_mut().zip(xs).for_each(|(o, &xv)| *o = a * xv + b),
             }
         }
-    };
-    if x.len() < PARALLEL_THRESHOLD {
-        out.chunks_mut(per_sample)
+    }
+}
+
+wide_simd_fn!(
+    /// [`map_runs`] in the widest vector instructions the CPU has.
+    fn map_runs_wide[T: FloatElement](
+        x: &[T],
+        y: Option<&[T]>,
+        d: Dims,
+        coefs: &[(T, T, T)],
+        first: usize,
+        out: &mut [T]
+    ) = map_runs
+);
+
+/// Applies per-channel `out = a[c]·x + b[c] (+ y·k[c] when given)` over every `(n, c)` run.
+fn per_channel_map<T: FloatElement>(
+    x: &[T],
+    y: Option<&[T]>,
+    d: Dims,
+    coef: impl Fn(usize) -> (T, T, T),
+) -> Vec<T> {
+    // Every element is written.
+    let mut out = alloc::uninit::<T>(x.len());
+    let per_sample = d.c * d.l;
+    if per_sample == 0 {
+        return out;
+    }
+    let coefs: Vec<(T, T, T)> = (0..d.c).map(coef).collect();
+    if parallel(x.len()) {
+        let per_task = d.n.div_ceil(rayon::current_num_threads() * 4).max(1);
+        out.par_chunks_mut(per_task * per_sample)
             .enumerate()
-            .for_each(|(n, o)| run(n, o));
+            .for_each(|(i, o)| map_runs_wide(x, y, d, &coefs, i * per_task, o));
     } else {
-        out.par_chunks_mut(per_sample)
-            .enumerate()
-            .for_each(|(n, o)| run(n, o));
+        map_runs_wide(x, y, d, &coefs, 0, &mut out);
     }
     out
 }
@@ -148,12 +289,9 @@ pub(crate) fn grad_sums<T: FloatElement>(
     d: Dims,
     mean: &[f64],
 ) -> (Vec<f64>, Vec<f64>) {
-    let sums = channel_sums(g, x, d, |gs, xs, c| {
-        let m = mean[c];
-        [
-            lane_sum(gs, gs, |gv, _| gv.to_f64()),
-            lane_sum(gs, xs, |gv, xv| gv.to_f64() * (xv.to_f64() - m)),
-        ]
+    let mean_t: Vec<T> = mean.iter().map(|&m| T::from_f64(m)).collect();
+    let sums = channel_sums(d, g.len(), |samples, acc| {
+        grad_runs_wide(g, x, d, &mean_t, samples, acc)
     });
     sums.iter().map(|s| (s[0], s[1])).unzip()
 }
@@ -179,11 +317,30 @@ mod tests {
     use super::*;
 
     #[test]
-    fn lane_sum_adds_every_term_including_the_tail() {
-        for len in [0usize, 1, 7, 8, 9, 23] {
+    fn lane_sum_adds_every_term_including_the_tail_and_across_blocks() {
+        for len in [0usize, 1, 7, 32, 33, 100, 1024, 1025, 3000] {
             let v: Vec<f64> = (0..len).map(|i| i as f64).collect();
             let got = lane_sum(&v, &v, |a, _| a);
             assert_eq!(got, (len * len.saturating_sub(1) / 2) as f64, "len {len}");
+        }
+    }
+
+    #[test]
+    fn moments_match_two_pass_f64_formulas_for_offset_data() {
+        // a large common offset: a one-pass Σx² − (Σx)²/n would lose the variance
+        let d = Dims { n: 3, c: 2, l: 50 };
+        let x: Vec<f64> = (0..d.n * d.c * d.l)
+            .map(|i| 1e4 + ((i * 37) % 11) as f64 * 0.25)
+            .collect();
+        let (mean, var) = moments(&x, d);
+        for c in 0..d.c {
+            let vals: Vec<f64> = (0..d.n)
+                .flat_map(|n| x[(n * d.c + c) * d.l..][..d.l].to_vec())
+                .collect();
+            let m = vals.iter().sum::<f64>() / vals.len() as f64;
+            let v = vals.iter().map(|v| (v - m) * (v - m)).sum::<f64>() / vals.len() as f64;
+            assert!((mean[c] - m).abs() < 1e-9, "{} vs {m}", mean[c]);
+            assert!((var[c] - v).abs() < 1e-9 * v.max(1.0), "{} vs {v}", var[c]);
         }
     }
 }

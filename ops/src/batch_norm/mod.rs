@@ -9,6 +9,8 @@
 //! evaluation.
 
 mod cpu;
+#[cfg(test)]
+mod timing;
 
 use tandem_autograd::record_fn;
 use tandem_core::{with_float_type, DType, Error, Result, Tensor};
@@ -243,34 +245,47 @@ mod tests {
 
     #[test]
     fn training_forward_and_running_stats_match_direct_loops() {
-        for (shape, l) in [(vec![4usize, 3, 2, 5], 10usize), (vec![6, 3], 1)] {
-            let (n, c) = (shape[0], shape[1]);
-            let x = rand_f64(&shape, 1);
-            let w = rand_f64(&[c], 2);
-            let b = rand_f64(&[c], 3);
-            let rm = vec_tensor(vec![0.5, -0.25, 1.0]);
-            let rv = vec_tensor(vec![2.0, 1.0, 0.5]);
-            let (old_m, old_v) = (rm.to_vec_f64().unwrap(), rv.to_vec_f64().unwrap());
-            let eps = 1e-5;
-            let y =
-                batch_norm(&x, Some(&rm), Some(&rv), Some(&w), Some(&b), true, 0.1, eps).unwrap();
-            let xv = x.to_vec_f64().unwrap();
-            let (wv, bv) = (w.to_vec_f64().unwrap(), b.to_vec_f64().unwrap());
-            let (mean, var) = naive_moments(&xv, n, c, l);
-            let yv = y.to_vec_f64().unwrap();
-            for (i, &xe) in xv.iter().enumerate() {
-                let ch = (i / l) % c;
-                let want = (xe - mean[ch]) / (var[ch] + eps).sqrt() * wv[ch] + bv[ch];
-                assert!((yv[i] - want).abs() < 1e-12, "{i}: {} vs {want}", yv[i]);
-            }
-            let m = (n * l) as f64;
-            let (new_m, new_v) = (rm.to_vec_f64().unwrap(), rv.to_vec_f64().unwrap());
-            for ch in 0..c {
-                let want_m = 0.9 * old_m[ch] + 0.1 * mean[ch];
-                let want_v = 0.9 * old_v[ch] + 0.1 * var[ch] * m / (m - 1.0);
-                assert!((new_m[ch] - want_m).abs() < 1e-12);
-                assert!((new_v[ch] - want_v).abs() < 1e-12);
-            }
+        // the last shape is large enough for the parallel kernels
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .unwrap();
+        let cases = [
+            (vec![4usize, 3, 2, 5], 10usize),
+            (vec![6, 3], 1),
+            (vec![9, 3, 40, 40], 1600),
+        ];
+        for (shape, l) in cases {
+            pool.install(|| check_training_forward(&shape, l));
+        }
+    }
+
+    fn check_training_forward(shape: &[usize], l: usize) {
+        let (n, c) = (shape[0], shape[1]);
+        let x = rand_f64(shape, 1);
+        let w = rand_f64(&[c], 2);
+        let b = rand_f64(&[c], 3);
+        let rm = vec_tensor(vec![0.5, -0.25, 1.0]);
+        let rv = vec_tensor(vec![2.0, 1.0, 0.5]);
+        let (old_m, old_v) = (rm.to_vec_f64().unwrap(), rv.to_vec_f64().unwrap());
+        let eps = 1e-5;
+        let y = batch_norm(&x, Some(&rm), Some(&rv), Some(&w), Some(&b), true, 0.1, eps).unwrap();
+        let xv = x.to_vec_f64().unwrap();
+        let (wv, bv) = (w.to_vec_f64().unwrap(), b.to_vec_f64().unwrap());
+        let (mean, var) = naive_moments(&xv, n, c, l);
+        let yv = y.to_vec_f64().unwrap();
+        for (i, &xe) in xv.iter().enumerate() {
+            let ch = (i / l) % c;
+            let want = (xe - mean[ch]) / (var[ch] + eps).sqrt() * wv[ch] + bv[ch];
+            assert!((yv[i] - want).abs() < 1e-12, "{i}: {} vs {want}", yv[i]);
+        }
+        let m = (n * l) as f64;
+        let (new_m, new_v) = (rm.to_vec_f64().unwrap(), rv.to_vec_f64().unwrap());
+        for ch in 0..c {
+            let want_m = 0.9 * old_m[ch] + 0.1 * mean[ch];
+            let want_v = 0.9 * old_v[ch] + 0.1 * var[ch] * m / (m - 1.0);
+            assert!((new_m[ch] - want_m).abs() < 1e-12);
+            assert!((new_v[ch] - want_v).abs() < 1e-12);
         }
     }
 

@@ -1,9 +1,11 @@
-//! CPU kernels of the elementwise binary ops.
+//! CPU kernels of the elementwise binary ops. Same-shape contiguous operands (the residual
+//! `add` of a ResNet block, for one) go through the unary module's vector-dispatched
+//! [`zip_slices`]; broadcasting walks the strided indices.
 
-use rayon::prelude::*;
-use tandem_core::{with_float_type, Element, FloatElement, Result, Tensor};
+use tandem_core::{alloc, with_float_type, Element, FloatElement, Result, Tensor};
 
-use crate::util::{for_each_index2, PARALLEL_THRESHOLD};
+use crate::unary::{map_slice, zip_slices};
+use crate::util::for_each_index2;
 
 /// Which binary operation a kernel applies.
 #[derive(Clone, Copy, Debug)]
@@ -25,32 +27,12 @@ fn apply<T: FloatElement>(kind: BinaryKind, x: T, y: T) -> T {
 }
 
 fn same_shape_kernel<T: FloatElement>(kind: BinaryKind, a: &[T], b: &[T], out: &mut [T]) {
-    macro_rules! run {
-        ($f:expr) => {
-            if out.len() >= PARALLEL_THRESHOLD {
-                out.par_chunks_mut(8192)
-                    .zip(a.par_chunks(8192))
-                    .zip(b.par_chunks(8192))
-                    .for_each(|((o, x), y)| {
-                        o.iter_mut()
-                            .zip(x)
-                            .zip(y)
-                            .for_each(|((o, &x), &y)| *o = $f(x, y))
-                    });
-            } else {
-                out.iter_mut()
-                    .zip(a)
-                    .zip(b)
-                    .for_each(|((o, &x), &y)| *o = $f(x, y));
-            }
-        };
-    }
     // One loop per kind so the compiler vectorises each.
     match kind {
-        BinaryKind::Add => run!(|x: T, y: T| x + y),
-        BinaryKind::Sub => run!(|x: T, y: T| x - y),
-        BinaryKind::Mul => run!(|x: T, y: T| x * y),
-        BinaryKind::Div => run!(|x: T, y: T| x / y),
+        BinaryKind::Add => zip_slices(a, b, out, |x: T, y: T| x + y),
+        BinaryKind::Sub => zip_slices(a, b, out, |x: T, y: T| x - y),
+        BinaryKind::Mul => zip_slices(a, b, out, |x: T, y: T| x * y),
+        BinaryKind::Div => zip_slices(a, b, out, |x: T, y: T| x / y),
     }
 }
 
@@ -63,7 +45,8 @@ pub(crate) fn binary(
 ) -> Result<Tensor> {
     with_float_type!(op, a.dtype(), T => {
         let n: usize = shape.iter().product();
-        let mut out = vec![T::ZERO; n];
+        // Both paths below write every element.
+        let mut out = alloc::uninit::<T>(n);
         if a.dims() == shape && b.dims() == shape && a.is_contiguous() && b.is_contiguous() {
             let (x, y) = (a.read_slice::<T>()?, b.read_slice::<T>()?);
             same_shape_kernel(kind, &x, &y, &mut out);
@@ -89,11 +72,9 @@ pub(crate) fn scalar(
     with_float_type!(op, a.dtype(), T => {
         let c = a.contiguous_detached()?;
         let x = c.read_slice::<T>()?;
-        let out: Vec<T> = if x.len() >= PARALLEL_THRESHOLD {
-            x.par_iter().map(|&v| T::from_f64(f(v.to_f64()))).collect()
-        } else {
-            x.iter().map(|&v| T::from_f64(f(v.to_f64()))).collect()
-        };
+        let mut out = alloc::uninit::<T>(x.len());
+        map_slice(&x, &mut out, |v: T| T::from_f64(f(v.to_f64())));
+        drop(x);
         Tensor::from_vec(out, a.dims(), a.device())
     })
 }

@@ -1,11 +1,14 @@
 //! CPU kernels of the 2-D pools. Every pool is described by its windows: for each output row
 //! and column, the (already clipped) range of input rows and columns it covers. Planes (one per
-//! sample and channel) are independent and run in parallel when the input is large.
+//! sample and channel) are independent and run in parallel when the input is large (and the
+//! rayon pool has more than one thread). Max pooling over 2×2 windows with stride 2 and no
+//! padding goes to the branch-free kernels of [`super::max2x2`].
 
 use rayon::prelude::*;
-use tandem_core::FloatElement;
+use tandem_core::{alloc, FloatElement};
 
-use crate::util::PARALLEL_THRESHOLD;
+use super::max2x2;
+use crate::simd::parallel;
 
 /// The input ranges that each output row and column of a pool covers, clipped to the input.
 #[derive(Clone, Debug)]
@@ -22,6 +25,17 @@ pub(crate) struct Windows {
 impl Windows {
     fn out_pixels(&self) -> usize {
         self.rows.len() * self.cols.len()
+    }
+
+    /// Whether these are the windows of `MaxPool2d(2)`: 2×2, stride 2, no padding.
+    fn is_two_by_two(&self) -> bool {
+        let tiles = |ranges: &[(usize, usize)]| {
+            ranges
+                .iter()
+                .enumerate()
+                .all(|(i, &(a, b))| a == 2 * i && b == 2 * i + 2)
+        };
+        tiles(&self.rows) && tiles(&self.cols)
     }
 
     fn divisor_of(&self, rows: (usize, usize), cols: (usize, usize)) -> usize {
@@ -41,7 +55,7 @@ fn for_each_plane<T: Send>(
     if out_per == 0 {
         return;
     }
-    if work >= PARALLEL_THRESHOLD {
+    if parallel(work) {
         out.par_chunks_mut(out_per)
             .enumerate()
             .for_each(|(p, o)| f(p, o));
@@ -63,9 +77,33 @@ pub(crate) fn max_forward<T: FloatElement>(
 ) -> (Vec<T>, Vec<u32>) {
     let (in_per, out_per) = (h * w, win.out_pixels());
     let planes = x.len().checked_div(in_per).unwrap_or(0);
-    let mut values = vec![T::ZERO; planes * out_per];
+    // Both paths write every value (the cache holds only tensor element types, so the
+    // indices come from the system).
+    let mut values = alloc::uninit::<T>(planes * out_per);
     let mut indices = vec![0u32; if keep_indices { planes * out_per } else { 0 }];
     if out_per == 0 {
+        return (values, indices);
+    }
+    if win.is_two_by_two() {
+        let (vals, idx) = (&mut values[..], &mut indices[..]);
+        if parallel(x.len()) {
+            // Tasks of whole planes, a few per thread.
+            let per_task = planes.div_ceil(rayon::current_num_threads() * 4);
+            let idx_per_task = if keep_indices { per_task * out_per } else { 0 };
+            let idx_chunks: Vec<&mut [u32]> = if keep_indices {
+                idx.chunks_mut(idx_per_task).collect()
+            } else {
+                (0..planes.div_ceil(per_task))
+                    .map(|_| &mut [][..])
+                    .collect()
+            };
+            vals.par_chunks_mut(per_task * out_per)
+                .zip(x.par_chunks(per_task * in_per))
+                .zip(idx_chunks)
+                .for_each(|((v, xs), i)| max2x2::forward(xs, (h, w), v, i));
+        } else {
+            max2x2::forward(x, (h, w), vals, idx);
+        }
         return (values, indices);
     }
     let plane_max = |p: usize, vals: &mut [T], mut idx: Option<&mut [u32]>| {
@@ -82,8 +120,7 @@ pub(crate) fn max_forward<T: FloatElement>(
             }
         }
     };
-    let parallel = x.len() >= PARALLEL_THRESHOLD;
-    match (keep_indices, parallel) {
+    match (keep_indices, parallel(x.len())) {
         (true, true) => values
             .par_chunks_mut(out_per)
             .zip(indices.par_chunks_mut(out_per))
@@ -129,11 +166,11 @@ pub(crate) fn max_backward<T: FloatElement>(
     g: &[T],
     indices: &[u32],
     (h, w): (usize, usize),
-    out_per: usize,
+    win: &Windows,
 ) -> Vec<T> {
-    let in_per = h * w;
+    let (in_per, out_per) = (h * w, win.out_pixels());
     let planes = g.len().checked_div(out_per).unwrap_or(0);
-    let mut gx = vec![T::ZERO; planes * in_per];
+    let mut gx = alloc::zeroed::<T>(planes * in_per);
     for_each_plane(&mut gx, in_per, g.len(), |p, plane| {
         let range = p * out_per..(p + 1) * out_per;
         for (&gv, &i) in g[range.clone()].iter().zip(&indices[range]) {
@@ -151,7 +188,8 @@ pub(crate) fn avg_forward<T: FloatElement>(
 ) -> Vec<T> {
     let (in_per, out_per) = (h * w, win.out_pixels());
     let planes = x.len().checked_div(in_per).unwrap_or(0);
-    let mut out = vec![T::ZERO; planes * out_per];
+    // Every element is written.
+    let mut out = alloc::uninit::<T>(planes * out_per);
     for_each_plane(&mut out, out_per, x.len(), |p, o| {
         let plane = &x[p * in_per..(p + 1) * in_per];
         let mut k = 0;
@@ -179,7 +217,7 @@ pub(crate) fn avg_backward<T: FloatElement>(
 ) -> Vec<T> {
     let (in_per, out_per) = (h * w, win.out_pixels());
     let planes = g.len().checked_div(out_per).unwrap_or(0);
-    let mut gx = vec![T::ZERO; planes * in_per];
+    let mut gx = alloc::zeroed::<T>(planes * in_per);
     for_each_plane(&mut gx, in_per, g.len() + planes * in_per, |p, plane| {
         let gp = &g[p * out_per..(p + 1) * out_per];
         let mut k = 0;

@@ -8,6 +8,9 @@
 //! `OH = (H + 2·padding.0 − kernel.0) / stride.0 + 1` (floor) and likewise `OW`.
 
 mod cpu;
+mod max2x2;
+#[cfg(test)]
+mod timing;
 
 use tandem_autograd::{needs_grad, record_fn};
 use tandem_core::{with_float_type, Error, Result, Tensor};
@@ -104,7 +107,6 @@ pub fn max_pool2d(
     let hw = plane_dims(OP, x)?;
     let keep = needs_grad(&[x]);
     let shape = out_shape(x, &win);
-    let out_per = win.rows.len() * win.cols.len();
     let (out, indices) = with_float_type!(OP, x.dtype(), T => {
         let xc = x.contiguous_detached()?;
         let (values, indices) = cpu::max_forward::<T>(&xc.read_slice::<T>()?, hw, &win, keep);
@@ -115,7 +117,7 @@ pub fn max_pool2d(
         move |g: &Tensor| {
             with_float_type!("max_pool2d_backward", g.dtype(), T => {
                 let gc = g.contiguous_detached()?;
-                let gx = cpu::max_backward::<T>(&gc.read_slice::<T>()?, &indices, hw, out_per);
+                let gx = cpu::max_backward::<T>(&gc.read_slice::<T>()?, &indices, hw, &win);
                 Ok(vec![Some(Tensor::from_vec(gx, &in_shape, g.device())?)])
             })
         }
@@ -261,6 +263,43 @@ mod tests {
             max_pool2d(&x, (3, 2), (2, 1), (1, 1)).unwrap().dims(),
             &[3, 4, 10]
         );
+    }
+
+    #[test]
+    fn two_by_two_max_pool_on_ties_matches_direct_loops_in_parallel() {
+        // ReLU-like input (many tied zeros) large enough for the parallel kernels; odd width
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .unwrap();
+        let (planes, h, w) = (32usize, 32usize, 35usize);
+        let x = rand_f64(&[4, 8, h, w], 40);
+        x.map_inplace_f64("test", |v| v.max(0.0)).unwrap();
+        let (y, gx) = pool.install(|| {
+            let y = max_pool2d(&x, (2, 2), (2, 2), (0, 0)).unwrap();
+            let g = Tensor::ones(y.dims(), DType::F64, Device::Cpu).unwrap();
+            tandem_autograd::backward(&y, Some(&g), &Default::default()).unwrap();
+            (y, x.grad().unwrap())
+        });
+        assert_close(&y, &naive_sliding(&x, (2, 2), (2, 2), (0, 0), true));
+        // the gradient goes to the first maximum of each window, in row-major order
+        let v = x.to_vec_f64().unwrap();
+        let mut want = vec![0.0; v.len()];
+        for p in 0..planes {
+            for i in 0..h / 2 {
+                for j in 0..w / 2 {
+                    let at = |a: usize, b: usize| p * h * w + (2 * i + a) * w + 2 * j + b;
+                    let mut best = at(0, 0);
+                    for k in [at(0, 1), at(1, 0), at(1, 1)] {
+                        if v[k] > v[best] {
+                            best = k;
+                        }
+                    }
+                    want[best] = 1.0;
+                }
+            }
+        }
+        assert_eq!(gx.to_vec_f64().unwrap(), want);
     }
 
     #[test]

@@ -3,13 +3,15 @@
 //! Every op gets its own monomorphised loop (the `match` on the kind sits outside the loop), so
 //! the cheap ones (neg, relu, sqrt, their backward) compile to vector code and the
 //! transcendental ones call the float type's own `exp`/`ln`/`tanh` without going through f64.
+//! The loops are compiled for the widest vector instructions the CPU has (chosen at run time),
+//! write into recycled buffers, and fork onto rayon only when there is more than one thread.
 //! [`map`] and [`zip_map`] are shared with the other kernels of this crate that apply a
 //! function elementwise.
 
 use rayon::prelude::*;
-use tandem_core::{with_float_type, Element, FloatElement, Result, Tensor};
+use tandem_core::{alloc, with_float_type, Element, FloatElement, Result, Tensor};
 
-use crate::util::PARALLEL_THRESHOLD;
+use super::simd::{parallel, wide_simd_fn};
 
 /// Elements per rayon task: large enough to amortise the fork, small enough to balance.
 const CHUNK: usize = 1 << 13;
@@ -111,24 +113,60 @@ impl UnaryKind {
     }
 }
 
+/// `dst[i] = f(src[i])` over two equally long runs, one thread.
+#[inline(always)]
+fn map_run<T: Copy, F: Fn(T) -> T>(src: &[T], dst: &mut [T], f: &F) {
+    dst.iter_mut().zip(src).for_each(|(d, &s)| *d = f(s));
+}
+
+wide_simd_fn!(
+    /// [`map_run`] in the widest vector instructions the CPU has.
+    fn map_run_wide[T: Copy, F: Fn(T) -> T](src: &[T], dst: &mut [T], f: &F) = map_run
+);
+
+/// `data[i] = f(data[i])`, one thread.
+#[inline(always)]
+fn map_run_in_place<T: Copy, F: Fn(T) -> T>(data: &mut [T], f: &F) {
+    data.iter_mut().for_each(|v| *v = f(*v));
+}
+
+wide_simd_fn!(
+    /// [`map_run_in_place`] in the widest vector instructions the CPU has.
+    fn map_run_in_place_wide[T: Copy, F: Fn(T) -> T](data: &mut [T], f: &F) = map_run_in_place
+);
+
+/// `dst[i] = f(a[i], b[i])` over three equally long runs, one thread.
+#[inline(always)]
+fn zip_run<T: Copy, F: Fn(T, T) -> T>(a: &[T], b: &[T], dst: &mut [T], f: &F) {
+    dst.iter_mut()
+        .zip(a)
+        .zip(b)
+        .for_each(|((o, &x), &y)| *o = f(x, y));
+}
+
+wide_simd_fn!(
+    /// [`zip_run`] in the widest vector instructions the CPU has.
+    fn zip_run_wide[T: Copy, F: Fn(T, T) -> T](a: &[T], b: &[T], dst: &mut [T], f: &F) = zip_run
+);
+
 /// Applies `f` to every element of `src` into `dst` (same length), in parallel when large.
-fn map_slice<T: Element>(src: &[T], dst: &mut [T], f: impl Fn(T) -> T + Sync) {
-    if dst.len() >= PARALLEL_THRESHOLD {
+pub(crate) fn map_slice<T: Element>(src: &[T], dst: &mut [T], f: impl Fn(T) -> T + Sync) {
+    if parallel(dst.len()) {
         dst.par_chunks_mut(CHUNK)
             .zip(src.par_chunks(CHUNK))
-            .for_each(|(d, s)| d.iter_mut().zip(s).for_each(|(d, &s)| *d = f(s)));
+            .for_each(|(d, s)| map_run_wide(s, d, &f));
     } else {
-        dst.iter_mut().zip(src).for_each(|(d, &s)| *d = f(s));
+        map_run_wide(src, dst, &f);
     }
 }
 
 /// Applies `f` to every element of `data` in place, in parallel when large.
 fn map_in_place<T: Element>(data: &mut [T], f: impl Fn(T) -> T + Sync) {
-    if data.len() >= PARALLEL_THRESHOLD {
+    if parallel(data.len()) {
         data.par_chunks_mut(CHUNK)
-            .for_each(|d| d.iter_mut().for_each(|v| *v = f(*v)));
+            .for_each(|d| map_run_in_place_wide(d, &f));
     } else {
-        data.iter_mut().for_each(|v| *v = f(*v));
+        map_run_in_place_wide(data, &f);
     }
 }
 
@@ -139,7 +177,7 @@ pub(crate) fn map<T: FloatElement>(x: &Tensor, f: impl Fn(T) -> T + Sync) -> Res
     }
     if x.is_contiguous() {
         let src = x.read_slice::<T>()?;
-        let mut out = vec![T::ZERO; src.len()];
+        let mut out = alloc::uninit::<T>(src.len());
         map_slice(&src, &mut out, f);
         drop(src);
         Tensor::from_vec(out, x.dims(), x.device())
@@ -159,21 +197,13 @@ pub(crate) fn zip_slices<T: Element>(
     dst: &mut [T],
     f: impl Fn(T, T) -> T + Sync,
 ) {
-    if dst.len() >= PARALLEL_THRESHOLD {
+    if parallel(dst.len()) {
         dst.par_chunks_mut(CHUNK)
             .zip(a.par_chunks(CHUNK))
             .zip(b.par_chunks(CHUNK))
-            .for_each(|((o, a), b)| {
-                o.iter_mut()
-                    .zip(a)
-                    .zip(b)
-                    .for_each(|((o, &x), &y)| *o = f(x, y))
-            });
+            .for_each(|((o, a), b)| zip_run_wide(a, b, o, &f));
     } else {
-        dst.iter_mut()
-            .zip(a)
-            .zip(b)
-            .for_each(|((o, &x), &y)| *o = f(x, y));
+        zip_run_wide(a, b, dst, &f);
     }
 }
 
@@ -189,7 +219,7 @@ pub(crate) fn zip_map<T: FloatElement>(
     }
     let (ca, cb) = (a.contiguous_detached()?, b.contiguous_detached()?);
     let (x, y) = (ca.read_slice::<T>()?, cb.read_slice::<T>()?);
-    let mut out = vec![T::ZERO; x.len()];
+    let mut out = alloc::uninit::<T>(x.len());
     zip_slices(&x, &y, &mut out, f);
     drop((x, y));
     Tensor::from_vec(out, a.dims(), a.device())

@@ -7,6 +7,8 @@
 //! negative number) give NaN, as in IEEE arithmetic, rather than an error.
 
 mod cpu;
+// The vector-dispatch helpers shared by the elementwise, pooling and batch-norm kernels.
+pub(crate) use crate::simd;
 
 use tandem_autograd::record_fn;
 use tandem_core::{Result, Tensor};
@@ -14,7 +16,7 @@ use tandem_core::{Result, Tensor};
 use crate::util::float_dtype;
 
 use cpu::UnaryKind;
-pub(crate) use cpu::{empty_like, map, zip_map, zip_slices, ExpFloat};
+pub(crate) use cpu::{empty_like, map, map_slice, zip_map, zip_slices, ExpFloat};
 
 fn unary(kind: UnaryKind, x: &Tensor) -> Result<Tensor> {
     let name = kind.name();

@@ -1,0 +1,81 @@
+//! Run-time selection of the widest vector instructions for elementwise loops.
+//!
+//! The crate is compiled for baseline x86-64 (SSE2: 4 f32 lanes). [`wide_simd_fn`] defines a
+//! function that runs an `#[inline(always)]` body compiled three times (AVX-512F, AVX2 + FMA,
+//! baseline) and picks the widest one the CPU has, so that the loops LLVM auto-vectorises in
+//! that body move 16 (or 8) f32 lanes at a time. Re-exports `util::parallel`, the one rule for
+//! when a kernel forks onto the rayon pool.
+
+pub(crate) use crate::util::parallel;
+
+/// Defines `fn $name<generics>(args) -> ret` that calls `$body(args)` compiled for AVX-512F,
+/// else AVX2 + FMA, else the baseline, chosen at run time. `$body` must be `#[inline(always)]`
+/// (and so must any helper it calls that holds a hot loop) so that it is compiled with the
+/// enabled features.
+///
+/// ```text
+/// wide_simd_fn!(
+///     /// doc
+///     pub(crate) fn add_wide[T: FloatElement](a: &[T], b: &mut [T]) = add_body
+/// );
+/// ```
+macro_rules! wide_simd_fn {
+    (
+        $(#[$meta:meta])*
+        $vis:vis fn $name:ident [$($generics:tt)*] ($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)?
+            = $body:path
+    ) => {
+        $(#[$meta])*
+        $vis fn $name<$($generics)*>($($arg: $ty),*) $(-> $ret)? {
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx512f")]
+                unsafe fn avx512<$($generics)*>($($arg: $ty),*) $(-> $ret)? {
+                    $body($($arg),*)
+                }
+                #[target_feature(enable = "avx2,fma")]
+                unsafe fn avx2<$($generics)*>($($arg: $ty),*) $(-> $ret)? {
+                    $body($($arg),*)
+                }
+                if std::arch::is_x86_feature_detected!("avx512f") {
+                    // SAFETY: the CPU supports AVX-512F, checked just above.
+                    return unsafe { avx512($($arg),*) };
+                }
+                if std::arch::is_x86_feature_detected!("avx2")
+                    && std::arch::is_x86_feature_detected!("fma")
+                {
+                    // SAFETY: the CPU supports AVX2 and FMA, checked just above.
+                    return unsafe { avx2($($arg),*) };
+                }
+            }
+            $body($($arg),*)
+        }
+    };
+}
+pub(crate) use wide_simd_fn;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[inline(always)]
+    fn scaled_sum<F: Fn(f32) -> f32>(x: &[f32], f: F) -> f32 {
+        x.iter().map(|&v| f(v)).sum()
+    }
+
+    wide_simd_fn!(
+        /// Test function: `Σ f(x)` through the dispatcher.
+        fn scaled_sum_wide[F: Fn(f32) -> f32](x: &[f32], f: F) -> f32 = scaled_sum
+    );
+
+    #[test]
+    fn dispatched_function_computes_what_its_body_computes() {
+        let x: Vec<f32> = (0..100).map(|i| i as f32).collect();
+        assert_eq!(scaled_sum_wide(&x, |v| 2.0 * v), 9900.0);
+    }
+
+    #[test]
+    fn small_work_never_goes_parallel() {
+        assert!(!parallel(10));
+    }
+}
