@@ -99,6 +99,10 @@ struct Args {
     /// Also write the results as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// After timing, run this many more steps under tandem's per-op profiler and print where
+    /// the time goes (per op, forward and backward).
+    #[arg(long, default_value_t = 0)]
+    profile: usize,
     /// Benchmark-name filters passed by `cargo bench` (ignored).
     #[arg(hide = true)]
     filters: Vec<String>,
@@ -241,7 +245,45 @@ fn time_tandem(args: &Args) -> Result<Timing, AnyError> {
         step()?;
         times.push(start.elapsed().as_secs_f64() * 1e3);
     }
-    Ok(summarise(times, peak_rss_mib()))
+    let timing = summarise(times, peak_rss_mib());
+    if args.profile > 0 {
+        tandem::core::profile::start();
+        for _ in 0..args.profile {
+            step()?;
+        }
+        print_profile(&tandem::core::profile::stop(), args.profile);
+    }
+    Ok(timing)
+}
+
+/// The profiler's table per step, then the totals per phase.
+fn print_profile(report: &tandem::core::profile::ProfileReport, steps: usize) {
+    use tandem::core::profile::Phase;
+    let per_step = |d: std::time::Duration| d.as_secs_f64() * 1e3 / steps as f64;
+    let wall = per_step(report.wall);
+    println!("tandem per-op profile over {steps} steps ({wall:.2} ms per step):");
+    println!(
+        "{:<22} {:<9} {:>12} {:>11}",
+        "op", "phase", "ms per step", "% of step"
+    );
+    for r in &report.rows {
+        println!(
+            "{:<22} {:<9} {:>12.3} {:>10.1}%",
+            r.op,
+            r.phase.to_string(),
+            per_step(r.total),
+            100.0 * per_step(r.total) / wall
+        );
+    }
+    for phase in [Phase::Forward, Phase::Backward, Phase::Other] {
+        let t = per_step(report.phase_total(phase));
+        println!(
+            "{:<32} {t:>12.3} {:>10.1}%",
+            format!("total {phase}"),
+            100.0 * t / wall
+        );
+    }
+    println!();
 }
 
 fn summarise(mut times: Vec<f64>, peak_rss_mib: Option<f64>) -> Timing {

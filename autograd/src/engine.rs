@@ -15,6 +15,7 @@ use std::collections::{BTreeMap, BinaryHeap, HashMap, HashSet};
 use std::sync::Arc;
 
 use tandem_core::graph::{BackwardSummary, HookId};
+use tandem_core::profile::{self, Phase};
 use tandem_core::{Device, Edge, Error, GradReady, Node, Result, Stream, Tensor, TensorId};
 
 use crate::grad_mode::NoGradGuard;
@@ -139,7 +140,10 @@ pub fn backward(root: &Tensor, grad: Option<&Tensor>, options: &BackwardOptions)
     while let Some(HeapEntry(node)) = walk.ready.pop() {
         let grad_out = walk.take_pending(&node);
         let grads = match &grad_out {
-            Some(g) => node.run_backward(g, options.retain_graph)?,
+            Some(g) => {
+                let _profile = profile::scope(node.name(), Phase::Backward);
+                node.run_backward(g, options.retain_graph)?
+            }
             None => vec![None; node.inputs().len()],
         };
         drop(grad_out);

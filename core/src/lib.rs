@@ -13,6 +13,7 @@ pub mod dtype;
 pub mod error;
 pub mod graph;
 pub mod layout;
+pub mod profile;
 pub mod rng;
 pub mod storage;
 pub mod stream;

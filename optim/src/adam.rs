@@ -195,6 +195,7 @@ impl AdamCore {
     }
 
     fn step(&mut self) -> Result<()> {
+        let _profile = tandem_core::profile::scope("adam.step", tandem_core::profile::Phase::Other);
         for index in 0..self.params.len() {
             self.update_one(index)?;
         }

@@ -45,6 +45,7 @@ pub trait Optimizer: Send {
     /// Sets every existing gradient to zero *in place*. The gradient tensors themselves are
     /// kept, so a gradient that is a view into a communication bucket stays one.
     fn zero_grad(&mut self) -> Result<()> {
+        let _profile = tandem_core::profile::scope("zero_grad", tandem_core::profile::Phase::Other);
         for p in self.parameters() {
             if let Some(g) = p.grad() {
                 g.zero_()?;

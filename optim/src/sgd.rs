@@ -224,6 +224,7 @@ impl Optimizer for Sgd {
     }
 
     fn step(&mut self) -> Result<()> {
+        let _profile = tandem_core::profile::scope("sgd.step", tandem_core::profile::Phase::Other);
         for index in 0..self.params.len() {
             self.update_one(index)?;
         }

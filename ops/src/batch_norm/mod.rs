@@ -62,6 +62,7 @@ pub fn batch_norm(
     momentum: f64,
     eps: f64,
 ) -> Result<Tensor> {
+    let _profile = tandem_core::profile::scope("batch_norm", tandem_core::profile::Phase::Forward);
     const OP: &str = "batch_norm";
     float_dtype(OP, x)?;
     if x.rank() < 2 {

@@ -15,6 +15,7 @@ use crate::util::{float_dtype, same_dtype_device, sum_to_shape};
 pub(crate) use cpu::BinaryKind;
 
 fn binary(op: &'static str, kind: BinaryKind, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let _profile = tandem_core::profile::scope(op, tandem_core::profile::Phase::Forward);
     same_dtype_device(op, a, b)?;
     float_dtype(op, a)?;
     let shape = broadcast_shapes(op, a.dims(), b.dims())?;

@@ -19,6 +19,7 @@ use crate::util::same_dtype_device;
 /// `[a0, …, k1, …, an]`, `[a0, …, k2, …, an]`, … (the `k`s at `dim`) → output
 /// `[a0, …, k1 + k2 + …, …, an]`.
 pub fn cat(tensors: &[&Tensor], dim: isize) -> Result<Tensor> {
+    let _profile = tandem_core::profile::scope("cat", tandem_core::profile::Phase::Forward);
     let first = tensors
         .first()
         .ok_or_else(|| Error::invalid("cat", "needs at least one tensor, got an empty list"))?;

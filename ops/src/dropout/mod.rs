@@ -24,6 +24,7 @@ use crate::util::float_dtype;
 /// # Shapes
 /// `x`: any shape → output: the same shape.
 pub fn dropout(x: &Tensor, p: f64, training: bool, generator: &mut Generator) -> Result<Tensor> {
+    let _profile = tandem_core::profile::scope("dropout", tandem_core::profile::Phase::Forward);
     if !(0.0..1.0).contains(&p) {
         return Err(Error::invalid(
             "dropout",

@@ -64,6 +64,7 @@ fn check_inputs(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<()
 /// All inputs share a float dtype (f32/f64) and a device; mismatched sizes are errors naming
 /// the shapes.
 pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    let _profile = tandem_core::profile::scope("linear", tandem_core::profile::Phase::Forward);
     check_inputs(x, weight, bias)?;
     let xm = as_matrix(x)?;
     let batch = xm.dims()[..xm.rank() - 2].to_vec();

@@ -160,6 +160,7 @@ fn mean_count(reduction: Reduction, count: usize) -> Option<usize> {
 /// `log_probs`: `[N, C]` (f32/f64), `targets`: `[N]` (i64 in `0..C`) → output: `[N]` for
 /// `Reduction::None`, `[]` otherwise.
 pub fn nll_loss(log_probs: &Tensor, targets: &Tensor, reduction: Reduction) -> Result<Tensor> {
+    let _profile = tandem_core::profile::scope("nll_loss", tandem_core::profile::Phase::Forward);
     const OP: &str = "nll_loss";
     let (n, c) = check_class_inputs(OP, "log_probs", log_probs, targets)?;
     let labels = read_labels(OP, targets, c)?;
@@ -189,6 +190,8 @@ pub fn nll_loss(log_probs: &Tensor, targets: &Tensor, reduction: Reduction) -> R
 /// `logits`: `[N, C]` (f32/f64), `targets`: `[N]` (i64 in `0..C`) → output: `[N]` for
 /// `Reduction::None`, `[]` otherwise.
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor, reduction: Reduction) -> Result<Tensor> {
+    let _profile =
+        tandem_core::profile::scope("cross_entropy", tandem_core::profile::Phase::Forward);
     const OP: &str = "cross_entropy";
     let (n, c) = check_class_inputs(OP, "logits", logits, targets)?;
     let labels = read_labels(OP, targets, c)?;
@@ -221,6 +224,7 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor, reduction: Reduction) ->
 /// `pred`, `target`: the same shape (no broadcasting), same float dtype → output: that shape
 /// for `Reduction::None`, `[]` otherwise.
 pub fn mse_loss(pred: &Tensor, target: &Tensor, reduction: Reduction) -> Result<Tensor> {
+    let _profile = tandem_core::profile::scope("mse_loss", tandem_core::profile::Phase::Forward);
     const OP: &str = "mse_loss";
     same_dtype_device(OP, pred, target)?;
     float_dtype(OP, pred)?;

@@ -26,6 +26,7 @@ use crate::views::{squeeze, unsqueeze};
 /// Both operands share a float dtype (f32/f64) and a device. An inner-size mismatch or batch
 /// dims that do not broadcast are errors naming both shapes.
 pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let _profile = tandem_core::profile::scope("matmul", tandem_core::profile::Phase::Forward);
     same_dtype_device("matmul", a, b)?;
     float_dtype("matmul", a)?;
     if a.rank() == 0 || b.rank() == 0 {

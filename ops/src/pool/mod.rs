@@ -102,6 +102,7 @@ pub fn max_pool2d(
     stride: (usize, usize),
     padding: (usize, usize),
 ) -> Result<Tensor> {
+    let _profile = tandem_core::profile::scope("max_pool2d", tandem_core::profile::Phase::Forward);
     const OP: &str = "max_pool2d";
     let win = sliding_windows(OP, x, kernel, stride, padding, None)?;
     let hw = plane_dims(OP, x)?;
@@ -136,6 +137,7 @@ pub fn avg_pool2d(
     stride: (usize, usize),
     padding: (usize, usize),
 ) -> Result<Tensor> {
+    let _profile = tandem_core::profile::scope("avg_pool2d", tandem_core::profile::Phase::Forward);
     let divisor = kernel.0 * kernel.1;
     let win = sliding_windows("avg_pool2d", x, kernel, stride, padding, Some(divisor))?;
     average("avg_pool2d", x, win)
@@ -148,6 +150,8 @@ pub fn avg_pool2d(
 /// `[N, C, H, W]` (or `[C, H, W]`) → `[N, C, OH, OW]`. `H`, `W`, `OH` and `OW` must be
 /// positive; `OH` may exceed `H` (windows then overlap).
 pub fn adaptive_avg_pool2d(x: &Tensor, output: (usize, usize)) -> Result<Tensor> {
+    let _profile =
+        tandem_core::profile::scope("adaptive_avg_pool2d", tandem_core::profile::Phase::Forward);
     const OP: &str = "adaptive_avg_pool2d";
     let (h, w) = plane_dims(OP, x)?;
     if output.0 == 0 || output.1 == 0 || h == 0 || w == 0 {

@@ -23,6 +23,7 @@ use crate::util::{float_dtype, parallel};
 /// `x`: `[d0, …, dn]` → output: `x`'s shape without the reduced dims (with them as `1` when
 /// `keepdim`). Reducing a dim of size 0 is an error.
 pub fn max(x: &Tensor, dims: &[isize], keepdim: bool) -> Result<Tensor> {
+    let _profile = tandem_core::profile::scope("max", tandem_core::profile::Phase::Forward);
     float_dtype("max", x)?;
     let dims = resolve_dims("max", x, dims)?;
     let kept = keepdim_shape(x, &dims);

@@ -56,6 +56,7 @@ fn squeeze_shape(x: &Tensor, dims: &[usize]) -> Vec<isize> {
 
 /// Sum over `dims` (all dims when empty).
 pub fn sum(x: &Tensor, dims: &[isize], keepdim: bool) -> Result<Tensor> {
+    let _profile = tandem_core::profile::scope("sum", tandem_core::profile::Phase::Forward);
     float_dtype("sum", x)?;
     let dims = resolve_dims("sum", x, dims)?;
     let kept = keepdim_shape(x, &dims);
@@ -91,6 +92,7 @@ pub fn sum_all(x: &Tensor) -> Result<Tensor> {
 
 /// Mean over `dims` (all dims when empty).
 pub fn mean(x: &Tensor, dims: &[isize], keepdim: bool) -> Result<Tensor> {
+    let _profile = tandem_core::profile::scope("mean", tandem_core::profile::Phase::Forward);
     let resolved = resolve_dims("mean", x, dims)?;
     let count: usize = resolved.iter().map(|&d| x.dims()[d]).product();
     if count == 0 {

@@ -20,6 +20,7 @@ pub(crate) use cpu::{empty_like, map, map_slice, zip_map, zip_slices, ExpFloat};
 
 fn unary(kind: UnaryKind, x: &Tensor) -> Result<Tensor> {
     let name = kind.name();
+    let _profile = tandem_core::profile::scope(name, tandem_core::profile::Phase::Forward);
     float_dtype(name, x)?;
     let out = cpu::forward(kind, x)?;
     let saved = if kind.saves_output() {
