@@ -1,23 +1,27 @@
-//! CPU kernels of conv2d: im2col + gemm forward, and a fused backward that rebuilds the
-//! columns for the weight gradient and turns `Wᵀ·g` back into an input gradient (col2im), or,
-//! with unit strides, computes that gradient as a forward convolution (see `transposed`).
-//! Where `tile_product.rs` applies (f32, AVX-512) it replaces gemm for the forward and the
-//! pixel-major weight-gradient products. At one rayon thread everything runs on the caller.
+//! CPU kernels of conv2d. For f32 on AVX-512 CPUs the forward is an implicit gemm over the
+//! padded input (`implicit.rs`), and so is the input gradient with unit strides, computed as a
+//! forward convolution of the output gradient (see `transposed`); the weight gradient reads
+//! its columns in place from a padded channels-last copy of the input (`pixel_rows.rs`) or
+//! through the implicit gemm. Elsewhere (f64, other CPUs, the strided input gradient) the
+//! columns are built explicitly (im2col) and multiplied by gemm or the register-blocked kernel
+//! of `tile_product.rs`, and col2im turns `Wᵀ·g` back into an input gradient. At one rayon
+//! thread everything runs on the caller.
 //!
-//! The batch is split into one contiguous chunk per rayon thread; each chunk owns its column
-//! buffer (per-thread scratch kept between calls) and its partial weight/bias gradients, which
-//! are summed at the end, so no thread writes where another reads. Each sample's output pixels
-//! are processed in tiles small enough that a tile's column matrix stays in cache from the
-//! moment it is written to the moment gemm reads it: the columns are the largest data a
-//! convolution touches (`C·kh·kw` times the input), and streaming them through memory costs as
-//! much as the products themselves.
+//! The batch is split into one contiguous chunk per rayon thread; each chunk owns its scratch
+//! buffers (from the caching allocator) and its partial weight/bias gradients, which are
+//! summed at the end, so no thread writes where another reads. Where columns are built, each
+//! sample's output pixels are processed in tiles small enough that a tile's column matrix
+//! stays in cache from the moment it is written to the moment gemm reads it: the columns are
+//! the largest data a convolution touches (`C·kh·kw` times the input), and streaming them
+//! through memory costs as much as the products themselves.
 
-use std::cell::Cell;
+use std::sync::OnceLock;
 
 use rayon::prelude::*;
-use tandem_core::FloatElement;
+use tandem_core::{alloc, FloatElement};
 
-use super::im2col::Im2col;
+use super::im2col::{tile_bounds, Im2col};
+use super::implicit::Implicit;
 use super::pixel_rows::PixelRows;
 use super::tile_product::{self, TileShape};
 use crate::matmul::cpu::{gemm_into, MatRef};
@@ -28,17 +32,9 @@ const TILE_ELEMENTS: usize = 8192;
 /// Tiles are at least this many pixels wide: narrower products lose gemm efficiency.
 const MIN_TILE_PIXELS: usize = 64;
 
-/// Scratch buffers larger than this many elements are freed after use rather than kept.
-const MAX_KEPT_SCRATCH: usize = 1 << 23;
-
-/// Element types with per-thread scratch buffers: the column tile (slot 0) and the padded
-/// channels-last sample (slot 1) are reused from call to call instead of being allocated (and
-/// page-faulted in) each time.
-pub(crate) trait ScratchElement: FloatElement {
-    /// Takes the buffer of `slot` out of this thread's store (empty if none is kept).
-    fn take_buffer(slot: usize) -> Vec<Self>;
-    /// Returns a buffer to `slot`, keeping the larger of it and whatever is there.
-    fn keep_buffer(slot: usize, buf: Vec<Self>);
+/// Element types of the convolution kernels: f32 has the AVX-512 kernels of
+/// `tile_product.rs` and `implicit.rs`, f64 always takes the gemm path.
+pub(crate) trait ConvElement: FloatElement {
     /// The forward tile product with the register-blocked kernel of `tile_product.rs` (see
     /// there for the layouts); false (nothing written) where that kernel does not apply.
     fn tile_product(
@@ -50,33 +46,34 @@ pub(crate) trait ScratchElement: FloatElement {
     ) -> bool {
         false
     }
+    /// One sample's forward through the implicit gemm of `implicit.rs` (see
+    /// [`Implicit::sample`]); false where it does not apply (the output is then incomplete).
+    fn implicit_sample(
+        _plan: &Implicit,
+        _wt: &[Self],
+        _bias: Option<&[Self]>,
+        _x: &[Self],
+        _padded: &mut [Self],
+        _tile: &mut [Self],
+        _out: &mut [Self],
+    ) -> bool {
+        false
+    }
+    /// Adds one sample's weight gradient, transposed, through the implicit gemm (see
+    /// [`Implicit::weight_sample`]); false (nothing added) where it does not apply.
+    fn implicit_weight_sample(
+        _plan: &Implicit,
+        _x: &[Self],
+        _gy: &[Self],
+        _padded: &mut [Self],
+        _spread: &mut [Self],
+        _gw_t: &mut [Self],
+    ) -> bool {
+        false
+    }
 }
 
-macro_rules! scratch_element {
-    ($t:ty, $store:ident $(, $tile:item)?) => {
-        thread_local! {
-            static $store: [Cell<Vec<$t>>; 2] = const { [Cell::new(Vec::new()), Cell::new(Vec::new())] };
-        }
-        impl ScratchElement for $t {
-            fn take_buffer(slot: usize) -> Vec<Self> {
-                $store.with(|s| s[slot].take())
-            }
-            fn keep_buffer(slot: usize, buf: Vec<Self>) {
-                if buf.len() > MAX_KEPT_SCRATCH {
-                    return;
-                }
-                $store.with(|s| {
-                    let other = s[slot].take();
-                    s[slot].set(if other.len() > buf.len() { other } else { buf });
-                });
-            }
-            $($tile)?
-        }
-    };
-}
-scratch_element!(
-    f32,
-    SCRATCH_F32,
+impl ConvElement for f32 {
     fn tile_product(
         s: TileShape,
         wt: &[f32],
@@ -86,30 +83,48 @@ scratch_element!(
     ) -> bool {
         tile_product::product(s, wt, cols, bias, out)
     }
-);
-scratch_element!(f64, SCRATCH_F64);
-
-/// A scratch buffer of at least `len` elements (contents unspecified), returned to this
-/// thread's store on drop. Taking it out of the store (rather than borrowing) keeps a nested
-/// use on the same thread — rayon may run another task while gemm waits — from conflicting.
-struct Scratch<T: ScratchElement> {
-    slot: usize,
-    buf: Vec<T>,
-}
-
-impl<T: ScratchElement> Scratch<T> {
-    fn new(slot: usize, len: usize) -> Self {
-        let mut buf = T::take_buffer(slot);
-        if buf.len() < len {
-            buf.resize(len, T::ZERO);
-        }
-        Scratch { slot, buf }
+    fn implicit_sample(
+        plan: &Implicit,
+        wt: &[f32],
+        bias: Option<&[f32]>,
+        x: &[f32],
+        padded: &mut [f32],
+        tile: &mut [f32],
+        out: &mut [f32],
+    ) -> bool {
+        plan.sample(wt, bias, x, padded, tile, out)
+    }
+    fn implicit_weight_sample(
+        plan: &Implicit,
+        x: &[f32],
+        gy: &[f32],
+        padded: &mut [f32],
+        spread: &mut [f32],
+        gw_t: &mut [f32],
+    ) -> bool {
+        plan.weight_sample(x, gy, padded, spread, gw_t)
     }
 }
 
-impl<T: ScratchElement> Drop for Scratch<T> {
+impl ConvElement for f64 {}
+
+/// A scratch buffer of `len` elements (contents unspecified) from the caching allocator,
+/// handed back to it on drop.
+struct Scratch<T: ConvElement> {
+    buf: Vec<T>,
+}
+
+impl<T: ConvElement> Scratch<T> {
+    fn new(len: usize) -> Self {
+        Scratch {
+            buf: alloc::uninit(len),
+        }
+    }
+}
+
+impl<T: ConvElement> Drop for Scratch<T> {
     fn drop(&mut self) {
-        T::keep_buffer(self.slot, std::mem::take(&mut self.buf));
+        alloc::recycle(std::mem::take(&mut self.buf));
     }
 }
 
@@ -177,7 +192,7 @@ impl Plan {
 }
 
 /// Whether `T::tile_product` runs (f32 on a CPU with AVX-512F): an empty product tells.
-fn direct_kernel<T: ScratchElement>() -> bool {
+fn direct_kernel<T: ConvElement>() -> bool {
     let empty = TileShape {
         o_n: 0,
         depth: 0,
@@ -193,7 +208,7 @@ fn direct_kernel<T: ScratchElement>() -> bool {
 
 /// Forward: `out[n] = W · im2col(x[n]) + b`, `x` `[N, C, H, W]`, `w` `[O, C·kh·kw]`, result
 /// `[N, O, OH, OW]` as a flat vector.
-pub(crate) fn forward<T: ScratchElement>(
+pub(crate) fn forward<T: ConvElement>(
     x: &[T],
     w: &[T],
     bias: Option<&[T]>,
@@ -201,31 +216,41 @@ pub(crate) fn forward<T: ScratchElement>(
 ) -> Vec<T> {
     let (o_n, pixels, patch) = (g.out_channels, g.out_pixels(), g.patch());
     let (in_per, out_per) = (g.in_per_sample(), g.out_per_sample());
-    let mut out = vec![T::ZERO; g.batch * out_per];
+    let mut out = alloc::uninit::<T>(g.batch * out_per);
     if out.is_empty() {
         return out;
     }
     let plan = Plan::new(g);
-    let table = Im2col::new(g, plan.tile_width);
+    // The im2col table is only worked out where a sample needs it.
+    let table = OnceLock::new();
     let weights = MatRef::row_major(0, patch);
     // The register-blocked kernel reads the weights transposed, `[C·kh·kw, O]`.
     let direct = direct_kernel::<T>();
-    let wt: Vec<T> = if direct {
-        (0..patch * o_n)
-            .map(|i| w[(i % o_n) * patch + i / o_n])
-            .collect()
-    } else {
-        Vec::new()
-    };
+    let implicit = if direct { Implicit::new(g) } else { None };
+    let mut wt = alloc::uninit::<T>(if direct { patch * o_n } else { 0 });
+    for (i, v) in wt.iter_mut().enumerate() {
+        *v = w[(i % o_n) * patch + i / o_n];
+    }
     let run_chunk = |ci: usize, out_chunk: &mut [T]| {
-        let mut cols_buf = Scratch::<T>::new(0, patch * table.max_tile_width());
-        let cols = &mut cols_buf.buf[..];
+        let mut padded = Scratch::<T>::new(implicit.as_ref().map_or(0, |p| p.padded_len()));
+        let mut tile = Scratch::<T>::new(implicit.as_ref().map_or(0, |p| p.tile_len()));
+        let mut cols_buf = Scratch::<T>::new(0);
         for (s, dst) in out_chunk.chunks_mut(out_per).enumerate() {
             let xn = &x[(ci * plan.chunk + s) * in_per..][..in_per];
-            if !direct {
-                if let Some(b) = bias {
-                    dst.chunks_mut(pixels).zip(b).for_each(|(p, &v)| p.fill(v));
+            if let Some(p) = &implicit {
+                if T::implicit_sample(p, &wt, bias, xn, &mut padded.buf, &mut tile.buf, dst) {
+                    continue;
                 }
+            }
+            let table = table.get_or_init(|| Im2col::new(g, plan.tile_width));
+            let cols_len = patch * table.max_tile_width();
+            if cols_buf.buf.len() < cols_len {
+                cols_buf = Scratch::new(cols_len);
+            }
+            let cols = &mut cols_buf.buf[..];
+            // gemm adds the product onto the bias (the tile kernel stores bias + product).
+            if let Some(b) = bias {
+                dst.chunks_mut(pixels).zip(b).for_each(|(p, &v)| p.fill(v));
             }
             for t in 0..table.tile_count() {
                 let (first, width) = table.tile(t);
@@ -270,6 +295,7 @@ pub(crate) fn forward<T: ScratchElement>(
             .enumerate()
             .for_each(|(ci, chunk)| run_chunk(ci, chunk));
     }
+    alloc::recycle(wt);
     out
 }
 
@@ -290,7 +316,7 @@ pub(crate) struct Grads<T> {
 
 /// Backward of [`forward`] for the output gradient `gy` (`[N, O, OH, OW]`, contiguous):
 /// `grad_x[n] = col2im(Wᵀ·gy[n])`, `grad_W = Σₙ gy[n]·im2col(x[n])ᵀ`, `grad_b = Σ gy`.
-pub(crate) fn backward<T: ScratchElement>(
+pub(crate) fn backward<T: ConvElement>(
     x: &[T],
     w: &[T],
     gy: &[T],
@@ -307,12 +333,31 @@ pub(crate) fn backward<T: ScratchElement>(
     let (o_n, pixels, patch) = (g.out_channels, g.out_pixels(), g.patch());
     let (in_per, out_per) = (g.in_per_sample(), g.out_per_sample());
     let plan = Plan::new(g);
-    let table = Im2col::new(g, plan.tile_width);
-    // The weight gradient reads its columns pixel-major when that layout suits the geometry.
+    // The im2col table is only worked out where a sample needs it.
+    let table = OnceLock::new();
+    let bounds = tile_bounds(pixels, plan.tile_width);
     let direct = direct_kernel::<T>();
-    let pixel_rows = (needs.weight && PixelRows::suits(g)).then(|| PixelRows::new(g));
+    // With f32 on AVX-512 the weight gradient reads its pixel-major columns in place from the
+    // padded channels-last sample where it can (unit strides, see `PixelRows::spread`), else
+    // runs as an implicit gemm where the output channels fill a vector (and the output is not
+    // small); otherwise it builds
+    // its columns pixel-major where that layout suits the geometry, else from im2col tiles.
+    let rows_layout = (needs.weight && PixelRows::suits(g)).then(|| PixelRows::new(g));
+    let in_place = direct && rows_layout.as_ref().is_some_and(|p| p.in_place());
+    let implicit = if direct && needs.weight && !in_place && o_n >= 16 {
+        // Over few pixels (small depth) its register blocks are loaded and stored too often
+        // for their work; pixel-major columns, where they suit, are faster there.
+        Implicit::new(g).filter(|p| rows_layout.is_none() || p.columns() >= 128)
+    } else {
+        None
+    };
+    let pixel_rows = if implicit.is_some() {
+        None
+    } else {
+        rows_layout
+    };
     let mut grad_x = if needs.input {
-        vec![T::ZERO; g.batch * in_per]
+        alloc::zeroed(g.batch * in_per)
     } else {
         Vec::new()
     };
@@ -325,32 +370,61 @@ pub(crate) fn backward<T: ScratchElement>(
     let run_chunk = |(ci, mut gx_chunk): (usize, Option<&mut [T]>)| {
         let n0 = ci * plan.chunk;
         let count = plan.chunk.min(g.batch - n0);
-        let mut gw = vec![T::ZERO; if needs.weight { o_n * patch } else { 0 }];
-        let mut gb = vec![T::ZERO; if needs.bias { o_n } else { 0 }];
-        let mut cols_buf = Scratch::<T>::new(0, patch * table.max_tile_width());
-        let mut padded_buf =
-            Scratch::<T>::new(1, pixel_rows.as_ref().map_or(0, |p| p.padded_len()));
-        let cols = &mut cols_buf.buf[..];
+        let mut gw = alloc::zeroed(if needs.weight { o_n * patch } else { 0 });
+        let mut gb = alloc::zeroed(if needs.bias { o_n } else { 0 });
+        let mut cols_buf = Scratch::<T>::new(0);
+        let padded_len = match (&implicit, &pixel_rows) {
+            (Some(p), _) => p.padded_len(),
+            (None, Some(p)) => p.padded_len(),
+            (None, None) => 0,
+        };
+        let mut padded_buf = Scratch::<T>::new(padded_len);
+        let spread_len = match (&implicit, &pixel_rows) {
+            (Some(p), _) => p.spread_len(),
+            (None, Some(p)) if in_place => p.spread_len(),
+            _ => 0,
+        };
+        let mut spread = Scratch::<T>::new(spread_len);
         for s in 0..count {
             let xn = &x[(n0 + s) * in_per..][..in_per];
             let gn = &gy[(n0 + s) * out_per..][..out_per];
             if needs.bias {
                 for (acc, plane) in gb.iter_mut().zip(gn.chunks(pixels)) {
-                    *acc = plane.iter().fold(*acc, |a, &v| a + v);
+                    *acc += plane_sum(plane);
                 }
             }
-            if let Some(rows) = &pixel_rows {
+            let mut weight_done = implicit.as_ref().is_some_and(|p| {
+                T::implicit_weight_sample(p, xn, gn, &mut padded_buf.buf, &mut spread.buf, &mut gw)
+            });
+            if let Some(rows) = pixel_rows.as_ref().filter(|_| needs.weight) {
                 rows.pad_channels_last(xn, &mut padded_buf.buf);
+                if in_place {
+                    rows.spread(gn, &mut spread.buf);
+                    weight_done =
+                        rows_in_place::<T>(rows, g, &spread.buf, &padded_buf.buf, &mut gw);
+                }
             }
-            for t in 0..table.tile_count() {
-                let (first, width) = table.tile(t);
+            let weight_by_tiles = needs.weight && !weight_done;
+            if !weight_by_tiles && gx_chunk.is_none() {
+                continue;
+            }
+            let table = (gx_chunk.is_some() || (weight_by_tiles && pixel_rows.is_none()))
+                .then(|| table.get_or_init(|| Im2col::new(g, plan.tile_width)));
+            let widest = bounds.windows(2).map(|b| b[1] - b[0]).max().unwrap_or(0);
+            if cols_buf.buf.len() < patch * widest {
+                cols_buf = Scratch::new(patch * widest);
+            }
+            let cols = &mut cols_buf.buf[..];
+            for (t, tile) in bounds.windows(2).enumerate() {
+                let (first, width) = (tile[0], tile[1] - tile[0]);
                 // This tile of g: [O, width] inside the sample's [O, OH·OW].
                 let g_tile = MatRef {
                     offset: first,
                     rs: pixels,
                     cs: 1,
                 };
-                if let Some(rows) = &pixel_rows {
+                if !weight_by_tiles {
+                } else if let Some(rows) = &pixel_rows {
                     // grad_W [O, (ki, kj, c)] += g · rows, rows [width, C·kh·kw].
                     rows.fill(&padded_buf.buf, cols, first, width);
                     let shape = TileShape {
@@ -376,7 +450,7 @@ pub(crate) fn backward<T: ScratchElement>(
                             plan.parallel_gemm,
                         );
                     }
-                } else if needs.weight {
+                } else if let Some(table) = table {
                     // Accumulated transposed ([C·kh·kw, O]): gemm then streams the column
                     // matrix along its rows, much faster for these thin products.
                     table.fill(t, xn, cols);
@@ -392,7 +466,7 @@ pub(crate) fn backward<T: ScratchElement>(
                         plan.parallel_gemm,
                     );
                 }
-                if let Some(gx) = gx_chunk.as_deref_mut() {
+                if let (Some(gx), Some(table)) = (gx_chunk.as_deref_mut(), table) {
                     // The column buffer is free again: it now receives Wᵀ·g.
                     gemm_into(
                         (patch, width, o_n),
@@ -427,17 +501,22 @@ pub(crate) fn backward<T: ScratchElement>(
             .collect()
     };
     if let Some(g2) = &by_conv {
-        grad_x = forward(gy, &flipped_weights(w, g), None, g2);
+        let flipped = flipped_weights(w, g);
+        alloc::recycle(std::mem::replace(
+            &mut grad_x,
+            forward(gy, &flipped, None, g2),
+        ));
+        alloc::recycle(flipped);
     }
-    Grads {
+    let grads = Grads {
         input: (needs.input || by_conv.is_some()).then_some(grad_x),
         weight: needs.weight.then(|| {
             let summed = sum_vectors(partials.iter().map(|p| &p.0), o_n * patch);
-            match &pixel_rows {
+            let gw = match &pixel_rows {
                 Some(rows) => rows.to_weight_order(&summed),
                 None => {
                     // From [C·kh·kw, O] to [O, C·kh·kw].
-                    let mut gw = vec![T::ZERO; o_n * patch];
+                    let mut gw = alloc::uninit(o_n * patch);
                     for (r, row) in summed.chunks(o_n.max(1)).enumerate() {
                         row.iter()
                             .enumerate()
@@ -445,12 +524,48 @@ pub(crate) fn backward<T: ScratchElement>(
                     }
                     gw
                 }
-            }
+            };
+            alloc::recycle(summed);
+            gw
         }),
         bias: needs
             .bias
             .then(|| sum_vectors(partials.iter().map(|p| &p.1), o_n)),
+    };
+    for (gw, gb) in partials {
+        alloc::recycle(gw);
+        alloc::recycle(gb);
     }
+    grads
+}
+
+/// Adds one sample's weight gradient, `[O, (ki, kj, c)]`, onto `gw` with the column rows
+/// read in place from the padded channels-last sample (see `PixelRows::spread`): one tile
+/// product per kernel row. False (nothing added) where the kernel does not apply.
+fn rows_in_place<T: ConvElement>(
+    rows: &PixelRows,
+    g: &Geometry,
+    spread: &[T],
+    padded: &[T],
+    gw: &mut [T],
+) -> bool {
+    let (kh, kw, c_n) = (g.kernel.0, g.kernel.1, g.in_channels);
+    let columns = rows.columns();
+    let shape = TileShape {
+        o_n: g.out_channels,
+        depth: columns,
+        width: kw * c_n,
+        a_rs: columns,
+        a_cs: 1,
+        b_rs: c_n,
+        out_stride: g.patch(),
+        accumulate: true,
+    };
+    // The last kernel row reads furthest: once it fits, every other one does.
+    (0..kh).rev().all(|ki| {
+        let b = &padded[rows.kernel_row(ki)..];
+        T::tile_product(shape, spread, b, None, &mut gw[ki * kw * c_n..])
+    })
 }
 
 /// The geometry of the input gradient as a convolution, where that is cheap: for unit
@@ -495,12 +610,14 @@ fn transposed(g: &Geometry) -> Option<Geometry> {
 fn flipped_weights<T: FloatElement>(w: &[T], g: &Geometry) -> Vec<T> {
     let (kh, kw) = g.kernel;
     let (c_n, o_n) = (g.in_channels, g.out_channels);
-    let mut out = Vec::with_capacity(w.len());
+    let mut out = alloc::uninit(w.len());
+    let mut at = 0;
     for c in 0..c_n {
         for o in 0..o_n {
             for a in 0..kh {
                 for b in 0..kw {
-                    out.push(w[((o * c_n + c) * kh + kh - 1 - a) * kw + kw - 1 - b]);
+                    out[at] = w[((o * c_n + c) * kh + kh - 1 - a) * kw + kw - 1 - b];
+                    at += 1;
                 }
             }
         }
@@ -508,9 +625,23 @@ fn flipped_weights<T: FloatElement>(w: &[T], g: &Geometry) -> Vec<T> {
     out
 }
 
+/// The sum of `values` over 16 independent partial sums: a single running sum would wait
+/// for each addition to finish before the next (four cycles an element), and would not
+/// vectorise.
+fn plane_sum<T: FloatElement>(values: &[T]) -> T {
+    let mut lanes = [T::ZERO; 16];
+    let chunks = values.chunks_exact(16);
+    let tail = chunks.remainder();
+    for chunk in chunks {
+        lanes.iter_mut().zip(chunk).for_each(|(l, &v)| *l += v);
+    }
+    tail.iter().zip(&mut lanes).for_each(|(&v, l)| *l += v);
+    lanes.iter().fold(T::ZERO, |a, &l| a + l)
+}
+
 /// The elementwise sum of per-thread partial results.
 fn sum_vectors<'a, T: FloatElement>(parts: impl Iterator<Item = &'a Vec<T>>, len: usize) -> Vec<T> {
-    let mut total = vec![T::ZERO; len];
+    let mut total = alloc::zeroed(len);
     for part in parts {
         total.iter_mut().zip(part).for_each(|(t, &v)| *t += v);
     }

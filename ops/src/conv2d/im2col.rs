@@ -29,6 +29,14 @@ fn valid_span(tap: usize, pad: usize, stride: usize, len: usize, out_len: usize)
     (lo, hi.clamp(lo, out_len))
 }
 
+/// The bounds of the tiles of `pixels` output pixels in tiles of `width` (the last one
+/// shorter): tile `t` covers pixels `bounds[t]..bounds[t + 1]`; there is at least one tile.
+pub(crate) fn tile_bounds(pixels: usize, width: usize) -> Vec<usize> {
+    let width = width.clamp(1, pixels.max(1));
+    let tiles = pixels.div_ceil(width).max(1);
+    (0..=tiles).map(|t| (t * width).min(pixels)).collect()
+}
+
 /// `len` entries of row `row` of a tile of the column matrix, starting at pixel `pixel` of the
 /// tile; for a copy they come from input offset `src` onward (every `step`-th element).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -62,12 +70,11 @@ impl Im2col {
     pub(crate) fn new(g: &Geometry, width: usize) -> Self {
         let (kh, kw) = g.kernel;
         let (ow, pixels, plane) = (g.out_w, g.out_h * g.out_w, g.in_h * g.in_w);
-        let width = width.clamp(1, pixels.max(1));
-        let tiles = pixels.div_ceil(width).max(1);
+        let bounds = tile_bounds(pixels, width);
         let shift = g.stride == (1, 1) && g.out_w == g.in_w;
         let mut table = Im2col {
-            bounds: (0..=tiles).map(|t| (t * width).min(pixels)).collect(),
-            tiles: (0..tiles).map(|_| Tile::default()).collect(),
+            tiles: (1..bounds.len()).map(|_| Tile::default()).collect(),
+            bounds,
             step: if shift { 1 } else { g.stride.1 },
         };
         let rows: Vec<_> = (0..kh)

@@ -1,17 +1,19 @@
 //! 2-D convolution (cross-correlation, like `torch.nn.functional.conv2d` with groups = 1) with
 //! stride, zero padding and dilation.
 //!
-//! The CPU path is im2col + gemm, parallel over the batch, in cache-sized tiles of output pixels
-//! (`cpu.rs`, `im2col.rs`). Nothing is saved for the backward beyond the input and the weight:
-//! the backward rebuilds the columns — pixel-major for the weight gradient where that layout
-//! suits gemm better (`pixel_rows.rs`) — which costs far less than the products and keeps
-//! training memory at the size of the activations. For f32 on AVX-512 CPUs the products run on
-//! a register-blocked kernel that reads the columns in place (`tile_product.rs`), and with unit
-//! strides the input gradient is computed as a convolution of the output gradient with the
-//! flipped, transposed weights instead of through col2im.
+//! The CPU path is parallel over the batch (`cpu.rs`). In general it is im2col + gemm in
+//! cache-sized tiles of output pixels (`im2col.rs`). For f32 on AVX-512 CPUs no column matrix
+//! is built: the forward is an implicit gemm that reads the rows of the column matrix straight
+//! from a padded copy of each sample (`implicit.rs`) with a register-blocked kernel
+//! (`tile_product.rs`); with unit strides the input gradient is the same kind of convolution,
+//! of the output gradient with the flipped, transposed weights, and the weight gradient reads
+//! its pixel-major columns in place from a padded channels-last copy (`pixel_rows.rs`).
+//! Nothing is saved for the backward beyond the input and the weight, which keeps training
+//! memory at the size of the activations.
 
 mod cpu;
 mod im2col;
+mod implicit;
 mod pixel_rows;
 mod tile_product;
 #[cfg(test)]
@@ -151,6 +153,7 @@ pub fn conv2d(
     bias: Option<&Tensor>,
     params: &Conv2dParams,
 ) -> Result<Tensor> {
+    let _profile = tandem_core::profile::scope("conv2d", tandem_core::profile::Phase::Forward);
     let geo = geometry(x, weight, bias, params)?;
     let out_shape = [geo.batch, geo.out_channels, geo.out_h, geo.out_w];
     let out = with_float_type!("conv2d", x.dtype(), T => {
@@ -322,6 +325,71 @@ mod tests {
         let got = conv2d(&x, &w, None, &p).unwrap().to_vec_f64().unwrap();
         for (g, e) in got.iter().zip(&want) {
             assert!((g - e).abs() < 1e-4, "{g} vs {e}");
+        }
+    }
+
+    #[test]
+    fn f32_gradients_agree_with_the_finite_difference_checked_f64_ones() {
+        // Shapes that take the f32 kernels: implicit gemm forward and weight gradient with
+        // unit and larger strides, the input gradient as a convolution or through col2im.
+        let cases = [
+            ([3, 8, 10, 9], [16, 8, 3, 3], params((1, 1), (1, 1), (1, 1))),
+            (
+                [2, 3, 12, 12],
+                [16, 3, 3, 3],
+                params((1, 1), (1, 1), (1, 1)),
+            ),
+            (
+                [3, 16, 11, 12],
+                [32, 16, 3, 3],
+                params((2, 2), (1, 1), (1, 1)),
+            ),
+            (
+                [2, 6, 14, 14],
+                [16, 6, 5, 5],
+                params((1, 1), (0, 0), (1, 1)),
+            ),
+            (
+                [2, 5, 13, 11],
+                [24, 5, 3, 2],
+                params((2, 3), (2, 1), (2, 1)),
+            ),
+        ];
+        for (i, (xs, ws, p)) in cases.iter().enumerate() {
+            let leaves = [
+                rand_f64(xs, 70 + i as u64),
+                rand_f64(ws, 80 + i as u64),
+                rand_f64(&[ws[0]], 90 + i as u64),
+            ];
+            let singles: Vec<Tensor> = leaves
+                .iter()
+                .map(|t| {
+                    t.to_dtype(DType::F32)
+                        .unwrap()
+                        .detach()
+                        .with_requires_grad()
+                        .unwrap()
+                })
+                .collect();
+            let y64 = conv2d(&leaves[0], &leaves[1], Some(&leaves[2]), p).unwrap();
+            let gy = rand_f64(y64.dims(), 100 + i as u64).detach();
+            tandem_autograd::backward(&y64, Some(&gy), &Default::default()).unwrap();
+            let y32 = conv2d(&singles[0], &singles[1], Some(&singles[2]), p).unwrap();
+            let gy32 = gy.to_dtype(DType::F32).unwrap();
+            tandem_autograd::backward(&y32, Some(&gy32), &Default::default()).unwrap();
+            for (name, (a, b)) in ["x", "weight", "bias"]
+                .iter()
+                .zip(leaves.iter().zip(&singles))
+            {
+                let want = a.grad().unwrap().to_vec_f64().unwrap();
+                let got = b.grad().unwrap().to_vec_f64().unwrap();
+                for (k, (g, e)) in got.iter().zip(&want).enumerate() {
+                    assert!(
+                        (g - e).abs() < 1e-4 * (1.0 + e.abs()),
+                        "case {i} grad {name} element {k}: {g} vs {e}"
+                    );
+                }
+            }
         }
     }
 

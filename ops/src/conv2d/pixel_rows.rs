@@ -5,7 +5,9 @@
 //! straight into the kernels instead of being repacked), so the backward builds that layout
 //! directly. Entries are ordered `(ki, kj, c)` within a row: from a zero-padded channels-last
 //! copy of the sample, each kernel row `ki` of a pixel is then one contiguous run of `kw·C`
-//! elements (`C` when the width is dilated). The caller maps the resulting gradient back to the
+//! elements (`C` when the width is dilated). With unit strides those runs of consecutive
+//! pixels overlap in the padded copy, `C` apart, so the f32 kernel reads them there and nothing
+//! is copied out ([`PixelRows::spread`]). The caller maps the resulting gradient back to the
 //! `[O, C, kh, kw]` order.
 
 use tandem_core::FloatElement;
@@ -105,12 +107,63 @@ impl PixelRows {
         }
     }
 
+    /// Whether the weight gradient can read the padded channels-last sample in place
+    /// ([`PixelRows::spread`]): unit strides and a dense kernel row.
+    pub(crate) fn in_place(&self) -> bool {
+        self.g.stride == (1, 1) && self.g.dilation.1 == 1
+    }
+
+    /// Output pixels over the padded width, `q = oh·Wp + ow`, up to the last one.
+    pub(crate) fn columns(&self) -> usize {
+        (self.g.out_h - 1) * self.wp + self.g.out_w
+    }
+
+    /// Elements of the spread output gradient of [`PixelRows::spread`].
+    pub(crate) fn spread_len(&self) -> usize {
+        self.g.out_channels * self.columns()
+    }
+
+    /// Offset in the padded channels-last sample of the first pixel row of kernel row `ki`.
+    pub(crate) fn kernel_row(&self, ki: usize) -> usize {
+        ki * self.g.dilation.0 * self.wp * self.g.in_channels
+    }
+
+    wide_simd_method!(
+        /// Writes the output gradient `gy` (`[O, OH, OW]`) as `[O, q]` over the padded width
+        /// (zero in the columns past each output row). With unit strides, pixel `q`'s row of
+        /// the pixel-major column matrix is then, for each kernel row `ki`, the `kw·C` padded
+        /// channels-last elements from `(q + ki·dh·Wp)·C` on: the rows of consecutive pixels
+        /// overlap in place, so the weight gradient reads them there, `C` apart, instead of
+        /// copying them out.
+        pub(crate) fn spread = PixelRows::spread_gradient(&self, gy: &[T], spread: &mut [T])
+    );
+
+    #[inline(always)]
+    fn spread_gradient<T: FloatElement>(&self, gy: &[T], spread: &mut [T]) {
+        let g = &self.g;
+        let (ow, pixels, columns) = (g.out_w, g.out_h * g.out_w, self.columns());
+        for (o, dst) in spread[..self.spread_len()]
+            .chunks_exact_mut(columns)
+            .enumerate()
+        {
+            let src = &gy[o * pixels..][..pixels];
+            for (oh, row) in src.chunks_exact(ow).enumerate() {
+                let at = oh * self.wp;
+                copy_run(&mut dst[at..at + ow], row);
+                if oh + 1 < g.out_h {
+                    dst[at + ow..at + self.wp].fill(T::ZERO);
+                }
+            }
+        }
+    }
+
     /// Moves a weight gradient from `[O, (ki, kj, c)]` order to `[O, C, kh, kw]`.
     pub(crate) fn to_weight_order<T: FloatElement>(&self, gw: &[T]) -> Vec<T> {
         let g = &self.g;
         let (kh, kw, c_n) = (g.kernel.0, g.kernel.1, g.in_channels);
         let patch = c_n * kh * kw;
-        let mut out = vec![T::ZERO; gw.len()];
+        // Every element is written below.
+        let mut out = tandem_core::alloc::uninit(gw.len());
         for (o, row) in gw.chunks(patch.max(1)).enumerate() {
             for ki in 0..kh {
                 for kj in 0..kw {

@@ -14,7 +14,8 @@
 use std::arch::x86_64::*;
 
 /// Output channels × 16-lane vectors of pixels per register block: 8 × 3 where the channels
-/// come in eights (no ragged block), else 6 × 4; either keeps 24 accumulators in registers.
+/// come in eights (no ragged block) or the tile is one vector wide, else 6 × 4; either keeps
+/// up to 24 accumulators in registers.
 const BLOCK_O: usize = 6;
 const BLOCK_V: usize = 4;
 const WIDE_BLOCK_O: usize = 8;
@@ -103,10 +104,104 @@ pub(crate) fn product(
     // forms by the extents of the three matrices; distinct output rows do not overlap
     // (width ≤ out_stride), and `out` is a unique borrow.
     unsafe {
-        product_avx512(s, a.as_ptr(), b.as_ptr(), bias, out.as_mut_ptr());
+        product_avx512::<false, false>(
+            s,
+            a.as_ptr(),
+            b.as_ptr(),
+            NO_TABLES,
+            bias,
+            out.as_mut_ptr(),
+        );
     }
     true
 }
+
+/// Like [`product`], but row `k` of `B` starts at `b[rows[k]]` (`s.b_rs` is not used): the
+/// rows of an implicit column matrix, read straight from the padded input they overlap in.
+pub(crate) fn product_rows(
+    s: TileShape,
+    a: &[f32],
+    b: &[f32],
+    rows: &[usize],
+    bias: Option<&[f32]>,
+    out: &mut [f32],
+) -> bool {
+    let (a_end, _, out_end) = s.extents();
+    let b_fits = s.o_n == 0
+        || s.width == 0
+        || (rows.len() >= s.depth && rows[..s.depth].iter().all(|&r| r + s.width <= b.len()));
+    let fits = a.len() >= a_end
+        && b_fits
+        && out.len() >= out_end
+        && bias.is_none_or(|b| b.len() >= s.o_n)
+        && (s.o_n <= 1 || s.width <= s.out_stride);
+    if !fits || !available() {
+        return false;
+    }
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: AVX-512F is present (checked above); `fits` bounds the indices into `a` and
+    // `out` as in `product`, and every row of `B` the kernel reads (`rows[k] + p` for
+    // `k < depth`, `p < width`) inside `b`; `out` is a unique borrow.
+    unsafe {
+        let tables = Tables {
+            a_rows: &[],
+            b_rows: rows,
+        };
+        product_avx512::<false, true>(s, a.as_ptr(), b.as_ptr(), tables, bias, out.as_mut_ptr());
+    }
+    true
+}
+
+/// Like [`product`], but row `i` of `A` starts at `a[rows[i]]` (`s.a_rs` is not used): an
+/// implicit column matrix as the left operand, its rows read straight from the padded input.
+pub(crate) fn product_a_rows(
+    s: TileShape,
+    a: &[f32],
+    rows: &[usize],
+    b: &[f32],
+    out: &mut [f32],
+) -> bool {
+    let (_, b_end, out_end) = s.extents();
+    let a_span = match s.depth {
+        0 => 0,
+        d => (d - 1) * s.a_cs + 1,
+    };
+    let a_fits = s.o_n == 0
+        || s.width == 0
+        || s.depth == 0
+        || (rows.len() >= s.o_n && rows[..s.o_n].iter().all(|&r| r + a_span <= a.len()));
+    let fits = a_fits
+        && b.len() >= b_end
+        && out.len() >= out_end
+        && (s.o_n <= 1 || s.width <= s.out_stride);
+    if !fits || !available() {
+        return false;
+    }
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: AVX-512F is present (checked above); `fits` bounds every element of `A` the
+    // kernel reads (`rows[i] + k·a_cs` for `i < o_n`, `k < depth`) inside `a`, and the indices
+    // into `b` and `out` as in `product`; `out` is a unique borrow.
+    unsafe {
+        let tables = Tables {
+            a_rows: rows,
+            b_rows: &[],
+        };
+        product_avx512::<true, false>(s, a.as_ptr(), b.as_ptr(), tables, None, out.as_mut_ptr());
+    }
+    true
+}
+
+/// Row-offset tables of the operands (used by the kernels instantiated with them).
+#[derive(Clone, Copy)]
+struct Tables<'a> {
+    a_rows: &'a [usize],
+    b_rows: &'a [usize],
+}
+
+const NO_TABLES: Tables<'static> = Tables {
+    a_rows: &[],
+    b_rows: &[],
+};
 
 /// The mask of the first `n` (≤ 16) lanes.
 #[cfg(target_arch = "x86_64")]
@@ -121,14 +216,17 @@ fn lanes(n: usize) -> __mmask16 {
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn product_avx512(
+unsafe fn product_avx512<const A_TABLE: bool, const B_TABLE: bool>(
     s: TileShape,
     a: *const f32,
     b: *const f32,
+    tables: Tables,
     bias: Option<&[f32]>,
     out: *mut f32,
 ) {
-    let (block_o, block_v) = if s.o_n.is_multiple_of(WIDE_BLOCK_O) {
+    // One vector of pixels takes eight channels a block too (any remainder has a kernel):
+    // six accumulators could not hide the latency of the multiply-adds.
+    let (block_o, block_v) = if s.o_n.is_multiple_of(WIDE_BLOCK_O) || s.width <= 16 {
         (WIDE_BLOCK_O, WIDE_BLOCK_V)
     } else {
         (BLOCK_O, BLOCK_V)
@@ -162,14 +260,14 @@ unsafe fn product_avx512(
                 macro_rules! run {
                     ($($v:literal $m:literal),*) => {
                         match (nv, mo) {
-                            $(($v, $m) => block::<$v, $m>(s, a, b, bias, out, at, &masks),)*
+                            $(($v, $m) => block::<$v, $m, A_TABLE, B_TABLE>(s, a, b, tables, bias, out, at, &masks),)*
                             _ => {}
                         }
                     };
                 }
                 run!(1 1, 1 2, 1 3, 1 4, 1 5, 1 6, 2 1, 2 2, 2 3, 2 4, 2 5, 2 6,
                  3 1, 3 2, 3 3, 3 4, 3 5, 3 6, 4 1, 4 2, 4 3, 4 4, 4 5, 4 6,
-                 1 8, 2 8, 3 8);
+                 1 7, 1 8, 2 8, 3 8);
                 o += mo;
             }
         }
@@ -178,14 +276,17 @@ unsafe fn product_avx512(
 }
 
 /// One register block: output channels `o..o + MO`, pixels `p..p + 16·NV` (masked), over one
-/// range of the depth (accumulating onto the output after the first).
+/// range of the depth (accumulating onto the output after the first). With `B_TABLE`, row `k`
+/// of `B` starts at `b + b_rows[k]`, else at `b + k·b_rs`; with `A_TABLE`, row `i` of `A` at
+/// `a + a_rows[i]`, else at `a + i·a_rs`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn block<const NV: usize, const MO: usize>(
+unsafe fn block<const NV: usize, const MO: usize, const A_TABLE: bool, const B_TABLE: bool>(
     s: TileShape,
     a: *const f32,
     b: *const f32,
+    tables: Tables,
     bias: Option<&[f32]>,
     out: *mut f32,
     at: Block,
@@ -210,21 +311,34 @@ unsafe fn block<const NV: usize, const MO: usize>(
             }
         }
     }
-    let mut bp = b.add(depth.start * s.b_rs + p);
-    let mut ap = a.add(o * s.a_rs + depth.start * s.a_cs);
-    for _ in depth {
+    let mut bp = b.add(if B_TABLE { 0 } else { depth.start * s.b_rs } + p);
+    let mut ap = a.add(if A_TABLE { 0 } else { o * s.a_rs } + depth.start * s.a_cs);
+    // With a table, the rows of A in this block start at these offsets from `ap`.
+    let a_rows: [usize; MO] = std::array::from_fn(|i| {
+        if A_TABLE {
+            *tables.a_rows.get_unchecked(o + i)
+        } else {
+            i * s.a_rs
+        }
+    });
+    for k in depth {
+        if B_TABLE {
+            bp = b.add(*tables.b_rows.get_unchecked(k) + p);
+        }
         let mut x = [_mm512_setzero_ps(); NV];
         for v in 0..NV {
             x[v] = _mm512_maskz_loadu_ps(masks[v], bp.add(16 * v));
         }
         for (i, row) in acc.iter_mut().enumerate() {
-            let wi = _mm512_set1_ps(*ap.add(i * s.a_rs));
+            let wi = _mm512_set1_ps(*ap.add(a_rows[i]));
             for v in 0..NV {
                 row[v] = _mm512_fmadd_ps(wi, x[v], row[v]);
             }
         }
-        bp = bp.add(s.b_rs);
-        ap = ap.add(s.a_cs);
+        if !B_TABLE {
+            bp = bp.wrapping_add(s.b_rs);
+        }
+        ap = ap.wrapping_add(s.a_cs);
     }
     for (i, row) in acc.iter().enumerate() {
         let dst = out.add((o + i) * s.out_stride + p);
@@ -251,6 +365,9 @@ mod tests {
             (5, 20, 150, 150, true, true),
             (8, 300, 50, 60, false, false),
             (7, 200, 33, 33, true, true),
+            // One vector wide: blocks of eight channels with a remainder of 7 and of 3.
+            (15, 30, 16, 16, true, false),
+            (27, 40, 9, 12, false, true),
         ];
         for (o_n, depth, width, stride, accumulate, a_rows) in cases {
             let a: Vec<f32> = (0..depth * o_n)

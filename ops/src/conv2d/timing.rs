@@ -4,7 +4,17 @@
 
 use std::time::Instant;
 
-use super::cpu::{backward, forward, Geometry, Needs};
+use tandem_core::alloc::recycle;
+
+use super::cpu::{backward, forward, Geometry, Grads, Needs};
+
+/// Hands the gradients back to the caching allocator, as dropping their tensors would.
+fn recycle_all(grads: Grads<f32>) {
+    [grads.input, grads.weight, grads.bias]
+        .into_iter()
+        .flatten()
+        .for_each(recycle);
+}
 
 /// `(name, N, C, H, W, O, k, stride, pad)` of a layer.
 type Shape = (
@@ -96,13 +106,13 @@ fn conv_timing() {
             };
             let (f, gi, gw) = pool.install(|| {
                 (
-                    best_ms(|| drop(forward(&x, &wt, Some(&b), &g))),
-                    best_ms(|| drop(backward(&x, &wt, &gy, &g, only(true, false)).input)),
-                    best_ms(|| drop(backward(&x, &wt, &gy, &g, only(false, true)).weight)),
+                    best_ms(|| recycle(forward(&x, &wt, Some(&b), &g))),
+                    best_ms(|| recycle_all(backward(&x, &wt, &gy, &g, only(true, false)))),
+                    best_ms(|| recycle_all(backward(&x, &wt, &gy, &g, only(false, true)))),
                 )
             });
             let both = pool
-                .install(|| best_ms(|| drop(backward(&x, &wt, &gy, &g, only(c > 1, true)).weight)));
+                .install(|| best_ms(|| recycle_all(backward(&x, &wt, &gy, &g, only(c > 1, true)))));
             let total = f + both;
             if name.starts_with("lenet") {
                 tot_lenet += total;
@@ -149,5 +159,79 @@ fn conv_timing_kernel_rate() {
         });
         let gflops = (2 * o_n * depth * width * reps) as f64 / (ms * 1e6);
         println!("kernel {o_n}x{depth}x{width}: {gflops:.1} GFLOP/s");
+    }
+}
+
+#[test]
+#[ignore]
+fn conv_timing_implicit_rate() {
+    use super::implicit::Implicit;
+    for (c, h, o) in [(16, 32, 16), (32, 16, 32), (64, 8, 64), (3, 32, 16)] {
+        let g = Geometry {
+            batch: 1,
+            in_channels: c,
+            in_h: h,
+            in_w: h,
+            out_channels: o,
+            kernel: (3, 3),
+            stride: (1, 1),
+            padding: (1, 1),
+            dilation: (1, 1),
+            out_h: h,
+            out_w: h,
+        };
+        let Some(plan) = Implicit::new(&g) else {
+            return;
+        };
+        let x = vec![0.5f32; c * h * h];
+        let wt = vec![0.25f32; c * 9 * o];
+        let mut padded = vec![0f32; plan.padded_len()];
+        let mut tile = vec![0f32; plan.tile_len()];
+        let mut out = vec![0f32; o * h * h];
+        let reps = 200;
+        let ms = best_ms(|| {
+            for _ in 0..reps {
+                plan.sample(&wt, None, &x, &mut padded, &mut tile, &mut out);
+            }
+        });
+        let gflops = (2 * o * c * 9 * h * h * reps) as f64 / (ms * 1e6);
+        println!("implicit C{c} {h}x{h} O{o}: {gflops:.1} GFLOP/s");
+    }
+}
+
+#[test]
+#[ignore]
+fn conv_timing_implicit_weight_rate() {
+    use super::implicit::Implicit;
+    for (c, h, o) in [(16, 32, 16), (32, 16, 32), (64, 8, 64), (3, 32, 16)] {
+        let g = Geometry {
+            batch: 1,
+            in_channels: c,
+            in_h: h,
+            in_w: h,
+            out_channels: o,
+            kernel: (3, 3),
+            stride: (1, 1),
+            padding: (1, 1),
+            dilation: (1, 1),
+            out_h: h,
+            out_w: h,
+        };
+        let Some(plan) = Implicit::new(&g) else {
+            return;
+        };
+        let x = vec![0.5f32; c * h * h];
+        let gy = vec![0.25f32; o * h * h];
+        let mut padded = vec![0f32; plan.padded_len()];
+        let mut spread = vec![0f32; plan.spread_len()];
+        let mut gw = vec![0f32; c * 9 * o];
+        let reps = 200;
+        let ms = best_ms(|| {
+            for _ in 0..reps {
+                plan.weight_sample(&x, &gy, &mut padded, &mut spread, &mut gw);
+            }
+        });
+        let gflops = (2 * o * c * 9 * h * h * reps) as f64 / (ms * 1e6);
+        println!("implicit weight C{c} {h}x{h} O{o}: {gflops:.1} GFLOP/s");
     }
 }
