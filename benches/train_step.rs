@@ -103,6 +103,9 @@ struct Args {
     /// the time goes (per op, forward and backward).
     #[arg(long, default_value_t = 0)]
     profile: usize,
+    /// Turn tandem's caching allocator off (to measure what it gains).
+    #[arg(long)]
+    no_cache: bool,
     /// Benchmark-name filters passed by `cargo bench` (ignored).
     #[arg(hide = true)]
     filters: Vec<String>,
@@ -211,6 +214,9 @@ fn run(args: Args) -> Result<(), AnyError> {
 }
 
 fn time_tandem(args: &Args) -> Result<Timing, AnyError> {
+    if args.no_cache {
+        tandem::core::alloc::set_cache_limit(0);
+    }
     manual_seed(args.seed);
     let Workload {
         model,

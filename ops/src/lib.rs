@@ -33,11 +33,11 @@ pub use views::{
 
 // --- re-exports: unary, max, softmax, loss, dropout, cat ---
 pub use cat::cat;
-pub use threads::set_num_threads;
 pub use dropout::dropout;
 pub use loss::{cross_entropy, mse_loss, nll_loss, Reduction};
 pub use reduce::{argmax, max};
 pub use softmax::{log_softmax, softmax};
+pub use threads::set_num_threads;
 pub use unary::{exp, log, neg, pow_scalar, relu, sigmoid, sqrt, tanh};
 
 // --- re-exports: matmul, linear, conv2d, pool, batch_norm ---

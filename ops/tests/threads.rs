@@ -14,8 +14,14 @@ fn the_calling_thread_becomes_a_worker_and_a_second_call_is_refused() {
     let x = Tensor::rand(&[1 << 18], 0.0, 1.0, DType::F64, Device::Cpu, &mut gen).unwrap();
     let expected: f64 = x.to_vec::<f64>().unwrap().iter().sum();
     let got = sum_all(&x).unwrap().item().unwrap();
-    assert!((got - expected).abs() <= 1e-9 * expected, "{got} vs {expected}");
+    assert!(
+        (got - expected).abs() <= 1e-9 * expected,
+        "{got} vs {expected}"
+    );
 
     let err = set_num_threads(4).unwrap_err().to_string();
-    assert!(err.contains("set_num_threads") && err.contains("once"), "{err}");
+    assert!(
+        err.contains("set_num_threads") && err.contains("once"),
+        "{err}"
+    );
 }
