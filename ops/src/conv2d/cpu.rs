@@ -467,18 +467,34 @@ pub(crate) fn backward<T: ConvElement>(
                     );
                 }
                 if let (Some(gx), Some(table)) = (gx_chunk.as_deref_mut(), table) {
-                    // The column buffer is free again: it now receives Wᵀ·g.
-                    gemm_into(
-                        (patch, width, o_n),
-                        cols,
-                        MatRef::row_major(0, width),
-                        w,
-                        MatRef::row_major(0, patch).t(),
-                        gn,
-                        g_tile,
-                        false,
-                        plan.parallel_gemm,
-                    );
+                    // The column buffer is free again: it now receives Wᵀ·g, `[C·kh·kw,
+                    // width]`, by the register-blocked kernel where it runs and the depth
+                    // (output channels) is small; gemm measured as fast from 32 up. Rows of Wᵀ
+                    // are columns of W: unit row step, `C·kh·kw` between terms.
+                    let shape = TileShape {
+                        o_n: patch,
+                        depth: o_n,
+                        width,
+                        a_rs: 1,
+                        a_cs: patch,
+                        b_rs: pixels,
+                        out_stride: width,
+                        accumulate: false,
+                    };
+                    if !(direct && o_n <= 16 && T::tile_product(shape, w, &gn[first..], None, cols))
+                    {
+                        gemm_into(
+                            (patch, width, o_n),
+                            cols,
+                            MatRef::row_major(0, width),
+                            w,
+                            MatRef::row_major(0, patch).t(),
+                            gn,
+                            g_tile,
+                            false,
+                            plan.parallel_gemm,
+                        );
+                    }
                     table.add_back(t, cols, &mut gx[s * in_per..(s + 1) * in_per]);
                 }
             }

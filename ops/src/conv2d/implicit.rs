@@ -7,11 +7,13 @@
 //! the column matrix is a contiguous run of the padded sample starting at one offset per tap.
 //! Strides other than 1 are brought back to that case by storing each padded channel as its
 //! `sh·sw` phase planes (rows `≡ a mod sh`, columns `≡ b mod sw`), in which a tap reads a
-//! unit-stride window. The register-blocked kernel (`tile_product.rs`) reads those rows in
-//! place from a table of the offsets, so the only data movement left is the padding copy (the
-//! size of the input, where im2col writes `kh·kw` times that) and dropping the columns past
-//! each output row, which are computed along with the others and discarded when the tile is
-//! copied into the output. The weight gradient reads the same rows as its left operand
+//! unit-stride window. With unit strides neighbouring rows share their pad columns where the
+//! output rows still fit (`Wp = W + pw`, see [`shares_pad_columns`]), which takes `pw` wasted
+//! columns off every output row. The register-blocked kernel (`tile_product.rs`) reads
+//! those rows in place from a table of the offsets, so the only data movement left is the
+//! padding copy (the size of the input, where im2col writes `kh·kw` times that) and dropping
+//! the columns past each output row, which are computed along with the others and discarded
+//! when the tile is copied into the output. The weight gradient reads the same rows as its left operand
 //! against the output gradient spread into `[q, O]` order.
 
 use tandem_core::FloatElement;
@@ -20,9 +22,28 @@ use super::cpu::Geometry;
 use super::im2col::{copy_run, wide_simd_method};
 use super::tile_product::{self, TileShape};
 
-/// Aim for tiles of about this many output columns (whole output rows, over the padded
-/// width): the tile's output block `[O, width]` then stays in L1/L2 until it is compacted.
-const TILE_COLUMNS: usize = 256;
+/// Tiles are at most this many output columns wide (whole output rows, over the padded
+/// width, unless one row is wider): the tile's output block `[O, width]` then stays in L1/L2
+/// until it is compacted.
+const TILE_COLUMNS: usize = 544;
+
+/// Output rows per tile for an output of `out_h` rows of `out_w` pixels stored `wp` apart:
+/// among near-equal tilings with tiles of at most [`TILE_COLUMNS`] columns, the one with the
+/// fewest 16-lane vectors in all (the kernel computes whole vectors, so a tile whose width
+/// just passes a multiple of 16 wastes most of one), fewer tiles on a tie.
+fn tile_rows(out_h: usize, out_w: usize, wp: usize) -> usize {
+    let fewest = out_h.div_ceil((TILE_COLUMNS / wp).max(1));
+    let vectors = |rows: usize| {
+        (0..out_h)
+            .step_by(rows)
+            .map(|oh| ((rows.min(out_h - oh) - 1) * wp + out_w).div_ceil(16))
+            .sum::<usize>()
+    };
+    (fewest..=out_h.min(4 * fewest))
+        .map(|tiles| out_h.div_ceil(tiles))
+        .min_by_key(|&rows| (vectors(rows), out_h.div_ceil(rows)))
+        .unwrap_or(1)
+}
 
 /// The implicit-gemm plan of one unit-stride geometry: padded sizes, the row offsets of the
 /// column matrix and the tiling of the output rows.
@@ -45,10 +66,13 @@ impl Implicit {
             return None;
         }
         let (sh, sw) = g.stride;
-        let (hp, wp) = (
+        let (hp, mut wp) = (
             (g.in_h + 2 * g.padding.0).div_ceil(sh),
             (g.in_w + 2 * g.padding.1).div_ceil(sw),
         );
+        if shares_pad_columns(g) {
+            wp = g.in_w + g.padding.1;
+        }
         let (kh, kw) = g.kernel;
         let mut rows = Vec::with_capacity(g.in_channels * kh * kw);
         for c in 0..g.in_channels {
@@ -61,21 +85,24 @@ impl Implicit {
             }
         }
         // Near-equal tiles of whole output rows.
-        let tiles = g.out_h.div_ceil((TILE_COLUMNS / wp).max(1));
         Some(Implicit {
             g: *g,
             hp,
             wp,
             rows,
-            tile_rows: g.out_h.div_ceil(tiles),
+            tile_rows: tile_rows(g.out_h, g.out_w, wp),
         })
     }
 
     /// Elements of the padded sample (0 when there is no padding: the sample is read as is).
+    /// With shared pad columns the last row of the last channel reads `pw` zeros past its
+    /// plane.
     pub(crate) fn padded_len(&self) -> usize {
         let g = &self.g;
         if g.padding == (0, 0) && g.stride == (1, 1) {
             0
+        } else if shares_pad_columns(g) {
+            g.in_channels * self.hp * self.wp + g.padding.1
         } else {
             g.in_channels * g.stride.0 * g.stride.1 * self.hp * self.wp
         }
@@ -214,10 +241,11 @@ impl Implicit {
             return self.pad_phases(x, padded);
         }
         let plane = self.hp * self.wp;
-        for (c, dst) in padded[..g.in_channels * plane]
-            .chunks_exact_mut(plane)
-            .enumerate()
-        {
+        let padded = &mut padded[..self.padded_len()];
+        let (planes, tail) = padded.split_at_mut(g.in_channels * plane);
+        // Past the last plane: the right padding of its last row (shared pad columns).
+        tail.fill(T::ZERO);
+        for (c, dst) in planes.chunks_exact_mut(plane).enumerate() {
             dst[..ph * self.wp].fill(T::ZERO);
             for ih in 0..g.in_h {
                 let row = &mut dst[(ph + ih) * self.wp..][..self.wp];
@@ -226,6 +254,7 @@ impl Implicit {
                     &mut row[pw..pw + g.in_w],
                     &x[(c * g.in_h + ih) * g.in_w..][..g.in_w],
                 );
+                // Empty with shared pad columns: the next row's left padding serves.
                 row[pw + g.in_w..].fill(T::ZERO);
             }
             dst[(ph + g.in_h) * self.wp..].fill(T::ZERO);
@@ -311,6 +340,16 @@ impl Implicit {
     }
 }
 
+/// Whether the padded rows of `g` can share their pad columns: with unit strides each stored
+/// row is `[pw zeros, input row]`, `Wp = W + pw`, and a tap reading past the end of a row's
+/// input lands in the next row's left zeros, which stand for its right padding (the first
+/// `pw` elements of every plane are such zeros too). That takes `pw` columns of work off each
+/// output row (20% on 8-pixel-wide images). It needs the output rows to fit in the stored
+/// width, `OW ≤ W + pw`, that is `pw ≤ dw·(kw − 1)`.
+fn shares_pad_columns(g: &Geometry) -> bool {
+    g.stride == (1, 1) && g.padding.1 > 0 && g.padding.1 <= g.dilation.1 * (g.kernel.1 - 1)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -347,6 +386,27 @@ mod tests {
     }
 
     #[test]
+    fn tiles_cover_the_output_rows_within_the_width_limit_and_avoid_ragged_vectors() {
+        for (out_h, out_w, wp) in [
+            (32, 32, 33),
+            (16, 16, 17),
+            (8, 8, 9),
+            (5, 700, 702),
+            (1, 1, 1),
+        ] {
+            let rows = tile_rows(out_h, out_w, wp);
+            assert!((1..=out_h).contains(&rows), "{out_h}x{out_w}");
+            assert!(
+                rows == 1 || (rows - 1) * wp + out_w <= TILE_COLUMNS,
+                "{out_h}x{out_w}"
+            );
+        }
+        // 32 rows over a stored width of 33: two tiles of 16 rows take 66 vectors, where four
+        // of 8 would take 68 and three (11, 11, 10 rows) 67.
+        assert_eq!(tile_rows(32, 32, 33), 16);
+    }
+
+    #[test]
     fn implicit_gemm_forward_and_weight_gradient_match_direct_loops_with_strides() {
         // (C, H, W, O, kh, kw, stride, padding, dilation)
         let cases = [
@@ -355,6 +415,11 @@ mod tests {
             (6, 14, 14, 16, 5, 5, (1, 1), (0, 0), (1, 1)),
             (2, 11, 12, 5, 3, 5, (1, 1), (2, 1), (2, 1)),
             (9, 40, 7, 24, 2, 3, (1, 1), (0, 2), (1, 2)),
+            // Shared pad columns at their limit (pw = dw·(kw − 1)), past it (no sharing), and
+            // on the 8-pixel images of ResNet-20.
+            (5, 7, 6, 16, 3, 3, (1, 1), (2, 2), (1, 1)),
+            (4, 6, 5, 8, 1, 1, (1, 1), (1, 1), (1, 1)),
+            (24, 8, 8, 64, 3, 3, (1, 1), (1, 1), (1, 1)),
             // Strided: phase planes, odd padded sizes, taps of either parity.
             (16, 16, 16, 32, 3, 3, (2, 2), (1, 1), (1, 1)),
             (5, 13, 11, 9, 3, 2, (2, 3), (1, 2), (1, 1)),

@@ -354,6 +354,9 @@ mod tests {
                 [24, 5, 3, 2],
                 params((2, 3), (2, 1), (2, 1)),
             ),
+            // Strided with few output channels: Wᵀ·g of the col2im path by the tile kernel,
+            // with a ragged channel block.
+            ([2, 4, 9, 10], [12, 4, 3, 3], params((2, 2), (1, 1), (1, 1))),
         ];
         for (i, (xs, ws, p)) in cases.iter().enumerate() {
             let leaves = [
