@@ -2,11 +2,11 @@
 //! (forward, input gradient, weight gradient), at 1 and 2 rayon threads. Ignored by default:
 //! `cargo test -p tandem-ops --release conv_timing -- --ignored --nocapture`.
 
-use std::time::Instant;
-
 use tandem_core::alloc::recycle;
 
 use super::cpu::{backward, forward, Geometry, Grads, Needs};
+
+use crate::testing::best_ms;
 
 /// Hands the gradients back to the caching allocator, as dropping their tensors would.
 fn recycle_all(grads: Grads<f32>) {
@@ -40,21 +40,6 @@ const SHAPES: [Shape; 8] = [
     ("r20_32_64s2", 32, 32, 16, 16, 64, 3, 2, 1),
     ("r20_64_64", 32, 64, 8, 8, 64, 3, 1, 1),
 ];
-
-/// Best time in milliseconds of `f` over enough repetitions.
-fn best_ms(mut f: impl FnMut()) -> f64 {
-    f();
-    let mut best = f64::INFINITY;
-    let start = Instant::now();
-    let mut reps = 0;
-    while reps < 5 || (start.elapsed().as_secs_f64() < 0.4 && reps < 200) {
-        let t = Instant::now();
-        f();
-        best = best.min(t.elapsed().as_secs_f64() * 1e3);
-        reps += 1;
-    }
-    best
-}
 
 #[test]
 #[ignore]

@@ -3,27 +3,11 @@
 //! 2 rayon threads. Ignored by default:
 //! `cargo test -p tandem-ops --release pool_timing -- --ignored --nocapture`.
 
-use std::time::Instant;
-
 use tandem_autograd::backward;
 use tandem_core::{DType, Device, Generator, Tensor};
 
+use crate::testing::best_ms;
 use crate::unary::relu;
-
-/// Best time in milliseconds of `f` over enough repetitions.
-fn best_ms(mut f: impl FnMut()) -> f64 {
-    f();
-    let mut best = f64::INFINITY;
-    let start = Instant::now();
-    let mut reps = 0;
-    while reps < 10 || (start.elapsed().as_secs_f64() < 0.5 && reps < 500) {
-        let t = Instant::now();
-        f();
-        best = best.min(t.elapsed().as_secs_f64() * 1e3);
-        reps += 1;
-    }
-    best
-}
 
 #[test]
 #[ignore]
