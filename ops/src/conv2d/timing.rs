@@ -147,24 +147,29 @@ fn conv_timing_kernel_rate() {
     }
 }
 
+/// One sample of a 3×3, stride-1, padding-1 convolution: `c` channels of `h × h` to `o`.
+fn same_3x3(c: usize, h: usize, o: usize) -> Geometry {
+    Geometry {
+        batch: 1,
+        in_channels: c,
+        in_h: h,
+        in_w: h,
+        out_channels: o,
+        kernel: (3, 3),
+        stride: (1, 1),
+        padding: (1, 1),
+        dilation: (1, 1),
+        out_h: h,
+        out_w: h,
+    }
+}
+
 #[test]
 #[ignore]
 fn conv_timing_implicit_rate() {
     use super::implicit::Implicit;
     for (c, h, o) in [(16, 32, 16), (32, 16, 32), (64, 8, 64), (3, 32, 16)] {
-        let g = Geometry {
-            batch: 1,
-            in_channels: c,
-            in_h: h,
-            in_w: h,
-            out_channels: o,
-            kernel: (3, 3),
-            stride: (1, 1),
-            padding: (1, 1),
-            dilation: (1, 1),
-            out_h: h,
-            out_w: h,
-        };
+        let g = same_3x3(c, h, o);
         let Some(plan) = Implicit::new(&g) else {
             return;
         };
@@ -189,19 +194,7 @@ fn conv_timing_implicit_rate() {
 fn conv_timing_implicit_weight_rate() {
     use super::implicit::Implicit;
     for (c, h, o) in [(16, 32, 16), (32, 16, 32), (64, 8, 64), (3, 32, 16)] {
-        let g = Geometry {
-            batch: 1,
-            in_channels: c,
-            in_h: h,
-            in_w: h,
-            out_channels: o,
-            kernel: (3, 3),
-            stride: (1, 1),
-            padding: (1, 1),
-            dilation: (1, 1),
-            out_h: h,
-            out_w: h,
-        };
+        let g = same_3x3(c, h, o);
         let Some(plan) = Implicit::new(&g) else {
             return;
         };
