@@ -175,7 +175,7 @@ pub fn uninit<T: Element>(len: usize) -> Vec<T> {
         }
         found
     };
-    let buffer = match cached {
+    match cached {
         Some(mut buffer) => {
             // The buffer's capacity covers the class, hence `len`; only a tail beyond its
             // current length needs writing.
@@ -194,8 +194,7 @@ pub fn uninit<T: Element>(len: usize) -> Vec<T> {
             POOLS.lock().lent().insert(address);
             buffer
         }
-    };
-    buffer
+    }
 }
 
 /// A vector of `len` zeros.
