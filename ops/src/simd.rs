@@ -54,6 +54,29 @@ macro_rules! wide_simd_fn {
 }
 pub(crate) use wide_simd_fn;
 
+/// The method form of [`wide_simd_fn`]: defines `$name<T: FloatElement>(&self, …)`, which
+/// runs the `#[inline(always)]` method `$owner::$body` compiled for the widest vector
+/// instructions this CPU has.
+///
+/// ```text
+/// wide_simd_method!(
+///     /// doc
+///     pub(crate) fn fill = Im2col::fill_tile(&self, t: usize, x: &[T], cols: &mut [T])
+/// );
+/// ```
+macro_rules! wide_simd_method {
+    ($(#[$meta:meta])* $vis:vis fn $name:ident = $owner:ident::$body:ident(&self $(, $arg:ident: $ty:ty)*)) => {
+        $(#[$meta])*
+        $vis fn $name<T: FloatElement>(&self $(, $arg: $ty)*) {
+            $crate::simd::wide_simd_fn!(
+                fn dispatch[T: FloatElement](this: &$owner $(, $arg: $ty)*) = $owner::$body
+            );
+            dispatch::<T>(self $(, $arg)*)
+        }
+    };
+}
+pub(crate) use wide_simd_method;
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -11,6 +11,7 @@
 use tandem_core::FloatElement;
 
 use super::cpu::Geometry;
+use crate::simd::wide_simd_method;
 
 /// For a kernel tap at offset `tap` (= k·dilation), the output positions `[lo, hi)` whose input
 /// position `o·stride + tap − pad` falls inside `[0, len)`.
@@ -236,41 +237,6 @@ impl Im2col {
         }
     }
 }
-
-/// Defines `$name`, which runs the `#[inline(always)]` method `$body` compiled for the widest
-/// vector instructions this CPU has (AVX-512, else AVX2, else the baseline), chosen at run time.
-///
-/// The crate is built for baseline x86-64 (SSE2), so the auto-vectorised copy and add loops of
-/// im2col/col2im would otherwise move 4 floats at a time; `$body` is inlined into functions
-/// that enable the wider features.
-macro_rules! wide_simd_method {
-    ($(#[$meta:meta])* $vis:vis fn $name:ident = $owner:ident::$body:ident(&self $(, $arg:ident: $ty:ty)*)) => {
-        $(#[$meta])*
-        $vis fn $name<T: FloatElement>(&self $(, $arg: $ty)*) {
-            #[cfg(target_arch = "x86_64")]
-            {
-                #[target_feature(enable = "avx512f")]
-                unsafe fn avx512<T: FloatElement>(this: &$owner $(, $arg: $ty)*) {
-                    this.$body($($arg),*)
-                }
-                #[target_feature(enable = "avx2")]
-                unsafe fn avx2<T: FloatElement>(this: &$owner $(, $arg: $ty)*) {
-                    this.$body($($arg),*)
-                }
-                if std::arch::is_x86_feature_detected!("avx512f") {
-                    // SAFETY: the CPU supports AVX-512F, checked just above.
-                    return unsafe { avx512::<T>(self $(, $arg)*) };
-                }
-                if std::arch::is_x86_feature_detected!("avx2") {
-                    // SAFETY: the CPU supports AVX2, checked just above.
-                    return unsafe { avx2::<T>(self $(, $arg)*) };
-                }
-            }
-            self.$body($($arg),*)
-        }
-    };
-}
-pub(crate) use wide_simd_method;
 
 /// Runs at most this long are copied or zeroed inline; longer ones go to `memcpy`/`memset`.
 const SHORT_RUN: usize = 64;

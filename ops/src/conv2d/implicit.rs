@@ -19,8 +19,9 @@
 use tandem_core::FloatElement;
 
 use super::cpu::Geometry;
-use super::im2col::{copy_run, wide_simd_method};
+use super::im2col::copy_run;
 use super::tile_product::{self, TileShape};
+use crate::simd::wide_simd_method;
 
 /// Tiles are at most this many output columns wide (whole output rows, over the padded
 /// width, unless one row is wider): the tile's output block `[O, width]` then stays in L1/L2

@@ -13,7 +13,8 @@
 use tandem_core::FloatElement;
 
 use super::cpu::Geometry;
-use super::im2col::{copy_run, wide_simd_method};
+use super::im2col::copy_run;
+use crate::simd::wide_simd_method;
 
 /// Builder of pixel-major column matrices for one geometry.
 pub(crate) struct PixelRows {
