@@ -357,25 +357,10 @@ impl Layout {
             (self.offset..self.offset + n).for_each(f);
             return;
         }
-        let rank = self.rank();
-        let mut idx: SmallVec<[usize; 6]> = SmallVec::from_elem(0, rank);
-        let mut pos = self.offset;
-        for _ in 0..n {
-            f(pos);
-            for d in (0..rank).rev() {
-                idx[d] += 1;
-                pos += self.strides[d];
-                if idx[d] < self.shape[d] {
-                    break;
-                }
-                pos -= self.strides[d] * self.shape[d];
-                idx[d] = 0;
-            }
-        }
+        let row_len = self.shape.last().copied().unwrap_or(1);
+        self.for_each_row(|start, stride| (0..row_len).for_each(|j| f(start + j * stride)));
     }
-}
 
-impl Layout {
     /// Calls `f(start, stride)` for every innermost row in row-major order: the row's elements
     /// are at `start + j · stride` for `j` in `0..row_len`, where `row_len` (returned) is the
     /// innermost extent. A rank-0 layout is one row of one element.
