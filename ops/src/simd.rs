@@ -3,10 +3,8 @@
 //! The crate is compiled for baseline x86-64 (SSE2: 4 f32 lanes). [`wide_simd_fn`] defines a
 //! function that runs an `#[inline(always)]` body compiled three times (AVX-512F, AVX2 + FMA,
 //! baseline) and picks the widest one the CPU has, so that the loops LLVM auto-vectorises in
-//! that body move 16 (or 8) f32 lanes at a time. Re-exports `util::parallel`, the one rule for
-//! when a kernel forks onto the rayon pool.
-
-pub(crate) use crate::util::parallel;
+//! that body move 16 (or 8) f32 lanes at a time. (`util::parallel` is the one rule for when a
+//! kernel forks onto the rayon pool.)
 
 /// Defines `fn $name<generics>(args) -> ret` that calls `$body(args)` compiled for AVX-512F,
 /// else AVX2 + FMA, else the baseline, chosen at run time. `$body` must be `#[inline(always)]`
@@ -79,8 +77,6 @@ pub(crate) use wide_simd_method;
 
 #[cfg(test)]
 mod tests {
-    use super::*;
-
     #[inline(always)]
     fn scaled_sum<F: Fn(f32) -> f32>(x: &[f32], f: F) -> f32 {
         x.iter().map(|&v| f(v)).sum()
@@ -99,6 +95,6 @@ mod tests {
 
     #[test]
     fn small_work_never_goes_parallel() {
-        assert!(!parallel(10));
+        assert!(!crate::util::parallel(10));
     }
 }

@@ -14,7 +14,8 @@
 use rayon::prelude::*;
 use tandem_core::{alloc, FloatElement};
 
-use crate::simd::{parallel, wide_simd_fn};
+use crate::simd::wide_simd_fn;
+use crate::util::parallel;
 
 /// The input viewed as `[n, c, l]`.
 #[derive(Clone, Copy, Debug)]

@@ -8,7 +8,7 @@ use rayon::prelude::*;
 use tandem_core::{alloc, FloatElement};
 
 use super::max2x2;
-use crate::simd::parallel;
+use crate::util::parallel;
 
 /// The input ranges that each output row and column of a pool covers, clipped to the input.
 #[derive(Clone, Debug)]

@@ -11,7 +11,8 @@
 use rayon::prelude::*;
 use tandem_core::{alloc, with_float_type, Element, FloatElement, Result, Tensor};
 
-use super::simd::{parallel, wide_simd_fn};
+use crate::simd::wide_simd_fn;
+use crate::util::parallel;
 
 /// Elements per rayon task: large enough to amortise the fork, small enough to balance.
 const CHUNK: usize = 1 << 13;

@@ -8,7 +8,6 @@
 
 mod cpu;
 // The vector-dispatch helpers shared by the elementwise, pooling and batch-norm kernels.
-pub(crate) use crate::simd;
 
 use tandem_autograd::record_fn;
 use tandem_core::{Result, Tensor};
