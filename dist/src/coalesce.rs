@@ -5,7 +5,8 @@
 //! times per step — on a cluster network that is milliseconds — so the tensors are packed
 //! into one contiguous buffer per dtype, broadcast once, and unpacked on the receiving ranks.
 
-use tandem_core::{DType, Layout, Tensor};
+use tandem_core::layout::contiguous_strides;
+use tandem_core::{DType, Device, Layout, Shape, Tensor};
 
 use crate::error::{DistError, Result};
 use crate::process_group::ProcessGroup;
@@ -25,11 +26,6 @@ pub(crate) struct CoalescedBroadcast {
 impl CoalescedBroadcast {
     /// Lays out `tensors` in one flat buffer per dtype (in order of first appearance).
     pub(crate) fn new(rank: usize, tensors: &[Tensor]) -> Result<Self> {
-        let tensor_error = |e: tandem_core::Error| DistError::Tensor {
-            rank,
-            collective: "broadcast (coalesced)",
-            message: e.to_string(),
-        };
         let mut dtypes: Vec<DType> = Vec::new();
         for t in tensors {
             if !dtypes.contains(&t.dtype()) {
@@ -39,19 +35,8 @@ impl CoalescedBroadcast {
         let mut packs = Vec::with_capacity(dtypes.len());
         for dtype in dtypes {
             let of_dtype: Vec<&Tensor> = tensors.iter().filter(|t| t.dtype() == dtype).collect();
-            let total: usize = of_dtype.iter().map(|t| t.numel()).sum();
-            let flat =
-                Tensor::zeros(&[total], dtype, tandem_core::Device::Cpu).map_err(tensor_error)?;
-            let mut offset = 0;
-            let mut members = Vec::with_capacity(of_dtype.len());
-            for t in of_dtype {
-                let mut layout = Layout::contiguous(t.dims());
-                layout =
-                    Layout::from_parts(layout.shape().clone(), layout.strides().clone(), offset);
-                let view = flat.view_detached(layout).map_err(tensor_error)?;
-                offset += t.numel();
-                members.push((t.clone(), view));
-            }
+            let (flat, places) = flat_views(&of_dtype, dtype).map_err(|e| tensor_error(rank, e))?;
+            let members = of_dtype.into_iter().cloned().zip(places).collect();
             packs.push(Pack { flat, members });
         }
         Ok(CoalescedBroadcast { packs })
@@ -60,15 +45,10 @@ impl CoalescedBroadcast {
     /// Copies `root`'s tensors into every rank's tensors: one broadcast per dtype.
     pub(crate) fn broadcast(&self, group: &dyn ProcessGroup, root: usize) -> Result<()> {
         let rank = group.rank();
-        let tensor_error = |e: tandem_core::Error| DistError::Tensor {
-            rank,
-            collective: "broadcast (coalesced)",
-            message: e.to_string(),
-        };
         if rank == root {
             for pack in &self.packs {
                 for (tensor, place) in &pack.members {
-                    place.copy_(tensor).map_err(tensor_error)?;
+                    place.copy_(tensor).map_err(|e| tensor_error(rank, e))?;
                 }
             }
         }
@@ -82,11 +62,38 @@ impl CoalescedBroadcast {
         if rank != root {
             for pack in &self.packs {
                 for (tensor, place) in &pack.members {
-                    tensor.copy_(place).map_err(tensor_error)?;
+                    tensor.copy_(place).map_err(|e| tensor_error(rank, e))?;
                 }
             }
         }
         Ok(())
+    }
+}
+
+/// A zeroed flat buffer of `dtype` holding `tensors` one after the other, and a contiguous
+/// view of each tensor's place in it (DDP's buckets and coalesced broadcasts).
+pub(crate) fn flat_views(
+    tensors: &[&Tensor],
+    dtype: DType,
+) -> tandem_core::Result<(Tensor, Vec<Tensor>)> {
+    let total: usize = tensors.iter().map(|t| t.numel()).sum();
+    let flat = Tensor::zeros(&[total], dtype, Device::Cpu)?;
+    let mut offset = 0;
+    let mut views = Vec::with_capacity(tensors.len());
+    for t in tensors {
+        let shape = Shape::from_slice(t.dims());
+        let layout = Layout::from_parts(shape.clone(), contiguous_strides(&shape), offset);
+        views.push(flat.view_detached(layout)?);
+        offset += t.numel();
+    }
+    Ok((flat, views))
+}
+
+fn tensor_error(rank: usize, e: tandem_core::Error) -> DistError {
+    DistError::Tensor {
+        rank,
+        collective: "broadcast (coalesced)",
+        message: e.to_string(),
     }
 }
 

@@ -6,9 +6,9 @@
 //! that communication starts as soon as the last layers' gradients are ready. Each parameter's
 //! `.grad` is a view into its bucket, so gradients are neither copied in nor out.
 
-use tandem_core::layout::contiguous_strides;
-use tandem_core::{DType, Device, Layout, Shape, Tensor};
+use tandem_core::{DType, Tensor};
 
+use crate::coalesce::flat_views;
 use crate::{DistError, Result};
 
 /// One bucket: a flat buffer and the parameters whose gradients live in it.
@@ -77,17 +77,11 @@ pub(crate) fn build(
     let mut views: Vec<Option<Slot>> = vec![None; params.len()];
     let mut buckets = Vec::with_capacity(groups.len());
     for (b, group) in groups.iter().enumerate() {
-        let total: usize = group.iter().map(|&p| params[p].1.numel()).sum();
-        let dtype = params[group[0]].1.dtype();
-        let buffer = Tensor::zeros(&[total], dtype, Device::Cpu).map_err(|e| model_err(rank, e))?;
-        let mut offset = 0;
-        for &p in group {
+        let members: Vec<&Tensor> = group.iter().map(|&p| &params[p].1).collect();
+        let (buffer, places) =
+            flat_views(&members, members[0].dtype()).map_err(|e| model_err(rank, e))?;
+        for (&p, view) in group.iter().zip(places) {
             let (path, tensor) = &params[p];
-            let shape = Shape::from_slice(tensor.dims());
-            let layout = Layout::from_parts(shape.clone(), contiguous_strides(&shape), offset);
-            let view = buffer
-                .view_detached(layout)
-                .map_err(|e| model_err(rank, e))?;
             if let Some(g) = tensor.grad() {
                 view.copy_(&g).map_err(|e| DistError::Model {
                     rank,
@@ -98,7 +92,6 @@ pub(crate) fn build(
                 .set_grad(Some(view.clone()))
                 .map_err(|e| model_err(rank, e))?;
             views[p] = Some(Slot { bucket: b, view });
-            offset += tensor.numel();
         }
         buckets.push(Bucket {
             buffer,
