@@ -125,6 +125,14 @@ pub trait Module: AsAny + Send + Sync {
     /// The module's train/eval flag.
     fn training_flag(&self) -> &TrainingFlag;
 
+    /// `relu(forward(x))`. A module that can apply the ReLU inside its own output pass
+    /// ([`BatchNorm2d`](crate::BatchNorm2d)) overrides this to save the separate pass over
+    /// memory; the result is the same either way, so any module can stand where a fused one
+    /// is expected.
+    fn forward_relu(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(tandem_ops::relu(&self.forward(x)?)?)
+    }
+
     /// The type's short name for messages and printing (`"Conv2d"`).
     fn type_name(&self) -> &'static str {
         let full = std::any::type_name::<Self>();

@@ -11,6 +11,7 @@
 
 use std::sync::Arc;
 
+use parking_lot::RwLock;
 use tandem_core::Tensor;
 
 use crate::layers::{
@@ -39,6 +40,14 @@ fn run_child(name: &str, child: &dyn Module, x: &Tensor) -> Result<Tensor> {
         .map_err(|e| e.in_module(name, child.type_name()))
 }
 
+/// `relu(child(x))` through [`Module::forward_relu`] (fused where the child can: a
+/// `BatchNorm2d`), wrapping an error with the child's path.
+fn run_child_relu(name: &str, child: &dyn Module, x: &Tensor) -> Result<Tensor> {
+    child
+        .forward_relu(x)
+        .map_err(|e| e.in_module(name, child.type_name()))
+}
+
 /// The residual block of ResNet-18/34 and the CIFAR ResNets:
 /// `relu(bn2(conv2(relu(bn1(conv1(x))))) + shortcut(x))`.
 ///
@@ -47,15 +56,74 @@ fn run_child(name: &str, child: &dyn Module, x: &Tensor) -> Result<Tensor> {
 /// `downsample`: a 1×1 convolution with the block's stride and no bias (`downsample.0`) and a
 /// batch norm (`downsample.1`).
 ///
+/// The ReLUs run fused: `bn1` through [`Module::forward_relu`] (one pass with the
+/// normalisation when it is a `BatchNorm2d`, `relu(forward)` for any other module such as a
+/// synchronised batch norm), and the join through `tandem_ops::add_relu`.
+///
+/// Children can be swapped through [`Module::replace_child`] (so that a `BatchNorm2d` can
+/// become a synchronised one); they sit behind a lock, and `forward` runs on a snapshot.
+///
 /// # Shapes
 /// `[N, in, H, W]` → `[N, out, H / stride, W / stride]` (rounded up).
 pub struct BasicBlock {
+    children: RwLock<BlockChildren>,
+    training: TrainingFlag,
+}
+
+/// The children of a [`BasicBlock`].
+#[derive(Clone)]
+struct BlockChildren {
     conv1: Arc<dyn Module>,
     bn1: Arc<dyn Module>,
     conv2: Arc<dyn Module>,
     bn2: Arc<dyn Module>,
     downsample: Option<Arc<dyn Module>>,
-    training: TrainingFlag,
+}
+
+impl BlockChildren {
+    /// The children by name, in registration order.
+    fn named(&self) -> Vec<(String, Arc<dyn Module>)> {
+        let mut out = vec![
+            ("conv1".to_string(), self.conv1.clone()),
+            ("bn1".to_string(), self.bn1.clone()),
+            ("conv2".to_string(), self.conv2.clone()),
+            ("bn2".to_string(), self.bn2.clone()),
+        ];
+        if let Some(d) = &self.downsample {
+            out.push(("downsample".to_string(), d.clone()));
+        }
+        out
+    }
+
+    /// The slot of the child `name`, if there is one.
+    fn slot(&mut self, name: &str) -> Option<&mut Arc<dyn Module>> {
+        match name {
+            "conv1" => Some(&mut self.conv1),
+            "bn1" => Some(&mut self.bn1),
+            "conv2" => Some(&mut self.conv2),
+            "bn2" => Some(&mut self.bn2),
+            "downsample" => self.downsample.as_mut(),
+            _ => None,
+        }
+    }
+}
+
+/// Puts `module` in `slot` (that of the child `name`) and returns the old child, or, without
+/// a slot, an error naming `owner` and the existing children `names`.
+fn replace_named(
+    owner: &'static str,
+    names: Vec<String>,
+    slot: Option<&mut Arc<dyn Module>>,
+    name: &str,
+    module: Arc<dyn Module>,
+) -> Result<Arc<dyn Module>> {
+    match slot {
+        Some(slot) => Ok(std::mem::replace(slot, module)),
+        None => Err(Error::config(
+            owner,
+            format!("no child named `{name}`; children are {names:?}"),
+        )),
+    }
 }
 
 impl BasicBlock {
@@ -79,34 +147,38 @@ impl BasicBlock {
         } else {
             None
         };
-        Ok(BasicBlock {
+        let children = BlockChildren {
             conv1: Arc::new(conv3x3(in_channels, out_channels, stride)?),
             bn1: Arc::new(BatchNorm2d::new(out_channels)?),
             conv2: Arc::new(conv3x3(out_channels, out_channels, 1)?),
             bn2: Arc::new(BatchNorm2d::new(out_channels)?),
             downsample,
+        };
+        Ok(BasicBlock {
+            children: RwLock::new(children),
             training: TrainingFlag::new(),
         })
     }
 
     /// Whether the shortcut is a projection (`downsample`) rather than the identity.
     pub fn has_downsample(&self) -> bool {
-        self.downsample.is_some()
+        self.children.read().downsample.is_some()
     }
 }
 
 impl Module for BasicBlock {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let out = run_child("conv1", self.conv1.as_ref(), x)?;
-        let out = run_child("bn1", self.bn1.as_ref(), &out)?;
-        let out = tandem_ops::relu(&out)?;
-        let out = run_child("conv2", self.conv2.as_ref(), &out)?;
-        let out = run_child("bn2", self.bn2.as_ref(), &out)?;
-        let shortcut = match &self.downsample {
+        // A snapshot, so no lock is held while children run.
+        let c = self.children.read().clone();
+        let out = run_child("conv1", c.conv1.as_ref(), x)?;
+        let out = run_child_relu("bn1", c.bn1.as_ref(), &out)?;
+        let out = run_child("conv2", c.conv2.as_ref(), &out)?;
+        let out = run_child("bn2", c.bn2.as_ref(), &out)?;
+        let shortcut = match &c.downsample {
             Some(d) => run_child("downsample", d.as_ref(), x)?,
             None => x.clone(),
         };
-        Ok(tandem_ops::relu(&tandem_ops::add(&out, &shortcut)?)?)
+        Ok(tandem_ops::add_relu(&out, &shortcut)?)
     }
 
     fn training_flag(&self) -> &TrainingFlag {
@@ -114,30 +186,34 @@ impl Module for BasicBlock {
     }
 
     fn children(&self) -> Vec<(String, Arc<dyn Module>)> {
-        let mut out = vec![
-            ("conv1".to_string(), self.conv1.clone()),
-            ("bn1".to_string(), self.bn1.clone()),
-            ("conv2".to_string(), self.conv2.clone()),
-            ("bn2".to_string(), self.bn2.clone()),
-        ];
-        if let Some(d) = &self.downsample {
-            out.push(("downsample".to_string(), d.clone()));
-        }
-        out
+        self.children.read().named()
+    }
+
+    fn replace_child(&self, name: &str, module: Arc<dyn Module>) -> Result<Arc<dyn Module>> {
+        let mut children = self.children.write();
+        let names = children.named().into_iter().map(|(n, _)| n).collect();
+        replace_named(
+            "BasicBlock::replace_child",
+            names,
+            children.slot(name),
+            name,
+            module,
+        )
     }
 }
 
 /// A ResNet for 32×32 images: see the [module documentation](self).
 ///
 /// Children, in order: `conv1`, `bn1`, `layer1`, `layer2`, `layer3` (each a [`Sequential`] of
-/// [`BasicBlock`]s named `0`, `1`, …), `avgpool`, `flatten`, `fc`.
+/// [`BasicBlock`]s named `0`, `1`, …), `avgpool`, `flatten`, `fc`. Like those of its blocks
+/// and stages, they can be swapped through [`Module::replace_child`].
 ///
 /// # Shapes
 /// `[N, 3, 32, 32]` → logits `[N, num_classes]` (any `H, W` ≥ 1 work, thanks to the global
 /// pooling).
 pub struct CifarResNet {
     depth: usize,
-    children: Vec<(String, Arc<dyn Module>)>,
+    children: RwLock<Vec<(String, Arc<dyn Module>)>>,
     training: TrainingFlag,
 }
 
@@ -150,12 +226,15 @@ impl CifarResNet {
 
 impl Module for CifarResNet {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        // A snapshot, so no lock is held while children run.
+        let children = self.children.read().clone();
         let mut out = x.clone();
-        for (name, child) in &self.children {
-            out = run_child(name, child.as_ref(), &out)?;
-            if name == "bn1" {
-                out = tandem_ops::relu(&out)?;
-            }
+        for (name, child) in &children {
+            out = if name == "bn1" {
+                run_child_relu(name, child.as_ref(), &out)?
+            } else {
+                run_child(name, child.as_ref(), &out)?
+            };
         }
         Ok(out)
     }
@@ -165,7 +244,17 @@ impl Module for CifarResNet {
     }
 
     fn children(&self) -> Vec<(String, Arc<dyn Module>)> {
-        self.children.clone()
+        self.children.read().clone()
+    }
+
+    fn replace_child(&self, name: &str, module: Arc<dyn Module>) -> Result<Arc<dyn Module>> {
+        let mut children = self.children.write();
+        let names = children.iter().map(|(n, _)| n.clone()).collect();
+        let slot = children
+            .iter_mut()
+            .find(|(n, _)| n == name)
+            .map(|(_, slot)| slot);
+        replace_named("CifarResNet::replace_child", names, slot, name, module)
     }
 }
 
@@ -201,7 +290,7 @@ pub fn resnet_cifar(depth: usize, num_classes: usize) -> Result<CifarResNet> {
     children.push(("fc".into(), Arc::new(Linear::new(64, num_classes, true)?)));
     Ok(CifarResNet {
         depth,
-        children,
+        children: RwLock::new(children),
         training: TrainingFlag::new(),
     })
 }
@@ -278,6 +367,102 @@ mod tests {
             );
         }
         assert!(resnet_cifar(20, 0).is_err());
+    }
+
+    /// A batch norm that does not fuse: `forward_relu` falls back to `relu(forward)`.
+    struct Unfused(BatchNorm2d);
+
+    impl Module for Unfused {
+        fn forward(&self, x: &Tensor) -> Result<Tensor> {
+            self.0.forward(x)
+        }
+        fn training_flag(&self) -> &TrainingFlag {
+            self.0.training_flag()
+        }
+        fn visit_own(&self, visitor: &mut dyn FnMut(&str, crate::ParamKind, &Tensor)) {
+            self.0.visit_own(visitor)
+        }
+    }
+
+    fn child(m: &dyn Module, name: &str) -> Arc<dyn Module> {
+        m.children().into_iter().find(|(n, _)| n == name).unwrap().1
+    }
+
+    /// The block's output and input gradient for `x` (summed output as the loss).
+    fn output_and_grad(block: &BasicBlock, x: &Tensor) -> (Vec<f64>, Vec<f64>) {
+        use tandem_autograd::TensorBackward;
+        let x = x.detach().with_requires_grad().unwrap();
+        let y = block.forward(&x).unwrap();
+        tandem_ops::sum_all(&y).unwrap().backward().unwrap();
+        let gx = x.grad().unwrap().to_vec_f64().unwrap();
+        (y.to_vec_f64().unwrap(), gx)
+    }
+
+    fn close(a: &[f64], b: &[f64]) -> bool {
+        a.len() == b.len() && a.iter().zip(b).all(|(p, q)| (p - q).abs() < 1e-4)
+    }
+
+    #[test]
+    fn fused_block_matches_its_unfused_composition_and_a_non_fusing_batch_norm() {
+        use tandem_autograd::TensorBackward;
+        let block = BasicBlock::new(4, 8, 2).unwrap();
+        let mut gen = tandem_core::Generator::new(3);
+        let x = Tensor::randn(&[3, 4, 6, 6], 0.0, 1.0, DType::F32, Device::Cpu, &mut gen).unwrap();
+        let (y, gx) = output_and_grad(&block, &x);
+        // the same block written with separate relu/add ops
+        let x2 = x.detach().with_requires_grad().unwrap();
+        let run = |name: &str, t: &Tensor| child(&block, name).forward(t).unwrap();
+        let out = tandem_ops::relu(&run("bn1", &run("conv1", &x2))).unwrap();
+        let out = run("bn2", &run("conv2", &out));
+        let shortcut = run("downsample", &x2);
+        let y2 = tandem_ops::relu(&tandem_ops::add(&out, &shortcut).unwrap()).unwrap();
+        tandem_ops::sum_all(&y2).unwrap().backward().unwrap();
+        assert!(close(&y, &y2.to_vec_f64().unwrap()));
+        assert!(close(&gx, &x2.grad().unwrap().to_vec_f64().unwrap()));
+        // bn1 swapped for a module without a fused forward_relu: same values, same paths
+        let names = |m: &dyn Module| -> Vec<String> {
+            m.named_tensors().into_iter().map(|t| t.0).collect()
+        };
+        let before = names(&block);
+        let old = block
+            .replace_child("bn1", Arc::new(Unfused(BatchNorm2d::new(8).unwrap())))
+            .unwrap();
+        assert!(old.is::<BatchNorm2d>());
+        assert_eq!(names(&block), before);
+        let (y3, gx3) = output_and_grad(&block, &x);
+        assert!(close(&y, &y3) && close(&gx, &gx3));
+        let err = block
+            .replace_child("bn3", Arc::new(BatchNorm2d::new(8).unwrap()))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains("bn3") && err.contains("downsample"), "{err}");
+        let plain = BasicBlock::new(8, 8, 1).unwrap();
+        assert!(plain
+            .replace_child("downsample", Arc::new(BatchNorm2d::new(8).unwrap()))
+            .is_err());
+    }
+
+    #[test]
+    fn resnet_children_can_be_swapped_keeping_paths_and_outputs() {
+        let model = resnet_cifar(8, 3).unwrap();
+        let x = Tensor::zeros(&[2, 3, 8, 8], DType::F32, Device::Cpu).unwrap();
+        let before = model.forward(&x).unwrap().to_vec_f64().unwrap();
+        let names: Vec<String> = model.named_tensors().into_iter().map(|t| t.0).collect();
+        // a fresh batch norm has the same parameters as the one it replaces
+        let old = model
+            .replace_child("bn1", Arc::new(Unfused(BatchNorm2d::new(16).unwrap())))
+            .unwrap();
+        assert!(old.is::<BatchNorm2d>());
+        let after: Vec<String> = model.named_tensors().into_iter().map(|t| t.0).collect();
+        assert_eq!(after, names);
+        assert!(close(
+            &before,
+            &model.forward(&x).unwrap().to_vec_f64().unwrap()
+        ));
+        assert!(model
+            .replace_child("bn9", Arc::new(BatchNorm2d::new(16).unwrap()))
+            .is_err());
     }
 
     #[test]

@@ -25,7 +25,7 @@ pub mod views;
 #[cfg(test)]
 pub(crate) mod testing;
 
-pub use binary::{add, add_scalar, div, mul, mul_scalar, sub};
+pub use binary::{add, add_relu, add_scalar, div, mul, mul_scalar, sub};
 pub use reduce::{mean, mean_all, sum, sum_all};
 pub use views::{
     contiguous, expand, flatten, narrow, permute, reshape, squeeze, transpose, unsqueeze,
@@ -41,7 +41,7 @@ pub use threads::set_num_threads;
 pub use unary::{exp, log, neg, pow_scalar, relu, sigmoid, sqrt, tanh};
 
 // --- re-exports: matmul, linear, conv2d, pool, batch_norm ---
-pub use batch_norm::batch_norm;
+pub use batch_norm::{batch_norm, batch_norm_relu};
 pub use conv2d::{conv2d, Conv2dParams};
 pub use linear::linear;
 pub use matmul::matmul;

@@ -141,8 +141,9 @@ impl BatchNorm2d {
     }
 }
 
-impl Module for BatchNorm2d {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+impl BatchNorm2d {
+    /// The forward, with (`relu`) or without a ReLU fused onto the output.
+    fn run(&self, x: &Tensor, relu: bool) -> Result<Tensor> {
         if x.rank() != 4 || x.dims()[1] != self.num_features {
             return Err(Error::input(
                 "BatchNorm2d",
@@ -165,7 +166,12 @@ impl Module for BatchNorm2d {
                 ),
             ));
         }
-        let out = tandem_ops::batch_norm::batch_norm(
+        let op = if relu {
+            tandem_ops::batch_norm::batch_norm_relu
+        } else {
+            tandem_ops::batch_norm::batch_norm
+        };
+        let out = op(
             x,
             self.running_mean.as_ref(),
             self.running_var.as_ref(),
@@ -181,6 +187,17 @@ impl Module for BatchNorm2d {
             }
         }
         Ok(out)
+    }
+}
+
+impl Module for BatchNorm2d {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.run(x, false)
+    }
+
+    /// `relu(forward(x))` in batch norm's own passes (`tandem_ops::batch_norm_relu`).
+    fn forward_relu(&self, x: &Tensor) -> Result<Tensor> {
+        self.run(x, true)
     }
 
     fn training_flag(&self) -> &TrainingFlag {
@@ -308,6 +325,35 @@ mod tests {
             vec![0.0; 2]
         );
         assert_eq!(bn.num_batches_tracked().unwrap().item().unwrap(), 0.0);
+    }
+
+    #[test]
+    fn fused_relu_forward_clamps_the_normalised_output_in_both_modes() {
+        let (fused, plain) = (BatchNorm2d::new(2).unwrap(), BatchNorm2d::new(2).unwrap());
+        let x = input();
+        for training in [true, false] {
+            fused.set_training(training);
+            let y = fused.forward_relu(&x).unwrap().to_vec_f64().unwrap();
+            // the plain layer in training mode gives the batch-normalised values (mean 0, var 1)
+            plain.set_training(training);
+            let z = plain.forward(&x).unwrap().to_vec_f64().unwrap();
+            assert!(z.iter().any(|&v| v < 0.0));
+            for (a, b) in y.iter().zip(&z) {
+                assert_eq!(*a, b.max(0.0));
+            }
+        }
+        // running statistics and the batch count move as with the unfused forward
+        for (a, b) in fused.named_tensors().iter().zip(plain.named_tensors()) {
+            assert_eq!(
+                a.2.to_vec_f64().unwrap(),
+                b.2.to_vec_f64().unwrap(),
+                "{}",
+                a.0
+            );
+        }
+        assert_eq!(fused.num_batches_tracked().unwrap().item().unwrap(), 1.0);
+        let bad = Tensor::zeros(&[2, 3, 4, 4], DType::F32, Device::Cpu).unwrap();
+        assert!(fused.forward_relu(&bad).is_err());
     }
 
     #[test]

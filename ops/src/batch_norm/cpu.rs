@@ -7,7 +7,10 @@
 //! one pass over memory: each run's sum and its squared deviations from its own mean (the
 //! second sweep hits the cache), merged per channel in f64 by the parallel-variance formula
 //! (the run sums are kept, so that the between-run term needs no cancelling subtraction).
-//! Elementwise passes are one `a·x + b (+ k·y)` sweep with per-channel constants. Every loop
+//! Elementwise passes are one `a·x + b (+ k·y)` sweep with per-channel constants. A ReLU fused
+//! onto the output is applied in the forward sweep, and its backward mask (`z > 0` for the
+//! normalised `z = scale·x + shift`) is recomputed from the input inside the gradient
+//! reduction and the input-gradient sweep, so it costs no pass of its own. Every loop
 //! is compiled for the widest vector instructions the CPU has, and samples are split across
 //! rayon threads only when the pool has more than one and the input is large.
 
@@ -98,13 +101,37 @@ wide_simd_fn!(
     ) = moment_runs
 );
 
-/// Per-channel `[Σg, Σg·(x − mean[c])]` of `samples` (`mean` in the element type).
+/// ReLU of a normalised value: `z` where it is not negative, else 0 (NaN stays NaN, as in
+/// the unfused `relu`).
+#[inline(always)]
+fn relu_value<T: FloatElement>(z: T) -> T {
+    if z < T::ZERO {
+        T::ZERO
+    } else {
+        z
+    }
+}
+
+/// `g` where the normalised value `z` is positive, else 0: ReLU's backward mask.
+#[inline(always)]
+fn keep_where_positive<T: FloatElement>(g: T, z: T) -> T {
+    if z > T::ZERO {
+        g
+    } else {
+        T::ZERO
+    }
+}
+
+/// Per-channel `[Σg, Σg·(x − mean[c])]` of `samples` (`mean` in the element type). With
+/// `mask` (per-channel `(scale, shift)`), `g` counts only where `scale·x + shift > 0`: the
+/// gradient of a ReLU applied to the normalised output.
 #[inline(always)]
 fn grad_runs<T: FloatElement>(
     g: &[T],
     x: &[T],
     d: Dims,
     mean: &[T],
+    mask: Option<&[(T, T)]>,
     samples: std::ops::Range<usize>,
     acc: &mut [[f64; 2]],
 ) {
@@ -115,8 +142,19 @@ fn grad_runs<T: FloatElement>(
         for (c, (a, &m)) in acc.iter_mut().zip(mean).enumerate() {
             let at = n * per_sample + c * d.l;
             let (gs, xs) = (&g[at..at + d.l], &x[at..at + d.l]);
-            a[0] += lane_sum(gs, gs, |gv, _| gv);
-            a[1] += lane_sum(gs, xs, |gv, xv| gv * (xv - m));
+            match mask {
+                None => {
+                    a[0] += lane_sum(gs, gs, |gv, _| gv);
+                    a[1] += lane_sum(gs, xs, |gv, xv| gv * (xv - m));
+                }
+                Some(mask) => {
+                    let (s, t) = mask[c];
+                    a[0] += lane_sum(gs, xs, |gv, xv| keep_where_positive(gv, s * xv + t));
+                    a[1] += lane_sum(gs, xs, |gv, xv| {
+                        keep_where_positive(gv, s * xv + t) * (xv - m)
+                    });
+                }
+            }
         }
     }
 }
@@ -128,6 +166,7 @@ wide_simd_fn!(
         x: &[T],
         d: Dims,
         mean: &[T],
+        mask: Option<&[(T, T)]>,
         samples: std::ops::Range<usize>,
         acc: &mut [[f64; 2]]
     ) = grad_runs
@@ -207,12 +246,28 @@ pub(crate) fn moments<T: FloatElement>(x: &[T], d: Dims) -> (Vec<f64>, Vec<f64>)
         .unzip()
 }
 
-/// `out = a·x + b (+ k·y)` with per-channel `(a, b, k)` for samples `first..`, `out` holding
+/// What a per-channel map computes from `x` (and maybe a second input `y`) with the channel's
+/// `(a, b, k)`.
+#[derive(Clone, Copy)]
+enum Form<'a, T> {
+    /// `a·x + b`.
+    Affine,
+    /// `max(0, a·x + b)`: the normalisation with a ReLU on its output.
+    AffineRelu,
+    /// `a·x + b + k·y`.
+    Plus(&'a [T]),
+    /// `a·x' + b + k·y` with `x' = x` where the channel's `s·y + t > 0` and 0 elsewhere: the
+    /// input gradient (`x` = output gradient, `y` = input) behind a fused ReLU whose mask is
+    /// recomputed from the input with the forward's own `(s, t)`.
+    MaskedPlus(&'a [T], &'a [(T, T)]),
+}
+
+/// `out` = the [`Form`] with per-channel `(a, b, k)` for samples `first..`, `out` holding
 /// whole samples.
 #[inline(always)]
 fn map_runs<T: FloatElement>(
     x: &[T],
-    y: Option<&[T]>,
+    form: Form<'_, T>,
     d: Dims,
     coefs: &[(T, T, T)],
     first: usize,
@@ -225,15 +280,26 @@ fn map_runs<T: FloatElement>(
             let at = n * per_sample + c * d.l;
             let dst = &mut o[c * d.l..(c + 1) * d.l];
             let xs = &x[at..at + d.l];
-            match y {
-                Some(y) => {
+            match form {
+                Form::Affine => dst.iter_mut().zip(xs).for_each(|(o, &xv)| *o = a * xv + b),
+                Form::AffineRelu => dst
+                    .iter_mut()
+                    .zip(xs)
+                    .for_each(|(o, &xv)| *o = relu_value(a * xv + b)),
+                Form::Plus(y) => {
                     let ys = &y[at..at + d.l];
                     dst.iter_mut()
                         .zip(xs)
                         .zip(ys)
                         .for_each(|((o, &xv), &yv)| *o = a * xv + b + k * yv);
                 }
-                None => dst.iter_mut().zip(xs).for_each(|(o, &xv)| *o = a * xv + b),
+                Form::MaskedPlus(y, mask) => {
+                    let ys = &y[at..at + d.l];
+                    let (s, t) = mask[c];
+                    dst.iter_mut().zip(xs).zip(ys).for_each(|((o, &xv), &yv)| {
+                        *o = a * keep_where_positive(xv, s * yv + t) + b + k * yv
+                    });
+                }
             }
         }
     }
@@ -243,7 +309,7 @@ wide_simd_fn!(
     /// [`map_runs`] in the widest vector instructions the CPU has.
     fn map_runs_wide[T: FloatElement](
         x: &[T],
-        y: Option<&[T]>,
+        form: Form<'_, T>,
         d: Dims,
         coefs: &[(T, T, T)],
         first: usize,
@@ -251,10 +317,10 @@ wide_simd_fn!(
     ) = map_runs
 );
 
-/// Applies per-channel `out = a[c]·x + b[c] (+ y·k[c] when given)` over every `(n, c)` run.
+/// Applies the per-channel [`Form`] with `(a[c], b[c], k[c])` over every `(n, c)` run.
 fn per_channel_map<T: FloatElement>(
     x: &[T],
-    y: Option<&[T]>,
+    form: Form<'_, T>,
     d: Dims,
     coef: impl Fn(usize) -> (T, T, T),
 ) -> Vec<T> {
@@ -269,36 +335,58 @@ fn per_channel_map<T: FloatElement>(
         let per_task = d.n.div_ceil(rayon::current_num_threads() * 4).max(1);
         out.par_chunks_mut(per_task * per_sample)
             .enumerate()
-            .for_each(|(i, o)| map_runs_wide(x, y, d, &coefs, i * per_task, o));
+            .for_each(|(i, o)| map_runs_wide(x, form, d, &coefs, i * per_task, o));
     } else {
-        map_runs_wide(x, y, d, &coefs, 0, &mut out);
+        map_runs_wide(x, form, d, &coefs, 0, &mut out);
     }
     out
 }
 
-/// `y = x·scale[c] + shift[c]`: the normalisation and affine map in one pass.
-pub(crate) fn normalize<T: FloatElement>(x: &[T], d: Dims, scale: &[f64], shift: &[f64]) -> Vec<T> {
-    per_channel_map(x, None, d, |c| {
-        (T::from_f64(scale[c]), T::from_f64(shift[c]), T::ZERO)
-    })
+/// The per-channel `(scale, shift)` in the element type: the forward normalises with exactly
+/// these, so the fused backward recomputes the very `z = scale·x + shift` whose sign the
+/// forward's ReLU saw.
+pub(crate) fn affine_coefs<T: FloatElement>(scale: &[f64], shift: &[f64]) -> Vec<(T, T)> {
+    scale
+        .iter()
+        .zip(shift)
+        .map(|(&a, &b)| (T::from_f64(a), T::from_f64(b)))
+        .collect()
 }
 
-/// Per-channel `Σ g` and `Σ g·(x − mean)`.
+/// `y = x·scale[c] + shift[c]`: the normalisation and affine map in one pass; with `relu`,
+/// `y = max(0, x·scale[c] + shift[c])` in the same pass.
+pub(crate) fn normalize<T: FloatElement>(
+    x: &[T],
+    d: Dims,
+    scale: &[f64],
+    shift: &[f64],
+    relu: bool,
+) -> Vec<T> {
+    let coefs = affine_coefs::<T>(scale, shift);
+    let form = if relu { Form::AffineRelu } else { Form::Affine };
+    per_channel_map(x, form, d, |c| (coefs[c].0, coefs[c].1, T::ZERO))
+}
+
+/// Per-channel `Σ g` and `Σ g·(x − mean)`; with `mask` (from [`affine_coefs`]) `g` counts
+/// only where the forward's normalised value was positive.
 pub(crate) fn grad_sums<T: FloatElement>(
     g: &[T],
     x: &[T],
     d: Dims,
     mean: &[f64],
+    mask: Option<&[(T, T)]>,
 ) -> (Vec<f64>, Vec<f64>) {
     let mean_t: Vec<T> = mean.iter().map(|&m| T::from_f64(m)).collect();
     let sums = channel_sums(d, g.len(), |samples, acc| {
-        grad_runs_wide(g, x, d, &mean_t, samples, acc)
+        grad_runs_wide(g, x, d, &mean_t, mask, samples, acc)
     });
     sums.iter().map(|s| (s[0], s[1])).unzip()
 }
 
 /// `grad_x = g·a[c] + x·b[c] + k[c]` (the closed form of the normalisation's backward,
-/// expanded into per-channel constants by the caller).
+/// expanded into per-channel constants by the caller); with `mask` (from [`affine_coefs`])
+/// `g` is zeroed where the forward's normalised value was not positive.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn grad_input<T: FloatElement>(
     g: &[T],
     x: &[T],
@@ -306,9 +394,14 @@ pub(crate) fn grad_input<T: FloatElement>(
     a: &[f64],
     b: &[f64],
     k: &[f64],
+    mask: Option<&[(T, T)]>,
 ) -> Vec<T> {
     // per_channel_map computes `a'·first + b' + k'·second`: first = g, second = x.
-    per_channel_map(g, Some(x), d, |c| {
+    let form = match mask {
+        Some(mask) => Form::MaskedPlus(x, mask),
+        None => Form::Plus(x),
+    };
+    per_channel_map(g, form, d, |c| {
         (T::from_f64(a[c]), T::from_f64(k[c]), T::from_f64(b[c]))
     })
 }

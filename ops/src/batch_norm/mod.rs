@@ -7,8 +7,16 @@
 //! with the running statistics. The backward is the closed form
 //! `grad_x = (w/σ)·(g − mean(g) − x̂·mean(g·x̂))` per channel in training, `g·w/σ_running` in
 //! evaluation.
+//!
+//! [`batch_norm_relu`] is `max(0, batch_norm(x))` in the same passes: the forward clamps as it
+//! normalises, and the backward zeroes the output gradient where the normalised value
+//! `z = x·w/σ + (b − mean·w/σ)` was not positive — `z` recomputed from the saved input with the
+//! forward's own per-channel constants, so the mask is exactly the forward's and no output or
+//! mask tensor is kept.
 
 mod cpu;
+#[cfg(test)]
+mod relu_tests;
 #[cfg(test)]
 mod timing;
 
@@ -19,13 +27,13 @@ use crate::util::{float_dtype, same_dtype_device};
 use cpu::Dims;
 
 /// Checks that a per-channel argument is `[C]` with the input's dtype and device.
-fn check_channel_param(name: &str, x: &Tensor, t: Option<&Tensor>) -> Result<()> {
+fn check_channel_param(op: &'static str, name: &str, x: &Tensor, t: Option<&Tensor>) -> Result<()> {
     let Some(t) = t else { return Ok(()) };
-    same_dtype_device("batch_norm", x, t)?;
+    same_dtype_device(op, x, t)?;
     let c = x.dims()[1];
     if t.dims() != [c] {
         return Err(Error::shape(
-            "batch_norm",
+            op,
             format!(
                 "{name} has shape {:?} but input {:?} has {c} channels (need [{c}])",
                 t.dims(),
@@ -62,22 +70,95 @@ pub fn batch_norm(
     momentum: f64,
     eps: f64,
 ) -> Result<Tensor> {
-    let _profile = tandem_core::profile::scope("batch_norm", tandem_core::profile::Phase::Forward);
-    const OP: &str = "batch_norm";
-    float_dtype(OP, x)?;
+    let stats = Stats {
+        running_mean,
+        running_var,
+        training,
+        momentum,
+        eps,
+    };
+    batch_norm_op("batch_norm", false, x, stats, weight, bias)
+}
+
+/// `max(0, batch_norm(x))`: [`batch_norm`] (same arguments, shapes, running-statistics update
+/// and errors) with a ReLU on its output, fused into its passes.
+///
+/// The forward writes the clamped values as it normalises; the backward masks the output
+/// gradient where the normalised value was not positive (the gradient at exactly 0 is 0, as
+/// for `relu`) inside batch norm's own reduction and input-gradient pass. It saves nothing
+/// beyond what `batch_norm` saves. Profiled and recorded as `"batch_norm_relu"`.
+///
+/// # Shapes
+/// - `x`: `[N, C]` or `[N, C, ...]`; output: same as `x`;
+/// - `running_mean`, `running_var`, `weight`, `bias`: `[C]`.
+#[allow(clippy::too_many_arguments)]
+pub fn batch_norm_relu(
+    x: &Tensor,
+    running_mean: Option<&Tensor>,
+    running_var: Option<&Tensor>,
+    weight: Option<&Tensor>,
+    bias: Option<&Tensor>,
+    training: bool,
+    momentum: f64,
+    eps: f64,
+) -> Result<Tensor> {
+    let stats = Stats {
+        running_mean,
+        running_var,
+        training,
+        momentum,
+        eps,
+    };
+    batch_norm_op("batch_norm_relu", true, x, stats, weight, bias)
+}
+
+/// How batch norm gets its statistics: from the batch (`training`, then folded into the
+/// running ones when given) or from the running ones; and the constants it uses.
+#[derive(Clone, Copy)]
+struct Stats<'a> {
+    running_mean: Option<&'a Tensor>,
+    running_var: Option<&'a Tensor>,
+    training: bool,
+    momentum: f64,
+    eps: f64,
+}
+
+/// [`batch_norm`], or with `relu` [`batch_norm_relu`], named `op`.
+fn batch_norm_op(
+    op: &'static str,
+    relu: bool,
+    x: &Tensor,
+    stats: Stats<'_>,
+    weight: Option<&Tensor>,
+    bias: Option<&Tensor>,
+) -> Result<Tensor> {
+    let _profile = tandem_core::profile::scope(op, tandem_core::profile::Phase::Forward);
+    let backward_op = if relu {
+        "batch_norm_relu_backward"
+    } else {
+        "batch_norm_backward"
+    };
+    let Stats {
+        running_mean,
+        running_var,
+        training,
+        momentum,
+        eps,
+    } = stats;
+    float_dtype(op, x)?;
     if x.rank() < 2 {
         return Err(Error::shape(
-            OP,
+            op,
             format!("need input [N, C] or [N, C, ...], got {:?}", x.dims()),
         ));
     }
-    check_channel_param("running_mean", x, running_mean)?;
-    check_channel_param("running_var", x, running_var)?;
-    check_channel_param("weight", x, weight)?;
-    check_channel_param("bias", x, bias)?;
+    check_channel_param(op, "running_mean", x, running_mean)?;
+    check_channel_param(op, "running_var", x, running_var)?;
+    check_channel_param(op, "weight", x, weight)?;
+    check_channel_param(op, "bias", x, bias)?;
     if eps.is_nan() || eps < 0.0 {
         return Err(Error::invalid(
-            OP,
+            op,
             format!("eps must be non-negative, got {eps}"),
         ));
     }
@@ -92,7 +173,7 @@ pub fn batch_norm(
     let (mean, var) = if training {
         if count <= 1 {
             return Err(Error::invalid(
-                OP,
+                op,
                 format!(
                     "training needs more than one value per channel, got input {:?}",
                     x.dims()
@@ -100,7 +181,7 @@ pub fn batch_norm(
             ));
         }
         let (mean, var) =
-            with_float_type!(OP, x.dtype(), T => Ok(cpu::moments::<T>(&xc.read_slice::<T>()?, d)))?;
+            with_float_type!(op, x.dtype(), T => Ok(cpu::moments::<T>(&xc.read_slice::<T>()?, d)))?;
         let unbiased = count as f64 / (count - 1) as f64;
         update_running(running_mean, &mean, momentum, 1.0)?;
         update_running(running_var, &var, momentum, unbiased)?;
@@ -110,7 +191,7 @@ pub fn batch_norm(
             (Some(m), Some(v)) => (m.to_vec_f64()?, v.to_vec_f64()?),
             _ => {
                 return Err(Error::invalid(
-                    OP,
+                    op,
                     format!(
                         "evaluation (training = false) needs running_mean and running_var for input {:?}",
                         x.dims()
@@ -130,8 +211,8 @@ pub fn batch_norm(
     };
     let scale: Vec<f64> = (0..d.c).map(|c| w[c] * invstd[c]).collect();
     let shift: Vec<f64> = (0..d.c).map(|c| b[c] - mean[c] * scale[c]).collect();
-    let out = with_float_type!(OP, x.dtype(), T => {
-        let y = cpu::normalize::<T>(&xc.read_slice::<T>()?, d, &scale, &shift);
+    let out = with_float_type!(op, x.dtype(), T => {
+        let y = cpu::normalize::<T>(&xc.read_slice::<T>()?, d, &scale, &shift, relu);
         Tensor::from_vec(y, x.dims(), x.device())
     })?;
 
@@ -144,17 +225,20 @@ pub fn batch_norm(
     let mut inputs = vec![x];
     inputs.extend(weight);
     inputs.extend(bias);
-    Ok(record_fn(out, &inputs, OP, move || {
+    Ok(record_fn(out, &inputs, op, move || {
         move |g: &Tensor| {
             let gc = g.contiguous_detached()?;
-            let (sum_g, sum_g_centered) = with_float_type!("batch_norm_backward", g.dtype(), T => {
-                Ok(cpu::grad_sums::<T>(&gc.read_slice::<T>()?, &xc.read_slice::<T>()?, d, &mean))
+            let (sum_g, sum_g_centered) = with_float_type!(backward_op, g.dtype(), T => {
+                let mask = relu.then(|| cpu::affine_coefs::<T>(&scale, &shift));
+                let (gs, xs) = (gc.read_slice::<T>()?, xc.read_slice::<T>()?);
+                Ok(cpu::grad_sums::<T>(&gs, &xs, d, &mean, mask.as_deref()))
             })?;
             // Σ g·x̂ per channel.
             let sum_g_xhat: Vec<f64> = (0..d.c).map(|c| sum_g_centered[c] * invstd[c]).collect();
             let grad_x = if needs.0 {
                 let m = count as f64;
-                let a: Vec<f64> = (0..d.c).map(|c| w[c] * invstd[c]).collect();
+                // w/σ per channel: the forward's scale
+                let a: &[f64] = &scale;
                 let (slope, offset): (Vec<f64>, Vec<f64>) = if training {
                     (0..d.c)
                         .map(|c| {
@@ -165,8 +249,10 @@ pub fn batch_norm(
                 } else {
                     (vec![0.0; d.c], vec![0.0; d.c])
                 };
-                Some(with_float_type!("batch_norm_backward", g.dtype(), T => {
-                    let gx = cpu::grad_input::<T>(&gc.read_slice::<T>()?, &xc.read_slice::<T>()?, d, &a, &slope, &offset);
+                Some(with_float_type!(backward_op, g.dtype(), T => {
+                    let mask = relu.then(|| cpu::affine_coefs::<T>(&scale, &shift));
+                    let (gs, xs) = (gc.read_slice::<T>()?, xc.read_slice::<T>()?);
+                    let gx = cpu::grad_input::<T>(&gs, &xs, d, a, &slope, &offset, mask.as_deref());
                     Tensor::from_vec(gx, xc.dims(), g.device())
                 })?)
             } else {

@@ -1,10 +1,11 @@
 //! CPU kernels of the elementwise binary ops. Same-shape contiguous operands (the residual
 //! `add` of a ResNet block, for one) go through the unary module's vector-dispatched
-//! [`zip_slices`]; broadcasting walks the strided indices.
+//! [`zip_slices`]; broadcasting walks the strided indices. `add_relu` (the join of a ResNet
+//! block) adds and clamps in that same one pass.
 
 use tandem_core::{alloc, with_float_type, Element, FloatElement, Result, Tensor};
 
-use crate::unary::{map_slice, zip_slices};
+use crate::unary::{map_slice, zip_map, zip_slices};
 use crate::util::for_each_index2;
 
 /// Which binary operation a kernel applies.
@@ -61,6 +62,34 @@ pub(crate) fn binary(
             });
         }
         Tensor::from_vec(out, shape, a.device())
+    })
+}
+
+/// `max(0, a + b)` of two contiguous tensors of the same shape, in one pass (NaN stays NaN,
+/// as in `relu`).
+pub(crate) fn add_relu(op: &'static str, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    with_float_type!(op, a.dtype(), T => {
+        let (x, y) = (a.read_slice::<T>()?, b.read_slice::<T>()?);
+        // Every element is written.
+        let mut out = alloc::uninit::<T>(x.len());
+        zip_slices(&x, &y, &mut out, |x: T, y: T| {
+            let s = x + y;
+            if s < T::ZERO {
+                T::ZERO
+            } else {
+                s
+            }
+        });
+        drop((x, y));
+        Tensor::from_vec(out, a.dims(), a.device())
+    })
+}
+
+/// The gradient `g` kept where the saved ReLU output `y` is positive and zeroed elsewhere
+/// (the gradient at exactly 0 is 0).
+pub(crate) fn relu_mask(op: &'static str, g: &Tensor, y: &Tensor) -> Result<Tensor> {
+    with_float_type!(op, g.dtype(), T => {
+        zip_map::<T>(g, y, |g, y| if y > T::ZERO { g } else { T::ZERO })
     })
 }
 

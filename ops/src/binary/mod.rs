@@ -1,4 +1,5 @@
-//! Elementwise binary ops with NumPy broadcasting: add, sub, mul, div, and their scalar forms.
+//! Elementwise binary ops with NumPy broadcasting: add, sub, mul, div, their scalar forms, and
+//! `add_relu` (`max(0, a + b)`, the residual join of a ResNet block, fused).
 //!
 //! # Shapes
 //! `a` and `b` broadcast to a common shape (align right; a dim of size 1 stretches); the output
@@ -32,6 +33,35 @@ pub fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
                 Some(sum_to_shape(g, &sa)?),
                 Some(sum_to_shape(g, &sb)?),
             ])
+        }
+    }))
+}
+
+/// `max(0, a + b)`, broadcasting: `relu(add(a, b))` in one op.
+///
+/// Same-shape contiguous inputs (the residual join of a ResNet block) add and clamp in one
+/// pass, and the backward masks the output gradient where the saved output is positive (the
+/// gradient at exactly 0 is 0, as for `relu`) and hands that one tensor to both inputs.
+/// Other inputs run as `relu(add(a, b))`, recorded and profiled as those two ops; the fused
+/// path is recorded and profiled as `"add_relu"`.
+///
+/// # Shapes
+/// `a` and `b` broadcast to a common shape; the output has that shape.
+pub fn add_relu(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    const OP: &str = "add_relu";
+    same_dtype_device(OP, a, b)?;
+    float_dtype(OP, a)?;
+    broadcast_shapes(OP, a.dims(), b.dims())?;
+    if a.dims() != b.dims() || !a.is_contiguous() || !b.is_contiguous() {
+        return crate::unary::relu(&add(a, b)?);
+    }
+    let _profile = tandem_core::profile::scope(OP, tandem_core::profile::Phase::Forward);
+    let out = cpu::add_relu(OP, a, b)?;
+    let saved = out.detach();
+    Ok(record_fn(out, &[a, b], OP, move || {
+        move |g: &Tensor| {
+            let masked = cpu::relu_mask("add_relu_backward", g, &saved)?;
+            Ok(vec![Some(masked.clone()), Some(masked)])
         }
     }))
 }
@@ -148,6 +178,107 @@ mod tests {
         check(|t| mul_scalar(&add_scalar(&t[0], 0.5)?, -3.0), &[nc]);
     }
 
+    /// An f64 leaf that requires grad.
+    fn leaf_from(values: Vec<f64>, shape: &[usize]) -> Tensor {
+        Tensor::from_vec(values, shape, Device::Cpu)
+            .unwrap()
+            .with_requires_grad()
+            .unwrap()
+    }
+
+    #[test]
+    fn add_relu_forward_and_backward_match_f64_formulas() {
+        use tandem_autograd::TensorBackward;
+        // large enough for the parallel kernels, under a two-thread pool and on one thread
+        for (threads, shape) in [
+            (2usize, vec![4usize, 3, 5]),
+            (2, vec![8, 16, 32, 32]),
+            (1, vec![8, 16, 32, 32]),
+        ] {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            pool.install(|| {
+                let (a, b) = (rand_f64(&shape, 40), rand_f64(&shape, 41));
+                let up = rand_f64(&shape, 42).detach();
+                let y = add_relu(&a, &b).unwrap();
+                crate::sum_all(&mul(&y, &up).unwrap())
+                    .unwrap()
+                    .backward()
+                    .unwrap();
+                let (av, bv, uv) = (
+                    a.to_vec_f64().unwrap(),
+                    b.to_vec_f64().unwrap(),
+                    up.to_vec_f64().unwrap(),
+                );
+                let yv = y.to_vec_f64().unwrap();
+                let (ga, gb) = (
+                    a.grad().unwrap().to_vec_f64().unwrap(),
+                    b.grad().unwrap().to_vec_f64().unwrap(),
+                );
+                for i in 0..av.len() {
+                    let s = av[i] + bv[i];
+                    assert_eq!(yv[i], s.max(0.0), "{i}");
+                    let want = if s > 0.0 { uv[i] } else { 0.0 };
+                    assert_eq!((ga[i], gb[i]), (want, want), "{i}");
+                }
+            });
+        }
+    }
+
+    #[test]
+    fn add_relu_gradient_is_zero_at_and_below_zero_sums() {
+        use tandem_autograd::TensorBackward;
+        let a = leaf_from(vec![1.0, -2.0, 0.5, 3.0], &[2, 2]);
+        let b = leaf_from(vec![-1.0, 1.0, 0.25, -3.5], &[2, 2]);
+        let y = add_relu(&a, &b).unwrap();
+        assert_eq!(y.to_vec_f64().unwrap(), vec![0.0, 0.0, 0.75, 0.0]);
+        crate::sum_all(&y).unwrap().backward().unwrap();
+        let want = vec![0.0, 0.0, 1.0, 0.0];
+        assert_eq!(a.grad().unwrap().to_vec_f64().unwrap(), want);
+        assert_eq!(b.grad().unwrap().to_vec_f64().unwrap(), want);
+    }
+
+    #[test]
+    fn gradcheck_add_relu_same_shape_broadcast_and_strided() {
+        // Values with |v| in [0.5, 1) and b in [-0.25, 0.25): every sum is at least 0.25 from
+        // the kink.
+        let away = |t: Tensor, lo: f64| {
+            let v: Vec<f64> = t
+                .to_vec_f64()
+                .unwrap()
+                .iter()
+                .map(|&x| x.signum() * (lo + x.abs() * lo))
+                .collect();
+            leaf_from(v, t.dims())
+        };
+        let quarter = |t: Tensor| {
+            leaf_from(
+                t.to_vec_f64().unwrap().iter().map(|x| x * 0.25).collect(),
+                t.dims(),
+            )
+        };
+        let a = away(rand_f64(&[3, 4, 5], 50), 0.5);
+        let b = quarter(rand_f64(&[3, 4, 5], 51));
+        check(|t| add_relu(&t[0], &t[1]), &[a.clone(), b.clone()]);
+        // broadcasting and a strided operand take the unfused path
+        check(
+            |t| add_relu(&t[0], &t[1]),
+            &[a, quarter(rand_f64(&[5], 52))],
+        );
+        let nc_away = crate::views::transpose(&away(rand_f64(&[4, 3], 53), 0.5), 0, 1)
+            .unwrap()
+            .detach()
+            .with_requires_grad()
+            .unwrap();
+        assert!(!nc_away.is_contiguous());
+        check(
+            |t| add_relu(&t[0], &t[1]),
+            &[nc_away, quarter(rand_f64(&[3, 4], 54))],
+        );
+    }
+
     #[test]
     fn broadcast_values_match_a_hand_computed_reference() {
         let a = Tensor::from_vec(vec![1.0f32, 2.0, 3.0], &[3, 1], Device::Cpu).unwrap();
@@ -171,5 +302,14 @@ mod tests {
         );
         let c = Tensor::zeros(&[2, 3], DType::F64, Device::Cpu).unwrap();
         assert!(mul(&a, &c).unwrap_err().to_string().contains("dtype"));
+        let err = add_relu(&a, &b).unwrap_err().to_string();
+        assert!(
+            err.starts_with("add_relu:") && err.contains("[4, 3]"),
+            "{err}"
+        );
+        assert!(add_relu(&a, &c)
+            .unwrap_err()
+            .to_string()
+            .starts_with("add_relu:"));
     }
 }
