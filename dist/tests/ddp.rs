@@ -391,3 +391,50 @@ fn telemetry_records_every_bucket_and_summarises_overlap() {
     assert!(text.contains("all_reduce bucket 0") && text.contains("backward (step 2)"));
     let _ = std::fs::remove_file(path);
 }
+
+/// `(SyncBatchNorm, BatchNorm2d)` counts in `m` and its descendants.
+fn batch_norm_kinds(m: &dyn Module) -> (usize, usize) {
+    let own = match m.type_name() {
+        "SyncBatchNorm" => (1, 0),
+        "BatchNorm2d" => (0, 1),
+        _ => (0, 0),
+    };
+    m.children().iter().fold(own, |(s, b), (_, c)| {
+        let (cs, cb) = batch_norm_kinds(c.as_ref());
+        (s + cs, b + cb)
+    })
+}
+
+#[test]
+fn convert_sync_batch_norm_swaps_every_resnet_batch_norm_and_matches_the_full_batch() {
+    const N: usize = 4;
+    let mut g = tandem_core::rng::Generator::new(31);
+    let x = Tensor::randn(
+        &[N, 3, 8, 8],
+        0.0,
+        1.0,
+        tandem_core::DType::F32,
+        tandem_core::Device::Cpu,
+        &mut g,
+    )
+    .unwrap();
+    let resnet8 = || {
+        tandem_core::rng::manual_seed(5);
+        Arc::new(tandem_nn::resnet::resnet_cifar(8, CLASSES).unwrap()) as Arc<dyn Module>
+    };
+    // One process, plain BatchNorm over the whole batch.
+    let want = resnet8().forward(&x).unwrap().to_vec_f64().unwrap();
+    let per_rank = run_ranks(2, |rank, group| {
+        let m = tandem_dist::convert_sync_batch_norm(resnet8(), group).unwrap();
+        // stem + two per block + the two projection shortcuts
+        assert_eq!(batch_norm_kinds(m.as_ref()), (9, 0));
+        let out = m.forward(&shard(&x, rank, 2)).unwrap();
+        out.to_vec_f64().unwrap()
+    });
+    let got: Vec<f64> = per_rank.concat();
+    assert_eq!(got.len(), want.len());
+    let scale = want.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+    for (a, b) in got.iter().zip(&want) {
+        assert!((a - b).abs() <= 1e-5 * scale, "{a} vs {b}");
+    }
+}
