@@ -133,6 +133,14 @@ pub trait Module: AsAny + Send + Sync {
         Ok(tandem_ops::relu(&self.forward(x)?)?)
     }
 
+    /// `relu(forward(x) + residual)`: the join of a residual block. A module that can add the
+    /// residual and apply the ReLU inside its own output pass
+    /// ([`BatchNorm2d`](crate::BatchNorm2d)) overrides this; any other module (a synchronised
+    /// batch norm, say) runs `add_relu(forward(x), residual)`, with the same result.
+    fn forward_add_relu(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
+        Ok(tandem_ops::add_relu(&self.forward(x)?, residual)?)
+    }
+
     /// The type's short name for messages and printing (`"Conv2d"`).
     fn type_name(&self) -> &'static str {
         let full = std::any::type_name::<Self>();

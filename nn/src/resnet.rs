@@ -48,6 +48,19 @@ fn run_child_relu(name: &str, child: &dyn Module, x: &Tensor) -> Result<Tensor> 
         .map_err(|e| e.in_module(name, child.type_name()))
 }
 
+/// `relu(child(x) + residual)` through [`Module::forward_add_relu`] (fused where the child
+/// can: a `BatchNorm2d`), wrapping an error with the child's path.
+fn run_child_add_relu(
+    name: &str,
+    child: &dyn Module,
+    x: &Tensor,
+    residual: &Tensor,
+) -> Result<Tensor> {
+    child
+        .forward_add_relu(x, residual)
+        .map_err(|e| e.in_module(name, child.type_name()))
+}
+
 /// The residual block of ResNet-18/34 and the CIFAR ResNets:
 /// `relu(bn2(conv2(relu(bn1(conv1(x))))) + shortcut(x))`.
 ///
@@ -58,7 +71,9 @@ fn run_child_relu(name: &str, child: &dyn Module, x: &Tensor) -> Result<Tensor> 
 ///
 /// The ReLUs run fused: `bn1` through [`Module::forward_relu`] (one pass with the
 /// normalisation when it is a `BatchNorm2d`, `relu(forward)` for any other module such as a
-/// synchronised batch norm), and the join through `tandem_ops::add_relu`.
+/// synchronised batch norm), and the join through `bn2`'s [`Module::forward_add_relu`]
+/// (batch norm, residual add and ReLU in one pass for a `BatchNorm2d`,
+/// `add_relu(forward, shortcut)` for any other module).
 ///
 /// Children can be swapped through [`Module::replace_child`] (so that a `BatchNorm2d` can
 /// become a synchronised one); they sit behind a lock, and `forward` runs on a snapshot.
@@ -173,12 +188,11 @@ impl Module for BasicBlock {
         let out = run_child("conv1", c.conv1.as_ref(), x)?;
         let out = run_child_relu("bn1", c.bn1.as_ref(), &out)?;
         let out = run_child("conv2", c.conv2.as_ref(), &out)?;
-        let out = run_child("bn2", c.bn2.as_ref(), &out)?;
         let shortcut = match &c.downsample {
             Some(d) => run_child("downsample", d.as_ref(), x)?,
             None => x.clone(),
         };
-        Ok(tandem_ops::add_relu(&out, &shortcut)?)
+        run_child_add_relu("bn2", c.bn2.as_ref(), &out, &shortcut)
     }
 
     fn training_flag(&self) -> &TrainingFlag {
@@ -369,7 +383,8 @@ mod tests {
         assert!(resnet_cifar(20, 0).is_err());
     }
 
-    /// A batch norm that does not fuse: `forward_relu` falls back to `relu(forward)`.
+    /// A batch norm that does not fuse: `forward_relu` falls back to `relu(forward)` and
+    /// `forward_add_relu` to `add_relu(forward, residual)`.
     struct Unfused(BatchNorm2d);
 
     impl Module for Unfused {
@@ -431,6 +446,13 @@ mod tests {
         assert_eq!(names(&block), before);
         let (y3, gx3) = output_and_grad(&block, &x);
         assert!(close(&y, &y3) && close(&gx, &gx3));
+        // and bn2 too: the join falls back to add_relu(forward, shortcut)
+        block
+            .replace_child("bn2", Arc::new(Unfused(BatchNorm2d::new(8).unwrap())))
+            .unwrap();
+        assert_eq!(names(&block), before);
+        let (y4, gx4) = output_and_grad(&block, &x);
+        assert!(close(&y, &y4) && close(&gx, &gx4));
         let err = block
             .replace_child("bn3", Arc::new(BatchNorm2d::new(8).unwrap()))
             .err()

@@ -41,7 +41,7 @@ pub use threads::set_num_threads;
 pub use unary::{exp, log, neg, pow_scalar, relu, sigmoid, sqrt, tanh};
 
 // --- re-exports: matmul, linear, conv2d, pool, batch_norm ---
-pub use batch_norm::{batch_norm, batch_norm_relu};
+pub use batch_norm::{batch_norm, batch_norm_add_relu, batch_norm_relu};
 pub use conv2d::{conv2d, Conv2dParams};
 pub use linear::linear;
 pub use matmul::matmul;

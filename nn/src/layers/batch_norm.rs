@@ -141,9 +141,20 @@ impl BatchNorm2d {
     }
 }
 
+/// What [`BatchNorm2d::run`] fuses onto the normalised output.
+#[derive(Clone, Copy)]
+enum Epilogue<'a> {
+    /// Nothing.
+    Plain,
+    /// A ReLU.
+    Relu,
+    /// A residual add, then a ReLU.
+    AddRelu(&'a Tensor),
+}
+
 impl BatchNorm2d {
-    /// The forward, with (`relu`) or without a ReLU fused onto the output.
-    fn run(&self, x: &Tensor, relu: bool) -> Result<Tensor> {
+    /// The forward, with the [`Epilogue`] fused onto the output.
+    fn run(&self, x: &Tensor, epilogue: Epilogue<'_>) -> Result<Tensor> {
         if x.rank() != 4 || x.dims()[1] != self.num_features {
             return Err(Error::input(
                 "BatchNorm2d",
@@ -166,21 +177,35 @@ impl BatchNorm2d {
                 ),
             ));
         }
-        let op = if relu {
-            tandem_ops::batch_norm::batch_norm_relu
-        } else {
-            tandem_ops::batch_norm::batch_norm
-        };
-        let out = op(
-            x,
-            self.running_mean.as_ref(),
-            self.running_var.as_ref(),
-            self.weight.as_ref(),
-            self.bias.as_ref(),
-            use_batch_stats,
-            self.config.momentum,
-            self.config.eps,
-        )?;
+        let (rm, rv) = (self.running_mean.as_ref(), self.running_var.as_ref());
+        let (w, b) = (self.weight.as_ref(), self.bias.as_ref());
+        let (momentum, eps) = (self.config.momentum, self.config.eps);
+        let out = match epilogue {
+            Epilogue::Plain => {
+                tandem_ops::batch_norm::batch_norm(x, rm, rv, w, b, use_batch_stats, momentum, eps)
+            }
+            Epilogue::Relu => tandem_ops::batch_norm::batch_norm_relu(
+                x,
+                rm,
+                rv,
+                w,
+                b,
+                use_batch_stats,
+                momentum,
+                eps,
+            ),
+            Epilogue::AddRelu(residual) => tandem_ops::batch_norm::batch_norm_add_relu(
+                x,
+                residual,
+                rm,
+                rv,
+                w,
+                b,
+                use_batch_stats,
+                momentum,
+                eps,
+            ),
+        }?;
         if training {
             if let Some(count) = &self.num_batches_tracked {
                 count.write_slice::<i64>()?[0] += 1;
@@ -192,12 +217,18 @@ impl BatchNorm2d {
 
 impl Module for BatchNorm2d {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.run(x, false)
+        self.run(x, Epilogue::Plain)
     }
 
     /// `relu(forward(x))` in batch norm's own passes (`tandem_ops::batch_norm_relu`).
     fn forward_relu(&self, x: &Tensor) -> Result<Tensor> {
-        self.run(x, true)
+        self.run(x, Epilogue::Relu)
+    }
+
+    /// `relu(forward(x) + residual)` in batch norm's own passes
+    /// (`tandem_ops::batch_norm_add_relu`).
+    fn forward_add_relu(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
+        self.run(x, Epilogue::AddRelu(residual))
     }
 
     fn training_flag(&self) -> &TrainingFlag {
@@ -354,6 +385,46 @@ mod tests {
         assert_eq!(fused.num_batches_tracked().unwrap().item().unwrap(), 1.0);
         let bad = Tensor::zeros(&[2, 3, 4, 4], DType::F32, Device::Cpu).unwrap();
         assert!(fused.forward_relu(&bad).is_err());
+    }
+
+    #[test]
+    fn fused_add_relu_forward_clamps_normalised_plus_residual_in_both_modes() {
+        let (fused, plain) = (BatchNorm2d::new(2).unwrap(), BatchNorm2d::new(2).unwrap());
+        let x = input();
+        let mut g = Generator::new(6);
+        let r = Tensor::randn(x.dims(), 0.0, 1.0, DType::F32, Device::Cpu, &mut g).unwrap();
+        let rv = r.to_vec::<f32>().unwrap();
+        for training in [true, false] {
+            fused.set_training(training);
+            let y = fused
+                .forward_add_relu(&x, &r)
+                .unwrap()
+                .to_vec::<f32>()
+                .unwrap();
+            plain.set_training(training);
+            let z = plain.forward(&x).unwrap().to_vec::<f32>().unwrap();
+            let sums: Vec<f32> = z.iter().zip(&rv).map(|(a, b)| a + b).collect();
+            assert!(sums.iter().any(|&v| v < 0.0) && sums.iter().any(|&v| v > 0.0));
+            for (a, s) in y.iter().zip(&sums) {
+                assert_eq!(*a, s.max(0.0));
+            }
+        }
+        // running statistics and the batch count move as with the unfused forward
+        for (a, b) in fused.named_tensors().iter().zip(plain.named_tensors()) {
+            assert_eq!(
+                a.2.to_vec_f64().unwrap(),
+                b.2.to_vec_f64().unwrap(),
+                "{}",
+                a.0
+            );
+        }
+        assert_eq!(fused.num_batches_tracked().unwrap().item().unwrap(), 1.0);
+        let bad = Tensor::zeros(&[4, 2, 3, 1], DType::F32, Device::Cpu).unwrap();
+        let err = fused.forward_add_relu(&x, &bad).unwrap_err().to_string();
+        assert!(
+            err.contains("batch_norm_add_relu") && err.contains("[4, 2, 3, 1]"),
+            "{err}"
+        );
     }
 
     #[test]

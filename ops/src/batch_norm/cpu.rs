@@ -10,7 +10,11 @@
 //! Elementwise passes are one `a·x + b (+ k·y)` sweep with per-channel constants. A ReLU fused
 //! onto the output is applied in the forward sweep, and its backward mask (`z > 0` for the
 //! normalised `z = scale·x + shift`) is recomputed from the input inside the gradient
-//! reduction and the input-gradient sweep, so it costs no pass of its own. Every loop
+//! reduction and the input-gradient sweep, so it costs no pass of its own. A residual added
+//! before the ReLU (`max(0, z + r)`) joins the forward sweep too; its mask cannot be recomputed
+//! from the input, so the backward reads the saved output instead: the gradient reduction
+//! writes the masked gradient (the residual's gradient) run by run as it sums it, and the
+//! input-gradient sweep reads that. Every loop
 //! is compiled for the widest vector instructions the CPU has, and samples are split across
 //! rayon threads only when the pool has more than one and the input is large.
 
@@ -172,6 +176,58 @@ wide_simd_fn!(
     ) = grad_runs
 );
 
+/// The inputs of the masked gradient reduction: output gradient `g`, saved output `y` and
+/// input `x`, all laid out alike.
+#[derive(Clone, Copy)]
+struct MaskInputs<'a, T> {
+    g: &'a [T],
+    y: &'a [T],
+    x: &'a [T],
+}
+
+/// For samples `first..` (`out` holding whole samples): `out = g` where the saved output `y`
+/// is positive, else 0 (ReLU's backward through the output), and per channel that masked
+/// gradient's `[Σg', Σg'·(x − mean[c])]` added into `acc`. Each run is masked into `out` and
+/// then summed from there while it is still in the cache.
+#[inline(always)]
+fn mask_runs<T: FloatElement>(
+    MaskInputs { g, y, x }: MaskInputs<'_, T>,
+    d: Dims,
+    mean: &[T],
+    first: usize,
+    out: &mut [T],
+    acc: &mut [[f64; 2]],
+) {
+    let per_sample = d.c * d.l;
+    for (i, o) in out.chunks_exact_mut(per_sample).enumerate() {
+        let n = first + i;
+        for (c, (a, &m)) in acc.iter_mut().zip(mean).enumerate() {
+            let at = n * per_sample + c * d.l;
+            let dst = &mut o[c * d.l..(c + 1) * d.l];
+            let (gs, ys, xs) = (&g[at..at + d.l], &y[at..at + d.l], &x[at..at + d.l]);
+            dst.iter_mut()
+                .zip(gs)
+                .zip(ys)
+                .for_each(|((o, &gv), &yv)| *o = keep_where_positive(gv, yv));
+            let dst = &*dst;
+            a[0] += lane_sum(dst, dst, |gv, _| gv);
+            a[1] += lane_sum(dst, xs, |gv, xv| gv * (xv - m));
+        }
+    }
+}
+
+wide_simd_fn!(
+    /// [`mask_runs`] in the widest vector instructions the CPU has.
+    fn mask_runs_wide[T: FloatElement](
+        inputs: MaskInputs<'_, T>,
+        d: Dims,
+        mean: &[T],
+        first: usize,
+        out: &mut [T],
+        acc: &mut [[f64; 2]]
+    ) = mask_runs
+);
+
 /// Per-channel sums over all samples: `partial(samples, acc)` adds those of a range of
 /// samples into `acc`; ranges run in parallel (and are then added up) when worth it.
 fn channel_sums<const K: usize>(
@@ -192,15 +248,15 @@ fn channel_sums<const K: usize>(
             partial(i * chunk..((i + 1) * chunk).min(d.n), &mut acc);
             acc
         })
-        .reduce(
-            || vec![[0.0; K]; d.c],
-            |mut a, b| {
-                for (a, b) in a.iter_mut().zip(&b) {
-                    a.iter_mut().zip(b).for_each(|(a, b)| *a += b);
-                }
-                a
-            },
-        )
+        .reduce(|| vec![[0.0; K]; d.c], add_channel_sums)
+}
+
+/// `a + b` for per-channel partial sums: the reduction of parallel tasks' totals.
+fn add_channel_sums<const K: usize>(mut a: Vec<[f64; K]>, b: Vec<[f64; K]>) -> Vec<[f64; K]> {
+    for (a, b) in a.iter_mut().zip(&b) {
+        a.iter_mut().zip(b).for_each(|(a, b)| *a += b);
+    }
+    a
 }
 
 /// Per-channel mean and biased variance of `x`.
@@ -256,6 +312,8 @@ enum Form<'a, T> {
     AffineRelu,
     /// `a·x + b + k·y`.
     Plus(&'a [T]),
+    /// `max(0, a·x + b + k·y)`: the normalisation plus a residual `y`, then a ReLU.
+    PlusRelu(&'a [T]),
     /// `a·x' + b + k·y` with `x' = x` where the channel's `s·y + t > 0` and 0 elsewhere: the
     /// input gradient (`x` = output gradient, `y` = input) behind a fused ReLU whose mask is
     /// recomputed from the input with the forward's own `(s, t)`.
@@ -292,6 +350,13 @@ fn map_runs<T: FloatElement>(
                         .zip(xs)
                         .zip(ys)
                         .for_each(|((o, &xv), &yv)| *o = a * xv + b + k * yv);
+                }
+                Form::PlusRelu(y) => {
+                    let ys = &y[at..at + d.l];
+                    dst.iter_mut()
+                        .zip(xs)
+                        .zip(ys)
+                        .for_each(|((o, &xv), &yv)| *o = relu_value(a * xv + b + k * yv));
                 }
                 Form::MaskedPlus(y, mask) => {
                     let ys = &y[at..at + d.l];
@@ -353,18 +418,32 @@ pub(crate) fn affine_coefs<T: FloatElement>(scale: &[f64], shift: &[f64]) -> Vec
         .collect()
 }
 
-/// `y = x·scale[c] + shift[c]`: the normalisation and affine map in one pass; with `relu`,
-/// `y = max(0, x·scale[c] + shift[c])` in the same pass.
+/// What the forward sweep does after the normalisation `z = x·scale[c] + shift[c]`.
+#[derive(Clone, Copy)]
+pub(crate) enum Epilogue<'a, T> {
+    /// Nothing: `y = z`.
+    Plain,
+    /// `y = max(0, z)`.
+    Relu,
+    /// `y = max(0, z + r)` for a residual `r` laid out like the input.
+    AddRelu(&'a [T]),
+}
+
+/// `y = x·scale[c] + shift[c]` and then the [`Epilogue`], in one pass.
 pub(crate) fn normalize<T: FloatElement>(
     x: &[T],
     d: Dims,
     scale: &[f64],
     shift: &[f64],
-    relu: bool,
+    epilogue: Epilogue<'_, T>,
 ) -> Vec<T> {
     let coefs = affine_coefs::<T>(scale, shift);
-    let form = if relu { Form::AffineRelu } else { Form::Affine };
-    per_channel_map(x, form, d, |c| (coefs[c].0, coefs[c].1, T::ZERO))
+    let (form, k) = match epilogue {
+        Epilogue::Plain => (Form::Affine, T::ZERO),
+        Epilogue::Relu => (Form::AffineRelu, T::ZERO),
+        Epilogue::AddRelu(r) => (Form::PlusRelu(r), T::from_f64(1.0)),
+    };
+    per_channel_map(x, form, d, |c| (coefs[c].0, coefs[c].1, k))
 }
 
 /// Per-channel `Σ g` and `Σ g·(x − mean)`; with `mask` (from [`affine_coefs`]) `g` counts
@@ -381,6 +460,43 @@ pub(crate) fn grad_sums<T: FloatElement>(
         grad_runs_wide(g, x, d, &mean_t, mask, samples, acc)
     });
     sums.iter().map(|s| (s[0], s[1])).unzip()
+}
+
+/// The output gradient `g` masked where the saved output `y` is positive (the gradient
+/// behind `max(0, z + r)`, for the input side and the residual alike), with the per-channel
+/// `Σ g'` and `Σ g'·(x − mean)` of that masked gradient, all in one pass.
+pub(crate) fn masked_grad_sums<T: FloatElement>(
+    g: &[T],
+    y: &[T],
+    x: &[T],
+    d: Dims,
+    mean: &[f64],
+) -> (Vec<T>, Vec<f64>, Vec<f64>) {
+    // Every element is written.
+    let mut out = alloc::uninit::<T>(g.len());
+    let per_sample = d.c * d.l;
+    if per_sample == 0 {
+        return (out, vec![0.0; d.c], vec![0.0; d.c]);
+    }
+    let mean_t: Vec<T> = mean.iter().map(|&m| T::from_f64(m)).collect();
+    let inputs = MaskInputs { g, y, x };
+    let sums = if parallel(g.len()) && d.n >= 2 {
+        let per_task = d.n.div_ceil(rayon::current_num_threads() * 4).max(1);
+        out.par_chunks_mut(per_task * per_sample)
+            .enumerate()
+            .map(|(i, o)| {
+                let mut acc = vec![[0.0; 2]; d.c];
+                mask_runs_wide(inputs, d, &mean_t, i * per_task, o, &mut acc);
+                acc
+            })
+            .reduce(|| vec![[0.0; 2]; d.c], add_channel_sums)
+    } else {
+        let mut acc = vec![[0.0; 2]; d.c];
+        mask_runs_wide(inputs, d, &mean_t, 0, &mut out, &mut acc);
+        acc
+    };
+    let (sum_g, sum_g_centered) = sums.iter().map(|s| (s[0], s[1])).unzip();
+    (out, sum_g, sum_g_centered)
 }
 
 /// `grad_x = g·a[c] + x·b[c] + k[c]` (the closed form of the normalisation's backward,

@@ -13,7 +13,14 @@
 //! `z = x·w/σ + (b − mean·w/σ)` was not positive — `z` recomputed from the saved input with the
 //! forward's own per-channel constants, so the mask is exactly the forward's and no output or
 //! mask tensor is kept.
+//!
+//! [`batch_norm_add_relu`] is `max(0, batch_norm(x) + residual)`, the join of a ResNet block,
+//! in the same passes: the residual is added in the output pass, and since its mask cannot be
+//! recomputed from `x`, the backward masks the output gradient by the saved output inside the
+//! gradient reduction, writing the residual's gradient there for the input-gradient pass.
 
+#[cfg(test)]
+mod add_relu_tests;
 mod cpu;
 #[cfg(test)]
 mod relu_tests;
@@ -77,7 +84,7 @@ pub fn batch_norm(
         momentum,
         eps,
     };
-    batch_norm_op("batch_norm", false, x, stats, weight, bias)
+    batch_norm_op("batch_norm", Fuse::Plain, x, stats, weight, bias)
 }
 
 /// `max(0, batch_norm(x))`: [`batch_norm`] (same arguments, shapes, running-statistics update
@@ -109,7 +116,53 @@ pub fn batch_norm_relu(
         momentum,
         eps,
     };
-    batch_norm_op("batch_norm_relu", true, x, stats, weight, bias)
+    batch_norm_op("batch_norm_relu", Fuse::Relu, x, stats, weight, bias)
+}
+
+/// `max(0, batch_norm(x) + residual)`: [`batch_norm`] (same arguments, shapes,
+/// running-statistics update and errors) with a residual added and a ReLU applied, fused into
+/// its passes — the join of a ResNet block.
+///
+/// The forward writes `max(0, scale·x + shift + residual)` as it normalises. The backward
+/// masks the output gradient where the output is positive (the gradient at exactly 0 is 0, as
+/// for `relu`) in the same pass as batch norm's gradient reduction; that masked gradient is
+/// the residual's gradient and feeds batch norm's input-gradient pass. The output is saved
+/// for the mask (the next layer keeps it alive anyway). Profiled and recorded as
+/// `"batch_norm_add_relu"`.
+///
+/// # Shapes
+/// - `x`, `residual`: `[N, C]` or `[N, C, ...]`, the same shape; output: same as `x`;
+/// - `running_mean`, `running_var`, `weight`, `bias`: `[C]`.
+///
+/// Errors (naming the op and both shapes) when `residual`'s shape differs from `x`'s, and
+/// when its dtype or device does.
+#[allow(clippy::too_many_arguments)]
+pub fn batch_norm_add_relu(
+    x: &Tensor,
+    residual: &Tensor,
+    running_mean: Option<&Tensor>,
+    running_var: Option<&Tensor>,
+    weight: Option<&Tensor>,
+    bias: Option<&Tensor>,
+    training: bool,
+    momentum: f64,
+    eps: f64,
+) -> Result<Tensor> {
+    let stats = Stats {
+        running_mean,
+        running_var,
+        training,
+        momentum,
+        eps,
+    };
+    batch_norm_op(
+        "batch_norm_add_relu",
+        Fuse::AddRelu(residual),
+        x,
+        stats,
+        weight,
+        bias,
+    )
 }
 
 /// How batch norm gets its statistics: from the batch (`training`, then folded into the
@@ -123,21 +176,33 @@ struct Stats<'a> {
     eps: f64,
 }
 
-/// [`batch_norm`], or with `relu` [`batch_norm_relu`], named `op`.
+/// What is fused onto batch norm's output.
+#[derive(Clone, Copy)]
+enum Fuse<'a> {
+    /// Nothing: [`batch_norm`].
+    Plain,
+    /// A ReLU: [`batch_norm_relu`].
+    Relu,
+    /// A residual add and then a ReLU: [`batch_norm_add_relu`].
+    AddRelu(&'a Tensor),
+}
+
+/// [`batch_norm`], [`batch_norm_relu`] or [`batch_norm_add_relu`] (by `fuse`), named `op`.
 fn batch_norm_op(
     op: &'static str,
-    relu: bool,
+    fuse: Fuse<'_>,
     x: &Tensor,
     stats: Stats<'_>,
     weight: Option<&Tensor>,
     bias: Option<&Tensor>,
 ) -> Result<Tensor> {
     let _profile = tandem_core::profile::scope(op, tandem_core::profile::Phase::Forward);
-    let backward_op = if relu {
-        "batch_norm_relu_backward"
-    } else {
-        "batch_norm_backward"
+    let backward_op = match fuse {
+        Fuse::Plain => "batch_norm_backward",
+        Fuse::Relu => "batch_norm_relu_backward",
+        Fuse::AddRelu(_) => "batch_norm_add_relu_backward",
     };
+    let relu = matches!(fuse, Fuse::Relu);
     let Stats {
         running_mean,
         running_var,
@@ -156,6 +221,23 @@ fn batch_norm_op(
     check_channel_param(op, "running_var", x, running_var)?;
     check_channel_param(op, "weight", x, weight)?;
     check_channel_param(op, "bias", x, bias)?;
+    let residual = match fuse {
+        Fuse::AddRelu(r) => {
+            same_dtype_device(op, x, r)?;
+            if r.dims() != x.dims() {
+                return Err(Error::shape(
+                    op,
+                    format!(
+                        "residual has shape {:?} but input has shape {:?} (they must match)",
+                        r.dims(),
+                        x.dims()
+                    ),
+                ));
+            }
+            Some(r)
+        }
+        _ => None,
+    };
     if eps.is_nan() || eps < 0.0 {
         return Err(Error::invalid(
             op,
@@ -211,28 +293,54 @@ fn batch_norm_op(
     };
     let scale: Vec<f64> = (0..d.c).map(|c| w[c] * invstd[c]).collect();
     let shift: Vec<f64> = (0..d.c).map(|c| b[c] - mean[c] * scale[c]).collect();
+    let rc = residual.map(|r| r.contiguous_detached()).transpose()?;
     let out = with_float_type!(op, x.dtype(), T => {
-        let y = cpu::normalize::<T>(&xc.read_slice::<T>()?, d, &scale, &shift, relu);
+        let xs = xc.read_slice::<T>()?;
+        let y = match &rc {
+            Some(rc) => {
+                let rs = rc.read_slice::<T>()?;
+                cpu::normalize::<T>(&xs, d, &scale, &shift, cpu::Epilogue::AddRelu(&rs))
+            }
+            None if relu => cpu::normalize::<T>(&xs, d, &scale, &shift, cpu::Epilogue::Relu),
+            None => cpu::normalize::<T>(&xs, d, &scale, &shift, cpu::Epilogue::Plain),
+        };
         Tensor::from_vec(y, x.dims(), x.device())
     })?;
+    // With a residual, the backward's mask is `y > 0` of the output itself.
+    let saved_out = residual.is_some().then(|| out.detach());
 
     let needs = (
         x.requires_grad(),
+        residual.is_some_and(|t| t.requires_grad()),
         weight.is_some_and(|t| t.requires_grad()),
         bias.is_some_and(|t| t.requires_grad()),
     );
     let (has_weight, has_bias) = (weight.is_some(), bias.is_some());
     let mut inputs = vec![x];
+    inputs.extend(residual);
     inputs.extend(weight);
     inputs.extend(bias);
     Ok(record_fn(out, &inputs, op, move || {
         move |g: &Tensor| {
             let gc = g.contiguous_detached()?;
-            let (sum_g, sum_g_centered) = with_float_type!(backward_op, g.dtype(), T => {
-                let mask = relu.then(|| cpu::affine_coefs::<T>(&scale, &shift));
-                let (gs, xs) = (gc.read_slice::<T>()?, xc.read_slice::<T>()?);
-                Ok(cpu::grad_sums::<T>(&gs, &xs, d, &mean, mask.as_deref()))
-            })?;
+            // The gradient batch norm itself sees: g, or behind an add+ReLU the masked g
+            // (which is also the residual's gradient).
+            let (g_bn, sum_g, sum_g_centered) = match &saved_out {
+                Some(y) => with_float_type!(backward_op, g.dtype(), T => {
+                    let (gs, ys, xs) =
+                        (gc.read_slice::<T>()?, y.read_slice::<T>()?, xc.read_slice::<T>()?);
+                    let (masked, sum_g, sum_gc) = cpu::masked_grad_sums::<T>(&gs, &ys, &xs, d, &mean);
+                    Ok((Tensor::from_vec(masked, xc.dims(), g.device())?, sum_g, sum_gc))
+                })?,
+                None => {
+                    let (sum_g, sum_gc) = with_float_type!(backward_op, g.dtype(), T => {
+                        let mask = relu.then(|| cpu::affine_coefs::<T>(&scale, &shift));
+                        let (gs, xs) = (gc.read_slice::<T>()?, xc.read_slice::<T>()?);
+                        Ok(cpu::grad_sums::<T>(&gs, &xs, d, &mean, mask.as_deref()))
+                    })?;
+                    (gc, sum_g, sum_gc)
+                }
+            };
             // Σ g·x̂ per channel.
             let sum_g_xhat: Vec<f64> = (0..d.c).map(|c| sum_g_centered[c] * invstd[c]).collect();
             let grad_x = if needs.0 {
@@ -251,7 +359,7 @@ fn batch_norm_op(
                 };
                 Some(with_float_type!(backward_op, g.dtype(), T => {
                     let mask = relu.then(|| cpu::affine_coefs::<T>(&scale, &shift));
-                    let (gs, xs) = (gc.read_slice::<T>()?, xc.read_slice::<T>()?);
+                    let (gs, xs) = (g_bn.read_slice::<T>()?, xc.read_slice::<T>()?);
                     let gx = cpu::grad_input::<T>(&gs, &xs, d, a, &slope, &offset, mask.as_deref());
                     Tensor::from_vec(gx, xc.dims(), g.device())
                 })?)
@@ -262,15 +370,18 @@ fn batch_norm_op(
                 Tensor::from_vec(values.to_vec(), &[d.c], g.device())?.to_dtype(g.dtype())
             };
             let mut grads = vec![grad_x];
+            if saved_out.is_some() {
+                grads.push(needs.1.then_some(g_bn));
+            }
             if has_weight {
-                grads.push(if needs.1 {
+                grads.push(if needs.2 {
                     Some(per_channel(&sum_g_xhat)?)
                 } else {
                     None
                 });
             }
             if has_bias {
-                grads.push(if needs.2 {
+                grads.push(if needs.3 {
                     Some(per_channel(&sum_g)?)
                 } else {
                     None

@@ -1,5 +1,6 @@
 //! Release-mode timing of the ResNet-20 normalisation stages (batch norm in training mode,
-//! ReLU, and the residual add on `[32, 16, 32, 32]`, `[32, 32, 16, 16]` and `[32, 64, 8, 8]`,
+//! ReLU, the residual add, and the residual join `add_relu(batch_norm(x), skip)` unfused and
+//! as `batch_norm_add_relu`, on `[32, 16, 32, 32]`, `[32, 32, 16, 16]` and `[32, 64, 8, 8]`,
 //! f32), forward and forward + backward, at 1 and 2 rayon threads. Ignored by default:
 //! `cargo test -p tandem-ops --release batch_norm_timing -- --ignored --nocapture`.
 
@@ -59,9 +60,31 @@ fn batch_norm_timing() {
                 let (bf, bb) = stage(&bn);
                 let (rf, rb) = stage(&|| relu(&x).unwrap());
                 let (af, ab) = stage(&|| add(&x, &skip).unwrap());
+                let join = || {
+                    let y = bn();
+                    crate::binary::add_relu(&y, &skip).unwrap()
+                };
+                let (jf, jb) = stage(&join);
+                let fused = || {
+                    super::batch_norm_add_relu(
+                        &x,
+                        &skip,
+                        Some(&rm),
+                        Some(&rv),
+                        Some(&w),
+                        Some(&b),
+                        true,
+                        0.1,
+                        1e-5,
+                    )
+                    .unwrap()
+                };
+                let (ff, fb) = stage(&fused);
                 println!(
                     "threads {threads} {shape:?}: batch_norm fwd {bf:.3} bwd {bb:.3} | \
-                     relu fwd {rf:.3} bwd {rb:.3} | add fwd {af:.3} bwd {ab:.3} ms"
+                     relu fwd {rf:.3} bwd {rb:.3} | add fwd {af:.3} bwd {ab:.3} | \
+                     add_relu(batch_norm) fwd {jf:.3} bwd {jb:.3} | \
+                     batch_norm_add_relu fwd {ff:.3} bwd {fb:.3} ms"
                 );
             }
         });
