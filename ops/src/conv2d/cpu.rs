@@ -5,7 +5,9 @@
 //! through the implicit gemm. Elsewhere (f64, other CPUs, the strided input gradient) the
 //! columns are built explicitly (im2col) and multiplied by gemm or the register-blocked kernel
 //! of `tile_product.rs`, and col2im turns `Wᵀ·g` back into an input gradient. At one rayon
-//! thread everything runs on the caller.
+//! thread everything runs on the caller. The 3×3, unit-stride, undilated layers with at least
+//! 16 input and output channels (f32, AVX-512) take Winograd F(2×2, 3×3) instead
+//! (`winograd.rs`) for the forward, and so for the input gradient, and for the weight gradient.
 //!
 //! The batch is split into one contiguous chunk per rayon thread; each chunk owns its scratch
 //! buffers (from the caching allocator) and its partial weight/bias gradients, which are
@@ -24,6 +26,7 @@ use super::im2col::{tile_bounds, Im2col};
 use super::implicit::Implicit;
 use super::pixel_rows::PixelRows;
 use super::tile_product::{self, TileShape};
+use super::winograd::Winograd;
 use crate::matmul::cpu::{gemm_into, MatRef};
 
 /// Aim for a tile's column matrix of about this many elements (32 KiB of f32: L1-sized).
@@ -71,9 +74,37 @@ pub(crate) trait ConvElement: FloatElement {
     ) -> bool {
         false
     }
+    /// The whole forward by Winograd F(2×2, 3×3) (see `winograd.rs`); false where it does
+    /// not apply (the output is then incomplete).
+    fn winograd_forward(
+        _g: &Geometry,
+        _x: &[Self],
+        _w: &[Self],
+        _bias: Option<&[Self]>,
+        _out: &mut [Self],
+    ) -> bool {
+        false
+    }
+    /// The weight gradient (`[O, C, 3, 3]`) by Winograd F(2×2, 3×3) (see `winograd.rs`);
+    /// None where it does not apply.
+    fn winograd_weight(_g: &Geometry, _x: &[Self], _gy: &[Self]) -> Option<Vec<Self>> {
+        None
+    }
 }
 
 impl ConvElement for f32 {
+    fn winograd_forward(
+        g: &Geometry,
+        x: &[f32],
+        w: &[f32],
+        bias: Option<&[f32]>,
+        out: &mut [f32],
+    ) -> bool {
+        Winograd::new(g).is_some_and(|plan| plan.forward(x, w, bias, out))
+    }
+    fn winograd_weight(g: &Geometry, x: &[f32], gy: &[f32]) -> Option<Vec<f32>> {
+        Winograd::new(g)?.weight_gradient(x, gy)
+    }
     fn tile_product(
         s: TileShape,
         wt: &[f32],
@@ -207,17 +238,32 @@ fn direct_kernel<T: ConvElement>() -> bool {
 }
 
 /// Forward: `out[n] = W · im2col(x[n]) + b`, `x` `[N, C, H, W]`, `w` `[O, C·kh·kw]`, result
-/// `[N, O, OH, OW]` as a flat vector.
+/// `[N, O, OH, OW]` as a flat vector. Winograd F(2×2, 3×3) where it applies and wins.
 pub(crate) fn forward<T: ConvElement>(
     x: &[T],
     w: &[T],
     bias: Option<&[T]>,
     g: &Geometry,
 ) -> Vec<T> {
+    forward_with(x, w, bias, g, true)
+}
+
+/// [`forward`], with Winograd allowed or not (`winograd: false` keeps to the implicit gemm
+/// and im2col paths, for timing comparisons).
+pub(crate) fn forward_with<T: ConvElement>(
+    x: &[T],
+    w: &[T],
+    bias: Option<&[T]>,
+    g: &Geometry,
+    winograd: bool,
+) -> Vec<T> {
     let (o_n, pixels, patch) = (g.out_channels, g.out_pixels(), g.patch());
     let (in_per, out_per) = (g.in_per_sample(), g.out_per_sample());
     let mut out = alloc::uninit::<T>(g.batch * out_per);
     if out.is_empty() {
+        return out;
+    }
+    if winograd && T::winograd_forward(g, x, w, bias, &mut out) {
         return out;
     }
     let plan = Plan::new(g);
@@ -323,11 +369,28 @@ pub(crate) fn backward<T: ConvElement>(
     g: &Geometry,
     needs: Needs,
 ) -> Grads<T> {
+    backward_with(x, w, gy, g, needs, true)
+}
+
+/// [`backward`], with Winograd allowed or not (see [`forward_with`]).
+pub(crate) fn backward_with<T: ConvElement>(
+    x: &[T],
+    w: &[T],
+    gy: &[T],
+    g: &Geometry,
+    needs: Needs,
+    winograd: bool,
+) -> Grads<T> {
+    // The weight gradient by Winograd where it applies; the loop below then skips it.
+    let winograd_gw = (needs.weight && winograd)
+        .then(|| T::winograd_weight(g, x, gy))
+        .flatten();
     // With unit strides the input gradient is itself a convolution (see `transposed`), which
     // runs on the forward kernels and needs no col2im; it is computed after the loop below.
     let by_conv = needs.input.then(|| transposed(g)).flatten();
     let needs = Needs {
         input: needs.input && by_conv.is_none(),
+        weight: needs.weight && winograd_gw.is_none(),
         ..needs
     };
     let (o_n, pixels, patch) = (g.out_channels, g.out_pixels(), g.patch());
@@ -520,29 +583,31 @@ pub(crate) fn backward<T: ConvElement>(
         let flipped = flipped_weights(w, g);
         alloc::recycle(std::mem::replace(
             &mut grad_x,
-            forward(gy, &flipped, None, g2),
+            forward_with(gy, &flipped, None, g2, winograd),
         ));
         alloc::recycle(flipped);
     }
     let grads = Grads {
         input: (needs.input || by_conv.is_some()).then_some(grad_x),
-        weight: needs.weight.then(|| {
-            let summed = sum_vectors(partials.iter().map(|p| &p.0), o_n * patch);
-            let gw = match &pixel_rows {
-                Some(rows) => rows.to_weight_order(&summed),
-                None => {
-                    // From [C·kh·kw, O] to [O, C·kh·kw].
-                    let mut gw = alloc::uninit(o_n * patch);
-                    for (r, row) in summed.chunks(o_n.max(1)).enumerate() {
-                        row.iter()
-                            .enumerate()
-                            .for_each(|(o, &v)| gw[o * patch + r] = v);
+        weight: winograd_gw.or_else(|| {
+            needs.weight.then(|| {
+                let summed = sum_vectors(partials.iter().map(|p| &p.0), o_n * patch);
+                let gw = match &pixel_rows {
+                    Some(rows) => rows.to_weight_order(&summed),
+                    None => {
+                        // From [C·kh·kw, O] to [O, C·kh·kw].
+                        let mut gw = alloc::uninit(o_n * patch);
+                        for (r, row) in summed.chunks(o_n.max(1)).enumerate() {
+                            row.iter()
+                                .enumerate()
+                                .for_each(|(o, &v)| gw[o * patch + r] = v);
+                        }
+                        gw
                     }
-                    gw
-                }
-            };
-            alloc::recycle(summed);
-            gw
+                };
+                alloc::recycle(summed);
+                gw
+            })
         }),
         bias: needs
             .bias
@@ -591,7 +656,7 @@ fn rows_in_place<T: ConvElement>(
 /// dilated kernel (the new padding would be negative), or the convolution would do much more
 /// work than the product it replaces (its output is the input, larger than the output by the
 /// kernel's overhang where the padding is small).
-fn transposed(g: &Geometry) -> Option<Geometry> {
+pub(crate) fn transposed(g: &Geometry) -> Option<Geometry> {
     let span = |k: usize, d: usize| (k - 1) * d;
     let (sh, sw) = (
         span(g.kernel.0, g.dilation.0),
@@ -623,7 +688,7 @@ fn transposed(g: &Geometry) -> Option<Geometry> {
 }
 
 /// `W'[c, o, a, b] = W[o, c, kh−1−a, kw−1−b]`: the weights of [`transposed`].
-fn flipped_weights<T: FloatElement>(w: &[T], g: &Geometry) -> Vec<T> {
+pub(crate) fn flipped_weights<T: FloatElement>(w: &[T], g: &Geometry) -> Vec<T> {
     let (kh, kw) = g.kernel;
     let (c_n, o_n) = (g.in_channels, g.out_channels);
     let mut out = alloc::uninit(w.len());

@@ -213,3 +213,74 @@ fn conv_timing_implicit_weight_rate() {
         println!("implicit weight C{c} {h}x{h} O{o}: {gflops:.1} GFLOP/s");
     }
 }
+
+/// Winograd against the current kernels over the 3×3 unit-stride ResNet-20 layers (batch 32):
+/// the forward, the input gradient (the forward convolution `cpu::backward` runs for it) and
+/// the weight gradient (with the bias gradient, as in training). The 16-channel layer is below
+/// Winograd's channel threshold (see `winograd.rs`), so both columns time the same kernels.
+#[test]
+#[ignore]
+fn conv_timing_winograd() {
+    use super::cpu::{backward_with, flipped_weights, forward_with, transposed};
+    for threads in [1, 2] {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        let mut totals = [0.0; 2];
+        for (c, h) in [(16, 32), (32, 16), (64, 8)] {
+            let g = Geometry {
+                batch: 32,
+                ..same_3x3(c, h, c)
+            };
+            let x: Vec<f32> = (0..32 * c * h * h)
+                .map(|i| (i % 17) as f32 * 0.1 - 0.8)
+                .collect();
+            let wt: Vec<f32> = (0..c * c * 9)
+                .map(|i| (i % 13) as f32 * 0.1 - 0.6)
+                .collect();
+            let b: Vec<f32> = (0..c).map(|i| i as f32 * 0.01).collect();
+            let gy: Vec<f32> = (0..32 * c * h * h)
+                .map(|i| (i % 7) as f32 * 0.1 - 0.3)
+                .collect();
+            let Some(gt) = transposed(&g) else {
+                return;
+            };
+            let flipped = flipped_weights(&wt, &g);
+            let weight = Needs {
+                input: false,
+                weight: true,
+                bias: true,
+            };
+            // [current, Winograd] for the forward, input gradient, weight gradient.
+            let times: [[f64; 2]; 3] = pool.install(|| {
+                [0, 1, 2].map(|pass| {
+                    [false, true].map(|wino| {
+                        best_ms(|| match pass {
+                            0 => recycle(forward_with(&x, &wt, Some(&b), &g, wino)),
+                            1 => recycle(forward_with(&gy, &flipped, None, &gt, wino)),
+                            _ => recycle_all(backward_with(&x, &wt, &gy, &g, weight, wino)),
+                        })
+                    })
+                })
+            });
+            let line: Vec<String> = ["fwd", "dx", "dw"]
+                .iter()
+                .zip(times)
+                .map(|(name, [before, after])| {
+                    format!("{name} {before:.3} -> {after:.3} ({:.2}x)", before / after)
+                })
+                .collect();
+            for (total, k) in totals.iter_mut().zip(0..2) {
+                *total += times.iter().map(|t| t[k]).sum::<f64>();
+            }
+            println!("T{threads} C{c} {h}x{h} ms: {}", line.join(", "));
+        }
+        println!(
+            "T{threads} three layers: {:.3} -> {:.3} ms ({:.2}x)",
+            totals[0],
+            totals[1],
+            totals[0] / totals[1]
+        );
+    }
+}
