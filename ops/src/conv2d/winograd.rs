@@ -288,11 +288,16 @@ impl Winograd {
                 .max(MIN_WEIGHT_TILES.div_ceil(self.tiles_w + 1)),
             ..*self
         };
+        // Each part takes its own `dU` through the (linear) weight transform, so that with
+        // several threads the transforms run in parallel and the merge adds `9/16` as much.
         let part = |n0: usize, n1: usize| {
-            plan.weight_samples(
+            let du = plan.weight_samples(
                 &x[n0 * in_per..n1 * in_per],
                 &gy[n0 * out_per..n1 * out_per],
-            )
+            );
+            let gw = self.weight_adjoint(&du);
+            alloc::recycle(du);
+            gw
         };
         let partials: Vec<Vec<f32>> = if crate::util::parallel(g.batch * out_per) && g.batch > 1 {
             let per = g.batch.div_ceil(rayon::current_num_threads());
@@ -309,6 +314,12 @@ impl Winograd {
             total.iter_mut().zip(&p).for_each(|(t, &v)| *t += v);
             alloc::recycle(p);
         }
+        Some(total)
+    }
+
+    /// `dW = Gᵀ·dU·G` (`[O, C, 3, 3]`) of `dU` laid out as the accumulator of `dot.rs`.
+    fn weight_adjoint(&self, total: &[f32]) -> Vec<f32> {
+        let (c_n, o_n) = (self.g.in_channels, self.g.out_channels);
         // dW = Gᵀ·dU·G, G = [[1, 0, 0], [½, ½, ½], [½, −½, ½], [0, 0, 1]].
         let adjoint = |d: [f32; 4]| {
             [
@@ -333,8 +344,7 @@ impl Winograd {
                 }
             }
         }
-        alloc::recycle(total);
-        Some(gw)
+        gw
     }
 
     /// `dU` of the samples `x` with output gradient `gy`, laid out as the accumulator of

@@ -315,6 +315,10 @@ unsafe fn gather_avx512(
         )
     };
     let vectors = seg.div_ceil(16);
+    // Hoisted out of the row loop (rows are short: recomputing the masks cost as much as the
+    // copy); segments of more than `MASKS` vectors compute the rest as they go.
+    const MASKS: usize = 8;
+    let masks: [__mmask16; MASKS] = std::array::from_fn(mask);
     for (s, at) in sources.chunks_exact(k).enumerate() {
         for (i, &from) in at.iter().enumerate() {
             let dst = rows.add(i * row_len + s * seg);
@@ -327,7 +331,8 @@ unsafe fn gather_avx512(
             // Lane l of vector v reads src[from + 16v + l − shift]: the pointer may lie before
             // the row, but only lanes inside it are read.
             for v in 0..vectors {
-                let x = _mm512_maskz_loadu_ps(mask(v) & all, row.wrapping_add(16 * v));
+                let m = masks.get(v).copied().unwrap_or_else(|| mask(v));
+                let x = _mm512_maskz_loadu_ps(m & all, row.wrapping_add(16 * v));
                 _mm512_storeu_ps(dst.add(16 * v), x);
             }
         }
