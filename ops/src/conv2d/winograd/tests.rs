@@ -8,7 +8,7 @@ use super::super::cpu::{self, Geometry, Needs};
 use super::*;
 
 /// `(N, C, H, W, O, padding, bias)` of the geometries tested.
-const CASES: [(usize, usize, usize, usize, usize, usize, bool); 11] = [
+const CASES: [(usize, usize, usize, usize, usize, usize, bool); 13] = [
     (2, 3, 7, 9, 5, 1, true),
     (4, 64, 8, 8, 64, 1, true),
     (4, 32, 16, 16, 32, 1, true),
@@ -21,6 +21,9 @@ const CASES: [(usize, usize, usize, usize, usize, usize, bool); 11] = [
     // Chunks of a few tile rows: they end inside samples.
     (2, 64, 30, 31, 64, 1, true),
     (1, 33, 4, 4, 16, 2, false),
+    // padding wider than the image, and a single pixel
+    (1, 16, 2, 3, 16, 4, true),
+    (2, 16, 1, 1, 17, 1, true),
 ];
 
 fn geometry(n: usize, c: usize, h: usize, w: usize, o: usize, p: usize) -> Geometry {
