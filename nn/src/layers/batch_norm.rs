@@ -1,6 +1,7 @@
 //! Batch normalisation over the channels of `[N, C, H, W]` inputs.
 
 use tandem_core::{DType, Device, Tensor};
+use tandem_ops::batch_norm::Epilogue;
 
 use crate::module::{parameter, Module, ParamKind, TrainingFlag};
 use crate::{Error, Result};
@@ -141,17 +142,6 @@ impl BatchNorm2d {
     }
 }
 
-/// What [`BatchNorm2d::run`] fuses onto the normalised output.
-#[derive(Clone, Copy)]
-enum Epilogue<'a> {
-    /// Nothing.
-    Plain,
-    /// A ReLU.
-    Relu,
-    /// A residual add, then a ReLU.
-    AddRelu(&'a Tensor),
-}
-
 impl BatchNorm2d {
     /// The forward, with the [`Epilogue`] fused onto the output.
     fn run(&self, x: &Tensor, epilogue: Epilogue<'_>) -> Result<Tensor> {
@@ -177,35 +167,17 @@ impl BatchNorm2d {
                 ),
             ));
         }
-        let (rm, rv) = (self.running_mean.as_ref(), self.running_var.as_ref());
-        let (w, b) = (self.weight.as_ref(), self.bias.as_ref());
-        let (momentum, eps) = (self.config.momentum, self.config.eps);
-        let out = match epilogue {
-            Epilogue::Plain => {
-                tandem_ops::batch_norm::batch_norm(x, rm, rv, w, b, use_batch_stats, momentum, eps)
-            }
-            Epilogue::Relu => tandem_ops::batch_norm::batch_norm_relu(
-                x,
-                rm,
-                rv,
-                w,
-                b,
-                use_batch_stats,
-                momentum,
-                eps,
-            ),
-            Epilogue::AddRelu(residual) => tandem_ops::batch_norm::batch_norm_add_relu(
-                x,
-                residual,
-                rm,
-                rv,
-                w,
-                b,
-                use_batch_stats,
-                momentum,
-                eps,
-            ),
-        }?;
+        let out = tandem_ops::batch_norm::batch_norm_fused(
+            x,
+            epilogue,
+            self.running_mean.as_ref(),
+            self.running_var.as_ref(),
+            self.weight.as_ref(),
+            self.bias.as_ref(),
+            use_batch_stats,
+            self.config.momentum,
+            self.config.eps,
+        )?;
         if training {
             if let Some(count) = &self.num_batches_tracked {
                 count.write_slice::<i64>()?[0] += 1;
@@ -358,6 +330,20 @@ mod tests {
         assert_eq!(bn.num_batches_tracked().unwrap().item().unwrap(), 0.0);
     }
 
+    /// The running statistics and the batch count of `fused` moved as those of `plain` (one
+    /// training forward each).
+    fn assert_moved_alike(fused: &BatchNorm2d, plain: &BatchNorm2d) {
+        for (a, b) in fused.named_tensors().iter().zip(plain.named_tensors()) {
+            assert_eq!(
+                a.2.to_vec_f64().unwrap(),
+                b.2.to_vec_f64().unwrap(),
+                "{}",
+                a.0
+            );
+        }
+        assert_eq!(fused.num_batches_tracked().unwrap().item().unwrap(), 1.0);
+    }
+
     #[test]
     fn fused_relu_forward_clamps_the_normalised_output_in_both_modes() {
         let (fused, plain) = (BatchNorm2d::new(2).unwrap(), BatchNorm2d::new(2).unwrap());
@@ -373,16 +359,7 @@ mod tests {
                 assert_eq!(*a, b.max(0.0));
             }
         }
-        // running statistics and the batch count move as with the unfused forward
-        for (a, b) in fused.named_tensors().iter().zip(plain.named_tensors()) {
-            assert_eq!(
-                a.2.to_vec_f64().unwrap(),
-                b.2.to_vec_f64().unwrap(),
-                "{}",
-                a.0
-            );
-        }
-        assert_eq!(fused.num_batches_tracked().unwrap().item().unwrap(), 1.0);
+        assert_moved_alike(&fused, &plain);
         let bad = Tensor::zeros(&[2, 3, 4, 4], DType::F32, Device::Cpu).unwrap();
         assert!(fused.forward_relu(&bad).is_err());
     }
@@ -409,16 +386,7 @@ mod tests {
                 assert_eq!(*a, s.max(0.0));
             }
         }
-        // running statistics and the batch count move as with the unfused forward
-        for (a, b) in fused.named_tensors().iter().zip(plain.named_tensors()) {
-            assert_eq!(
-                a.2.to_vec_f64().unwrap(),
-                b.2.to_vec_f64().unwrap(),
-                "{}",
-                a.0
-            );
-        }
-        assert_eq!(fused.num_batches_tracked().unwrap().item().unwrap(), 1.0);
+        assert_moved_alike(&fused, &plain);
         let bad = Tensor::zeros(&[4, 2, 3, 1], DType::F32, Device::Cpu).unwrap();
         let err = fused.forward_add_relu(&x, &bad).unwrap_err().to_string();
         assert!(

@@ -77,14 +77,18 @@ pub fn batch_norm(
     momentum: f64,
     eps: f64,
 ) -> Result<Tensor> {
-    let stats = Stats {
+    let epilogue = Epilogue::Plain;
+    batch_norm_fused(
+        x,
+        epilogue,
         running_mean,
         running_var,
+        weight,
+        bias,
         training,
         momentum,
         eps,
-    };
-    batch_norm_op("batch_norm", Fuse::Plain, x, stats, weight, bias)
+    )
 }
 
 /// `max(0, batch_norm(x))`: [`batch_norm`] (same arguments, shapes, running-statistics update
@@ -109,14 +113,18 @@ pub fn batch_norm_relu(
     momentum: f64,
     eps: f64,
 ) -> Result<Tensor> {
-    let stats = Stats {
+    let epilogue = Epilogue::Relu;
+    batch_norm_fused(
+        x,
+        epilogue,
         running_mean,
         running_var,
+        weight,
+        bias,
         training,
         momentum,
         eps,
-    };
-    batch_norm_op("batch_norm_relu", Fuse::Relu, x, stats, weight, bias)
+    )
 }
 
 /// `max(0, batch_norm(x) + residual)`: [`batch_norm`] (same arguments, shapes,
@@ -148,37 +156,23 @@ pub fn batch_norm_add_relu(
     momentum: f64,
     eps: f64,
 ) -> Result<Tensor> {
-    let stats = Stats {
+    let epilogue = Epilogue::AddRelu(residual);
+    batch_norm_fused(
+        x,
+        epilogue,
         running_mean,
         running_var,
+        weight,
+        bias,
         training,
         momentum,
         eps,
-    };
-    batch_norm_op(
-        "batch_norm_add_relu",
-        Fuse::AddRelu(residual),
-        x,
-        stats,
-        weight,
-        bias,
     )
 }
 
-/// How batch norm gets its statistics: from the batch (`training`, then folded into the
-/// running ones when given) or from the running ones; and the constants it uses.
-#[derive(Clone, Copy)]
-struct Stats<'a> {
-    running_mean: Option<&'a Tensor>,
-    running_var: Option<&'a Tensor>,
-    training: bool,
-    momentum: f64,
-    eps: f64,
-}
-
-/// What is fused onto batch norm's output.
-#[derive(Clone, Copy)]
-enum Fuse<'a> {
+/// What is fused onto batch norm's output (see [`batch_norm_fused`]).
+#[derive(Clone, Copy, Debug)]
+pub enum Epilogue<'a> {
     /// Nothing: [`batch_norm`].
     Plain,
     /// A ReLU: [`batch_norm_relu`].
@@ -187,29 +181,35 @@ enum Fuse<'a> {
     AddRelu(&'a Tensor),
 }
 
-/// [`batch_norm`], [`batch_norm_relu`] or [`batch_norm_add_relu`] (by `fuse`), named `op`.
-fn batch_norm_op(
-    op: &'static str,
-    fuse: Fuse<'_>,
+impl Epilogue<'_> {
+    /// The op's name (in errors and the profiler) and its backward's.
+    fn names(self) -> (&'static str, &'static str) {
+        match self {
+            Epilogue::Plain => ("batch_norm", "batch_norm_backward"),
+            Epilogue::Relu => ("batch_norm_relu", "batch_norm_relu_backward"),
+            Epilogue::AddRelu(_) => ("batch_norm_add_relu", "batch_norm_add_relu_backward"),
+        }
+    }
+}
+
+/// [`batch_norm`], [`batch_norm_relu`] or [`batch_norm_add_relu`], chosen by `epilogue`, with
+/// their arguments: for callers (a layer) that pick the fusion at run time. Same semantics,
+/// shapes and errors as the op it stands for.
+#[allow(clippy::too_many_arguments)]
+pub fn batch_norm_fused(
     x: &Tensor,
-    stats: Stats<'_>,
+    epilogue: Epilogue<'_>,
+    running_mean: Option<&Tensor>,
+    running_var: Option<&Tensor>,
     weight: Option<&Tensor>,
     bias: Option<&Tensor>,
+    training: bool,
+    momentum: f64,
+    eps: f64,
 ) -> Result<Tensor> {
+    let (op, backward_op) = epilogue.names();
     let _profile = tandem_core::profile::scope(op, tandem_core::profile::Phase::Forward);
-    let backward_op = match fuse {
-        Fuse::Plain => "batch_norm_backward",
-        Fuse::Relu => "batch_norm_relu_backward",
-        Fuse::AddRelu(_) => "batch_norm_add_relu_backward",
-    };
-    let relu = matches!(fuse, Fuse::Relu);
-    let Stats {
-        running_mean,
-        running_var,
-        training,
-        momentum,
-        eps,
-    } = stats;
+    let relu = matches!(epilogue, Epilogue::Relu);
     float_dtype(op, x)?;
     if x.rank() < 2 {
         return Err(Error::shape(
@@ -221,8 +221,8 @@ fn batch_norm_op(
     check_channel_param(op, "running_var", x, running_var)?;
     check_channel_param(op, "weight", x, weight)?;
     check_channel_param(op, "bias", x, bias)?;
-    let residual = match fuse {
-        Fuse::AddRelu(r) => {
+    let residual = match epilogue {
+        Epilogue::AddRelu(r) => {
             same_dtype_device(op, x, r)?;
             if r.dims() != x.dims() {
                 return Err(Error::shape(
