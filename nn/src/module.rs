@@ -267,6 +267,40 @@ pub trait Module: AsAny + Send + Sync {
     }
 }
 
+/// Puts `module` in `slot` (that of the child `name`) and returns the old child, or, without
+/// a slot, an error naming `owner` and the existing children `names`: the body of a
+/// container's [`Module::replace_child`].
+pub(crate) fn replace_named(
+    owner: &'static str,
+    names: Vec<String>,
+    slot: Option<&mut Arc<dyn Module>>,
+    name: &str,
+    module: Arc<dyn Module>,
+) -> Result<Arc<dyn Module>> {
+    match slot {
+        Some(slot) => Ok(std::mem::replace(slot, module)),
+        None => Err(Error::config(
+            owner,
+            format!("no child named `{name}`; children are {names:?}"),
+        )),
+    }
+}
+
+/// [`replace_named`] for children kept as a list of `(name, module)`.
+pub(crate) fn replace_in_list(
+    owner: &'static str,
+    children: &mut [(String, Arc<dyn Module>)],
+    name: &str,
+    module: Arc<dyn Module>,
+) -> Result<Arc<dyn Module>> {
+    let names = children.iter().map(|(n, _)| n.clone()).collect();
+    let slot = children
+        .iter_mut()
+        .find(|(n, _)| n == name)
+        .map(|(_, slot)| slot);
+    replace_named(owner, names, slot, name, module)
+}
+
 /// Makes `t` a parameter: a leaf that requires grad.
 pub(crate) fn parameter(t: Tensor) -> Result<Tensor> {
     Ok(t.with_requires_grad()?)

@@ -17,7 +17,7 @@ use tandem_core::Tensor;
 use crate::layers::{
     AdaptiveAvgPool2d, BatchNorm2d, Conv2d, Conv2dConfig, Flatten, Linear, Sequential,
 };
-use crate::module::{Module, TrainingFlag};
+use crate::module::{replace_in_list, replace_named, Module, TrainingFlag};
 use crate::{Error, Result};
 
 /// A 3×3 convolution without bias, padding 1.
@@ -120,24 +120,6 @@ impl BlockChildren {
             "downsample" => self.downsample.as_mut(),
             _ => None,
         }
-    }
-}
-
-/// Puts `module` in `slot` (that of the child `name`) and returns the old child, or, without
-/// a slot, an error naming `owner` and the existing children `names`.
-fn replace_named(
-    owner: &'static str,
-    names: Vec<String>,
-    slot: Option<&mut Arc<dyn Module>>,
-    name: &str,
-    module: Arc<dyn Module>,
-) -> Result<Arc<dyn Module>> {
-    match slot {
-        Some(slot) => Ok(std::mem::replace(slot, module)),
-        None => Err(Error::config(
-            owner,
-            format!("no child named `{name}`; children are {names:?}"),
-        )),
     }
 }
 
@@ -263,12 +245,7 @@ impl Module for CifarResNet {
 
     fn replace_child(&self, name: &str, module: Arc<dyn Module>) -> Result<Arc<dyn Module>> {
         let mut children = self.children.write();
-        let names = children.iter().map(|(n, _)| n.clone()).collect();
-        let slot = children
-            .iter_mut()
-            .find(|(n, _)| n == name)
-            .map(|(_, slot)| slot);
-        replace_named("CifarResNet::replace_child", names, slot, name, module)
+        replace_in_list("CifarResNet::replace_child", &mut children, name, module)
     }
 }
 

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use parking_lot::RwLock;
 use tandem_core::Tensor;
 
-use crate::module::{Module, TrainingFlag};
+use crate::module::{replace_in_list, Module, TrainingFlag};
 use crate::{Error, Result};
 
 /// A chain of modules: `forward(x)` feeds `x` through each child in order.
@@ -91,14 +91,7 @@ impl Sequential {
     /// existing children if there is no such child.
     pub fn replace(&self, name: &str, module: Arc<dyn Module>) -> Result<Arc<dyn Module>> {
         let mut children = self.children.write();
-        let names: Vec<String> = children.iter().map(|(n, _)| n.clone()).collect();
-        match children.iter_mut().find(|(n, _)| n == name) {
-            Some((_, slot)) => Ok(std::mem::replace(slot, module)),
-            None => Err(Error::config(
-                "Sequential::replace",
-                format!("no child named `{name}`; children are {names:?}"),
-            )),
-        }
+        replace_in_list("Sequential::replace", &mut children, name, module)
     }
 }
 
