@@ -5,7 +5,7 @@
 
 use tandem_core::{alloc, with_float_type, Element, FloatElement, Result, Tensor};
 
-use crate::unary::{map_slice, zip_map, zip_slices};
+use crate::unary::{map_slice, zip_slices};
 use crate::util::for_each_index2;
 
 /// Which binary operation a kernel applies.
@@ -82,14 +82,6 @@ pub(crate) fn add_relu(op: &'static str, a: &Tensor, b: &Tensor) -> Result<Tenso
         });
         drop((x, y));
         Tensor::from_vec(out, a.dims(), a.device())
-    })
-}
-
-/// The gradient `g` kept where the saved ReLU output `y` is positive and zeroed elsewhere
-/// (the gradient at exactly 0 is 0).
-pub(crate) fn relu_mask(op: &'static str, g: &Tensor, y: &Tensor) -> Result<Tensor> {
-    with_float_type!(op, g.dtype(), T => {
-        zip_map::<T>(g, y, |g, y| if y > T::ZERO { g } else { T::ZERO })
     })
 }
 

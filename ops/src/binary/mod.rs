@@ -60,7 +60,7 @@ pub fn add_relu(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     let saved = out.detach();
     Ok(record_fn(out, &[a, b], OP, move || {
         move |g: &Tensor| {
-            let masked = cpu::relu_mask("add_relu_backward", g, &saved)?;
+            let masked = crate::unary::relu_backward(g, &saved)?;
             Ok(vec![Some(masked.clone()), Some(masked)])
         }
     }))

@@ -88,6 +88,12 @@ pub fn relu(x: &Tensor) -> Result<Tensor> {
     unary(UnaryKind::Relu, x)
 }
 
+/// The gradient of [`relu`]'s input from the output gradient `g` and its output `y`: `g` where
+/// `y > 0`, else 0 (for fused ops that end in a ReLU).
+pub(crate) fn relu_backward(g: &Tensor, y: &Tensor) -> Result<Tensor> {
+    cpu::backward(UnaryKind::Relu, g, y)
+}
+
 /// The logistic function `1 / (1 + e⁻ˣ)`, elementwise.
 ///
 /// # Shapes
