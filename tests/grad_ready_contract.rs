@@ -110,7 +110,7 @@ fn grad_ready_fires_once_per_parameter_after_its_gradient_is_final_in_reverse_la
         register_grad_ready_hook(p, move |ready| {
             assert!(
                 ready.event.is_complete() || {
-                    ready.event.synchronize();
+                    ready.event.synchronize()?;
                     true
                 }
             );

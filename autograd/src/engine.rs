@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 use tandem_core::graph::{BackwardSummary, HookId};
 use tandem_core::profile::{self, Phase};
-use tandem_core::{Device, Edge, Error, GradReady, Node, Result, Stream, Tensor, TensorId};
+use tandem_core::{Edge, Error, GradReady, Node, Result, Stream, Tensor, TensorId};
 
 use crate::grad_mode::NoGradGuard;
 
@@ -111,7 +111,7 @@ pub fn backward(root: &Tensor, grad: Option<&Tensor>, options: &BackwardOptions)
         }
     };
     let _no_grad = NoGradGuard::new();
-    let compute = Stream::compute(root.device());
+    let compute = Stream::compute(root.device())?;
 
     // Count the contributions every node and leaf will receive.
     let root_edge = match root.grad_fn() {
@@ -284,8 +284,7 @@ fn finalize_leaf(leaf: &Tensor, grad: Tensor, compute: &Stream) -> Result<()> {
             owned
         }
     };
-    debug_assert_eq!(compute.device(), Device::Cpu);
-    let event = compute.record_event();
+    let event = compute.record_event()?;
     let hooks: Vec<_> = leaf
         .hooks()
         .lock()

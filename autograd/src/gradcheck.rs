@@ -4,7 +4,7 @@
 //! `(f(x+ε) − f(x−ε)) / 2ε` in f64. A non-scalar output is reduced with a fixed random vector
 //! `v` (the check compares Jᵀv), so every output element takes part.
 
-use tandem_core::{DType, Error, Generator, Result, Tensor};
+use tandem_core::{DType, Error, Generator, Layout, Result, Shape, Tensor};
 
 use crate::engine::{backward, BackwardOptions};
 use crate::grad_mode::no_grad;
@@ -86,12 +86,12 @@ pub fn gradcheck(
         let mut positions = Vec::with_capacity(x.numel());
         x.layout().for_each_index(|p| positions.push(p));
         for (k, &pos) in positions.iter().enumerate() {
-            let original = read_at(x, pos);
-            write_at(x, pos, original + options.eps);
+            let original = read_at(x, pos)?;
+            write_at(x, pos, original + options.eps)?;
             let plus = no_grad(|| f(inputs)).and_then(|t| project(&t));
-            write_at(x, pos, original - options.eps);
+            write_at(x, pos, original - options.eps)?;
             let minus = no_grad(|| f(inputs)).and_then(|t| project(&t));
-            write_at(x, pos, original);
+            write_at(x, pos, original)?;
             let numeric = (plus? - minus?) / (2.0 * options.eps);
             let a = analytic[k];
             if (a - numeric).abs() > options.atol + options.rtol * numeric.abs() {
@@ -105,15 +105,16 @@ pub fn gradcheck(
     Ok(())
 }
 
-fn read_at(x: &Tensor, pos: usize) -> f64 {
-    match &*x.storage().read() {
-        tandem_core::CpuStorage::F64(v) => v[pos],
-        _ => unreachable!("gradcheck inputs are checked to be f64"),
-    }
+/// The element at storage index `pos` of `x`, as a one-element view (device-neutral, so the
+/// check runs wherever `x` lives).
+fn element(x: &Tensor, pos: usize) -> Result<Tensor> {
+    x.view_detached(Layout::from_parts(Shape::new(), Shape::new(), pos))
 }
 
-fn write_at(x: &Tensor, pos: usize, value: f64) {
-    if let tandem_core::CpuStorage::F64(v) = &mut *x.storage().write() {
-        v[pos] = value;
-    }
+fn read_at(x: &Tensor, pos: usize) -> Result<f64> {
+    element(x, pos)?.item()
+}
+
+fn write_at(x: &Tensor, pos: usize, value: f64) -> Result<()> {
+    element(x, pos)?.fill_(value)
 }

@@ -1,14 +1,18 @@
-//! Reading and writing a tensor's elements, casts, and the few in-place kernels the runtime
-//! itself needs (fill, copy, scale, accumulate) — the ones gradient accumulation, optimizers
-//! and collectives use. None of these are recorded by autograd.
+//! Reading and writing a tensor's elements, and the device-neutral runtime operations that
+//! autograd, optimizers, layers and collectives use instead of touching memory: fill, copy,
+//! scale, accumulate, cast, move between devices, read back. None of these are recorded by
+//! autograd. Each checks its arguments here and dispatches once on the device to the host
+//! runtime (`cpu/runtime.rs`) or the CUDA runtime.
+//!
+//! Host slices ([`Tensor::read_slice`], [`Tensor::write_slice`]) exist for the CPU kernels;
+//! they fail with an error naming the device for a tensor that is not in host memory.
 
 use parking_lot::{
     MappedRwLockReadGuard, MappedRwLockWriteGuard, RwLockReadGuard, RwLockWriteGuard,
 };
 
-use crate::{
-    with_element_type, with_float_type, DType, Device, Element, Error, Layout, Result, Tensor,
-};
+use crate::cpu::runtime as cpu;
+use crate::{with_element_type, with_float_type, DType, Device, Element, Error, Result, Tensor};
 
 impl Tensor {
     fn expect_dtype<T: Element>(&self, op: &'static str) -> Result<()> {
@@ -22,10 +26,10 @@ impl Tensor {
         Ok(())
     }
 
-    /// Borrows the elements of a contiguous tensor as a slice.
+    /// Borrows the elements of a contiguous CPU tensor as a slice.
     ///
-    /// Errors if the tensor is not contiguous (call `contiguous()` first) or `T` is not its
-    /// dtype. Holding the guard blocks writers to the same storage.
+    /// Errors if the tensor is not in host memory, not contiguous (call `contiguous()` first)
+    /// or `T` is not its dtype. Holding the guard blocks writers to the same storage.
     pub fn read_slice<T: Element>(&self) -> Result<MappedRwLockReadGuard<'_, [T]>> {
         self.expect_dtype::<T>("read_slice")?;
         if !self.is_contiguous() {
@@ -38,13 +42,14 @@ impl Tensor {
             self.layout().offset(),
             self.layout().offset() + self.numel(),
         );
-        Ok(RwLockReadGuard::map(self.storage().read(), |s| {
-            &T::slice(s).expect("dtype checked")[start..end]
-        }))
+        Ok(RwLockReadGuard::map(
+            self.storage().read_host("read_slice")?,
+            |s| &T::slice(s).expect("dtype checked")[start..end],
+        ))
     }
 
-    /// Mutably borrows the elements of a contiguous tensor. Writes are seen by every view of
-    /// the storage; autograd does not record them.
+    /// Mutably borrows the elements of a contiguous CPU tensor. Writes are seen by every view
+    /// of the storage; autograd does not record them.
     pub fn write_slice<T: Element>(&self) -> Result<MappedRwLockWriteGuard<'_, [T]>> {
         self.expect_dtype::<T>("write_slice")?;
         if !self.is_contiguous() {
@@ -54,34 +59,19 @@ impl Tensor {
             self.layout().offset(),
             self.layout().offset() + self.numel(),
         );
-        Ok(RwLockWriteGuard::map(self.storage().write(), |s| {
-            &mut T::slice_mut(s).expect("dtype checked")[start..end]
-        }))
+        Ok(RwLockWriteGuard::map(
+            self.storage().write_host("write_slice")?,
+            |s| &mut T::slice_mut(s).expect("dtype checked")[start..end],
+        ))
     }
 
-    /// The elements in row-major order (any layout).
+    /// The elements in row-major order (any layout), copied into host memory.
     pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
         self.expect_dtype::<T>("to_vec")?;
-        let guard = self.storage().read();
-        let data = T::slice(&guard).expect("dtype checked");
-        if self.is_contiguous() {
-            let off = self.layout().offset();
-            return Ok(data[off..off + self.numel()].to_vec());
+        match self.device() {
+            Device::Cpu => cpu::to_vec::<T>(self),
+            other => Err(other.unavailable("to_vec")),
         }
-        let mut out = crate::alloc::uninit::<T>(self.numel());
-        let row_len = self.dims().last().copied().unwrap_or(1);
-        let mut rows = out.chunks_mut(row_len.max(1));
-        self.layout().for_each_row(|start, stride| {
-            let row = rows.next().expect("one output row per layout row");
-            if stride == 1 {
-                row.copy_from_slice(&data[start..start + row.len()]);
-            } else {
-                for (j, v) in row.iter_mut().enumerate() {
-                    *v = data[start + j * stride];
-                }
-            }
-        });
-        Ok(out)
     }
 
     /// The elements converted to f64, in row-major order.
@@ -113,30 +103,33 @@ impl Tensor {
         self.copy_detached()
     }
 
-    /// A fresh contiguous copy of the elements, outside the graph.
+    /// A fresh contiguous copy of the elements on the same device, outside the graph.
     pub fn copy_detached(&self) -> Result<Tensor> {
-        with_element_type!(self.dtype(), T => Tensor::from_vec(self.to_vec::<T>()?, self.dims(), self.device()))
+        let out = Tensor::empty(self.dims(), self.dtype(), self.device())?;
+        out.copy_(self)?;
+        Ok(out)
     }
 
-    /// The elements converted to `dtype` (a fresh tensor; rounds to nearest for floats,
-    /// truncates toward zero for integers). Not recorded by autograd.
+    /// The elements converted to `dtype` (a fresh tensor on the same device; rounds to nearest
+    /// for floats, truncates toward zero for integers). Not recorded by autograd.
     pub fn to_dtype(&self, dtype: DType) -> Result<Tensor> {
         if dtype == self.dtype() {
             return self.copy_detached();
         }
-        let values = self.to_vec_f64()?;
-        with_element_type!(dtype, T => {
-            Tensor::from_vec(values.into_iter().map(T::from_f64).collect::<Vec<T>>(), self.dims(), self.device())
-        })
+        match self.device() {
+            Device::Cpu => cpu::cast(self, dtype),
+            other => Err(other.unavailable("to_dtype")),
+        }
     }
 
-    /// The tensor on `device` (a copy when the device differs).
+    /// The tensor on `device`: `self` when it is already there, otherwise a contiguous copy
+    /// (outside the graph).
     pub fn to_device(&self, device: Device) -> Result<Tensor> {
         device.ensure_available()?;
         if device == self.device() {
             return Ok(self.clone());
         }
-        self.copy_detached()
+        Err(device.unavailable("to_device"))
     }
 
     fn check_same_shape(&self, op: &'static str, src: &Tensor) -> Result<()> {
@@ -157,50 +150,12 @@ impl Tensor {
         Ok(())
     }
 
-    /// Applies `f(dst, src)` elementwise in place. Reading from the same storage as the
-    /// destination is handled by copying the source first.
-    fn zip_in_place<T: Element>(&self, src: &Tensor, mut f: impl FnMut(&mut T, T)) -> Result<()> {
-        if self.is_contiguous() && src.is_contiguous() && !self.storage().same_buffer(src.storage())
-        {
-            // The common case (gradient accumulation, optimizer updates): two dense buffers.
-            let source = src.read_slice::<T>()?;
-            let mut dest = self.write_slice::<T>()?;
-            dest.iter_mut()
-                .zip(source.iter())
-                .for_each(|(d, &s)| f(d, s));
-            return Ok(());
-        }
-        let src_values: Vec<T> = src.to_vec::<T>()?;
-        let layout: Layout = self.layout().clone();
-        let mut guard = self.storage().write();
-        let data = T::slice_mut(&mut guard).expect("dtype checked");
-        let mut k = 0;
-        layout.for_each_index(|i| {
-            f(&mut data[i], src_values[k]);
-            k += 1;
-        });
-        Ok(())
-    }
-
-    fn map_in_place<T: Element>(&self, mut f: impl FnMut(&mut T)) {
-        let layout = self.layout().clone();
-        let mut guard = self.storage().write();
-        let data = T::slice_mut(&mut guard).expect("dtype checked");
-        if layout.is_contiguous() {
-            let off = layout.offset();
-            data[off..off + layout.numel()].iter_mut().for_each(f);
-        } else {
-            layout.for_each_index(|i| f(&mut data[i]));
-        }
-    }
-
     /// Sets every element to `value`, in place.
     pub fn fill_(&self, value: f64) -> Result<()> {
-        with_element_type!(self.dtype(), T => {
-            let v = T::from_f64(value);
-            self.map_in_place::<T>(|x| *x = v);
-            Ok(())
-        })
+        match self.device() {
+            Device::Cpu => cpu::fill(self, value),
+            other => Err(other.unavailable("fill_")),
+        }
     }
 
     /// Sets every element to zero, in place.
@@ -208,18 +163,20 @@ impl Tensor {
         self.fill_(0.0)
     }
 
-    /// Copies `src`'s elements into `self`, in place (same shape and dtype).
+    /// Copies `src`'s elements into `self`, in place (same shape, dtype and device).
     pub fn copy_(&self, src: &Tensor) -> Result<()> {
         self.check_same_shape("copy_", src)?;
-        with_element_type!(self.dtype(), T => self.zip_in_place::<T>(src, |d, s| *d = s))
+        match self.device() {
+            Device::Cpu => cpu::copy(self, src),
+            other => Err(other.unavailable("copy_")),
+        }
     }
 
     /// Multiplies every element by `factor`, in place (float dtypes).
     pub fn scale_(&self, factor: f64) -> Result<()> {
-        with_float_type!("scale_", self.dtype(), T => {
-            let f = T::from_f64(factor);
-            self.map_in_place::<T>(|x| *x *= f);
-            Ok(())
+        with_float_type!("scale_", self.dtype(), T => match self.device() {
+            Device::Cpu => cpu::scale::<T>(self, factor),
+            other => Err(other.unavailable("scale_")),
         })
     }
 
@@ -227,9 +184,9 @@ impl Tensor {
     /// optimizer updates are built on this.
     pub fn add_scaled_(&self, src: &Tensor, alpha: f64) -> Result<()> {
         self.check_same_shape("add_scaled_", src)?;
-        with_float_type!("add_scaled_", self.dtype(), T => {
-            let a = T::from_f64(alpha);
-            self.zip_in_place::<T>(src, |d, s| *d += a * s)
+        with_float_type!("add_scaled_", self.dtype(), T => match self.device() {
+            Device::Cpu => cpu::add_scaled::<T>(self, src, alpha),
+            other => Err(other.unavailable("add_scaled_")),
         })
     }
 
@@ -238,12 +195,16 @@ impl Tensor {
         self.add_scaled_(src, 1.0)
     }
 
-    /// Applies a float function to every element in place. For optimizers and runtime code that
-    /// must update parameters without recording a graph.
+    /// Applies a float function to every element in place, on the host: a CPU tensor is
+    /// updated where it is; a device tensor is read back, mapped and written again. For tests
+    /// and set-up code; the training path uses the device kernels.
     pub fn map_inplace_f64(&self, op: &'static str, f: impl Fn(f64) -> f64) -> Result<()> {
-        with_float_type!(op, self.dtype(), T => {
-            self.map_in_place::<T>(|x| *x = T::from_f64(f(x.to_f64())));
-            Ok(())
+        with_float_type!(op, self.dtype(), T => match self.device() {
+            Device::Cpu => cpu::map_in_place::<T>(op, self, |x| *x = T::from_f64(f(x.to_f64()))),
+            _ => {
+                let mapped: Vec<T> = self.to_vec::<T>()?.into_iter().map(|x| T::from_f64(f(x.to_f64()))).collect();
+                self.copy_(&Tensor::from_vec(mapped, self.dims(), Device::Cpu)?.to_device(self.device())?)
+            }
         })
     }
 }
@@ -294,6 +255,38 @@ mod tests {
             .to_string();
         assert!(
             err.contains("5 elements") && err.contains("[2, 3]"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn shape_products_that_overflow_are_errors_not_empty_tensors() {
+        let huge = 1usize << 40;
+        for err in [
+            Tensor::zeros(&[huge, huge], DType::F32, Device::Cpu).unwrap_err(),
+            Tensor::full(&[huge, huge, 2], 1.0, DType::F32, Device::Cpu).unwrap_err(),
+            Tensor::from_vec(Vec::<f32>::new(), &[huge, huge], Device::Cpu).unwrap_err(),
+        ] {
+            let msg = err.to_string();
+            assert!(msg.contains("more elements than any tensor"), "{msg}");
+        }
+        let t = Tensor::zeros(&[1, 3], DType::F32, Device::Cpu).unwrap();
+        assert!(t.layout().expand("expand", &[huge, huge, 3]).is_err());
+        assert!(t.layout().narrow("narrow", 1, usize::MAX, 2).is_err());
+        assert!(t
+            .layout()
+            .infer_shape("reshape", &[-1, isize::MAX, isize::MAX])
+            .is_err());
+    }
+
+    #[test]
+    fn an_allocation_that_cannot_be_made_is_an_error_not_an_abort() {
+        // 2^40 f32 elements (4 TiB): a valid shape whose memory no machine here has.
+        let err = Tensor::zeros(&[1 << 20, 1 << 20], DType::F32, Device::Cpu)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("out of memory") && err.contains("Tensor::zeros"),
             "{err}"
         );
     }

@@ -1,14 +1,16 @@
 //! Creating tensors: from data, filled, ranges and random.
 
+use crate::layout::checked_numel;
 use crate::rng::Generator;
 use crate::storage::CpuStorage;
 use crate::{with_element_type, DType, Device, Element, Error, Layout, Result, Storage, Tensor};
 
 impl Tensor {
-    /// A tensor that takes ownership of `data`, viewed with `shape`.
+    /// A tensor that takes ownership of `data`, viewed with `shape`, placed on `device` (a copy
+    /// when `device` is not the CPU).
     pub fn from_vec<T: Element>(data: Vec<T>, shape: &[usize], device: Device) -> Result<Tensor> {
         device.ensure_available()?;
-        let numel: usize = shape.iter().product();
+        let numel = checked_numel("Tensor::from_vec", shape)?;
         if numel != data.len() {
             return Err(Error::shape(
                 "Tensor::from_vec",
@@ -19,10 +21,11 @@ impl Tensor {
                 ),
             ));
         }
-        Tensor::from_storage(
+        let host = Tensor::from_storage(
             Storage::cpu(T::into_storage(data)),
             Layout::contiguous(shape),
-        )
+        )?;
+        host.to_device(device)
     }
 
     /// A tensor copied from `data`.
@@ -35,14 +38,35 @@ impl Tensor {
         Tensor::from_vec(vec![value], &[], device)
     }
 
+    /// A tensor whose elements are unspecified (memory reused from the caching allocator):
+    /// for results that are about to be overwritten entirely.
+    pub fn empty(shape: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
+        device.ensure_available()?;
+        let numel = checked_numel("Tensor::empty", shape)?;
+        match device {
+            Device::Cpu => Tensor::from_storage(
+                Storage::cpu(CpuStorage::try_uninit("Tensor::empty", dtype, numel)?),
+                Layout::contiguous(shape),
+            ),
+            other => Err(other.unavailable("Tensor::empty")),
+        }
+    }
+
     /// A tensor of zeros.
     pub fn zeros(shape: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
         device.ensure_available()?;
-        let numel = shape.iter().product();
-        Tensor::from_storage(
-            Storage::cpu(CpuStorage::zeros(dtype, numel)),
-            Layout::contiguous(shape),
-        )
+        let numel = checked_numel("Tensor::zeros", shape)?;
+        match device {
+            Device::Cpu => Tensor::from_storage(
+                Storage::cpu(CpuStorage::try_zeros("Tensor::zeros", dtype, numel)?),
+                Layout::contiguous(shape),
+            ),
+            _ => {
+                let t = Tensor::empty(shape, dtype, device)?;
+                t.fill_(0.0)?;
+                Ok(t)
+            }
+        }
     }
 
     /// A tensor of ones.
@@ -52,9 +76,9 @@ impl Tensor {
 
     /// A tensor with every element `value` (converted to `dtype`).
     pub fn full(shape: &[usize], value: f64, dtype: DType, device: Device) -> Result<Tensor> {
-        device.ensure_available()?;
-        let numel: usize = shape.iter().product();
-        with_element_type!(dtype, T => Tensor::from_vec(vec![T::from_f64(value); numel], shape, device))
+        let t = Tensor::empty(shape, dtype, device)?;
+        t.fill_(value)?;
+        Ok(t)
     }
 
     /// A tensor of zeros with the shape, dtype and device of `self`.
@@ -75,9 +99,17 @@ impl Tensor {
                 format!("invalid range {start}..{end} step {step}"),
             ));
         }
-        let n = ((end - start) / step).ceil().max(0.0) as usize;
+        let count = ((end - start) / step).ceil().max(0.0);
+        if count > crate::layout::MAX_NUMEL as f64 {
+            return Err(Error::invalid(
+                "arange",
+                format!("range {start}..{end} step {step} has too many elements ({count})"),
+            ));
+        }
+        let n = count as usize;
         with_element_type!(dtype, T => {
-            let data: Vec<T> = (0..n).map(|i| T::from_f64(start + i as f64 * step)).collect();
+            let mut data = crate::alloc::try_uninit::<T>("arange", n)?;
+            data.iter_mut().enumerate().for_each(|(i, x)| *x = T::from_f64(start + i as f64 * step));
             Tensor::from_vec(data, &[n], device)
         })
     }
@@ -91,10 +123,10 @@ impl Tensor {
         device: Device,
         generator: &mut Generator,
     ) -> Result<Tensor> {
-        let numel: usize = shape.iter().product();
+        let numel = checked_numel("Tensor::rand", shape)?;
         with_element_type!(dtype, T => {
-            let data: Vec<T> =
-                (0..numel).map(|_| T::from_f64(low + (high - low) * generator.uniform())).collect();
+            let mut data = crate::alloc::try_uninit::<T>("Tensor::rand", numel)?;
+            data.iter_mut().for_each(|x| *x = T::from_f64(low + (high - low) * generator.uniform()));
             Tensor::from_vec(data, shape, device)
         })
     }
@@ -108,10 +140,10 @@ impl Tensor {
         device: Device,
         generator: &mut Generator,
     ) -> Result<Tensor> {
-        let numel: usize = shape.iter().product();
+        let numel = checked_numel("Tensor::randn", shape)?;
         with_element_type!(dtype, T => {
-            let data: Vec<T> =
-                (0..numel).map(|_| T::from_f64(mean + std * generator.normal())).collect();
+            let mut data = crate::alloc::try_uninit::<T>("Tensor::randn", numel)?;
+            data.iter_mut().for_each(|x| *x = T::from_f64(mean + std * generator.normal()));
             Tensor::from_vec(data, shape, device)
         })
     }

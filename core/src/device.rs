@@ -30,6 +30,16 @@ impl Device {
         }
     }
 
+    /// The error for a device this build or machine cannot use for `what`.
+    pub(crate) fn unavailable(self, what: &str) -> Error {
+        Error::DeviceUnavailable {
+            device: self,
+            reason: format!(
+                "{what}: the CUDA backend is not built yet in this version of tandem; use Device::Cpu"
+            ),
+        }
+    }
+
     /// Returns an error naming `op` unless both devices are the same.
     pub fn same_as(self, other: Device, op: &'static str) -> Result<()> {
         if self == other {

@@ -43,6 +43,15 @@ pub enum Error {
     #[error("device {device} is not available: {reason}")]
     DeviceUnavailable { device: Device, reason: String },
 
+    /// Memory that could not be had: the request was larger than the address space or the
+    /// device's free memory.
+    #[error("{op}: out of memory on {device}: could not allocate {bytes} bytes")]
+    OutOfMemory {
+        op: &'static str,
+        device: Device,
+        bytes: usize,
+    },
+
     /// An argument outside what the operation accepts (a dim, a size, a label, a probability).
     #[error("{op}: {msg}")]
     InvalidArgument { op: &'static str, msg: String },

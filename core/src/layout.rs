@@ -61,7 +61,29 @@ pub fn broadcast_shapes(op: &'static str, a: &[usize], b: &[usize]) -> Result<Sh
             ));
         };
     }
+    checked_numel(op, &out)?;
     Ok(out)
+}
+
+/// The most elements a tensor may have: its bytes (at most 8 per element) must fit in an
+/// `isize`, as Rust's allocations and CUDA's 64-bit indices require.
+pub const MAX_NUMEL: usize = (isize::MAX as usize) / 8;
+
+/// The number of elements of `shape`, or an error naming `op` when the product overflows or
+/// exceeds [`MAX_NUMEL`] (no tensor of that shape could ever be allocated).
+pub fn checked_numel(op: &'static str, shape: &[usize]) -> Result<usize> {
+    shape
+        .iter()
+        .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+        .filter(|&n| n <= MAX_NUMEL)
+        .ok_or_else(|| {
+            Error::shape(
+                op,
+                format!(
+                    "shape {shape:?} has more elements than any tensor can hold (at most {MAX_NUMEL})"
+                ),
+            )
+        })
 }
 
 /// Resolves a possibly negative dim against a rank.
@@ -151,14 +173,15 @@ impl Layout {
         if self.numel() == 0 {
             return self.offset;
         }
-        self.offset
-            + self
-                .shape
-                .iter()
-                .zip(&self.strides)
-                .map(|(&n, &s)| (n - 1) * s)
-                .sum::<usize>()
-            + 1
+        // Saturating: a layout reaching past the address space is caught by the caller's
+        // comparison with the storage length instead of wrapping around.
+        self.shape
+            .iter()
+            .zip(&self.strides)
+            .fold(self.offset, |acc, (&n, &s)| {
+                acc.saturating_add((n - 1).saturating_mul(s))
+            })
+            .saturating_add(1)
     }
 
     /// A view with a new shape of the same element count. Works without a copy when the
@@ -193,7 +216,9 @@ impl Layout {
             } else if d < 0 {
                 return Err(Error::shape(op, format!("negative size in {requested:?}")));
             } else {
-                known *= d as usize;
+                known = known.checked_mul(d as usize).ok_or_else(|| {
+                    Error::shape(op, format!("the element count of {requested:?} overflows"))
+                })?;
                 out.push(d as usize);
             }
         }
@@ -254,12 +279,16 @@ impl Layout {
 
     /// Elements `start..start+len` along `dim`.
     pub fn narrow(&self, op: &'static str, dim: usize, start: usize, len: usize) -> Result<Layout> {
-        if dim >= self.rank() || start + len > self.shape[dim] {
+        if dim >= self.rank()
+            || start
+                .checked_add(len)
+                .is_none_or(|end| end > self.shape[dim])
+        {
             return Err(Error::invalid(
                 op,
                 format!(
                     "range {start}..{} of dim {dim} is outside shape {}",
-                    start + len,
+                    start.saturating_add(len),
                     fmt_shape(&self.shape)
                 ),
             ));
@@ -304,6 +333,7 @@ impl Layout {
                 ));
             };
         }
+        checked_numel(op, target)?;
         Ok(Layout {
             shape: Shape::from_slice(target),
             strides,

@@ -6,7 +6,7 @@
 //! a tensor points at the node that produced it; the engine that runs it is `tandem-autograd`.
 
 mod access;
-pub mod alloc;
+pub mod cpu;
 mod create;
 pub mod device;
 pub mod dtype;
@@ -19,11 +19,12 @@ pub mod storage;
 pub mod stream;
 mod tensor;
 
+pub use cpu::alloc;
 pub use device::Device;
 pub use dtype::{DType, Element, FloatElement};
 pub use error::{Error, Result};
 pub use graph::{BackwardOp, Edge, GradReady, Node};
-pub use layout::{broadcast_shapes, normalize_dim, Layout, Shape};
+pub use layout::{broadcast_shapes, checked_numel, normalize_dim, Layout, Shape};
 pub use rng::Generator;
 pub use storage::{CpuStorage, Storage};
 pub use stream::{Event, Stream};

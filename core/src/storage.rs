@@ -1,131 +1,138 @@
-//! Tensor storage: one shared, lockable buffer per allocation.
+//! Tensor storage: one shared buffer per allocation, held by the device that owns the memory.
 //!
-//! Views share a `Storage`; in-place updates (gradient accumulation, optimizer steps, a
-//! collective writing its result) take the write lock, readers take the read lock. Cloning a
-//! `Storage` clones the handle, never the data.
+//! A [`Storage`] is a cheap handle; views of a tensor share it. What it holds depends on the
+//! device: host memory ([`CpuStorage`], behind a read-write lock so in-place updates —
+//! gradient accumulation, optimizer steps, a collective writing its result — exclude
+//! readers), or, with the CUDA runtime, a device allocation. Host access goes through
+//! [`Storage::read_host`] / [`Storage::write_host`], which fail with an error naming the op
+//! when the memory is not host memory, so device memory can never be read as if it were.
 
 use std::sync::Arc;
 
 use parking_lot::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
-use crate::{alloc, DType, Device};
+pub use crate::cpu::CpuStorage;
+use crate::{DType, Device, Error, Result};
 
-/// Host memory of one dtype.
-#[derive(Clone, Debug)]
-pub enum CpuStorage {
-    F32(Vec<f32>),
-    F64(Vec<f64>),
-    F16(Vec<half::f16>),
-    BF16(Vec<half::bf16>),
-    I64(Vec<i64>),
-    U8(Vec<u8>),
-}
-
-impl CpuStorage {
-    /// The dtype of the elements.
-    pub fn dtype(&self) -> DType {
-        match self {
-            CpuStorage::F32(_) => DType::F32,
-            CpuStorage::F64(_) => DType::F64,
-            CpuStorage::F16(_) => DType::F16,
-            CpuStorage::BF16(_) => DType::BF16,
-            CpuStorage::I64(_) => DType::I64,
-            CpuStorage::U8(_) => DType::U8,
-        }
-    }
-
-    /// Number of elements.
-    pub fn len(&self) -> usize {
-        match self {
-            CpuStorage::F32(v) => v.len(),
-            CpuStorage::F64(v) => v.len(),
-            CpuStorage::F16(v) => v.len(),
-            CpuStorage::BF16(v) => v.len(),
-            CpuStorage::I64(v) => v.len(),
-            CpuStorage::U8(v) => v.len(),
-        }
-    }
-
-    /// Whether the storage holds no elements.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// Zero-filled storage (from the caching allocator).
-    pub fn zeros(dtype: DType, len: usize) -> Self {
-        match dtype {
-            DType::F32 => CpuStorage::F32(alloc::zeroed(len)),
-            DType::F64 => CpuStorage::F64(alloc::zeroed(len)),
-            DType::F16 => CpuStorage::F16(alloc::zeroed(len)),
-            DType::BF16 => CpuStorage::BF16(alloc::zeroed(len)),
-            DType::I64 => CpuStorage::I64(alloc::zeroed(len)),
-            DType::U8 => CpuStorage::U8(alloc::zeroed(len)),
-        }
-    }
-}
-
-/// The buffer goes back to the caching allocator.
-impl Drop for CpuStorage {
-    fn drop(&mut self) {
-        match self {
-            CpuStorage::F32(v) => alloc::recycle(std::mem::take(v)),
-            CpuStorage::F64(v) => alloc::recycle(std::mem::take(v)),
-            CpuStorage::F16(v) => alloc::recycle(std::mem::take(v)),
-            CpuStorage::BF16(v) => alloc::recycle(std::mem::take(v)),
-            CpuStorage::I64(v) => alloc::recycle(std::mem::take(v)),
-            CpuStorage::U8(v) => alloc::recycle(std::mem::take(v)),
-        }
-    }
+/// What a storage handle points at.
+enum Buffer {
+    /// Host memory.
+    Cpu(RwLock<CpuStorage>),
+    /// No memory: a stand-in on a device this machine may not have, for tests of device
+    /// checks. Every access to its elements is an error.
+    Placeholder {
+        device: Device,
+        dtype: DType,
+        len: usize,
+    },
 }
 
 /// A shared handle to a buffer on a device.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct Storage {
-    data: Arc<RwLock<CpuStorage>>,
-    device: Device,
+    buffer: Arc<Buffer>,
+}
+
+impl std::fmt::Debug for Storage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "Storage({} × {} on {})",
+            self.len(),
+            self.dtype(),
+            self.device()
+        )
+    }
 }
 
 impl Storage {
     /// Wraps host memory.
     pub fn cpu(data: CpuStorage) -> Self {
         Storage {
-            data: Arc::new(RwLock::new(data)),
-            device: Device::Cpu,
+            buffer: Arc::new(Buffer::Cpu(RwLock::new(data))),
         }
     }
 
-    /// Host memory labelled as belonging to `device`. Exists only so that device checks can be
-    /// tested before a device backend is built; kernels still read it as host memory.
+    /// A storage that claims `data`'s dtype and length on `device` but holds no usable memory
+    /// there: every element access is an error. It exists so that device checks can be tested
+    /// on machines without that device (the data is dropped).
     #[doc(hidden)]
     pub fn host_memory_labelled(data: CpuStorage, device: Device) -> Self {
+        if device == Device::Cpu {
+            return Storage::cpu(data);
+        }
         Storage {
-            data: Arc::new(RwLock::new(data)),
-            device,
+            buffer: Arc::new(Buffer::Placeholder {
+                device,
+                dtype: data.dtype(),
+                len: data.len(),
+            }),
         }
     }
 
     /// The device holding the buffer.
     pub fn device(&self) -> Device {
-        self.device
+        match &*self.buffer {
+            Buffer::Cpu(_) => Device::Cpu,
+            Buffer::Placeholder { device, .. } => *device,
+        }
     }
 
-    /// Shared access to the elements.
-    pub fn read(&self) -> RwLockReadGuard<'_, CpuStorage> {
-        self.data.read()
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        match &*self.buffer {
+            Buffer::Cpu(data) => data.read().dtype(),
+            Buffer::Placeholder { dtype, .. } => *dtype,
+        }
     }
 
-    /// Exclusive access to the elements.
-    pub fn write(&self) -> RwLockWriteGuard<'_, CpuStorage> {
-        self.data.write()
+    /// Number of elements the buffer holds.
+    pub fn len(&self) -> usize {
+        match &*self.buffer {
+            Buffer::Cpu(data) => data.read().len(),
+            Buffer::Placeholder { len, .. } => *len,
+        }
+    }
+
+    /// Whether the buffer holds no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn not_host(&self, op: &'static str) -> Error {
+        Error::invalid(
+            op,
+            format!(
+                "the tensor's memory is on {}, not in host memory; move it with \
+                 to_device(Device::Cpu) first",
+                self.device()
+            ),
+        )
+    }
+
+    /// Shared access to host memory. Errors (naming `op`) when the buffer is not on the CPU.
+    pub fn read_host(&self, op: &'static str) -> Result<RwLockReadGuard<'_, CpuStorage>> {
+        match &*self.buffer {
+            Buffer::Cpu(data) => Ok(data.read()),
+            _ => Err(self.not_host(op)),
+        }
+    }
+
+    /// Exclusive access to host memory. Errors (naming `op`) when the buffer is not on the CPU.
+    pub fn write_host(&self, op: &'static str) -> Result<RwLockWriteGuard<'_, CpuStorage>> {
+        match &*self.buffer {
+            Buffer::Cpu(data) => Ok(data.write()),
+            _ => Err(self.not_host(op)),
+        }
     }
 
     /// Whether two handles refer to the same buffer.
     pub fn same_buffer(&self, other: &Storage) -> bool {
-        Arc::ptr_eq(&self.data, &other.data)
+        Arc::ptr_eq(&self.buffer, &other.buffer)
     }
 
     /// Whether this handle is the only one to its buffer (so the buffer may be reused).
     pub fn is_unique(&self) -> bool {
-        Arc::strong_count(&self.data) == 1
+        Arc::strong_count(&self.buffer) == 1
     }
 }

@@ -14,61 +14,98 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
-use crate::Device;
+use crate::{Device, Error, Result};
+
+/// A host event: the instant it completed, once it has.
+#[derive(Debug, Default)]
+struct HostEvent {
+    completed_at: Mutex<Option<Instant>>,
+    cv: Condvar,
+}
 
 /// A point on a stream; complete once all work issued before it has finished.
+///
+/// On the CPU an event is a completion flag with the instant it was set, so the time between
+/// two events can be measured as on a device.
 #[derive(Clone, Debug)]
 pub struct Event {
-    state: Arc<(Mutex<bool>, Condvar)>,
+    host: Arc<HostEvent>,
 }
 
 impl Event {
-    /// An event that is not complete yet; [`Event::complete`] completes it.
+    /// A host event that is not complete yet; [`Event::complete`] completes it.
     pub fn pending() -> Self {
         Event {
-            state: Arc::new((Mutex::new(false), Condvar::new())),
+            host: Arc::new(HostEvent::default()),
         }
     }
 
-    /// An event that is already complete.
+    /// A host event that is already complete (stamped now).
     pub fn completed() -> Self {
-        Event {
-            state: Arc::new((Mutex::new(true), Condvar::new())),
-        }
+        let event = Event::pending();
+        event.complete();
+        event
     }
 
-    /// Marks the event complete and wakes every waiter.
+    /// The device whose stream the event belongs to.
+    pub fn device(&self) -> Device {
+        Device::Cpu
+    }
+
+    /// Marks a host event complete (stamping the instant, the first time) and wakes every
+    /// waiter.
     pub fn complete(&self) {
-        let (flag, cv) = &*self.state;
-        *flag.lock() = true;
-        cv.notify_all();
+        let mut done = self.host.completed_at.lock();
+        if done.is_none() {
+            *done = Some(Instant::now());
+        }
+        self.host.cv.notify_all();
     }
 
     /// Whether the work before the event has finished.
     pub fn is_complete(&self) -> bool {
-        *self.state.0.lock()
+        self.host.completed_at.lock().is_some()
     }
 
     /// Blocks the calling thread until the event is complete.
-    pub fn synchronize(&self) {
-        let (flag, cv) = &*self.state;
-        let mut done = flag.lock();
-        while !*done {
-            cv.wait(&mut done);
+    pub fn synchronize(&self) -> Result<()> {
+        let mut done = self.host.completed_at.lock();
+        while done.is_none() {
+            self.host.cv.wait(&mut done);
         }
+        Ok(())
     }
 
     /// Blocks until the event is complete or `timeout` has passed; returns whether it completed.
-    pub fn wait_timeout(&self, timeout: Duration) -> bool {
+    pub fn wait_timeout(&self, timeout: Duration) -> Result<bool> {
         let deadline = Instant::now() + timeout;
-        let (flag, cv) = &*self.state;
-        let mut done = flag.lock();
-        while !*done {
-            if cv.wait_until(&mut done, deadline).timed_out() {
-                return *done;
+        let mut done = self.host.completed_at.lock();
+        while done.is_none() {
+            if self.host.cv.wait_until(&mut done, deadline).timed_out() {
+                return Ok(done.is_some());
             }
         }
-        true
+        Ok(true)
+    }
+
+    /// The host instant at which a host event completed (`None` while pending). Timelines use
+    /// it to place host events on the wall clock.
+    pub fn completed_at(&self) -> Option<Instant> {
+        *self.host.completed_at.lock()
+    }
+
+    /// The time from this event to `end`, both complete and of one device: how long the work
+    /// issued between them took on the stream(s) they were recorded on.
+    pub fn elapsed_until(&self, end: &Event) -> Result<Duration> {
+        self.device()
+            .same_as(end.device(), "Event::elapsed_until")?;
+        match (self.completed_at(), end.completed_at()) {
+            (Some(a), Some(b)) => Ok(b.saturating_duration_since(a)),
+            _ => Err(Error::invalid(
+                "Event::elapsed_until",
+                "both events must be complete; synchronize them first",
+            )),
+        }
     }
 }
 
@@ -117,14 +154,31 @@ impl std::fmt::Debug for Stream {
 }
 
 impl Stream {
-    /// The compute stream of `device`: on the CPU, the calling thread.
-    pub fn compute(device: Device) -> Self {
-        Stream {
-            inner: Arc::new(StreamInner {
-                device,
-                name: "compute".into(),
-                kind: StreamKind::Compute,
+    /// The compute stream of `device`: on the CPU, the calling thread (its kernels have
+    /// finished when they return).
+    pub fn compute(device: Device) -> Result<Self> {
+        device.ensure_available()?;
+        match device {
+            Device::Cpu => Ok(Stream {
+                inner: Arc::new(StreamInner {
+                    device,
+                    name: "compute".into(),
+                    kind: StreamKind::Compute,
+                }),
             }),
+            Device::Cuda(_) => Err(device.unavailable("CUDA streams")),
+        }
+    }
+
+    /// A second stream on `device` (a communication stream, say), named `name`: on the CPU a
+    /// worker thread that runs queued jobs in order.
+    pub fn new_on(device: Device, name: &str) -> Result<Self> {
+        device.ensure_available()?;
+        match device {
+            Device::Cpu => Stream::worker(name).map_err(|e| {
+                Error::invalid("Stream::new_on", format!("cannot start thread {name}: {e}"))
+            }),
+            Device::Cuda(_) => Err(device.unavailable("CUDA streams")),
         }
     }
 
@@ -167,8 +221,9 @@ impl Stream {
         matches!(self.inner.kind, StreamKind::Compute)
     }
 
-    /// Issues `job` after everything already issued. On a compute stream it runs now.
-    pub fn enqueue(&self, job: impl FnOnce() + Send + 'static) {
+    /// Issues a host job after everything already issued (host streams only). On a CPU
+    /// compute stream it runs now.
+    pub fn enqueue(&self, job: impl FnOnce() + Send + 'static) -> Result<()> {
         match &self.inner.kind {
             StreamKind::Compute => job(),
             StreamKind::Worker { queue, .. } => {
@@ -184,33 +239,35 @@ impl Stream {
                 }
             }
         }
+        Ok(())
     }
 
     /// An event that completes when all work issued so far has finished.
-    pub fn record_event(&self) -> Event {
+    pub fn record_event(&self) -> Result<Event> {
         if self.is_compute() {
-            return Event::completed();
+            return Ok(Event::completed());
         }
         let event = Event::pending();
         let marker = event.clone();
-        self.enqueue(move || marker.complete());
-        event
+        self.enqueue(move || marker.complete())?;
+        Ok(event)
     }
 
     /// Makes work issued after this call wait for `event`. On a CPU compute stream the
     /// calling thread blocks until the event completes.
-    pub fn wait_event(&self, event: &Event) {
+    pub fn wait_event(&self, event: &Event) -> Result<()> {
         if self.is_compute() {
-            event.synchronize();
+            event.synchronize()
         } else {
             let event = event.clone();
-            self.enqueue(move || event.synchronize());
+            // A failed wait has nothing to report to: the waiting job only orders the queue.
+            self.enqueue(move || drop(event.synchronize()))
         }
     }
 
     /// Blocks until all work issued so far has finished.
-    pub fn synchronize(&self) {
-        self.record_event().synchronize();
+    pub fn synchronize(&self) -> Result<()> {
+        self.record_event()?.synchronize()
     }
 }
 
@@ -224,32 +281,55 @@ mod tests {
         let stream = Stream::worker("test-comm").unwrap();
         let counter = Arc::new(AtomicUsize::new(0));
         let gate = Event::pending();
-        stream.wait_event(&gate);
+        stream.wait_event(&gate).unwrap();
         let c = counter.clone();
-        stream.enqueue(move || assert_eq!(c.fetch_add(1, Ordering::SeqCst), 0));
-        let first = stream.record_event();
+        stream
+            .enqueue(move || assert_eq!(c.fetch_add(1, Ordering::SeqCst), 0))
+            .unwrap();
+        let first = stream.record_event().unwrap();
         let c = counter.clone();
-        stream.enqueue(move || assert_eq!(c.fetch_add(1, Ordering::SeqCst), 1));
+        stream
+            .enqueue(move || assert_eq!(c.fetch_add(1, Ordering::SeqCst), 1))
+            .unwrap();
         assert!(
-            !first.wait_timeout(Duration::from_millis(20)),
+            !first.wait_timeout(Duration::from_millis(20)).unwrap(),
             "must wait for the gate"
         );
         gate.complete();
-        first.synchronize();
-        stream.synchronize();
+        first.synchronize().unwrap();
+        stream.synchronize().unwrap();
         assert_eq!(counter.load(Ordering::SeqCst), 2);
     }
 
     #[test]
     fn compute_stream_events_are_complete_at_once() {
-        let s = Stream::compute(Device::Cpu);
-        assert!(s.record_event().is_complete());
+        let s = Stream::compute(Device::Cpu).unwrap();
+        assert!(s.record_event().unwrap().is_complete());
     }
 
     #[test]
     fn a_panicking_job_does_not_stop_the_worker() {
         let stream = Stream::worker("panicky").unwrap();
-        stream.enqueue(|| panic!("boom"));
-        assert!(stream.record_event().wait_timeout(Duration::from_secs(5)));
+        stream.enqueue(|| panic!("boom")).unwrap();
+        assert!(stream
+            .record_event()
+            .unwrap()
+            .wait_timeout(Duration::from_secs(5))
+            .unwrap());
+    }
+
+    #[test]
+    fn elapsed_time_between_host_events_is_measured() {
+        let stream = Stream::worker("timed").unwrap();
+        let start = stream.record_event().unwrap();
+        stream
+            .enqueue(|| std::thread::sleep(Duration::from_millis(20)))
+            .unwrap();
+        let end = stream.record_event().unwrap();
+        end.synchronize().unwrap();
+        let took = start.elapsed_until(&end).unwrap();
+        assert!(took >= Duration::from_millis(20), "{took:?}");
+        let pending = Event::pending();
+        assert!(start.elapsed_until(&pending).is_err());
     }
 }

@@ -51,10 +51,7 @@ pub struct Tensor(Arc<TensorImpl>);
 impl Tensor {
     /// A tensor over `storage` with `layout`. The layout must fit inside the storage.
     pub fn from_storage(storage: Storage, layout: Layout) -> Result<Self> {
-        let (len, dtype) = {
-            let s = storage.read();
-            (s.len(), s.dtype())
-        };
+        let (len, dtype) = (storage.len(), storage.dtype());
         if layout.storage_extent() > len {
             return Err(Error::shape(
                 "Tensor::from_storage",
@@ -156,7 +153,7 @@ impl Tensor {
     /// A tensor over the same storage with another layout, outside the autograd graph.
     /// Differentiable views are in `tandem-ops`.
     pub fn view_detached(&self, layout: Layout) -> Result<Tensor> {
-        let len = self.0.storage.read().len();
+        let len = self.0.storage.len();
         if layout.storage_extent() > len {
             return Err(Error::shape(
                 "view",

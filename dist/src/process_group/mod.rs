@@ -464,9 +464,14 @@ impl CommQueue {
             .map_err(|e| DistError::io(format!("starting comm stream {name}"), e))?;
         let worker = Arc::new(OnceLock::new());
         let learn = worker.clone();
-        stream.enqueue(move || {
-            let _ = learn.set(std::thread::current().id());
-        });
+        stream
+            .enqueue(move || {
+                let _ = learn.set(std::thread::current().id());
+            })
+            .map_err(|e| DistError::Model {
+                rank,
+                detail: e.to_string(),
+            })?;
         Ok(CommQueue {
             rank,
             stream,
@@ -480,7 +485,8 @@ impl CommQueue {
     /// (a job holding the last handle to its group), which cannot wait for itself.
     pub(crate) fn drain(&self) {
         if self.worker.get() != Some(&std::thread::current().id()) {
-            self.stream.synchronize();
+            // A host worker stream: waiting on it cannot fail.
+            let _ = self.stream.synchronize();
         }
     }
 
@@ -503,7 +509,8 @@ impl CommQueue {
         let done = work.clone();
         let broken = self.broken.clone();
         let rank = self.rank;
-        self.stream.enqueue(move || {
+        let failed = work.clone();
+        let queued = self.stream.enqueue(move || {
             let earlier = broken.lock().clone();
             let result = match earlier {
                 Some(cause) => Err(DistError::GroupBroken {
@@ -534,6 +541,12 @@ impl CommQueue {
             };
             done.finish(result);
         });
+        if let Err(e) = queued {
+            failed.finish(Err(DistError::Model {
+                rank,
+                detail: format!("{desc} (collective #{seq}) could not be queued: {e}"),
+            }));
+        }
         drop(next);
         work
     }

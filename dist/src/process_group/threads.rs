@@ -488,12 +488,14 @@ mod tests {
         let stream = pg.comm_stream().clone();
         let done = tandem_core::Event::pending();
         let finished = done.clone();
-        stream.enqueue(move || {
-            drop(pg);
-            finished.complete();
-        });
+        stream
+            .enqueue(move || {
+                drop(pg);
+                finished.complete();
+            })
+            .unwrap();
         assert!(
-            done.wait_timeout(Duration::from_secs(10)),
+            done.wait_timeout(Duration::from_secs(10)).unwrap(),
             "drop on the comm stream hung"
         );
         work.wait().unwrap();

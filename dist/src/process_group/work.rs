@@ -63,14 +63,15 @@ impl Work {
             }
             std::thread::yield_now();
         }
-        self.inner.event.synchronize();
+        // A host event (the comm stream completes it); waiting on it cannot fail.
+        let _ = self.inner.event.synchronize();
         self.outcome()
     }
 
     /// Blocks for at most `timeout`. `Ok(true)`: finished successfully; `Ok(false)`: still
     /// running; `Err`: the collective failed.
     pub fn wait_timeout(&self, timeout: Duration) -> Result<bool> {
-        if self.inner.event.wait_timeout(timeout) {
+        if self.inner.event.wait_timeout(timeout).unwrap_or(false) {
             self.outcome().map(|()| true)
         } else {
             Ok(false)

@@ -8,6 +8,7 @@
 
 use tandem_core::{DType, Event, Tensor};
 
+use crate::reducer::model_err;
 use crate::{ProcessGroup, ReduceOp, Result, Work};
 
 /// A bucket reduction in flight: the collectives issued and an event that completes when the
@@ -85,14 +86,21 @@ impl CommHook for CompressionHook {
             })?;
         let work = group.all_reduce(&compressed, ReduceOp::Sum)?;
         let (target, source) = (bucket.clone(), compressed);
-        group.comm_stream().enqueue(move || {
-            // Runs after the all-reduce on the same stream. A failed all-reduce is reported
-            // through its Work; then the values here do not matter.
-            if let Ok(values) = source.to_dtype(target.dtype()) {
-                let _ = target.copy_(&values);
-            }
-        });
-        let done = group.comm_stream().record_event();
+        let rank = group.rank();
+        group
+            .comm_stream()
+            .enqueue(move || {
+                // Runs after the all-reduce on the same stream. A failed all-reduce is reported
+                // through its Work; then the values here do not matter.
+                if let Ok(values) = source.to_dtype(target.dtype()) {
+                    let _ = target.copy_(&values);
+                }
+            })
+            .map_err(|e| model_err(rank, e))?;
+        let done = group
+            .comm_stream()
+            .record_event()
+            .map_err(|e| model_err(rank, e))?;
         Ok(BucketReduction {
             works: vec![work],
             done,

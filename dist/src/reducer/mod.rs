@@ -331,18 +331,23 @@ impl Reducer {
             started: None,
             ended: None,
         }));
+        let rank = self.group.rank();
         // The collective must not read the bucket before the compute stream wrote it.
-        stream.wait_event(event);
+        stream.wait_event(event).map_err(|e| model_err(rank, e))?;
         let t = timing.clone();
-        stream.enqueue(move || t.lock().started = Some(Instant::now()));
+        stream
+            .enqueue(move || t.lock().started = Some(Instant::now()))
+            .map_err(|e| model_err(rank, e))?;
         let hook: &dyn CommHook = match &self.config.comm_hook {
             Some(h) => h.as_ref(),
             None => &AllReduceHook,
         };
         let reduction = hook.reduce(self.group.as_ref(), &buffer)?;
         let t = timing.clone();
-        stream.enqueue(move || t.lock().ended = Some(Instant::now()));
-        let stamped = stream.record_event();
+        stream
+            .enqueue(move || t.lock().ended = Some(Instant::now()))
+            .map_err(|e| model_err(rank, e))?;
+        let stamped = stream.record_event().map_err(|e| model_err(rank, e))?;
         let backward = st.sync_backwards;
         if st.launch_log.len() == MAX_LAUNCH_RECORDS {
             st.launch_log.pop_front();
@@ -398,8 +403,11 @@ impl Reducer {
                     first_error.get_or_insert(e);
                 }
             }
-            flight.done.synchronize();
-            flight.stamped.synchronize();
+            for event in [&flight.done, &flight.stamped] {
+                if let Err(e) = event.synchronize() {
+                    first_error.get_or_insert(model_err(rank, e));
+                }
+            }
             timings.push(flight.timing.lock().clone());
         }
         let comm_end = Instant::now();

@@ -54,8 +54,8 @@ pub(crate) fn binary(
         } else {
             let la = a.layout().expand(op, shape)?;
             let lb = b.layout().expand(op, shape)?;
-            let ga = a.storage().read();
-            let gb = b.storage().read();
+            let ga = a.storage().read_host(op)?;
+            let gb = b.storage().read_host(op)?;
             let (x, y) = (T::slice(&ga).expect("dtype checked"), T::slice(&gb).expect("dtype checked"));
             for_each_index2(shape, (la.strides(), la.offset()), (lb.strides(), lb.offset()), |i, ia, ib| {
                 out[i] = apply(kind, x[ia], y[ib]);

@@ -25,16 +25,16 @@ fn scale_at<T: Copy>(scales: &[T], i: usize) -> T {
 }
 
 /// `−log_probs[i, labels[i]]` for every row, read in place from any layout.
-pub(crate) fn nll_forward<T: FloatElement>(log_probs: &Tensor, labels: &[usize]) -> Vec<T> {
+pub(crate) fn nll_forward<T: FloatElement>(log_probs: &Tensor, labels: &[usize]) -> Result<Vec<T>> {
     let layout = log_probs.layout();
     let (s0, s1, off) = (layout.strides()[0], layout.strides()[1], layout.offset());
-    let guard = log_probs.storage().read();
+    let guard = log_probs.storage().read_host("nll_loss")?;
     let data = T::slice(&guard).expect("dtype checked by the caller");
-    labels
+    Ok(labels
         .iter()
         .enumerate()
         .map(|(i, &t)| -data[off + i * s0 + t * s1])
-        .collect()
+        .collect())
 }
 
 /// The `[n, c]` gradient of nll: `−scale_i` at `(i, labels[i])`, zero elsewhere.

@@ -165,7 +165,7 @@ pub fn nll_loss(log_probs: &Tensor, targets: &Tensor, reduction: Reduction) -> R
     let (n, c) = check_class_inputs(OP, "log_probs", log_probs, targets)?;
     let labels = read_labels(OP, targets, c)?;
     let out = with_float_type!(OP, log_probs.dtype(), T => {
-        let losses = cpu::nll_forward::<T>(log_probs, &labels);
+        let losses = cpu::nll_forward::<T>(log_probs, &labels)?;
         reduce_losses(OP, losses, &[n], reduction, log_probs)
     })?;
     let device = log_probs.device();

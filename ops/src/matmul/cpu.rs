@@ -220,12 +220,12 @@ pub(crate) fn batched_product(
             Some(b) => Some(b.to_vec::<T>()?),
             None => None,
         };
-        let gx = x.storage().read();
+        let gx = x.storage().read_host("matmul")?;
         let gy_own;
         let ys: &[T] = if y.storage().same_buffer(x.storage()) {
             T::slice(&gx).expect("dtype checked")
         } else {
-            gy_own = y.storage().read();
+            gy_own = y.storage().read_host("matmul")?;
             T::slice(&gy_own).expect("dtype checked")
         };
         let xs: &[T] = T::slice(&gx).expect("dtype checked");

@@ -25,7 +25,7 @@ use std::collections::HashSet;
 
 use parking_lot::Mutex;
 
-use crate::Element;
+use crate::{Element, Error, Result};
 
 /// Buffers smaller than this many bytes are not cached.
 pub const MIN_CACHED_BYTES: usize = 16 * 1024;
@@ -156,10 +156,43 @@ fn class_bytes(class: usize) -> usize {
 
 /// A vector of `len` elements whose contents are unspecified (values left by an earlier user
 /// of the buffer, or zeros): for kernels that write every element.
+///
+/// Aborts the process if the memory cannot be had, as `Vec` does; buffers whose size comes
+/// from a user (tensor creation, a kernel's output) go through [`try_uninit`] instead.
 pub fn uninit<T: Element>(len: usize) -> Vec<T> {
-    let bytes = len * std::mem::size_of::<T>();
+    match try_uninit::<T>("alloc", len) {
+        Ok(buffer) => buffer,
+        Err(e) => panic!("{e}"),
+    }
+}
+
+/// A fresh vector of `len` copies of `value`, or an out-of-memory error naming `op`.
+fn try_filled<T: Element>(op: &'static str, len: usize, value: T) -> Result<Vec<T>> {
+    let mut buffer = Vec::new();
+    buffer
+        .try_reserve_exact(len)
+        .map_err(|_| out_of_memory::<T>(op, len))?;
+    buffer.resize(len, value);
+    Ok(buffer)
+}
+
+fn out_of_memory<T>(op: &'static str, len: usize) -> Error {
+    Error::OutOfMemory {
+        op,
+        device: crate::Device::Cpu,
+        bytes: len.saturating_mul(std::mem::size_of::<T>()),
+    }
+}
+
+/// [`uninit`], with an error naming `op` instead of an abort when the memory cannot be had
+/// (or when `len` elements would not fit in the address space).
+pub fn try_uninit<T: Element>(op: &'static str, len: usize) -> Result<Vec<T>> {
+    let bytes = len
+        .checked_mul(std::mem::size_of::<T>())
+        .filter(|&b| b <= isize::MAX as usize)
+        .ok_or_else(|| out_of_memory::<T>(op, len))?;
     let Some(class) = class_above(bytes) else {
-        return vec![T::ZERO; len];
+        return try_filled(op, len, T::ZERO);
     };
     let cached = {
         let mut pools = POOLS.lock();
@@ -184,15 +217,15 @@ pub fn uninit<T: Element>(len: usize) -> Vec<T> {
             } else {
                 buffer.resize(len, T::ZERO);
             }
-            buffer
+            Ok(buffer)
         }
         None => {
             let elements = class_bytes(class).div_ceil(std::mem::size_of::<T>());
-            let mut buffer = vec![T::ZERO; elements];
+            let mut buffer = try_filled(op, elements, T::ZERO)?;
             buffer.truncate(len);
             let address = buffer.as_ptr() as usize;
             POOLS.lock().lent().insert(address);
-            buffer
+            Ok(buffer)
         }
     }
 }
@@ -202,6 +235,13 @@ pub fn zeroed<T: Element>(len: usize) -> Vec<T> {
     let mut buffer = uninit::<T>(len);
     buffer.fill(T::ZERO);
     buffer
+}
+
+/// [`zeroed`], with an error naming `op` instead of an abort when the memory cannot be had.
+pub fn try_zeroed<T: Element>(op: &'static str, len: usize) -> Result<Vec<T>> {
+    let mut buffer = try_uninit::<T>(op, len)?;
+    buffer.fill(T::ZERO);
+    Ok(buffer)
 }
 
 /// Hands a buffer back to the cache (or to the system when it is small or the cache is full).

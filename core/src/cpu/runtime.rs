@@ -1,0 +1,118 @@
+//! The runtime's own kernels on host memory: reading elements out, fill, copy, scale,
+//! accumulate and cast. [`Tensor`]'s device-neutral methods (`core/src/access.rs`) call these
+//! for CPU tensors; any layout (views, broadcasts, offsets) is handled here.
+
+use crate::{with_element_type, DType, Element, FloatElement, Layout, Result, Tensor};
+
+/// The elements of a CPU tensor in row-major order (any layout).
+pub(crate) fn to_vec<T: Element>(t: &Tensor) -> Result<Vec<T>> {
+    let guard = t.storage().read_host("to_vec")?;
+    let data = T::slice(&guard).expect("dtype checked by the caller");
+    if t.is_contiguous() {
+        let off = t.layout().offset();
+        let mut out = crate::alloc::try_uninit::<T>("to_vec", t.numel())?;
+        out.copy_from_slice(&data[off..off + t.numel()]);
+        return Ok(out);
+    }
+    let mut out = crate::alloc::try_uninit::<T>("to_vec", t.numel())?;
+    let row_len = t.dims().last().copied().unwrap_or(1);
+    let mut rows = out.chunks_mut(row_len.max(1));
+    t.layout().for_each_row(|start, stride| {
+        let row = rows.next().expect("one output row per layout row");
+        if stride == 1 {
+            row.copy_from_slice(&data[start..start + row.len()]);
+        } else {
+            for (j, v) in row.iter_mut().enumerate() {
+                *v = data[start + j * stride];
+            }
+        }
+    });
+    Ok(out)
+}
+
+/// Applies `f` to every element of `t` in place.
+pub(crate) fn map_in_place<T: Element>(
+    op: &'static str,
+    t: &Tensor,
+    mut f: impl FnMut(&mut T),
+) -> Result<()> {
+    let layout = t.layout().clone();
+    let mut guard = t.storage().write_host(op)?;
+    let data = T::slice_mut(&mut guard).expect("dtype checked by the caller");
+    if layout.is_contiguous() {
+        let off = layout.offset();
+        data[off..off + layout.numel()].iter_mut().for_each(f);
+    } else {
+        layout.for_each_index(|i| f(&mut data[i]));
+    }
+    Ok(())
+}
+
+/// Applies `f(dst, src)` elementwise in place (same shape and dtype, checked by the caller).
+/// Reading from the same storage as the destination is handled by copying the source first.
+pub(crate) fn zip_in_place<T: Element>(
+    op: &'static str,
+    dst: &Tensor,
+    src: &Tensor,
+    mut f: impl FnMut(&mut T, T),
+) -> Result<()> {
+    if dst.is_contiguous() && src.is_contiguous() && !dst.storage().same_buffer(src.storage()) {
+        // The common case (gradient accumulation, optimizer updates): two dense buffers.
+        let source = src.storage().read_host(op)?;
+        let source = &T::slice(&source).expect("dtype checked")[src.layout().offset()..];
+        let mut dest = dst.storage().write_host(op)?;
+        let off = dst.layout().offset();
+        let dest = &mut T::slice_mut(&mut dest).expect("dtype checked")[off..off + dst.numel()];
+        dest.iter_mut()
+            .zip(source.iter())
+            .for_each(|(d, &s)| f(d, s));
+        return Ok(());
+    }
+    let src_values: Vec<T> = to_vec::<T>(src)?;
+    let layout: Layout = dst.layout().clone();
+    let mut guard = dst.storage().write_host(op)?;
+    let data = T::slice_mut(&mut guard).expect("dtype checked");
+    let mut k = 0;
+    layout.for_each_index(|i| {
+        f(&mut data[i], src_values[k]);
+        k += 1;
+    });
+    Ok(())
+}
+
+/// Sets every element to `value`.
+pub(crate) fn fill(t: &Tensor, value: f64) -> Result<()> {
+    with_element_type!(t.dtype(), T => {
+        let v = T::from_f64(value);
+        map_in_place::<T>("fill_", t, |x| *x = v)
+    })
+}
+
+/// `dst = src`, elementwise.
+pub(crate) fn copy(dst: &Tensor, src: &Tensor) -> Result<()> {
+    with_element_type!(dst.dtype(), T => zip_in_place::<T>("copy_", dst, src, |d, s| *d = s))
+}
+
+/// `t *= factor` (f32, f64).
+pub(crate) fn scale<T: FloatElement>(t: &Tensor, factor: f64) -> Result<()> {
+    let f = T::from_f64(factor);
+    map_in_place::<T>("scale_", t, |x| *x *= f)
+}
+
+/// `dst += alpha * src` (f32, f64).
+pub(crate) fn add_scaled<T: FloatElement>(dst: &Tensor, src: &Tensor, alpha: f64) -> Result<()> {
+    let a = T::from_f64(alpha);
+    zip_in_place::<T>("add_scaled_", dst, src, |d, s| *d += a * s)
+}
+
+/// `t`'s elements converted to `dtype`, as a fresh contiguous CPU tensor (rounds to nearest
+/// for floats, truncates toward zero and saturates for integers).
+pub(crate) fn cast(t: &Tensor, dtype: DType) -> Result<Tensor> {
+    let values = with_element_type!(t.dtype(), S => to_vec::<S>(t)?
+        .into_iter()
+        .map(|x| x.to_f64())
+        .collect::<Vec<f64>>());
+    with_element_type!(dtype, T => {
+        Tensor::from_vec(values.into_iter().map(T::from_f64).collect::<Vec<T>>(), t.dims(), t.device())
+    })
+}

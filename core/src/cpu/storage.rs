@@ -1,0 +1,94 @@
+//! Host memory of one dtype: the CPU variant of a tensor's storage.
+
+use crate::cpu::alloc;
+use crate::{DType, Result};
+
+/// Host memory of one dtype.
+#[derive(Clone, Debug)]
+pub enum CpuStorage {
+    F32(Vec<f32>),
+    F64(Vec<f64>),
+    F16(Vec<half::f16>),
+    BF16(Vec<half::bf16>),
+    I64(Vec<i64>),
+    U8(Vec<u8>),
+}
+
+impl CpuStorage {
+    /// The dtype of the elements.
+    pub fn dtype(&self) -> DType {
+        match self {
+            CpuStorage::F32(_) => DType::F32,
+            CpuStorage::F64(_) => DType::F64,
+            CpuStorage::F16(_) => DType::F16,
+            CpuStorage::BF16(_) => DType::BF16,
+            CpuStorage::I64(_) => DType::I64,
+            CpuStorage::U8(_) => DType::U8,
+        }
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        match self {
+            CpuStorage::F32(v) => v.len(),
+            CpuStorage::F64(v) => v.len(),
+            CpuStorage::F16(v) => v.len(),
+            CpuStorage::BF16(v) => v.len(),
+            CpuStorage::I64(v) => v.len(),
+            CpuStorage::U8(v) => v.len(),
+        }
+    }
+
+    /// Whether the storage holds no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Zero-filled storage (from the caching allocator). Aborts if the memory cannot be had;
+    /// see [`CpuStorage::try_zeros`].
+    pub fn zeros(dtype: DType, len: usize) -> Self {
+        match Self::try_zeros("CpuStorage::zeros", dtype, len) {
+            Ok(storage) => storage,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    /// Zero-filled storage, or an out-of-memory error naming `op`.
+    pub fn try_zeros(op: &'static str, dtype: DType, len: usize) -> Result<Self> {
+        Ok(match dtype {
+            DType::F32 => CpuStorage::F32(alloc::try_zeroed(op, len)?),
+            DType::F64 => CpuStorage::F64(alloc::try_zeroed(op, len)?),
+            DType::F16 => CpuStorage::F16(alloc::try_zeroed(op, len)?),
+            DType::BF16 => CpuStorage::BF16(alloc::try_zeroed(op, len)?),
+            DType::I64 => CpuStorage::I64(alloc::try_zeroed(op, len)?),
+            DType::U8 => CpuStorage::U8(alloc::try_zeroed(op, len)?),
+        })
+    }
+
+    /// Storage whose elements are unspecified (a recycled buffer), for kernels that write every
+    /// element; an out-of-memory error names `op`.
+    pub fn try_uninit(op: &'static str, dtype: DType, len: usize) -> Result<Self> {
+        Ok(match dtype {
+            DType::F32 => CpuStorage::F32(alloc::try_uninit(op, len)?),
+            DType::F64 => CpuStorage::F64(alloc::try_uninit(op, len)?),
+            DType::F16 => CpuStorage::F16(alloc::try_uninit(op, len)?),
+            DType::BF16 => CpuStorage::BF16(alloc::try_uninit(op, len)?),
+            DType::I64 => CpuStorage::I64(alloc::try_uninit(op, len)?),
+            DType::U8 => CpuStorage::U8(alloc::try_uninit(op, len)?),
+        })
+    }
+}
+
+/// The buffer goes back to the caching allocator.
+impl Drop for CpuStorage {
+    fn drop(&mut self) {
+        match self {
+            CpuStorage::F32(v) => alloc::recycle(std::mem::take(v)),
+            CpuStorage::F64(v) => alloc::recycle(std::mem::take(v)),
+            CpuStorage::F16(v) => alloc::recycle(std::mem::take(v)),
+            CpuStorage::BF16(v) => alloc::recycle(std::mem::take(v)),
+            CpuStorage::I64(v) => alloc::recycle(std::mem::take(v)),
+            CpuStorage::U8(v) => alloc::recycle(std::mem::take(v)),
+        }
+    }
+}
