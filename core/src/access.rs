@@ -12,6 +12,7 @@ use parking_lot::{
 };
 
 use crate::cpu::runtime as cpu;
+use crate::cuda::runtime as cuda;
 use crate::{with_element_type, with_float_type, DType, Device, Element, Error, Result, Tensor};
 
 impl Tensor {
@@ -70,7 +71,7 @@ impl Tensor {
         self.expect_dtype::<T>("to_vec")?;
         match self.device() {
             Device::Cpu => cpu::to_vec::<T>(self),
-            other => Err(other.unavailable("to_vec")),
+            Device::Cuda(_) => cuda::to_vec::<T>(self),
         }
     }
 
@@ -118,7 +119,7 @@ impl Tensor {
         }
         match self.device() {
             Device::Cpu => cpu::cast(self, dtype),
-            other => Err(other.unavailable("to_dtype")),
+            Device::Cuda(_) => cuda::cast(self, dtype),
         }
     }
 
@@ -129,7 +130,10 @@ impl Tensor {
         if device == self.device() {
             return Ok(self.clone());
         }
-        Err(device.unavailable("to_device"))
+        match device {
+            Device::Cpu => cuda::download(self),
+            Device::Cuda(n) => cuda::upload(self, n),
+        }
     }
 
     fn check_same_shape(&self, op: &'static str, src: &Tensor) -> Result<()> {
@@ -154,7 +158,7 @@ impl Tensor {
     pub fn fill_(&self, value: f64) -> Result<()> {
         match self.device() {
             Device::Cpu => cpu::fill(self, value),
-            other => Err(other.unavailable("fill_")),
+            Device::Cuda(_) => cuda::fill(self, value),
         }
     }
 
@@ -168,31 +172,49 @@ impl Tensor {
         self.check_same_shape("copy_", src)?;
         match self.device() {
             Device::Cpu => cpu::copy(self, src),
-            other => Err(other.unavailable("copy_")),
+            Device::Cuda(_) => cuda::copy(self, src),
         }
     }
 
-    /// Multiplies every element by `factor`, in place (float dtypes).
+    /// Multiplies every element by `factor`, in place (float dtypes; on the CPU f32 and f64).
     pub fn scale_(&self, factor: f64) -> Result<()> {
-        with_float_type!("scale_", self.dtype(), T => match self.device() {
-            Device::Cpu => cpu::scale::<T>(self, factor),
-            other => Err(other.unavailable("scale_")),
-        })
+        match self.device() {
+            Device::Cpu => {
+                with_float_type!("scale_", self.dtype(), T => cpu::scale::<T>(self, factor))
+            }
+            Device::Cuda(_) => cuda::scale(self, factor),
+        }
     }
 
     /// `self += alpha * src`, in place (same shape; float dtypes). Gradient accumulation and
     /// optimizer updates are built on this.
     pub fn add_scaled_(&self, src: &Tensor, alpha: f64) -> Result<()> {
         self.check_same_shape("add_scaled_", src)?;
-        with_float_type!("add_scaled_", self.dtype(), T => match self.device() {
-            Device::Cpu => cpu::add_scaled::<T>(self, src, alpha),
-            other => Err(other.unavailable("add_scaled_")),
-        })
+        match self.device() {
+            Device::Cpu => {
+                with_float_type!("add_scaled_", self.dtype(), T => cpu::add_scaled::<T>(self, src, alpha))
+            }
+            Device::Cuda(_) => cuda::add_scaled(self, src, alpha),
+        }
     }
 
     /// `self += src`, in place.
     pub fn add_(&self, src: &Tensor) -> Result<()> {
         self.add_scaled_(src, 1.0)
+    }
+
+    /// Notes that work on `stream` (another stream of this tensor's device) uses this tensor's
+    /// memory, so the memory is not reused before that work is done (PyTorch's
+    /// `record_stream`). Nothing to do on the CPU, where memory is freed by the host.
+    pub fn record_stream(&self, stream: &crate::Stream) -> Result<()> {
+        self.device().same_as(stream.device(), "record_stream")?;
+        if let Some(s) = stream.cuda_stream() {
+            self.storage()
+                .cuda_memory("record_stream")?
+                .buffer()
+                .record_stream(s);
+        }
+        Ok(())
     }
 
     /// Applies a float function to every element in place, on the host: a CPU tensor is
@@ -241,11 +263,15 @@ mod tests {
     }
 
     #[test]
-    fn cuda_is_a_clear_error_until_the_backend_lands() {
+    fn cuda_without_a_driver_is_a_clear_error_naming_what_is_missing() {
+        if crate::cuda::is_available() {
+            println!("skipped: this machine has a CUDA device");
+            return;
+        }
         let err = Tensor::zeros(&[2], DType::F32, Device::Cuda(0))
             .unwrap_err()
             .to_string();
-        assert!(err.contains("cuda:0") && err.contains("not built"), "{err}");
+        assert!(err.contains("cuda:0") && err.contains("libcuda"), "{err}");
     }
 
     #[test]

@@ -48,7 +48,7 @@ impl Tensor {
                 Storage::cpu(CpuStorage::try_uninit("Tensor::empty", dtype, numel)?),
                 Layout::contiguous(shape),
             ),
-            other => Err(other.unavailable("Tensor::empty")),
+            Device::Cuda(n) => crate::cuda::runtime::empty("Tensor::empty", n, shape, dtype, numel),
         }
     }
 

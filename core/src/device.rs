@@ -15,28 +15,13 @@ pub enum Device {
 }
 
 impl Device {
-    /// Checks that tensors can be created on this device in this build.
-    ///
-    /// The CUDA backend is not built yet, so `Cuda(n)` is refused with an error saying so.
+    /// Checks that tensors can be created on this device: always for the CPU; for `Cuda(n)`,
+    /// that the CUDA driver loads and device `n` exists (opening it on first use). The error
+    /// names what is missing.
     pub fn ensure_available(self) -> Result<()> {
         match self {
             Device::Cpu => Ok(()),
-            Device::Cuda(_) => Err(Error::DeviceUnavailable {
-                device: self,
-                reason:
-                    "the CUDA backend is not built yet in this version of tandem; use Device::Cpu"
-                        .into(),
-            }),
-        }
-    }
-
-    /// The error for a device this build or machine cannot use for `what`.
-    pub(crate) fn unavailable(self, what: &str) -> Error {
-        Error::DeviceUnavailable {
-            device: self,
-            reason: format!(
-                "{what}: the CUDA backend is not built yet in this version of tandem; use Device::Cpu"
-            ),
+            Device::Cuda(n) => crate::cuda::device(n).map(|_| ()),
         }
     }
 

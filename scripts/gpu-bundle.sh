@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Builds tandem's GPU bundle: the GPU test binaries, the examples and the benchmarks in release
+# mode, stripped, with a runner script, in one folder (default: gpu-bundle/ in the repository).
+#
+# A GPU host may have CUDA and Python but no Rust toolchain. Build the bundle here, copy the
+# repository (the tests read data/ and the benchmarks benches/peers/) with the bundle inside it to
+# the GPU host, and run `gpu-bundle/run.sh` there from the repository root. The runner finds the
+# CUDA libraries, runs the GPU conformance suite and prints a summary; see README.md
+# ("Development: GPU checks without a Rust toolchain").
+#
+# Usage: scripts/gpu-bundle.sh [OUT_DIR]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-gpu-bundle}
+rm -rf "$out"
+mkdir -p "$out/tests" "$out/bin"
+
+# The test targets whose tests need a GPU (each prints `skipped: no CUDA device` without one).
+# Listed by package and test target name; a target missing from this tree is skipped.
+gpu_tests=(
+  "tandem-core cuda_runtime"
+  "tandem-ops cuda_ops"
+  "tandem-nn cuda_nn"
+  "tandem-optim cuda_optim"
+  "tandem-dist cuda_dist"
+  "tandem gpu_training"
+  "tandem-cuda-harness nvrtc_compile"
+)
+
+manifest="$out/tests/MANIFEST"
+: >"$manifest"
+for entry in "${gpu_tests[@]}"; do
+  read -r pkg target <<<"$entry"
+  dir=$(cargo metadata --format-version 1 --no-deps |
+    python3 -c "import json,sys; m=json.load(sys.stdin); print(next((p['manifest_path'] for p in m['packages'] if p['name']=='$pkg'), ''))")
+  [ -n "$dir" ] || continue
+  dir=$(dirname "$dir")
+  [ -f "$dir/tests/$target.rs" ] || continue
+  exe=$(cargo test --release -p "$pkg" --test "$target" --no-run --message-format=json 2>/dev/null |
+    python3 -c "
+import json, sys
+for line in sys.stdin:
+    try: m = json.loads(line)
+    except ValueError: continue
+    if m.get('reason') == 'compiler-artifact' and m.get('executable') and m['target']['name'] == '$target':
+        print(m['executable'])")
+  [ -n "$exe" ] || { echo "gpu-bundle: $pkg/$target did not build" >&2; exit 1; }
+  cp "$exe" "$out/tests/$target"
+  strip "$out/tests/$target"
+  # The runner runs each test binary in its package's folder, as cargo does.
+  echo "$target $(python3 -c 'import os, sys; print(os.path.relpath(sys.argv[1]))' "$dir")" >>"$manifest"
+done
+
+cargo build --release --examples --benches --message-format=json 2>/dev/null |
+  python3 -c "
+import json, sys, shutil
+for line in sys.stdin:
+    try: m = json.loads(line)
+    except ValueError: continue
+    if m.get('reason') == 'compiler-artifact' and m.get('executable'):
+        kind = m['target']['kind'][0]
+        if kind in ('example', 'bench'):
+            shutil.copy(m['executable'], '$out/bin/' + m['target']['name'])
+"
+cargo build --release -p tandem-dist --bin tandem-run
+cp target/release/tandem-run "$out/bin/"
+strip "$out"/bin/*
+
+cp scripts/gpu-run.sh "$out/run.sh"
+chmod +x "$out/run.sh"
+du -sh "$out"
+ls -l "$out/tests" "$out/bin"
