@@ -8,9 +8,14 @@
 # CUDA libraries, runs the GPU conformance suite and prints a summary; see README.md
 # ("Development: GPU checks without a Rust toolchain").
 #
-# Usage: scripts/gpu-bundle.sh [OUT_DIR]
+# Usage: scripts/gpu-bundle.sh [--tests-only] [OUT_DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
+tests_only=0
+if [ "${1:-}" = --tests-only ]; then
+  tests_only=1
+  shift
+fi
 out=${1:-gpu-bundle}
 rm -rf "$out"
 mkdir -p "$out/tests" "$out/bin"
@@ -51,6 +56,7 @@ for line in sys.stdin:
   echo "$target $(python3 -c 'import os, sys; print(os.path.relpath(sys.argv[1]))' "$dir")" >>"$manifest"
 done
 
+if [ "$tests_only" = 0 ]; then
 cargo build --release --examples --benches --message-format=json 2>/dev/null |
   python3 -c "
 import json, sys, shutil
@@ -65,6 +71,7 @@ for line in sys.stdin:
 cargo build --release -p tandem-dist --bin tandem-run
 cp target/release/tandem-run "$out/bin/"
 strip "$out"/bin/*
+fi
 
 cp scripts/gpu-run.sh "$out/run.sh"
 chmod +x "$out/run.sh"

@@ -7,9 +7,7 @@
 //! Host slices ([`Tensor::read_slice`], [`Tensor::write_slice`]) exist for the CPU kernels;
 //! they fail with an error naming the device for a tensor that is not in host memory.
 
-use parking_lot::{
-    MappedRwLockReadGuard, MappedRwLockWriteGuard, RwLockReadGuard, RwLockWriteGuard,
-};
+use parking_lot::{MappedRwLockReadGuard, MappedRwLockWriteGuard};
 
 use crate::cpu::runtime as cpu;
 use crate::cuda::runtime as cuda;
@@ -43,7 +41,7 @@ impl Tensor {
             self.layout().offset(),
             self.layout().offset() + self.numel(),
         );
-        Ok(RwLockReadGuard::map(
+        Ok(MappedRwLockReadGuard::map(
             self.storage().read_host("read_slice")?,
             |s| &T::slice(s).expect("dtype checked")[start..end],
         ))
@@ -60,7 +58,7 @@ impl Tensor {
             self.layout().offset(),
             self.layout().offset() + self.numel(),
         );
-        Ok(RwLockWriteGuard::map(
+        Ok(MappedRwLockWriteGuard::map(
             self.storage().write_host("write_slice")?,
             |s| &mut T::slice_mut(s).expect("dtype checked")[start..end],
         ))
@@ -134,6 +132,19 @@ impl Tensor {
             Device::Cpu => cuda::download(self),
             Device::Cuda(n) => cuda::upload(self, n),
         }
+    }
+
+    /// Moves this tensor's storage — and with it every view sharing the storage — to `device`,
+    /// in place, and its accumulated gradient with it. Unlike [`Tensor::to_device`], which
+    /// returns a copy, the tensor keeps its identity: hooks registered on it, optimizer state
+    /// keyed by it and gradient buckets that refer to it keep working. This is how a module's
+    /// parameters move (`Module::to_device`).
+    pub fn move_to_device(&self, device: Device) -> Result<()> {
+        self.storage().move_to(device)?;
+        if let Some(grad) = self.grad() {
+            grad.storage().move_to(device)?;
+        }
+        Ok(())
     }
 
     fn check_same_shape(&self, op: &'static str, src: &Tensor) -> Result<()> {
@@ -315,5 +326,26 @@ mod tests {
             err.contains("out of memory") && err.contains("Tensor::zeros"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn moving_a_tensor_keeps_its_identity_and_its_views() {
+        let t = Tensor::from_vec(vec![1.0f32, 2.0, 3.0, 4.0], &[2, 2], Device::Cpu).unwrap();
+        let view = t
+            .view_detached(t.layout().transpose("t", 0, 1).unwrap())
+            .unwrap();
+        let id = t.id();
+        t.move_to_device(Device::Cpu).unwrap();
+        assert_eq!(t.id(), id);
+        assert_eq!(view.to_vec::<f32>().unwrap(), vec![1.0, 3.0, 2.0, 4.0]);
+        if !crate::cuda::is_available() {
+            let err = t.move_to_device(Device::Cuda(0)).unwrap_err().to_string();
+            assert!(err.contains("cuda:0") && err.contains("libcuda"), "{err}");
+            assert_eq!(
+                t.device(),
+                Device::Cpu,
+                "a failed move leaves the tensor where it was"
+            );
+        }
     }
 }

@@ -1,15 +1,23 @@
 //! Tensor storage: one shared buffer per allocation, held by the device that owns the memory.
 //!
 //! A [`Storage`] is a cheap handle; views of a tensor share it. What it holds depends on the
-//! device: host memory ([`CpuStorage`], behind a read-write lock so in-place updates —
-//! gradient accumulation, optimizer steps, a collective writing its result — exclude
-//! readers), or a CUDA device allocation (kernels are ordered by streams, not locks). Host access goes through
-//! [`Storage::read_host`] / [`Storage::write_host`], which fail with an error naming the op
-//! when the memory is not host memory, so device memory can never be read as if it were.
+//! device: host memory ([`CpuStorage`]) or a CUDA device allocation ([`CudaStorage`]). The
+//! buffer sits behind a read-write lock: in-place updates of host memory (gradient
+//! accumulation, optimizer steps, a collective writing its result) exclude readers, and a
+//! storage can be moved to another device as a whole ([`Storage::move_to`]) — every tensor
+//! sharing it, a module's parameters above all, then lives there, keeping its identity.
+//!
+//! Host access goes through [`Storage::read_host`] / [`Storage::write_host`], which fail with
+//! an error naming the op when the memory is not host memory, so device memory can never be
+//! read as if it were. Device kernels get the address through [`Storage::cuda_memory`];
+//! they are ordered by streams, not by this lock.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use parking_lot::{RwLock, RwLockReadGuard, RwLockWriteGuard};
+use parking_lot::{
+    MappedRwLockReadGuard, MappedRwLockWriteGuard, RwLock, RwLockReadGuard, RwLockWriteGuard,
+};
 
 pub use crate::cpu::CpuStorage;
 pub use crate::cuda::CudaStorage;
@@ -18,22 +26,36 @@ use crate::{DType, Device, Error, Result};
 /// What a storage handle points at.
 enum Buffer {
     /// Host memory.
-    Cpu(RwLock<CpuStorage>),
+    Cpu(CpuStorage),
     /// Memory of a CUDA device.
     Cuda(CudaStorage),
     /// No memory: a stand-in on a device this machine may not have, for tests of device
     /// checks. Every access to its elements is an error.
-    Placeholder {
-        device: Device,
-        dtype: DType,
-        len: usize,
-    },
+    Placeholder,
+}
+
+struct Inner {
+    dtype: DType,
+    len: usize,
+    /// The device, encoded (`usize::MAX` for the CPU, else the CUDA ordinal), kept beside the
+    /// buffer so that asking for it never takes the lock (a kernel may hold it).
+    device: AtomicUsize,
+    buffer: RwLock<Buffer>,
+}
+
+const CPU: usize = usize::MAX;
+
+fn encode(device: Device) -> usize {
+    match device {
+        Device::Cpu => CPU,
+        Device::Cuda(n) => n,
+    }
 }
 
 /// A shared handle to a buffer on a device.
 #[derive(Clone)]
 pub struct Storage {
-    buffer: Arc<Buffer>,
+    inner: Arc<Inner>,
 }
 
 impl std::fmt::Debug for Storage {
@@ -49,18 +71,25 @@ impl std::fmt::Debug for Storage {
 }
 
 impl Storage {
+    fn new(dtype: DType, len: usize, device: Device, buffer: Buffer) -> Self {
+        Storage {
+            inner: Arc::new(Inner {
+                dtype,
+                len,
+                device: AtomicUsize::new(encode(device)),
+                buffer: RwLock::new(buffer),
+            }),
+        }
+    }
+
     /// Wraps host memory.
     pub fn cpu(data: CpuStorage) -> Self {
-        Storage {
-            buffer: Arc::new(Buffer::Cpu(RwLock::new(data))),
-        }
+        Storage::new(data.dtype(), data.len(), Device::Cpu, Buffer::Cpu(data))
     }
 
     /// Wraps CUDA device memory.
     pub fn cuda(data: CudaStorage) -> Self {
-        Storage {
-            buffer: Arc::new(Buffer::Cuda(data)),
-        }
+        Storage::new(data.dtype(), data.len(), data.device(), Buffer::Cuda(data))
     }
 
     /// A storage that claims `data`'s dtype and length on `device` but holds no usable memory
@@ -71,40 +100,25 @@ impl Storage {
         if device == Device::Cpu {
             return Storage::cpu(data);
         }
-        Storage {
-            buffer: Arc::new(Buffer::Placeholder {
-                device,
-                dtype: data.dtype(),
-                len: data.len(),
-            }),
-        }
+        Storage::new(data.dtype(), data.len(), device, Buffer::Placeholder)
     }
 
     /// The device holding the buffer.
     pub fn device(&self) -> Device {
-        match &*self.buffer {
-            Buffer::Cpu(_) => Device::Cpu,
-            Buffer::Cuda(data) => data.device(),
-            Buffer::Placeholder { device, .. } => *device,
+        match self.inner.device.load(Ordering::Acquire) {
+            CPU => Device::Cpu,
+            n => Device::Cuda(n),
         }
     }
 
     /// The element type.
     pub fn dtype(&self) -> DType {
-        match &*self.buffer {
-            Buffer::Cpu(data) => data.read().dtype(),
-            Buffer::Cuda(data) => data.dtype(),
-            Buffer::Placeholder { dtype, .. } => *dtype,
-        }
+        self.inner.dtype
     }
 
     /// Number of elements the buffer holds.
     pub fn len(&self) -> usize {
-        match &*self.buffer {
-            Buffer::Cpu(data) => data.read().len(),
-            Buffer::Cuda(data) => data.len(),
-            Buffer::Placeholder { len, .. } => *len,
-        }
+        self.inner.len
     }
 
     /// Whether the buffer holds no elements.
@@ -112,54 +126,81 @@ impl Storage {
         self.len() == 0
     }
 
-    fn not_host(&self, op: &'static str) -> Error {
+    fn not_on(&self, op: &'static str, wanted: &str) -> Error {
         Error::invalid(
             op,
             format!(
-                "the tensor's memory is on {}, not in host memory; move it with \
-                 to_device(Device::Cpu) first",
+                "the tensor's memory is on {}, not {wanted}; move it with to_device first",
                 self.device()
             ),
         )
     }
 
     /// Shared access to host memory. Errors (naming `op`) when the buffer is not on the CPU.
-    pub fn read_host(&self, op: &'static str) -> Result<RwLockReadGuard<'_, CpuStorage>> {
-        match &*self.buffer {
-            Buffer::Cpu(data) => Ok(data.read()),
-            _ => Err(self.not_host(op)),
-        }
+    pub fn read_host(&self, op: &'static str) -> Result<MappedRwLockReadGuard<'_, CpuStorage>> {
+        RwLockReadGuard::try_map(self.inner.buffer.read(), |b| match b {
+            Buffer::Cpu(data) => Some(data),
+            _ => None,
+        })
+        .map_err(|_| self.not_on(op, "in host memory"))
     }
 
     /// Exclusive access to host memory. Errors (naming `op`) when the buffer is not on the CPU.
-    pub fn write_host(&self, op: &'static str) -> Result<RwLockWriteGuard<'_, CpuStorage>> {
-        match &*self.buffer {
-            Buffer::Cpu(data) => Ok(data.write()),
-            _ => Err(self.not_host(op)),
-        }
+    pub fn write_host(&self, op: &'static str) -> Result<MappedRwLockWriteGuard<'_, CpuStorage>> {
+        RwLockWriteGuard::try_map(self.inner.buffer.write(), |b| match b {
+            Buffer::Cpu(data) => Some(data),
+            _ => None,
+        })
+        .map_err(|_| self.not_on(op, "in host memory"))
     }
 
     /// The CUDA memory. Errors (naming `op`) when the buffer is not on a CUDA device.
-    pub fn cuda_memory(&self, op: &'static str) -> Result<&CudaStorage> {
-        match &*self.buffer {
-            Buffer::Cuda(data) => Ok(data),
-            _ => Err(Error::invalid(
-                op,
-                format!(
-                    "the tensor's memory is on {}, not on a CUDA device",
-                    self.device()
-                ),
-            )),
+    pub fn cuda_memory(&self, op: &'static str) -> Result<MappedRwLockReadGuard<'_, CudaStorage>> {
+        RwLockReadGuard::try_map(self.inner.buffer.read(), |b| match b {
+            Buffer::Cuda(data) => Some(data),
+            _ => None,
+        })
+        .map_err(|_| self.not_on(op, "on a CUDA device"))
+    }
+
+    /// Moves the whole buffer to `device` (a copy there replaces it), so that every tensor
+    /// sharing this storage lives on `device` from now on, with its shape, strides and identity
+    /// unchanged. Nothing happens when it is already there.
+    pub fn move_to(&self, device: Device) -> Result<()> {
+        if device == self.device() {
+            return Ok(());
         }
+        device.ensure_available()?;
+        let mut buffer = self.inner.buffer.write();
+        let moved = match (&*buffer, device) {
+            (Buffer::Placeholder, _) => {
+                return Err(self.not_on("move_to", "anywhere it can be read from"))
+            }
+            (Buffer::Cpu(data), Device::Cuda(n)) => Buffer::Cuda(CudaStorage::upload(
+                "move_to",
+                &crate::cuda::device(n)?,
+                data,
+            )?),
+            (Buffer::Cuda(data), Device::Cpu) => Buffer::Cpu(data.download("move_to")?),
+            (Buffer::Cuda(data), Device::Cuda(n)) => Buffer::Cuda(CudaStorage::upload(
+                "move_to",
+                &crate::cuda::device(n)?,
+                &data.download("move_to")?,
+            )?),
+            (Buffer::Cpu(_), Device::Cpu) => return Ok(()),
+        };
+        *buffer = moved;
+        self.inner.device.store(encode(device), Ordering::Release);
+        Ok(())
     }
 
     /// Whether two handles refer to the same buffer.
     pub fn same_buffer(&self, other: &Storage) -> bool {
-        Arc::ptr_eq(&self.buffer, &other.buffer)
+        Arc::ptr_eq(&self.inner, &other.inner)
     }
 
     /// Whether this handle is the only one to its buffer (so the buffer may be reused).
     pub fn is_unique(&self) -> bool {
-        Arc::strong_count(&self.buffer) == 1
+        Arc::strong_count(&self.inner) == 1
     }
 }

@@ -243,3 +243,62 @@ fn asking_for_a_device_that_does_not_exist_names_the_count() {
         "{err}"
     );
 }
+
+#[test]
+fn cublas_product_matches_the_cpu_with_and_without_tf32() {
+    if !gpu() {
+        return;
+    }
+    use cudarc::cublas::{result as cublas, sys::cublasOperation_t::CUBLAS_OP_N};
+    let (m, k, n) = (67usize, 45usize, 33usize);
+    let a = sample(&[m, k], DType::F32, 5);
+    let b = sample(&[k, n], DType::F32, 6);
+    let (av, bv) = (a.to_vec::<f32>().unwrap(), b.to_vec::<f32>().unwrap());
+    let mut expected = vec![0f64; m * n];
+    for i in 0..m {
+        for j in 0..n {
+            expected[i * n + j] = (0..k)
+                .map(|p| av[i * k + p] as f64 * bv[p * n + j] as f64)
+                .sum();
+        }
+    }
+    for tf32 in [false, true] {
+        let (ga, gb) = (a.to_device(GPU).unwrap(), b.to_device(GPU).unwrap());
+        let c = Tensor::empty(&[m, n], DType::F32, GPU).unwrap();
+        let dev = cuda::device(0).unwrap();
+        let ptr = |t: &Tensor| cuda::device_pointer("test", t).unwrap().1;
+        let (pa, pb, pc) = (ptr(&ga), ptr(&gb), ptr(&c));
+        // Row-major C = A·B is column-major Cᵀ = Bᵀ·Aᵀ.
+        cuda::blas::with_blas("test", &dev, dev.compute_stream(), tf32, |h| unsafe {
+            cublas::sgemm(
+                h,
+                CUBLAS_OP_N,
+                CUBLAS_OP_N,
+                n as i32,
+                m as i32,
+                k as i32,
+                &1.0,
+                pb as *const f32,
+                n as i32,
+                pa as *const f32,
+                k as i32,
+                &0.0,
+                pc as *mut f32,
+                n as i32,
+            )
+        })
+        .unwrap();
+        let got = c.to_vec::<f32>().unwrap();
+        let scale = expected.iter().map(|v| v.abs()).fold(0.0, f64::max);
+        let worst = got
+            .iter()
+            .zip(&expected)
+            .map(|(g, e)| (*g as f64 - e).abs())
+            .fold(0.0, f64::max);
+        let tol = if tf32 { 5e-3 } else { 1e-5 };
+        assert!(
+            worst <= tol * scale,
+            "tf32 {tf32}: worst error {worst} (scale {scale})"
+        );
+    }
+}

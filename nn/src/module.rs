@@ -13,7 +13,7 @@ use std::any::Any;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use tandem_core::Tensor;
+use tandem_core::{Device, Tensor};
 
 use crate::{Error, Result};
 
@@ -219,6 +219,25 @@ pub trait Module: AsAny + Send + Sync {
             }
         });
         out
+    }
+
+    /// Moves every parameter and buffer of this module and its descendants (and their
+    /// gradients) to `device`, in place. Each tensor keeps its identity, so hooks, optimizers
+    /// and wrappers made before the move keep working with the moved tensors; views of a
+    /// parameter move with it. An error names the tensor by its dotted path.
+    fn to_device(&self, device: Device) -> Result<()> {
+        for (path, _, t) in self.named_tensors() {
+            t.move_to_device(device)
+                .map_err(|e| Error::from(e).in_module(&path, self.type_name()))?;
+        }
+        Ok(())
+    }
+
+    /// The device of the module's first parameter or buffer (the CPU for a module without any).
+    fn device(&self) -> Device {
+        self.named_tensors()
+            .first()
+            .map_or(Device::Cpu, |(_, _, t)| t.device())
     }
 
     /// Total number of parameter elements.

@@ -10,9 +10,7 @@ use super::launch::Launch;
 use super::runtime_kernels::{self as kernels, DeviceView};
 use super::storage::CudaStorage;
 use super::transfer;
-use crate::{
-    with_element_type, CpuStorage, DType, Device, Element, Layout, Result, Storage, Tensor,
-};
+use crate::{with_element_type, DType, Device, Element, Layout, Result, Storage, Tensor};
 
 /// The open device of a CUDA tensor and the device address of its storage's first element
 /// (the tensor's layout offset counts from there). For ops' CUDA code building launches.
@@ -128,10 +126,9 @@ pub(crate) fn upload(t: &Tensor, ordinal: usize) -> Result<Tensor> {
     const OP: &str = "to_device";
     let host = match t.device() {
         Device::Cpu => t.contiguous_detached()?,
-        _ => with_element_type!(t.dtype(), T => Tensor::from_storage(
-            Storage::cpu(CpuStorage::from_vec(t.to_vec::<T>()?)),
-            Layout::contiguous(t.dims()),
-        )?),
+        _ => {
+            with_element_type!(t.dtype(), T => Tensor::from_vec(t.to_vec::<T>()?, t.dims(), Device::Cpu)?)
+        }
     };
     let out = empty(OP, ordinal, t.dims(), t.dtype(), t.numel())?;
     let (dev, ptr) = device_pointer(OP, &out)?;

@@ -4,7 +4,8 @@ use std::sync::Arc;
 
 use super::device::CudaDevice;
 use super::memory::DeviceBuffer;
-use crate::{DType, Device, Error, Result};
+use super::transfer;
+use crate::{with_element_type, CpuStorage, DType, Device, Error, Result};
 
 /// Device memory holding `len` elements of one dtype.
 #[derive(Debug)]
@@ -31,6 +32,38 @@ impl CudaStorage {
             })?;
         let buffer = DeviceBuffer::alloc(op, device, bytes, device.compute_stream())?;
         Ok(CudaStorage { buffer, dtype, len })
+    }
+
+    /// A copy of host memory on `device` (every element, in order).
+    pub fn upload(op: &'static str, device: &Arc<CudaDevice>, host: &CpuStorage) -> Result<Self> {
+        let out = CudaStorage::uninit(op, device, host.dtype(), host.len())?;
+        transfer::upload(
+            device,
+            op,
+            host.as_bytes(),
+            out.ptr(),
+            device.compute_stream(),
+        )?;
+        Ok(out)
+    }
+
+    /// A copy of every element in host memory, after the work already issued on the device's
+    /// compute stream.
+    pub fn download(&self, op: &'static str) -> Result<CpuStorage> {
+        let dev = self.cuda_device();
+        with_element_type!(self.dtype, T => {
+            let mut out = crate::alloc::try_uninit::<T>(op, self.len)?;
+            // SAFETY: every dtype storage holds is plain data, so its elements may be written
+            // as bytes; the byte length covers exactly the elements.
+            let bytes = unsafe {
+                std::slice::from_raw_parts_mut(
+                    out.as_mut_ptr().cast::<u8>(),
+                    std::mem::size_of_val(out.as_slice()),
+                )
+            };
+            transfer::download(dev, op, self.ptr(), bytes, dev.compute_stream())?;
+            Ok(CpuStorage::from_vec(out))
+        })
     }
 
     /// The device address of the first element.

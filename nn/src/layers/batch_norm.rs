@@ -21,6 +21,8 @@ pub struct BatchNormConfig {
     /// `num_batches_tracked`) for evaluation mode; without them batch statistics are always
     /// used.
     pub track_running_stats: bool,
+    /// Where the parameters and buffers live.
+    pub device: Device,
 }
 
 impl Default for BatchNormConfig {
@@ -30,6 +32,7 @@ impl Default for BatchNormConfig {
             momentum: 0.1,
             affine: true,
             track_running_stats: true,
+            device: Device::Cpu,
         }
     }
 }
@@ -76,7 +79,7 @@ impl BatchNorm2d {
             ));
         }
         let c = [num_features];
-        let filled = |v: f64| Tensor::full(&c, v, DType::F32, Device::Cpu);
+        let filled = |v: f64| Tensor::full(&c, v, DType::F32, config.device);
         let (weight, bias) = if config.affine {
             (
                 Some(parameter(filled(1.0)?)?),
@@ -89,7 +92,7 @@ impl BatchNorm2d {
             (
                 Some(filled(0.0)?),
                 Some(filled(1.0)?),
-                Some(Tensor::scalar(0i64, Device::Cpu)?),
+                Some(Tensor::scalar(0i64, config.device)?),
             )
         } else {
             (None, None, None)

@@ -19,6 +19,9 @@ pub struct Conv2dConfig {
     pub dilation: (usize, usize),
     /// Whether the layer adds a learned bias per output channel.
     pub bias: bool,
+    /// Where the parameters live (initialised on the CPU, from the default generator, then
+    /// moved: the same seed gives the same values on every device).
+    pub device: Device,
 }
 
 impl Default for Conv2dConfig {
@@ -28,6 +31,7 @@ impl Default for Conv2dConfig {
             padding: (0, 0),
             dilation: (1, 1),
             bias: true,
+            device: Device::Cpu,
         }
     }
 }
@@ -60,6 +64,11 @@ impl Conv2dConfig {
     /// The same config with or without bias.
     pub fn with_bias(self, bias: bool) -> Self {
         Conv2dConfig { bias, ..self }
+    }
+
+    /// The same config with parameters on `device`.
+    pub fn with_device(self, device: Device) -> Self {
+        Conv2dConfig { device, ..self }
     }
 }
 
@@ -123,8 +132,13 @@ impl Conv2d {
         } else {
             None
         };
+        let weight = parameter(weight)?;
+        weight.move_to_device(config.device)?;
+        if let Some(b) = &bias {
+            b.move_to_device(config.device)?;
+        }
         Ok(Conv2d {
-            weight: parameter(weight)?,
+            weight,
             bias,
             params: Conv2dParams {
                 stride: config.stride,

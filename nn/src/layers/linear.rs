@@ -24,6 +24,17 @@ pub struct Linear {
 impl Linear {
     /// A layer from `in_features` to `out_features` (both > 0), with a bias if `bias`.
     pub fn new(in_features: usize, out_features: usize, bias: bool) -> Result<Self> {
+        Self::new_on(in_features, out_features, bias, Device::Cpu)
+    }
+
+    /// [`Linear::new`] with the parameters on `device` (initialised on the CPU from the
+    /// default generator, then moved: the same seed gives the same values on every device).
+    pub fn new_on(
+        in_features: usize,
+        out_features: usize,
+        bias: bool,
+        device: Device,
+    ) -> Result<Self> {
         if in_features == 0 || out_features == 0 {
             return Err(Error::config(
                 "Linear",
@@ -43,8 +54,13 @@ impl Linear {
         } else {
             None
         };
+        let weight = parameter(weight)?;
+        weight.move_to_device(device)?;
+        if let Some(b) = &bias {
+            b.move_to_device(device)?;
+        }
         Ok(Linear {
-            weight: parameter(weight)?,
+            weight,
             bias,
             training: TrainingFlag::new(),
         })
