@@ -80,7 +80,9 @@ pub struct Checkpoints {
 
 /// A run restored from a checkpoint.
 pub struct Resumed {
+    /// The checkpoint it was restored from.
     pub path: PathBuf,
+    /// Where training stands in it.
     pub progress: Progress,
 }
 

@@ -33,7 +33,9 @@ pub type AnyError = Box<dyn std::error::Error>;
 /// `code`, as `tandem-run` would.
 #[derive(Debug)]
 pub struct LaunchFailed {
+    /// What failed (`rank 1 failed with … (after 2 restarts)`).
     pub message: String,
+    /// The exit status for the launching process.
     pub code: u8,
 }
 

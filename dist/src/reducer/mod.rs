@@ -482,7 +482,8 @@ mod tests {
             Reducer::new(group, vec![("layer.weight".into(), w.clone())], config).unwrap();
         let ready = GradReady {
             param: w.clone(),
-            grad: w.grad().unwrap(),
+            // What autograd hands over for a parameter without a gradient yet: its own tensor.
+            grad: Tensor::ones(&[3], DType::F32, Device::Cpu).unwrap(),
             event: Event::completed(),
         };
         // One bucket of one parameter: the first event launches it; the second is refused
