@@ -284,34 +284,31 @@ impl LaunchReport {
 
     /// What ended an unsuccessful launch, for people (`None` after a success): `rank 2 failed
     /// with exit status 3 (after 1 restart)`, or `received signal 15; forwarded it to the
-    /// ranks`.
+    /// ranks`. A rank failure that came first is named rather than a later signal.
     pub fn failure_message(&self) -> Option<String> {
         let after = match self.restarts {
             0 => String::new(),
             1 => " (after 1 restart)".to_string(),
             n => format!(" (after {n} restarts)"),
         };
-        if let Some(sig) = self.interrupted {
+        if let Some(f) = &self.failed {
             return Some(format!(
-                "received signal {sig}; forwarded it to the ranks{after}"
-            ));
-        }
-        self.failed.as_ref().map(|f| {
-            format!(
                 "rank {} failed with {}; stopped the other ranks{after}",
                 f.rank,
                 f.describe()
-            )
-        })
+            ));
+        }
+        self.interrupted
+            .map(|sig| format!("received signal {sig}; forwarded it to the ranks{after}"))
     }
 
     /// The exit code for a launcher process: 0 on success, the failed rank's code (128 +
     /// signal for a rank killed by one), or 128 + a forwarded signal; always 0–255.
     pub fn exit_code(&self) -> u8 {
-        let code = if let Some(sig) = self.interrupted {
-            128 + sig
-        } else if let Some(f) = &self.failed {
+        let code = if let Some(f) = &self.failed {
             f.exit_code()
+        } else if let Some(sig) = self.interrupted {
+            128 + sig
         } else {
             0
         };
