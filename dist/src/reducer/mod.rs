@@ -9,7 +9,7 @@
 //! backward-finished hook launches what is left, waits for every bucket, and leaves averaged
 //! gradients in `.grad`, which are views into the buckets. Under `find_unused_parameters`,
 //! parameters that no rank's backward reached keep their `.grad` exactly as it was (see
-//! [`unused`]).
+//! `reducer/unused.rs`).
 
 mod bucket;
 pub mod comm_hook;
