@@ -20,11 +20,15 @@
 //! the running loss and throughput; one line per epoch is printed. `--metrics-out FILE`
 //! writes the results as JSON.
 //!
-//! **Checkpoints.** After each epoch the model, its BatchNorm statistics, the optimizer's
-//! momentum buffers and the position in the schedule are saved atomically (safetensors, names
-//! as in PyTorch's `state_dict`) to `--checkpoint-dir` (default `checkpoints/`) as
-//! `resnet{depth}-epoch{E}.safetensors`. `--resume FILE` continues from such a file exactly
-//! where it stopped (pass the same `--epochs`: the learning-rate schedule spans all of them).
+//! **Checkpoints.** After each epoch (and, with `--checkpoint-every N`, every N steps) the
+//! model, its BatchNorm statistics, the optimizer's momentum buffers, the learning rate, the
+//! position in the schedule and every rank's random-number state are saved atomically
+//! (safetensors, names as in PyTorch's `state_dict`) to `--checkpoint-dir` (default
+//! `checkpoints/`) as `resnet{depth}-epoch{E}.safetensors` (kept) or
+//! `resnet{depth}-step{G}.safetensors` (replaced by the next). A run finding checkpoints of
+//! the same settings there resumes from the newest complete one, exactly where it stopped;
+//! `--resume FILE` names one explicitly. `--max-restarts N` makes the built-in launcher restart
+//! the ranks after a failure (as `tandem-run --max-restarts N` does), resuming that way.
 //!
 //! **Data-parallel.** `--nproc-per-node N` trains with DistributedDataParallel on N local
 //! processes over TCP (or joins a group the environment describes, as `tandem-run`, torchrun,
@@ -41,13 +45,12 @@ use std::time::Instant;
 use clap::{Parser, ValueEnum};
 use tandem::core::rng::manual_seed;
 use tandem::dist::{DdpConfig, DistributedDataParallel, DistributedSampler};
-use tandem::nn::checkpoint::{load_module, save_checkpoint, OPTIMIZER_PREFIX};
 use tandem::nn::data::{
     Augmentation, Cifar10, CifarDataset, DataLoader, DataLoaderConfig, Dataset, Mnist32, Split,
 };
 use tandem::nn::models::resnet_cifar;
 use tandem::nn::Module;
-use tandem::optim::{Optimizer, Sgd, SgdConfig};
+use tandem::optim::{Sgd, SgdConfig};
 
 const CIFAR_HELP: &str = "CIFAR-10 is not included: download the \"CIFAR-10 binary version\" \
 from https://www.cs.toronto.edu/~kriz/cifar.html, unpack it, and pass the directory holding \
@@ -103,15 +106,22 @@ struct Args {
     /// Write the results as a JSON object to this file.
     #[arg(long)]
     metrics_out: Option<PathBuf>,
-    /// Directory for the checkpoint written after each epoch.
+    /// Directory for the checkpoints, and to resume from (the newest complete one).
     #[arg(long, default_value = "checkpoints")]
     checkpoint_dir: PathBuf,
+    /// Also write a checkpoint every this many steps inside an epoch.
+    #[arg(long)]
+    checkpoint_every: Option<usize>,
     /// Continue from this checkpoint (written by this example).
     #[arg(long)]
     resume: Option<PathBuf>,
     /// Train data-parallel on this many local processes (DDP over TCP).
     #[arg(long, default_value_t = 1)]
     nproc_per_node: usize,
+    /// With --nproc-per-node: restart all ranks up to this many times after a failure (they
+    /// resume from the newest checkpoint in --checkpoint-dir).
+    #[arg(long, default_value_t = 0)]
+    max_restarts: usize,
 }
 
 /// The training data: CIFAR-10 needs its epoch set for the augmentation.
@@ -146,15 +156,16 @@ fn learning_rate(peak: f64, step: usize, warmup: usize, total: usize) -> f64 {
 
 mod common;
 
-use common::{evaluate, join_or_launch, train_epoch, write_metrics, AnyError, Role, Trainer};
+use common::checkpoints::{Checkpoints, Progress};
+use common::output::say;
+use common::{
+    evaluate, exit_with_error, join_or_launch, train_epoch, write_metrics, AnyError, Role, Trainer,
+};
 
 fn main() -> ExitCode {
     match run(Args::parse()) {
         Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::FAILURE
-        }
+        Err(e) => exit_with_error(e),
     }
 }
 
@@ -170,7 +181,7 @@ fn run(args: Args) -> Result<(), AnyError> {
     if !(0.0..1.0).contains(&args.warmup_frac) {
         return Err(format!("--warmup-frac must be in [0, 1), got {}", args.warmup_frac).into());
     }
-    let group = match join_or_launch(args.nproc_per_node, args.threads)? {
+    let group = match join_or_launch(args.nproc_per_node, args.max_restarts, args.threads)? {
         Role::Launched => return Ok(()),
         Role::Train(group) => group,
     };
@@ -243,24 +254,45 @@ fn run(args: Args) -> Result<(), AnyError> {
     )?;
     let total_steps = args.epochs * train.len();
     let warmup_steps = (args.warmup_frac * total_steps as f64).round() as usize;
-    // Resume before DDP wraps the model: DDP then broadcasts rank 0's (resumed) values.
-    let mut first_epoch = 1;
-    if let Some(path) = &args.resume {
-        let checkpoint = load_module(path, model.as_ref(), true)?;
-        optimizer.load_state(&checkpoint.extra(OPTIMIZER_PREFIX))?;
-        let epoch: usize = checkpoint
-            .metadata()
-            .get("epoch")
-            .and_then(|e| e.parse().ok())
-            .ok_or_else(|| {
-                format!(
-                    "{}: no `epoch` in the checkpoint's metadata",
-                    path.display()
-                )
-            })?;
-        first_epoch = epoch + 1;
+    let settings = BTreeMap::from(
+        [
+            ("dataset", format!("{kind:?}").to_lowercase()),
+            ("epochs", args.epochs.to_string()),
+            ("batch_size", args.batch_size.to_string()),
+            ("lr", args.lr.to_string()),
+            ("warmup_frac", args.warmup_frac.to_string()),
+            ("momentum", args.momentum.to_string()),
+            ("weight_decay", args.weight_decay.to_string()),
+            ("seed", args.seed.to_string()),
+            ("world_size", world.to_string()),
+        ]
+        .map(|(k, v)| (k.to_string(), v)),
+    );
+    let checkpoints = Checkpoints::new(
+        Some(args.checkpoint_dir.clone()),
+        args.checkpoint_every,
+        &format!("resnet{}", args.depth),
+        settings,
+        train.len(),
+    )?;
+    // Resume before DDP wraps the model (every rank reads the same checkpoint).
+    let mut progress = Progress::start();
+    if let Some(resumed) =
+        checkpoints.resume(args.resume.as_deref(), model.as_ref(), &mut optimizer, rank)?
+    {
+        progress = resumed.progress;
         if leader {
-            println!("resumed from {} after epoch {epoch}", path.display());
+            say(format_args!(
+                "resuming from {}: epoch {}, {} of {} steps done",
+                resumed.path.display(),
+                progress.epoch.min(args.epochs),
+                if progress.epoch > args.epochs {
+                    train.len()
+                } else {
+                    progress.epoch_step
+                },
+                train.len()
+            ));
         }
     }
     let ddp = match &group {
@@ -276,7 +308,7 @@ fn run(args: Args) -> Result<(), AnyError> {
         ddp,
     };
     if leader {
-        println!(
+        say(format_args!(
         "ResNet-{} ({} parameters) on {:?}: {} epochs, batch {}, lr {} (linear warm-up over {} \
          steps, then linear decay to 0), momentum {}, weight decay {}, {} threads",
         args.depth,
@@ -289,60 +321,45 @@ fn run(args: Args) -> Result<(), AnyError> {
         args.momentum,
         args.weight_decay,
         threads
-    );
+    ));
     }
 
     let started = Instant::now();
-    let mut history = Vec::new();
-    let mut step = (first_epoch - 1) * train.len();
-    for epoch in first_epoch..=args.epochs {
+    let lr_at = |global_step: usize| learning_rate(args.lr, global_step, warmup_steps, total_steps);
+    while progress.epoch <= args.epochs {
+        let epoch = progress.epoch;
         train_data.set_epoch(epoch as u64 - 1);
-        let lr_at = |s: usize| learning_rate(args.lr, step + s, warmup_steps, total_steps);
         let mut result = train_epoch(
             &trainer,
             &mut optimizer,
             &train,
-            epoch,
+            &mut progress,
             args.epochs,
             Some(&lr_at),
+            &checkpoints,
         )?;
-        step += train.len();
-        if !leader {
-            continue;
+        if leader {
+            result.test_accuracy = evaluate(model.as_ref(), &test)?;
+            say(format_args!(
+                "epoch {epoch}/{}: train loss {:.4}, test accuracy {:.2}%, {:.0} images/s, {:.1} s",
+                args.epochs,
+                result.train_loss,
+                100.0 * result.test_accuracy,
+                result.images_per_sec,
+                result.seconds
+            ));
         }
-        result.test_accuracy = evaluate(model.as_ref(), &test)?;
-        let path = args
-            .checkpoint_dir
-            .join(format!("resnet{}-epoch{epoch}.safetensors", args.depth));
-        std::fs::create_dir_all(&args.checkpoint_dir)
-            .map_err(|e| format!("{}: {e}", args.checkpoint_dir.display()))?;
-        let metadata = BTreeMap::from([
-            ("epoch".to_string(), epoch.to_string()),
-            ("model".to_string(), format!("resnet{}", args.depth)),
-        ]);
-        let extras: Vec<(String, tandem::core::Tensor)> = optimizer
-            .state()
-            .into_iter()
-            .map(|(name, t)| (format!("{OPTIMIZER_PREFIX}{name}"), t))
-            .collect();
-        save_checkpoint(&path, model.as_ref(), &extras, &metadata)?;
-        println!(
-            "epoch {epoch}/{}: train loss {:.4}, test accuracy {:.2}%, {:.0} images/s, {:.1} s",
-            args.epochs,
-            result.train_loss,
-            100.0 * result.test_accuracy,
-            result.images_per_sec,
-            result.seconds
-        );
-        history.push(result);
+        progress.finish_epoch(result);
+        checkpoints.save(&trainer, &optimizer, &progress)?;
     }
     if !leader {
         return Ok(());
     }
+    let history = progress.history;
     let seconds = started.elapsed().as_secs_f64();
-    println!("done in {seconds:.1} s");
+    say(format_args!("done in {seconds:.1} s"));
     if let Some(ddp) = &trainer.ddp {
-        println!("overlap: {}", ddp.telemetry().summary());
+        say(format_args!("overlap: {}", ddp.telemetry().summary()));
     }
     if let Some(path) = &args.metrics_out {
         let settings = serde_json::json!({

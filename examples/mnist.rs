@@ -19,7 +19,16 @@
 //! instead. `--batch-size` stays the *global* batch: each rank takes batch / world_size samples
 //! of its own disjoint shard (a `DistributedSampler`), and gradients are averaged, so the
 //! learning rate that suits one process suits N. Rank 0 alone prints and writes the metrics.
+//!
+//! **Restarts and checkpoints.** With `--checkpoint-dir DIR` a checkpoint (model, optimizer,
+//! learning rate, position, every rank's random-number state) is written after every epoch
+//! and, with `--checkpoint-every N`, every N steps; a run started with checkpoints in DIR
+//! resumes from the newest complete one and ends with the same parameters, bit for bit, as if
+//! it had never stopped. `--max-restarts N` makes the built-in launcher restart the ranks
+//! after a failure (as `tandem-run --max-restarts N` does), which then resume that way.
+//! `--train-limit` / `--test-limit` train and test on the first samples only, for quick runs.
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -28,7 +37,7 @@ use std::time::Instant;
 use clap::Parser;
 use tandem::core::rng::manual_seed;
 use tandem::dist::{DdpConfig, DistributedDataParallel, DistributedSampler};
-use tandem::nn::data::{DataLoader, DataLoaderConfig, Dataset, Mnist, Split};
+use tandem::nn::data::{DataLoader, DataLoaderConfig, Mnist, Split};
 use tandem::nn::models::lenet5;
 use tandem::nn::Module;
 use tandem::optim::{Optimizer, Sgd, SgdConfig};
@@ -68,24 +77,44 @@ struct Args {
     /// Train data-parallel on this many local processes (DDP over TCP).
     #[arg(long, default_value_t = 1)]
     nproc_per_node: usize,
+    /// With --nproc-per-node: restart all ranks up to this many times after a failure (they
+    /// resume from the newest checkpoint in --checkpoint-dir).
+    #[arg(long, default_value_t = 0)]
+    max_restarts: usize,
+    /// Write checkpoints here after every epoch (and every --checkpoint-every steps), and
+    /// resume from the newest complete one found here.
+    #[arg(long)]
+    checkpoint_dir: Option<PathBuf>,
+    /// Also write a checkpoint every this many steps inside an epoch.
+    #[arg(long)]
+    checkpoint_every: Option<usize>,
+    /// Train on the first this many training images only.
+    #[arg(long)]
+    train_limit: Option<usize>,
+    /// Evaluate on the first this many test images only.
+    #[arg(long)]
+    test_limit: Option<usize>,
 }
 
 mod common;
 
-use common::{evaluate, join_or_launch, train_epoch, write_metrics, AnyError, Role, Trainer};
+use common::checkpoints::{Checkpoints, Progress};
+use common::output::say;
+use common::{
+    evaluate, exit_with_error, join_or_launch, train_epoch, write_metrics, AnyError, Limited, Role,
+    Trainer,
+};
 
-fn main() -> ExitCode {
+// `pub`: `tests/example_supervision.rs` runs this example in its own binary.
+pub fn main() -> ExitCode {
     match run(Args::parse()) {
         Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::FAILURE
-        }
+        Err(e) => exit_with_error(e),
     }
 }
 
 fn run(args: Args) -> Result<(), AnyError> {
-    let group = match join_or_launch(args.nproc_per_node, args.threads)? {
+    let group = match join_or_launch(args.nproc_per_node, args.max_restarts, args.threads)? {
         Role::Launched => return Ok(()),
         Role::Train(group) => group,
     };
@@ -104,8 +133,14 @@ fn run(args: Args) -> Result<(), AnyError> {
         .data_dir
         .clone()
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/mnist"));
-    let train_set = Arc::new(Mnist::load(&data_dir, Split::Train)?);
-    let test_set = Arc::new(Mnist::load(&data_dir, Split::Test)?);
+    let train_set = Limited::first(
+        Arc::new(Mnist::load(&data_dir, Split::Train)?),
+        args.train_limit,
+    );
+    let test_set = Limited::first(
+        Arc::new(Mnist::load(&data_dir, Split::Test)?),
+        args.test_limit,
+    );
     let loader_config = DataLoaderConfig {
         batch_size: args.batch_size / world,
         shuffle: true,
@@ -132,8 +167,35 @@ fn run(args: Args) -> Result<(), AnyError> {
         },
     )?;
 
+    let settings = BTreeMap::from(
+        [
+            // Not the number of epochs: a finished run may be resumed to train longer.
+            ("batch_size", args.batch_size.to_string()),
+            ("lr", args.lr.to_string()),
+            ("lr_decay", args.lr_decay.to_string()),
+            ("momentum", args.momentum.to_string()),
+            ("seed", args.seed.to_string()),
+            ("world_size", world.to_string()),
+            ("train_limit", format!("{:?}", args.train_limit)),
+        ]
+        .map(|(k, v)| (k.to_string(), v)),
+    );
+    let checkpoints = Checkpoints::new(
+        args.checkpoint_dir.clone(),
+        args.checkpoint_every,
+        "lenet5",
+        settings,
+        train.len(),
+    )?;
+
     manual_seed(args.seed);
     let model: Arc<dyn Module> = Arc::new(lenet5()?);
+    let mut optimizer = Sgd::new(
+        model.parameters(),
+        SgdConfig::new(args.lr).with_momentum(args.momentum),
+    )?;
+    // Resume before DDP wraps the model (every rank reads the same checkpoint).
+    let resumed = checkpoints.resume(None, model.as_ref(), &mut optimizer, rank)?;
     let ddp = match &group {
         Some(g) => Some(DistributedDataParallel::new(
             model.clone(),
@@ -143,13 +205,22 @@ fn run(args: Args) -> Result<(), AnyError> {
         None => None,
     };
     let trainer = Trainer { model, ddp };
-    let mut optimizer = Sgd::new(
-        trainer.model.parameters(),
-        SgdConfig::new(args.lr).with_momentum(args.momentum),
-    )?;
     let leader = trainer.rank() == 0;
+    let mut progress = Progress::start();
+    if let Some(resumed) = resumed {
+        progress = resumed.progress;
+        if leader {
+            say(format_args!(
+                "resuming from {}: epoch {}, {} of {} steps done",
+                resumed.path.display(),
+                progress.epoch,
+                progress.epoch_step,
+                train.len()
+            ));
+        }
+    }
     if leader {
-        println!(
+        say(format_args!(
             "LeNet-5 ({} parameters) on MNIST: {} epochs, global batch {} ({} per rank × {} ranks), \
              lr {} (×{} per epoch), momentum {}, {} threads per rank",
             trainer.model.num_parameters(),
@@ -161,37 +232,47 @@ fn run(args: Args) -> Result<(), AnyError> {
             args.lr_decay,
             args.momentum,
             threads
-        );
+        ));
     }
 
     let started = Instant::now();
-    let mut history = Vec::new();
-    for epoch in 1..=args.epochs {
-        let mut result = train_epoch(&trainer, &mut optimizer, &train, epoch, args.epochs, None)?;
+    while progress.epoch <= args.epochs {
+        let epoch = progress.epoch;
+        let mut result = train_epoch(
+            &trainer,
+            &mut optimizer,
+            &train,
+            &mut progress,
+            args.epochs,
+            None,
+            &checkpoints,
+        )?;
         // Every rank holds the same parameters; rank 0 alone evaluates and reports.
         if leader {
             result.test_accuracy = evaluate(trainer.model.as_ref(), &test)?;
-            println!(
+            say(format_args!(
                 "epoch {epoch}/{}: train loss {:.4}, test accuracy {:.2}%, {:.0} images/s, {:.1} s",
                 args.epochs,
                 result.train_loss,
                 100.0 * result.test_accuracy,
                 result.images_per_sec,
                 result.seconds
-            );
+            ));
         }
-        history.push(result);
         let lr = optimizer.learning_rate() * args.lr_decay;
         optimizer.set_learning_rate(lr)?;
+        progress.finish_epoch(result);
+        checkpoints.save(&trainer, &optimizer, &progress)?;
     }
     let seconds = started.elapsed().as_secs_f64();
     if !leader {
         return Ok(());
     }
-    println!("done in {seconds:.1} s");
+    say(format_args!("done in {seconds:.1} s"));
     if let Some(ddp) = &trainer.ddp {
-        println!("overlap: {}", ddp.telemetry().summary());
+        say(format_args!("overlap: {}", ddp.telemetry().summary()));
     }
+    let history = progress.history;
 
     if let Some(path) = &args.metrics_out {
         let settings = serde_json::json!({

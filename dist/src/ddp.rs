@@ -50,9 +50,13 @@ pub struct DdpConfig {
     /// Broadcast buffers (BatchNorm running statistics) from rank 0 before each forward.
     /// Default: true.
     pub broadcast_buffers: bool,
-    /// Treat parameters that a backward did not reach as ready with a zero contribution, so
-    /// models with conditional branches train. Default: false (such a parameter makes the next
-    /// forward fail with an error naming it).
+    /// Let backward passes leave parameters unreached, so models with conditional branches
+    /// train. A parameter reached on some ranks gets the average over all ranks, the others
+    /// contributing their current gradient (zero when they have none) — what one process on
+    /// the full batch computes. A parameter no rank reached keeps its `.grad` exactly as it
+    /// was (`None` stays `None`, so optimizers skip it and weight decay or momentum do not
+    /// move it), as in PyTorch. Costs one small all-reduce per step. Default: false (such a
+    /// parameter makes the next forward fail with an error naming it).
     pub find_unused_parameters: bool,
     /// After the first iteration, rebuild buckets in the order gradients actually became ready
     /// (rank 0's order is broadcast). Default: true.

@@ -7,13 +7,25 @@
 //! rendezvous store (on `--master-port`, or a free port it picks) and tells the ranks so with
 //! `TANDEM_STORE_HOSTED=1`; `--no-store` leaves that to rank 0 (for programs that bring their
 //! own, such as torch.distributed). Every line a rank prints is prefixed with `[rank K] ` on the
-//! launcher's stdout or stderr. When a rank exits with a failure, the others are sent SIGTERM,
-//! then SIGKILL after a grace period, and the launch reports which rank failed and how.
-//! SIGINT/SIGTERM/SIGHUP received by the launcher (when [`forward_signals`] was called) are
-//! passed on to the ranks.
+//! launcher's stdout or stderr, and passed on as it comes — at each `\n` or `\r` (progress
+//! bars), or in pieces of a bounded size (see [`relay`]). When a rank exits with a failure,
+//! the others are sent SIGTERM, then SIGKILL after a grace period, and the launch reports
+//! which rank failed and how. SIGINT/SIGTERM/SIGHUP received by the launcher (when
+//! [`forward_signals`] was called) are passed on to the ranks.
+//!
+//! **Restarts.** With `--max-restarts N` (single node), a failed job is restarted as a whole,
+//! as torchrun's elastic agent does: every rank is stopped, a fresh store is started, and all
+//! ranks start again with [`RESTART_COUNT_VAR`] (`TANDEM_RESTART_COUNT`) set to the number of
+//! restarts so far and [`MAX_RESTARTS_VAR`] (`TANDEM_MAX_RESTARTS`) to N. After N restarts the
+//! next failure ends the launch with the usual report. Programs resume from their newest
+//! checkpoint (the examples do, from `--checkpoint-dir`).
+//!
+//! **Ranks die with their launcher.** Each rank is started with `PR_SET_PDEATHSIG` = SIGKILL
+//! (Linux), and checks between fork and exec that its parent is still the launcher, so a
+//! launcher killed by SIGKILL — which cannot forward anything — takes its ranks with it
+//! instead of leaving them training as orphans (see [`child`]).
 
 use std::ffi::OsString;
-use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, TcpListener};
 use std::process::{Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicI32, Ordering};
@@ -23,6 +35,15 @@ use std::time::{Duration, Instant};
 use crate::rendezvous::STORE_HOSTED_VAR;
 use crate::store::StoreServer;
 use crate::{DistError, Result};
+
+pub mod child;
+pub mod relay;
+
+/// Environment variable telling each rank how many times the launcher has restarted the job
+/// (`0` on the first start); see `--max-restarts`.
+pub const RESTART_COUNT_VAR: &str = "TANDEM_RESTART_COUNT";
+/// Environment variable telling each rank the launcher's `--max-restarts`.
+pub const MAX_RESTARTS_VAR: &str = "TANDEM_MAX_RESTARTS";
 
 /// The command-line help of `tandem-run`.
 pub const USAGE: &str = "\
@@ -40,6 +61,9 @@ options:
   --master-port P      port of the store (default: a free port; required when --nnodes > 1)
   --no-store           do not serve tandem's store; rank 0 serves it (torch.distributed programs)
   --kill-grace S       seconds between SIGTERM and SIGKILL when stopping ranks (default 5)
+  --max-restarts N     when a rank fails, stop all ranks and start the job again, up to N
+                       times (default 0; single node only). Ranks see TANDEM_RESTART_COUNT
+                       (restarts so far) and TANDEM_MAX_RESTARTS
   -h, --help           print this help
 ";
 
@@ -60,6 +84,9 @@ pub struct LaunchOptions {
     pub serve_store: bool,
     /// Time between SIGTERM and SIGKILL when stopping ranks. Default 5 s.
     pub kill_grace: Duration,
+    /// How many times a failed job is restarted (all ranks) before the launch gives up.
+    /// Default 0. Single node only.
+    pub max_restarts: usize,
     /// The program every rank runs.
     pub program: OsString,
     /// Its arguments.
@@ -77,6 +104,7 @@ impl LaunchOptions {
             master_port: None,
             serve_store: true,
             kill_grace: Duration::from_secs(5),
+            max_restarts: 0,
             program: program.into(),
             args,
         }
@@ -127,6 +155,7 @@ impl LaunchOptions {
             match name.as_str() {
                 "--nproc-per-node" | "--nproc_per_node" => nproc = Some(num(&value)?),
                 "--nnodes" => opts.nnodes = num(&value)?,
+                "--max-restarts" | "--max_restarts" => opts.max_restarts = num(&value)?,
                 "--node-rank" | "--node_rank" => opts.node_rank = num(&value)?,
                 "--master-addr" | "--master_addr" => opts.master_addr = value,
                 "--master-port" | "--master_port" => {
@@ -170,6 +199,13 @@ impl LaunchOptions {
                 "--node-rank {} is not below --nnodes {}",
                 self.node_rank, self.nnodes
             )));
+        }
+        if self.nnodes > 1 && self.max_restarts > 0 {
+            return Err(DistError::Launch(
+                "--max-restarts works on a single node (--nnodes 1): each node's launcher \
+                 would restart its ranks on its own"
+                    .into(),
+            ));
         }
         if self.nnodes > 1 && self.master_port.is_none() {
             return Err(DistError::Launch(
@@ -234,14 +270,53 @@ pub struct LaunchReport {
     pub failed: Option<RankFailure>,
     /// A signal the launcher received and forwarded, if any.
     pub interrupted: Option<i32>,
-    /// The port the ranks met on.
+    /// The port the ranks met on (in the last start of the job).
     pub master_port: u16,
+    /// How many times the job was restarted after a failure.
+    pub restarts: usize,
 }
 
 impl LaunchReport {
     /// Whether every rank succeeded.
     pub fn success(&self) -> bool {
         self.failed.is_none() && self.interrupted.is_none()
+    }
+
+    /// What ended an unsuccessful launch, for people (`None` after a success): `rank 2 failed
+    /// with exit status 3 (after 1 restart)`, or `received signal 15; forwarded it to the
+    /// ranks`. A rank failure that came first is named rather than a later signal.
+    pub fn failure_message(&self) -> Option<String> {
+        let after = match self.restarts {
+            0 => String::new(),
+            1 => " (after 1 restart)".to_string(),
+            n => format!(" (after {n} restarts)"),
+        };
+        if let Some(f) = &self.failed {
+            return Some(format!(
+                "rank {} failed with {}; stopped the other ranks{after}",
+                f.rank,
+                f.describe()
+            ));
+        }
+        self.interrupted
+            .map(|sig| format!("received signal {sig}; forwarded it to the ranks{after}"))
+    }
+
+    /// The exit code for a launcher process: 0 on success, the failed rank's code (128 +
+    /// signal for a rank killed by one), or 128 + a forwarded signal; always 0–255.
+    pub fn exit_code(&self) -> u8 {
+        let code = if let Some(f) = &self.failed {
+            f.exit_code()
+        } else if let Some(sig) = self.interrupted {
+            128 + sig
+        } else {
+            0
+        };
+        if self.success() {
+            0
+        } else {
+            code.clamp(1, 255) as u8
+        }
     }
 }
 
@@ -282,37 +357,36 @@ fn send_signal(pid: u32, sig: libc::c_int) {
     }
 }
 
-/// Copies `from` to `to` line by line, each line prefixed with `prefix`.
-fn relay(from: impl Read, prefix: String, to_stderr: bool) {
-    let mut reader = BufReader::new(from);
-    let mut line = Vec::new();
+/// Runs the ranks of this node to completion. Returns when all have exited: successfully, or
+/// because one failed (the first failure is reported, the rest were stopped) and
+/// `max_restarts` restarts have been used up, or because a forwarded signal ended them.
+///
+/// Call it from a thread that lives until it returns (it blocks until then anyway): the
+/// ranks' parent-death signal fires when the thread that started them ends.
+pub fn launch(opts: &LaunchOptions) -> Result<LaunchReport> {
+    opts.validate()?;
+    let mut restarts = 0;
     loop {
-        line.clear();
-        match reader.read_until(b'\n', &mut line) {
-            Ok(0) | Err(_) => return,
-            Ok(_) => {
-                if !line.ends_with(b"\n") {
-                    line.push(b'\n');
-                }
-                let mut out: Box<dyn Write> = if to_stderr {
-                    Box::new(std::io::stderr().lock())
-                } else {
-                    Box::new(std::io::stdout().lock())
-                };
-                let _ = out
-                    .write_all(prefix.as_bytes())
-                    .and_then(|()| out.write_all(&line))
-                    .and_then(|()| out.flush());
-            }
+        let report = launch_once(opts, restarts)?;
+        let Some(failure) = report.failed.as_ref() else {
+            return Ok(LaunchReport { restarts, ..report });
+        };
+        if report.interrupted.is_some() || restarts >= opts.max_restarts {
+            return Ok(LaunchReport { restarts, ..report });
         }
+        restarts += 1;
+        relay::note(&format!(
+            "rank {} failed with {}; stopped the other ranks and restarting the job (restart \
+             {restarts} of {})",
+            failure.rank,
+            failure.describe(),
+            opts.max_restarts
+        ));
     }
 }
 
-/// Runs the ranks of this node to completion. Returns when all have exited: successfully, or
-/// because one failed (the first failure is reported, the rest were stopped), or because a
-/// forwarded signal ended them.
-pub fn launch(opts: &LaunchOptions) -> Result<LaunchReport> {
-    opts.validate()?;
+/// One start of the job: the ranks, with `restart` in their environment, until all exit.
+fn launch_once(opts: &LaunchOptions, restart: usize) -> Result<LaunchReport> {
     let world = opts.nproc_per_node * opts.nnodes;
     // Node 0 serves the store on the requested port or a free one; it binds before any rank
     // starts, so there is no race for the port.
@@ -349,6 +423,8 @@ pub fn launch(opts: &LaunchOptions) -> Result<LaunchReport> {
             .env("GROUP_RANK", opts.node_rank.to_string())
             .env("MASTER_ADDR", &opts.master_addr)
             .env("MASTER_PORT", port.to_string())
+            .env(RESTART_COUNT_VAR, restart.to_string())
+            .env(MAX_RESTARTS_VAR, opts.max_restarts.to_string())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
@@ -357,6 +433,7 @@ pub fn launch(opts: &LaunchOptions) -> Result<LaunchReport> {
         } else {
             cmd.env_remove(STORE_HOSTED_VAR);
         }
+        child::die_with_launcher(&mut cmd);
         let mut child = match cmd.spawn() {
             Ok(c) => c,
             Err(e) => {
@@ -371,10 +448,10 @@ pub fn launch(opts: &LaunchOptions) -> Result<LaunchReport> {
         let prefix = format!("[rank {rank}] ");
         if let Some(out) = child.stdout.take() {
             let p = prefix.clone();
-            relays.push(std::thread::spawn(move || relay(out, p, false)));
+            relays.push(std::thread::spawn(move || relay::relay(out, p, false)));
         }
         if let Some(err) = child.stderr.take() {
-            relays.push(std::thread::spawn(move || relay(err, prefix, true)));
+            relays.push(std::thread::spawn(move || relay::relay(err, prefix, true)));
         }
         let tx = exits_tx.clone();
         std::thread::spawn(move || {
@@ -452,6 +529,7 @@ pub fn launch(opts: &LaunchOptions) -> Result<LaunchReport> {
         failed,
         interrupted,
         master_port: port,
+        restarts: restart,
     })
 }
 
@@ -493,6 +571,31 @@ mod tests {
             (2, false, 1)
         );
         assert_eq!(LaunchOptions::parse_args(args(&["--help"])).unwrap(), None);
+    }
+
+    #[test]
+    fn max_restarts_parses_and_is_refused_across_nodes() {
+        let o = LaunchOptions::parse_args(args(&["--nproc-per-node=2", "--max-restarts=3", "p"]))
+            .unwrap()
+            .unwrap();
+        assert_eq!(o.max_restarts, 3);
+        let err = LaunchOptions::parse_args(args(&[
+            "--nproc-per-node",
+            "2",
+            "--nnodes",
+            "2",
+            "--master-port",
+            "1234",
+            "--max-restarts",
+            "1",
+            "p",
+        ]))
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("--max-restarts") && err.contains("single node"),
+            "{err}"
+        );
     }
 
     #[test]

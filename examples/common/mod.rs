@@ -1,5 +1,10 @@
-//! What the training examples share: joining or launching the ranks of a data-parallel job,
-//! the forward that goes through DDP when there is one, and evaluation.
+//! What the training examples share: joining or launching the ranks of a data-parallel job
+//! (restarting it after a failure), the forward that goes through DDP when there is one, the
+//! training epoch with its checkpoints ([`checkpoints`]), evaluation, and output that
+//! survives a closed pipe ([`output`]).
+
+pub mod checkpoints;
+pub mod output;
 
 use std::path::Path;
 use std::sync::Arc;
@@ -9,19 +14,49 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 use tandem::autograd::{no_grad, TensorBackward};
 use tandem::core::Tensor;
-use tandem::dist::launch::{launch, LaunchOptions};
+use tandem::dist::launch::{forward_signals, launch, LaunchOptions};
 use tandem::dist::{
     init_process_group, DistributedDataParallel, GroupConfig, LaunchEnv, ProcessGroup,
 };
-use tandem::nn::data::DataLoader;
+use tandem::nn::data::{Batch, DataLoader, Dataset};
 use tandem::nn::loss::{cross_entropy, Reduction};
 use tandem::nn::Module;
 use tandem::optim::Optimizer;
 
+use checkpoints::{Checkpoints, Progress};
+use output::complain;
+
 /// Errors of the examples' `run`.
 pub type AnyError = Box<dyn std::error::Error>;
 
+/// The built-in launcher's ranks failed (or it was interrupted); the example exits with
+/// `code`, as `tandem-run` would.
+#[derive(Debug)]
+pub struct LaunchFailed {
+    /// What failed (`rank 1 failed with … (after 2 restarts)`).
+    pub message: String,
+    /// The exit status for the launching process.
+    pub code: u8,
+}
+
+impl std::fmt::Display for LaunchFailed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for LaunchFailed {}
+
+/// Reports the error of `run` on stderr and gives the process's exit status: a failed
+/// launch's own code (as `tandem-run` exits), otherwise 1.
+pub fn exit_with_error(e: AnyError) -> std::process::ExitCode {
+    complain(format_args!("error: {e}"));
+    let code = e.downcast_ref::<LaunchFailed>().map_or(1, |f| f.code);
+    std::process::ExitCode::from(code)
+}
+
 /// What one epoch produced.
+#[derive(Clone, Debug, PartialEq)]
 pub struct EpochResult {
     pub train_loss: f64,
     pub test_accuracy: f64,
@@ -47,16 +82,35 @@ pub enum Role {
 }
 
 /// Joins the group the environment describes; otherwise, with `nproc_per_node > 1`, starts
-/// that many ranks of this same program (each then joins) and waits for them; otherwise trains
-/// alone. Sizes rayon's pool: `threads`, or the cores shared among the local ranks.
-pub fn join_or_launch(nproc_per_node: usize, threads: Option<usize>) -> Result<Role, AnyError> {
+/// that many ranks of this same program (each then joins) and waits for them — with
+/// `tandem-run`'s launcher: signals are forwarded to the ranks, the ranks die with this
+/// process, and a failed job is restarted up to `max_restarts` times (the ranks then resume
+/// from their newest checkpoint); otherwise trains alone. Sizes rayon's pool: `threads`, or
+/// the cores shared among the local ranks.
+pub fn join_or_launch(
+    nproc_per_node: usize,
+    max_restarts: usize,
+    threads: Option<usize>,
+) -> Result<Role, AnyError> {
     let joining = group_in_environment();
     if nproc_per_node > 1 && !joining {
         let program = std::env::current_exe()?;
         let args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
-        let report = launch(&LaunchOptions::new(nproc_per_node, program, args))?;
-        if let Some(failed) = report.failed {
-            return Err(format!("rank {} failed: {}", failed.rank, failed.describe()).into());
+        if let Err(e) = forward_signals() {
+            complain(format_args!(
+                "warning: {e}; Ctrl-C will not be forwarded to the ranks"
+            ));
+        }
+        let options = LaunchOptions {
+            max_restarts,
+            ..LaunchOptions::new(nproc_per_node, program, args)
+        };
+        let report = launch(&options)?;
+        if let Some(message) = report.failure_message() {
+            return Err(Box::new(LaunchFailed {
+                message,
+                code: report.exit_code(),
+            }));
         }
         return Ok(Role::Launched);
     }
@@ -123,16 +177,19 @@ pub fn evaluate(model: &dyn Module, test: &DataLoader) -> Result<f64, AnyError> 
     Ok(correct as f64 / total.max(1) as f64)
 }
 
-/// One pass over the training set (cross entropy; the test accuracy is filled in by the
-/// caller). `lr_at(s)`, when given, sets the learning rate of the epoch's step `s`. Rank 0
-/// shows a progress bar with the running loss and the global throughput.
+/// The rest of the epoch `progress` is in: one pass over the training set from step
+/// `progress.epoch_step` on (cross entropy; the test accuracy is filled in by the caller),
+/// advancing `progress` step by step and writing the checkpoints that fall due.
+/// `lr_at(g)`, when given, sets the learning rate of global step `g`. Rank 0 shows a progress
+/// bar (on a terminal) with the running loss and the global throughput.
 pub fn train_epoch(
     trainer: &Trainer,
     optimizer: &mut dyn Optimizer,
     train: &DataLoader,
-    epoch: usize,
+    progress: &mut Progress,
     epochs: usize,
     lr_at: Option<&dyn Fn(usize) -> f64>,
+    checkpoints: &Checkpoints,
 ) -> Result<EpochResult, AnyError> {
     trainer.model.train();
     let bar = if trainer.rank() == 0 {
@@ -144,39 +201,80 @@ pub fn train_epoch(
         ProgressStyle::with_template("epoch {prefix} [{bar:30}] {pos}/{len} {msg} ({eta})")?
             .progress_chars("=> "),
     );
-    bar.set_prefix(format!("{epoch}/{epochs}"));
+    bar.set_prefix(format!("{}/{epochs}", progress.epoch));
+    bar.set_position(progress.epoch_step as u64);
     let started = Instant::now();
-    let (mut loss_sum, mut batches, mut images) = (0.0, 0usize, 0usize);
-    for batch in train.epoch(epoch as u64 - 1) {
+    let mut images = 0usize;
+    let first = progress.epoch_step;
+    for batch in train.epoch_from(progress.epoch as u64 - 1, first) {
         let batch = batch?;
         if let Some(lr_at) = lr_at {
-            optimizer.set_learning_rate(lr_at(batches))?;
+            optimizer.set_learning_rate(lr_at(progress.global_step))?;
         }
         let logits = trainer.forward(&batch.inputs)?;
         let loss = cross_entropy(&logits, &batch.targets, Reduction::Mean)?;
         optimizer.zero_grad()?;
         loss.backward()?;
         optimizer.step()?;
-        loss_sum += loss.item()?;
-        batches += 1;
+        progress.loss_sum += loss.item()?;
+        progress.epoch_step += 1;
+        progress.global_step += 1;
         images += batch.targets.numel() * trainer.world_size();
-        if batches % 10 == 0 {
+        if progress.epoch_step.is_multiple_of(10) {
             let rate = images as f64 / started.elapsed().as_secs_f64();
             bar.set_message(format!(
                 "loss {:.4}, {rate:.0} images/s",
-                loss_sum / batches as f64
+                progress.loss_sum / progress.epoch_step as f64
             ));
         }
         bar.inc(1);
+        if checkpoints.due(progress) {
+            checkpoints.save(trainer, optimizer, progress)?;
+        }
     }
     bar.finish_and_clear();
     let seconds = started.elapsed().as_secs_f64();
     Ok(EpochResult {
-        train_loss: loss_sum / batches.max(1) as f64,
+        train_loss: progress.loss_sum / progress.epoch_step.max(1) as f64,
         test_accuracy: 0.0,
         images_per_sec: images as f64 / seconds,
         seconds,
     })
+}
+
+/// The first `limit` samples of a dataset (all of them without a limit): for short runs.
+#[allow(dead_code)] // Not every example offers limits.
+pub struct Limited {
+    inner: Arc<dyn Dataset>,
+    len: usize,
+}
+
+#[allow(dead_code)]
+impl Limited {
+    /// `inner` cut to its first `limit` samples.
+    pub fn first(inner: Arc<dyn Dataset>, limit: Option<usize>) -> Arc<dyn Dataset> {
+        let len = limit.map_or(inner.len(), |l| l.min(inner.len()));
+        Arc::new(Limited { inner, len })
+    }
+}
+
+impl Dataset for Limited {
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn get_batch(&self, indices: &[usize]) -> tandem::nn::Result<Batch> {
+        if let Some(&bad) = indices.iter().find(|&&i| i >= self.len) {
+            return Err(tandem::nn::Error::data(
+                "Limited",
+                format!(
+                    "sample index {bad} is out of range for the first {} samples",
+                    self.len
+                ),
+            ));
+        }
+        self.inner.get_batch(indices)
+    }
 }
 
 /// Writes `settings` (a JSON object describing the run) extended with the results —

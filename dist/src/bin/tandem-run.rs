@@ -5,6 +5,7 @@
 //! options. Exits 0 when every rank succeeded; otherwise prints which rank failed and how, and
 //! exits with that rank's exit code (128 + signal for a rank killed by a signal).
 
+use std::io::Write;
 use std::process::ExitCode;
 
 use tandem_dist::launch::{self, LaunchOptions};
@@ -26,19 +27,11 @@ fn main() -> ExitCode {
     }
     match launch::launch(&opts) {
         Ok(report) => {
-            if let Some(failure) = &report.failed {
-                eprintln!(
-                    "tandem-run: rank {} failed with {}; stopped the other ranks",
-                    failure.rank,
-                    failure.describe()
-                );
-                return ExitCode::from(failure.exit_code().clamp(1, 255) as u8);
+            if let Some(message) = report.failure_message() {
+                // A closed stderr must not turn the report into a panic.
+                let _ = writeln!(std::io::stderr(), "tandem-run: {message}");
             }
-            if let Some(sig) = report.interrupted {
-                eprintln!("tandem-run: received signal {sig}; forwarded it to the ranks");
-                return ExitCode::from((128 + sig).clamp(1, 255) as u8);
-            }
-            ExitCode::SUCCESS
+            ExitCode::from(report.exit_code())
         }
         Err(e) => {
             eprintln!("{e}");

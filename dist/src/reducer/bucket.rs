@@ -4,7 +4,8 @@
 //! gradient-ready order after the first iteration), closing a bucket when the next parameter
 //! would push it past its byte cap or has another dtype. The first bucket has a small cap so
 //! that communication starts as soon as the last layers' gradients are ready. Each parameter's
-//! `.grad` is a view into its bucket, so gradients are neither copied in nor out.
+//! `.grad` is a view into its bucket (from its first gradient on), so gradients are neither
+//! copied in nor out.
 
 use tandem_core::{DType, Tensor};
 
@@ -67,8 +68,9 @@ pub(crate) fn assign(
     groups
 }
 
-/// Builds the buckets for `groups` (which together hold every parameter once) and points each
-/// parameter's `.grad` at its slot. Existing gradients are copied into their new views.
+/// Builds the buckets for `groups` (which together hold every parameter once) and points the
+/// `.grad` of each parameter that has one at its slot, copying the gradient into its new view.
+/// A parameter without a gradient keeps `None`.
 pub(crate) fn build(
     rank: usize,
     params: &[(String, Tensor)],
@@ -82,15 +84,17 @@ pub(crate) fn build(
             flat_views(&members, members[0].dtype()).map_err(|e| model_err(rank, e))?;
         for (&p, view) in group.iter().zip(places) {
             let (path, tensor) = &params[p];
+            // A parameter without a gradient keeps none (optimizers skip it, as they skip it
+            // in one process); its first gradient moves into the view when it becomes ready.
             if let Some(g) = tensor.grad() {
                 view.copy_(&g).map_err(|e| DistError::Model {
                     rank,
                     detail: format!("moving the gradient of `{path}` into its bucket: {e}"),
                 })?;
+                tensor
+                    .set_grad(Some(view.clone()))
+                    .map_err(|e| model_err(rank, e))?;
             }
-            tensor
-                .set_grad(Some(view.clone()))
-                .map_err(|e| model_err(rank, e))?;
             views[p] = Some(Slot { bucket: b, view });
         }
         buckets.push(Bucket {

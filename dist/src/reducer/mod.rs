@@ -7,11 +7,14 @@
 //! arrives, the comm stream waits on the compute event and the bucket is all-reduced there —
 //! strictly in bucket order, so every rank issues the same sequence of collectives. The
 //! backward-finished hook launches what is left, waits for every bucket, and leaves averaged
-//! gradients in `.grad`, which are views into the buckets.
+//! gradients in `.grad`, which are views into the buckets. Under `find_unused_parameters`,
+//! parameters that no rank's backward reached keep their `.grad` exactly as it was (see
+//! `reducer/unused.rs`).
 
 mod bucket;
 pub mod comm_hook;
 pub mod telemetry;
+mod unused;
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Weak};
@@ -27,6 +30,7 @@ use crate::{DistError, ProcessGroup, Result, Work};
 use bucket::{model_err, Bucket, BucketSet, Slot};
 use comm_hook::{AllReduceHook, CommHook};
 use telemetry::{BucketTiming, StepTiming, Telemetry};
+use unused::{is_slot_view, UnreachedHere};
 
 /// How gradients are combined across ranks.
 ///
@@ -279,8 +283,7 @@ impl Reducer {
     fn ensure_in_bucket(&self, st: &State, index: usize, grad: &Tensor) -> Result<()> {
         let (path, param) = &self.params[index];
         let view = &st.slots[index].view;
-        let is_view = grad.storage().same_buffer(view.storage()) && grad.layout() == view.layout();
-        if !is_view {
+        if !is_slot_view(grad, view) {
             let rank = self.group.rank();
             view.copy_(grad).map_err(|e| DistError::Model {
                 rank,
@@ -374,24 +377,20 @@ impl Reducer {
             return Ok(());
         }
         let unready: Vec<usize> = (0..self.params.len()).filter(|&i| !st.ready[i]).collect();
-        if !unready.is_empty() {
-            if self.config.find_unused_parameters {
-                // A zero contribution (or what accumulated locally under no_sync) so that the
-                // buckets complete; every rank launches the same buckets in the same order.
-                let done = Event::completed();
-                for &i in &unready {
-                    let param = &self.params[i].1;
-                    if param.grad().is_none() {
-                        st.slots[i].view.zero_().map_err(|e| model_err(rank, e))?;
-                        param
-                            .set_grad(Some(st.slots[i].view.clone()))
-                            .map_err(|e| model_err(rank, e))?;
-                    }
-                    self.mark_ready(&mut st, i, &done, false)?;
-                }
-            } else {
-                st.unfinished = Some(unready.iter().map(|&i| self.params[i].0.clone()).collect());
+        let mut unreached = None;
+        if self.config.find_unused_parameters {
+            // Their current gradient (zero when they have none) completes the buckets; every
+            // rank launches the same buckets in the same order, then counts the users of each
+            // parameter, so that what no rank used can be given back untouched.
+            let here = UnreachedHere::prepare(rank, &self.params, &st.slots, &st.ready)?;
+            let done = Event::completed();
+            for &i in &unready {
+                self.mark_ready(&mut st, i, &done, false)?;
             }
+            let counting = here.count_users(self.group.as_ref())?;
+            unreached = Some((here, counting));
+        } else if !unready.is_empty() {
+            st.unfinished = Some(unready.iter().map(|&i| self.params[i].0.clone()).collect());
         }
         // Wait for every bucket in flight: the step sees reduced gradients.
         let in_flight = std::mem::take(&mut st.in_flight);
@@ -409,6 +408,17 @@ impl Reducer {
                 }
             }
             timings.push(flight.timing.lock().clone());
+        }
+        if let Some((here, (counts, work))) = unreached {
+            match work.wait() {
+                Ok(()) if first_error.is_none() => {
+                    here.restore_unused_everywhere(rank, &counts, &self.params, &st.slots)?
+                }
+                Ok(()) => {}
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
+            }
         }
         let comm_end = Instant::now();
         let forward_end = st.forward_end;
@@ -480,7 +490,8 @@ mod tests {
             Reducer::new(group, vec![("layer.weight".into(), w.clone())], config).unwrap();
         let ready = GradReady {
             param: w.clone(),
-            grad: w.grad().unwrap(),
+            // What autograd hands over for a parameter without a gradient yet: its own tensor.
+            grad: Tensor::ones(&[3], DType::F32, Device::Cpu).unwrap(),
             event: Event::completed(),
         };
         // One bucket of one parameter: the first event launches it; the second is refused

@@ -139,8 +139,15 @@ impl DataLoader {
     /// The batches of epoch `epoch`. The following [`DataLoader::iter`] continues with
     /// `epoch + 1`.
     pub fn epoch(&self, epoch: u64) -> Batches {
+        self.epoch_from(epoch, 0)
+    }
+
+    /// The batches of epoch `epoch` from batch `first` on (the first `first` batches are
+    /// skipped without being built): for resuming an epoch that a checkpoint interrupted.
+    /// The batches are exactly those [`DataLoader::epoch`] yields after its first `first`.
+    pub fn epoch_from(&self, epoch: u64, first: usize) -> Batches {
         self.next_epoch.store(epoch + 1, Ordering::Relaxed);
-        let batches = self.len();
+        let batches = self.len().saturating_sub(first);
         let (tx, rx) = sync_channel::<Result<Batch>>(self.config.prefetch);
         let (dataset, sampler) = (self.dataset.clone(), self.sampler.clone());
         let (batch_size, drop_last) = (self.config.batch_size, self.config.drop_last);
@@ -148,7 +155,7 @@ impl DataLoader {
             .name(format!("tandem-dataloader-epoch-{epoch}"))
             .spawn(move || {
                 let indices = sampler.indices(epoch);
-                for chunk in indices.chunks(batch_size) {
+                for chunk in indices.chunks(batch_size).skip(first) {
                     if drop_last && chunk.len() < batch_size {
                         break;
                     }
@@ -259,6 +266,25 @@ mod tests {
             .epoch(epoch)
             .map(|b| b.unwrap().targets.to_vec::<i64>().unwrap())
             .collect()
+    }
+
+    #[test]
+    fn an_epoch_resumed_at_batch_k_yields_the_rest_of_that_epoch() {
+        let cfg = DataLoaderConfig {
+            batch_size: 3,
+            shuffle: true,
+            seed: 4,
+            ..Default::default()
+        };
+        let loader = DataLoader::new(numbers(11), cfg).unwrap();
+        let whole = targets(&loader, 2);
+        for k in 0..=whole.len() + 1 {
+            let rest: Vec<Vec<i64>> = loader
+                .epoch_from(2, k)
+                .map(|b| b.unwrap().targets.to_vec::<i64>().unwrap())
+                .collect();
+            assert_eq!(rest, whole[k.min(whole.len())..], "from batch {k}");
+        }
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! Dropout with a per-layer, reseedable generator.
 
 use parking_lot::Mutex;
-use tandem_core::rng::with_default_generator;
+use tandem_core::rng::{with_default_generator, GENERATOR_STATE_BYTES};
 use tandem_core::{Generator, Tensor};
 
 use crate::module::{Module, TrainingFlag};
@@ -48,6 +48,18 @@ impl Dropout {
     /// Restarts this layer's masks from `seed`.
     pub fn reseed(&self, seed: u64) {
         *self.generator.lock() = Generator::new(seed);
+    }
+
+    /// The state of this layer's generator (for checkpoints; see
+    /// [`rng_state`](crate::checkpoint::rng_state)).
+    pub fn generator_state(&self) -> [u8; GENERATOR_STATE_BYTES] {
+        self.generator.lock().state()
+    }
+
+    /// Puts this layer's generator in a state [`Dropout::generator_state`] returned, so the
+    /// next masks are the ones drawn after it.
+    pub fn set_generator_state(&self, state: &[u8; GENERATOR_STATE_BYTES]) {
+        *self.generator.lock() = Generator::from_state(state);
     }
 }
 

@@ -20,13 +20,23 @@
 //!
 //! Saving is atomic: the bytes go to a temporary file in the target's directory, which is
 //! flushed to disk and then renamed over the target, and the directory itself is flushed. A
-//! crash mid-save leaves the previous checkpoint intact, never a half-written one.
+//! crash mid-save leaves the previous checkpoint intact, never a half-written one; the
+//! temporary file it leaves is removed by the next save or load of that checkpoint (see
+//! [`remove_stale_temporary_files`] for what counts as stale).
+//!
+//! [`rng_state`] and [`load_rng_state`] carry the random-number state (this thread's default
+//! generator and every [`Dropout`](crate::Dropout) layer's) as extras, so a run resumed from
+//! a checkpoint draws the same random numbers as one that never stopped.
+
+mod atomic;
+mod rng;
+
+pub use atomic::{remove_stale_temporary_files, STALE_AFTER};
+pub use rng::{load_rng_state, rng_state};
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::fs::{self, File, OpenOptions};
-use std::io::Write;
+use std::fs;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use safetensors::{Dtype, SafeTensors, View};
 use tandem_core::half::{bf16, f16};
@@ -102,7 +112,8 @@ pub struct LoadReport {
 }
 
 /// Saves `module`'s parameters and buffers, the `extra` tensors and the string `metadata` to
-/// `path` as safetensors, atomically (see the module documentation).
+/// `path` as safetensors, atomically (see the module documentation). Stale temporary files
+/// that killed saves of `path` left are removed first.
 ///
 /// Errors if an extra's name collides with a module tensor or another extra, if a metadata key
 /// starts with the reserved `tandem.`, or if writing fails (naming the file).
@@ -161,16 +172,18 @@ pub fn save_checkpoint(
     };
     let bytes = safetensors::serialize(encoded, header)
         .map_err(|e| save_error(path, format!("cannot encode the checkpoint: {e}")))?;
-    write_atomically(path, &bytes)
+    atomic::write_atomically(path, &bytes)
 }
 
 /// Reads a checkpoint written by [`save_checkpoint`] or by PyTorch's
 /// `safetensors.torch.save_file`. Tensors come back on the CPU.
 ///
 /// A missing, truncated or corrupt file, or a tensor of a dtype tandem does not have, is an
-/// error naming the file.
+/// error naming the file. Stale temporary files of the checkpoint are removed first.
 pub fn load_checkpoint(path: impl AsRef<Path>) -> Result<Checkpoint> {
     let path = path.as_ref();
+    // Best effort: a read-only directory still loads.
+    let _ = remove_stale_temporary_files(path);
     let bytes = fs::read(path).map_err(|source| Error::Io {
         path: path.to_path_buf(),
         source,
@@ -309,56 +322,6 @@ fn save_error(path: &Path, msg: String) -> Error {
     Error::Format {
         path: path.to_path_buf(),
         msg: format!("cannot save checkpoint: {msg}"),
-    }
-}
-
-/// Writes `bytes` to a fresh temporary file next to `path`, flushes it, renames it over `path`
-/// and flushes the directory, so `path` always holds either the old or the new contents.
-fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let io = |p: &Path| {
-        let p = p.to_path_buf();
-        move |source| Error::Io { path: p, source }
-    };
-    let file_name = path
-        .file_name()
-        .ok_or_else(|| save_error(path, "the path has no file name".to_string()))?;
-    let dir = match path.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
-    let temp = dir.join(format!(
-        ".{}.tmp-{}-{}",
-        file_name.to_string_lossy(),
-        std::process::id(),
-        COUNTER.fetch_add(1, Ordering::Relaxed)
-    ));
-    let written = (|| -> Result<()> {
-        let mut file = OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .open(&temp)
-            .map_err(io(&temp))?;
-        file.write_all(bytes).map_err(io(&temp))?;
-        file.sync_all().map_err(io(&temp))?;
-        drop(file);
-        fs::rename(&temp, path).map_err(io(path))
-    })();
-    if let Err(e) = written {
-        // The temporary file is ours alone; leaving it would litter the directory.
-        let _ = fs::remove_file(&temp);
-        return Err(e);
-    }
-    sync_directory(&dir).map_err(io(&dir))
-}
-
-/// Flushes a directory entry change (the rename) to disk. Only Unix can open a directory as a
-/// file; elsewhere the rename itself is the best available guarantee.
-fn sync_directory(dir: &Path) -> std::io::Result<()> {
-    if cfg!(unix) {
-        File::open(dir)?.sync_all()
-    } else {
-        Ok(())
     }
 }
 

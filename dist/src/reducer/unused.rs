@@ -1,0 +1,117 @@
+//! Parameters a backward did not reach, under `find_unused_parameters`.
+//!
+//! Every bucket must be reduced on every rank, so a parameter this rank's backward did not
+//! reach still contributes to its bucket: its current gradient, or zero when it has none (a
+//! parameter reached on some ranks but not others thereby gets the right average, as one
+//! process on the full batch would compute it). But a parameter that *no* rank reached must
+//! not change: one process would leave its `.grad` as it was — `None` stays `None`, so the
+//! optimizer skips it, and weight decay or momentum do not move it — and so does PyTorch's
+//! DDP. To know which parameters no rank reached, the ranks add up their per-parameter "used"
+//! flags in one small all-reduce, issued after every bucket so all ranks issue the same
+//! sequence of collectives; the gradients of the parameters nobody used are then put back
+//! exactly as they were before the reduction.
+
+use tandem_core::{Device, Tensor};
+
+use super::bucket::{model_err, Slot};
+use crate::{ProcessGroup, ReduceOp, Result, Work};
+
+/// What this rank's backward left unreached, and their gradients from before the reduction.
+pub(crate) struct UnreachedHere {
+    /// Per parameter: whether this rank's backward reached it.
+    used: Vec<bool>,
+    /// Per unreached parameter: its index and its gradient before this step's reduction.
+    previous: Vec<(usize, Previous)>,
+}
+
+/// A gradient as it was before the reduction touched it.
+enum Previous {
+    /// No gradient.
+    None,
+    /// The gradient was the bucket view; these are its values.
+    View(Tensor),
+    /// The gradient was a tensor of its own (set by the user), left untouched.
+    Own(Tensor),
+}
+
+/// Whether `grad` is exactly the parameter's view into its bucket.
+pub(crate) fn is_slot_view(grad: &Tensor, view: &Tensor) -> bool {
+    grad.storage().same_buffer(view.storage()) && grad.layout() == view.layout()
+}
+
+impl UnreachedHere {
+    /// Records which parameters this rank's backward reached (`ready`), saves the gradients of
+    /// the others, and puts each other's contribution in its bucket slot: its current gradient,
+    /// or zero when it has none. The caller then marks them ready.
+    pub fn prepare(
+        rank: usize,
+        params: &[(String, Tensor)],
+        slots: &[Slot],
+        ready: &[bool],
+    ) -> Result<Self> {
+        let mut previous = Vec::new();
+        for (i, (_, param)) in params.iter().enumerate() {
+            if ready[i] {
+                continue;
+            }
+            let view = &slots[i].view;
+            let before = match param.grad() {
+                None => {
+                    view.zero_().map_err(|e| model_err(rank, e))?;
+                    Previous::None
+                }
+                Some(g) if is_slot_view(&g, view) => {
+                    Previous::View(g.copy_detached().map_err(|e| model_err(rank, e))?)
+                }
+                Some(g) => {
+                    view.copy_(&g).map_err(|e| model_err(rank, e))?;
+                    Previous::Own(g)
+                }
+            };
+            param
+                .set_grad(Some(view.clone()))
+                .map_err(|e| model_err(rank, e))?;
+            previous.push((i, before));
+        }
+        Ok(UnreachedHere {
+            used: ready.to_vec(),
+            previous,
+        })
+    }
+
+    /// Starts the all-reduce that counts, per parameter, the ranks whose backward reached it.
+    /// Every rank calls this after launching its last bucket.
+    pub fn count_users(&self, group: &dyn ProcessGroup) -> Result<(Tensor, Work)> {
+        let rank = group.rank();
+        let flags: Vec<f32> = self.used.iter().map(|&u| u as u8 as f32).collect();
+        let counts = Tensor::from_vec(flags, &[self.used.len()], Device::Cpu)
+            .map_err(|e| model_err(rank, e))?;
+        let work = group.all_reduce(&counts, ReduceOp::Sum)?;
+        Ok((counts, work))
+    }
+
+    /// Once the buckets are reduced and `counts` (from [`UnreachedHere::count_users`]) is
+    /// complete: gives every parameter that no rank reached its gradient back, bit for bit.
+    pub fn restore_unused_everywhere(
+        self,
+        rank: usize,
+        counts: &Tensor,
+        params: &[(String, Tensor)],
+        slots: &[Slot],
+    ) -> Result<()> {
+        let counts = counts.to_vec::<f32>().map_err(|e| model_err(rank, e))?;
+        for (i, before) in self.previous {
+            if counts[i] != 0.0 {
+                continue;
+            }
+            let param = &params[i].1;
+            match before {
+                Previous::None => param.set_grad(None),
+                Previous::View(values) => slots[i].view.copy_(&values),
+                Previous::Own(grad) => param.set_grad(Some(grad)),
+            }
+            .map_err(|e| model_err(rank, format!("gradient of `{}`: {e}", params[i].0)))?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,425 @@
+//! The MNIST example under faults, run for real: this test binary *is* the example when
+//! `EXAMPLE_WORKER` is set (it includes `examples/mnist.rs` and runs its `main`), so the
+//! example's built-in launcher re-executes it as the ranks.
+//!
+//! - A rank SIGKILLed mid-epoch, with `--max-restarts 1`, is brought back with the others
+//!   from the newest checkpoint, and the run ends with the same parameters, optimizer state
+//!   and random-number state, bit for bit, as a run that was never interrupted.
+//! - A torn newest checkpoint is skipped for the one before it.
+//! - Killing the built-in launcher (SIGKILL) kills its ranks; SIGTERM is forwarded to them.
+//! - A run whose stdout is a closed pipe exits quietly with status 141, not by a panic.
+//!
+//! Built without libtest's harness (`harness = false`), so the worker's output is the
+//! example's alone. Every wait is bounded; every process started is killed on the way out.
+
+#[path = "../examples/mnist.rs"]
+#[allow(dead_code)]
+mod mnist;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitCode, Stdio};
+use std::time::{Duration, Instant};
+
+use tandem::nn::checkpoint::load_checkpoint;
+
+/// Set in the environment of a re-executed binary: run the example instead of the tests.
+const WORKER: &str = "TANDEM_EXAMPLE_SUPERVISION_WORKER";
+
+fn main() -> ExitCode {
+    if std::env::var_os(WORKER).is_some() {
+        return mnist::main();
+    }
+    let tests: [(&str, fn()); 5] = [
+        (
+            "a_rank_killed_mid_epoch_is_restarted_and_the_run_ends_bit_identical",
+            a_rank_killed_mid_epoch_is_restarted_and_the_run_ends_bit_identical,
+        ),
+        (
+            "a_torn_newest_checkpoint_is_skipped_for_the_one_before",
+            a_torn_newest_checkpoint_is_skipped_for_the_one_before,
+        ),
+        (
+            "killing_the_built_in_launcher_kills_its_ranks",
+            killing_the_built_in_launcher_kills_its_ranks,
+        ),
+        (
+            "terminating_the_built_in_launcher_is_forwarded_to_its_ranks",
+            terminating_the_built_in_launcher_is_forwarded_to_its_ranks,
+        ),
+        (
+            "a_run_whose_stdout_is_closed_exits_quietly",
+            a_run_whose_stdout_is_closed_exits_quietly,
+        ),
+    ];
+    let filters: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with('-'))
+        .collect();
+    let mut failed = Vec::new();
+    for (name, test) in tests {
+        if !filters.is_empty() && !filters.iter().any(|f| name.contains(f.as_str())) {
+            continue;
+        }
+        println!("test {name} ...");
+        match std::panic::catch_unwind(test) {
+            Ok(()) => println!("test {name} ... ok"),
+            Err(_) => {
+                println!("test {name} ... FAILED");
+                failed.push(name);
+            }
+        }
+    }
+    if failed.is_empty() {
+        println!("test result: ok");
+        ExitCode::SUCCESS
+    } else {
+        println!("test result: FAILED: {failed:?}");
+        ExitCode::FAILURE
+    }
+}
+
+/// A run of the example: this binary in worker mode with `args`.
+struct Run {
+    child: Child,
+}
+
+impl Run {
+    fn start(args: &[&str], stdout: Stdio) -> Run {
+        let child = Command::new(std::env::current_exe().unwrap())
+            .args(args)
+            .env(WORKER, "1")
+            .env_remove("RANK")
+            .env_remove("WORLD_SIZE")
+            .stdin(Stdio::null())
+            .stdout(stdout)
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start the example");
+        Run { child }
+    }
+
+    fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    /// Waits up to `timeout` for the run to end; returns its status and stderr.
+    fn finish(&mut self, timeout: Duration) -> (std::process::ExitStatus, String) {
+        let (status, _, stderr) = self.finish_with_output(timeout);
+        (status, stderr)
+    }
+
+    /// Waits up to `timeout` for the run to end (it must print little: stdout, when piped, is
+    /// read at the end); returns its status, stdout and stderr.
+    fn finish_with_output(
+        &mut self,
+        timeout: Duration,
+    ) -> (std::process::ExitStatus, String, String) {
+        let deadline = Instant::now() + timeout;
+        let status = loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                break status;
+            }
+            if Instant::now() >= deadline {
+                let _ = self.child.kill();
+                panic!("the example did not finish within {timeout:?}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        use std::io::Read;
+        let (mut stdout, mut stderr) = (String::new(), String::new());
+        if let Some(mut out) = self.child.stdout.take() {
+            let _ = out.read_to_string(&mut stdout);
+        }
+        if let Some(mut err) = self.child.stderr.take() {
+            let _ = err.read_to_string(&mut stderr);
+        }
+        (status, stdout, stderr)
+    }
+}
+
+impl Drop for Run {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn scratch(test: &str) -> PathBuf {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join("example_supervision")
+        .join(test);
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Small, quick settings: 2 ranks × 16 images a step, 32 steps per epoch, 2 epochs, a
+/// checkpoint every 4 steps.
+fn quick_args(dir: &Path) -> Vec<String> {
+    [
+        "--nproc-per-node",
+        "2",
+        "--epochs",
+        "2",
+        "--batch-size",
+        "32",
+        "--train-limit",
+        "1024",
+        "--test-limit",
+        "100",
+        "--threads",
+        "1",
+        "--checkpoint-every",
+        "4",
+        "--checkpoint-dir",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .chain([dir.to_str().unwrap().to_string()])
+    .collect()
+}
+
+fn signal(pid: i32, sig: libc::c_int) {
+    // SAFETY: kill(2) has no memory-safety preconditions.
+    unsafe { libc::kill(pid, sig) };
+}
+
+/// The children of `parent`, with the `RANK` of their environment.
+fn ranks_of(parent: i32) -> Vec<(i32, Option<usize>)> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|&pid| parent_of(pid) == Some(parent))
+        .map(|pid| {
+            let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+            let rank = environ
+                .split(|&b| b == 0)
+                .filter_map(|kv| std::str::from_utf8(kv).ok())
+                .find_map(|kv| kv.strip_prefix("RANK="))
+                .and_then(|r| r.parse().ok());
+            (pid, rank)
+        })
+        .collect()
+}
+
+fn parent_of(pid: i32) -> Option<i32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let (_, rest) = stat.rsplit_once(')')?;
+    rest.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// Whether `pid` is gone: no such process, or a zombie nobody reaped.
+fn process_gone(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| matches!(rest.trim_start().chars().next(), Some('Z' | 'X'))),
+    }
+}
+
+/// Waits up to `timeout` for `done`.
+fn wait_until(timeout: Duration, mut done: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        if done() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    done()
+}
+
+/// Every tensor of a checkpoint (module state and extras) as raw bytes, by name.
+fn tensors(path: &Path) -> Vec<(String, Vec<u8>)> {
+    let checkpoint = load_checkpoint(path).unwrap();
+    checkpoint
+        .module_state()
+        .iter()
+        .chain(checkpoint.extras())
+        .map(|(name, t)| {
+            let bytes = match t.dtype() {
+                tandem::core::DType::F32 => t
+                    .to_vec::<f32>()
+                    .unwrap()
+                    .iter()
+                    .flat_map(|v| v.to_le_bytes())
+                    .collect(),
+                tandem::core::DType::F64 => t
+                    .to_vec::<f64>()
+                    .unwrap()
+                    .iter()
+                    .flat_map(|v| v.to_le_bytes())
+                    .collect(),
+                tandem::core::DType::I64 => t
+                    .to_vec::<i64>()
+                    .unwrap()
+                    .iter()
+                    .flat_map(|v| v.to_le_bytes())
+                    .collect(),
+                tandem::core::DType::U8 => t.to_vec::<u8>().unwrap(),
+                other => panic!("unexpected dtype {other} of `{name}`"),
+            };
+            (name.clone(), bytes)
+        })
+        .collect()
+}
+
+fn a_rank_killed_mid_epoch_is_restarted_and_the_run_ends_bit_identical() {
+    let unfaulted = scratch("unfaulted");
+    let args = quick_args(&unfaulted);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (status, stderr) = Run::start(&args, Stdio::null()).finish(Duration::from_secs(300));
+    assert!(status.success(), "unfaulted run: {status}\n{stderr}");
+
+    let faulted = scratch("faulted");
+    let mut args = quick_args(&faulted);
+    args.extend(["--max-restarts".to_string(), "1".to_string()]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut run = Run::start(&args, Stdio::piped());
+    // Kill rank 1 as soon as the first checkpoint inside an epoch is complete.
+    let checkpointed = wait_until(Duration::from_secs(120), || {
+        std::fs::read_dir(&faulted).is_ok_and(|d| {
+            d.flatten().any(|e| {
+                let n = e.file_name().to_string_lossy().into_owned();
+                n.starts_with("lenet5-step") && n.ends_with(".safetensors")
+            })
+        })
+    });
+    assert!(checkpointed, "no checkpoint appeared");
+    let rank1 = ranks_of(run.pid())
+        .into_iter()
+        .find(|&(_, r)| r == Some(1))
+        .map(|(pid, _)| pid)
+        .expect("rank 1 is running");
+    signal(rank1, libc::SIGKILL);
+    let (status, stdout, stderr) = run.finish_with_output(Duration::from_secs(300));
+    assert!(status.success(), "faulted run: {status}\n{stderr}");
+    // The launcher names the first rank it saw fail: rank 1, or rank 0 when it noticed its
+    // peer's death and exited first.
+    assert!(
+        stderr.contains("failed with") && stderr.contains("restart 1 of 1"),
+        "the job was not restarted: {stderr}"
+    );
+    assert!(
+        stdout.contains("[rank 0] resuming from") && stdout.contains("lenet5-step"),
+        "the restarted job did not resume mid-epoch: {stdout}"
+    );
+
+    let last = "lenet5-epoch2.safetensors";
+    let (want, got) = (tensors(&unfaulted.join(last)), tensors(&faulted.join(last)));
+    assert_eq!(
+        got.iter().map(|(n, _)| n).collect::<Vec<_>>(),
+        want.iter().map(|(n, _)| n).collect::<Vec<_>>()
+    );
+    assert!(want.iter().any(|(n, _)| n.starts_with("optimizer.")));
+    assert!(want.iter().any(|(n, _)| n.starts_with("rng.rank1.")));
+    for ((name, got), (_, want)) in got.iter().zip(&want) {
+        assert!(got == want, "`{name}` differs from the unfaulted run");
+    }
+}
+
+fn a_torn_newest_checkpoint_is_skipped_for_the_one_before() {
+    let dir = scratch("torn");
+    let mut args = quick_args(&dir);
+    args[1] = "1".to_string(); // one process
+    args[3] = "1".to_string(); // one epoch
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (status, stderr) = Run::start(&args, Stdio::null()).finish(Duration::from_secs(300));
+    assert!(status.success(), "{status}\n{stderr}");
+    let complete = dir.join("lenet5-epoch1.safetensors");
+    let before = std::fs::read(&complete).unwrap();
+    // A newer checkpoint, cut short.
+    let torn = dir.join("lenet5-step999.safetensors");
+    std::fs::write(&torn, &before[..before.len() / 2]).unwrap();
+    let mut args = args.clone();
+    args[3] = "2";
+    let (status, stderr) = Run::start(&args, Stdio::null()).finish(Duration::from_secs(300));
+    assert!(status.success(), "{status}\n{stderr}");
+    assert!(
+        stderr.contains("skipping checkpoint") && stderr.contains("lenet5-step999"),
+        "{stderr}"
+    );
+    // It resumed from epoch 1 (second epoch trained) and replaced the torn file's place.
+    assert!(dir.join("lenet5-epoch2.safetensors").exists());
+    assert_eq!(std::fs::read(&complete).unwrap(), before);
+}
+
+/// Starts a long 2-rank run (a whole MNIST epoch, which prints nothing for many seconds, so
+/// only their launcher's death can end the ranks early) and waits until both ranks train;
+/// returns it and their pids.
+fn long_run(dir: &Path) -> (Run, Vec<i32>) {
+    let dir = dir.to_str().unwrap();
+    let args = [
+        "--nproc-per-node",
+        "2",
+        "--epochs",
+        "1",
+        "--batch-size",
+        "32",
+        "--threads",
+        "1",
+        "--checkpoint-every",
+        "4",
+        "--checkpoint-dir",
+        dir,
+    ];
+    let run = Run::start(&args, Stdio::null());
+    let mut ranks = Vec::new();
+    let up = wait_until(Duration::from_secs(120), || {
+        ranks = ranks_of(run.pid());
+        ranks.len() == 2
+            && std::fs::read_dir(dir).is_ok_and(|d| {
+                d.flatten()
+                    .any(|e| e.file_name().to_string_lossy().starts_with("lenet5-"))
+            })
+    });
+    assert!(up, "the ranks did not start training");
+    (run, ranks.into_iter().map(|(pid, _)| pid).collect())
+}
+
+fn assert_ranks_end(ranks: &[i32], what: &str) {
+    let gone = wait_until(Duration::from_secs(5), || {
+        ranks.iter().all(|&p| process_gone(p))
+    });
+    let left: Vec<i32> = ranks
+        .iter()
+        .copied()
+        .filter(|&p| !process_gone(p))
+        .collect();
+    for &p in &left {
+        signal(p, libc::SIGKILL);
+    }
+    assert!(gone, "ranks {left:?} outlived {what}");
+}
+
+fn killing_the_built_in_launcher_kills_its_ranks() {
+    let (mut run, ranks) = long_run(&scratch("sigkill"));
+    signal(run.pid(), libc::SIGKILL);
+    let _ = run.finish(Duration::from_secs(20));
+    assert_ranks_end(&ranks, "their launcher (SIGKILL)");
+}
+
+fn terminating_the_built_in_launcher_is_forwarded_to_its_ranks() {
+    let (mut run, ranks) = long_run(&scratch("sigterm"));
+    signal(run.pid(), libc::SIGTERM);
+    let (status, stderr) = run.finish(Duration::from_secs(30));
+    assert_ranks_end(&ranks, "their launcher (SIGTERM)");
+    assert_eq!(status.code(), Some(128 + 15), "{stderr}");
+    assert!(stderr.contains("received signal 15"), "{stderr}");
+}
+
+fn a_run_whose_stdout_is_closed_exits_quietly() {
+    let dir = scratch("epipe");
+    let mut args = quick_args(&dir);
+    args[1] = "1".to_string();
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut run = Run::start(&args, Stdio::piped());
+    drop(run.child.stdout.take());
+    let (status, stderr) = run.finish(Duration::from_secs(300));
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(status.code(), Some(141), "{status}: {stderr}");
+}
