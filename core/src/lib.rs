@@ -8,6 +8,7 @@
 mod access;
 pub mod alloc;
 mod create;
+pub mod cuda;
 pub mod device;
 pub mod dtype;
 pub mod error;
