@@ -159,7 +159,7 @@ class Barrier {
 public:
     // Only while no thread is at the barrier.
     void reset(unsigned int members) {
-        initial_ = members;
+        initial_.store(members, std::memory_order_relaxed);
         counts_.store(pack(members, 0), std::memory_order_release);
     }
 
@@ -175,10 +175,11 @@ public:
             last = arrived >= members;
             unsigned int next = last ? pack(members, 0) : pack(members, arrived);
             if (counts_.compare_exchange_weak(counts, next, std::memory_order_acq_rel)) {
-                if (members < initial_ && std::strcmp(what, "__syncthreads()") == 0) {
+                unsigned int initial = initial_.load(std::memory_order_relaxed);
+                if (members < initial && std::strcmp(what, "__syncthreads()") == 0) {
                     fault("__syncthreads() reached after %u thread(s) of the block returned: "
                           "every thread must reach every barrier",
-                          initial_ - members);
+                          initial - members);
                 }
                 break;
             }
@@ -233,7 +234,7 @@ private:
         futex_wake_all(&generation_);
     }
 
-    unsigned int initial_ = 0;
+    std::atomic<unsigned int> initial_{0};
     std::atomic<unsigned int> counts_{0};  // members << 16 | arrived
     std::atomic<unsigned int> generation_{0};
 };

@@ -454,9 +454,18 @@ fn check_cudarc_agrees(lib: CudaLibrary, ours: &LoadedLibrary) -> std::result::R
     let mut names = lib.file_names();
     names.retain(|n| n != "libnccl.so.2");
     for name in &names {
-        let Ok(theirs) = open(lib, Path::new(name)) else {
+        // cudarc takes the first name that opens, whatever it is.
+        // SAFETY: as in `open`.
+        if unsafe { libloading::Library::new(name) }.is_err() {
             continue;
-        };
+        }
+        let theirs = open(lib, Path::new(name)).map_err(|e| {
+            format!(
+                "{} was found at {}, but cudarc, which opens it by the name {name}, would get a                  library that {e}",
+                lib.describe(),
+                ours.path.display()
+            )
+        })?;
         let same = |a: &Path, b: &Path| {
             std::fs::canonicalize(a)
                 .ok()
