@@ -9,12 +9,10 @@
 
 use std::sync::Arc;
 
+use tandem_core::cuda::kernel_cache::{decode_entry, encode_entry, DiskCache, KernelCache};
 use tandem_core::cuda::launch::KernelSource;
 use tandem_core::cuda::libs::{self, CudaLibrary};
-use tandem_core::cuda::nvrtc::{
-    decode_entry, encode_entry, nvrtc_version, Arch, CompileError, CompileOptions, DiskCache,
-    KernelCache,
-};
+use tandem_core::cuda::nvrtc::{nvrtc_version, Arch, CompileError, CompileOptions};
 use tandem_core::cuda::runtime_kernels::RUNTIME;
 use tandem_core::{Device, Error};
 use tandem_cuda_harness::{kernel_sources, nvrtc_available, KERNEL_LIBRARIES};
