@@ -24,8 +24,9 @@
 //   product is fused on the host either) and the usual math functions are provided.
 //
 // What the emulation detects, as an error of the launch (never a hang or a crash of the test
-// process): a barrier reached after other threads of the block returned (every thread must
-// reach every barrier), a warp intrinsic with a partial mask or a returned lane, a shuffle from
+// process): a thread that returns while others wait at a barrier, or a barrier reached after a
+// thread returned (every thread must reach every barrier; one of the two shows whichever
+// order the threads run in), a warp intrinsic with a partial mask or a returned lane, a shuffle from
 // a lane outside the warp, threads stuck at different barriers (after a timeout), an invalid
 // launch configuration. Out-of-bounds accesses are not caught by the emulation itself; the
 // tests poison their buffers so that unwritten elements show.
@@ -157,8 +158,11 @@ inline void futex_wake_all(std::atomic<unsigned int>* word) {
 // generation futex, so hundreds of threads pass it without convoying on a mutex.
 class Barrier {
 public:
-    // Only while no thread is at the barrier.
-    void reset(unsigned int members) {
+    // Only while no thread is at the barrier. A barrier with a `strict` name (every member must
+    // reach it: __syncthreads and the warp intrinsics) faults when a member returns while others
+    // wait at it, or when one arrives after a member returned, whichever happens first.
+    void reset(unsigned int members, const char* strict = nullptr) {
+        strict_ = strict;
         initial_.store(members, std::memory_order_relaxed);
         counts_.store(pack(members, 0), std::memory_order_release);
     }
@@ -176,10 +180,10 @@ public:
             unsigned int next = last ? pack(members, 0) : pack(members, arrived);
             if (counts_.compare_exchange_weak(counts, next, std::memory_order_acq_rel)) {
                 unsigned int initial = initial_.load(std::memory_order_relaxed);
-                if (members < initial && std::strcmp(what, "__syncthreads()") == 0) {
-                    fault("__syncthreads() reached after %u thread(s) of the block returned: "
-                          "every thread must reach every barrier",
-                          initial - members);
+                if (strict_ != nullptr && members < initial) {
+                    fault("%s reached after %u thread(s) returned: every thread must reach "
+                          "every barrier (%s)",
+                          what, initial - members, strict_);
                 }
                 break;
             }
@@ -216,6 +220,11 @@ public:
             bool releases = arrived > 0 && arrived >= members;
             unsigned int next = releases ? pack(members, 0) : pack(members, arrived);
             if (counts_.compare_exchange_weak(counts, next, std::memory_order_acq_rel)) {
+                if (strict_ != nullptr && arrived > 0) {
+                    fault("a thread returned while %u other(s) wait at %s: every thread must "
+                          "reach every barrier",
+                          arrived, strict_);
+                }
                 if (releases) {
                     release();
                 }
@@ -234,6 +243,7 @@ private:
         futex_wake_all(&generation_);
     }
 
+    const char* strict_ = nullptr;
     std::atomic<unsigned int> initial_{0};
     std::atomic<unsigned int> counts_{0};  // members << 16 | arrived
     std::atomic<unsigned int> generation_{0};
@@ -444,9 +454,9 @@ inline WorkerPool& worker_pool() {
 // afresh, dynamic shared memory is poisoned again.
 inline void reset_block(void* raw) {
     LaunchState* launch = static_cast<LaunchState*>(raw);
-    launch->block_barrier.reset(launch->threads);
+    launch->block_barrier.reset(launch->threads, "__syncthreads()");
     for (auto& w : launch->warps) {
-        w->barrier.reset(w->lanes);
+        w->barrier.reset(w->lanes, "the warp's intrinsics");
         w->returned.store(0);
     }
     std::memset(launch->dynamic_shared.data(), 0xa5, launch->dynamic_shared.size());
@@ -519,12 +529,12 @@ int launch(void (*kernel)(Params...), const tandem_host_launch_config* config, v
 
     LaunchState launch_state;
     launch_state.threads = (unsigned int)threads;
-    launch_state.block_barrier.reset(launch_state.threads);
+    launch_state.block_barrier.reset(launch_state.threads, "__syncthreads()");
     launch_state.block_end.reset(launch_state.threads);
     for (unsigned int first = 0; first < threads; first += 32) {
         std::unique_ptr<Warp> warp(new Warp());
         warp->lanes = (unsigned int)std::min<unsigned long long>(32, threads - first);
-        warp->barrier.reset(warp->lanes);
+        warp->barrier.reset(warp->lanes, "the warp's intrinsics");
         launch_state.warps.push_back(std::move(warp));
     }
     launch_state.dynamic_shared_bytes = config->shared_mem_bytes;
