@@ -295,14 +295,13 @@ impl CudaDevice {
         // allocations of this device, kept alive by the tensors the caller holds until the
         // stream has run the kernel (stream-ordered frees).
         unsafe {
-            let ptrs = std::slice::from_raw_parts_mut(params.as_mut_ptr(), params.len());
             result::launch_kernel(
                 function,
                 (c.grid[0], c.grid[1], c.grid[2]),
                 (c.block[0], c.block[1], c.block[2]),
                 c.shared_mem_bytes,
                 stream.cu_stream(),
-                ptrs,
+                params.as_mut_slice(),
             )
         }
         .map_err(|e| Error::Cuda {

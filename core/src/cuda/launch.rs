@@ -417,6 +417,11 @@ impl KernelParams<'_> {
         self.pointers.as_mut_ptr()
     }
 
+    /// The array as a slice, for `cudarc::driver::result::launch_kernel`.
+    pub fn as_mut_slice(&mut self) -> &mut [*mut c_void] {
+        &mut self.pointers
+    }
+
     /// Number of arguments.
     pub fn len(&self) -> usize {
         self.pointers.len()

@@ -107,7 +107,12 @@ impl CudaLibrary {
 
     /// The file names tried, in order: cudarc's own list, plus `libnccl.so.2` for NCCL.
     pub fn file_names(self) -> Vec<String> {
-        let mut names = cudarc::get_lib_name_candidates(self.stem());
+        let mut names: Vec<String> = Vec::new();
+        for name in cudarc::get_lib_name_candidates(self.stem()) {
+            if !names.contains(&name) {
+                names.push(name);
+            }
+        }
         if self == CudaLibrary::Nccl {
             names.push("libnccl.so.2".to_string());
         }
@@ -252,7 +257,7 @@ pub fn search(lib: CudaLibrary, paths: &SearchPaths) -> std::result::Result<Load
                 continue;
             }
             seen.push(folder.clone());
-            let mut note = format!("{}: not there", folder.display());
+            let mut note = format!("{}: no such library", folder.display());
             for name in &names {
                 let candidate = folder.join(name);
                 if !candidate.exists() {
@@ -343,18 +348,26 @@ fn open(lib: CudaLibrary, file: &Path) -> std::result::Result<LoadedLibrary, Str
     // SAFETY: loading a CUDA library runs its initialisers; NVIDIA's libraries have no
     // initialisers with preconditions on the caller.
     let library =
-        unsafe { libloading::Library::new(file.as_os_str()) }.map_err(|e| e.to_string())?;
+        unsafe { libloading::Library::new(file.as_os_str()) }.map_err(|e| describe(&e))?;
     let probe = lib.probe_symbol();
     // SAFETY: the symbol is only read as an address, never called.
     let address = unsafe { library.get::<*mut std::ffi::c_void>(probe.as_bytes()) }
         .map(|s| *s)
-        .map_err(|e| format!("it does not export {probe}: {e}"))?;
+        .map_err(|e| format!("it does not export {probe}: {}", describe(&e)))?;
     let path = loaded_path(address).unwrap_or_else(|| file.to_path_buf());
     Ok(LoadedLibrary {
         path,
         library,
         _companions: Vec::new(),
     })
+}
+
+/// A libloading error with its cause (its own message is only "dlopen failed").
+fn describe(error: &libloading::Error) -> String {
+    match std::error::Error::source(error) {
+        Some(cause) => format!("{error}: {cause}"),
+        None => error.to_string(),
+    }
 }
 
 /// The file a loaded symbol lives in, as the loader resolved it.
@@ -408,7 +421,7 @@ fn with_companions(
                 found._companions.push(builtins);
                 return Ok(found);
             }
-            Err(e) => tried.push(format!("{}: {e}", candidate.display())),
+            Err(e) => tried.push(format!("{}: {}", candidate.display(), describe(&e))),
         }
     }
     Err(format!(
@@ -441,9 +454,18 @@ fn check_cudarc_agrees(lib: CudaLibrary, ours: &LoadedLibrary) -> std::result::R
     let mut names = lib.file_names();
     names.retain(|n| n != "libnccl.so.2");
     for name in &names {
-        let Ok(theirs) = open(lib, Path::new(name)) else {
+        // cudarc takes the first name that opens, whatever it is.
+        // SAFETY: as in `open`.
+        if unsafe { libloading::Library::new(name) }.is_err() {
             continue;
-        };
+        }
+        let theirs = open(lib, Path::new(name)).map_err(|e| {
+            format!(
+                "{} was found at {}, but cudarc, which opens it by the name {name}, would get a                  library that {e}",
+                lib.describe(),
+                ours.path.display()
+            )
+        })?;
         let same = |a: &Path, b: &Path| {
             std::fs::canonicalize(a)
                 .ok()

@@ -1,7 +1,7 @@
 //! The CUDA runtime: finding the CUDA libraries, compiling kernels with NVRTC, launches as plain
 //! data, the runtime's own kernels (fill, copy, cast, scale, add_scaled, norms), and the device
 //! side of tensors: devices with their context and compute stream, stream-ordered device
-//! memory, pinned host staging for copies.
+//! memory, pinned host staging for copies, cuBLAS handles.
 //!
 //! Everything here is compiled on every machine; nothing is linked. Libraries are opened at
 //! first use, and a missing one is a [`DeviceUnavailable`](crate::Error::DeviceUnavailable)
@@ -9,6 +9,7 @@
 
 pub mod blas;
 pub mod device;
+pub mod kernel_cache;
 pub mod launch;
 pub mod libs;
 pub mod memory;

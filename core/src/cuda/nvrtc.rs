@@ -7,33 +7,20 @@
 //! assembler, so resource errors (too much shared memory, …) surface here and
 //! `--ptxas-options=-v` reports each kernel's registers and spills ([`KernelResources`]).
 //!
-//! NVRTC is called through the library [`libs`](super::libs) located and opened, never through
+//! NVRTC is called through the library [`libs`] located and opened, never through
 //! cudarc's by-name loading, so a missing library or symbol is an error and the library used is
 //! the one that was checked.
 //!
-//! # Cache
-//! Compiled CUBINs are kept in memory for the life of the process and on disk, in the first of:
-//! `$TANDEM_KERNEL_CACHE`, `$XDG_CACHE_HOME/tandem/kernels`, `$HOME/.cache/tandem/kernels`. An
-//! entry's name is a SHA-256 of the source and its headers, the NVRTC options, the architecture
-//! and NVRTC's version, so a change to any of them compiles afresh. Entries are written to a
-//! temporary file and renamed into place, so concurrent processes never see a partial entry; each
-//! entry carries a checksum, and one that is corrupt or unreadable is ignored and rewritten. A
-//! cache that cannot be written only costs compile time.
+//! Results are cached in memory and on disk by [`kernel_cache`](super::kernel_cache).
 
-use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::fmt;
-use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock};
 
-use sha2::{Digest, Sha256};
-
+use super::kernel_cache::{DiskCache, KernelCache};
 use super::launch::{KernelSource, TANDEM_CUH};
 use super::libs::{self, CudaLibrary};
 use crate::{Device, Error, Result};
-
-/// The environment variable that names the on-disk kernel cache folder.
-pub const TANDEM_KERNEL_CACHE: &str = "TANDEM_KERNEL_CACHE";
 
 /// A GPU architecture, `sm_<major><minor>` (compute capability `major.minor`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -57,18 +44,6 @@ impl fmt::Display for Arch {
     }
 }
 
-/// Where compiled kernels are kept on disk.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub enum DiskCache {
-    /// The folder from the environment (see the module docs).
-    #[default]
-    Default,
-    /// This folder.
-    At(PathBuf),
-    /// Memory only.
-    Off,
-}
-
 /// How to compile.
 #[derive(Clone, Debug, Default)]
 pub struct CompileOptions {
@@ -80,13 +55,11 @@ pub struct CompileOptions {
     /// Allow NVRTC's fast-math (`--use_fast_math`: approximate division, square root and
     /// transcendentals, denormals flushed to zero). Off by default: kernels match the CPU.
     pub fast_math: bool,
-    /// Where to cache the result on disk.
-    pub disk_cache: DiskCache,
 }
 
 impl CompileOptions {
     /// The NVRTC command line for `arch`.
-    fn nvrtc_options(&self, arch: Arch) -> Vec<String> {
+    pub(super) fn nvrtc_options(&self, arch: Arch) -> Vec<String> {
         let mut options = vec![
             "-std=c++17".to_string(),
             format!("--gpu-architecture={arch}"),
@@ -158,68 +131,19 @@ impl fmt::Display for CompileError {
 
 impl std::error::Error for CompileError {}
 
-/// Compiles `source` for `arch` (or returns the cached result). Errors: NVRTC missing, or an
-/// architecture it does not know ([`Error::DeviceUnavailable`]); the source not compiling
-/// ([`Error::External`] wrapping a [`CompileError`] with NVRTC's log).
+/// Compiles `source` for `arch`, or returns the result cached in this process or on disk (in
+/// the folder named by the environment). Errors: NVRTC missing, or an architecture it does not
+/// know ([`Error::DeviceUnavailable`]); the source not compiling ([`Error::External`] wrapping a
+/// [`CompileError`] with NVRTC's log).
 pub fn compile(
     source: &'static KernelSource,
     arch: Arch,
     options: &CompileOptions,
 ) -> Result<Arc<Cubin>> {
-    let nvrtc = Nvrtc::get(options.device)?;
-    let nvrtc_options = options.nvrtc_options(arch);
-    let key = cache_key(source, arch, &nvrtc_options, nvrtc.version);
-
-    static MEMORY: OnceLock<Mutex<HashMap<String, Arc<Cubin>>>> = OnceLock::new();
-    let memory = MEMORY.get_or_init(Default::default);
-    if let Some(hit) = lock(memory).get(&key) {
-        return Ok(hit.clone());
-    }
-
-    let folder = match &options.disk_cache {
-        DiskCache::Default => default_cache_dir(),
-        DiskCache::At(folder) => Some(folder.clone()),
-        DiskCache::Off => None,
-    };
-    let entry = folder.as_ref().map(|f| f.join(format!("{key}.cubin")));
-    let cached = entry.as_deref().and_then(|path| read_entry(path, &key));
-    let (image, log) = match cached {
-        Some(hit) => hit,
-        None => {
-            if !nvrtc.supports(arch) {
-                return Err(Error::DeviceUnavailable {
-                    device: options.device,
-                    reason: format!(
-                        "NVRTC {}.{} cannot compile for {arch}; it supports {}",
-                        nvrtc.version.0,
-                        nvrtc.version.1,
-                        nvrtc
-                            .archs
-                            .iter()
-                            .map(|a| format!("sm_{a}"))
-                            .collect::<Vec<_>>()
-                            .join(", ")
-                    ),
-                });
-            }
-            let (image, log) = nvrtc.compile(source, arch, &nvrtc_options)?;
-            if let (Some(folder), Some(path)) = (&folder, &entry) {
-                // A cache that cannot be written only costs compile time next run.
-                let _ = write_entry(folder, path, &key, &image, &log);
-            }
-            (image, log)
-        }
-    };
-    let cubin = Arc::new(Cubin {
-        source: source.name,
-        arch,
-        nvrtc_version: nvrtc.version,
-        resources: parse_resources(&log),
-        image,
-        log,
-    });
-    lock(memory).insert(key, cubin.clone());
-    Ok(cubin)
+    static GLOBAL: OnceLock<KernelCache> = OnceLock::new();
+    GLOBAL
+        .get_or_init(|| KernelCache::new(DiskCache::Default))
+        .compile(source, arch, options)
 }
 
 /// NVRTC's version, if it can be loaded (for messages and tests).
@@ -227,111 +151,9 @@ pub fn nvrtc_version(device: Device) -> Result<(i32, i32)> {
     Nvrtc::get(device).map(|n| n.version)
 }
 
-/// The on-disk cache folder from the environment, if one can be named.
-pub fn default_cache_dir() -> Option<PathBuf> {
-    let var = |name: &str| {
-        std::env::var_os(name)
-            .filter(|v| !v.is_empty())
-            .map(PathBuf::from)
-    };
-    var(TANDEM_KERNEL_CACHE)
-        .or_else(|| var("XDG_CACHE_HOME").map(|d| d.join("tandem/kernels")))
-        .or_else(|| var("HOME").map(|d| d.join(".cache/tandem/kernels")))
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+pub(super) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     // The map stays consistent even if a holder panicked: entries are inserted whole.
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-}
-
-/// The cache key: everything that changes the CUBIN.
-fn cache_key(source: &KernelSource, arch: Arch, options: &[String], version: (i32, i32)) -> String {
-    let mut hash = Sha256::new();
-    let mut field = |bytes: &[u8]| {
-        hash.update((bytes.len() as u64).to_le_bytes());
-        hash.update(bytes);
-    };
-    field(b"tandem-cubin-v1");
-    field(source.name.as_bytes());
-    field(source.source.as_bytes());
-    for header in std::iter::once(&TANDEM_CUH).chain(source.headers) {
-        field(header.name.as_bytes());
-        field(header.source.as_bytes());
-    }
-    for option in options {
-        field(option.as_bytes());
-    }
-    field(arch.to_string().as_bytes());
-    field(format!("nvrtc {}.{}", version.0, version.1).as_bytes());
-    hash.finalize().iter().map(|b| format!("{b:02x}")).collect()
-}
-
-const ENTRY_MAGIC: &[u8; 12] = b"TANDEMCUBIN\x01";
-
-/// Entry layout: magic, SHA-256 of the rest, then key, log and image, each as a little-endian
-/// u64 length and its bytes.
-fn encode_entry(key: &str, image: &[u8], log: &str) -> Vec<u8> {
-    let mut body = Vec::with_capacity(image.len() + log.len() + 96);
-    for part in [key.as_bytes(), log.as_bytes(), image] {
-        body.extend_from_slice(&(part.len() as u64).to_le_bytes());
-        body.extend_from_slice(part);
-    }
-    let mut out = Vec::with_capacity(body.len() + 44);
-    out.extend_from_slice(ENTRY_MAGIC);
-    out.extend_from_slice(&Sha256::digest(&body));
-    out.extend_from_slice(&body);
-    out
-}
-
-/// The (image, log) of an entry, or `None` if it is not a whole, uncorrupted entry for `key`.
-fn decode_entry(bytes: &[u8], key: &str) -> Option<(Vec<u8>, String)> {
-    let rest = bytes.strip_prefix(ENTRY_MAGIC)?;
-    let (checksum, body) = rest.split_at_checked(32)?;
-    if Sha256::digest(body).as_slice() != checksum {
-        return None;
-    }
-    let mut parts = Vec::with_capacity(3);
-    let mut at = body;
-    for _ in 0..3 {
-        let (len, tail) = at.split_at_checked(8)?;
-        let len = usize::try_from(u64::from_le_bytes(len.try_into().ok()?)).ok()?;
-        let (part, tail) = tail.split_at_checked(len)?;
-        parts.push(part);
-        at = tail;
-    }
-    if !at.is_empty() || parts[0] != key.as_bytes() {
-        return None;
-    }
-    let log = String::from_utf8(parts[1].to_vec()).ok()?;
-    Some((parts[2].to_vec(), log))
-}
-
-fn read_entry(path: &Path, key: &str) -> Option<(Vec<u8>, String)> {
-    decode_entry(&std::fs::read(path).ok()?, key)
-}
-
-/// Writes an entry atomically: a temporary file in the same folder, renamed into place.
-fn write_entry(
-    folder: &Path,
-    path: &Path,
-    key: &str,
-    image: &[u8],
-    log: &str,
-) -> std::io::Result<()> {
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    std::fs::create_dir_all(folder)?;
-    let temp = folder.join(format!(
-        ".{key}.{}.{}.tmp",
-        std::process::id(),
-        COUNTER.fetch_add(1, Ordering::Relaxed)
-    ));
-    let result = std::fs::write(&temp, encode_entry(key, image, log))
-        .and_then(|()| std::fs::rename(&temp, path));
-    if result.is_err() {
-        let _ = std::fs::remove_file(&temp);
-    }
-    result
 }
 
 /// Per-kernel resources from the assembler's verbose report. Only entry functions (kernels)
@@ -371,10 +193,11 @@ pub fn parse_resources(log: &str) -> Vec<KernelResources> {
 }
 
 /// NVRTC's functions, bound from the library `libs` opened.
-struct Nvrtc {
-    version: (i32, i32),
+pub(super) struct Nvrtc {
+    /// NVRTC's version (major, minor).
+    pub(super) version: (i32, i32),
     /// Architectures NVRTC can compile for, as `major * 10 + minor`.
-    archs: Vec<i32>,
+    pub(super) archs: Vec<i32>,
     create: unsafe extern "C" fn(
         *mut *mut c_void,
         *const c_char,
@@ -396,7 +219,8 @@ struct Nvrtc {
 }
 
 impl Nvrtc {
-    fn get(device: Device) -> Result<&'static Nvrtc> {
+    /// NVRTC, bound on first use; `device` is named in the error when it is missing.
+    pub(super) fn get(device: Device) -> Result<&'static Nvrtc> {
         static NVRTC: OnceLock<std::result::Result<Nvrtc, String>> = OnceLock::new();
         let library = libs::library(CudaLibrary::Nvrtc, device)?;
         NVRTC
@@ -450,7 +274,8 @@ impl Nvrtc {
         })
     }
 
-    fn supports(&self, arch: Arch) -> bool {
+    /// Whether NVRTC can compile for `arch`.
+    pub(super) fn supports(&self, arch: Arch) -> bool {
         self.archs
             .contains(&((arch.major * 10 + arch.minor) as i32))
     }
@@ -468,7 +293,7 @@ impl Nvrtc {
     }
 
     /// Compiles to a CUBIN; returns it with the log.
-    fn compile(
+    pub(super) fn compile(
         &self,
         source: &'static KernelSource,
         arch: Arch,
@@ -619,63 +444,6 @@ ptxas info    : Used 22 registers, used 0 barriers, 516 bytes cmem[0]
         assert_eq!(
             (r[1].kernel.as_str(), r[1].registers, r[1].shared_bytes),
             ("fill_f32", 22, 0)
-        );
-    }
-
-    static SOURCE: KernelSource = KernelSource {
-        name: "t",
-        source: "extern \"C\" __global__ void k() {}",
-        headers: &[],
-    };
-
-    #[test]
-    fn cache_entries_round_trip_and_reject_corruption() {
-        let key = cache_key(&SOURCE, Arch::new(8, 0), &["-std=c++17".into()], (13, 0));
-        let entry = encode_entry(&key, b"\x7fELF image", "log text");
-        assert_eq!(
-            decode_entry(&entry, &key),
-            Some((b"\x7fELF image".to_vec(), "log text".to_string()))
-        );
-        assert_eq!(decode_entry(&entry, "another key"), None);
-        for cut in [0, 11, 40, entry.len() - 1] {
-            assert_eq!(
-                decode_entry(&entry[..cut], &key),
-                None,
-                "truncated at {cut}"
-            );
-        }
-        let mut flipped = entry.clone();
-        *flipped.last_mut().unwrap() ^= 1;
-        assert_eq!(decode_entry(&flipped, &key), None);
-    }
-
-    #[test]
-    fn cache_key_changes_with_every_input() {
-        let base = cache_key(&SOURCE, Arch::new(8, 0), &["-std=c++17".into()], (13, 0));
-        assert_ne!(
-            base,
-            cache_key(&SOURCE, Arch::new(9, 0), &["-std=c++17".into()], (13, 0))
-        );
-        assert_ne!(
-            base,
-            cache_key(&SOURCE, Arch::new(8, 0), &["-std=c++14".into()], (13, 0))
-        );
-        assert_ne!(
-            base,
-            cache_key(&SOURCE, Arch::new(8, 0), &["-std=c++17".into()], (13, 1))
-        );
-        static OTHER: KernelSource = KernelSource {
-            name: "t",
-            source: "extern \"C\" __global__ void k() { }",
-            headers: &[],
-        };
-        assert_ne!(
-            base,
-            cache_key(&OTHER, Arch::new(8, 0), &["-std=c++17".into()], (13, 0))
-        );
-        assert_eq!(
-            base,
-            cache_key(&SOURCE, Arch::new(8, 0), &["-std=c++17".into()], (13, 0))
         );
     }
 

@@ -322,18 +322,22 @@ struct tandem_layout {
     tandem_u64 strides[TANDEM_MAX_RANK];
 };
 
-// The storage index of the i-th element in row-major order.
+// The storage index of the i-th element in row-major order. The unravel divides in 32 bits
+// while the numbers fit (a 64-bit division is several times slower on the GPU), and the loop is
+// not unrolled: unrolled, it doubled NVRTC's compile time of runtime.cu for no register saving.
 TANDEM_FN tandem_u64 tandem_layout_index(const tandem_layout& layout, tandem_u64 i) {
     if (layout.rank == 1) {
         return layout.offset + i * layout.strides[0];
     }
     tandem_u64 index = layout.offset;
-#pragma unroll
+#pragma unroll 1
     for (int d = TANDEM_MAX_RANK - 1; d >= 0; --d) {
         if (d < (int)layout.rank) {
             tandem_u64 size = layout.shape[d];
-            index += (i % size) * layout.strides[d];
-            i /= size;
+            tandem_u64 quotient = ((i | size) >> 32) == 0 ? (tandem_u64)((tandem_u32)i / (tandem_u32)size)
+                                                         : i / size;
+            index += (i - quotient * size) * layout.strides[d];
+            i = quotient;
         }
     }
     return index;

@@ -1,0 +1,158 @@
+//! Compiles every CUDA C file of the workspace for the host: one shared library per `.cu`,
+//! built with the host C++ compiler (found by the `cc` crate) against `include/tandem_host.h`,
+//! which emulates the CUDA execution model. A kernel that does not compile fails the build.
+//!
+//! Files are found by walking the kernel folders (see `src/discover.rs`), so a new kernel is
+//! picked up without registering it. A library is rebuilt only when one of its inputs changed.
+
+use std::collections::hash_map::DefaultHasher;
+use std::hash::{Hash, Hasher};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+#[path = "src/discover.rs"]
+mod discover;
+
+const FLAGS: &[&str] = &[
+    "-std=c++17",
+    // The emulation's speed is in its threads, not in the kernels' code: -O1 compiles faster.
+    "-O1",
+    "-g0",
+    "-fPIC",
+    "-shared",
+    "-pthread",
+    // The host must not fuse a * b + c either: kernels that match the CPU bit for bit rely on it.
+    "-ffp-contract=off",
+    "-fno-strict-aliasing",
+    "-Wall",
+    "-Wno-unknown-pragmas",
+];
+
+fn main() {
+    let manifest = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("set by cargo"));
+    let root = manifest
+        .parent()
+        .expect("the harness lives in the workspace")
+        .to_path_buf();
+    let out = PathBuf::from(std::env::var("OUT_DIR").expect("set by cargo"));
+    let emulation = manifest.join("include/tandem_host.h");
+    let shared_headers = root.join(discover::SHARED_HEADER_FOLDER);
+
+    println!("cargo:rerun-if-changed=build.rs");
+    println!("cargo:rerun-if-changed=src/discover.rs");
+    println!("cargo:rerun-if-changed={}", emulation.display());
+    for folder in discover::KERNEL_FOLDERS {
+        // Cargo watches a folder recursively, so a new or changed kernel reruns this script.
+        println!("cargo:rerun-if-changed={}", root.join(folder).display());
+    }
+
+    let files = discover::kernel_files(&root).unwrap_or_else(|e| panic!("{e}"));
+    let compiler = cc::Build::new().cpp(true).get_compiler();
+
+    let results: Vec<Result<PathBuf, String>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = files
+            .iter()
+            .map(|file| {
+                let (compiler, out, emulation, shared_headers) =
+                    (&compiler, &out, &emulation, &shared_headers);
+                scope.spawn(move || build_library(compiler, file, out, emulation, shared_headers))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err("the compile thread panicked".into()))
+            })
+            .collect()
+    });
+
+    let mut table = String::from(
+        "/// Every kernel file of the workspace, with the host library built from it.\n\
+         pub static KERNEL_LIBRARIES: &[KernelLibrary] = &[\n",
+    );
+    let mut failures = Vec::new();
+    for (file, result) in files.iter().zip(results) {
+        match result {
+            Ok(library) => table.push_str(&format!(
+                "    KernelLibrary {{ name: {:?}, source: {:?}, library: {:?} }},\n",
+                file.name,
+                file.path.display().to_string(),
+                library.display().to_string()
+            )),
+            Err(e) => failures.push(e),
+        }
+    }
+    table.push_str("];\n");
+    if !failures.is_empty() {
+        panic!(
+            "host compile of CUDA kernels failed:\n{}",
+            failures.join("\n\n")
+        );
+    }
+    std::fs::write(out.join("kernel_libraries.rs"), table).expect("write kernel_libraries.rs");
+}
+
+/// Builds `lib<name>.so` from one `.cu` unless its inputs are unchanged since the last build.
+fn build_library(
+    compiler: &cc::Tool,
+    file: &discover::KernelFile,
+    out: &Path,
+    emulation: &Path,
+    shared_headers: &Path,
+) -> Result<PathBuf, String> {
+    let library = out.join(format!("lib{}.so", file.name));
+    let stamp = out.join(format!("{}.stamp", file.name));
+
+    let mut hasher = DefaultHasher::new();
+    FLAGS.hash(&mut hasher);
+    compiler.path().hash(&mut hasher);
+    let mut inputs = vec![
+        file.path.clone(),
+        emulation.to_path_buf(),
+        shared_headers.join("tandem.cuh"),
+    ];
+    inputs.extend(file.headers.iter().cloned());
+    for input in &inputs {
+        input.hash(&mut hasher);
+        std::fs::read(input)
+            .map_err(|e| format!("reading {}: {e}", input.display()))?
+            .hash(&mut hasher);
+    }
+    let digest = format!("{:016x}", hasher.finish());
+    if library.exists() && std::fs::read_to_string(&stamp).is_ok_and(|s| s == digest) {
+        return Ok(library);
+    }
+
+    // A wrapper so that the emulation header comes first without compiler-specific flags.
+    let wrapper = out.join(format!("{}_host.cpp", file.name));
+    std::fs::write(
+        &wrapper,
+        format!(
+            "// Generated by cuda-harness/build.rs.\n#include {:?}\n#include {:?}\n",
+            emulation.display().to_string(),
+            file.path.display().to_string()
+        ),
+    )
+    .map_err(|e| format!("writing {}: {e}", wrapper.display()))?;
+
+    let mut command: Command = compiler.to_command();
+    command
+        .args(FLAGS)
+        .arg(format!("-I{}", shared_headers.display()))
+        .arg("-o")
+        .arg(&library)
+        .arg(&wrapper);
+    let output = command
+        .output()
+        .map_err(|e| format!("running the host C++ compiler {:?}: {e}", compiler.path()))?;
+    let diagnostics = String::from_utf8_lossy(&output.stderr);
+    if !output.status.success() {
+        return Err(format!("{}:\n{diagnostics}", file.path.display()));
+    }
+    for line in diagnostics.lines().filter(|l| l.contains("warning")) {
+        println!("cargo:warning={line}");
+    }
+    std::fs::write(&stamp, digest).map_err(|e| format!("writing {}: {e}", stamp.display()))?;
+    Ok(library)
+}

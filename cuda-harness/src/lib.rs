@@ -1,0 +1,218 @@
+//! `tandem-cuda-harness`: keeps tandem's GPU code honest on machines without a GPU.
+//!
+//! Two checks run in every CI run:
+//!
+//! - **Host execution.** The build script compiles every `.cu` file of the workspace with the
+//!   host C++ compiler against `include/tandem_host.h`, an emulation of the CUDA execution model
+//!   (blocks of OS threads meeting at barriers, shared memory, atomics, warp shuffles and
+//!   votes), into one shared library per file. [`run`] executes a [`Launch`] — the same plan
+//!   the CUDA runtime executes on a device — with host pointers. Tests run every kernel against
+//!   tandem's CPU ops (`tests/runtime_kernels.rs`) and check the emulation itself
+//!   (`tests/emulator.rs`).
+//! - **NVRTC.** `tests/nvrtc.rs` compiles every `.cu` with tandem's own NVRTC path for sm_80 and
+//!   sm_90, prints each kernel's registers and spills, and fails on an error or an unexplained
+//!   spill. Without NVRTC it prints `skipped: NVRTC not found (…)`; with
+//!   `TANDEM_REQUIRE_NVRTC=1` (set by `.ci/run`) that skip is a failure instead.
+//!
+//! The harness is a development tool: it is not published and nothing in tandem depends on it.
+
+use std::collections::HashMap;
+use std::ffi::{c_char, c_void};
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, OnceLock};
+use std::time::Duration;
+
+use tandem_core::cuda::launch::{KernelHeader, KernelSource, Launch};
+use tandem_core::{Error, Result};
+
+mod discover;
+pub use discover::{kernel_files, KernelFile, KERNEL_FOLDERS, SHARED_HEADER_FOLDER};
+
+/// A kernel file and the host library built from it.
+#[derive(Debug)]
+pub struct KernelLibrary {
+    /// The file's stem, which is the `name` of its `KernelSource`.
+    pub name: &'static str,
+    /// The `.cu` file.
+    pub source: &'static str,
+    /// The shared library compiled from it.
+    pub library: &'static str,
+}
+
+include!(concat!(env!("OUT_DIR"), "/kernel_libraries.rs"));
+
+/// The environment variable that turns the NVRTC test's skip into a failure (`.ci/run` sets it
+/// to `1`).
+pub const TANDEM_REQUIRE_NVRTC: &str = "TANDEM_REQUIRE_NVRTC";
+
+/// How long threads may wait at a barrier before the launch is declared stuck.
+pub const DEFAULT_BARRIER_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// The workspace root.
+pub fn workspace_root() -> PathBuf {
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+    manifest.parent().unwrap_or(manifest).to_path_buf()
+}
+
+/// `tandem_host_launch_config` in tandem_host.h.
+#[repr(C)]
+struct HostLaunchConfig {
+    grid: [u32; 3],
+    block: [u32; 3],
+    shared_mem_bytes: u32,
+    barrier_timeout_ms: u32,
+}
+
+type HostEntry =
+    unsafe extern "C" fn(*const HostLaunchConfig, *mut *mut c_void, *mut c_char, usize) -> i32;
+
+/// Runs `launch` on the CPU: its kernel, from the host library of its source file, over its
+/// grid, with its arguments. Launches are serialised (the emulation keeps shared memory and the
+/// launch's state in statics).
+///
+/// Errors when the kernel's file or its host entry point is missing, or the emulation detected
+/// a fault (a barrier not reached by every thread, a partial-warp intrinsic, threads stuck).
+///
+/// # Safety
+/// Every pointer argument of the launch must point to host memory valid for everything the
+/// kernel reads and writes, as a device pointer would on a GPU.
+pub unsafe fn run(launch: &Launch) -> Result<()> {
+    // SAFETY: forwarded from the caller.
+    unsafe { run_with_timeout(launch, DEFAULT_BARRIER_TIMEOUT) }
+}
+
+/// [`run`] with a barrier timeout (tests of the stuck-barrier detection use a short one).
+///
+/// # Safety
+/// As for [`run`].
+pub unsafe fn run_with_timeout(launch: &Launch, barrier_timeout: Duration) -> Result<()> {
+    static SERIAL: Mutex<()> = Mutex::new(());
+    let context = || {
+        format!(
+            "host harness: {}.cu kernel {}",
+            launch.source.name, launch.kernel
+        )
+    };
+    let library = host_library(launch.source.name).map_err(|e| Error::external(context(), e))?;
+    let symbol = format!("tandem_host_{}", launch.kernel);
+    // SAFETY: every `tandem_host_*` symbol is defined by TANDEM_HOST_EXPORT with this type.
+    let entry: HostEntry =
+        *unsafe { library.get::<HostEntry>(symbol.as_bytes()) }.map_err(|e| {
+            Error::external(
+                context(),
+                format!(
+                    "no host entry {symbol} ({e}); is the kernel followed by TANDEM_HOST_EXPORT?"
+                ),
+            )
+        })?;
+    let config = HostLaunchConfig {
+        grid: launch.config.grid,
+        block: launch.config.block,
+        shared_mem_bytes: launch.config.shared_mem_bytes,
+        barrier_timeout_ms: barrier_timeout.as_millis().min(u32::MAX as u128) as u32,
+    };
+    let mut params = launch.params();
+    let mut message = vec![0u8; 1024];
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    // SAFETY: the entry reads the config, one value per parameter through `params` (which
+    // borrow `launch`), and writes at most `message.len()` bytes; the kernel's own accesses are
+    // the caller's promise.
+    let status = unsafe {
+        entry(
+            &config,
+            params.as_mut_ptr(),
+            message.as_mut_ptr().cast(),
+            message.len(),
+        )
+    };
+    if status != 0 {
+        let end = message
+            .iter()
+            .position(|&b| b == 0)
+            .unwrap_or(message.len());
+        return Err(Error::external(
+            context(),
+            String::from_utf8_lossy(&message[..end]).into_owned(),
+        ));
+    }
+    Ok(())
+}
+
+/// The host library built from the kernel file named `name`, opened once.
+fn host_library(name: &str) -> std::result::Result<&'static libloading::Library, String> {
+    static OPEN: OnceLock<Mutex<HashMap<&'static str, &'static libloading::Library>>> =
+        OnceLock::new();
+    let entry = KERNEL_LIBRARIES
+        .iter()
+        .find(|l| l.name == name)
+        .ok_or_else(|| {
+            format!(
+                "no kernel file {name}.cu under {}",
+                KERNEL_FOLDERS.join(", ")
+            )
+        })?;
+    let mut open = OPEN
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    if let Some(library) = open.get(entry.name) {
+        return Ok(library);
+    }
+    // SAFETY: the library was built by this crate's build script from tandem's kernels; its
+    // initialisers only set up the emulation's statics.
+    let library = unsafe { libloading::Library::new(entry.library) }
+        .map_err(|e| format!("opening {}: {e}", entry.library))?;
+    // Kept for the life of the process: entry points are used through `&'static` references.
+    let library: &'static libloading::Library = Box::leak(Box::new(library));
+    open.insert(entry.name, library);
+    Ok(library)
+}
+
+/// Every kernel file as a `KernelSource` for NVRTC, with the headers beside it, read from the
+/// working tree (for the NVRTC test; tandem itself embeds its sources).
+pub fn kernel_sources() -> std::result::Result<Vec<&'static KernelSource>, String> {
+    let leak = |s: String| -> &'static str { Box::leak(s.into_boxed_str()) };
+    let read =
+        |p: &Path| std::fs::read_to_string(p).map_err(|e| format!("reading {}: {e}", p.display()));
+    kernel_files(&workspace_root())?
+        .into_iter()
+        .map(|file| {
+            let headers: Vec<KernelHeader> = file
+                .headers
+                .iter()
+                .map(|h| {
+                    Ok(KernelHeader {
+                        name: leak(
+                            h.file_name()
+                                .map(|n| n.to_string_lossy().into_owned())
+                                .unwrap_or_default(),
+                        ),
+                        source: leak(read(h)?),
+                    })
+                })
+                .collect::<std::result::Result<_, String>>()?;
+            let source: &'static KernelSource = Box::leak(Box::new(KernelSource {
+                name: leak(file.name),
+                source: leak(read(&file.path)?),
+                headers: Box::leak(headers.into_boxed_slice()),
+            }));
+            Ok(source)
+        })
+        .collect()
+}
+
+/// Whether NVRTC can be used. Without it, prints `skipped: NVRTC not found (…)` for `test` and
+/// returns `false`, or panics when `TANDEM_REQUIRE_NVRTC=1`.
+pub fn nvrtc_available(test: &str) -> bool {
+    match tandem_core::cuda::nvrtc::nvrtc_version(tandem_core::Device::Cuda(0)) {
+        Ok(_) => true,
+        Err(e) => {
+            let message = format!("{test}: skipped: NVRTC not found ({e})");
+            if std::env::var(TANDEM_REQUIRE_NVRTC).is_ok_and(|v| v == "1") {
+                panic!("{message}; {TANDEM_REQUIRE_NVRTC}=1 makes this a failure");
+            }
+            println!("{message}");
+            false
+        }
+    }
+}

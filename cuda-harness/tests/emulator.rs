@@ -1,0 +1,296 @@
+//! Checks of the host emulation itself, with the kernels in `kernels/emulator_checks.cu`:
+//! reductions through shared memory, barriers and warp shuffles, atomics, votes, dynamic shared
+//! memory and multi-dimensional indices against known results, and the faults it must report
+//! for kernels that break the rules.
+
+use std::time::{Duration, Instant};
+
+use tandem_core::cuda::launch::{KernelArg, KernelSource, Launch, LaunchConfig};
+use tandem_cuda_harness::{run, run_with_timeout};
+
+static CHECKS: KernelSource = KernelSource {
+    name: "emulator_checks",
+    source: include_str!("../kernels/emulator_checks.cu"),
+    headers: &[],
+};
+
+fn launch(
+    kernel: &str,
+    grid: [u32; 3],
+    block: [u32; 3],
+    shared: u32,
+    args: Vec<KernelArg>,
+) -> Launch {
+    Launch {
+        source: &CHECKS,
+        kernel: kernel.to_string(),
+        config: LaunchConfig::new("emulator test", grid, block, shared).unwrap(),
+        args,
+    }
+}
+
+fn ptr<T>(data: &mut [T]) -> KernelArg {
+    KernelArg::Ptr(data.as_mut_ptr() as u64)
+}
+
+#[test]
+fn shared_memory_tree_reduction_with_barriers_and_shuffles_sums_every_block() {
+    // 1000 elements over 3 blocks of 128 threads: the grid-stride loop wraps around.
+    let mut x: Vec<f32> = (0..1000).map(|i| (i % 7) as f32).collect();
+    let mut sums = vec![f32::NAN; 3];
+    let l = launch(
+        "block_sum_tree_f32",
+        [3, 1, 1],
+        [128, 1, 1],
+        0,
+        vec![ptr(&mut x), KernelArg::U64(1000), ptr(&mut sums)],
+    );
+    // SAFETY: the pointers cover what the kernel touches (1000 inputs, 3 sums).
+    unsafe { run(&l) }.unwrap();
+    // Thread t of block b sums x[b*128 + t + k*384]; integers, so exact.
+    for (b, &got) in sums.iter().enumerate() {
+        let want: f32 = (0..1000)
+            .filter(|i| (i % 384) / 128 == b)
+            .map(|i| (i % 7) as f32)
+            .sum();
+        assert_eq!(got, want, "block {b}");
+    }
+    assert_eq!(sums.iter().sum::<f32>(), x.iter().sum::<f32>());
+}
+
+#[test]
+fn block_reduce_helper_gives_sum_and_max_with_nan_winning() {
+    let n = 777;
+    let mut x: Vec<f64> = (0..n).map(|i| ((i * 37) % 101) as f64 - 50.0).collect();
+    let mut out = vec![f64::NAN; 4];
+    let run_it = |x: &mut [f64], out: &mut [f64]| {
+        let l = launch(
+            "block_reduce_f64",
+            [2, 1, 1],
+            [64, 1, 1],
+            0,
+            vec![ptr(x), KernelArg::U64(n as u64), ptr(out)],
+        );
+        // SAFETY: n inputs, 2 blocks × 2 outputs.
+        unsafe { run(&l) }.unwrap();
+    };
+    run_it(&mut x, &mut out);
+    for b in 0..2 {
+        let share: Vec<f64> = (0..n)
+            .filter(|i| (i % 128) / 64 == b)
+            .map(|i| x[i])
+            .collect();
+        assert_eq!(out[b], share.iter().sum::<f64>());
+        assert_eq!(out[2 + b], share.iter().cloned().fold(f64::MIN, f64::max));
+    }
+    x[500] = f64::NAN; // 500 % 128 = 116: block 1
+    run_it(&mut x, &mut out);
+    assert!(out[3].is_nan() && !out[2].is_nan(), "{out:?}");
+}
+
+#[test]
+fn atomics_count_every_element_exactly() {
+    let n = 3000u64;
+    let (mut count, mut wide, mut fsum, mut dsum) =
+        (vec![0i32], vec![0u64], vec![0f32], vec![0f64]);
+    let l = launch(
+        "atomic_counts",
+        [4, 1, 1],
+        [256, 1, 1],
+        0,
+        vec![
+            KernelArg::U64(n),
+            ptr(&mut count),
+            ptr(&mut wide),
+            ptr(&mut fsum),
+            ptr(&mut dsum),
+        ],
+    );
+    // SAFETY: one element per counter.
+    unsafe { run(&l) }.unwrap();
+    assert_eq!(
+        (count[0], wide[0], fsum[0], dsum[0]),
+        (3000, 3000, 3000.0, 1500.0)
+    );
+}
+
+#[test]
+fn atomic_max_min_cas_and_exchange_agree_with_a_serial_run() {
+    let n = 513u64;
+    let mut x: Vec<i32> = (0..n as i32).map(|i| (i * 7919) % 1009 - 500).collect();
+    let (mut max, mut min, mut winner, mut last) = (
+        vec![i32::MIN],
+        vec![i32::MAX],
+        vec![u32::MAX],
+        vec![i32::MIN],
+    );
+    let l = launch(
+        "atomic_extremes",
+        [2, 1, 1],
+        [128, 1, 1],
+        0,
+        vec![
+            ptr(&mut x),
+            KernelArg::U64(n),
+            ptr(&mut max),
+            ptr(&mut min),
+            ptr(&mut winner),
+            ptr(&mut last),
+        ],
+    );
+    // SAFETY: n inputs, one element per result.
+    unsafe { run(&l) }.unwrap();
+    assert_eq!(max[0], *x.iter().max().unwrap());
+    assert_eq!(min[0], *x.iter().min().unwrap());
+    assert!(
+        (winner[0] as u64) < n,
+        "exactly one compare-and-swap won: {}",
+        winner[0]
+    );
+    assert!(x.contains(&last[0]));
+}
+
+#[test]
+fn warp_shuffles_and_votes_follow_cuda_semantics() {
+    let threads = 64usize;
+    let mut out = vec![i32::MIN; 9 * threads];
+    let l = launch(
+        "warp_intrinsics",
+        [1, 1, 1],
+        [threads as u32, 1, 1],
+        0,
+        vec![ptr(&mut out)],
+    );
+    // SAFETY: nine results per thread.
+    unsafe { run(&l) }.unwrap();
+    for t in 0..threads {
+        let lane = (t % 32) as i32;
+        let want = [
+            30,
+            if lane >= 1 { (lane - 1) * 10 } else { 0 },
+            if lane + 2 < 32 {
+                (lane + 2) * 10
+            } else {
+                lane * 10
+            },
+            (lane ^ 1) * 10,
+            0x5555_5555,
+            1,
+            1,
+            0,
+            ((lane & !7) + 1) * 10,
+        ];
+        assert_eq!(out[9 * t..9 * t + 9], want, "thread {t}");
+    }
+}
+
+#[test]
+fn dynamic_shared_memory_reverses_each_chunk() {
+    let n = 100usize;
+    let mut input: Vec<f32> = (0..n).map(|i| i as f32).collect();
+    let mut out = vec![f32::NAN; n];
+    let block = 32u32;
+    let l = launch(
+        "reverse_chunks",
+        [n.div_ceil(32) as u32, 1, 1],
+        [block, 1, 1],
+        block * 4,
+        vec![ptr(&mut input), ptr(&mut out), KernelArg::U64(n as u64)],
+    );
+    // SAFETY: n inputs and outputs; the kernel checks bounds.
+    unsafe { run(&l) }.unwrap();
+    let want: Vec<f32> = input
+        .chunks(32)
+        .flat_map(|c| c.iter().rev().copied())
+        .collect();
+    assert_eq!(out, want);
+}
+
+#[test]
+fn three_dimensional_blocks_and_grids_get_cuda_indices() {
+    let (block, grid) = ([4u32, 2, 2], [2u32, 3, 2]);
+    let threads = 16usize;
+    let mut out = vec![u32::MAX; threads * 12];
+    let l = launch("indices_3d", grid, block, 0, vec![ptr(&mut out)]);
+    // SAFETY: one element per thread of the grid.
+    unsafe { run(&l) }.unwrap();
+    let mut k = 0;
+    for bz in 0..2 {
+        for by in 0..3 {
+            for bx in 0..2 {
+                for tz in 0..2 {
+                    for ty in 0..2 {
+                        for tx in 0..4 {
+                            let want = tx | ty << 4 | tz << 8 | bx << 12 | by << 16 | bz << 20;
+                            assert_eq!(out[k], want, "element {k}");
+                            k += 1;
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn a_barrier_after_an_early_return_is_reported() {
+    let mut out = vec![0i32; 64];
+    let l = launch(
+        "broken_early_return",
+        [1, 1, 1],
+        [64, 1, 1],
+        0,
+        vec![ptr(&mut out)],
+    );
+    // SAFETY: one element per thread.
+    let err = unsafe { run(&l) }.unwrap_err().to_string();
+    assert!(
+        err.contains("__syncthreads()") && err.contains("returned"),
+        "{err}"
+    );
+}
+
+#[test]
+fn threads_stuck_at_different_barriers_are_reported_not_hung() {
+    let mut out = vec![0i32; 64];
+    let l = launch(
+        "broken_mismatched_barriers",
+        [1, 1, 1],
+        [64, 1, 1],
+        0,
+        vec![ptr(&mut out)],
+    );
+    let start = Instant::now();
+    // SAFETY: one element per thread.
+    let err = unsafe { run_with_timeout(&l, Duration::from_millis(300)) }
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("stuck at different barriers"), "{err}");
+    assert!(start.elapsed() < Duration::from_secs(10));
+}
+
+#[test]
+fn a_shuffle_over_part_of_a_warp_is_reported() {
+    let mut out = vec![0i32; 32];
+    let l = launch(
+        "broken_partial_mask",
+        [1, 1, 1],
+        [32, 1, 1],
+        0,
+        vec![ptr(&mut out)],
+    );
+    // SAFETY: one element per thread.
+    let err = unsafe { run(&l) }.unwrap_err().to_string();
+    assert!(err.contains("mask 0xffff"), "{err}");
+}
+
+#[test]
+fn a_kernel_without_a_host_entry_is_a_clear_error() {
+    let l = launch("no_such_kernel", [1, 1, 1], [32, 1, 1], 0, vec![]);
+    // SAFETY: the kernel does not exist, nothing runs.
+    let err = unsafe { run(&l) }.unwrap_err().to_string();
+    assert!(
+        err.contains("tandem_host_no_such_kernel") && err.contains("TANDEM_HOST_EXPORT"),
+        "{err}"
+    );
+}
