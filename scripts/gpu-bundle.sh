@@ -20,17 +20,17 @@ out=${1:-gpu-bundle}
 rm -rf "$out"
 mkdir -p "$out/tests" "$out/bin"
 
-# The test targets whose tests need a GPU (each prints `skipped: no CUDA device` without one).
-# Listed by package and test target name; a target missing from this tree is skipped.
-gpu_tests=(
-  "tandem-core cuda_runtime"
-  "tandem-ops cuda_ops"
-  "tandem-nn cuda_nn"
-  "tandem-optim cuda_optim"
-  "tandem-dist cuda_dist"
-  "tandem gpu_training"
-  "tandem-cuda-harness nvrtc_compile"
-)
+# The test targets whose tests need a GPU: every integration test file named `cuda_*.rs` in a
+# workspace package (each prints `skipped: no CUDA device` without one), and the NVRTC compile
+# test of the host harness.
+gpu_tests=()
+while read -r pkg path; do
+  for f in "$(dirname "$path")"/tests/cuda_*.rs; do
+    [ -f "$f" ] && gpu_tests+=("$pkg $(basename "$f" .rs)")
+  done
+done < <(cargo metadata --format-version 1 --no-deps |
+  python3 -c "import json,sys; [print(p['name'], p['manifest_path']) for p in json.load(sys.stdin)['packages']]")
+gpu_tests+=("tandem-cuda-harness nvrtc")
 
 manifest="$out/tests/MANIFEST"
 : >"$manifest"

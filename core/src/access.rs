@@ -134,6 +134,29 @@ impl Tensor {
         }
     }
 
+    /// A copy of this CPU tensor on `device`, made in order on `stream` — a stream of that
+    /// device other than its compute stream, so that the copy overlaps computation (a data
+    /// loader's prefetch, say) — and the event after which the copy is complete. Make the
+    /// compute stream wait for the event (`Stream::wait_event`, which does not block the host)
+    /// before using the copy. For a CPU `device` this is `to_device` and a completed event.
+    pub fn to_device_on(
+        &self,
+        device: Device,
+        stream: &crate::Stream,
+    ) -> Result<(Tensor, crate::Event)> {
+        match (self.device(), device) {
+            (Device::Cpu, Device::Cuda(n)) => {
+                device.same_as(stream.device(), "to_device_on")?;
+                let cuda_stream = stream.cuda_stream().ok_or_else(|| {
+                    Error::invalid("to_device_on", format!("{stream:?} is not a CUDA stream"))
+                })?;
+                let copy = cuda::upload_on(self, n, cuda_stream)?;
+                Ok((copy, stream.record_event()?))
+            }
+            _ => Ok((self.to_device(device)?, crate::Event::completed())),
+        }
+    }
+
     /// Moves this tensor's storage — and with it every view sharing the storage — to `device`,
     /// in place, and its accumulated gradient with it. Unlike [`Tensor::to_device`], which
     /// returns a copy, the tensor keeps its identity: hooks registered on it, optimizer state

@@ -302,3 +302,27 @@ fn cublas_product_matches_the_cpu_with_and_without_tf32() {
         );
     }
 }
+
+#[test]
+fn copies_on_a_second_stream_are_ordered_by_their_event() {
+    if !gpu() {
+        return;
+    }
+    let copy = Stream::new_on(GPU, "copy").unwrap();
+    let compute = Stream::compute(GPU).unwrap();
+    for round in 0..20 {
+        let host = sample(&[257, 129], DType::F32, 100 + round);
+        let (dev, ready) = host.to_device_on(GPU, &copy).unwrap();
+        compute.wait_event(&ready).unwrap();
+        // A kernel on the compute stream reads the copy right after the wait.
+        let doubled = dev.copy_detached().unwrap();
+        doubled.scale_(2.0).unwrap();
+        let want: Vec<f32> = host
+            .to_vec::<f32>()
+            .unwrap()
+            .iter()
+            .map(|v| v * 2.0)
+            .collect();
+        assert_eq!(doubled.to_vec::<f32>().unwrap(), want, "round {round}");
+    }
+}

@@ -5,6 +5,8 @@
 
 use std::sync::Arc;
 
+use cudarc::driver::CudaStream;
+
 use super::device::{device, CudaDevice};
 use super::launch::Launch;
 use super::runtime_kernels::{self as kernels, DeviceView};
@@ -138,6 +140,26 @@ pub(crate) fn upload(t: &Tensor, ordinal: usize) -> Result<Tensor> {
     let bytes = &guard.as_bytes()[offset..offset + t.numel() * size];
     transfer::upload(&dev, OP, bytes, ptr, dev.compute_stream())?;
     drop(guard);
+    Ok(out)
+}
+
+/// `t` (a CPU tensor) as a contiguous tensor on `cuda:ordinal`, allocated and copied in order on
+/// `stream` (a stream of that device other than the compute stream, typically a copy stream),
+/// so that the copy overlaps the compute stream's work. The memory is noted as used on the
+/// compute stream, where the caller uses it after waiting for `stream`.
+pub(crate) fn upload_on(t: &Tensor, ordinal: usize, stream: &Arc<CudaStream>) -> Result<Tensor> {
+    const OP: &str = "to_device_on";
+    let host = t.contiguous_detached()?;
+    let dev = device(ordinal)?;
+    let storage = CudaStorage::uninit_on(OP, &dev, t.dtype(), t.numel(), stream)?;
+    storage.buffer().record_stream(dev.compute_stream());
+    let ptr = storage.ptr();
+    let out = Tensor::from_storage(Storage::cuda(storage), Layout::contiguous(t.dims()))?;
+    let guard = host.storage().read_host(OP)?;
+    let size = t.dtype().size_in_bytes();
+    let offset = host.layout().offset() * size;
+    let bytes = &guard.as_bytes()[offset..offset + t.numel() * size];
+    transfer::upload(&dev, OP, bytes, ptr, stream)?;
     Ok(out)
 }
 

@@ -2,6 +2,8 @@
 
 use std::sync::Arc;
 
+use cudarc::driver::CudaStream;
+
 use super::device::CudaDevice;
 use super::memory::DeviceBuffer;
 use super::transfer;
@@ -23,6 +25,18 @@ impl CudaStorage {
         dtype: DType,
         len: usize,
     ) -> Result<Self> {
+        Self::uninit_on(op, device, dtype, len, device.compute_stream())
+    }
+
+    /// Uninitialised storage for `len` elements on `device`, ordered on `stream` (one of the
+    /// device's streams): usable there at once, elsewhere after waiting for that stream.
+    pub fn uninit_on(
+        op: &'static str,
+        device: &Arc<CudaDevice>,
+        dtype: DType,
+        len: usize,
+        stream: &Arc<CudaStream>,
+    ) -> Result<Self> {
         let bytes = len
             .checked_mul(dtype.size_in_bytes())
             .ok_or_else(|| Error::OutOfMemory {
@@ -30,7 +44,7 @@ impl CudaStorage {
                 device: device.device(),
                 bytes: usize::MAX,
             })?;
-        let buffer = DeviceBuffer::alloc(op, device, bytes, device.compute_stream())?;
+        let buffer = DeviceBuffer::alloc(op, device, bytes, stream)?;
         Ok(CudaStorage { buffer, dtype, len })
     }
 

@@ -10,11 +10,13 @@ use std::sync::mpsc::{sync_channel, Receiver};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
+use tandem_core::{Device, Event, Stream};
+
 use crate::data::{Batch, Dataset, RandomSampler, Sampler, SequentialSampler};
 use crate::{Error, Result};
 
 /// How a [`DataLoader`] batches. Defaults: batch size 64, no shuffling, seed 0, keep the last
-/// partial batch, prefetch 2 batches.
+/// partial batch, prefetch 2 batches, batches on the CPU.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DataLoaderConfig {
     /// Samples per batch (> 0).
@@ -27,6 +29,8 @@ pub struct DataLoaderConfig {
     pub drop_last: bool,
     /// Finished batches the worker may hold ahead of the caller (> 0).
     pub prefetch: usize,
+    /// Where batches are delivered: on a CUDA device they are copied there in the background.
+    pub device: Device,
 }
 
 impl Default for DataLoaderConfig {
@@ -37,6 +41,7 @@ impl Default for DataLoaderConfig {
             seed: 0,
             drop_last: false,
             prefetch: 2,
+            device: Device::Cpu,
         }
     }
 }
@@ -148,7 +153,28 @@ impl DataLoader {
     pub fn epoch_from(&self, epoch: u64, first: usize) -> Batches {
         self.next_epoch.store(epoch + 1, Ordering::Relaxed);
         let batches = self.len().saturating_sub(first);
-        let (tx, rx) = sync_channel::<Result<Batch>>(self.config.prefetch);
+        let failed = |e: Error| Batches {
+            receiver: None,
+            worker: None,
+            remaining: 0,
+            failure: Some(e),
+            compute: None,
+        };
+        let device = self.config.device;
+        // On a CUDA device: a copy stream for the worker, the compute stream for the caller.
+        let streams = match device {
+            Device::Cpu => None,
+            Device::Cuda(_) => {
+                let streams = Stream::new_on(device, "tandem-dataloader-copy")
+                    .and_then(|copy| Ok((copy, Stream::compute(device)?)));
+                match streams {
+                    Ok(s) => Some(s),
+                    Err(e) => return failed(e.into()),
+                }
+            }
+        };
+        let (copy, compute) = streams.unzip();
+        let (tx, rx) = sync_channel::<Result<Loaded>>(self.config.prefetch);
         let (dataset, sampler) = (self.dataset.clone(), self.sampler.clone());
         let (batch_size, drop_last) = (self.config.batch_size, self.config.drop_last);
         let spawned = std::thread::Builder::new()
@@ -159,10 +185,12 @@ impl DataLoader {
                     if drop_last && chunk.len() < batch_size {
                         break;
                     }
-                    let batch = dataset.get_batch(chunk);
-                    let failed = batch.is_err();
+                    let loaded = dataset
+                        .get_batch(chunk)
+                        .and_then(|batch| deliver(batch, device, copy.as_ref()));
+                    let failed = loaded.is_err();
                     // A send fails when the caller dropped the iterator: stop quietly.
-                    if tx.send(batch).is_err() || failed {
+                    if tx.send(loaded).is_err() || failed {
                         return;
                     }
                 }
@@ -173,18 +201,34 @@ impl DataLoader {
                 worker: Some(handle),
                 remaining: batches,
                 failure: None,
+                compute,
             },
-            Err(e) => Batches {
-                receiver: None,
-                worker: None,
-                remaining: 0,
-                failure: Some(Error::data(
-                    "DataLoader",
-                    format!("could not start the loader thread: {e}"),
-                )),
-            },
+            Err(e) => failed(Error::data(
+                "DataLoader",
+                format!("could not start the loader thread: {e}"),
+            )),
         }
     }
+}
+
+/// A batch on its way to the caller, with the event its device copy completes at.
+struct Loaded {
+    batch: Batch,
+    ready: Option<Event>,
+}
+
+/// Copies a CPU batch to `device` on the `copy` stream (nothing to do for the CPU).
+fn deliver(batch: Batch, device: Device, copy: Option<&Stream>) -> Result<Loaded> {
+    let Some(copy) = copy else {
+        return Ok(Loaded { batch, ready: None });
+    };
+    let (inputs, _) = batch.inputs.to_device_on(device, copy)?;
+    // The targets are copied after the inputs on the same stream: their event covers both.
+    let (targets, ready) = batch.targets.to_device_on(device, copy)?;
+    Ok(Loaded {
+        batch: Batch { inputs, targets },
+        ready: Some(ready),
+    })
 }
 
 impl IntoIterator for &DataLoader {
@@ -198,10 +242,12 @@ impl IntoIterator for &DataLoader {
 
 /// The batches of one epoch, in order. Stops after the first error.
 pub struct Batches {
-    receiver: Option<Receiver<Result<Batch>>>,
+    receiver: Option<Receiver<Result<Loaded>>>,
     worker: Option<JoinHandle<()>>,
     remaining: usize,
     failure: Option<Error>,
+    /// The device's compute stream, made to wait for each batch's copy.
+    compute: Option<Stream>,
 }
 
 impl Iterator for Batches {
@@ -213,8 +259,14 @@ impl Iterator for Batches {
         }
         let receiver = self.receiver.as_ref()?;
         match receiver.recv() {
-            Ok(batch) => {
+            Ok(loaded) => {
                 self.remaining = self.remaining.saturating_sub(1);
+                let batch = loaded.and_then(|Loaded { batch, ready }| {
+                    if let (Some(compute), Some(ready)) = (&self.compute, ready) {
+                        compute.wait_event(&ready)?;
+                    }
+                    Ok(batch)
+                });
                 if batch.is_err() {
                     self.receiver = None;
                 }
