@@ -69,6 +69,7 @@
 //! ranks with the environment set, serves the store, prefixes each rank's output with
 //! `[rank K] `, and stops the whole job when one rank fails, naming it.
 
+pub mod auth;
 mod coalesce;
 pub mod ddp;
 pub mod error;
@@ -81,6 +82,7 @@ pub mod store;
 pub mod sync_batch_norm;
 pub mod testing;
 
+pub use auth::JobSecret;
 pub use ddp::{DdpConfig, DistributedDataParallel};
 pub use error::{DistError, Result};
 pub use process_group::tcp::TcpProcessGroup;
@@ -93,5 +95,5 @@ pub use reducer::telemetry::{BucketTiming, OverlapSummary, StepTiming, Telemetry
 pub use reducer::{GradReduction, LaunchRecord};
 pub use rendezvous::{init_from_env, init_from_env_with, init_process_group, EnvSource, LaunchEnv};
 pub use sampler::DistributedSampler;
-pub use store::{StoreServer, TcpStore};
+pub use store::{StoreConfig, StoreServer, TcpStore};
 pub use sync_batch_norm::{convert_sync_batch_norm, SyncBatchNorm};
