@@ -10,6 +10,7 @@
 //! that disagrees is reported instead of corrupting data.
 
 mod frame;
+mod handshake;
 mod link;
 mod mesh;
 mod plan;
@@ -186,6 +187,9 @@ pub struct GroupConfig {
     /// Name of the group; groups sharing a rendezvous store need distinct names.
     /// Default: `"default"`.
     pub name: String,
+    /// While connecting, a rank that is still waiting for other ranks says so on stderr, naming
+    /// them, this often. Default: 30 s.
+    pub wait_log_interval: Duration,
 }
 
 impl Default for GroupConfig {
@@ -198,6 +202,7 @@ impl Default for GroupConfig {
             socket_buffer_bytes: 0,
             same_host_copy: true,
             name: "default".to_string(),
+            wait_log_interval: Duration::from_secs(30),
         }
     }
 }

@@ -1,319 +1,653 @@
 //! The same-host fast path of the TCP backend: when every rank of a group runs on one machine,
-//! large collectives copy straight out of the other ranks' memory with `process_vm_readv(2)`
-//! (cross-memory attach, as MPI implementations do) and use the TCP connections only to
-//! synchronise.
+//! large collectives move through shared-memory segments instead of through the TCP stack, and
+//! use the TCP connections only to synchronise.
 //!
-//! Through loopback TCP each byte is copied twice (sender into the kernel, kernel into the
-//! receiver) and pays the TCP stack on the way; a cross-memory read copies it once. Whether it
-//! works — same user, same PID namespace, no ptrace restrictions — is not guessed from host
-//! names: when the group is set up each rank publishes the address of a random token and every
-//! other rank tries to read it. Only if every rank could read every other do all ranks enable
-//! the path (they agree through the store), so all ranks always pick the same algorithm.
+//! **Trust.** Each rank owns one segment: an anonymous memory file (`memfd_create`) sealed so
+//! that it can never shrink, mapped read-write by its owner only. The owner hands the file
+//! itself — not a name, not an address — to each peer over an authenticated Unix-domain socket
+//! (`SCM_RIGHTS`); a peer checks the seal and the size and maps it read-only. So a rank writes
+//! only into memory it allocated for the purpose, reads only from mappings whose bounds it
+//! checked itself, at offsets it computes from the collective (which every rank agrees on), and
+//! no byte a peer sends is ever used as an address. A misbehaving peer can at worst put wrong
+//! numbers in its own segment; it cannot make a rank touch any other memory, and the seal means
+//! it cannot make a rank fault by truncating its file.
 //!
-//! A collective then runs in two phases, each ended by an exchange of frames that carries the
-//! usual header checks (sequence number, collective, dtype, element count). First the ranks
-//! swap the addresses of their buffers (which also says "my buffer is ready"). Then each rank
-//! computes its own segment of a reduction chunk by chunk — reading the others' copies of the
-//! chunk, folding all contributions in rank order (so results are bit-identical everywhere) —
-//! and, for an all-reduce, writes the finished chunk straight into every peer's buffer while it
-//! is still in cache (`process_vm_writev`); a gather or broadcast just reads what it needs. A
-//! final barrier guarantees that nobody releases a buffer another rank still reads or writes.
-//! A peer that dies is noticed on its connection as on the ring path, or by the failed copy.
+//! **Setup.** Each rank listens on an abstract Unix-domain socket with a random name and
+//! publishes the name in the store. Every rank connects to the sockets of the lower ranks; only
+//! if every rank reached every lower rank (so all share one host and one network namespace) do
+//! all ranks enable the path — they agree through the store, so all ranks always pick the same
+//! algorithm. The channels then run the same handshake as the TCP links (job secret, rank,
+//! world size), and a stranger on a socket is closed and logged.
+//!
+//! **A collective** runs in rounds of at most [`MAX_SEGMENT`] bytes. In each round a rank
+//! copies into its own segment what the others will need from it, and a barrier (an exchange
+//! of frames that carries the usual header checks: sequence number, collective, dtype, element
+//! count) says that every segment is ready. For a reduction each rank then folds its own share
+//! (a ring segment of an all-reduce, its block of a reduce-scatter) chunk by chunk, reading the
+//! peers' contributions straight from their segments and its own in place, in rank order so
+//! that every rank ends with identical bits, and publishes the result in its segment while it
+//! is still in cache; after a second barrier every rank copies the other shares. A gather or a
+//! broadcast just copies. A last barrier keeps every rank from refilling its segment while a
+//! peer still reads it. Segments grow (up to [`MAX_SEGMENT`]) when a collective needs more;
+//! every rank grows at the same collective, and receives the peers' new files only after the
+//! first barrier has confirmed that they run the same collective. A peer that dies is noticed
+//! on its connection as on the ring path.
 
-use std::collections::hash_map::RandomState;
-use std::hash::{BuildHasher, Hasher};
-use std::io;
-use std::ops::Range;
+use std::io::{self, Read};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
 use std::time::{Duration, Instant};
 
 use super::frame::Farewell;
+use super::handshake::{connect_side, Channel};
 use super::link::{drain_farewell, poll, Link};
+use super::mesh::{accept_peers, me};
 use super::plan::same_host_phase;
-use super::reduce::{self, AlignedBuf};
+use super::reduce;
 use super::transport::{self, Ctx};
 use super::{CollectiveKind, GroupConfig};
 use crate::error::fmt_ranks;
 use crate::store::TcpStore;
 use crate::{DistError, Result};
 
-/// Finds out whether every rank can read every other rank's memory. Returns the ranks' process
-/// ids if so. Every rank of the group must call it.
+/// Largest segment a rank shares; larger collectives run in rounds.
+pub(crate) const MAX_SEGMENT: usize = 32 << 20;
+/// Smallest segment a rank creates.
+const MIN_SEGMENT: usize = 1 << 20;
+/// Largest group that uses the path (every rank's socket must hold all its peers' pending
+/// connections while the group is set up).
+const MAX_RANKS: usize = 128;
+/// Bytes of the message that accompanies a segment: its size and the collective's number.
+const GROW_MESSAGE: usize = 16;
+
+/// A shared mapping of a memory file; unmapped on drop.
+struct Mapping {
+    ptr: *mut u8,
+    len: usize,
+    writable: bool,
+}
+
+// SAFETY: the mapping is plain memory owned by this value; moving it to another thread moves
+// that ownership with it.
+unsafe impl Send for Mapping {}
+
+impl Mapping {
+    fn map(fd: RawFd, len: usize, writable: bool) -> io::Result<Self> {
+        let prot = if writable {
+            libc::PROT_READ | libc::PROT_WRITE
+        } else {
+            libc::PROT_READ
+        };
+        // SAFETY: mmap with a null hint creates a new mapping and touches no existing memory;
+        // `fd` is an open memory file of at least `len` bytes that cannot shrink (checked or
+        // sealed by our callers), so every mapped page is backed.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                prot,
+                libc::MAP_SHARED,
+                fd,
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(Mapping {
+            ptr: ptr.cast(),
+            len,
+            writable,
+        })
+    }
+
+    /// The mapped bytes.
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: `ptr..ptr+len` is a live mapping owned by `self` (unmapped only in drop). Its
+        // owner may write it while we read (a misbehaving peer outside the barriers): the values
+        // read may then be inconsistent, but they are only ever used as numbers.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    /// The mapped bytes, writable (own segments only).
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        debug_assert!(self.writable);
+        // SAFETY: as in `bytes`; the mapping is writable, and `&mut self` makes this the only
+        // reference into it in this process (peers map it read-only).
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: `ptr`/`len` describe a mapping created in `map` and not yet unmapped; no
+        // reference into it outlives `self`.
+        unsafe {
+            libc::munmap(self.ptr.cast(), self.len);
+        }
+    }
+}
+
+fn check(rc: libc::c_int) -> io::Result<libc::c_int> {
+    if rc < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(rc)
+    }
+}
+
+/// A new segment of `len` bytes: a sealed memory file and its read-write mapping.
+fn create_segment(len: usize) -> io::Result<(OwnedFd, Mapping)> {
+    // SAFETY: the name is a valid NUL-terminated string; memfd_create returns a new descriptor.
+    let raw = check(unsafe {
+        libc::memfd_create(
+            c"tandem-shared-segment".as_ptr(),
+            libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+        )
+    })?;
+    // SAFETY: `raw` is a fresh descriptor that nothing else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+    let size = libc::off_t::try_from(len).map_err(io::Error::other)?;
+    // SAFETY: ftruncate and fcntl take plain integers; `fd` is open.
+    check(unsafe { libc::ftruncate(fd.as_raw_fd(), size) })?;
+    let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+    // SAFETY: as above.
+    check(unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) })?;
+    let mapping = Mapping::map(fd.as_raw_fd(), len, true)?;
+    Ok((fd, mapping))
+}
+
+/// Maps a peer's segment read-only, after checking that it is a memory file sealed against
+/// shrinking and holds at least `len` bytes (so reading any of them can never fault).
+fn adopt_segment(fd: &OwnedFd, len: usize) -> std::result::Result<Mapping, String> {
+    // SAFETY: fcntl takes plain integers; `fd` is open.
+    let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+    if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
+        return Err("it sent a file that is not a memory file sealed against shrinking".into());
+    }
+    // SAFETY: `stat` is a plain C struct, valid when zeroed; fstat fills it.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: `st` is live and exclusively borrowed for the call.
+    if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
+        return Err(format!("fstat of its segment failed: {}", io::Error::last_os_error()));
+    }
+    if (st.st_size as u64) < len as u64 {
+        return Err(format!(
+            "its segment has {} bytes, {len} were agreed",
+            st.st_size
+        ));
+    }
+    Mapping::map(fd.as_raw_fd(), len, false).map_err(|e| format!("mapping its segment: {e}"))
+}
+
+/// Sends `fd` with `message` over a Unix-domain socket.
+fn send_fd(sock: &UnixStream, fd: RawFd, message: &[u8; GROW_MESSAGE]) -> io::Result<()> {
+    let mut iov = libc::iovec {
+        iov_base: message.as_ptr() as *mut libc::c_void,
+        iov_len: message.len(),
+    };
+    // u64 words keep the control buffer aligned for `cmsghdr`.
+    let mut control = [0u64; 8];
+    // SAFETY: CMSG_SPACE is a pure size computation.
+    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
+    // SAFETY: `msghdr` is a plain C struct, valid when zeroed.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr().cast();
+    msg.msg_controllen = space;
+    // SAFETY: `msg` points at `control`, which is at least `space` bytes and aligned, so
+    // CMSG_FIRSTHDR returns a pointer into it with room for one header and one descriptor.
+    unsafe {
+        let cmsg = libc::CMSG_FIRSTHDR(&msg);
+        (*cmsg).cmsg_level = libc::SOL_SOCKET;
+        (*cmsg).cmsg_type = libc::SCM_RIGHTS;
+        (*cmsg).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as usize;
+        std::ptr::write_unaligned(libc::CMSG_DATA(cmsg).cast::<RawFd>(), fd);
+    }
+    loop {
+        // SAFETY: `msg` describes `iov` (over `message`) and `control`, all live for the call;
+        // sendmsg only reads them.
+        let n = unsafe { libc::sendmsg(sock.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
+        if n >= 0 {
+            // A few bytes into an empty socket buffer: all or nothing in practice; finish the
+            // rest without the descriptor if not.
+            let sent = n as usize;
+            if sent < message.len() {
+                let mut s = sock;
+                io::Write::write_all(&mut s, &message[sent..])?;
+            }
+            return Ok(());
+        }
+        let err = io::Error::last_os_error();
+        if err.kind() != io::ErrorKind::Interrupted {
+            return Err(err);
+        }
+    }
+}
+
+/// Receives a descriptor and its message from a Unix-domain socket by `deadline`. Every
+/// descriptor that arrives is owned (and so closed unless kept); `None` if none came.
+fn recv_fd(
+    sock: &UnixStream,
+    deadline: Instant,
+) -> io::Result<(Option<OwnedFd>, [u8; GROW_MESSAGE])> {
+    let mut message = [0u8; GROW_MESSAGE];
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(io::ErrorKind::TimedOut, "no segment arrived"));
+        }
+        let mut fds = [libc::pollfd {
+            fd: sock.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        }];
+        if poll(&mut fds, left)? > 0 {
+            break;
+        }
+    }
+    let mut iov = libc::iovec {
+        iov_base: message.as_mut_ptr().cast(),
+        iov_len: message.len(),
+    };
+    let mut control = [0u64; 8];
+    // SAFETY: `msghdr` is a plain C struct, valid when zeroed.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr().cast();
+    msg.msg_controllen = std::mem::size_of_val(&control);
+    let n = loop {
+        // SAFETY: `msg` describes `iov` (over `message`) and `control`, both live and
+        // exclusively borrowed; the kernel writes at most their lengths.
+        let n = unsafe {
+            libc::recvmsg(
+                sock.as_raw_fd(),
+                &mut msg,
+                libc::MSG_CMSG_CLOEXEC | libc::MSG_DONTWAIT,
+            )
+        };
+        if n >= 0 {
+            break n as usize;
+        }
+        let err = io::Error::last_os_error();
+        if err.kind() != io::ErrorKind::Interrupted {
+            return Err(err);
+        }
+    };
+    // Take ownership of every descriptor received, so none leaks.
+    let mut received = Vec::new();
+    // SAFETY: the kernel filled `control` with `msg_controllen` bytes of well-formed control
+    // messages; the CMSG macros walk them without leaving that buffer.
+    unsafe {
+        let mut cmsg = libc::CMSG_FIRSTHDR(&msg);
+        while !cmsg.is_null() {
+            if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
+                let data = libc::CMSG_DATA(cmsg);
+                let bytes = (*cmsg).cmsg_len as usize - libc::CMSG_LEN(0) as usize;
+                for k in 0..bytes / std::mem::size_of::<RawFd>() {
+                    let fd = std::ptr::read_unaligned(data.cast::<RawFd>().add(k));
+                    received.push(OwnedFd::from_raw_fd(fd));
+                }
+            }
+            cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
+        }
+    }
+    if n == 0 {
+        return Err(io::Error::new(
+            io::ErrorKind::UnexpectedEof,
+            "the channel was closed",
+        ));
+    }
+    if n < GROW_MESSAGE {
+        sock.set_read_timeout(Some(
+            deadline
+                .saturating_duration_since(Instant::now())
+                .max(Duration::from_millis(1)),
+        ))?;
+        let mut s = sock;
+        s.read_exact(&mut message[n..])?;
+    }
+    let first = if received.is_empty() {
+        None
+    } else {
+        Some(received.swap_remove(0))
+    };
+    Ok((first, message))
+}
+
+/// What a rank holds for the same-host path: a channel to each peer, its own segment and its
+/// read-only mappings of the peers' segments.
+pub(crate) struct SameHost {
+    channels: Vec<Option<UnixStream>>,
+    own: Option<Mapping>,
+    peers: Vec<Option<Mapping>>,
+    capacity: usize,
+}
+
+/// Finds out whether every rank runs on this host and, if so, connects the same-host
+/// channels. Every rank of the group must call it; all get the same answer.
 pub(crate) fn agree(
     store: &TcpStore,
     rank: usize,
     world: usize,
     config: &GroupConfig,
-    deadline: Instant,
-) -> Result<Option<Vec<i32>>> {
-    if world <= 1 {
+    started: Instant,
+) -> Result<Option<SameHost>> {
+    if world <= 1 || world > MAX_RANKS || !config.same_host_copy {
         return Ok(None);
     }
+    let deadline = started + config.connect_timeout;
+    let left = || deadline.saturating_duration_since(Instant::now());
     let prefix = format!("tandem/{}/same_host", config.name);
-    let mut token = [0u8; 32];
-    for chunk in token.chunks_mut(8) {
-        let mut h = RandomState::new().build_hasher();
-        h.write_usize(chunk.as_ptr() as usize);
-        chunk.copy_from_slice(&h.finish().to_le_bytes());
-    }
-    let pid = std::process::id() as i32;
-    let hex: String = token.iter().map(|b| format!("{b:02x}")).collect();
-    store.set(
-        &format!("{prefix}/probe/{rank}"),
-        format!("{pid} {} {hex}", token.as_ptr() as usize).as_bytes(),
-    )?;
-
-    let mut pids = vec![pid; world];
-    let mut all_readable = config.same_host_copy;
-    for (q, slot) in pids.iter_mut().enumerate() {
-        if q == rank || !all_readable {
-            continue;
+    let listener = crate::auth::nonce()
+        .ok()
+        .map(|n| {
+            let hex: String = n[..16].iter().map(|b| format!("{b:02x}")).collect();
+            format!("tandem-{hex}")
+        })
+        .and_then(|name| {
+            let addr = SocketAddr::from_abstract_name(name.as_bytes()).ok()?;
+            Some((UnixListener::bind_addr(&addr).ok()?, name))
+        });
+    let published = listener.as_ref().map_or("", |(_, name)| name.as_str());
+    store.set(&format!("{prefix}/socket/{rank}"), published.as_bytes())?;
+    let mut outgoing = Vec::new();
+    let mut reachable = listener.is_some();
+    for q in 0..rank {
+        if !reachable {
+            break;
         }
-        let remaining = deadline.saturating_duration_since(Instant::now());
-        let text =
-            String::from_utf8_lossy(&store.get_timeout(&format!("{prefix}/probe/{q}"), remaining)?)
-                .into_owned();
-        let mut fields = text.split(' ');
-        let parsed = (|| {
-            Some((
-                fields.next()?.parse::<i32>().ok()?,
-                fields.next()?.parse::<usize>().ok()?,
-                fields.next()?.to_string(),
-            ))
-        })();
-        let Some((their_pid, addr, their_hex)) = parsed else {
-            all_readable = false;
-            continue;
-        };
-        let mut seen = [0u8; 32];
-        let readable = read_remote(their_pid, addr, &mut seen).is_ok()
-            && seen.iter().map(|b| format!("{b:02x}")).collect::<String>() == their_hex;
-        *slot = their_pid;
-        all_readable &= readable;
+        let name = store.get_timeout(&format!("{prefix}/socket/{q}"), left())?;
+        let stream = SocketAddr::from_abstract_name(&name)
+            .ok()
+            .filter(|_| !name.is_empty())
+            .and_then(|addr| UnixStream::connect_addr(&addr).ok());
+        match stream {
+            Some(s) => outgoing.push((q, s)),
+            None => reachable = false,
+        }
     }
     store.set(
-        &format!("{prefix}/ok/{rank}"),
-        if all_readable { b"1" } else { b"0" },
+        &format!("{prefix}/reachable/{rank}"),
+        if reachable { b"1" } else { b"0" },
     )?;
-    // The token must stay readable until every rank has finished probing it, which is when
-    // every rank has published its verdict.
-    let mut everyone = all_readable;
+    let mut everyone = reachable;
     for q in 0..world {
-        let remaining = deadline.saturating_duration_since(Instant::now());
-        everyone &= store.get_timeout(&format!("{prefix}/ok/{q}"), remaining)? == b"1";
+        everyone &= store.get_timeout(&format!("{prefix}/reachable/{q}"), left())? == b"1";
     }
-    std::hint::black_box(&token);
-    Ok(everyone.then_some(pids))
+    let Some((listener, _)) = listener.filter(|_| everyone) else {
+        return Ok(None);
+    };
+    let me = me(store, rank, world, config, Channel::SameHost);
+    let mut channels: Vec<Option<UnixStream>> = (0..world).map(|_| None).collect();
+    for (q, mut stream) in outgoing {
+        let desc = format!("rank {q}'s same-host channel");
+        connect_side(&mut stream, &me, q, &desc, deadline).map_err(|detail| {
+            DistError::Connect { rank, detail }
+        })?;
+        channels[q] = Some(stream);
+    }
+    for (q, stream) in accept_peers(&listener, &me, config, started)? {
+        channels[q] = Some(stream);
+    }
+    Ok(Some(SameHost {
+        channels,
+        own: None,
+        peers: (0..world).map(|_| None).collect(),
+        capacity: 0,
+    }))
 }
 
-/// Copies `local.len()` bytes from address `addr` of process `pid` into `local`.
-fn read_remote(pid: i32, addr: usize, local: &mut [u8]) -> io::Result<()> {
-    let mut done = 0;
-    while done < local.len() {
-        let rest = &mut local[done..];
-        let local_iov = libc::iovec {
-            iov_base: rest.as_mut_ptr().cast(),
-            iov_len: rest.len(),
-        };
-        let remote_iov = libc::iovec {
-            iov_base: (addr + done) as *mut libc::c_void,
-            iov_len: rest.len(),
-        };
-        // SAFETY: `local_iov` describes `rest`, a live, exclusively borrowed buffer, and the
-        // kernel writes at most `rest.len()` bytes into it. `remote_iov` names memory of another
-        // process; the kernel checks it (EFAULT) and never touches this process's memory
-        // through it.
-        let n = unsafe { libc::process_vm_readv(pid, &local_iov, 1, &remote_iov, 1, 0) };
-        if n < 0 {
-            let err = io::Error::last_os_error();
-            if err.kind() == io::ErrorKind::Interrupted {
-                continue;
+/// The bytes a round occupies in a segment and the length of the round's slice, for a
+/// collective on `total` bytes (`block` per rank for gathers and scatters) on `world` ranks.
+fn round_shape(kind: CollectiveKind, total: usize, block: usize, world: usize, elem: usize) -> (usize, usize) {
+    let align = |b: usize| (b / elem * elem).max(elem);
+    match kind {
+        CollectiveKind::AllGather => {
+            let len = block.min(align(MAX_SEGMENT));
+            (len, len)
+        }
+        CollectiveKind::ReduceScatter => {
+            let len = block.min(align(MAX_SEGMENT / world));
+            (len * world, len)
+        }
+        _ => {
+            let len = total.min(align(MAX_SEGMENT));
+            (len, len)
+        }
+    }
+}
+
+impl SameHost {
+    /// Makes this rank's segment hold at least `needed` bytes, sending a new one to every peer
+    /// if it must grow. Returns whether it grew (then the peers' new segments are to be
+    /// received with [`SameHost::receive_segments`]).
+    fn ensure_capacity(&mut self, ctx: &Ctx<'_>, needed: usize) -> Result<bool> {
+        if needed <= self.capacity && self.own.is_some() {
+            return Ok(false);
+        }
+        let capacity = needed
+            .max(1)
+            .next_power_of_two()
+            .clamp(MIN_SEGMENT, MAX_SEGMENT)
+            .max(needed);
+        let (fd, mapping) = create_segment(capacity).map_err(|e| {
+            internal(ctx, format!("creating a shared segment of {capacity} bytes: {e}"))
+        })?;
+        let mut message = [0u8; GROW_MESSAGE];
+        message[..8].copy_from_slice(&(capacity as u64).to_le_bytes());
+        message[8..].copy_from_slice(&ctx.seq.to_le_bytes());
+        for (q, channel) in self.channels.iter().enumerate() {
+            if let Some(channel) = channel {
+                send_fd(channel, fd.as_raw_fd(), &message).map_err(|e| {
+                    lost(ctx, q, format!("sending rank {q} this rank's segment failed: {e}"))
+                })?;
             }
-            return Err(err);
         }
-        if n == 0 {
-            return Err(io::Error::new(
-                io::ErrorKind::UnexpectedEof,
-                "the remote range ended early",
-            ));
-        }
-        done += n as usize;
+        self.own = Some(mapping);
+        self.capacity = capacity;
+        Ok(true)
     }
-    Ok(())
-}
 
-/// Copies `local` to address `addr` of process `pid`.
-fn write_remote(pid: i32, addr: usize, local: &[u8]) -> io::Result<()> {
-    let mut done = 0;
-    while done < local.len() {
-        let rest = &local[done..];
-        let local_iov = libc::iovec {
-            iov_base: rest.as_ptr() as *mut libc::c_void,
-            iov_len: rest.len(),
-        };
-        let remote_iov = libc::iovec {
-            iov_base: (addr + done) as *mut libc::c_void,
-            iov_len: rest.len(),
-        };
-        // SAFETY: `local_iov` describes `rest`, a live slice that the kernel only reads (the
-        // pointer is `*mut` because `iovec` is shared with reads). `remote_iov` names memory of
-        // another process, checked by the kernel; nothing in this process is written.
-        let n = unsafe { libc::process_vm_writev(pid, &local_iov, 1, &remote_iov, 1, 0) };
-        if n < 0 {
-            let err = io::Error::last_os_error();
-            if err.kind() == io::ErrorKind::Interrupted {
+    /// Receives every peer's new segment (sent when the ranks grew theirs at this collective).
+    fn receive_segments(&mut self, ctx: &Ctx<'_>) -> Result<()> {
+        let deadline = Instant::now() + ctx.timeout;
+        for q in 0..self.channels.len() {
+            let Some(channel) = &self.channels[q] else {
                 continue;
+            };
+            let (fd, message) = recv_fd(channel, deadline).map_err(|e| {
+                lost(ctx, q, format!("receiving rank {q}'s segment failed: {e}"))
+            })?;
+            let fd = fd.ok_or_else(|| protocol(ctx, q, "its segment message carried no file"))?;
+            let mut word = [0u8; 8];
+            word.copy_from_slice(&message[..8]);
+            let capacity = u64::from_le_bytes(word);
+            word.copy_from_slice(&message[8..]);
+            let seq = u64::from_le_bytes(word);
+            if capacity != self.capacity as u64 || seq != ctx.seq {
+                return Err(protocol(
+                    ctx,
+                    q,
+                    format!(
+                        "it sent a segment of {capacity} bytes at collective #{seq}; {} bytes at \
+                         #{} were expected",
+                        self.capacity, ctx.seq
+                    ),
+                ));
             }
-            return Err(err);
+            let mapping = adopt_segment(&fd, self.capacity).map_err(|m| protocol(ctx, q, m))?;
+            self.peers[q] = Some(mapping);
         }
-        if n == 0 {
-            return Err(io::Error::new(
-                io::ErrorKind::UnexpectedEof,
-                "the remote range ended early",
-            ));
-        }
-        done += n as usize;
+        Ok(())
     }
-    Ok(())
+
+    fn peer(&self, ctx: &Ctx<'_>, q: usize) -> Result<&[u8]> {
+        self.peers[q]
+            .as_ref()
+            .map(Mapping::bytes)
+            .ok_or_else(|| internal(ctx, format!("no segment of rank {q}")))
+    }
 }
 
-/// Runs the collective `ctx` on `main` with direct copies between the ranks `pids`.
+/// Runs the collective `ctx` on `main` through the shared segments.
 pub(crate) fn run(
     links: &mut [Option<Link>],
     ctx: &Ctx<'_>,
-    pids: &[i32],
+    sh: &mut SameHost,
     main: &mut [u8],
-    scratch: &mut AlignedBuf,
     chunk_bytes: usize,
 ) -> Result<()> {
-    let (rank, world, desc) = (ctx.rank, pids.len(), ctx.desc);
+    match run_rounds(links, ctx, sh, main, chunk_bytes) {
+        Err(err) if !matches!(err, DistError::Io { .. }) => Err(explain(links, ctx, err)),
+        other => other,
+    }
+}
+
+fn run_rounds(
+    links: &mut [Option<Link>],
+    ctx: &Ctx<'_>,
+    sh: &mut SameHost,
+    main: &mut [u8],
+    chunk_bytes: usize,
+) -> Result<()> {
+    let (rank, world, desc) = (ctx.rank, sh.channels.len(), ctx.desc);
     let dtype = desc
         .dtype
         .ok_or_else(|| internal(ctx, "same-host copy of a barrier"))?;
     let elem = dtype.size_in_bytes();
-    let n = desc.numel as usize;
-
-    // Phase 0: every rank learns where the others' buffers are.
-    let mut table = vec![0u8; world * 16];
-    table[rank * 16..rank * 16 + 8].copy_from_slice(&(main.as_ptr() as usize as u64).to_le_bytes());
-    table[rank * 16 + 8..rank * 16 + 16].copy_from_slice(&(main.len() as u64).to_le_bytes());
-    transport::execute(
-        links,
-        ctx,
-        &same_host_phase(rank, world, 16, 0),
-        &mut table,
-        &mut [],
-    )?;
-    let mut addrs = Vec::with_capacity(world);
-    for q in 0..world {
-        let word = |at: usize| {
-            let mut w = [0u8; 8];
-            w.copy_from_slice(&table[at..at + 8]);
-            u64::from_le_bytes(w)
-        };
-        let (addr, len) = (word(q * 16), word(q * 16 + 8));
-        if len != main.len() as u64 {
-            return Err(protocol(
-                ctx,
-                q,
-                format!("its buffer has {len} bytes, this rank's {}", main.len()),
-            ));
-        }
-        addrs.push(
-            usize::try_from(addr).map_err(|_| protocol(ctx, q, "buffer address out of range"))?,
-        );
+    let total = main.len();
+    let block = match desc.kind {
+        CollectiveKind::AllGather | CollectiveKind::ReduceScatter => total / world,
+        _ => total,
+    };
+    if block == 0 {
+        return Ok(());
     }
-    // A failed read usually means the peer failed or died; its abort frame or hang-up, already
-    // waiting on the connections, then names the root cause better than the read does.
-    let remote_failed = std::cell::Cell::new(false);
-    let read = |q: usize, range: Range<usize>, dest: &mut [u8]| {
-        read_remote(pids[q], addrs[q] + range.start, dest).map_err(|e| {
-            remote_failed.set(true);
-            remote_error(ctx, q, pids[q], e)
-        })
+    let (needed, round) = round_shape(desc.kind, total, block, world, elem);
+    let mut grew = sh.ensure_capacity(ctx, needed)?;
+    let chunk = (chunk_bytes.max(elem) / elem) * elem;
+    let mut phase = 0u64;
+    let mut barrier = |links: &mut [Option<Link>]| {
+        let plan = same_host_phase(rank, world, 0, phase);
+        phase += 1;
+        transport::execute(links, ctx, &plan, &mut [], &mut [])
     };
-
-    let write = |q: usize, at: usize, src: &[u8]| {
-        write_remote(pids[q], addrs[q] + at, src).map_err(|e| {
-            remote_failed.set(true);
-            remote_error(ctx, q, pids[q], e)
-        })
-    };
-
-    let mut copy = || -> Result<()> {
+    let mut lo = 0;
+    while lo < block {
+        let hi = (lo + round).min(block);
+        let len = hi - lo;
+        let own = sh
+            .own
+            .as_mut()
+            .ok_or_else(|| internal(ctx, "no own segment"))?
+            .bytes_mut();
+        // Stage what the peers need from this rank.
         match desc.kind {
-            CollectiveKind::AllReduce | CollectiveKind::ReduceScatter => {
-                // All-reduce: the ring's balanced segments; reduce-scatter: output-sized blocks.
-                let own = match desc.kind {
-                    CollectiveKind::AllReduce => {
-                        (rank * n / world) * elem..((rank + 1) * n / world) * elem
-                    }
-                    _ => rank * n * elem..(rank + 1) * n * elem,
-                };
-                let chunk = chunk_bytes.max(elem) / elem * elem;
-                scratch.resize(world * chunk);
-                let op = desc
-                    .op
-                    .ok_or_else(|| internal(ctx, "reduction without an op"))?;
-                let mut at = own.start;
-                while at < own.end {
-                    let end = (at + chunk).min(own.end);
-                    let len = end - at;
-                    let slots = scratch.bytes_mut();
-                    for q in (0..world).filter(|&q| q != rank) {
-                        read(q, at..end, &mut slots[q * chunk..q * chunk + len])?;
-                    }
-                    // This rank's own contribution is read in place (the `None`).
-                    let sources: Vec<Option<&[u8]>> = (0..world)
-                        .map(|q| (q != rank).then(|| &slots[q * chunk..q * chunk + len]))
-                        .collect();
-                    reduce::reduce_in_place(dtype, op, &sources, &mut main[at..end])
-                        .map_err(|e| internal(ctx, e))?;
-                    if desc.kind == CollectiveKind::AllReduce {
-                        // Push the finished chunk, still in cache, into every peer's copy of
-                        // this segment. Only this rank ever reads that part of a peer's buffer,
-                        // and it has just done so, so the write cannot race a reader.
-                        for q in (0..world).filter(|&q| q != rank) {
-                            write(q, at, &main[at..end])?;
-                        }
-                    }
-                    at = end;
+            CollectiveKind::AllReduce => {
+                let mine = share(rank, world, len, elem);
+                own[..mine.start].copy_from_slice(&main[lo..lo + mine.start]);
+                own[mine.end..len].copy_from_slice(&main[lo + mine.end..hi]);
+            }
+            CollectiveKind::ReduceScatter => {
+                for q in (0..world).filter(|&q| q != rank) {
+                    own[q * len..(q + 1) * len]
+                        .copy_from_slice(&main[q * block + lo..q * block + hi]);
                 }
             }
             CollectiveKind::AllGather => {
-                for q in (0..world).filter(|&q| q != rank) {
-                    let range = q * n * elem..(q + 1) * n * elem;
-                    read(q, range.clone(), &mut main[range])?;
-                }
+                own[..len].copy_from_slice(&main[rank * block + lo..rank * block + hi]);
             }
             CollectiveKind::Broadcast => {
-                let root = desc.root.unwrap_or(0) as usize;
-                if rank != root {
-                    let len = main.len();
-                    read(root, 0..len, main)?;
+                if rank == desc.root.unwrap_or(0) as usize {
+                    own[..len].copy_from_slice(&main[lo..hi]);
                 }
             }
             CollectiveKind::Barrier => return Err(internal(ctx, "same-host copy of a barrier")),
         }
-        Ok(())
-    };
-    match copy() {
-        Ok(()) => {}
-        Err(err) if remote_failed.get() => return Err(explain(links, ctx, err)),
-        Err(err) => return Err(err),
-    };
-    // Phase 1: nobody returns (and reuses or frees its buffer) while another rank may still
-    // read from it or write into it.
-    transport::execute(
-        links,
-        ctx,
-        &same_host_phase(rank, world, 0, 1),
-        &mut [],
-        &mut [],
-    )
+        barrier(links)?;
+        if grew {
+            sh.receive_segments(ctx)?;
+            grew = false;
+        }
+        match desc.kind {
+            CollectiveKind::AllReduce | CollectiveKind::ReduceScatter => {
+                let op = desc
+                    .op
+                    .ok_or_else(|| internal(ctx, "reduction without an op"))?;
+                // Where this rank's share lies in main and in every segment.
+                let (in_main, in_segment) = if desc.kind == CollectiveKind::AllReduce {
+                    let mine = share(rank, world, len, elem);
+                    (lo + mine.start..lo + mine.end, mine)
+                } else {
+                    (rank * block + lo..rank * block + hi, rank * len..(rank + 1) * len)
+                };
+                let mut at = 0;
+                while at < in_segment.len() {
+                    let end = (at + chunk).min(in_segment.len());
+                    let seg = in_segment.start + at..in_segment.start + end;
+                    let out = in_main.start + at..in_main.start + end;
+                    let sources = (0..world)
+                        .map(|q| {
+                            if q == rank {
+                                Ok(None)
+                            } else {
+                                sh.peer(ctx, q).map(|p| Some(&p[seg.clone()]))
+                            }
+                        })
+                        .collect::<Result<Vec<_>>>()?;
+                    reduce::reduce_in_place(dtype, op, &sources, &mut main[out.clone()])
+                        .map_err(|e| internal(ctx, e))?;
+                    if desc.kind == CollectiveKind::AllReduce {
+                        let own = sh
+                            .own
+                            .as_mut()
+                            .ok_or_else(|| internal(ctx, "no own segment"))?;
+                        own.bytes_mut()[seg].copy_from_slice(&main[out]);
+                    }
+                    at = end;
+                }
+                barrier(links)?;
+                if desc.kind == CollectiveKind::AllReduce {
+                    for q in (0..world).filter(|&q| q != rank) {
+                        let theirs = share(q, world, len, elem);
+                        main[lo + theirs.start..lo + theirs.end]
+                            .copy_from_slice(&sh.peer(ctx, q)?[theirs]);
+                    }
+                    barrier(links)?;
+                }
+            }
+            CollectiveKind::AllGather => {
+                for q in (0..world).filter(|&q| q != rank) {
+                    main[q * block + lo..q * block + hi].copy_from_slice(&sh.peer(ctx, q)?[..len]);
+                }
+                barrier(links)?;
+            }
+            CollectiveKind::Broadcast => {
+                let root = desc.root.unwrap_or(0) as usize;
+                if rank != root {
+                    main[lo..hi].copy_from_slice(&sh.peer(ctx, root)?[..len]);
+                }
+                barrier(links)?;
+            }
+            CollectiveKind::Barrier => {}
+        }
+        lo = hi;
+    }
+    Ok(())
 }
 
-/// The best explanation of a failed read: an abort report or hang-up found on the
-/// connections, else `err` itself.
+/// Rank `q`'s share of a reduction over `len` bytes: the ring's balanced segment, in bytes.
+fn share(q: usize, world: usize, len: usize, elem: usize) -> std::ops::Range<usize> {
+    let n = len / elem;
+    (q * n / world) * elem..((q + 1) * n / world) * elem
+}
+
+/// The best explanation of a failure: an abort report or hang-up found on the connections,
+/// else `err` itself.
 fn explain(links: &mut [Option<Link>], ctx: &Ctx<'_>, err: DistError) -> DistError {
     let mut fds: Vec<libc::pollfd> = Vec::new();
     let mut owners = Vec::new();
@@ -396,20 +730,12 @@ fn protocol(ctx: &Ctx<'_>, peer: usize, problem: impl Into<String>) -> DistError
     }
 }
 
-fn remote_error(ctx: &Ctx<'_>, peer: usize, pid: i32, err: io::Error) -> DistError {
-    if err.raw_os_error() == Some(libc::ESRCH) {
-        DistError::PeerLost {
-            rank: ctx.rank,
-            peers: vec![peer],
-            collective: ctx.desc.to_string(),
-            seq: ctx.seq,
-            cause: format!("rank {peer}'s process (pid {pid}) no longer exists"),
-        }
-    } else {
-        protocol(
-            ctx,
-            peer,
-            format!("reading its buffer (pid {pid}) failed: {err}"),
-        )
+fn lost(ctx: &Ctx<'_>, peer: usize, cause: String) -> DistError {
+    DistError::PeerLost {
+        rank: ctx.rank,
+        peers: vec![peer],
+        collective: ctx.desc.to_string(),
+        seq: ctx.seq,
+        cause,
     }
 }
