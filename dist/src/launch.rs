@@ -11,6 +11,12 @@
 //! then SIGKILL after a grace period, and the launch reports which rank failed and how.
 //! SIGINT/SIGTERM/SIGHUP received by the launcher (when [`forward_signals`] was called) are
 //! passed on to the ranks.
+//!
+//! Every job gets a secret ([`crate::auth`]): the one in the launcher's own `TANDEM_JOB_SECRET`,
+//! or, for a single node, a fresh random one; the ranks receive it in `TANDEM_JOB_SECRET` and
+//! the store requires it. A single-node job's store listens on loopback only. When a rank fails,
+//! the launch also reports which rank the failed ones were waiting for
+//! ([`crate::failure_report`]), which is the one to look at when a rank stopped responding.
 
 use std::ffi::OsString;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -20,8 +26,11 @@ use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use crate::rendezvous::STORE_HOSTED_VAR;
-use crate::store::StoreServer;
+use crate::auth::{self, JobSecret};
+use crate::failure_report;
+pub use crate::failure_report::FailureReport;
+use crate::rendezvous::{MAX_WORLD_SIZE, STORE_HOSTED_VAR};
+use crate::store::{StoreConfig, StoreServer};
 use crate::{DistError, Result};
 
 /// The command-line help of `tandem-run`.
@@ -171,6 +180,12 @@ impl LaunchOptions {
                 self.node_rank, self.nnodes
             )));
         }
+        if self.nproc_per_node.saturating_mul(self.nnodes) > MAX_WORLD_SIZE {
+            return Err(DistError::Launch(format!(
+                "--nproc-per-node {} × --nnodes {} is more than {MAX_WORLD_SIZE} ranks",
+                self.nproc_per_node, self.nnodes
+            )));
+        }
         if self.nnodes > 1 && self.master_port.is_none() {
             return Err(DistError::Launch(
                 "--master-port is required when --nnodes > 1".into(),
@@ -236,6 +251,8 @@ pub struct LaunchReport {
     pub interrupted: Option<i32>,
     /// The port the ranks met on.
     pub master_port: u16,
+    /// What the first failed rank reported: the rank it was waiting for, if any.
+    pub report: Option<FailureReport>,
 }
 
 impl LaunchReport {
@@ -314,13 +331,11 @@ fn relay(from: impl Read, prefix: String, to_stderr: bool) {
 pub fn launch(opts: &LaunchOptions) -> Result<LaunchReport> {
     opts.validate()?;
     let world = opts.nproc_per_node * opts.nnodes;
+    let secret = auth::launcher_secret(opts.nnodes)?;
     // Node 0 serves the store on the requested port or a free one; it binds before any rank
     // starts, so there is no race for the port.
     let (server, port) = if opts.serve_store && opts.node_rank == 0 {
-        let server = StoreServer::bind(SocketAddr::from((
-            Ipv4Addr::UNSPECIFIED,
-            opts.master_port.unwrap_or(0),
-        )))?;
+        let server = serve_store(opts, secret.as_ref())?;
         let port = server.local_addr().port();
         (Some(server), port)
     } else {
@@ -356,6 +371,9 @@ pub fn launch(opts: &LaunchOptions) -> Result<LaunchReport> {
             cmd.env(STORE_HOSTED_VAR, "1");
         } else {
             cmd.env_remove(STORE_HOSTED_VAR);
+        }
+        if let Some(secret) = &secret {
+            cmd.env(auth::SECRET_VAR, secret.env_value());
         }
         let mut child = match cmd.spawn() {
             Ok(c) => c,
@@ -444,6 +462,10 @@ pub fn launch(opts: &LaunchOptions) -> Result<LaunchReport> {
             let _ = r.join();
         }
     }
+    let report = failed
+        .as_ref()
+        .zip(server.as_ref())
+        .and_then(|(f, s)| failure_report::explain(s, f.rank, world));
     drop(server);
     if let Some(e) = spawn_error {
         return Err(e);
@@ -452,7 +474,26 @@ pub fn launch(opts: &LaunchOptions) -> Result<LaunchReport> {
         failed,
         interrupted,
         master_port: port,
+        report,
     })
+}
+
+/// Serves the job's store, requiring `secret`: on loopback for a single-node job (whose ranks
+/// all reach it there), else on every interface.
+fn serve_store(opts: &LaunchOptions, secret: Option<&JobSecret>) -> Result<StoreServer> {
+    let ip = if opts.nnodes == 1 {
+        Ipv4Addr::LOCALHOST
+    } else {
+        Ipv4Addr::UNSPECIFIED
+    };
+    let config = StoreConfig {
+        secret: secret.cloned(),
+        ..StoreConfig::default()
+    };
+    StoreServer::bind_with(
+        SocketAddr::from((ip, opts.master_port.unwrap_or(0))),
+        config,
+    )
 }
 
 #[cfg(test)]

@@ -73,6 +73,7 @@ pub mod auth;
 mod coalesce;
 pub mod ddp;
 pub mod error;
+pub mod failure_report;
 pub mod launch;
 pub mod process_group;
 pub mod reducer;

@@ -32,6 +32,7 @@ fn main() -> ExitCode {
                     failure.rank,
                     failure.describe()
                 );
+                print_waiting_for(failure.rank, report.report.as_ref());
                 return ExitCode::from(failure.exit_code().clamp(1, 255) as u8);
             }
             if let Some(sig) = report.interrupted {
@@ -44,5 +45,17 @@ fn main() -> ExitCode {
             eprintln!("{e}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// Names the rank the failed rank was waiting for, when that is another rank: that rank, not
+/// the first to exit, is where to look (it may be stopped or hung).
+fn print_waiting_for(failed: usize, report: Option<&launch::FailureReport>) {
+    if let Some(r) = report.filter(|r| r.waiting_for != failed) {
+        eprintln!(
+            "tandem-run: rank {failed} was waiting for rank {}, which did not respond (stopped or \
+             hung?): {}",
+            r.waiting_for, r.message
+        );
     }
 }

@@ -9,6 +9,8 @@
 //! the same order — each one carries `(sequence number, kind, dtype, element count)` so a rank
 //! that disagrees is reported instead of corrupting data.
 
+#[cfg(test)]
+mod attack_tests;
 mod frame;
 mod handshake;
 mod link;

@@ -59,10 +59,10 @@ const MIN_SEGMENT: usize = 1 << 20;
 /// connections while the group is set up).
 const MAX_RANKS: usize = 128;
 /// Bytes of the message that accompanies a segment: its size and the collective's number.
-const GROW_MESSAGE: usize = 16;
+pub(super) const GROW_MESSAGE: usize = 16;
 
 /// A shared mapping of a memory file; unmapped on drop.
-struct Mapping {
+pub(super) struct Mapping {
     ptr: *mut u8,
     len: usize,
     writable: bool,
@@ -138,7 +138,7 @@ fn check(rc: libc::c_int) -> io::Result<libc::c_int> {
 }
 
 /// A new segment of `len` bytes: a sealed memory file and its read-write mapping.
-fn create_segment(len: usize) -> io::Result<(OwnedFd, Mapping)> {
+pub(super) fn create_segment(len: usize) -> io::Result<(OwnedFd, Mapping)> {
     // SAFETY: the name is a valid NUL-terminated string; memfd_create returns a new descriptor.
     let raw = check(unsafe {
         libc::memfd_create(
@@ -182,7 +182,7 @@ fn adopt_segment(fd: &OwnedFd, len: usize) -> std::result::Result<Mapping, Strin
 }
 
 /// Sends `fd` with `message` over a Unix-domain socket.
-fn send_fd(sock: &UnixStream, fd: RawFd, message: &[u8; GROW_MESSAGE]) -> io::Result<()> {
+pub(super) fn send_fd(sock: &UnixStream, fd: RawFd, message: &[u8; GROW_MESSAGE]) -> io::Result<()> {
     let mut iov = libc::iovec {
         iov_base: message.as_ptr() as *mut libc::c_void,
         iov_len: message.len(),

@@ -33,6 +33,7 @@ use super::{
     describe_reduce_scatter, tensor_error, CollectiveDesc, CommQueue, GroupConfig, ProcessGroup,
     ReduceOp, Work,
 };
+use crate::failure_report;
 use crate::rendezvous::MAX_WORLD_SIZE;
 use crate::store::{StoreServer, TcpStore};
 use crate::{DistError, Result};
@@ -58,6 +59,8 @@ struct Shared {
     world: usize,
     config: GroupConfig,
     state: Mutex<TcpState>,
+    /// Where a failure is reported for the launcher (see `failure_report`).
+    store: Arc<TcpStore>,
 }
 
 /// A process group whose ranks are processes talking over TCP. See the module docs.
@@ -127,6 +130,7 @@ impl TcpProcessGroup {
                 world: world_size,
                 config,
                 state: Mutex::new(state),
+                store: store.clone(),
             }),
             queue,
             store,
@@ -179,7 +183,13 @@ impl TcpProcessGroup {
                 Ok(()) => state.completed = seq,
                 // Failures inside the transport have told the peers already; this covers the
                 // rest (a tensor that could not be locked, …). Telling twice is harmless.
-                Err(err) => link::abort_links(&mut state.links, seq, err, &[]),
+                Err(err) => {
+                    link::abort_links(&mut state.links, seq, err, &[]);
+                    // The first failure only: the group refuses later collectives anyway.
+                    if state.completed + 1 == seq {
+                        failure_report::post(&shared.store, shared.rank, err);
+                    }
+                }
             }
             result
         })

@@ -170,6 +170,18 @@ impl TcpStore {
         parse: impl FnOnce(u8, &mut TcpStream) -> io::Result<T>,
     ) -> Result<T> {
         let mut conn = self.conn.lock();
+        self.call_on(&mut conn, op, request, wait, parse)
+    }
+
+    /// [`TcpStore::call`] on the already locked connection.
+    fn call_on<T>(
+        &self,
+        conn: &mut TcpStream,
+        op: impl Fn() -> String,
+        request: &[u8],
+        wait: Duration,
+        parse: impl FnOnce(u8, &mut TcpStream) -> io::Result<T>,
+    ) -> Result<T> {
         let io_err = |e: io::Error| {
             use io::ErrorKind::*;
             let detail = match e.kind() {
@@ -187,12 +199,12 @@ impl TcpStore {
         conn.set_read_timeout(Some(wait + REPLY_GRACE))
             .map_err(io_err)?;
         conn.write_all(request).map_err(io_err)?;
-        let status = read_u8(&mut *conn).map_err(io_err)?;
+        let status = read_u8(conn).map_err(io_err)?;
         if status == STATUS_ERROR {
-            let msg = read_bytes(&mut *conn, MAX_MESSAGE).map_err(io_err)?;
+            let msg = read_bytes(conn, MAX_MESSAGE).map_err(io_err)?;
             return Err(self.error(op(), String::from_utf8_lossy(&msg).into_owned()));
         }
-        parse(status, &mut conn).map_err(io_err)
+        parse(status, conn).map_err(io_err)
     }
 
     /// Sets `key` to `value`, waking anyone waiting for it.
@@ -216,6 +228,29 @@ impl TcpStore {
             Duration::ZERO,
             |_, _| Ok(()),
         )
+    }
+
+    /// Sets `key` to `value` if no other request of this client is in progress; returns
+    /// whether it did. For callers that must not wait behind a long `get` or `wait`.
+    pub fn try_set(&self, key: &str, value: &[u8]) -> Result<bool> {
+        self.check_key(key)?;
+        if value.len() > MAX_VALUE {
+            return Ok(false);
+        }
+        let Some(mut conn) = self.conn.try_lock() else {
+            return Ok(false);
+        };
+        let mut req = vec![OP_SET];
+        put_bytes(&mut req, key.as_bytes());
+        put_bytes(&mut req, value);
+        self.call_on(
+            &mut conn,
+            || format!("set {key:?}"),
+            &req,
+            Duration::ZERO,
+            |_, _| Ok(()),
+        )?;
+        Ok(true)
     }
 
     /// The value of `key`, waiting for it up to the store's default timeout.
