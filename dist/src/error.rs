@@ -314,14 +314,17 @@ const LISTED: usize = 8;
 /// `49999997` as `49,999,997`.
 fn thousands(n: usize) -> String {
     let digits = n.to_string();
-    let mut out = String::new();
-    for (i, c) in digits.chars().enumerate() {
-        if i > 0 && (digits.len() - i) % 3 == 0 {
-            out.push(',');
-        }
-        out.push(c);
+    let head = digits.len() % 3;
+    let mut groups: Vec<&str> = Vec::new();
+    if head > 0 {
+        groups.push(&digits[..head]);
     }
-    out
+    groups.extend(
+        digits.as_bytes()[head..]
+            .chunks(3)
+            .filter_map(|c| std::str::from_utf8(c).ok()),
+    );
+    groups.join(",")
 }
 
 /// Formats `[3]` as `rank 3` and `[1, 2]` as `ranks 1, 2` for messages; a long list names its
@@ -331,7 +334,10 @@ pub(crate) fn fmt_ranks(ranks: &[usize]) -> String {
     match ranks {
         [] => "no rank".to_string(),
         [one] => format!("rank {one}"),
-        many => format!("ranks {}", join_bounded(many.iter().map(|r| r.to_string()), many.len())),
+        many => format!(
+            "ranks {}",
+            join_bounded(many.iter().map(|r| r.to_string()), many.len())
+        ),
     }
 }
 
@@ -381,7 +387,9 @@ mod tests {
         assert_eq!(text, "ranks 3, 4, 5, 6, 7, 8, 9, 10 … and 49,999,992 more");
         let err = DistError::StoreTimeout {
             addr: "h:1".into(),
-            keys: (0..4096).map(|k| format!("tandem/default/addr/{k}")).collect(),
+            keys: (0..4096)
+                .map(|k| format!("tandem/default/addr/{k}"))
+                .collect(),
             timeout: Duration::from_secs(1),
         };
         assert!(err.to_string().len() < 500, "{err}");

@@ -41,9 +41,9 @@
 //! every rank to every rank, for latency. Large ones go around a ring (reduce-scatter then
 //! all-gather; a chain for broadcast) in pipelined chunks, driven by one non-blocking event loop
 //! per rank so that sending, receiving and reducing overlap. When every rank runs on one host
-//! and the ranks may read each other's memory (checked at set-up), large messages are instead
-//! copied straight between the processes with `process_vm_readv`, one copy instead of two
-//! through the TCP stack, with TCP only synchronising ([`GroupConfig::same_host_copy`]).
+//! (checked at set-up), large messages instead move through shared-memory segments that each
+//! rank creates and the others map read-only, with TCP only synchronising
+//! ([`GroupConfig::same_host_copy`]). Every connection proves the job secret ([`auth`]).
 //! [`ThreadProcessGroup`] runs ranks as threads of one process and exchanges through shared
 //! memory; it is for tests. Reductions combine contributions in a fixed order, so every rank
 //! ends with bit-identical results; f16/bf16 reduce in f32 precision per element. The

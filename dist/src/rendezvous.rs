@@ -532,7 +532,10 @@ mod tests {
         ]))
         .unwrap_err()
         .to_string();
-        assert!(err.contains("WORLD_SIZE") && err.contains("not a valid number"), "{err}");
+        assert!(
+            err.contains("WORLD_SIZE") && err.contains("not a valid number"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -47,15 +47,24 @@ fn store() -> (StoreServer, String, TcpStore) {
     )
     .unwrap();
     let addr = server.local_addr().to_string();
-    let view = TcpStore::connect_with_secret(&addr, Duration::from_secs(5), Some(secret())).unwrap();
+    let view =
+        TcpStore::connect_with_secret(&addr, Duration::from_secs(5), Some(secret())).unwrap();
     (server, addr, view)
 }
 
 /// A real rank that joins a group of 2 and all-reduces `[rank + 1; 1000]` (sum).
-fn real_rank(addr: &str, rank: usize, config: GroupConfig) -> JoinHandle<Result<Vec<f32>, DistError>> {
+fn real_rank(
+    addr: &str,
+    rank: usize,
+    config: GroupConfig,
+) -> JoinHandle<Result<Vec<f32>, DistError>> {
     let addr = addr.to_string();
     std::thread::spawn(move || {
-        let store = Arc::new(TcpStore::connect_with_secret(&addr, Duration::from_secs(10), Some(secret()))?);
+        let store = Arc::new(TcpStore::connect_with_secret(
+            &addr,
+            Duration::from_secs(10),
+            Some(secret()),
+        )?);
         let pg = TcpProcessGroup::connect(store, rank, 2, config)?;
         let t = Tensor::full(&[1000], (rank + 1) as f64, DType::F32, Device::Cpu).unwrap();
         pg.all_reduce(&t, ReduceOp::Sum)?.wait()?;
@@ -108,7 +117,8 @@ fn a_stranger_cannot_take_a_rank_slot_inject_gradients_or_forge_an_abort() {
     let _ = s.write_all(&injection());
     let mut s = TcpStream::connect(target).unwrap();
     let wrong = Some("not-the-job-secret-0123456789");
-    let err = connect_side(&mut s, &me(1, wrong, Channel::Link), 0, "rank 0", deadline).unwrap_err();
+    let err =
+        connect_side(&mut s, &me(1, wrong, Channel::Link), 0, "rank 0", deadline).unwrap_err();
     assert!(err.contains("could not prove"), "{err}");
     let _ = s.write_all(&injection());
     // A raw hello claiming rank 1 followed at once by gradients and an abort, no proof.
@@ -124,8 +134,15 @@ fn a_stranger_cannot_take_a_rank_slot_inject_gradients_or_forge_an_abort() {
     // The real rank 1 still gets its slot, and the job completes with the right sum.
     let rank1 = real_rank(&addr, 1, config());
     for (rank, handle) in [rank0, rank1].into_iter().enumerate() {
-        let got = handle.join().unwrap().unwrap_or_else(|e| panic!("rank {rank}: {e}"));
-        assert!(got.iter().all(|&x| x == 3.0), "rank {rank}: {:?}", &got[..4]);
+        let got = handle
+            .join()
+            .unwrap()
+            .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        assert!(
+            got.iter().all(|&x| x == 3.0),
+            "rank {rank}: {:?}",
+            &got[..4]
+        );
     }
     drop(raw);
 }
@@ -135,7 +152,9 @@ fn three_idle_connections_do_not_delay_rendezvous() {
     let (_server, addr, view) = store();
     let rank0 = real_rank(&addr, 0, config());
     let target = rank0_addr(&view);
-    let idle: Vec<TcpStream> = (0..3).map(|_| TcpStream::connect(target).unwrap()).collect();
+    let idle: Vec<TcpStream> = (0..3)
+        .map(|_| TcpStream::connect(target).unwrap())
+        .collect();
     std::thread::sleep(Duration::from_millis(100));
     let started = Instant::now();
     let rank1 = real_rank(&addr, 1, config());
@@ -153,9 +172,7 @@ fn three_idle_connections_do_not_delay_rendezvous() {
 
 /// Rank 0 is real; rank 1 is this test, a member of the job (it has the secret) that joins the
 /// mesh honestly and then misbehaves. Returns rank 0's error for a 4 MiB all-reduce.
-fn with_insider_rank_1(
-    misbehave: impl FnOnce(&TcpStore, &mut TcpStream),
-) -> DistError {
+fn with_insider_rank_1(misbehave: impl FnOnce(&TcpStore, &mut TcpStream)) -> DistError {
     let (_server, addr, view) = store();
     let rank0 = {
         let addr = addr.clone();
@@ -166,18 +183,32 @@ fn with_insider_rank_1(
             );
             let pg = TcpProcessGroup::connect(store, 0, 2, config()).unwrap();
             let t = Tensor::ones(&[1 << 20], DType::F32, Device::Cpu).unwrap();
-            let err = pg.all_reduce(&t, ReduceOp::Sum).unwrap().wait().unwrap_err();
+            let err = pg
+                .all_reduce(&t, ReduceOp::Sum)
+                .unwrap()
+                .wait()
+                .unwrap_err();
             (err, t.to_vec::<f32>().unwrap())
         })
     };
     let target = rank0_addr(&view);
     let mut link = TcpStream::connect(target).unwrap();
     let deadline = Instant::now() + Duration::from_secs(10);
-    connect_side(&mut link, &me(1, Some(SECRET), Channel::Link), 0, "rank 0", deadline).unwrap();
+    connect_side(
+        &mut link,
+        &me(1, Some(SECRET), Channel::Link),
+        0,
+        "rank 0",
+        deadline,
+    )
+    .unwrap();
     misbehave(&view, &mut link);
     let started = Instant::now();
     let (err, _) = rank0.join().unwrap();
-    assert!(started.elapsed() < Duration::from_secs(8), "failed promptly: {err}");
+    assert!(
+        started.elapsed() < Duration::from_secs(8),
+        "failed promptly: {err}"
+    );
     err
 }
 
@@ -199,22 +230,32 @@ fn publishing_another_process_address_cannot_make_rank_0_write_there() {
     let err = with_insider_rank_1(|store, link| {
         let token: String = victim[..32].iter().map(|b| format!("{b:02x}")).collect();
         store
-            .set("tandem/default/same_host/probe/1", format!("{pid} {addr} {token}").as_bytes())
+            .set(
+                "tandem/default/same_host/probe/1",
+                format!("{pid} {addr} {token}").as_bytes(),
+            )
             .unwrap();
         store.set("tandem/default/same_host/ok/1", b"1").unwrap();
         store.set("tandem/default/same_host/socket/1", b"").unwrap();
-        store.set("tandem/default/same_host/reachable/1", b"0").unwrap();
+        store
+            .set("tandem/default/same_host/reachable/1", b"0")
+            .unwrap();
         // Phase 0 of the old protocol: "my buffer is at `addr`, 4 MiB long".
         let t = Tensor::zeros(&[1 << 20], DType::F32, Device::Cpu).unwrap();
         let desc = describe_all_reduce(1, &t, ReduceOp::Sum).unwrap();
-        let mut frame = FrameHeader::data(desc, Algorithm::SameHost, 1, 0, 16).encode().to_vec();
+        let mut frame = FrameHeader::data(desc, Algorithm::SameHost, 1, 0, 16)
+            .encode()
+            .to_vec();
         frame.extend_from_slice(&(addr as u64).to_le_bytes());
-        frame.extend_from_slice(&((1u64 << 22)).to_le_bytes());
+        frame.extend_from_slice(&(1u64 << 22).to_le_bytes());
         link.write_all(&frame).unwrap();
     });
     assert_eq!(err.blamed_ranks(), vec![1], "{err}");
     assert!(matches!(err, DistError::Protocol { peer: 1, .. }), "{err}");
-    assert!(victim.iter().all(|&b| b == 0x5A), "rank 0 wrote into the victim");
+    assert!(
+        victim.iter().all(|&b| b == 0x5A),
+        "rank 0 wrote into the victim"
+    );
 }
 
 /// Joins the same-host channel of rank 0 as rank 1 and returns it.
@@ -224,11 +265,21 @@ fn join_same_host(store: &TcpStore) -> UnixStream {
         .unwrap();
     let sock = std::os::unix::net::SocketAddr::from_abstract_name(&name).unwrap();
     let mut channel = UnixStream::connect_addr(&sock).unwrap();
-    store.set("tandem/default/same_host/socket/1", b"unused").unwrap();
-    store.set("tandem/default/same_host/reachable/1", b"1").unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    connect_side(&mut channel, &me(1, Some(SECRET), Channel::SameHost), 0, "rank 0", deadline)
+    store
+        .set("tandem/default/same_host/socket/1", b"unused")
         .unwrap();
+    store
+        .set("tandem/default/same_host/reachable/1", b"1")
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    connect_side(
+        &mut channel,
+        &me(1, Some(SECRET), Channel::SameHost),
+        0,
+        "rank 0",
+        deadline,
+    )
+    .unwrap();
     channel
 }
 
@@ -250,7 +301,7 @@ fn a_segment_that_could_shrink_or_is_too_small_or_is_no_memory_file_is_refused()
         // SAFETY: both descriptors are fresh and owned by nothing else.
         unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) }
     };
-    let unsealed = || {
+    let unsealed = move || {
         // SAFETY: a valid name; a fresh descriptor is returned.
         let fd = unsafe { libc::memfd_create(c"unsealed".as_ptr(), libc::MFD_CLOEXEC) };
         assert!(fd >= 0);
@@ -260,7 +311,8 @@ fn a_segment_that_could_shrink_or_is_too_small_or_is_no_memory_file_is_refused()
             OwnedFd::from_raw_fd(fd)
         }
     };
-    let cases: Vec<(Box<dyn Fn() -> OwnedFd>, &str)> = vec![
+    type MakeFd = Box<dyn Fn() -> OwnedFd>;
+    let cases: Vec<(MakeFd, &str)> = vec![
         (Box::new(unsealed), "sealed"),
         (Box::new(|| create_segment(4096).unwrap().0), "4096 bytes"),
         (Box::new(move || pipe().0), "sealed"),

@@ -138,7 +138,8 @@ fn write_auth(s: &mut impl Write, proof: &Proof) -> io::Result<()> {
 fn read_auth(s: &mut impl Read) -> io::Result<Proof> {
     let mut head = [0u8; HEADER_LEN];
     s.read_exact(&mut head)?;
-    let h = FrameHeader::decode(&head).map_err(|m| io::Error::new(io::ErrorKind::InvalidData, m))?;
+    let h =
+        FrameHeader::decode(&head).map_err(|m| io::Error::new(io::ErrorKind::InvalidData, m))?;
     if h.kind != FrameKind::Auth {
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,
@@ -184,7 +185,12 @@ pub(crate) fn connect_side(
     peer_desc: &str,
     deadline: Instant,
 ) -> Result<(), String> {
-    let fail = |e: io::Error| format!("handshake with rank {expected} at {peer_desc}: {}", io_text(&e));
+    let fail = |e: io::Error| {
+        format!(
+            "handshake with rank {expected} at {peer_desc}: {}",
+            io_text(&e)
+        )
+    };
     s.set_timeouts(deadline.saturating_duration_since(Instant::now()))
         .map_err(fail)?;
     let nonce = auth::nonce().map_err(fail)?;
@@ -251,7 +257,8 @@ pub(crate) fn accept_side(
     let stranger = |e: io::Error| Failure::Stranger(io_text(&e));
     s.set_timeouts(deadline.saturating_duration_since(Instant::now()))
         .map_err(stranger)?;
-    let theirs = read_hello(s).map_err(|e| Failure::Stranger(format!("no valid hello: {}", io_text(&e))))?;
+    let theirs =
+        read_hello(s).map_err(|e| Failure::Stranger(format!("no valid hello: {}", io_text(&e))))?;
     if theirs.channel != me.channel as u8 {
         return Err(Failure::Stranger(format!(
             "a hello for channel {} on the {:?} channel",
@@ -316,11 +323,22 @@ mod tests {
         let addr = listener.local_addr().unwrap();
         let accepting = std::thread::spawn(move || {
             let (mut s, _) = listener.accept().unwrap();
-            accept_side(&mut s, &acceptor, "peer", Instant::now() + Duration::from_secs(5))
+            accept_side(
+                &mut s,
+                &acceptor,
+                "peer",
+                Instant::now() + Duration::from_secs(5),
+            )
         });
         let mut s = TcpStream::connect(addr).unwrap();
         let expected = 0;
-        let c = connect_side(&mut s, &connector, expected, "peer", Instant::now() + Duration::from_secs(5));
+        let c = connect_side(
+            &mut s,
+            &connector,
+            expected,
+            "peer",
+            Instant::now() + Duration::from_secs(5),
+        );
         drop(s);
         (c, accepting.join().unwrap())
     }
@@ -338,7 +356,10 @@ mod tests {
 
     #[test]
     fn a_wrong_or_missing_secret_is_a_stranger_to_the_acceptor_and_named_to_the_connector() {
-        let (c, a) = pair(me(1, 2, Some("another-secret-0123456789")), me(0, 2, Some(K)));
+        let (c, a) = pair(
+            me(1, 2, Some("another-secret-0123456789")),
+            me(0, 2, Some(K)),
+        );
         assert!(c.unwrap_err().contains("could not prove"));
         assert!(matches!(a, Err(Failure::Stranger(_))), "{a:?}");
         let (c, a) = pair(me(1, 2, None), me(0, 2, Some(K)));
@@ -350,10 +371,16 @@ mod tests {
     fn a_world_size_mismatch_names_both_sizes_on_both_sides() {
         let (c, a) = pair(me(1, 3, Some(K)), me(0, 2, Some(K)));
         let c = c.unwrap_err();
-        assert!(c.contains("WORLD_SIZE 2") && c.contains("WORLD_SIZE 3"), "{c}");
+        assert!(
+            c.contains("WORLD_SIZE 2") && c.contains("WORLD_SIZE 3"),
+            "{c}"
+        );
         match a {
             Err(Failure::Fatal(m)) => {
-                assert!(m.contains("WORLD_SIZE 3") && m.contains("WORLD_SIZE 2"), "{m}")
+                assert!(
+                    m.contains("WORLD_SIZE 3") && m.contains("WORLD_SIZE 2"),
+                    "{m}"
+                )
             }
             other => panic!("{other:?}"),
         }

@@ -40,7 +40,13 @@ fn connect_error(rank: usize, detail: impl Into<String>) -> DistError {
 }
 
 /// Who this rank is on the links of `config`'s group, authenticated with the store's secret.
-pub(crate) fn me(store: &TcpStore, rank: usize, world: usize, config: &GroupConfig, channel: Channel) -> Me {
+pub(crate) fn me(
+    store: &TcpStore,
+    rank: usize,
+    world: usize,
+    config: &GroupConfig,
+    channel: Channel,
+) -> Me {
     Me {
         rank,
         world,
@@ -74,7 +80,14 @@ pub(crate) fn connect_mesh(
     store.set(&format!("{prefix}/{rank}"), addr.to_string().as_bytes())?;
 
     for (peer, slot) in links.iter_mut().enumerate().take(rank) {
-        let value = wait_for_key(store, &format!("{prefix}/{peer}"), rank, peer, config, started)?;
+        let value = wait_for_key(
+            store,
+            &format!("{prefix}/{peer}"),
+            rank,
+            peer,
+            config,
+            started,
+        )?;
         let text = String::from_utf8_lossy(&value).into_owned();
         let peer_addr: SocketAddr = text.parse().map_err(|_| {
             connect_error(
@@ -127,7 +140,9 @@ fn wait_for_key(
                 started,
                 config,
             ),
-            Err(DistError::StoreTimeout { addr, timeout: _, .. }) => {
+            Err(DistError::StoreTimeout {
+                addr, timeout: _, ..
+            }) => {
                 return Err(connect_error(
                     rank,
                     format!(
@@ -303,7 +318,12 @@ pub(crate) fn accept_peers<L: PeerListener>(
             ));
         }
         if now.duration_since(last_log) >= config.wait_log_interval {
-            log_waiting(rank, &format!("{} to connect", fmt_ranks(&waiting)), started, config);
+            log_waiting(
+                rank,
+                &format!("{} to connect", fmt_ranks(&waiting)),
+                started,
+                config,
+            );
             last_log = now;
         }
         let mut fds = [libc::pollfd {

@@ -82,16 +82,7 @@ impl Mapping {
         // SAFETY: mmap with a null hint creates a new mapping and touches no existing memory;
         // `fd` is an open memory file of at least `len` bytes that cannot shrink (checked or
         // sealed by our callers), so every mapped page is backed.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                prot,
-                libc::MAP_SHARED,
-                fd,
-                0,
-            )
-        };
+        let ptr = unsafe { libc::mmap(std::ptr::null_mut(), len, prot, libc::MAP_SHARED, fd, 0) };
         if ptr == libc::MAP_FAILED {
             return Err(io::Error::last_os_error());
         }
@@ -170,7 +161,10 @@ fn adopt_segment(fd: &OwnedFd, len: usize) -> std::result::Result<Mapping, Strin
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
     // SAFETY: `st` is live and exclusively borrowed for the call.
     if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
-        return Err(format!("fstat of its segment failed: {}", io::Error::last_os_error()));
+        return Err(format!(
+            "fstat of its segment failed: {}",
+            io::Error::last_os_error()
+        ));
     }
     if (st.st_size as u64) < len as u64 {
         return Err(format!(
@@ -182,7 +176,11 @@ fn adopt_segment(fd: &OwnedFd, len: usize) -> std::result::Result<Mapping, Strin
 }
 
 /// Sends `fd` with `message` over a Unix-domain socket.
-pub(super) fn send_fd(sock: &UnixStream, fd: RawFd, message: &[u8; GROW_MESSAGE]) -> io::Result<()> {
+pub(super) fn send_fd(
+    sock: &UnixStream,
+    fd: RawFd,
+    message: &[u8; GROW_MESSAGE],
+) -> io::Result<()> {
     let mut iov = libc::iovec {
         iov_base: message.as_ptr() as *mut libc::c_void,
         iov_len: message.len(),
@@ -237,7 +235,10 @@ fn recv_fd(
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
-            return Err(io::Error::new(io::ErrorKind::TimedOut, "no segment arrived"));
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "no segment arrived",
+            ));
         }
         let mut fds = [libc::pollfd {
             fd: sock.as_raw_fd(),
@@ -385,9 +386,8 @@ pub(crate) fn agree(
     let mut channels: Vec<Option<UnixStream>> = (0..world).map(|_| None).collect();
     for (q, mut stream) in outgoing {
         let desc = format!("rank {q}'s same-host channel");
-        connect_side(&mut stream, &me, q, &desc, deadline).map_err(|detail| {
-            DistError::Connect { rank, detail }
-        })?;
+        connect_side(&mut stream, &me, q, &desc, deadline)
+            .map_err(|detail| DistError::Connect { rank, detail })?;
         channels[q] = Some(stream);
     }
     for (q, stream) in accept_peers(&listener, &me, config, started)? {
@@ -403,7 +403,13 @@ pub(crate) fn agree(
 
 /// The bytes a round occupies in a segment and the length of the round's slice, for a
 /// collective on `total` bytes (`block` per rank for gathers and scatters) on `world` ranks.
-fn round_shape(kind: CollectiveKind, total: usize, block: usize, world: usize, elem: usize) -> (usize, usize) {
+fn round_shape(
+    kind: CollectiveKind,
+    total: usize,
+    block: usize,
+    world: usize,
+    elem: usize,
+) -> (usize, usize) {
     let align = |b: usize| (b / elem * elem).max(elem);
     match kind {
         CollectiveKind::AllGather => {
@@ -435,7 +441,10 @@ impl SameHost {
             .clamp(MIN_SEGMENT, MAX_SEGMENT)
             .max(needed);
         let (fd, mapping) = create_segment(capacity).map_err(|e| {
-            internal(ctx, format!("creating a shared segment of {capacity} bytes: {e}"))
+            internal(
+                ctx,
+                format!("creating a shared segment of {capacity} bytes: {e}"),
+            )
         })?;
         let mut message = [0u8; GROW_MESSAGE];
         message[..8].copy_from_slice(&(capacity as u64).to_le_bytes());
@@ -443,7 +452,11 @@ impl SameHost {
         for (q, channel) in self.channels.iter().enumerate() {
             if let Some(channel) = channel {
                 send_fd(channel, fd.as_raw_fd(), &message).map_err(|e| {
-                    lost(ctx, q, format!("sending rank {q} this rank's segment failed: {e}"))
+                    lost(
+                        ctx,
+                        q,
+                        format!("sending rank {q} this rank's segment failed: {e}"),
+                    )
                 })?;
             }
         }
@@ -459,9 +472,8 @@ impl SameHost {
             let Some(channel) = &self.channels[q] else {
                 continue;
             };
-            let (fd, message) = recv_fd(channel, deadline).map_err(|e| {
-                lost(ctx, q, format!("receiving rank {q}'s segment failed: {e}"))
-            })?;
+            let (fd, message) = recv_fd(channel, deadline)
+                .map_err(|e| lost(ctx, q, format!("receiving rank {q}'s segment failed: {e}")))?;
             let fd = fd.ok_or_else(|| protocol(ctx, q, "its segment message carried no file"))?;
             let mut word = [0u8; 8];
             word.copy_from_slice(&message[..8]);
@@ -583,7 +595,10 @@ fn run_rounds(
                     let mine = share(rank, world, len, elem);
                     (lo + mine.start..lo + mine.end, mine)
                 } else {
-                    (rank * block + lo..rank * block + hi, rank * len..(rank + 1) * len)
+                    (
+                        rank * block + lo..rank * block + hi,
+                        rank * len..(rank + 1) * len,
+                    )
                 };
                 let mut at = 0;
                 while at < in_segment.len() {

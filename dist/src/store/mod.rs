@@ -546,8 +546,8 @@ mod tests {
             ..StoreConfig::default()
         };
         let server = StoreServer::bind_with("127.0.0.1:0", config).unwrap();
-        let store = TcpStore::connect(&server.local_addr().to_string(), Duration::from_secs(5))
-            .unwrap();
+        let store =
+            TcpStore::connect(&server.local_addr().to_string(), Duration::from_secs(5)).unwrap();
         store.set("a", &[1u8; 6000]).unwrap();
         let err = store.set("b", &[2u8; 6000]).unwrap_err().to_string();
         assert!(err.contains("full") && err.contains("10000"), "{err}");
@@ -569,7 +569,9 @@ mod tests {
         let server = StoreServer::bind_with("127.0.0.1:0", config).unwrap();
         let addr = server.local_addr().to_string();
         let first = TcpStore::connect(&addr, Duration::from_secs(5)).unwrap();
-        let silent: Vec<TcpStream> = (0..20).map(|_| TcpStream::connect(&addr).unwrap()).collect();
+        let silent: Vec<TcpStream> = (0..20)
+            .map(|_| TcpStream::connect(&addr).unwrap())
+            .collect();
         // The newest connections evicted the oldest silent ones; a real client still gets in,
         // and the authenticated one is never evicted.
         let second = TcpStore::connect(&addr, Duration::from_secs(5)).unwrap();
@@ -581,7 +583,10 @@ mod tests {
 
     #[test]
     fn a_foreign_program_on_the_port_is_reported_at_once() {
-        for answer in [&b"HTTP/1.1 400 Bad Request\r\n\r\n"[..], &[0x17, 0x03, 0x03, 0x00][..]] {
+        for answer in [
+            &b"HTTP/1.1 400 Bad Request\r\n\r\n"[..],
+            &[0x17, 0x03, 0x03, 0x00][..],
+        ] {
             let listener = TcpListener::bind("127.0.0.1:0").unwrap();
             let addr = listener.local_addr().unwrap().to_string();
             let answer = answer.to_vec();
@@ -630,7 +635,9 @@ mod tests {
         let addr = server.local_addr().to_string();
         let member =
             TcpStore::connect_with_secret(&addr, Duration::from_secs(5), Some(good)).unwrap();
-        member.set("tandem/default/addr/0", b"127.0.0.1:1234").unwrap();
+        member
+            .set("tandem/default/addr/0", b"127.0.0.1:1234")
+            .unwrap();
 
         let err = TcpStore::connect(&addr, Duration::from_secs(5))
             .unwrap_err()
@@ -666,7 +673,10 @@ mod tests {
         raw.write_all(&set).unwrap();
         assert_closed_by_server(&mut raw);
 
-        assert_eq!(member.get("tandem/default/addr/0").unwrap(), b"127.0.0.1:1234");
+        assert_eq!(
+            member.get("tandem/default/addr/0").unwrap(),
+            b"127.0.0.1:1234"
+        );
     }
 
     #[test]

@@ -133,7 +133,10 @@ impl StoreServer {
     }
 
     /// Binds `addr` and serves with `config`'s secret and limits on a background thread.
-    pub fn bind_with(addr: impl ToSocketAddrs + std::fmt::Debug, config: StoreConfig) -> Result<Self> {
+    pub fn bind_with(
+        addr: impl ToSocketAddrs + std::fmt::Debug,
+        config: StoreConfig,
+    ) -> Result<Self> {
         let what = format!("{addr:?}");
         let listener = TcpListener::bind(addr)
             .map_err(|e| DistError::io(format!("store: cannot listen on {what}"), e))?;
@@ -319,8 +322,7 @@ fn admit(shared: &Arc<Shared>, conn: TcpStream) {
 fn serve(served: Served) {
     let shared = &*served.shared;
     let deadline = Instant::now() + shared.config.handshake_timeout;
-    if let Err(reason) = server_handshake(&served.stream, shared.config.secret.as_ref(), deadline)
-    {
+    if let Err(reason) = server_handshake(&served.stream, shared.config.secret.as_ref(), deadline) {
         let evicted = shared
             .conns
             .lock()
@@ -362,10 +364,12 @@ fn serve(served: Served) {
             }
         };
         let _ = stream.set_write_timeout(Some(shared.config.request_timeout));
-        let sent = (&*stream).write_all(&reply.head).and_then(|()| match &reply.value {
-            Some(v) => (&*stream).write_all(v),
-            None => Ok(()),
-        });
+        let sent = (&*stream)
+            .write_all(&reply.head)
+            .and_then(|()| match &reply.value {
+                Some(v) => (&*stream).write_all(v),
+                None => Ok(()),
+            });
         if sent.is_err() || shared.stop.load(Ordering::SeqCst) {
             return;
         }
@@ -388,7 +392,10 @@ impl Reply {
 
     fn error(message: &str) -> Self {
         let mut head = vec![STATUS_ERROR];
-        put_bytes(&mut head, &message.as_bytes()[..message.len().min(MAX_MESSAGE)]);
+        put_bytes(
+            &mut head,
+            &message.as_bytes()[..message.len().min(MAX_MESSAGE)],
+        );
         Reply { head, value: None }
     }
 }
@@ -446,18 +453,20 @@ fn handle(op: u8, r: &mut Deadline<'_>, shared: &Shared) -> io::Result<Reply> {
         OP_GET => {
             let timeout = read_wait(r)?;
             let key = read_key(r)?;
-            Ok(match wait_for(shared, std::slice::from_ref(&key), timeout) {
-                Some(mut values) => {
-                    let value = values.pop().unwrap_or_else(|| Arc::from(&[][..]));
-                    let mut head = vec![STATUS_OK];
-                    head.extend_from_slice(&(value.len() as u32).to_le_bytes());
-                    Reply {
-                        head,
-                        value: Some(value),
+            Ok(
+                match wait_for(shared, std::slice::from_ref(&key), timeout) {
+                    Some(mut values) => {
+                        let value = values.pop().unwrap_or_else(|| Arc::from(&[][..]));
+                        let mut head = vec![STATUS_OK];
+                        head.extend_from_slice(&(value.len() as u32).to_le_bytes());
+                        Reply {
+                            head,
+                            value: Some(value),
+                        }
                     }
-                }
-                None => Reply::status(STATUS_TIMEOUT),
-            })
+                    None => Reply::status(STATUS_TIMEOUT),
+                },
+            )
         }
         OP_ADD => {
             let key = read_key(r)?;
@@ -492,11 +501,13 @@ fn handle(op: u8, r: &mut Deadline<'_>, shared: &Shared) -> io::Result<Reply> {
         OP_WAIT => {
             let timeout = read_wait(r)?;
             let keys = read_keys(r)?;
-            Ok(Reply::status(if wait_for(shared, &keys, timeout).is_some() {
-                STATUS_OK
-            } else {
-                STATUS_TIMEOUT
-            }))
+            Ok(Reply::status(
+                if wait_for(shared, &keys, timeout).is_some() {
+                    STATUS_OK
+                } else {
+                    STATUS_TIMEOUT
+                },
+            ))
         }
         OP_CHECK => {
             let keys = read_keys(r)?;
@@ -532,7 +543,11 @@ fn wait_for(shared: &Shared, keys: &[String], timeout: Duration) -> Option<Vec<A
             return None;
         }
         if keys.iter().all(|k| data.map.contains_key(k)) {
-            return Some(keys.iter().filter_map(|k| data.map.get(k).cloned()).collect());
+            return Some(
+                keys.iter()
+                    .filter_map(|k| data.map.get(k).cloned())
+                    .collect(),
+            );
         }
         if shared.changed.wait_until(&mut data, deadline).timed_out()
             && !keys.iter().all(|k| data.map.contains_key(k))

@@ -293,7 +293,10 @@ pub(crate) fn refusal(message: &str) -> Vec<u8> {
     let mut out = MAGIC.to_vec();
     out.push(VERSION);
     out.push(ANSWER_REFUSE);
-    put_bytes(&mut out, &message.as_bytes()[..message.len().min(MAX_MESSAGE)]);
+    put_bytes(
+        &mut out,
+        &message.as_bytes()[..message.len().min(MAX_MESSAGE)],
+    );
     out
 }
 
