@@ -224,6 +224,22 @@ mod tests {
     }
 
     #[test]
+    fn a_launcher_generates_a_secret_for_one_node_and_requires_one_for_several() {
+        if std::env::var_os(SECRET_VAR).is_some()
+            || std::env::var_os(ALLOW_UNAUTHENTICATED_VAR).is_some()
+        {
+            return; // the environment decides; nothing to check here
+        }
+        let one = launcher_secret(1).unwrap().unwrap();
+        assert_eq!(one.env_value().len(), 64);
+        let err = launcher_secret(2).unwrap_err().to_string();
+        assert!(
+            err.contains(SECRET_VAR) && err.contains(ALLOW_UNAUTHENTICATED_VAR),
+            "{err}"
+        );
+    }
+
+    #[test]
     fn short_secrets_and_bad_switches_are_refused_naming_the_variable() {
         let err = JobSecret::from_value("short").unwrap_err().to_string();
         assert!(err.contains(SECRET_VAR) && err.contains("16"), "{err}");

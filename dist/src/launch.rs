@@ -14,13 +14,14 @@
 //!
 //! Every job gets a secret ([`crate::auth`]): the one in the launcher's own `TANDEM_JOB_SECRET`,
 //! or, for a single node, a fresh random one; the ranks receive it in `TANDEM_JOB_SECRET` and
-//! the store requires it. A single-node job's store listens on loopback only. When a rank fails,
+//! the store requires it. A single-node job's store listens on the address its ranks are given
+//! (loopback by default), not on every interface. When a rank fails,
 //! the launch also reports which rank the failed ones were waiting for
 //! ([`crate::failure_report`]), which is the one to look at when a rank stopped responding.
 
 use std::ffi::OsString;
 use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{Ipv4Addr, SocketAddr, TcpListener};
+use std::net::{Ipv4Addr, SocketAddr, TcpListener, ToSocketAddrs};
 use std::process::{Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::mpsc;
@@ -478,22 +479,30 @@ pub fn launch(opts: &LaunchOptions) -> Result<LaunchReport> {
     })
 }
 
-/// Serves the job's store, requiring `secret`: on loopback for a single-node job (whose ranks
-/// all reach it there), else on every interface.
+/// Serves the job's store, requiring `secret`: a single-node job on the address its ranks are
+/// given (`--master-addr`, loopback by default) rather than on every interface; a job of
+/// several nodes on every interface, since the other nodes' ranks connect to it.
 fn serve_store(opts: &LaunchOptions, secret: Option<&JobSecret>) -> Result<StoreServer> {
-    let ip = if opts.nnodes == 1 {
-        Ipv4Addr::LOCALHOST
+    let port = opts.master_port.unwrap_or(0);
+    let addr = if opts.nnodes == 1 {
+        (opts.master_addr.as_str(), port)
+            .to_socket_addrs()
+            .ok()
+            .and_then(|mut a| a.next())
+            .ok_or_else(|| {
+                DistError::Launch(format!(
+                    "cannot resolve --master-addr {:?}",
+                    opts.master_addr
+                ))
+            })?
     } else {
-        Ipv4Addr::UNSPECIFIED
+        SocketAddr::from((Ipv4Addr::UNSPECIFIED, port))
     };
     let config = StoreConfig {
         secret: secret.cloned(),
         ..StoreConfig::default()
     };
-    StoreServer::bind_with(
-        SocketAddr::from((ip, opts.master_port.unwrap_or(0))),
-        config,
-    )
+    StoreServer::bind_with(addr, config)
 }
 
 #[cfg(test)]
