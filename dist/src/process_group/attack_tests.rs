@@ -292,8 +292,8 @@ fn segment_message(capacity: usize) -> [u8; GROW_MESSAGE] {
 
 #[test]
 fn a_segment_that_could_shrink_or_is_too_small_or_is_no_memory_file_is_refused() {
-    // A 4 MiB all-reduce agrees on 4 MiB segments.
-    let capacity = 4 << 20;
+    // Two ranks with the default 256 KiB chunks agree on segments of 4 slots × 2 pieces.
+    let capacity = 4 * 2 * (256 << 10);
     let pipe = || {
         let mut fds = [0; 2];
         // SAFETY: pipe(2) writes two new descriptors into the live array.

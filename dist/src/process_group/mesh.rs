@@ -209,7 +209,11 @@ impl PeerListener for UnixListener {
     type Stream = UnixStream;
     fn accept_peer(&self) -> io::Result<(UnixStream, String)> {
         let (s, _) = self.accept()?;
-        Ok((s, "a same-host channel".to_string()))
+        let who = peer_credentials(&s).map_or_else(
+            || "a process on this host".to_string(),
+            |c| format!("process {} (uid {}) on this host", c.pid, c.uid),
+        );
+        Ok((s, who))
     }
     fn set_listener_nonblocking(&self) -> io::Result<()> {
         self.set_nonblocking(true)
@@ -217,6 +221,28 @@ impl PeerListener for UnixListener {
     fn make_blocking(s: &UnixStream) -> io::Result<()> {
         s.set_nonblocking(false)
     }
+}
+
+/// Who is at the other end of a Unix-domain socket, as the kernel saw it connect.
+fn peer_credentials(s: &UnixStream) -> Option<libc::ucred> {
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: `cred` and `len` are live and exclusively borrowed; the kernel writes at most
+    // `len` bytes into `cred`.
+    let rc = unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    (rc == 0).then_some(cred)
 }
 
 /// Logs rejected connections, one by one at first and then sparsely.

@@ -19,45 +19,70 @@
 //! algorithm. The channels then run the same handshake as the TCP links (job secret, rank,
 //! world size), and a stranger on a socket is closed and logged.
 //!
-//! **A collective** runs in rounds of at most [`MAX_SEGMENT`] bytes. In each round a rank
-//! copies into its own segment what the others will need from it, and a barrier (an exchange
-//! of frames that carries the usual header checks: sequence number, collective, dtype, element
-//! count) says that every segment is ready. For a reduction each rank then folds its own share
-//! (a ring segment of an all-reduce, its block of a reduce-scatter) chunk by chunk, reading the
-//! peers' contributions straight from their segments and its own in place, in rank order so
-//! that every rank ends with identical bits, and publishes the result in its segment while it
-//! is still in cache; after a second barrier every rank copies the other shares. A gather or a
-//! broadcast just copies. A last barrier keeps every rank from refilling its segment while a
-//! peer still reads it. Segments grow (up to [`MAX_SEGMENT`]) when a collective needs more;
-//! every rank grows at the same collective, and receives the peers' new files only after the
-//! first barrier has confirmed that they run the same collective. A peer that dies is noticed
-//! on its connection as on the ring path.
+//! **A collective** starts with one exchange of frames over TCP that carries the usual header
+//! checks (sequence number, collective, dtype, element count), so ranks that issued different
+//! collectives are told so. The data then flows in pieces through a small ring of slots in each
+//! segment (a few MiB, so it stays in cache), synchronised through progress counters in the
+//! segment's first page (each written by the segment's owner only, read by the others): a rank
+//! copies into its next slot what the peers need of piece j and advances `Staged`; for a
+//! reduction it then folds its own share of piece j — a ring segment of an all-reduce, its block
+//! of a reduce-scatter — reading the peers' contributions straight from their slots and its own
+//! in place, in rank order so that every rank ends with identical bits, publishes the result in
+//! its slot while it is still in cache and advances `Reduced`; the peers copy it out a step
+//! later. A gather or broadcast just copies. A rank advances `Consumed` when it has read
+//! everything of a step, and reuses a slot only when every peer has consumed it. A rank waiting
+//! on a counter spins briefly, then yields, then sleeps in short naps, and checks its TCP
+//! connections for a peer that died, failed or left, so such a peer is named at once; every
+//! wait is bounded by the group's timeout. The segments are created at the first same-host
+//! collective, after its exchange of frames.
 
 use std::io::{self, Read};
+use std::ops::Range;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use super::frame::Farewell;
 use super::handshake::{connect_side, Channel};
-use super::link::{drain_farewell, poll, Link};
+use super::link::{drain_farewell, poll, Gone, Link};
 use super::mesh::{accept_peers, me};
 use super::plan::same_host_phase;
 use super::reduce;
 use super::transport::{self, Ctx};
 use super::{CollectiveKind, GroupConfig};
-use crate::error::fmt_ranks;
+use crate::error::{fmt_left_after, fmt_ranks};
 use crate::store::TcpStore;
 use crate::{DistError, Result};
 
-/// Largest segment a rank shares; larger collectives run in rounds.
-pub(crate) const MAX_SEGMENT: usize = 32 << 20;
-/// Smallest segment a rank creates.
-const MIN_SEGMENT: usize = 1 << 20;
+/// Slots of a segment: a rank may stage this many pieces ahead of the slowest reader.
+const SLOTS: usize = 4;
+/// Bytes of one slot, shared by the pieces for every rank, so a segment stays in cache.
+const SLOT_BYTES: usize = 1 << 20;
 /// Largest group that uses the path (every rank's socket must hold all its peers' pending
 /// connections while the group is set up).
 const MAX_RANKS: usize = 128;
+/// Bytes of the header page of a segment, which holds the owner's progress counters.
+const HEADER: usize = 4096;
+
+/// The progress counters in a segment's header, each written by the segment's owner only.
+/// A counter holds [`mark`]`(collective, step)`, so values only grow across collectives.
+#[derive(Clone, Copy)]
+enum Counter {
+    /// The owner has staged its data for this many steps.
+    Staged = 0,
+    /// The owner has published its reduced share for this many steps.
+    Reduced = 1,
+    /// The owner has finished reading the peers' slots for this many steps.
+    Consumed = 2,
+}
+
+/// The counter value for `step` (counted from 1) of collective `seq`.
+fn mark(seq: u64, step: usize) -> u64 {
+    ((seq & 0xffff_ffff) << 32) | (step as u64 & 0xffff_ffff)
+}
+
 /// Bytes of the message that accompanies a segment: its size and the collective's number.
 pub(super) const GROW_MESSAGE: usize = 16;
 
@@ -93,20 +118,31 @@ impl Mapping {
         })
     }
 
-    /// The mapped bytes.
-    fn bytes(&self) -> &[u8] {
-        // SAFETY: `ptr..ptr+len` is a live mapping owned by `self` (unmapped only in drop). Its
-        // owner may write it while we read (a misbehaving peer outside the barriers): the values
-        // read may then be inconsistent, but they are only ever used as numbers.
-        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    /// The data area (after the header page).
+    fn data(&self) -> &[u8] {
+        // SAFETY: `ptr+HEADER..ptr+len` lies inside a live mapping owned by `self` (unmapped only
+        // in drop; `len > HEADER` by construction). Its owner may write it while we read (a
+        // misbehaving peer ignoring the progress counters): the values read may then be
+        // inconsistent, but they are only ever used as numbers, never as addresses or lengths.
+        unsafe { std::slice::from_raw_parts(self.ptr.add(HEADER), self.len - HEADER) }
     }
 
-    /// The mapped bytes, writable (own segments only).
-    fn bytes_mut(&mut self) -> &mut [u8] {
+    /// The data area, writable (own segments only).
+    fn data_mut(&mut self) -> &mut [u8] {
         debug_assert!(self.writable);
-        // SAFETY: as in `bytes`; the mapping is writable, and `&mut self` makes this the only
-        // reference into it in this process (peers map it read-only).
-        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+        // SAFETY: as in `data`; the mapping is writable, and `&mut self` makes this the only
+        // reference into the data area in this process (peers map it read-only).
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(HEADER), self.len - HEADER) }
+    }
+
+    /// Progress counter `which` in the header page.
+    fn counter(&self, which: Counter) -> &AtomicU64 {
+        // SAFETY: the header page is the first `HEADER` bytes of the live, page-aligned mapping;
+        // counter slots are 64 bytes apart inside it, so the pointer is in bounds and aligned
+        // for `AtomicU64`. No `&[u8]` ever covers the header (`data` starts after it), and
+        // 64-bit atomic loads are plain loads on the targets we build for, so they are fine on
+        // a peer's read-only mapping too.
+        unsafe { &*self.ptr.add(which as usize * 64).cast::<AtomicU64>() }
     }
 }
 
@@ -325,7 +361,11 @@ pub(crate) struct SameHost {
     channels: Vec<Option<UnixStream>>,
     own: Option<Mapping>,
     peers: Vec<Option<Mapping>>,
+    /// Bytes of the data area of every segment.
     capacity: usize,
+    /// The `Consumed` mark this rank published last: the peers must reach it before this rank
+    /// overwrites its segment.
+    last_consumed: u64,
 }
 
 /// Finds out whether every rank runs on this host and, if so, connects the same-host
@@ -398,33 +438,8 @@ pub(crate) fn agree(
         own: None,
         peers: (0..world).map(|_| None).collect(),
         capacity: 0,
+        last_consumed: 0,
     }))
-}
-
-/// The bytes a round occupies in a segment and the length of the round's slice, for a
-/// collective on `total` bytes (`block` per rank for gathers and scatters) on `world` ranks.
-fn round_shape(
-    kind: CollectiveKind,
-    total: usize,
-    block: usize,
-    world: usize,
-    elem: usize,
-) -> (usize, usize) {
-    let align = |b: usize| (b / elem * elem).max(elem);
-    match kind {
-        CollectiveKind::AllGather => {
-            let len = block.min(align(MAX_SEGMENT));
-            (len, len)
-        }
-        CollectiveKind::ReduceScatter => {
-            let len = block.min(align(MAX_SEGMENT / world));
-            (len * world, len)
-        }
-        _ => {
-            let len = total.min(align(MAX_SEGMENT));
-            (len, len)
-        }
-    }
 }
 
 impl SameHost {
@@ -435,12 +450,8 @@ impl SameHost {
         if needed <= self.capacity && self.own.is_some() {
             return Ok(false);
         }
-        let capacity = needed
-            .max(1)
-            .next_power_of_two()
-            .clamp(MIN_SEGMENT, MAX_SEGMENT)
-            .max(needed);
-        let (fd, mapping) = create_segment(capacity).map_err(|e| {
+        let capacity = needed;
+        let (fd, mapping) = create_segment(HEADER + capacity).map_err(|e| {
             internal(
                 ctx,
                 format!("creating a shared segment of {capacity} bytes: {e}"),
@@ -491,17 +502,80 @@ impl SameHost {
                     ),
                 ));
             }
-            let mapping = adopt_segment(&fd, self.capacity).map_err(|m| protocol(ctx, q, m))?;
+            let mapping =
+                adopt_segment(&fd, HEADER + self.capacity).map_err(|m| protocol(ctx, q, m))?;
             self.peers[q] = Some(mapping);
         }
         Ok(())
     }
 
-    fn peer(&self, ctx: &Ctx<'_>, q: usize) -> Result<&[u8]> {
+    fn peer(&self, ctx: &Ctx<'_>, q: usize) -> Result<&Mapping> {
         self.peers[q]
             .as_ref()
-            .map(Mapping::bytes)
             .ok_or_else(|| internal(ctx, format!("no segment of rank {q}")))
+    }
+
+    fn own(&mut self, ctx: &Ctx<'_>) -> Result<&mut Mapping> {
+        self.own
+            .as_mut()
+            .ok_or_else(|| internal(ctx, "no own segment"))
+    }
+
+    fn publish(&self, which: Counter, value: u64) {
+        if let Some(own) = &self.own {
+            own.counter(which).store(value, Ordering::Release);
+        }
+    }
+
+    /// Waits until every rank in `from` has published at least `target` in counter `which`.
+    /// Bounded by the collective's timeout; a peer that closes its connection (it died, failed
+    /// or left) ends the wait at once with the reason.
+    fn wait(
+        &self,
+        links: &mut [Option<Link>],
+        ctx: &Ctx<'_>,
+        from: impl Iterator<Item = usize> + Clone,
+        which: Counter,
+        target: u64,
+    ) -> Result<()> {
+        let mut spins = 0u64;
+        let mut deadline = None;
+        loop {
+            let mut behind = None;
+            for q in from.clone() {
+                if self.peer(ctx, q)?.counter(which).load(Ordering::Acquire) < target {
+                    behind = Some(q);
+                    break;
+                }
+            }
+            let Some(q) = behind else {
+                return Ok(());
+            };
+            spins += 1;
+            if spins < 128 {
+                std::hint::spin_loop();
+                continue;
+            }
+            // On a busy machine the peer may need this core: yield, then nap.
+            if spins < 4096 {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(20));
+            }
+            if spins % 256 == 0 {
+                let deadline = *deadline.get_or_insert_with(|| Instant::now() + ctx.timeout);
+                check_links(links, ctx)?;
+                if Instant::now() >= deadline {
+                    return Err(DistError::Timeout {
+                        rank: ctx.rank,
+                        collective: ctx.desc.to_string(),
+                        seq: ctx.seq,
+                        timeout: ctx.timeout,
+                        waiting_for: vec![q],
+                    });
+                }
+            }
+        }
     }
 }
 
@@ -513,13 +587,13 @@ pub(crate) fn run(
     main: &mut [u8],
     chunk_bytes: usize,
 ) -> Result<()> {
-    match run_rounds(links, ctx, sh, main, chunk_bytes) {
+    match run_pieces(links, ctx, sh, main, chunk_bytes) {
         Err(err) if !matches!(err, DistError::Io { .. }) => Err(explain(links, ctx, err)),
         other => other,
     }
 }
 
-fn run_rounds(
+fn run_pieces(
     links: &mut [Option<Link>],
     ctx: &Ctx<'_>,
     sh: &mut SameHost,
@@ -539,118 +613,241 @@ fn run_rounds(
     if block == 0 {
         return Ok(());
     }
-    let (needed, round) = round_shape(desc.kind, total, block, world, elem);
-    let mut grew = sh.ensure_capacity(ctx, needed)?;
-    let chunk = (chunk_bytes.max(elem) / elem) * elem;
-    let mut phase = 0u64;
-    let mut barrier = |links: &mut [Option<Link>]| {
-        let plan = same_host_phase(rank, world, 0, phase);
-        phase += 1;
-        transport::execute(links, ctx, &plan, &mut [], &mut [])
+    let peers = (0..world).filter(move |&q| q != rank);
+    let root = desc.root.unwrap_or(0) as usize;
+    // Every rank is at this collective (the frames check it), so the counters below are theirs.
+    let plan = same_host_phase(rank, world, 0, 0);
+    transport::execute(links, ctx, &plan, &mut [], &mut [])?;
+    // Nobody still reads this rank's segment from the previous collective.
+    if sh.own.is_some() {
+        sh.wait(
+            links,
+            ctx,
+            peers.clone(),
+            Counter::Consumed,
+            sh.last_consumed,
+        )?;
+    }
+    // A slot holds one piece for every rank; pieces are multiples of 64 bytes (any element).
+    let piece_max = (chunk_bytes.min(SLOT_BYTES / world) / 64 * 64).max(64);
+    let slot_bytes = world * piece_max;
+    if sh.ensure_capacity(ctx, SLOTS * slot_bytes)? {
+        sh.receive_segments(ctx)?;
+    }
+    // Rank q's range of the buffer (its share of an all-reduce; the block offset is added
+    // where needed for the others), cut into `pieces` pieces of at most `piece_max` bytes.
+    let range_of = |q: usize| {
+        if desc.kind == CollectiveKind::AllReduce {
+            share(q, world, total, elem)
+        } else {
+            0..block
+        }
     };
-    let mut lo = 0;
-    while lo < block {
-        let hi = (lo + round).min(block);
-        let len = hi - lo;
-        let own = sh
-            .own
-            .as_mut()
-            .ok_or_else(|| internal(ctx, "no own segment"))?
-            .bytes_mut();
-        // Stage what the peers need from this rank.
+    let widest = (0..world).map(|q| range_of(q).len()).max().unwrap_or(0);
+    let pieces = widest.div_ceil(piece_max).max(1);
+    let piece_of = |q: usize, j: usize| piece(range_of(q), pieces, j, elem);
+    // Where piece j for rank `sub` lies in a segment.
+    let slot = |j: usize, sub: usize, len: usize| {
+        let at = (j % SLOTS) * slot_bytes + sub * piece_max;
+        at..at + len
+    };
+    for j in 0..pieces {
+        let now = mark(ctx.seq, j + 1);
+        if j >= SLOTS {
+            // The slot is free once every peer has read what was staged in it SLOTS ago.
+            sh.wait(
+                links,
+                ctx,
+                peers.clone(),
+                Counter::Consumed,
+                mark(ctx.seq, j + 1 - SLOTS),
+            )?;
+        }
+        let own = sh.own(ctx)?.data_mut();
         match desc.kind {
             CollectiveKind::AllReduce => {
-                let mine = share(rank, world, len, elem);
-                own[..mine.start].copy_from_slice(&main[lo..lo + mine.start]);
-                own[mine.end..len].copy_from_slice(&main[lo + mine.end..hi]);
+                for q in peers.clone() {
+                    let p = piece_of(q, j);
+                    own[slot(j, q, p.len())].copy_from_slice(&main[p]);
+                }
             }
             CollectiveKind::ReduceScatter => {
-                for q in (0..world).filter(|&q| q != rank) {
-                    own[q * len..(q + 1) * len]
-                        .copy_from_slice(&main[q * block + lo..q * block + hi]);
+                let p = piece_of(rank, j);
+                for q in peers.clone() {
+                    let at = q * block;
+                    own[slot(j, q, p.len())].copy_from_slice(&main[at + p.start..at + p.end]);
                 }
             }
             CollectiveKind::AllGather => {
-                own[..len].copy_from_slice(&main[rank * block + lo..rank * block + hi]);
+                let (p, at) = (piece_of(rank, j), rank * block);
+                own[slot(j, 0, p.len())].copy_from_slice(&main[at + p.start..at + p.end]);
             }
             CollectiveKind::Broadcast => {
-                if rank == desc.root.unwrap_or(0) as usize {
-                    own[..len].copy_from_slice(&main[lo..hi]);
+                if rank == root {
+                    let p = piece_of(rank, j);
+                    own[slot(j, 0, p.len())].copy_from_slice(&main[p]);
                 }
             }
             CollectiveKind::Barrier => return Err(internal(ctx, "same-host copy of a barrier")),
         }
-        barrier(links)?;
-        if grew {
-            sh.receive_segments(ctx)?;
-            grew = false;
-        }
+        sh.publish(Counter::Staged, now);
         match desc.kind {
             CollectiveKind::AllReduce | CollectiveKind::ReduceScatter => {
                 let op = desc
                     .op
                     .ok_or_else(|| internal(ctx, "reduction without an op"))?;
-                // Where this rank's share lies in main and in every segment.
-                let (in_main, in_segment) = if desc.kind == CollectiveKind::AllReduce {
-                    let mine = share(rank, world, len, elem);
-                    (lo + mine.start..lo + mine.end, mine)
+                sh.wait(links, ctx, peers.clone(), Counter::Staged, now)?;
+                let p = piece_of(rank, j);
+                let at = if desc.kind == CollectiveKind::AllReduce {
+                    0
                 } else {
-                    (
-                        rank * block + lo..rank * block + hi,
-                        rank * len..(rank + 1) * len,
-                    )
+                    rank * block
                 };
-                let mut at = 0;
-                while at < in_segment.len() {
-                    let end = (at + chunk).min(in_segment.len());
-                    let seg = in_segment.start + at..in_segment.start + end;
-                    let out = in_main.start + at..in_main.start + end;
-                    let sources = (0..world)
-                        .map(|q| {
-                            if q == rank {
-                                Ok(None)
-                            } else {
-                                sh.peer(ctx, q).map(|p| Some(&p[seg.clone()]))
-                            }
-                        })
-                        .collect::<Result<Vec<_>>>()?;
-                    reduce::reduce_in_place(dtype, op, &sources, &mut main[out.clone()])
-                        .map_err(|e| internal(ctx, e))?;
-                    if desc.kind == CollectiveKind::AllReduce {
-                        let own = sh
-                            .own
-                            .as_mut()
-                            .ok_or_else(|| internal(ctx, "no own segment"))?;
-                        own.bytes_mut()[seg].copy_from_slice(&main[out]);
-                    }
-                    at = end;
-                }
-                barrier(links)?;
+                let out = at + p.start..at + p.end;
+                let theirs = slot(j, rank, p.len());
+                let sources = (0..world)
+                    .map(|q| {
+                        if q == rank {
+                            Ok(None)
+                        } else {
+                            sh.peer(ctx, q).map(|m| Some(&m.data()[theirs.clone()]))
+                        }
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                reduce::reduce_in_place(dtype, op, &sources, &mut main[out.clone()])
+                    .map_err(|e| internal(ctx, e))?;
                 if desc.kind == CollectiveKind::AllReduce {
-                    for q in (0..world).filter(|&q| q != rank) {
-                        let theirs = share(q, world, len, elem);
-                        main[lo + theirs.start..lo + theirs.end]
-                            .copy_from_slice(&sh.peer(ctx, q)?[theirs]);
+                    // Publish the finished piece while it is still in cache; collect the peers'
+                    // previous pieces, which are most likely ready by now.
+                    sh.own(ctx)?.data_mut()[theirs].copy_from_slice(&main[out]);
+                    sh.publish(Counter::Reduced, now);
+                    if j > 0 {
+                        gather_reduced(links, ctx, sh, main, &piece_of, &slot, j - 1)?;
                     }
-                    barrier(links)?;
+                } else {
+                    sh.publish(Counter::Consumed, now);
                 }
             }
             CollectiveKind::AllGather => {
-                for q in (0..world).filter(|&q| q != rank) {
-                    main[q * block + lo..q * block + hi].copy_from_slice(&sh.peer(ctx, q)?[..len]);
+                for q in peers.clone() {
+                    sh.wait(links, ctx, std::iter::once(q), Counter::Staged, now)?;
+                    let (p, at) = (piece_of(q, j), q * block);
+                    let from = slot(j, 0, p.len());
+                    main[at + p.start..at + p.end].copy_from_slice(&sh.peer(ctx, q)?.data()[from]);
                 }
-                barrier(links)?;
+                sh.publish(Counter::Consumed, now);
             }
             CollectiveKind::Broadcast => {
-                let root = desc.root.unwrap_or(0) as usize;
                 if rank != root {
-                    main[lo..hi].copy_from_slice(&sh.peer(ctx, root)?[..len]);
+                    sh.wait(links, ctx, std::iter::once(root), Counter::Staged, now)?;
+                    let p = piece_of(root, j);
+                    let from = slot(j, 0, p.len());
+                    main[p].copy_from_slice(&sh.peer(ctx, root)?.data()[from]);
                 }
-                barrier(links)?;
+                sh.publish(Counter::Consumed, now);
             }
             CollectiveKind::Barrier => {}
         }
-        lo = hi;
+    }
+    if desc.kind == CollectiveKind::AllReduce {
+        gather_reduced(links, ctx, sh, main, &piece_of, &slot, pieces - 1)?;
+    }
+    sh.last_consumed = mark(ctx.seq, pieces);
+    Ok(())
+}
+
+/// Copies piece `j` of every peer's reduced share into `main`, then tells the peers that
+/// this rank has read everything of step `j`.
+fn gather_reduced(
+    links: &mut [Option<Link>],
+    ctx: &Ctx<'_>,
+    sh: &SameHost,
+    main: &mut [u8],
+    piece_of: &dyn Fn(usize, usize) -> Range<usize>,
+    slot: &dyn Fn(usize, usize, usize) -> Range<usize>,
+    j: usize,
+) -> Result<()> {
+    let at = mark(ctx.seq, j + 1);
+    for q in (0..sh.channels.len()).filter(|&q| q != ctx.rank) {
+        sh.wait(links, ctx, std::iter::once(q), Counter::Reduced, at)?;
+        let p = piece_of(q, j);
+        let from = slot(j, q, p.len());
+        main[p].copy_from_slice(&sh.peer(ctx, q)?.data()[from]);
+    }
+    sh.publish(Counter::Consumed, at);
+    Ok(())
+}
+
+/// Piece `j` of `pieces` near-equal pieces of the byte range `range` (cut on elements).
+fn piece(range: Range<usize>, pieces: usize, j: usize, elem: usize) -> Range<usize> {
+    let n = range.len() / elem;
+    range.start + (n * j / pieces) * elem..range.start + (n * (j + 1) / pieces) * elem
+}
+
+/// Fails at once if a peer has closed its connection (it died, failed or left), with the
+/// reason it left behind; marks it gone so later collectives know.
+fn check_links(links: &mut [Option<Link>], ctx: &Ctx<'_>) -> Result<()> {
+    let mut fds: Vec<libc::pollfd> = Vec::new();
+    let mut owners = Vec::new();
+    for link in links
+        .iter()
+        .flatten()
+        .filter(|l| l.gone.is_none() && !l.shut)
+    {
+        // Hang-ups only: a frame waiting here may be a peer's next collective, not ours to read.
+        fds.push(libc::pollfd {
+            fd: link.fd(),
+            events: libc::POLLRDHUP,
+            revents: 0,
+        });
+        owners.push(link.peer);
+    }
+    if poll(&mut fds, Duration::ZERO).unwrap_or(0) == 0 {
+        return Ok(());
+    }
+    for (fd, peer) in fds.iter().zip(owners) {
+        if fd.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) == 0 {
+            continue;
+        }
+        let Some(link) = links[peer].as_mut() else {
+            continue;
+        };
+        let (gone, err) = match drain_farewell(link) {
+            Some(Farewell::Abort { message, .. }) => (
+                Gone::Failed {
+                    message: message.clone(),
+                },
+                DistError::PeerAborted {
+                    rank: ctx.rank,
+                    peer,
+                    collective: ctx.desc.to_string(),
+                    seq: ctx.seq,
+                    message,
+                },
+            ),
+            Some(Farewell::Goodbye { completed }) => (
+                Gone::Left { completed },
+                lost(
+                    ctx,
+                    peer,
+                    format!(
+                        "rank {peer} left the group (dropped its process group) {}; it never \
+                         finished collective #{}",
+                        fmt_left_after(completed),
+                        ctx.seq
+                    ),
+                ),
+            ),
+            None => {
+                let how = format!(
+                    "rank {peer} closed its connection without leaving the group cleanly (its \
+                     process probably exited or was killed)"
+                );
+                (Gone::Died { how: how.clone() }, lost(ctx, peer, how))
+            }
+        };
+        link.gone = Some(gone);
+        return Err(err);
     }
     Ok(())
 }

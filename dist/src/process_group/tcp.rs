@@ -3,12 +3,14 @@
 //!
 //! Ranks meet through the rendezvous store: each binds a listening socket on the interface it
 //! uses to reach the store, publishes `ip:port` under `tandem/<group>/addr/<rank>`, connects to
-//! every lower rank and accepts every higher one; a hello frame on each new connection checks
-//! that both ends belong to the same group and world size; then the ranks find out whether they
-//! can copy from each other's memory (the same-host fast path). Collectives run on the group's
-//! comm stream, in place on the tensors: by the schedules of the `plan` module (direct exchange
-//! for small messages, pipelined ring or chain for large ones) executed by the `transport`
-//! event loop, or, for large messages between ranks of one host, by the `same_host` module.
+//! every lower rank and accepts every higher one; a handshake on each new connection proves the
+//! job secret both ways and checks that both ends belong to the same group and world size
+//! (`handshake`); then the ranks find out whether they all share this host (the same-host
+//! fast path through shared-memory segments). Collectives run on the group's comm stream, in
+//! place on the tensors: by the schedules of the `plan` module (direct exchange for small
+//! messages, pipelined ring or chain for large ones) executed by the `transport` event loop,
+//! or, for large messages between ranks of one host, by the `same_host` module. A collective
+//! that fails leaves a report for the launcher (`failure_report`) naming the ranks it blames.
 //!
 //! Dropping a group waits for the collectives already issued, then says goodbye to every peer,
 //! so that a rank still waiting for this one learns that it left (and after how many
