@@ -562,7 +562,7 @@ impl SameHost {
             } else {
                 std::thread::sleep(Duration::from_micros(20));
             }
-            if spins % 256 == 0 {
+            if spins & 255 == 0 {
                 let deadline = *deadline.get_or_insert_with(|| Instant::now() + ctx.timeout);
                 check_links(links, ctx)?;
                 if Instant::now() >= deadline {
