@@ -15,7 +15,7 @@ use tandem_core::{DType, Device, Tensor};
 
 use super::frame::{Algorithm, FrameHeader};
 use super::handshake::{connect_side, Channel, Me};
-use super::same_host::{create_segment, send_fd, GROW_MESSAGE};
+use super::segment::{create_segment, send_fd, GROW_MESSAGE};
 use super::tcp::TcpProcessGroup;
 use super::{describe_all_reduce, describe_barrier, GroupConfig, ProcessGroup, ReduceOp};
 use crate::auth::JobSecret;

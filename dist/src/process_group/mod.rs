@@ -18,6 +18,7 @@ mod mesh;
 mod plan;
 pub(crate) mod reduce;
 mod same_host;
+mod segment;
 pub mod tcp;
 pub mod threads;
 mod transport;
