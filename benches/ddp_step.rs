@@ -39,8 +39,8 @@ use tandem::core::rng::manual_seed;
 use tandem::core::{DType, Device, Generator, Tensor};
 use tandem::dist::rendezvous::STORE_HOSTED_VAR;
 use tandem::dist::{
-    init_process_group, DdpConfig, DistributedDataParallel, GroupConfig, LaunchEnv, ProcessGroup,
-    ReduceOp, StoreServer,
+    init_process_group, DdpConfig, DistributedDataParallel, GroupConfig, JobSecret, LaunchEnv,
+    ProcessGroup, ReduceOp, StoreConfig, StoreServer,
 };
 use tandem::nn::loss::{cross_entropy, Reduction};
 use tandem::nn::{
@@ -425,7 +425,14 @@ fn run_tandem_mode(
     } else {
         "127.0.0.1:0".into()
     };
-    let store = StoreServer::bind(bind.as_str())?;
+    let secret = JobSecret::generate()?;
+    let store = StoreServer::bind_with(
+        bind.as_str(),
+        StoreConfig {
+            secret: Some(secret.clone()),
+            ..StoreConfig::default()
+        },
+    )?;
     let addr = store.local_addr();
     let exe = std::env::current_exe()?;
     let world = args.nproc;
@@ -452,7 +459,8 @@ fn run_tandem_mode(
             .env("LOCAL_WORLD_SIZE", world.to_string())
             .env("MASTER_ADDR", addr.ip().to_string())
             .env("MASTER_PORT", addr.port().to_string())
-            .env(STORE_HOSTED_VAR, "1");
+            .env(STORE_HOSTED_VAR, "1")
+            .env(tandem::dist::auth::SECRET_VAR, secret.env_value());
         cmd
     })
     .map_err(|e| format!("mode {mode}: {e}"))?;

@@ -6,7 +6,6 @@
 //! Errors are `Clone` because one failure is handed to every waiter of a work handle and is
 //! remembered by a broken group as the cause of every later failure.
 
-use std::fmt;
 use std::time::Duration;
 
 /// Result alias used across `tandem-dist`.
@@ -37,8 +36,9 @@ pub enum DistError {
 
     /// Keys did not appear in the rendezvous store in time.
     #[error(
-        "rendezvous store at {addr}: timed out after {timeout:?} waiting for {keys:?}; are all \
-         ranks started, with the same WORLD_SIZE, MASTER_ADDR and MASTER_PORT?"
+        "rendezvous store at {addr}: timed out after {timeout:?} waiting for {}; are all \
+         ranks started, with the same WORLD_SIZE, MASTER_ADDR and MASTER_PORT?",
+        fmt_list(keys)
     )]
     StoreTimeout {
         /// The store's address.
@@ -308,28 +308,51 @@ pub(crate) fn fmt_left_after(completed: u64) -> String {
     }
 }
 
-/// Formats `[3]` as `rank 3` and `[1, 2]` as `ranks 1, 2` for messages.
-pub(crate) fn fmt_ranks(ranks: &[usize]) -> String {
-    struct Ranks<'a>(&'a [usize]);
-    impl fmt::Display for Ranks<'_> {
-        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-            match self.0 {
-                [] => f.write_str("no rank"),
-                [one] => write!(f, "rank {one}"),
-                many => {
-                    f.write_str("ranks ")?;
-                    for (i, r) in many.iter().enumerate() {
-                        if i > 0 {
-                            f.write_str(", ")?;
-                        }
-                        write!(f, "{r}")?;
-                    }
-                    Ok(())
-                }
-            }
-        }
+/// How many items of a list a message names before it says how many more there are.
+const LISTED: usize = 8;
+
+/// `49999997` as `49,999,997`.
+fn thousands(n: usize) -> String {
+    let digits = n.to_string();
+    let head = digits.len() % 3;
+    let mut groups: Vec<&str> = Vec::new();
+    if head > 0 {
+        groups.push(&digits[..head]);
     }
-    Ranks(ranks).to_string()
+    groups.extend(
+        digits.as_bytes()[head..]
+            .chunks(3)
+            .filter_map(|c| std::str::from_utf8(c).ok()),
+    );
+    groups.join(",")
+}
+
+/// Formats `[3]` as `rank 3` and `[1, 2]` as `ranks 1, 2` for messages; a long list names its
+/// first few and counts the rest (`ranks 0, 1, … and 49,999,992 more`), so that a message stays
+/// short whatever the world size.
+pub(crate) fn fmt_ranks(ranks: &[usize]) -> String {
+    match ranks {
+        [] => "no rank".to_string(),
+        [one] => format!("rank {one}"),
+        many => format!(
+            "ranks {}",
+            join_bounded(many.iter().map(|r| r.to_string()), many.len())
+        ),
+    }
+}
+
+/// A list of keys (or any names) for a message, bounded like [`fmt_ranks`].
+fn fmt_list(items: &[String]) -> String {
+    join_bounded(items.iter().map(|k| format!("{k:?}")), items.len())
+}
+
+fn join_bounded(items: impl Iterator<Item = String>, len: usize) -> String {
+    let mut out: Vec<String> = items.take(LISTED).collect();
+    if len > LISTED {
+        let last = out.len() - 1;
+        out[last] = format!("{} … and {} more", out[last], thousands(len - LISTED));
+    }
+    out.join(", ")
 }
 
 #[cfg(test)]
@@ -359,6 +382,17 @@ mod tests {
         assert_eq!(fmt_ranks(&[3]), "rank 3");
         assert_eq!(fmt_ranks(&[1, 2]), "ranks 1, 2");
         assert_eq!(fmt_ranks(&[]), "no rank");
+        let many: Vec<usize> = (3..50_000_003).collect();
+        let text = fmt_ranks(&many);
+        assert_eq!(text, "ranks 3, 4, 5, 6, 7, 8, 9, 10 … and 49,999,992 more");
+        let err = DistError::StoreTimeout {
+            addr: "h:1".into(),
+            keys: (0..4096)
+                .map(|k| format!("tandem/default/addr/{k}"))
+                .collect(),
+            timeout: Duration::from_secs(1),
+        };
+        assert!(err.to_string().len() < 500, "{err}");
     }
 
     #[test]

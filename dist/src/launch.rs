@@ -24,16 +24,26 @@
 //! (Linux), and checks between fork and exec that its parent is still the launcher, so a
 //! launcher killed by SIGKILL — which cannot forward anything — takes its ranks with it
 //! instead of leaving them training as orphans (see [`child`]).
+//!
+//! Every job gets a secret ([`crate::auth`]): the one in the launcher's own `TANDEM_JOB_SECRET`,
+//! or, for a single node, a fresh random one; the ranks receive it in `TANDEM_JOB_SECRET` and
+//! the store requires it. A single-node job's store listens on the address its ranks are given
+//! (loopback by default), not on every interface. When a rank fails,
+//! the launch also reports which rank the failed ones were waiting for
+//! ([`crate::failure_report`]), which is the one to look at when a rank stopped responding.
 
 use std::ffi::OsString;
-use std::net::{Ipv4Addr, SocketAddr, TcpListener};
+use std::net::{Ipv4Addr, SocketAddr, TcpListener, ToSocketAddrs};
 use std::process::{Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use crate::rendezvous::STORE_HOSTED_VAR;
-use crate::store::StoreServer;
+use crate::auth::{self, JobSecret};
+use crate::failure_report;
+pub use crate::failure_report::FailureReport;
+use crate::rendezvous::{MAX_WORLD_SIZE, STORE_HOSTED_VAR};
+use crate::store::{StoreConfig, StoreServer};
 use crate::{DistError, Result};
 
 pub mod child;
@@ -207,6 +217,12 @@ impl LaunchOptions {
                     .into(),
             ));
         }
+        if self.nproc_per_node.saturating_mul(self.nnodes) > MAX_WORLD_SIZE {
+            return Err(DistError::Launch(format!(
+                "--nproc-per-node {} × --nnodes {} is more than {MAX_WORLD_SIZE} ranks",
+                self.nproc_per_node, self.nnodes
+            )));
+        }
         if self.nnodes > 1 && self.master_port.is_none() {
             return Err(DistError::Launch(
                 "--master-port is required when --nnodes > 1".into(),
@@ -274,6 +290,8 @@ pub struct LaunchReport {
     pub master_port: u16,
     /// How many times the job was restarted after a failure.
     pub restarts: usize,
+    /// What the first failed rank reported: the rank it was waiting for, if any.
+    pub report: Option<FailureReport>,
 }
 
 impl LaunchReport {
@@ -388,13 +406,11 @@ pub fn launch(opts: &LaunchOptions) -> Result<LaunchReport> {
 /// One start of the job: the ranks, with `restart` in their environment, until all exit.
 fn launch_once(opts: &LaunchOptions, restart: usize) -> Result<LaunchReport> {
     let world = opts.nproc_per_node * opts.nnodes;
+    let secret = auth::launcher_secret(opts.nnodes)?;
     // Node 0 serves the store on the requested port or a free one; it binds before any rank
     // starts, so there is no race for the port.
     let (server, port) = if opts.serve_store && opts.node_rank == 0 {
-        let server = StoreServer::bind(SocketAddr::from((
-            Ipv4Addr::UNSPECIFIED,
-            opts.master_port.unwrap_or(0),
-        )))?;
+        let server = serve_store(opts, secret.as_ref())?;
         let port = server.local_addr().port();
         (Some(server), port)
     } else {
@@ -434,6 +450,9 @@ fn launch_once(opts: &LaunchOptions, restart: usize) -> Result<LaunchReport> {
             cmd.env_remove(STORE_HOSTED_VAR);
         }
         child::die_with_launcher(&mut cmd);
+        if let Some(secret) = &secret {
+            cmd.env(auth::SECRET_VAR, secret.env_value());
+        }
         let mut child = match cmd.spawn() {
             Ok(c) => c,
             Err(e) => {
@@ -521,6 +540,10 @@ fn launch_once(opts: &LaunchOptions, restart: usize) -> Result<LaunchReport> {
             let _ = r.join();
         }
     }
+    let report = failed
+        .as_ref()
+        .zip(server.as_ref())
+        .and_then(|(f, s)| failure_report::explain(s, f.rank, world));
     drop(server);
     if let Some(e) = spawn_error {
         return Err(e);
@@ -530,7 +553,34 @@ fn launch_once(opts: &LaunchOptions, restart: usize) -> Result<LaunchReport> {
         interrupted,
         master_port: port,
         restarts: restart,
+        report,
     })
+}
+
+/// Serves the job's store, requiring `secret`: a single-node job on the address its ranks are
+/// given (`--master-addr`, loopback by default) rather than on every interface; a job of
+/// several nodes on every interface, since the other nodes' ranks connect to it.
+fn serve_store(opts: &LaunchOptions, secret: Option<&JobSecret>) -> Result<StoreServer> {
+    let port = opts.master_port.unwrap_or(0);
+    let addr = if opts.nnodes == 1 {
+        (opts.master_addr.as_str(), port)
+            .to_socket_addrs()
+            .ok()
+            .and_then(|mut a| a.next())
+            .ok_or_else(|| {
+                DistError::Launch(format!(
+                    "cannot resolve --master-addr {:?}",
+                    opts.master_addr
+                ))
+            })?
+    } else {
+        SocketAddr::from((Ipv4Addr::UNSPECIFIED, port))
+    };
+    let config = StoreConfig {
+        secret: secret.cloned(),
+        ..StoreConfig::default()
+    };
+    StoreServer::bind_with(addr, config)
 }
 
 #[cfg(test)]

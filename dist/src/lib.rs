@@ -41,9 +41,9 @@
 //! every rank to every rank, for latency. Large ones go around a ring (reduce-scatter then
 //! all-gather; a chain for broadcast) in pipelined chunks, driven by one non-blocking event loop
 //! per rank so that sending, receiving and reducing overlap. When every rank runs on one host
-//! and the ranks may read each other's memory (checked at set-up), large messages are instead
-//! copied straight between the processes with `process_vm_readv`, one copy instead of two
-//! through the TCP stack, with TCP only synchronising ([`GroupConfig::same_host_copy`]).
+//! (checked at set-up), large messages instead move through shared-memory segments that each
+//! rank creates and the others map read-only, with TCP only synchronising
+//! ([`GroupConfig::same_host_copy`]). Every connection proves the job secret ([`auth`]).
 //! [`ThreadProcessGroup`] runs ranks as threads of one process and exchanges through shared
 //! memory; it is for tests. Reductions combine contributions in a fixed order, so every rank
 //! ends with bit-identical results; f16/bf16 reduce in f32 precision per element. The
@@ -69,9 +69,11 @@
 //! ranks with the environment set, serves the store, prefixes each rank's output with
 //! `[rank K] `, and stops the whole job when one rank fails, naming it.
 
+pub mod auth;
 mod coalesce;
 pub mod ddp;
 pub mod error;
+pub mod failure_report;
 pub mod launch;
 pub mod process_group;
 pub mod reducer;
@@ -81,6 +83,7 @@ pub mod store;
 pub mod sync_batch_norm;
 pub mod testing;
 
+pub use auth::JobSecret;
 pub use ddp::{DdpConfig, DistributedDataParallel};
 pub use error::{DistError, Result};
 pub use process_group::tcp::TcpProcessGroup;
@@ -93,5 +96,5 @@ pub use reducer::telemetry::{BucketTiming, OverlapSummary, StepTiming, Telemetry
 pub use reducer::{GradReduction, LaunchRecord};
 pub use rendezvous::{init_from_env, init_from_env_with, init_process_group, EnvSource, LaunchEnv};
 pub use sampler::DistributedSampler;
-pub use store::{StoreServer, TcpStore};
+pub use store::{StoreConfig, StoreServer, TcpStore};
 pub use sync_batch_norm::{convert_sync_batch_norm, SyncBatchNorm};

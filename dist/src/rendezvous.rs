@@ -18,20 +18,32 @@
 //! Who serves the store: rank 0, unless `TANDEM_STORE_HOSTED=1` says the launcher already does
 //! (`tandem-run` serves it and sets that variable). Under torchrun, whose own agent store
 //! (a different protocol) occupies `MASTER_PORT` when `TORCHELASTIC_USE_AGENT_STORE=True`,
-//! rank 0 serves tandem's store on `MASTER_PORT + 1`.
+//! rank 0 serves tandem's store on `MASTER_PORT + 1`. A store that rank 0 serves on a loopback
+//! `MASTER_ADDR` listens on that address only, not on every interface.
+//!
+//! Authentication: the job secret comes from `TANDEM_JOB_SECRET` ([`crate::auth`]); the store
+//! and every connection between ranks prove it. A job of more than one rank without it is
+//! refused unless `TANDEM_ALLOW_UNAUTHENTICATED=1` asks to run unauthenticated. `WORLD_SIZE`
+//! is bounded by [`MAX_WORLD_SIZE`].
 
 use std::collections::HashMap;
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, ToSocketAddrs};
 use std::str::FromStr;
 use std::sync::Arc;
 
+use crate::auth::{self, JobSecret, ALLOW_UNAUTHENTICATED_VAR, SECRET_VAR};
 use crate::process_group::tcp::TcpProcessGroup;
 use crate::process_group::GroupConfig;
-use crate::store::{StoreServer, TcpStore};
+use crate::store::{StoreConfig, StoreServer, TcpStore};
 use crate::{DistError, Result};
 
 /// Set to `1` by a launcher that serves the rendezvous store itself (so rank 0 must not).
 pub const STORE_HOSTED_VAR: &str = "TANDEM_STORE_HOSTED";
+
+/// The largest world size tandem accepts. The TCP backend connects every pair of ranks, so a
+/// rank holds a connection to each other rank; a larger `WORLD_SIZE` is refused before anything
+/// proportional to it is allocated.
+pub const MAX_WORLD_SIZE: usize = 65536;
 
 /// Which launcher's variables described this process.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -66,6 +78,9 @@ pub struct LaunchEnv {
     pub store_hosted: bool,
     /// Which launcher's variables were read.
     pub source: EnvSource,
+    /// The job secret (`TANDEM_JOB_SECRET`); `None` only for a single rank or when
+    /// `TANDEM_ALLOW_UNAUTHENTICATED=1`.
+    pub secret: Option<JobSecret>,
 }
 
 fn get<'a>(env: &'a HashMap<String, String>, name: &str) -> Option<&'a str> {
@@ -176,6 +191,12 @@ impl LaunchEnv {
                 "is 0; a job needs at least one rank",
             ));
         }
+        if world_size > MAX_WORLD_SIZE {
+            return Err(DistError::env(
+                world_var,
+                format!("is {world_size}; tandem supports at most {MAX_WORLD_SIZE} ranks"),
+            ));
+        }
         if rank >= world_size {
             return Err(DistError::env(
                 rank_var,
@@ -229,6 +250,20 @@ impl LaunchEnv {
         } else {
             master_port
         };
+        let secret = auth::secret_from_map(env)?;
+        if secret.is_none() && world_size > 1 && !auth::unauthenticated_allowed(env)? {
+            return Err(DistError::env(
+                SECRET_VAR,
+                format!(
+                    "is not set; the ranks of a tandem job prove to each other that they know a \
+                     shared secret. tandem-run sets it; under torchrun, srun or mpirun export \
+                     the same random value to every rank (e.g. `export \
+                     {SECRET_VAR}=$(openssl rand -hex 32)`), or set \
+                     {ALLOW_UNAUTHENTICATED_VAR}=1 to run without authentication on a network \
+                     you trust"
+                ),
+            ));
+        }
         Ok(LaunchEnv {
             rank,
             world_size,
@@ -239,6 +274,7 @@ impl LaunchEnv {
             store_port,
             store_hosted,
             source,
+            secret,
         })
     }
 
@@ -276,23 +312,34 @@ pub fn init_from_env_with(config: GroupConfig) -> Result<Arc<TcpProcessGroup>> {
 pub fn init_process_group(env: &LaunchEnv, config: GroupConfig) -> Result<TcpProcessGroup> {
     let addr = env.store_addr();
     let server = if env.rank == 0 && !env.store_hosted {
-        // Listen on every interface of the family MASTER_ADDR resolves to.
-        let v6 = addr
-            .to_socket_addrs()
-            .ok()
-            .and_then(|mut a| a.next())
-            .is_some_and(|a: SocketAddr| a.is_ipv6());
-        let bind = if v6 {
-            SocketAddr::from((Ipv6Addr::UNSPECIFIED, env.store_port))
-        } else {
-            SocketAddr::from((Ipv4Addr::UNSPECIFIED, env.store_port))
+        let store_config = StoreConfig {
+            secret: env.secret.clone(),
+            ..StoreConfig::default()
         };
-        Some(StoreServer::bind(bind)?)
+        Some(StoreServer::bind_with(
+            store_bind_addr(&addr, env.store_port),
+            store_config,
+        )?)
     } else {
         None
     };
-    let store = Arc::new(TcpStore::connect(&addr, config.connect_timeout)?);
+    let store = Arc::new(TcpStore::connect_with_secret(
+        &addr,
+        config.connect_timeout,
+        env.secret.clone(),
+    )?);
     TcpProcessGroup::connect_with_server(store, env.rank, env.world_size, config, server)
+}
+
+/// Where rank 0 serves the store: the loopback address `addr` resolves to, if it is one (so a
+/// single-host job is not reachable from the network); else every interface of its family.
+fn store_bind_addr(addr: &str, port: u16) -> SocketAddr {
+    let resolved = addr.to_socket_addrs().ok().and_then(|mut a| a.next());
+    match resolved {
+        Some(a) if a.ip().is_loopback() => SocketAddr::new(a.ip(), port),
+        Some(a) if a.is_ipv6() => SocketAddr::from((Ipv6Addr::UNSPECIFIED, port)),
+        _ => SocketAddr::from((Ipv4Addr::UNSPECIFIED, port)),
+    }
 }
 
 #[cfg(test)]
@@ -306,7 +353,11 @@ mod tests {
             .collect()
     }
 
-    const MASTER: [(&str, &str); 2] = [("MASTER_ADDR", "10.0.0.1"), ("MASTER_PORT", "29500")];
+    const MASTER: [(&str, &str); 3] = [
+        ("MASTER_ADDR", "10.0.0.1"),
+        ("MASTER_PORT", "29500"),
+        (SECRET_VAR, "0123456789abcdef0123456789abcdef"),
+    ];
 
     #[test]
     fn torchrun_variables_are_read() {
@@ -460,6 +511,58 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains(STORE_HOSTED_VAR));
+    }
+
+    #[test]
+    fn absurd_world_sizes_are_refused_before_anything_is_allocated() {
+        for world in ["1000000000000", "18446744073709551615", "50000000", "65537"] {
+            let mut pairs = vec![("RANK", "0"), ("WORLD_SIZE", world)];
+            pairs.extend(MASTER);
+            let err = LaunchEnv::from_map(&map(&pairs)).unwrap_err().to_string();
+            assert!(
+                err.contains("WORLD_SIZE") && err.contains("65536") && err.len() < 200,
+                "{err}"
+            );
+        }
+        let err = LaunchEnv::from_map(&map(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "18446744073709551616"),
+            ("MASTER_ADDR", "h"),
+            ("MASTER_PORT", "1"),
+        ]))
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("WORLD_SIZE") && err.contains("not a valid number"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_multi_rank_job_needs_a_secret_or_an_explicit_opt_out() {
+        let base = [
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", "29500"),
+        ];
+        let err = LaunchEnv::from_map(&map(&base)).unwrap_err();
+        assert!(
+            matches!(&err, DistError::Env { name, .. } if name == SECRET_VAR),
+            "{err}"
+        );
+        let mut pairs = base.to_vec();
+        pairs.push((ALLOW_UNAUTHENTICATED_VAR, "1"));
+        assert_eq!(LaunchEnv::from_map(&map(&pairs)).unwrap().secret, None);
+        let mut pairs = base.to_vec();
+        pairs.push((SECRET_VAR, "0123456789abcdef0123"));
+        assert!(LaunchEnv::from_map(&map(&pairs)).unwrap().secret.is_some());
+        let mut pairs = base.to_vec();
+        pairs[1] = ("WORLD_SIZE", "1");
+        assert_eq!(LaunchEnv::from_map(&map(&pairs)).unwrap().secret, None);
+        assert!(store_bind_addr("127.0.0.1:1", 1).ip().is_loopback());
+        assert!(store_bind_addr("localhost:1", 1).ip().is_loopback());
+        assert!(store_bind_addr("10.1.2.3:1", 1).ip().is_unspecified());
     }
 
     #[test]

@@ -125,3 +125,32 @@ fn launcher_forwards_termination_to_the_ranks() {
         "launcher exit status {status}"
     );
 }
+
+#[test]
+fn launcher_names_the_rank_the_others_were_waiting_for() {
+    // The last of 3 ranks stops itself (SIGSTOP) after one all-reduce; the others time out
+    // after 3 s and exit first. The launcher must name the stopped rank, not them.
+    let exe = std::env::current_exe().unwrap();
+    let mut args = vec!["--nproc-per-node", "3", "--kill-grace", "1", "--"];
+    args.push(exe.to_str().unwrap());
+    let worker_args = common::worker_args();
+    args.extend(worker_args.iter().map(String::as_str));
+    let (out, elapsed) = tandem_run(&args, &[(common::WORKER_VAR, "stall")]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("was waiting for rank 2, which did not respond"),
+        "{stderr}"
+    );
+    assert!(elapsed < Duration::from_secs(60), "{elapsed:?}");
+}
+
+#[test]
+fn a_single_node_job_gets_a_secret_and_a_loopback_store() {
+    let script = "test ${#TANDEM_JOB_SECRET} -ge 32 && echo secret ok; echo addr $MASTER_ADDR";
+    let (out, _) = tandem_run(&["--nproc-per-node", "2", "sh", "-c", script], &[]);
+    assert!(out.status.success());
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(stdout.matches("secret ok").count(), 2, "{stdout}");
+    assert_eq!(stdout.matches("addr 127.0.0.1").count(), 2, "{stdout}");
+}

@@ -31,11 +31,28 @@ fn main() -> ExitCode {
                 // A closed stderr must not turn the report into a panic.
                 let _ = writeln!(std::io::stderr(), "tandem-run: {message}");
             }
+            if let Some(failure) = &report.failed {
+                print_waiting_for(failure.rank, report.report.as_ref());
+            }
             ExitCode::from(report.exit_code())
         }
         Err(e) => {
             eprintln!("{e}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// Names the rank the failed rank was waiting for, when that is another rank: that rank, not
+/// the first to exit, is where to look (it may be stopped or hung).
+fn print_waiting_for(failed: usize, report: Option<&launch::FailureReport>) {
+    if let Some(r) = report.filter(|r| r.waiting_for != failed) {
+        let _ = writeln!(
+            std::io::stderr(),
+            "tandem-run: rank {failed} was waiting for rank {}, which did not respond (stopped or \
+             hung?): {}",
+            r.waiting_for,
+            r.message
+        );
     }
 }

@@ -11,8 +11,8 @@
 //!
 //! Layout (little endian), by byte offset:
 //!
-//! * `0..4` magic `TNDM`; `4` version (1);
-//! * `5` frame kind: 1 hello, 2 data, 3 abort, 4 goodbye;
+//! * `0..4` magic `TNDM`; `4` version (2);
+//! * `5` frame kind: 1 hello, 2 data, 3 abort, 4 goodbye, 5 auth;
 //! * `6` collective: 0 none, 1 all_reduce, 2 broadcast, 3 all_gather, 4 reduce_scatter,
 //!   5 barrier; `7` reduce op: 0 none, 1 sum, 2 avg, 3 max, 4 min;
 //! * `8` dtype: 0 none, 1 f32, 2 f64, 3 f16, 4 bf16, 5 i64, 6 u8;
@@ -24,6 +24,10 @@
 //! * `32..40` frame index: the k-th frame from this sender to this receiver in the
 //!   collective (hello: the world size);
 //! * `40..48` payload length in bytes.
+//!
+//! Connections start with the handshake of the `handshake` module: hello frames (payload:
+//! channel, flags, a 32-byte nonce, the group name) and, in a job with a secret, auth frames
+//! whose 32-byte payload proves the sender knows it. No other frame is trusted before that.
 
 use tandem_core::DType;
 
@@ -32,15 +36,17 @@ use super::{CollectiveDesc, CollectiveKind, ReduceOp};
 /// Bytes in a frame header.
 pub(crate) const HEADER_LEN: usize = 48;
 const MAGIC: [u8; 4] = *b"TNDM";
-const VERSION: u8 = 1;
+const VERSION: u8 = 2;
 /// No rank / no root in the `aux` field.
 pub(crate) const NO_RANK: u32 = u32::MAX;
 /// Largest data payload any frame may announce (the receiver's own expectation is tighter).
 pub(crate) const MAX_DATA_PAYLOAD: u64 = 1 << 30;
 /// Largest abort message.
 pub(crate) const MAX_ABORT_MESSAGE: u64 = 16 << 10;
-/// Largest hello payload (the group name).
+/// Largest hello payload (channel, flags, nonce and the group name).
 pub(crate) const MAX_HELLO_PAYLOAD: u64 = 1 << 10;
+/// The payload of an auth frame: one proof.
+pub(crate) const AUTH_PAYLOAD: u64 = crate::auth::PROOF_LEN as u64;
 
 /// What a frame is for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -53,6 +59,8 @@ pub(crate) enum FrameKind {
     Abort,
     /// The sender is leaving the group cleanly after `seq` collectives (its handle was dropped).
     Goodbye,
+    /// Handshake: the sender's proof that it knows the job secret.
+    Auth,
 }
 
 /// How a collective moves data; ranks must agree on it.
@@ -117,8 +125,21 @@ impl FrameHeader {
         }
     }
 
-    /// A hello header from `rank` of a group of `world` ranks, followed by `name_len` bytes.
-    pub(crate) fn hello(rank: usize, world: usize, name_len: usize) -> Self {
+    /// An auth header, followed by a proof.
+    pub(crate) fn auth() -> Self {
+        FrameHeader {
+            kind: FrameKind::Auth,
+            desc: None,
+            algorithm: None,
+            aux: NO_RANK,
+            seq: 0,
+            index: 0,
+            payload_len: AUTH_PAYLOAD,
+        }
+    }
+
+    /// A hello header from `rank` of a group of `world` ranks, followed by `payload_len` bytes.
+    pub(crate) fn hello(rank: usize, world: usize, payload_len: usize) -> Self {
         FrameHeader {
             kind: FrameKind::Hello,
             desc: None,
@@ -126,7 +147,7 @@ impl FrameHeader {
             aux: rank as u32,
             seq: 0,
             index: world as u64,
-            payload_len: name_len as u64,
+            payload_len: payload_len as u64,
         }
     }
 
@@ -166,6 +187,7 @@ impl FrameHeader {
             FrameKind::Data => 2,
             FrameKind::Abort => 3,
             FrameKind::Goodbye => 4,
+            FrameKind::Auth => 5,
         };
         let mut aux = self.aux;
         if let Some(d) = &self.desc {
@@ -224,6 +246,7 @@ impl FrameHeader {
             2 => FrameKind::Data,
             3 => FrameKind::Abort,
             4 => FrameKind::Goodbye,
+            5 => FrameKind::Auth,
             k => return Err(format!("unknown frame kind {k}")),
         };
         if kind != FrameKind::Data {
@@ -233,9 +256,10 @@ impl FrameHeader {
             let cap = match kind {
                 FrameKind::Hello => MAX_HELLO_PAYLOAD,
                 FrameKind::Abort => MAX_ABORT_MESSAGE,
+                FrameKind::Auth => AUTH_PAYLOAD,
                 _ => 0,
             };
-            if payload_len > cap {
+            if payload_len > cap || (kind == FrameKind::Auth && payload_len != AUTH_PAYLOAD) {
                 return Err(format!(
                     "{kind:?} frame announces {payload_len} bytes (at most {cap})"
                 ));
@@ -395,8 +419,11 @@ pub(crate) fn judge(h: &FrameHeader, want: &Expected<'_>) -> Verdict {
             }
         }
         FrameKind::Goodbye => return Verdict::Goodbye { completed: h.seq },
-        FrameKind::Hello => {
-            return Verdict::Bad("unexpected hello frame in the middle of a collective".into())
+        FrameKind::Hello | FrameKind::Auth => {
+            return Verdict::Bad(format!(
+                "unexpected {:?} frame in the middle of a collective",
+                h.kind
+            ))
         }
         FrameKind::Data => {}
     }
@@ -543,6 +570,7 @@ mod tests {
             FrameHeader::abort(9, Some(2), 100),
             FrameHeader::abort(9, None, 0),
             FrameHeader::goodbye(5),
+            FrameHeader::auth(),
         ] {
             assert_eq!(FrameHeader::decode(&h.encode()), Ok(h));
         }

@@ -1,28 +1,58 @@
 //! Connecting the ranks of a TCP group to each other: a full mesh, one connection per pair.
 //!
 //! Each rank listens on the interface it uses to reach the rendezvous store (so that ranks on
-//! other hosts can reach it too) and publishes `ip:port` under `tandem/<group>/addr/<rank>`.
-//! Then it connects to every lower rank and accepts a connection from every higher one —
-//! connecting never waits for the other side to accept, so this order cannot deadlock. Each
-//! new connection starts with hello frames both ways that name the sender's rank, the world
-//! size and the group, so a stray connection (a port scanner, another job) is dropped, not
-//! mistaken for a rank.
+//! other hosts can reach it too, and a loopback store keeps the mesh on loopback) and publishes
+//! `ip:port` under `tandem/<group>/addr/<rank>`. Then it connects to every lower rank and
+//! accepts a connection from every higher one — connecting never waits for the other side to
+//! accept, so this order cannot deadlock. Every new connection runs the `handshake` (mutual
+//! proof of the job secret, then rank, world size and group); the accepting side runs the
+//! handshakes of all incoming connections in parallel, each bounded by a short
+//! [`HELLO_TIMEOUT`], so idle or hostile connections (a port scanner, another job) are closed
+//! and logged without delaying the real ranks. A rank that waits for others says so on stderr
+//! every [`GroupConfig::wait_log_interval`], naming them.
 
-use std::io::{self, Read, Write};
+use std::io;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use super::frame::{FrameHeader, FrameKind, HEADER_LEN};
+use super::handshake::{accept_side, connect_side, Channel, Failure, HandshakeStream, Me};
 use super::link::{self, Link};
 use super::GroupConfig;
+use crate::error::fmt_ranks;
 use crate::store::TcpStore;
 use crate::{DistError, Result};
+
+/// How long an accepted connection may take to send its hello and proof.
+pub(crate) const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
+/// Most handshakes of incoming connections in progress at once; more are closed at once.
+const MAX_PENDING_HANDSHAKES: usize = 128;
+/// Rejected connections logged one by one; after these, only every power of two.
+const LOGGED_REJECTIONS: u64 = 16;
 
 fn connect_error(rank: usize, detail: impl Into<String>) -> DistError {
     DistError::Connect {
         rank,
         detail: detail.into(),
+    }
+}
+
+/// Who this rank is on the links of `config`'s group, authenticated with the store's secret.
+pub(crate) fn me(
+    store: &TcpStore,
+    rank: usize,
+    world: usize,
+    config: &GroupConfig,
+    channel: Channel,
+) -> Me {
+    Me {
+        rank,
+        world,
+        name: config.name.clone(),
+        channel,
+        secret: store.secret().cloned(),
     }
 }
 
@@ -38,7 +68,9 @@ pub(crate) fn connect_mesh(
     if world == 1 {
         return Ok(links);
     }
-    let deadline = Instant::now() + config.connect_timeout;
+    let started = Instant::now();
+    let deadline = started + config.connect_timeout;
+    let me = me(store, rank, world, config, Channel::Link);
     let prefix = format!("tandem/{}/addr", config.name);
     let listener = TcpListener::bind(SocketAddr::new(store.local_ip(), 0))
         .map_err(|e| connect_error(rank, format!("cannot listen on {}: {e}", store.local_ip())))?;
@@ -48,8 +80,14 @@ pub(crate) fn connect_mesh(
     store.set(&format!("{prefix}/{rank}"), addr.to_string().as_bytes())?;
 
     for (peer, slot) in links.iter_mut().enumerate().take(rank) {
-        let remaining = deadline.saturating_duration_since(Instant::now());
-        let value = store.get_timeout(&format!("{prefix}/{peer}"), remaining)?;
+        let value = wait_for_key(
+            store,
+            &format!("{prefix}/{peer}"),
+            rank,
+            peer,
+            config,
+            started,
+        )?;
         let text = String::from_utf8_lossy(&value).into_owned();
         let peer_addr: SocketAddr = text.parse().map_err(|_| {
             connect_error(
@@ -57,93 +95,75 @@ pub(crate) fn connect_mesh(
                 format!("rank {peer} published an unusable address {text:?}"),
             )
         })?;
-        let stream = connect_retry(peer_addr, deadline).map_err(|e| {
+        let mut stream = connect_retry(peer_addr, deadline).map_err(|e| {
             connect_error(
                 rank,
                 format!("cannot connect to rank {peer} at {peer_addr}: {e}"),
             )
         })?;
-        hello(&stream, rank, world, &config.name, deadline).map_err(|e| {
-            connect_error(
-                rank,
-                format!("handshake with rank {peer} at {peer_addr}: {e}"),
-            )
-        })?;
-        let (who, _) = read_hello(&stream, world, &config.name, deadline).map_err(|e| {
-            connect_error(
-                rank,
-                format!("handshake with rank {peer} at {peer_addr}: {e}"),
-            )
-        })?;
-        if who != peer {
-            return Err(connect_error(
-                rank,
-                format!("{peer_addr} answered as rank {who}, expected rank {peer}"),
-            ));
-        }
+        connect_side(&mut stream, &me, peer, &peer_addr.to_string(), deadline)
+            .map_err(|m| connect_error(rank, m))?;
         *slot = Some(
             Link::new(peer, stream, config.socket_buffer_bytes)
                 .map_err(|e| connect_error(rank, e.to_string()))?,
         );
     }
 
-    listener
-        .set_nonblocking(true)
-        .map_err(|e| connect_error(rank, e.to_string()))?;
-    while links
-        .iter()
-        .enumerate()
-        .any(|(q, l)| q > rank && l.is_none())
-    {
-        let now = Instant::now();
-        if now >= deadline {
-            let missing: Vec<usize> = (rank + 1..world).filter(|&q| links[q].is_none()).collect();
-            return Err(connect_error(
-                rank,
-                format!(
-                    "timed out after {:?} waiting for ranks {missing:?} to connect",
-                    config.connect_timeout
-                ),
-            ));
-        }
-        let mut fds = [libc::pollfd {
-            fd: listener.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        }];
-        let _ = link::poll(&mut fds, (deadline - now).min(Duration::from_secs(1)));
-        let stream = match listener.accept() {
-            Ok((s, _)) => s,
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
-                ) =>
-            {
-                continue
-            }
-            Err(e) => return Err(connect_error(rank, format!("accept failed: {e}"))),
-        };
-        // A stranger (a port scanner, another job) is dropped without ending the wait.
-        let Ok(stream) = stream.set_nonblocking(false).map(|()| stream) else {
-            continue;
-        };
-        let hello_deadline = (Instant::now() + Duration::from_secs(10)).min(deadline);
-        let Ok((who, _)) = read_hello(&stream, world, &config.name, hello_deadline) else {
-            continue;
-        };
-        if who <= rank || links[who].is_some() {
-            continue;
-        }
-        if hello(&stream, rank, world, &config.name, deadline).is_err() {
-            continue;
-        }
-        links[who] = Some(
-            Link::new(who, stream, config.socket_buffer_bytes)
+    let accepted = accept_peers(&listener, &me, config, started)?;
+    for (peer, stream) in accepted {
+        links[peer] = Some(
+            Link::new(peer, stream, config.socket_buffer_bytes)
                 .map_err(|e| connect_error(rank, e.to_string()))?,
         );
     }
     Ok(links)
+}
+
+/// Waits for `key` (published by rank `peer`), logging every `wait_log_interval`.
+fn wait_for_key(
+    store: &TcpStore,
+    key: &str,
+    rank: usize,
+    peer: usize,
+    config: &GroupConfig,
+    started: Instant,
+) -> Result<Vec<u8>> {
+    let deadline = started + config.connect_timeout;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let slice = left.min(config.wait_log_interval.max(Duration::from_millis(1)));
+        match store.get_timeout(key, slice) {
+            Ok(v) => return Ok(v),
+            Err(DistError::StoreTimeout { .. }) if slice < left => log_waiting(
+                rank,
+                &format!("rank {peer} to join (it has not published its address)"),
+                started,
+                config,
+            ),
+            Err(DistError::StoreTimeout {
+                addr, timeout: _, ..
+            }) => {
+                return Err(connect_error(
+                    rank,
+                    format!(
+                        "timed out after {:?} waiting for rank {peer} to join through the store \
+                         at {addr}; is it started, with the same MASTER_ADDR, MASTER_PORT and \
+                         WORLD_SIZE?",
+                        config.connect_timeout
+                    ),
+                ))
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+fn log_waiting(rank: usize, what: &str, started: Instant, config: &GroupConfig) {
+    eprintln!(
+        "tandem: rank {rank}: still waiting for {what} ({:.0?} so far, timeout {:?})",
+        started.elapsed(),
+        config.connect_timeout
+    );
 }
 
 fn connect_retry(addr: SocketAddr, deadline: Instant) -> io::Result<TcpStream> {
@@ -160,58 +180,214 @@ fn connect_retry(addr: SocketAddr, deadline: Instant) -> io::Result<TcpStream> {
     }
 }
 
-pub(crate) fn hello(
-    mut stream: &TcpStream,
-    rank: usize,
-    world: usize,
-    name: &str,
-    deadline: Instant,
-) -> io::Result<()> {
-    stream.set_write_timeout(Some(
-        deadline
-            .saturating_duration_since(Instant::now())
-            .max(Duration::from_millis(1)),
-    ))?;
-    let mut msg = FrameHeader::hello(rank, world, name.len())
-        .encode()
-        .to_vec();
-    msg.extend_from_slice(name.as_bytes());
-    stream.write_all(&msg)
+/// A listening socket whose connections run the handshake.
+pub(crate) trait PeerListener: AsRawFd {
+    /// The connected socket.
+    type Stream: HandshakeStream + Send + 'static;
+    /// Accepts one connection (non-blocking) and describes where it came from.
+    fn accept_peer(&self) -> io::Result<(Self::Stream, String)>;
+    /// Makes the listener non-blocking.
+    fn set_listener_nonblocking(&self) -> io::Result<()>;
+    /// Makes an accepted socket blocking again (for the handshake's timed reads).
+    fn make_blocking(s: &Self::Stream) -> io::Result<()>;
 }
 
-/// Reads a hello frame; returns the sender's rank and its group name.
-pub(crate) fn read_hello(
-    mut stream: &TcpStream,
-    world: usize,
-    name: &str,
-    deadline: Instant,
-) -> io::Result<(usize, String)> {
-    let bad = |m: String| io::Error::new(io::ErrorKind::InvalidData, m);
-    stream.set_read_timeout(Some(
-        deadline
-            .saturating_duration_since(Instant::now())
-            .max(Duration::from_millis(1)),
-    ))?;
-    let mut head = [0u8; HEADER_LEN];
-    stream.read_exact(&mut head)?;
-    let h = FrameHeader::decode(&head).map_err(bad)?;
-    if h.kind != FrameKind::Hello {
-        return Err(bad(format!("expected a hello frame, got {:?}", h.kind)));
+impl PeerListener for TcpListener {
+    type Stream = TcpStream;
+    fn accept_peer(&self) -> io::Result<(TcpStream, String)> {
+        self.accept().map(|(s, a)| (s, a.to_string()))
     }
-    let mut theirs = vec![0u8; h.payload_len as usize];
-    stream.read_exact(&mut theirs)?;
-    let theirs = String::from_utf8_lossy(&theirs).into_owned();
-    if h.index != world as u64 || theirs != name {
-        return Err(bad(format!(
-            "peer belongs to group {theirs:?} of {} ranks, this rank to group {name:?} of {world}",
-            h.index
-        )));
+    fn set_listener_nonblocking(&self) -> io::Result<()> {
+        self.set_nonblocking(true)
     }
-    if h.aux as usize >= world {
-        return Err(bad(format!(
-            "peer claims rank {} in a group of {world}",
-            h.aux
-        )));
+    fn make_blocking(s: &TcpStream) -> io::Result<()> {
+        s.set_nonblocking(false)
     }
-    Ok((h.aux as usize, theirs))
+}
+
+impl PeerListener for UnixListener {
+    type Stream = UnixStream;
+    fn accept_peer(&self) -> io::Result<(UnixStream, String)> {
+        let (s, _) = self.accept()?;
+        let who = peer_credentials(&s).map_or_else(
+            || "a process on this host".to_string(),
+            |c| format!("process {} (uid {}) on this host", c.pid, c.uid),
+        );
+        Ok((s, who))
+    }
+    fn set_listener_nonblocking(&self) -> io::Result<()> {
+        self.set_nonblocking(true)
+    }
+    fn make_blocking(s: &UnixStream) -> io::Result<()> {
+        s.set_nonblocking(false)
+    }
+}
+
+/// Who is at the other end of a Unix-domain socket, as the kernel saw it connect.
+fn peer_credentials(s: &UnixStream) -> Option<libc::ucred> {
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: `cred` and `len` are live and exclusively borrowed; the kernel writes at most
+    // `len` bytes into `cred`.
+    let rc = unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    (rc == 0).then_some(cred)
+}
+
+/// Logs rejected connections, one by one at first and then sparsely.
+pub(crate) struct RejectionLog {
+    rank: usize,
+    count: u64,
+}
+
+impl RejectionLog {
+    pub(crate) fn new(rank: usize) -> Self {
+        RejectionLog { rank, count: 0 }
+    }
+
+    pub(crate) fn note(&mut self, peer: &str, reason: &str) {
+        self.count += 1;
+        let n = self.count;
+        if n <= LOGGED_REJECTIONS || n.is_power_of_two() {
+            let more = if n > LOGGED_REJECTIONS {
+                format!(" ({n} so far; not all are logged)")
+            } else {
+                String::new()
+            };
+            eprintln!(
+                "tandem: rank {}: closed a connection from {peer}: {reason}{more}",
+                self.rank
+            );
+        }
+    }
+}
+
+/// Accepts the connections of every rank above `me.rank` on `listener`, running their
+/// handshakes in parallel. Returns `(peer rank, stream)` for each of them.
+pub(crate) fn accept_peers<L: PeerListener>(
+    listener: &L,
+    me: &Me,
+    config: &GroupConfig,
+    started: Instant,
+) -> Result<Vec<(usize, L::Stream)>> {
+    let (rank, world) = (me.rank, me.world);
+    let deadline = started + config.connect_timeout;
+    let mut got: Vec<Option<L::Stream>> = (0..world).map(|_| None).collect();
+    let missing = |got: &[Option<L::Stream>]| -> Vec<usize> {
+        (rank + 1..world).filter(|&q| got[q].is_none()).collect()
+    };
+    listener
+        .set_listener_nonblocking()
+        .map_err(|e| connect_error(rank, e.to_string()))?;
+    type Outcome<S> = (String, S, std::result::Result<usize, Failure>);
+    let (tx, rx) = mpsc::channel::<Outcome<L::Stream>>();
+    let mut pending = 0usize;
+    let mut log = RejectionLog::new(rank);
+    let mut last_log = Instant::now();
+    loop {
+        for (peer, stream, outcome) in rx.try_iter() {
+            pending -= 1;
+            match outcome {
+                Ok(q) if q > rank && q < world && got[q].is_none() => got[q] = Some(stream),
+                Ok(q) if q < world && q > rank => {
+                    return Err(connect_error(
+                        rank,
+                        format!(
+                            "two processes claim rank {q} (the second connected from {peer}): \
+                             is the same RANK given twice?"
+                        ),
+                    ))
+                }
+                Ok(q) => {
+                    return Err(connect_error(
+                        rank,
+                        format!(
+                            "a member of this job at {peer} connected as rank {q}, but only \
+                             ranks above {rank} (and below {world}) connect to rank {rank}: is \
+                             the same RANK given twice?"
+                        ),
+                    ))
+                }
+                Err(Failure::Stranger(reason)) => log.note(&peer, &reason),
+                Err(Failure::Fatal(problem)) => return Err(connect_error(rank, problem)),
+            }
+        }
+        let waiting = missing(&got);
+        if waiting.is_empty() {
+            return Ok(got
+                .into_iter()
+                .enumerate()
+                .filter_map(|(q, s)| s.map(|s| (q, s)))
+                .collect());
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            return Err(connect_error(
+                rank,
+                format!(
+                    "timed out after {:?} waiting for {} to connect; are they started, with the \
+                     same MASTER_ADDR, MASTER_PORT and WORLD_SIZE?",
+                    config.connect_timeout,
+                    fmt_ranks(&waiting)
+                ),
+            ));
+        }
+        if now.duration_since(last_log) >= config.wait_log_interval {
+            log_waiting(
+                rank,
+                &format!("{} to connect", fmt_ranks(&waiting)),
+                started,
+                config,
+            );
+            last_log = now;
+        }
+        let mut fds = [libc::pollfd {
+            fd: listener.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        }];
+        let _ = link::poll(&mut fds, (deadline - now).min(Duration::from_millis(20)));
+        loop {
+            let (stream, peer) = match listener.accept_peer() {
+                Ok(x) => x,
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
+                    ) =>
+                {
+                    break
+                }
+                // Out of descriptors and the like: try again at the next round.
+                Err(_) => break,
+            };
+            if pending >= MAX_PENDING_HANDSHAKES || L::make_blocking(&stream).is_err() {
+                log.note(&peer, "too many connections in their handshake at once");
+                continue;
+            }
+            let (tx, me) = (tx.clone(), me.clone());
+            let mut stream = stream;
+            let spawned = std::thread::Builder::new()
+                .name("tandem-handshake".into())
+                .spawn(move || {
+                    let hello_deadline = Instant::now() + HELLO_TIMEOUT;
+                    let outcome = accept_side(&mut stream, &me, &peer, hello_deadline);
+                    let _ = tx.send((peer, stream, outcome));
+                });
+            if spawned.is_ok() {
+                pending += 1;
+            }
+        }
+    }
 }

@@ -9,12 +9,16 @@
 //! the same order — each one carries `(sequence number, kind, dtype, element count)` so a rank
 //! that disagrees is reported instead of corrupting data.
 
+#[cfg(test)]
+mod attack_tests;
 mod frame;
+mod handshake;
 mod link;
 mod mesh;
 mod plan;
 pub(crate) mod reduce;
 mod same_host;
+mod segment;
 pub mod tcp;
 pub mod threads;
 mod transport;
@@ -173,19 +177,18 @@ pub struct GroupConfig {
     /// Size of each TCP socket's send and receive buffer in bytes; 0 leaves them to the
     /// kernel's autotuning. Default: 0.
     pub socket_buffer_bytes: usize,
-    /// When every rank runs on one host and may read the others' memory (same user, same PID
-    /// namespace, no ptrace restrictions — checked when the group is set up, by reading a
-    /// token), large collectives copy straight between the processes with `process_vm_readv`
-    /// and `process_vm_writev`, one copy instead of two through the TCP stack, using TCP only
-    /// to synchronise. Set to `false` to always use the TCP ring. Default: true.
-    ///
-    /// As with any failed collective the tensors' contents are unspecified after a failure;
-    /// on this path another rank may also go on writing its share of an all-reduce into this
-    /// rank's tensor until it notices the failure (milliseconds).
+    /// When every rank runs on one host (checked when the group is set up: every rank must
+    /// reach every other's abstract Unix-domain socket), large collectives move through
+    /// shared-memory segments — each rank writes only its own, sealed segment, which the others
+    /// map read-only — using TCP only to synchronise. Set to `false` to always use the TCP
+    /// ring. Default: true. Groups of more than 128 ranks always use the ring.
     pub same_host_copy: bool,
     /// Name of the group; groups sharing a rendezvous store need distinct names.
     /// Default: `"default"`.
     pub name: String,
+    /// While connecting, a rank that is still waiting for other ranks says so on stderr, naming
+    /// them, this often. Default: 30 s.
+    pub wait_log_interval: Duration,
 }
 
 impl Default for GroupConfig {
@@ -198,6 +201,7 @@ impl Default for GroupConfig {
             socket_buffer_bytes: 0,
             same_host_copy: true,
             name: "default".to_string(),
+            wait_log_interval: Duration::from_secs(30),
         }
     }
 }

@@ -1,319 +1,576 @@
 //! The same-host fast path of the TCP backend: when every rank of a group runs on one machine,
-//! large collectives copy straight out of the other ranks' memory with `process_vm_readv(2)`
-//! (cross-memory attach, as MPI implementations do) and use the TCP connections only to
-//! synchronise.
+//! large collectives move through shared-memory segments instead of through the TCP stack, and
+//! use the TCP connections only to synchronise.
 //!
-//! Through loopback TCP each byte is copied twice (sender into the kernel, kernel into the
-//! receiver) and pays the TCP stack on the way; a cross-memory read copies it once. Whether it
-//! works — same user, same PID namespace, no ptrace restrictions — is not guessed from host
-//! names: when the group is set up each rank publishes the address of a random token and every
-//! other rank tries to read it. Only if every rank could read every other do all ranks enable
-//! the path (they agree through the store), so all ranks always pick the same algorithm.
+//! **Trust.** Each rank owns one segment: an anonymous memory file (`memfd_create`) sealed so
+//! that it can never shrink, mapped read-write by its owner only. The owner hands the file
+//! itself — not a name, not an address — to each peer over an authenticated Unix-domain socket
+//! (`SCM_RIGHTS`); a peer checks the seal and the size and maps it read-only. So a rank writes
+//! only into memory it allocated for the purpose, reads only from mappings whose bounds it
+//! checked itself, at offsets it computes from the collective (which every rank agrees on), and
+//! no byte a peer sends is ever used as an address. A misbehaving peer can at worst put wrong
+//! numbers in its own segment; it cannot make a rank touch any other memory, and the seal means
+//! it cannot make a rank fault by truncating its file. The `segment` module holds these
+//! mechanics.
 //!
-//! A collective then runs in two phases, each ended by an exchange of frames that carries the
-//! usual header checks (sequence number, collective, dtype, element count). First the ranks
-//! swap the addresses of their buffers (which also says "my buffer is ready"). Then each rank
-//! computes its own segment of a reduction chunk by chunk — reading the others' copies of the
-//! chunk, folding all contributions in rank order (so results are bit-identical everywhere) —
-//! and, for an all-reduce, writes the finished chunk straight into every peer's buffer while it
-//! is still in cache (`process_vm_writev`); a gather or broadcast just reads what it needs. A
-//! final barrier guarantees that nobody releases a buffer another rank still reads or writes.
-//! A peer that dies is noticed on its connection as on the ring path, or by the failed copy.
+//! **Setup.** Each rank listens on an abstract Unix-domain socket with a random name and
+//! publishes the name in the store. Every rank connects to the sockets of the lower ranks; only
+//! if every rank reached every lower rank (so all share one host and one network namespace) do
+//! all ranks enable the path — they agree through the store, so all ranks always pick the same
+//! algorithm. The channels then run the same handshake as the TCP links (job secret, rank,
+//! world size), and a stranger on a socket is closed and logged.
+//!
+//! **A collective** starts with one exchange of frames over TCP that carries the usual header
+//! checks (sequence number, collective, dtype, element count), so ranks that issued different
+//! collectives are told so. The data then flows in pieces through a small ring of slots in each
+//! segment (a few MiB, so it stays in cache), synchronised through progress counters in the
+//! segment's first page (each written by the segment's owner only, read by the others): a rank
+//! copies into its next slot what the peers need of piece j and advances `Staged`; for a
+//! reduction it then folds its own share of piece j — a ring segment of an all-reduce, its block
+//! of a reduce-scatter — reading the peers' contributions straight from their slots and its own
+//! in place, in rank order so that every rank ends with identical bits, publishes the result in
+//! its slot while it is still in cache and advances `Reduced`; the peers copy it out a step
+//! later. A gather or broadcast just copies. A rank advances `Consumed` when it has read
+//! everything of a step, and reuses a slot only when every peer has consumed it. A rank waiting
+//! on a counter spins briefly, then yields, then sleeps in short naps, and checks its TCP
+//! connections for a peer that died, failed or left, so such a peer is named at once; every
+//! wait is bounded by the group's timeout. The segments are created at the first same-host
+//! collective, after its exchange of frames.
 
-use std::collections::hash_map::RandomState;
-use std::hash::{BuildHasher, Hasher};
-use std::io;
 use std::ops::Range;
+use std::os::fd::AsRawFd;
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use super::frame::Farewell;
-use super::link::{drain_farewell, poll, Link};
+use super::handshake::{connect_side, Channel};
+use super::link::{drain_farewell, poll, Gone, Link};
+use super::mesh::{accept_peers, me};
 use super::plan::same_host_phase;
-use super::reduce::{self, AlignedBuf};
+use super::reduce;
+use super::segment::{
+    adopt_segment, create_segment, mark, recv_fd, send_fd, Counter, Mapping, GROW_MESSAGE, HEADER,
+};
 use super::transport::{self, Ctx};
 use super::{CollectiveKind, GroupConfig};
-use crate::error::fmt_ranks;
+use crate::error::{fmt_left_after, fmt_ranks};
 use crate::store::TcpStore;
 use crate::{DistError, Result};
 
-/// Finds out whether every rank can read every other rank's memory. Returns the ranks' process
-/// ids if so. Every rank of the group must call it.
+/// Slots of a segment: a rank may stage this many pieces ahead of the slowest reader.
+const SLOTS: usize = 4;
+/// Bytes of one slot, shared by the pieces for every rank, so a segment stays in cache.
+const SLOT_BYTES: usize = 1 << 20;
+/// Largest group that uses the path (every rank's socket must hold all its peers' pending
+/// connections while the group is set up).
+const MAX_RANKS: usize = 128;
+/// What a rank holds for the same-host path: a channel to each peer, its own segment and its
+/// read-only mappings of the peers' segments.
+pub(crate) struct SameHost {
+    channels: Vec<Option<UnixStream>>,
+    own: Option<Mapping>,
+    peers: Vec<Option<Mapping>>,
+    /// Bytes of the data area of every segment.
+    capacity: usize,
+    /// The `Consumed` mark this rank published last: the peers must reach it before this rank
+    /// overwrites its segment.
+    last_consumed: u64,
+}
+
+/// Finds out whether every rank runs on this host and, if so, connects the same-host
+/// channels. Every rank of the group must call it; all get the same answer.
 pub(crate) fn agree(
     store: &TcpStore,
     rank: usize,
     world: usize,
     config: &GroupConfig,
-    deadline: Instant,
-) -> Result<Option<Vec<i32>>> {
-    if world <= 1 {
+    started: Instant,
+) -> Result<Option<SameHost>> {
+    if world <= 1 || world > MAX_RANKS || !config.same_host_copy {
         return Ok(None);
     }
+    let deadline = started + config.connect_timeout;
+    let left = || deadline.saturating_duration_since(Instant::now());
     let prefix = format!("tandem/{}/same_host", config.name);
-    let mut token = [0u8; 32];
-    for chunk in token.chunks_mut(8) {
-        let mut h = RandomState::new().build_hasher();
-        h.write_usize(chunk.as_ptr() as usize);
-        chunk.copy_from_slice(&h.finish().to_le_bytes());
-    }
-    let pid = std::process::id() as i32;
-    let hex: String = token.iter().map(|b| format!("{b:02x}")).collect();
-    store.set(
-        &format!("{prefix}/probe/{rank}"),
-        format!("{pid} {} {hex}", token.as_ptr() as usize).as_bytes(),
-    )?;
-
-    let mut pids = vec![pid; world];
-    let mut all_readable = config.same_host_copy;
-    for (q, slot) in pids.iter_mut().enumerate() {
-        if q == rank || !all_readable {
-            continue;
+    let listener = crate::auth::nonce()
+        .ok()
+        .map(|n| {
+            let hex: String = n[..16].iter().map(|b| format!("{b:02x}")).collect();
+            format!("tandem-{hex}")
+        })
+        .and_then(|name| {
+            let addr = SocketAddr::from_abstract_name(name.as_bytes()).ok()?;
+            Some((UnixListener::bind_addr(&addr).ok()?, name))
+        });
+    let published = listener.as_ref().map_or("", |(_, name)| name.as_str());
+    store.set(&format!("{prefix}/socket/{rank}"), published.as_bytes())?;
+    let mut outgoing = Vec::new();
+    let mut reachable = listener.is_some();
+    for q in 0..rank {
+        if !reachable {
+            break;
         }
-        let remaining = deadline.saturating_duration_since(Instant::now());
-        let text =
-            String::from_utf8_lossy(&store.get_timeout(&format!("{prefix}/probe/{q}"), remaining)?)
-                .into_owned();
-        let mut fields = text.split(' ');
-        let parsed = (|| {
-            Some((
-                fields.next()?.parse::<i32>().ok()?,
-                fields.next()?.parse::<usize>().ok()?,
-                fields.next()?.to_string(),
-            ))
-        })();
-        let Some((their_pid, addr, their_hex)) = parsed else {
-            all_readable = false;
-            continue;
-        };
-        let mut seen = [0u8; 32];
-        let readable = read_remote(their_pid, addr, &mut seen).is_ok()
-            && seen.iter().map(|b| format!("{b:02x}")).collect::<String>() == their_hex;
-        *slot = their_pid;
-        all_readable &= readable;
+        let name = store.get_timeout(&format!("{prefix}/socket/{q}"), left())?;
+        let stream = SocketAddr::from_abstract_name(&name)
+            .ok()
+            .filter(|_| !name.is_empty())
+            .and_then(|addr| UnixStream::connect_addr(&addr).ok());
+        match stream {
+            Some(s) => outgoing.push((q, s)),
+            None => reachable = false,
+        }
     }
     store.set(
-        &format!("{prefix}/ok/{rank}"),
-        if all_readable { b"1" } else { b"0" },
+        &format!("{prefix}/reachable/{rank}"),
+        if reachable { b"1" } else { b"0" },
     )?;
-    // The token must stay readable until every rank has finished probing it, which is when
-    // every rank has published its verdict.
-    let mut everyone = all_readable;
+    let mut everyone = reachable;
     for q in 0..world {
-        let remaining = deadline.saturating_duration_since(Instant::now());
-        everyone &= store.get_timeout(&format!("{prefix}/ok/{q}"), remaining)? == b"1";
+        everyone &= store.get_timeout(&format!("{prefix}/reachable/{q}"), left())? == b"1";
     }
-    std::hint::black_box(&token);
-    Ok(everyone.then_some(pids))
+    let Some((listener, _)) = listener.filter(|_| everyone) else {
+        return Ok(None);
+    };
+    let me = me(store, rank, world, config, Channel::SameHost);
+    let mut channels: Vec<Option<UnixStream>> = (0..world).map(|_| None).collect();
+    for (q, mut stream) in outgoing {
+        let desc = format!("rank {q}'s same-host channel");
+        connect_side(&mut stream, &me, q, &desc, deadline)
+            .map_err(|detail| DistError::Connect { rank, detail })?;
+        channels[q] = Some(stream);
+    }
+    for (q, stream) in accept_peers(&listener, &me, config, started)? {
+        channels[q] = Some(stream);
+    }
+    Ok(Some(SameHost {
+        channels,
+        own: None,
+        peers: (0..world).map(|_| None).collect(),
+        capacity: 0,
+        last_consumed: 0,
+    }))
 }
 
-/// Copies `local.len()` bytes from address `addr` of process `pid` into `local`.
-fn read_remote(pid: i32, addr: usize, local: &mut [u8]) -> io::Result<()> {
-    let mut done = 0;
-    while done < local.len() {
-        let rest = &mut local[done..];
-        let local_iov = libc::iovec {
-            iov_base: rest.as_mut_ptr().cast(),
-            iov_len: rest.len(),
-        };
-        let remote_iov = libc::iovec {
-            iov_base: (addr + done) as *mut libc::c_void,
-            iov_len: rest.len(),
-        };
-        // SAFETY: `local_iov` describes `rest`, a live, exclusively borrowed buffer, and the
-        // kernel writes at most `rest.len()` bytes into it. `remote_iov` names memory of another
-        // process; the kernel checks it (EFAULT) and never touches this process's memory
-        // through it.
-        let n = unsafe { libc::process_vm_readv(pid, &local_iov, 1, &remote_iov, 1, 0) };
-        if n < 0 {
-            let err = io::Error::last_os_error();
-            if err.kind() == io::ErrorKind::Interrupted {
+impl SameHost {
+    /// Makes this rank's segment hold at least `needed` bytes, sending a new one to every peer
+    /// if it must grow. Returns whether it grew (then the peers' new segments are to be
+    /// received with [`SameHost::receive_segments`]).
+    fn ensure_capacity(&mut self, ctx: &Ctx<'_>, needed: usize) -> Result<bool> {
+        if needed <= self.capacity && self.own.is_some() {
+            return Ok(false);
+        }
+        let capacity = needed;
+        let (fd, mapping) = create_segment(HEADER + capacity).map_err(|e| {
+            internal(
+                ctx,
+                format!("creating a shared segment of {capacity} bytes: {e}"),
+            )
+        })?;
+        let mut message = [0u8; GROW_MESSAGE];
+        message[..8].copy_from_slice(&(capacity as u64).to_le_bytes());
+        message[8..].copy_from_slice(&ctx.seq.to_le_bytes());
+        for (q, channel) in self.channels.iter().enumerate() {
+            if let Some(channel) = channel {
+                send_fd(channel, fd.as_raw_fd(), &message).map_err(|e| {
+                    lost(
+                        ctx,
+                        q,
+                        format!("sending rank {q} this rank's segment failed: {e}"),
+                    )
+                })?;
+            }
+        }
+        self.own = Some(mapping);
+        self.capacity = capacity;
+        Ok(true)
+    }
+
+    /// Receives every peer's new segment (sent when the ranks grew theirs at this collective).
+    fn receive_segments(&mut self, ctx: &Ctx<'_>) -> Result<()> {
+        let deadline = Instant::now() + ctx.timeout;
+        for q in 0..self.channels.len() {
+            let Some(channel) = &self.channels[q] else {
+                continue;
+            };
+            let (fd, message) = recv_fd(channel, deadline)
+                .map_err(|e| lost(ctx, q, format!("receiving rank {q}'s segment failed: {e}")))?;
+            let fd = fd.ok_or_else(|| protocol(ctx, q, "its segment message carried no file"))?;
+            let mut word = [0u8; 8];
+            word.copy_from_slice(&message[..8]);
+            let capacity = u64::from_le_bytes(word);
+            word.copy_from_slice(&message[8..]);
+            let seq = u64::from_le_bytes(word);
+            if capacity != self.capacity as u64 || seq != ctx.seq {
+                return Err(protocol(
+                    ctx,
+                    q,
+                    format!(
+                        "it sent a segment of {capacity} bytes at collective #{seq}; {} bytes at \
+                         #{} were expected",
+                        self.capacity, ctx.seq
+                    ),
+                ));
+            }
+            let mapping =
+                adopt_segment(&fd, HEADER + self.capacity).map_err(|m| protocol(ctx, q, m))?;
+            self.peers[q] = Some(mapping);
+        }
+        Ok(())
+    }
+
+    fn peer(&self, ctx: &Ctx<'_>, q: usize) -> Result<&Mapping> {
+        self.peers[q]
+            .as_ref()
+            .ok_or_else(|| internal(ctx, format!("no segment of rank {q}")))
+    }
+
+    fn own(&mut self, ctx: &Ctx<'_>) -> Result<&mut Mapping> {
+        self.own
+            .as_mut()
+            .ok_or_else(|| internal(ctx, "no own segment"))
+    }
+
+    fn publish(&self, which: Counter, value: u64) {
+        if let Some(own) = &self.own {
+            own.counter(which).store(value, Ordering::Release);
+        }
+    }
+
+    /// Waits until every rank in `from` has published at least `target` in counter `which`.
+    /// Bounded by the collective's timeout; a peer that closes its connection (it died, failed
+    /// or left) ends the wait at once with the reason.
+    fn wait(
+        &self,
+        links: &mut [Option<Link>],
+        ctx: &Ctx<'_>,
+        from: impl Iterator<Item = usize> + Clone,
+        which: Counter,
+        target: u64,
+    ) -> Result<()> {
+        let mut spins = 0u64;
+        let mut deadline = None;
+        loop {
+            let mut behind = None;
+            for q in from.clone() {
+                if self.peer(ctx, q)?.counter(which).load(Ordering::Acquire) < target {
+                    behind = Some(q);
+                    break;
+                }
+            }
+            let Some(q) = behind else {
+                return Ok(());
+            };
+            spins += 1;
+            if spins < 128 {
+                std::hint::spin_loop();
                 continue;
             }
-            return Err(err);
-        }
-        if n == 0 {
-            return Err(io::Error::new(
-                io::ErrorKind::UnexpectedEof,
-                "the remote range ended early",
-            ));
-        }
-        done += n as usize;
-    }
-    Ok(())
-}
-
-/// Copies `local` to address `addr` of process `pid`.
-fn write_remote(pid: i32, addr: usize, local: &[u8]) -> io::Result<()> {
-    let mut done = 0;
-    while done < local.len() {
-        let rest = &local[done..];
-        let local_iov = libc::iovec {
-            iov_base: rest.as_ptr() as *mut libc::c_void,
-            iov_len: rest.len(),
-        };
-        let remote_iov = libc::iovec {
-            iov_base: (addr + done) as *mut libc::c_void,
-            iov_len: rest.len(),
-        };
-        // SAFETY: `local_iov` describes `rest`, a live slice that the kernel only reads (the
-        // pointer is `*mut` because `iovec` is shared with reads). `remote_iov` names memory of
-        // another process, checked by the kernel; nothing in this process is written.
-        let n = unsafe { libc::process_vm_writev(pid, &local_iov, 1, &remote_iov, 1, 0) };
-        if n < 0 {
-            let err = io::Error::last_os_error();
-            if err.kind() == io::ErrorKind::Interrupted {
-                continue;
+            // On a busy machine the peer may need this core: yield, then nap.
+            if spins < 4096 {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(20));
             }
-            return Err(err);
+            if spins & 255 == 0 {
+                let deadline = *deadline.get_or_insert_with(|| Instant::now() + ctx.timeout);
+                check_links(links, ctx)?;
+                if Instant::now() >= deadline {
+                    return Err(DistError::Timeout {
+                        rank: ctx.rank,
+                        collective: ctx.desc.to_string(),
+                        seq: ctx.seq,
+                        timeout: ctx.timeout,
+                        waiting_for: vec![q],
+                    });
+                }
+            }
         }
-        if n == 0 {
-            return Err(io::Error::new(
-                io::ErrorKind::UnexpectedEof,
-                "the remote range ended early",
-            ));
-        }
-        done += n as usize;
     }
-    Ok(())
 }
 
-/// Runs the collective `ctx` on `main` with direct copies between the ranks `pids`.
+/// Runs the collective `ctx` on `main` through the shared segments.
 pub(crate) fn run(
     links: &mut [Option<Link>],
     ctx: &Ctx<'_>,
-    pids: &[i32],
+    sh: &mut SameHost,
     main: &mut [u8],
-    scratch: &mut AlignedBuf,
     chunk_bytes: usize,
 ) -> Result<()> {
-    let (rank, world, desc) = (ctx.rank, pids.len(), ctx.desc);
+    match run_pieces(links, ctx, sh, main, chunk_bytes) {
+        Err(err) if !matches!(err, DistError::Io { .. }) => Err(explain(links, ctx, err)),
+        other => other,
+    }
+}
+
+fn run_pieces(
+    links: &mut [Option<Link>],
+    ctx: &Ctx<'_>,
+    sh: &mut SameHost,
+    main: &mut [u8],
+    chunk_bytes: usize,
+) -> Result<()> {
+    let (rank, world, desc) = (ctx.rank, sh.channels.len(), ctx.desc);
     let dtype = desc
         .dtype
         .ok_or_else(|| internal(ctx, "same-host copy of a barrier"))?;
     let elem = dtype.size_in_bytes();
-    let n = desc.numel as usize;
-
-    // Phase 0: every rank learns where the others' buffers are.
-    let mut table = vec![0u8; world * 16];
-    table[rank * 16..rank * 16 + 8].copy_from_slice(&(main.as_ptr() as usize as u64).to_le_bytes());
-    table[rank * 16 + 8..rank * 16 + 16].copy_from_slice(&(main.len() as u64).to_le_bytes());
-    transport::execute(
-        links,
-        ctx,
-        &same_host_phase(rank, world, 16, 0),
-        &mut table,
-        &mut [],
-    )?;
-    let mut addrs = Vec::with_capacity(world);
-    for q in 0..world {
-        let word = |at: usize| {
-            let mut w = [0u8; 8];
-            w.copy_from_slice(&table[at..at + 8]);
-            u64::from_le_bytes(w)
-        };
-        let (addr, len) = (word(q * 16), word(q * 16 + 8));
-        if len != main.len() as u64 {
-            return Err(protocol(
-                ctx,
-                q,
-                format!("its buffer has {len} bytes, this rank's {}", main.len()),
-            ));
-        }
-        addrs.push(
-            usize::try_from(addr).map_err(|_| protocol(ctx, q, "buffer address out of range"))?,
-        );
+    let total = main.len();
+    let block = match desc.kind {
+        CollectiveKind::AllGather | CollectiveKind::ReduceScatter => total / world,
+        _ => total,
+    };
+    if block == 0 {
+        return Ok(());
     }
-    // A failed read usually means the peer failed or died; its abort frame or hang-up, already
-    // waiting on the connections, then names the root cause better than the read does.
-    let remote_failed = std::cell::Cell::new(false);
-    let read = |q: usize, range: Range<usize>, dest: &mut [u8]| {
-        read_remote(pids[q], addrs[q] + range.start, dest).map_err(|e| {
-            remote_failed.set(true);
-            remote_error(ctx, q, pids[q], e)
-        })
+    let peers = (0..world).filter(move |&q| q != rank);
+    let root = desc.root.unwrap_or(0) as usize;
+    // Every rank is at this collective (the frames check it), so the counters below are theirs.
+    let plan = same_host_phase(rank, world, 0, 0);
+    transport::execute(links, ctx, &plan, &mut [], &mut [])?;
+    // Nobody still reads this rank's segment from the previous collective.
+    if sh.own.is_some() {
+        sh.wait(
+            links,
+            ctx,
+            peers.clone(),
+            Counter::Consumed,
+            sh.last_consumed,
+        )?;
+    }
+    // A slot holds one piece for every rank; pieces are multiples of 64 bytes (any element).
+    let piece_max = (chunk_bytes.min(SLOT_BYTES / world) / 64 * 64).max(64);
+    let slot_bytes = world * piece_max;
+    if sh.ensure_capacity(ctx, SLOTS * slot_bytes)? {
+        sh.receive_segments(ctx)?;
+    }
+    // Rank q's range of the buffer (its share of an all-reduce; the block offset is added
+    // where needed for the others), cut into `pieces` pieces of at most `piece_max` bytes.
+    let range_of = |q: usize| {
+        if desc.kind == CollectiveKind::AllReduce {
+            share(q, world, total, elem)
+        } else {
+            0..block
+        }
     };
-
-    let write = |q: usize, at: usize, src: &[u8]| {
-        write_remote(pids[q], addrs[q] + at, src).map_err(|e| {
-            remote_failed.set(true);
-            remote_error(ctx, q, pids[q], e)
-        })
+    let widest = (0..world).map(|q| range_of(q).len()).max().unwrap_or(0);
+    let pieces = widest.div_ceil(piece_max).max(1);
+    let piece_of = |q: usize, j: usize| piece(range_of(q), pieces, j, elem);
+    // Where piece j for rank `sub` lies in a segment.
+    let slot = |j: usize, sub: usize, len: usize| {
+        let at = (j % SLOTS) * slot_bytes + sub * piece_max;
+        at..at + len
     };
-
-    let mut copy = || -> Result<()> {
+    for j in 0..pieces {
+        let now = mark(ctx.seq, j + 1);
+        if j >= SLOTS {
+            // The slot is free once every peer has read what was staged in it SLOTS ago.
+            sh.wait(
+                links,
+                ctx,
+                peers.clone(),
+                Counter::Consumed,
+                mark(ctx.seq, j + 1 - SLOTS),
+            )?;
+        }
+        let own = sh.own(ctx)?.data_mut();
         match desc.kind {
-            CollectiveKind::AllReduce | CollectiveKind::ReduceScatter => {
-                // All-reduce: the ring's balanced segments; reduce-scatter: output-sized blocks.
-                let own = match desc.kind {
-                    CollectiveKind::AllReduce => {
-                        (rank * n / world) * elem..((rank + 1) * n / world) * elem
-                    }
-                    _ => rank * n * elem..(rank + 1) * n * elem,
-                };
-                let chunk = chunk_bytes.max(elem) / elem * elem;
-                scratch.resize(world * chunk);
-                let op = desc
-                    .op
-                    .ok_or_else(|| internal(ctx, "reduction without an op"))?;
-                let mut at = own.start;
-                while at < own.end {
-                    let end = (at + chunk).min(own.end);
-                    let len = end - at;
-                    let slots = scratch.bytes_mut();
-                    for q in (0..world).filter(|&q| q != rank) {
-                        read(q, at..end, &mut slots[q * chunk..q * chunk + len])?;
-                    }
-                    // This rank's own contribution is read in place (the `None`).
-                    let sources: Vec<Option<&[u8]>> = (0..world)
-                        .map(|q| (q != rank).then(|| &slots[q * chunk..q * chunk + len]))
-                        .collect();
-                    reduce::reduce_in_place(dtype, op, &sources, &mut main[at..end])
-                        .map_err(|e| internal(ctx, e))?;
-                    if desc.kind == CollectiveKind::AllReduce {
-                        // Push the finished chunk, still in cache, into every peer's copy of
-                        // this segment. Only this rank ever reads that part of a peer's buffer,
-                        // and it has just done so, so the write cannot race a reader.
-                        for q in (0..world).filter(|&q| q != rank) {
-                            write(q, at, &main[at..end])?;
-                        }
-                    }
-                    at = end;
+            CollectiveKind::AllReduce => {
+                for q in peers.clone() {
+                    let p = piece_of(q, j);
+                    own[slot(j, q, p.len())].copy_from_slice(&main[p]);
+                }
+            }
+            CollectiveKind::ReduceScatter => {
+                let p = piece_of(rank, j);
+                for q in peers.clone() {
+                    let at = q * block;
+                    own[slot(j, q, p.len())].copy_from_slice(&main[at + p.start..at + p.end]);
                 }
             }
             CollectiveKind::AllGather => {
-                for q in (0..world).filter(|&q| q != rank) {
-                    let range = q * n * elem..(q + 1) * n * elem;
-                    read(q, range.clone(), &mut main[range])?;
-                }
+                let (p, at) = (piece_of(rank, j), rank * block);
+                own[slot(j, 0, p.len())].copy_from_slice(&main[at + p.start..at + p.end]);
             }
             CollectiveKind::Broadcast => {
-                let root = desc.root.unwrap_or(0) as usize;
-                if rank != root {
-                    let len = main.len();
-                    read(root, 0..len, main)?;
+                if rank == root {
+                    let p = piece_of(rank, j);
+                    own[slot(j, 0, p.len())].copy_from_slice(&main[p]);
                 }
             }
             CollectiveKind::Barrier => return Err(internal(ctx, "same-host copy of a barrier")),
         }
-        Ok(())
-    };
-    match copy() {
-        Ok(()) => {}
-        Err(err) if remote_failed.get() => return Err(explain(links, ctx, err)),
-        Err(err) => return Err(err),
-    };
-    // Phase 1: nobody returns (and reuses or frees its buffer) while another rank may still
-    // read from it or write into it.
-    transport::execute(
-        links,
-        ctx,
-        &same_host_phase(rank, world, 0, 1),
-        &mut [],
-        &mut [],
-    )
+        sh.publish(Counter::Staged, now);
+        match desc.kind {
+            CollectiveKind::AllReduce | CollectiveKind::ReduceScatter => {
+                let op = desc
+                    .op
+                    .ok_or_else(|| internal(ctx, "reduction without an op"))?;
+                sh.wait(links, ctx, peers.clone(), Counter::Staged, now)?;
+                let p = piece_of(rank, j);
+                let at = if desc.kind == CollectiveKind::AllReduce {
+                    0
+                } else {
+                    rank * block
+                };
+                let out = at + p.start..at + p.end;
+                let theirs = slot(j, rank, p.len());
+                let sources = (0..world)
+                    .map(|q| {
+                        if q == rank {
+                            Ok(None)
+                        } else {
+                            sh.peer(ctx, q).map(|m| Some(&m.data()[theirs.clone()]))
+                        }
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                reduce::reduce_in_place(dtype, op, &sources, &mut main[out.clone()])
+                    .map_err(|e| internal(ctx, e))?;
+                if desc.kind == CollectiveKind::AllReduce {
+                    // Publish the finished piece while it is still in cache; collect the peers'
+                    // previous pieces, which are most likely ready by now.
+                    sh.own(ctx)?.data_mut()[theirs].copy_from_slice(&main[out]);
+                    sh.publish(Counter::Reduced, now);
+                    if j > 0 {
+                        gather_reduced(links, ctx, sh, main, &piece_of, &slot, j - 1)?;
+                    }
+                } else {
+                    sh.publish(Counter::Consumed, now);
+                }
+            }
+            CollectiveKind::AllGather => {
+                for q in peers.clone() {
+                    sh.wait(links, ctx, std::iter::once(q), Counter::Staged, now)?;
+                    let (p, at) = (piece_of(q, j), q * block);
+                    let from = slot(j, 0, p.len());
+                    main[at + p.start..at + p.end].copy_from_slice(&sh.peer(ctx, q)?.data()[from]);
+                }
+                sh.publish(Counter::Consumed, now);
+            }
+            CollectiveKind::Broadcast => {
+                if rank != root {
+                    sh.wait(links, ctx, std::iter::once(root), Counter::Staged, now)?;
+                    let p = piece_of(root, j);
+                    let from = slot(j, 0, p.len());
+                    main[p].copy_from_slice(&sh.peer(ctx, root)?.data()[from]);
+                }
+                sh.publish(Counter::Consumed, now);
+            }
+            CollectiveKind::Barrier => {}
+        }
+    }
+    if desc.kind == CollectiveKind::AllReduce {
+        gather_reduced(links, ctx, sh, main, &piece_of, &slot, pieces - 1)?;
+    }
+    sh.last_consumed = mark(ctx.seq, pieces);
+    Ok(())
 }
 
-/// The best explanation of a failed read: an abort report or hang-up found on the
-/// connections, else `err` itself.
+/// Copies piece `j` of every peer's reduced share into `main`, then tells the peers that
+/// this rank has read everything of step `j`.
+fn gather_reduced(
+    links: &mut [Option<Link>],
+    ctx: &Ctx<'_>,
+    sh: &SameHost,
+    main: &mut [u8],
+    piece_of: &dyn Fn(usize, usize) -> Range<usize>,
+    slot: &dyn Fn(usize, usize, usize) -> Range<usize>,
+    j: usize,
+) -> Result<()> {
+    let at = mark(ctx.seq, j + 1);
+    for q in (0..sh.channels.len()).filter(|&q| q != ctx.rank) {
+        sh.wait(links, ctx, std::iter::once(q), Counter::Reduced, at)?;
+        let p = piece_of(q, j);
+        let from = slot(j, q, p.len());
+        main[p].copy_from_slice(&sh.peer(ctx, q)?.data()[from]);
+    }
+    sh.publish(Counter::Consumed, at);
+    Ok(())
+}
+
+/// Piece `j` of `pieces` near-equal pieces of the byte range `range` (cut on elements).
+fn piece(range: Range<usize>, pieces: usize, j: usize, elem: usize) -> Range<usize> {
+    let n = range.len() / elem;
+    range.start + (n * j / pieces) * elem..range.start + (n * (j + 1) / pieces) * elem
+}
+
+/// Fails at once if a peer has closed its connection (it died, failed or left), with the
+/// reason it left behind; marks it gone so later collectives know.
+fn check_links(links: &mut [Option<Link>], ctx: &Ctx<'_>) -> Result<()> {
+    let mut fds: Vec<libc::pollfd> = Vec::new();
+    let mut owners = Vec::new();
+    for link in links
+        .iter()
+        .flatten()
+        .filter(|l| l.gone.is_none() && !l.shut)
+    {
+        // Hang-ups only: a frame waiting here may be a peer's next collective, not ours to read.
+        fds.push(libc::pollfd {
+            fd: link.fd(),
+            events: libc::POLLRDHUP,
+            revents: 0,
+        });
+        owners.push(link.peer);
+    }
+    if poll(&mut fds, Duration::ZERO).unwrap_or(0) == 0 {
+        return Ok(());
+    }
+    for (fd, peer) in fds.iter().zip(owners) {
+        if fd.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) == 0 {
+            continue;
+        }
+        let Some(link) = links[peer].as_mut() else {
+            continue;
+        };
+        let (gone, err) = match drain_farewell(link) {
+            Some(Farewell::Abort { message, .. }) => (
+                Gone::Failed {
+                    message: message.clone(),
+                },
+                DistError::PeerAborted {
+                    rank: ctx.rank,
+                    peer,
+                    collective: ctx.desc.to_string(),
+                    seq: ctx.seq,
+                    message,
+                },
+            ),
+            Some(Farewell::Goodbye { completed }) => (
+                Gone::Left { completed },
+                lost(
+                    ctx,
+                    peer,
+                    format!(
+                        "rank {peer} left the group (dropped its process group) {}; it never \
+                         finished collective #{}",
+                        fmt_left_after(completed),
+                        ctx.seq
+                    ),
+                ),
+            ),
+            None => {
+                let how = format!(
+                    "rank {peer} closed its connection without leaving the group cleanly (its \
+                     process probably exited or was killed)"
+                );
+                (Gone::Died { how: how.clone() }, lost(ctx, peer, how))
+            }
+        };
+        link.gone = Some(gone);
+        return Err(err);
+    }
+    Ok(())
+}
+
+/// Rank `q`'s share of a reduction over `len` bytes: the ring's balanced segment, in bytes.
+fn share(q: usize, world: usize, len: usize, elem: usize) -> std::ops::Range<usize> {
+    let n = len / elem;
+    (q * n / world) * elem..((q + 1) * n / world) * elem
+}
+
+/// The best explanation of a failure: an abort report or hang-up found on the connections,
+/// else `err` itself.
 fn explain(links: &mut [Option<Link>], ctx: &Ctx<'_>, err: DistError) -> DistError {
     let mut fds: Vec<libc::pollfd> = Vec::new();
     let mut owners = Vec::new();
@@ -396,20 +653,12 @@ fn protocol(ctx: &Ctx<'_>, peer: usize, problem: impl Into<String>) -> DistError
     }
 }
 
-fn remote_error(ctx: &Ctx<'_>, peer: usize, pid: i32, err: io::Error) -> DistError {
-    if err.raw_os_error() == Some(libc::ESRCH) {
-        DistError::PeerLost {
-            rank: ctx.rank,
-            peers: vec![peer],
-            collective: ctx.desc.to_string(),
-            seq: ctx.seq,
-            cause: format!("rank {peer}'s process (pid {pid}) no longer exists"),
-        }
-    } else {
-        protocol(
-            ctx,
-            peer,
-            format!("reading its buffer (pid {pid}) failed: {err}"),
-        )
+fn lost(ctx: &Ctx<'_>, peer: usize, cause: String) -> DistError {
+    DistError::PeerLost {
+        rank: ctx.rank,
+        peers: vec![peer],
+        collective: ctx.desc.to_string(),
+        seq: ctx.seq,
+        cause,
     }
 }

@@ -3,12 +3,14 @@
 //!
 //! Ranks meet through the rendezvous store: each binds a listening socket on the interface it
 //! uses to reach the store, publishes `ip:port` under `tandem/<group>/addr/<rank>`, connects to
-//! every lower rank and accepts every higher one; a hello frame on each new connection checks
-//! that both ends belong to the same group and world size; then the ranks find out whether they
-//! can copy from each other's memory (the same-host fast path). Collectives run on the group's
-//! comm stream, in place on the tensors: by the schedules of the `plan` module (direct exchange
-//! for small messages, pipelined ring or chain for large ones) executed by the `transport`
-//! event loop, or, for large messages between ranks of one host, by the `same_host` module.
+//! every lower rank and accepts every higher one; a handshake on each new connection proves the
+//! job secret both ways and checks that both ends belong to the same group and world size
+//! (`handshake`); then the ranks find out whether they all share this host (the same-host
+//! fast path through shared-memory segments). Collectives run on the group's comm stream, in
+//! place on the tensors: by the schedules of the `plan` module (direct exchange for small
+//! messages, pipelined ring or chain for large ones) executed by the `transport` event loop,
+//! or, for large messages between ranks of one host, by the `same_host` module. A collective
+//! that fails leaves a report for the launcher (`failure_report`) naming the ranks it blames.
 //!
 //! Dropping a group waits for the collectives already issued, then says goodbye to every peer,
 //! so that a rank still waiting for this one learns that it left (and after how many
@@ -33,14 +35,16 @@ use super::{
     describe_reduce_scatter, tensor_error, CollectiveDesc, CommQueue, GroupConfig, ProcessGroup,
     ReduceOp, Work,
 };
+use crate::failure_report;
+use crate::rendezvous::MAX_WORLD_SIZE;
 use crate::store::{StoreServer, TcpStore};
 use crate::{DistError, Result};
 
 /// What the comm thread owns: the connections and reusable buffers.
 struct TcpState {
     links: Vec<Option<Link>>,
-    /// Process ids of all ranks when every rank can read every other's memory.
-    same_host: Option<Vec<i32>>,
+    /// The shared-memory channels and segments, when every rank runs on this host.
+    same_host: Option<same_host::SameHost>,
     scratch: AlignedBuf,
     staging: AlignedBuf,
     completed: u64,
@@ -57,6 +61,8 @@ struct Shared {
     world: usize,
     config: GroupConfig,
     state: Mutex<TcpState>,
+    /// Where a failure is reported for the launcher (see `failure_report`).
+    store: Arc<TcpStore>,
 }
 
 /// A process group whose ranks are processes talking over TCP. See the module docs.
@@ -99,15 +105,18 @@ impl TcpProcessGroup {
         config: GroupConfig,
         server: Option<StoreServer>,
     ) -> Result<Self> {
-        if world_size == 0 || rank >= world_size {
+        if world_size == 0 || rank >= world_size || world_size > MAX_WORLD_SIZE {
             return Err(DistError::Connect {
                 rank,
-                detail: format!("rank {rank} is not in a group of {world_size}"),
+                detail: format!(
+                    "rank {rank} is not in a group of {world_size} (a group has 1 to \
+                     {MAX_WORLD_SIZE} ranks)"
+                ),
             });
         }
+        let started = Instant::now();
         let links = connect_mesh(&store, rank, world_size, &config)?;
-        let deadline = Instant::now() + config.connect_timeout;
-        let same_host = same_host::agree(&store, rank, world_size, &config, deadline)?;
+        let same_host = same_host::agree(&store, rank, world_size, &config, started)?;
         let queue = CommQueue::new("tcp", rank)?;
         let state = TcpState {
             links,
@@ -123,6 +132,7 @@ impl TcpProcessGroup {
                 world: world_size,
                 config,
                 state: Mutex::new(state),
+                store: store.clone(),
             }),
             queue,
             store,
@@ -175,7 +185,13 @@ impl TcpProcessGroup {
                 Ok(()) => state.completed = seq,
                 // Failures inside the transport have told the peers already; this covers the
                 // rest (a tensor that could not be locked, …). Telling twice is harmless.
-                Err(err) => link::abort_links(&mut state.links, seq, err, &[]),
+                Err(err) => {
+                    link::abort_links(&mut state.links, seq, err, &[]);
+                    // The first failure only: the group refuses later collectives anyway.
+                    if state.completed + 1 == seq {
+                        failure_report::post(&shared.store, shared.rank, err);
+                    }
+                }
             }
             result
         })
@@ -190,9 +206,9 @@ fn run(shared: &Shared, state: &mut TcpState, ctx: &Ctx<'_>, main: &mut [u8]) ->
         &shared.config,
         state.same_host.is_some(),
     );
-    if let (Algorithm::SameHost, Some(pids)) = (algorithm, &state.same_host) {
+    if let (Algorithm::SameHost, Some(same_host)) = (algorithm, &mut state.same_host) {
         let chunk = shared.config.chunk_bytes;
-        return same_host::run(&mut state.links, ctx, pids, main, &mut state.scratch, chunk);
+        return same_host::run(&mut state.links, ctx, same_host, main, chunk);
     }
     let plan = plan::plan(shared.rank, shared.world, ctx.desc, &shared.config);
     state.scratch.resize(plan.scratch_len);
@@ -313,7 +329,7 @@ impl Drop for TcpProcessGroup {
 #[cfg(test)]
 mod tests {
     use super::super::frame::{FrameHeader, HEADER_LEN};
-    use super::super::mesh::{hello, read_hello};
+    use super::super::handshake::{connect_side, Channel, Me};
     use super::*;
     use crate::testing::conformance;
     use std::io::Write;
@@ -546,15 +562,21 @@ mod tests {
             .unwrap()
             .parse()
             .unwrap();
+        // Decline the same-host fast path, so rank 0 talks to us over the socket only.
+        store.set("tandem/default/same_host/socket/1", b"").unwrap();
+        store
+            .set("tandem/default/same_host/reachable/1", b"0")
+            .unwrap();
         let mut conn = TcpStream::connect(rank0).unwrap();
         let deadline = Instant::now() + Duration::from_secs(10);
-        hello(&conn, 1, 2, "default", deadline).unwrap();
-        assert_eq!(read_hello(&conn, 2, "default", deadline).unwrap().0, 0);
-        // Decline the same-host fast path, so rank 0 talks to us over the socket only.
-        store
-            .set("tandem/default/same_host/probe/1", b"none")
-            .unwrap();
-        store.set("tandem/default/same_host/ok/1", b"0").unwrap();
+        let me = Me {
+            rank: 1,
+            world: 2,
+            name: "default".into(),
+            channel: Channel::Link,
+            secret: None,
+        };
+        connect_side(&mut conn, &me, 0, "rank 0", deadline).unwrap();
         garbage(&mut conn);
         let started = Instant::now();
         let err = real.join().unwrap();

@@ -10,9 +10,11 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use tandem_core::{DType, Device, Tensor};
+use tandem_dist::auth::SECRET_VAR;
 use tandem_dist::rendezvous::STORE_HOSTED_VAR;
 use tandem_dist::{
-    init_process_group, GroupConfig, LaunchEnv, ProcessGroup, ReduceOp, StoreServer,
+    init_process_group, GroupConfig, JobSecret, LaunchEnv, ProcessGroup, ReduceOp, StoreConfig,
+    StoreServer,
 };
 
 /// Selects the worker mode of a re-executed test binary.
@@ -56,6 +58,17 @@ fn run_worker(mode: &str) -> Result<(), String> {
             same_host_copy: false,
             ..GroupConfig::default()
         },
+        // Rendezvous diagnostics: short waits, frequent progress lines.
+        "rendezvous" => GroupConfig {
+            connect_timeout: Duration::from_secs(4),
+            wait_log_interval: Duration::from_millis(500),
+            ..GroupConfig::default()
+        },
+        // A rank that stops: the others give up quickly.
+        "stall" => GroupConfig {
+            timeout: Duration::from_secs(3),
+            ..GroupConfig::default()
+        },
         _ => GroupConfig {
             timeout: Duration::from_secs(60),
             ..GroupConfig::default()
@@ -95,6 +108,29 @@ fn run_worker(mode: &str) -> Result<(), String> {
                 }
             }
             Ok(())
+        }
+        "rendezvous" => {
+            pg.barrier()
+                .and_then(|w| w.wait())
+                .map_err(|e| e.to_string())?;
+            println!("rank {rank} joined");
+            Ok(())
+        }
+        "stall" => {
+            let t = Tensor::ones(&[16], DType::F32, Device::Cpu).map_err(|e| e.to_string())?;
+            pg.all_reduce(&t, ReduceOp::Sum)
+                .and_then(|w| w.wait())
+                .map_err(|e| e.to_string())?;
+            if rank == pg.world_size() - 1 {
+                // SAFETY: raise(2) has no memory-safety preconditions; the process stops here
+                // until the launcher kills it.
+                unsafe {
+                    libc::raise(libc::SIGSTOP);
+                }
+            }
+            pg.all_reduce(&t, ReduceOp::Sum)
+                .and_then(|w| w.wait())
+                .map_err(|e| e.to_string())
         }
         "mismatch" => {
             let t = Tensor::zeros(&[100], DType::F32, Device::Cpu).map_err(|e| e.to_string())?;
@@ -140,14 +176,31 @@ fn collect(from: impl Read + Send + 'static, into: Arc<Mutex<String>>) {
 impl Job {
     /// Starts `world` ranks of this test binary in worker `mode`.
     pub fn start(world: usize, mode: &str) -> Job {
-        let store = StoreServer::bind("127.0.0.1:0").expect("store");
+        let ranks: Vec<usize> = (0..world).collect();
+        Job::start_ranks(world, mode, &ranks, |_| Vec::new())
+    }
+
+    /// Starts the ranks `ranks` of a job of `world` in worker `mode`, at a store that requires a
+    /// fresh job secret; `extra(rank)` adds or overrides environment variables of a rank.
+    pub fn start_ranks(
+        world: usize,
+        mode: &str,
+        ranks: &[usize],
+        extra: impl Fn(usize) -> Vec<(String, String)>,
+    ) -> Job {
+        let secret = JobSecret::generate().expect("secret");
+        let config = StoreConfig {
+            secret: Some(secret.clone()),
+            ..StoreConfig::default()
+        };
+        let store = StoreServer::bind_with("127.0.0.1:0", config).expect("store");
         let port = store.local_addr().port();
         let exe = std::env::current_exe().expect("test binary path");
         let mut children = Vec::new();
         let mut output = Vec::new();
-        for rank in 0..world {
-            let mut child = Command::new(&exe)
-                .args(worker_args())
+        for &rank in ranks {
+            let mut cmd = Command::new(&exe);
+            cmd.args(worker_args())
                 .env(WORKER_VAR, mode)
                 .env("RANK", rank.to_string())
                 .env("WORLD_SIZE", world.to_string())
@@ -156,11 +209,14 @@ impl Job {
                 .env("MASTER_ADDR", "127.0.0.1")
                 .env("MASTER_PORT", port.to_string())
                 .env(STORE_HOSTED_VAR, "1")
+                .env(SECRET_VAR, secret.env_value())
                 .stdin(Stdio::null())
                 .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .expect("spawn worker");
+                .stderr(Stdio::piped());
+            for (k, v) in extra(rank) {
+                cmd.env(k, v);
+            }
+            let mut child = cmd.spawn().expect("spawn worker");
             let text = Arc::new(Mutex::new(String::new()));
             collect(child.stdout.take().unwrap(), text.clone());
             collect(child.stderr.take().unwrap(), text.clone());

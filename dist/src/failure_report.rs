@@ -1,0 +1,120 @@
+//! How a launcher learns which rank a failed job was waiting for.
+//!
+//! When a rank stops responding without exiting (stopped by a signal, hung, deadlocked), the
+//! others time out one after another and exit with an error naming it; the first rank to exit
+//! is one of the waiting ones, not the culprit. So a rank whose collective fails blaming other
+//! ranks leaves a short report in the rendezvous store (key `tandem/failure/<rank>`: the
+//! blamed ranks, a newline, its error message) before it returns the error, and a launcher that
+//! serves the store follows the reports from the rank that failed first — rank 0 was waiting
+//! for rank 1, which was waiting for rank 2, which left no report — to the rank everyone was
+//! waiting for.
+
+use crate::store::{StoreServer, TcpStore};
+use crate::DistError;
+
+/// Longest error message kept in a report.
+const MAX_MESSAGE: usize = 2048;
+
+/// The store key of rank `rank`'s report.
+pub(crate) fn key(rank: usize) -> String {
+    format!("tandem/failure/{rank}")
+}
+
+/// Leaves rank `rank`'s report of `err` in the store, if `err` blames other ranks and the
+/// store connection is free (a failing collective must not wait behind the application).
+pub(crate) fn post(store: &TcpStore, rank: usize, err: &DistError) {
+    let blamed: Vec<String> = err
+        .blamed_ranks()
+        .iter()
+        .filter(|&&r| r != rank)
+        .take(16)
+        .map(|r| r.to_string())
+        .collect();
+    if blamed.is_empty() {
+        return;
+    }
+    let mut message = err.to_string();
+    if message.len() > MAX_MESSAGE {
+        let mut cut = MAX_MESSAGE;
+        while !message.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        message.truncate(cut);
+    }
+    let value = format!("{}\n{message}", blamed.join(","));
+    let _ = store.try_set(&key(rank), value.as_bytes());
+}
+
+/// What a failed rank reported: the rank that the failed ranks were waiting for.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FailureReport {
+    /// The rank the others were waiting for (the end of the chain of reports).
+    pub waiting_for: usize,
+    /// The error message of the rank that failed first.
+    pub message: String,
+}
+
+fn parse(value: &[u8]) -> Option<(Vec<usize>, String)> {
+    let text = String::from_utf8_lossy(value);
+    let (ranks, message) = text.split_once('\n')?;
+    let ranks = ranks
+        .split(',')
+        .filter_map(|r| r.parse().ok())
+        .collect::<Vec<usize>>();
+    Some((ranks, message.to_string()))
+}
+
+/// Follows the reports in `server` from rank `failed` to the rank it (transitively) waited
+/// for. `None` if `failed` left no report.
+pub fn explain(server: &StoreServer, failed: usize, world: usize) -> Option<FailureReport> {
+    let (mut blamed, message) = parse(&server.value(&key(failed))?)?;
+    let mut seen = vec![failed];
+    let mut current = *blamed.first()?;
+    for _ in 0..world.min(4096) {
+        if seen.contains(&current) {
+            break;
+        }
+        seen.push(current);
+        match server.value(&key(current)).and_then(|v| parse(&v)) {
+            Some((next, _)) if !next.is_empty() => {
+                blamed = next;
+                current = blamed[0];
+            }
+            _ => break,
+        }
+    }
+    Some(FailureReport {
+        waiting_for: current,
+        message,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn the_launcher_follows_reports_to_the_rank_everyone_waited_for() {
+        let server = StoreServer::bind("127.0.0.1:0").unwrap();
+        let store =
+            TcpStore::connect(&server.local_addr().to_string(), Duration::from_secs(5)).unwrap();
+        let timeout = |rank, waiting_for| DistError::Timeout {
+            rank,
+            collective: "all_reduce(f32, 4, sum)".into(),
+            seq: 3,
+            timeout: Duration::from_secs(1),
+            waiting_for,
+        };
+        post(&store, 0, &timeout(0, vec![1]));
+        post(&store, 1, &timeout(1, vec![2]));
+        let report = explain(&server, 0, 4).unwrap();
+        assert_eq!(report.waiting_for, 2);
+        assert!(report.message.contains("rank 0") && report.message.contains("rank 1"));
+        assert_eq!(explain(&server, 1, 4).unwrap().waiting_for, 2);
+        assert_eq!(explain(&server, 3, 4), None);
+        // Reports that blame each other do not loop.
+        post(&store, 2, &timeout(2, vec![0]));
+        assert!(explain(&server, 0, 4).is_some());
+    }
+}

@@ -1,0 +1,345 @@
+//! Hostile peers against a real rank: strangers without the job secret, idle connections, and
+//! a member of the job that tries to make a rank read or write memory it chooses. Every test
+//! talks to loopback only and ends by itself (bounded waits, timeouts).
+
+use std::io::Write;
+use std::net::{SocketAddr, TcpStream};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::UnixStream;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use tandem_core::{DType, Device, Tensor};
+
+use super::frame::{Algorithm, FrameHeader};
+use super::handshake::{connect_side, Channel, Me};
+use super::segment::{create_segment, send_fd, GROW_MESSAGE};
+use super::tcp::TcpProcessGroup;
+use super::{describe_all_reduce, describe_barrier, GroupConfig, ProcessGroup, ReduceOp};
+use crate::auth::JobSecret;
+use crate::store::{StoreConfig, StoreServer, TcpStore};
+use crate::DistError;
+
+const SECRET: &str = "attack-tests-job-secret-0123456789";
+
+fn secret() -> JobSecret {
+    JobSecret::from_value(SECRET).unwrap()
+}
+
+fn config() -> GroupConfig {
+    GroupConfig {
+        timeout: Duration::from_secs(10),
+        connect_timeout: Duration::from_secs(20),
+        ..GroupConfig::default()
+    }
+}
+
+/// A store requiring the job secret, and an authenticated client of it (the test's view).
+fn store() -> (StoreServer, String, TcpStore) {
+    let server = StoreServer::bind_with(
+        "127.0.0.1:0",
+        StoreConfig {
+            secret: Some(secret()),
+            ..StoreConfig::default()
+        },
+    )
+    .unwrap();
+    let addr = server.local_addr().to_string();
+    let view =
+        TcpStore::connect_with_secret(&addr, Duration::from_secs(5), Some(secret())).unwrap();
+    (server, addr, view)
+}
+
+/// A real rank that joins a group of 2 and all-reduces `[rank + 1; 1000]` (sum).
+fn real_rank(
+    addr: &str,
+    rank: usize,
+    config: GroupConfig,
+) -> JoinHandle<Result<Vec<f32>, DistError>> {
+    let addr = addr.to_string();
+    std::thread::spawn(move || {
+        let store = Arc::new(TcpStore::connect_with_secret(
+            &addr,
+            Duration::from_secs(10),
+            Some(secret()),
+        )?);
+        let pg = TcpProcessGroup::connect(store, rank, 2, config)?;
+        let t = Tensor::full(&[1000], (rank + 1) as f64, DType::F32, Device::Cpu).unwrap();
+        pg.all_reduce(&t, ReduceOp::Sum)?.wait()?;
+        Ok(t.to_vec::<f32>().unwrap())
+    })
+}
+
+fn rank0_addr(view: &TcpStore) -> SocketAddr {
+    String::from_utf8(view.get("tandem/default/addr/0").unwrap())
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
+fn me(rank: usize, secret: Option<&str>, channel: Channel) -> Me {
+    Me {
+        rank,
+        world: 2,
+        name: "default".into(),
+        channel,
+        secret: secret.map(|s| JobSecret::from_value(s).unwrap()),
+    }
+}
+
+/// Data frames carrying 1e30 for rank 0's all-reduce, then an abort frame blaming rank 0.
+fn injection() -> Vec<u8> {
+    let t = Tensor::zeros(&[1000], DType::F32, Device::Cpu).unwrap();
+    let desc = describe_all_reduce(1, &t, ReduceOp::Sum).unwrap();
+    let mut bytes = FrameHeader::data(desc, Algorithm::Direct, 1, 0, 4000)
+        .encode()
+        .to_vec();
+    bytes.extend(std::iter::repeat_n(1e30f32.to_le_bytes(), 1000).flatten());
+    let msg = b"forged: rank 0 is broken";
+    bytes.extend_from_slice(&FrameHeader::abort(1, Some(0), msg.len()).encode());
+    bytes.extend_from_slice(msg);
+    bytes
+}
+
+#[test]
+fn a_stranger_cannot_take_a_rank_slot_inject_gradients_or_forge_an_abort() {
+    let (_server, addr, view) = store();
+    let rank0 = real_rank(&addr, 0, config());
+    let target = rank0_addr(&view);
+    let deadline = Instant::now() + Duration::from_secs(5);
+
+    // Claiming rank 1 without the secret, and with a wrong one: refused by the handshake.
+    let mut s = TcpStream::connect(target).unwrap();
+    let err = connect_side(&mut s, &me(1, None, Channel::Link), 0, "rank 0", deadline).unwrap_err();
+    assert!(err.contains("requires the job secret"), "{err}");
+    let _ = s.write_all(&injection());
+    let mut s = TcpStream::connect(target).unwrap();
+    let wrong = Some("not-the-job-secret-0123456789");
+    let err =
+        connect_side(&mut s, &me(1, wrong, Channel::Link), 0, "rank 0", deadline).unwrap_err();
+    assert!(err.contains("could not prove"), "{err}");
+    let _ = s.write_all(&injection());
+    // A raw hello claiming rank 1 followed at once by gradients and an abort, no proof.
+    let mut raw = TcpStream::connect(target).unwrap();
+    let mut hello = FrameHeader::hello(1, 2, 2 + 32 + 7).encode().to_vec();
+    hello.extend_from_slice(&[0, 1]);
+    hello.extend_from_slice(&[9u8; 32]);
+    hello.extend_from_slice(b"default");
+    raw.write_all(&hello).unwrap();
+    let _ = raw.write_all(&[0u8; 48 + 32]);
+    let _ = raw.write_all(&injection());
+
+    // The real rank 1 still gets its slot, and the job completes with the right sum.
+    let rank1 = real_rank(&addr, 1, config());
+    for (rank, handle) in [rank0, rank1].into_iter().enumerate() {
+        let got = handle
+            .join()
+            .unwrap()
+            .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        assert!(
+            got.iter().all(|&x| x == 3.0),
+            "rank {rank}: {:?}",
+            &got[..4]
+        );
+    }
+    drop(raw);
+}
+
+#[test]
+fn three_idle_connections_do_not_delay_rendezvous() {
+    let (_server, addr, view) = store();
+    let rank0 = real_rank(&addr, 0, config());
+    let target = rank0_addr(&view);
+    let idle: Vec<TcpStream> = (0..3)
+        .map(|_| TcpStream::connect(target).unwrap())
+        .collect();
+    std::thread::sleep(Duration::from_millis(100));
+    let started = Instant::now();
+    let rank1 = real_rank(&addr, 1, config());
+    for handle in [rank0, rank1] {
+        handle.join().unwrap().unwrap();
+    }
+    // Each idle connection used to hold the accept loop for its 10 s hello timeout.
+    assert!(
+        started.elapsed() < Duration::from_secs(4),
+        "rendezvous took {:?}",
+        started.elapsed()
+    );
+    drop(idle);
+}
+
+/// Rank 0 is real; rank 1 is this test, a member of the job (it has the secret) that joins the
+/// mesh honestly and then misbehaves. Returns rank 0's error for a 4 MiB all-reduce.
+fn with_insider_rank_1(misbehave: impl FnOnce(&TcpStore, &mut TcpStream)) -> DistError {
+    let (_server, addr, view) = store();
+    let rank0 = {
+        let addr = addr.clone();
+        std::thread::spawn(move || {
+            let store = Arc::new(
+                TcpStore::connect_with_secret(&addr, Duration::from_secs(10), Some(secret()))
+                    .unwrap(),
+            );
+            let pg = TcpProcessGroup::connect(store, 0, 2, config()).unwrap();
+            let t = Tensor::ones(&[1 << 20], DType::F32, Device::Cpu).unwrap();
+            let err = pg
+                .all_reduce(&t, ReduceOp::Sum)
+                .unwrap()
+                .wait()
+                .unwrap_err();
+            (err, t.to_vec::<f32>().unwrap())
+        })
+    };
+    let target = rank0_addr(&view);
+    let mut link = TcpStream::connect(target).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    connect_side(
+        &mut link,
+        &me(1, Some(SECRET), Channel::Link),
+        0,
+        "rank 0",
+        deadline,
+    )
+    .unwrap();
+    misbehave(&view, &mut link);
+    let started = Instant::now();
+    let (err, _) = rank0.join().unwrap();
+    assert!(
+        started.elapsed() < Duration::from_secs(8),
+        "failed promptly: {err}"
+    );
+    err
+}
+
+/// The frame that ends phase `phase` of a same-host collective on 2^20 f32.
+fn phase_frame(phase: u64) -> [u8; 48] {
+    let t = Tensor::zeros(&[1 << 20], DType::F32, Device::Cpu).unwrap();
+    let desc = describe_all_reduce(1, &t, ReduceOp::Sum).unwrap();
+    FrameHeader::data(desc, Algorithm::SameHost, 1, phase, 0).encode()
+}
+
+#[test]
+fn publishing_another_process_address_cannot_make_rank_0_write_there() {
+    // The old same-host path trusted `pid address token` published in the store and the
+    // buffer address sent in the first phase, and process_vm_writev'd the result there. The
+    // victim here is a buffer of this process (rank 0 is a thread of it, so it could reach it).
+    let victim = vec![0x5Au8; 1 << 22];
+    let pid = std::process::id();
+    let addr = victim.as_ptr() as usize;
+    let err = with_insider_rank_1(|store, link| {
+        let token: String = victim[..32].iter().map(|b| format!("{b:02x}")).collect();
+        store
+            .set(
+                "tandem/default/same_host/probe/1",
+                format!("{pid} {addr} {token}").as_bytes(),
+            )
+            .unwrap();
+        store.set("tandem/default/same_host/ok/1", b"1").unwrap();
+        store.set("tandem/default/same_host/socket/1", b"").unwrap();
+        store
+            .set("tandem/default/same_host/reachable/1", b"0")
+            .unwrap();
+        // Phase 0 of the old protocol: "my buffer is at `addr`, 4 MiB long".
+        let t = Tensor::zeros(&[1 << 20], DType::F32, Device::Cpu).unwrap();
+        let desc = describe_all_reduce(1, &t, ReduceOp::Sum).unwrap();
+        let mut frame = FrameHeader::data(desc, Algorithm::SameHost, 1, 0, 16)
+            .encode()
+            .to_vec();
+        frame.extend_from_slice(&(addr as u64).to_le_bytes());
+        frame.extend_from_slice(&(1u64 << 22).to_le_bytes());
+        link.write_all(&frame).unwrap();
+    });
+    assert_eq!(err.blamed_ranks(), vec![1], "{err}");
+    assert!(matches!(err, DistError::Protocol { peer: 1, .. }), "{err}");
+    assert!(
+        victim.iter().all(|&b| b == 0x5A),
+        "rank 0 wrote into the victim"
+    );
+}
+
+/// Joins the same-host channel of rank 0 as rank 1 and returns it.
+fn join_same_host(store: &TcpStore) -> UnixStream {
+    let name = store
+        .get_timeout("tandem/default/same_host/socket/0", Duration::from_secs(10))
+        .unwrap();
+    let sock = std::os::unix::net::SocketAddr::from_abstract_name(&name).unwrap();
+    let mut channel = UnixStream::connect_addr(&sock).unwrap();
+    store
+        .set("tandem/default/same_host/socket/1", b"unused")
+        .unwrap();
+    store
+        .set("tandem/default/same_host/reachable/1", b"1")
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    connect_side(
+        &mut channel,
+        &me(1, Some(SECRET), Channel::SameHost),
+        0,
+        "rank 0",
+        deadline,
+    )
+    .unwrap();
+    channel
+}
+
+fn segment_message(capacity: usize) -> [u8; GROW_MESSAGE] {
+    let mut m = [0u8; GROW_MESSAGE];
+    m[..8].copy_from_slice(&(capacity as u64).to_le_bytes());
+    m[8..].copy_from_slice(&1u64.to_le_bytes());
+    m
+}
+
+#[test]
+fn a_segment_that_could_shrink_or_is_too_small_or_is_no_memory_file_is_refused() {
+    // Two ranks with the default 256 KiB chunks agree on segments of 4 slots × 2 pieces.
+    let capacity = 4 * 2 * (256 << 10);
+    let pipe = || {
+        let mut fds = [0; 2];
+        // SAFETY: pipe(2) writes two new descriptors into the live array.
+        assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+        // SAFETY: both descriptors are fresh and owned by nothing else.
+        unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) }
+    };
+    let unsealed = move || {
+        // SAFETY: a valid name; a fresh descriptor is returned.
+        let fd = unsafe { libc::memfd_create(c"unsealed".as_ptr(), libc::MFD_CLOEXEC) };
+        assert!(fd >= 0);
+        // SAFETY: `fd` is fresh; ftruncate takes plain integers.
+        unsafe {
+            assert_eq!(libc::ftruncate(fd, capacity as libc::off_t), 0);
+            OwnedFd::from_raw_fd(fd)
+        }
+    };
+    type MakeFd = Box<dyn Fn() -> OwnedFd>;
+    let cases: Vec<(MakeFd, &str)> = vec![
+        (Box::new(unsealed), "sealed"),
+        (Box::new(|| create_segment(4096).unwrap().0), "4096 bytes"),
+        (Box::new(move || pipe().0), "sealed"),
+    ];
+    for (make, want) in cases {
+        let err = with_insider_rank_1(|store, link| {
+            let channel = join_same_host(store);
+            let fd = make();
+            send_fd(&channel, fd.as_raw_fd(), &segment_message(capacity)).unwrap();
+            link.write_all(&phase_frame(0)).unwrap();
+            // Keep the channel open until rank 0 has judged the segment.
+            std::thread::sleep(Duration::from_millis(300));
+            drop(channel);
+        });
+        assert!(matches!(err, DistError::Protocol { peer: 1, .. }), "{err}");
+        assert!(err.to_string().contains(want), "{err}");
+    }
+}
+
+#[test]
+fn a_member_sending_another_collective_on_the_same_host_path_is_named() {
+    let err = with_insider_rank_1(|store, link| {
+        let _channel = join_same_host(store);
+        let barrier = FrameHeader::data(describe_barrier(), Algorithm::Direct, 1, 0, 0).encode();
+        // Rank 0 issues an all-reduce; a barrier frame is a mismatch naming both.
+        link.write_all(&barrier).unwrap();
+        std::thread::sleep(Duration::from_millis(300));
+    });
+    assert!(matches!(err, DistError::Mismatch { peer: 1, .. }), "{err}");
+}

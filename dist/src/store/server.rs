@@ -1,0 +1,558 @@
+//! The store server: one thread accepts connections, one thread per connection serves it.
+//!
+//! Every resource a client can make the server spend is bounded ([`StoreConfig`]): connections
+//! (over the limit, the oldest connection still in its handshake is dropped to admit the new
+//! one, so a flood of strangers cannot lock out the job's ranks; if every connection is
+//! authenticated the new one is refused with a message), the time a handshake or one request
+//! may take once it has started, the bytes stored plus the bytes of requests being read, and
+//! how long a request may wait for keys. A connection that fails the handshake or sends a
+//! malformed request is closed (and logged, naming the peer address); a connection the client
+//! closes is closed here too, and forgotten, so that file descriptors never accumulate.
+
+use std::collections::HashMap;
+use std::io::{self, Read, Write};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
+
+use super::wire::*;
+use crate::auth::JobSecret;
+use crate::{DistError, Result};
+
+/// Bytes charged per stored key on top of its key and value (the map's own bookkeeping).
+const KEY_OVERHEAD: usize = 64;
+/// Longest wait a `get` or `wait` request may ask for.
+const MAX_WAIT: Duration = Duration::from_secs(24 * 3600);
+/// Rejections logged one by one; after these, only every power of two.
+const LOGGED_REJECTIONS: u64 = 16;
+
+/// Limits and credentials of a [`StoreServer`]. Every limit has a documented default.
+#[derive(Clone, Debug)]
+pub struct StoreConfig {
+    /// The job secret clients must prove they know; `None` serves anyone (trusted networks
+    /// only). Default: `None`.
+    pub secret: Option<JobSecret>,
+    /// Most connections served at once. Default: half of this process's soft limit on open
+    /// files (`ulimit -n`), at least 64 and at most 65536, so that the process serving the
+    /// store keeps descriptors for its own work.
+    pub max_connections: usize,
+    /// Longest time a new connection may take to complete the handshake. Default: 10 s.
+    pub handshake_timeout: Duration,
+    /// Longest time the bytes of one request may take to arrive once its first byte has, and
+    /// a reply to be taken by the client. Default: 30 s.
+    pub request_timeout: Duration,
+    /// Most bytes the store holds: keys, values and 64 bytes per key, plus the values of
+    /// `set` requests being received. A `set` that would exceed it fails with an error.
+    /// Default: 256 MiB.
+    pub max_stored_bytes: usize,
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        StoreConfig {
+            secret: None,
+            max_connections: default_max_connections(),
+            handshake_timeout: Duration::from_secs(10),
+            request_timeout: Duration::from_secs(30),
+            max_stored_bytes: 256 << 20,
+        }
+    }
+}
+
+fn default_max_connections() -> usize {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one `rlimit` into the live, exclusively borrowed `limit`.
+    let rc = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) };
+    let soft = if rc == 0 { limit.rlim_cur } else { 1024 };
+    (soft / 2).clamp(64, 65536) as usize
+}
+
+struct Data {
+    map: HashMap<String, Arc<[u8]>>,
+    /// Bytes charged for the stored keys.
+    stored: usize,
+    /// Bytes reserved for `set` values being received.
+    in_flight: usize,
+}
+
+fn charge(key: &str, value: &[u8]) -> usize {
+    key.len() + value.len() + KEY_OVERHEAD
+}
+
+struct Conn {
+    /// The socket, owned by the connection's thread, which forgets the entry before closing it.
+    fd: RawFd,
+    authenticated: bool,
+    evicted: bool,
+    since: Instant,
+}
+
+#[derive(Default)]
+struct Conns {
+    next_id: u64,
+    live: HashMap<u64, Conn>,
+}
+
+struct Shared {
+    config: StoreConfig,
+    addr: SocketAddr,
+    data: Mutex<Data>,
+    changed: Condvar,
+    stop: AtomicBool,
+    conns: Mutex<Conns>,
+    rejections: AtomicU64,
+}
+
+/// Serves a rendezvous store until dropped.
+pub struct StoreServer {
+    addr: SocketAddr,
+    shared: Arc<Shared>,
+    accept_thread: Option<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for StoreServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "StoreServer({})", self.addr)
+    }
+}
+
+impl StoreServer {
+    /// Binds `addr` (port 0 picks a free port; see [`StoreServer::local_addr`]) and serves
+    /// anyone who connects, with the default limits. For a job, prefer
+    /// [`StoreServer::bind_with`] and a [`JobSecret`].
+    pub fn bind(addr: impl ToSocketAddrs + std::fmt::Debug) -> Result<Self> {
+        Self::bind_with(addr, StoreConfig::default())
+    }
+
+    /// Binds `addr` and serves with `config`'s secret and limits on a background thread.
+    pub fn bind_with(
+        addr: impl ToSocketAddrs + std::fmt::Debug,
+        config: StoreConfig,
+    ) -> Result<Self> {
+        let what = format!("{addr:?}");
+        let listener = TcpListener::bind(addr)
+            .map_err(|e| DistError::io(format!("store: cannot listen on {what}"), e))?;
+        let addr = listener
+            .local_addr()
+            .map_err(|e| DistError::io("store: local address", e))?;
+        let shared = Arc::new(Shared {
+            config,
+            addr,
+            data: Mutex::new(Data {
+                map: HashMap::new(),
+                stored: 0,
+                in_flight: 0,
+            }),
+            changed: Condvar::new(),
+            stop: AtomicBool::new(false),
+            conns: Mutex::new(Conns::default()),
+            rejections: AtomicU64::new(0),
+        });
+        let accept_shared = shared.clone();
+        let accept_thread = std::thread::Builder::new()
+            .name("tandem-store".into())
+            .spawn(move || accept_loop(listener, accept_shared))
+            .map_err(|e| DistError::io("store: starting the server thread", e))?;
+        Ok(StoreServer {
+            addr,
+            shared,
+            accept_thread: Some(accept_thread),
+        })
+    }
+
+    /// The address the server listens on.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The value of `key` as stored now, read directly (no connection, no waiting).
+    pub fn value(&self, key: &str) -> Option<Vec<u8>> {
+        self.shared.data.lock().map.get(key).map(|v| v.to_vec())
+    }
+
+    /// How many connections the server holds open now.
+    pub fn connections(&self) -> usize {
+        self.shared.conns.lock().live.len()
+    }
+}
+
+impl Drop for StoreServer {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::SeqCst);
+        self.shared.changed.notify_all();
+        for conn in self.shared.conns.lock().live.values() {
+            shutdown(conn.fd);
+        }
+        // Wake the accept loop with a connection of our own.
+        let mut wake = self.addr;
+        if wake.ip().is_unspecified() {
+            wake.set_ip(if wake.is_ipv4() {
+                IpAddr::from([127, 0, 0, 1])
+            } else {
+                IpAddr::from([0u16, 0, 0, 0, 0, 0, 0, 1])
+            });
+        }
+        let _ = TcpStream::connect_timeout(&wake, Duration::from_secs(1));
+        if let Some(t) = self.accept_thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Shuts a registered connection's socket down, which ends its thread's blocking read.
+fn shutdown(fd: RawFd) {
+    // SAFETY: shutdown(2) has no memory-safety preconditions. `fd` is open: it belongs to a
+    // registered connection, and its thread forgets the entry (under the lock our caller
+    // holds) before it closes the socket.
+    unsafe {
+        libc::shutdown(fd, libc::SHUT_RDWR);
+    }
+}
+
+fn log_rejection(shared: &Shared, peer: &str, reason: &str) {
+    let n = shared.rejections.fetch_add(1, Ordering::Relaxed) + 1;
+    if n <= LOGGED_REJECTIONS || n.is_power_of_two() {
+        let more = if n > LOGGED_REJECTIONS {
+            format!(" ({n} connections closed so far; not all are logged)")
+        } else {
+            String::new()
+        };
+        eprintln!(
+            "tandem: store at {}: closed the connection from {peer}: {reason}{more}",
+            shared.addr
+        );
+    }
+}
+
+/// Owns a served connection; forgets its registration before the socket closes.
+struct Served {
+    shared: Arc<Shared>,
+    id: u64,
+    stream: TcpStream,
+    peer: String,
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        // Runs before the field `stream` is dropped, i.e. before the socket is closed.
+        self.shared.conns.lock().live.remove(&self.id);
+    }
+}
+
+fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
+    for conn in listener.incoming() {
+        if shared.stop.load(Ordering::SeqCst) {
+            break;
+        }
+        match conn {
+            Ok(conn) => admit(&shared, conn),
+            // Out of descriptors or memory: back off instead of spinning on the same error.
+            Err(_) => std::thread::sleep(Duration::from_millis(10)),
+        }
+    }
+}
+
+fn admit(shared: &Arc<Shared>, conn: TcpStream) {
+    let peer = conn
+        .peer_addr()
+        .map_or_else(|_| "an unknown address".to_string(), |a| a.to_string());
+    let max = shared.config.max_connections.max(1);
+    let id = {
+        let mut conns = shared.conns.lock();
+        let active = conns.live.values().filter(|c| !c.evicted).count();
+        if active >= max {
+            let oldest_pending = conns
+                .live
+                .values_mut()
+                .filter(|c| !c.authenticated && !c.evicted)
+                .min_by_key(|c| c.since);
+            match oldest_pending {
+                Some(victim) => {
+                    shutdown(victim.fd);
+                    victim.evicted = true;
+                }
+                None => {
+                    drop(conns);
+                    let msg = format!(
+                        "too many connections (the limit is {max}; raise StoreConfig::\
+                         max_connections or `ulimit -n`)"
+                    );
+                    let _ = conn.set_write_timeout(Some(Duration::from_millis(100)));
+                    let _ = (&conn).write_all(&refusal(&msg));
+                    log_rejection(shared, &peer, &msg);
+                    return;
+                }
+            }
+        }
+        conns.next_id += 1;
+        let id = conns.next_id;
+        conns.live.insert(
+            id,
+            Conn {
+                fd: conn.as_raw_fd(),
+                authenticated: false,
+                evicted: false,
+                since: Instant::now(),
+            },
+        );
+        id
+    };
+    let _ = conn.set_nodelay(true);
+    let served = Served {
+        shared: shared.clone(),
+        id,
+        stream: conn,
+        peer,
+    };
+    // If the thread cannot start, the closure (and with it `served`) is dropped: the entry is
+    // forgotten and the socket closed.
+    let _ = std::thread::Builder::new()
+        .name("tandem-store-client".into())
+        .spawn(move || serve(served));
+}
+
+fn serve(served: Served) {
+    let shared = &*served.shared;
+    let deadline = Instant::now() + shared.config.handshake_timeout;
+    if let Err(reason) = server_handshake(&served.stream, shared.config.secret.as_ref(), deadline) {
+        let evicted = shared
+            .conns
+            .lock()
+            .live
+            .get(&served.id)
+            .is_some_and(|c| c.evicted);
+        let reason = if evicted {
+            "dropped to admit a new connection while it was still in its handshake".into()
+        } else {
+            reason
+        };
+        log_rejection(shared, &served.peer, &reason);
+        return;
+    }
+    if let Some(c) = shared.conns.lock().live.get_mut(&served.id) {
+        c.authenticated = true;
+    }
+    let stream = &served.stream;
+    loop {
+        // Between requests a client may stay silent as long as it likes.
+        if stream.set_read_timeout(None).is_err() {
+            return;
+        }
+        let op = match read_u8(&mut &*stream) {
+            Ok(op) => op,
+            Err(_) => return, // closed by the client, or shut down by the server
+        };
+        let mut r = Deadline {
+            stream,
+            deadline: Instant::now() + shared.config.request_timeout,
+        };
+        let reply = match handle(op, &mut r, shared) {
+            Ok(reply) => reply,
+            Err(e) => {
+                if !shared.stop.load(Ordering::SeqCst) {
+                    log_rejection(shared, &served.peer, &format!("bad request: {e}"));
+                }
+                return;
+            }
+        };
+        let _ = stream.set_write_timeout(Some(shared.config.request_timeout));
+        let sent = (&*stream)
+            .write_all(&reply.head)
+            .and_then(|()| match &reply.value {
+                Some(v) => (&*stream).write_all(v),
+                None => Ok(()),
+            });
+        if sent.is_err() || shared.stop.load(Ordering::SeqCst) {
+            return;
+        }
+    }
+}
+
+/// A reply: its head, then (for `get`) the stored value, sent without a copy.
+struct Reply {
+    head: Vec<u8>,
+    value: Option<Arc<[u8]>>,
+}
+
+impl Reply {
+    fn status(status: u8) -> Self {
+        Reply {
+            head: vec![status],
+            value: None,
+        }
+    }
+
+    fn error(message: &str) -> Self {
+        let mut head = vec![STATUS_ERROR];
+        put_bytes(
+            &mut head,
+            &message.as_bytes()[..message.len().min(MAX_MESSAGE)],
+        );
+        Reply { head, value: None }
+    }
+}
+
+fn read_wait(r: &mut impl Read) -> io::Result<Duration> {
+    Ok(Duration::from_millis(read_u64(r)?).min(MAX_WAIT))
+}
+
+/// Reads and discards `len` bytes (the value of a refused `set`), so that the client can
+/// read the error instead of a reset connection.
+fn discard(r: &mut impl Read, mut len: usize) -> io::Result<()> {
+    let mut sink = [0u8; 64 << 10];
+    while len > 0 {
+        let n = len.min(sink.len());
+        r.read_exact(&mut sink[..n])?;
+        len -= n;
+    }
+    Ok(())
+}
+
+fn handle(op: u8, r: &mut Deadline<'_>, shared: &Shared) -> io::Result<Reply> {
+    let limit = shared.config.max_stored_bytes;
+    match op {
+        OP_SET => {
+            let key = read_key(r)?;
+            let len = read_len(r, MAX_VALUE)?;
+            let need = key.len() + len + KEY_OVERHEAD;
+            {
+                let mut data = shared.data.lock();
+                if data.stored + data.in_flight + need > limit {
+                    drop(data);
+                    discard(r, len)?;
+                    return Ok(Reply::error(&format!(
+                        "the store is full: setting {key:?} ({len} bytes) would exceed its limit \
+                         of {limit} bytes (StoreConfig::max_stored_bytes)"
+                    )));
+                }
+                data.in_flight += need;
+            }
+            let mut value = vec![0u8; len];
+            let read = r.read_exact(&mut value);
+            let mut data = shared.data.lock();
+            data.in_flight -= need;
+            read?;
+            let value: Arc<[u8]> = value.into();
+            let added = charge(&key, &value);
+            if let Some(old) = data.map.insert(key.clone(), value) {
+                data.stored -= charge(&key, &old);
+            }
+            data.stored += added;
+            drop(data);
+            shared.changed.notify_all();
+            Ok(Reply::status(STATUS_OK))
+        }
+        OP_GET => {
+            let timeout = read_wait(r)?;
+            let key = read_key(r)?;
+            Ok(
+                match wait_for(shared, std::slice::from_ref(&key), timeout) {
+                    Some(mut values) => {
+                        let value = values.pop().unwrap_or_else(|| Arc::from(&[][..]));
+                        let mut head = vec![STATUS_OK];
+                        head.extend_from_slice(&(value.len() as u32).to_le_bytes());
+                        Reply {
+                            head,
+                            value: Some(value),
+                        }
+                    }
+                    None => Reply::status(STATUS_TIMEOUT),
+                },
+            )
+        }
+        OP_ADD => {
+            let key = read_key(r)?;
+            let delta = read_u64(r)? as i64;
+            let mut data = shared.data.lock();
+            let current = match data.map.get(&key) {
+                None => Some(0i64),
+                Some(v) => std::str::from_utf8(v)
+                    .ok()
+                    .and_then(|s| s.parse::<i64>().ok()),
+            };
+            let Some(c) = current else {
+                return Ok(Reply::error(&format!("value of {key:?} is not an integer")));
+            };
+            let new = c.wrapping_add(delta);
+            let value: Arc<[u8]> = new.to_string().into_bytes().into();
+            let added = charge(&key, &value);
+            let old = data.map.get(&key).map_or(0, |v| charge(&key, v));
+            if data.stored + data.in_flight + added > limit + old {
+                return Ok(Reply::error(&format!(
+                    "the store is full: adding to {key:?} would exceed its limit of {limit} bytes"
+                )));
+            }
+            data.map.insert(key, value);
+            data.stored = data.stored + added - old;
+            drop(data);
+            shared.changed.notify_all();
+            let mut reply = Reply::status(STATUS_OK);
+            reply.head.extend_from_slice(&new.to_le_bytes());
+            Ok(reply)
+        }
+        OP_WAIT => {
+            let timeout = read_wait(r)?;
+            let keys = read_keys(r)?;
+            Ok(Reply::status(
+                if wait_for(shared, &keys, timeout).is_some() {
+                    STATUS_OK
+                } else {
+                    STATUS_TIMEOUT
+                },
+            ))
+        }
+        OP_CHECK => {
+            let keys = read_keys(r)?;
+            let data = shared.data.lock();
+            let mut reply = Reply::status(STATUS_OK);
+            reply
+                .head
+                .push(keys.iter().all(|k| data.map.contains_key(k)) as u8);
+            Ok(reply)
+        }
+        OP_DELETE => {
+            let key = read_key(r)?;
+            let mut data = shared.data.lock();
+            let old = data.map.remove(&key);
+            if let Some(old) = &old {
+                data.stored -= charge(&key, old);
+            }
+            let mut reply = Reply::status(STATUS_OK);
+            reply.head.push(old.is_some() as u8);
+            Ok(reply)
+        }
+        other => Err(invalid(format!("unknown store opcode {other}"))),
+    }
+}
+
+/// Waits until all `keys` exist; returns their values in order, or `None` on timeout or
+/// shutdown.
+fn wait_for(shared: &Shared, keys: &[String], timeout: Duration) -> Option<Vec<Arc<[u8]>>> {
+    let deadline = Instant::now() + timeout;
+    let mut data = shared.data.lock();
+    loop {
+        if shared.stop.load(Ordering::SeqCst) {
+            return None;
+        }
+        if keys.iter().all(|k| data.map.contains_key(k)) {
+            return Some(
+                keys.iter()
+                    .filter_map(|k| data.map.get(k).cloned())
+                    .collect(),
+            );
+        }
+        if shared.changed.wait_until(&mut data, deadline).timed_out()
+            && !keys.iter().all(|k| data.map.contains_key(k))
+        {
+            return None;
+        }
+    }
+}
