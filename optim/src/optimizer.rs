@@ -118,10 +118,12 @@ pub(crate) fn check_learning_rate(optimizer: &'static str, lr: f64) -> Result<()
 }
 
 /// What an update kernel works on: the parameter's gradient and a contiguous tensor holding the
-/// parameter's values (the parameter itself, or a copy to write back with [`write_back`]).
+/// parameter's values (the parameter itself, or a copy to write back with [`write_back`]), and
+/// the device they are on (read once: the step dispatches on it).
 pub(crate) struct UpdateOperands {
     pub grad: Tensor,
     pub target: Tensor,
+    pub device: Device,
 }
 
 /// The operands for updating parameter `index`, or `None` when it has no gradient. The kernels
@@ -147,15 +149,15 @@ pub(crate) fn update_operands(
             ),
         ));
     }
-    if grad.device() != param.device() {
+    let device = param.device();
+    if grad.device() != device {
         return Err(Error::parameter(
             optimizer,
             index,
             param,
             format!(
-                "its gradient is on {} but the parameter is on {}",
-                grad.device(),
-                param.device()
+                "its gradient is on {} but the parameter is on {device}",
+                grad.device()
             ),
         ));
     }
@@ -169,7 +171,11 @@ pub(crate) fn update_operands(
     } else {
         param.copy_detached()?
     };
-    Ok(Some(UpdateOperands { grad, target }))
+    Ok(Some(UpdateOperands {
+        grad,
+        target,
+        device,
+    }))
 }
 
 /// Copies an updated `target` back into a non-contiguous `param`.
@@ -180,16 +186,17 @@ pub(crate) fn write_back(param: &Tensor, target: &Tensor) -> Result<()> {
     Ok(())
 }
 
-/// Moves a state tensor of parameter `index` to the parameter's device when the parameter has
-/// moved since the state was made. The move is in place ([`Tensor::move_to_device`]), so the
-/// state keeps its identity (handles from `momentum_buffer`, `exp_avg`, … stay valid).
+/// Moves a state tensor of parameter `index` to `device`, the parameter's, when the parameter
+/// has moved since the state was made. The move is in place ([`Tensor::move_to_device`]), so
+/// the state keeps its identity (handles from `momentum_buffer`, `exp_avg`, … stay valid).
+#[inline]
 pub(crate) fn follow_parameter(
     optimizer: &'static str,
     index: usize,
     param: &Tensor,
+    device: Device,
     state: &Tensor,
 ) -> Result<()> {
-    let device = param.device();
     if state.device() == device {
         return Ok(());
     }
@@ -243,6 +250,12 @@ pub(crate) fn check_disjoint<'a>(
 /// `items` grouped by device, in order of first appearance; within a group in their order.
 /// Training keeps everything on one device, which costs one pass and no search.
 pub(crate) fn by_device<T>(items: &[T], device: impl Fn(&T) -> Device) -> Vec<(Device, Vec<&T>)> {
+    let Some(first) = items.first().map(&device) else {
+        return Vec::new();
+    };
+    if items.iter().all(|item| device(item) == first) {
+        return vec![(first, items.iter().collect())];
+    }
     let mut groups: Vec<(Device, Vec<&T>)> = Vec::new();
     for item in items {
         let d = device(item);
@@ -284,6 +297,11 @@ mod tests {
                 (Device::Cuda(0), vec![3])
             ]
         );
+        let one = [(Device::Cpu, 0), (Device::Cpu, 1)];
+        let groups = by_device(&one, |i| i.0);
+        assert_eq!(groups.len(), 1);
+        assert_eq!(groups[0].1.len(), 2);
+        assert!(by_device(&[] as &[(Device, i32)], |i| i.0).is_empty());
     }
 
     fn labelled_on_cuda(numel: usize) -> Tensor {
@@ -302,12 +320,12 @@ mod tests {
             .unwrap();
         // State already beside its parameter: nothing to do.
         let state = Tensor::zeros(&[4], DType::F32, Device::Cpu).unwrap();
-        follow_parameter("SGD", 3, &param, &state).unwrap();
+        follow_parameter("SGD", 3, &param, Device::Cpu, &state).unwrap();
         assert_eq!(state.device(), Device::Cpu);
         // State elsewhere is moved; this machine cannot read the labelled memory, so the move
         // fails, and the error says what was attempted for which parameter.
         let away = labelled_on_cuda(4);
-        let err = follow_parameter("SGD", 3, &param, &away)
+        let err = follow_parameter("SGD", 3, &param, Device::Cpu, &away)
             .unwrap_err()
             .to_string();
         assert!(

@@ -70,6 +70,8 @@ struct AdamCore {
 struct AdamUpdate {
     /// The parameter's index.
     index: usize,
+    /// The device of the parameter, its gradient and its state.
+    device: Device,
     /// The gradient, dense and not sharing the parameter's memory.
     grad: Tensor,
     /// The parameter, or a dense copy written back after the update.
@@ -113,20 +115,25 @@ impl AdamCore {
         let mut updates = Vec::with_capacity(self.params.len());
         for index in 0..self.params.len() {
             let param = &self.params[index];
-            let Some(UpdateOperands { grad, target }) = update_operands(name, index, param)? else {
+            let Some(UpdateOperands {
+                grad,
+                target,
+                device,
+            }) = update_operands(name, index, param)?
+            else {
                 continue;
             };
             let state = match &mut self.states[index] {
                 Some(state) => {
-                    follow_parameter(name, index, param, &state.exp_avg)?;
-                    follow_parameter(name, index, param, &state.exp_avg_sq)?;
+                    follow_parameter(name, index, param, device, &state.exp_avg)?;
+                    follow_parameter(name, index, param, device, &state.exp_avg_sq)?;
                     if let Some(m) = &state.max_exp_avg_sq {
-                        follow_parameter(name, index, param, m)?;
+                        follow_parameter(name, index, param, device, m)?;
                     }
                     state
                 }
                 slot @ None => {
-                    let zeros = || Tensor::zeros(param.dims(), param.dtype(), param.device());
+                    let zeros = || Tensor::zeros(param.dims(), param.dtype(), device);
                     slot.insert(ParamState {
                         step: 0,
                         exp_avg: zeros()?,
@@ -141,6 +148,7 @@ impl AdamCore {
             };
             updates.push(AdamUpdate {
                 index,
+                device,
                 grad,
                 target,
                 exp_avg: state.exp_avg.clone(),
@@ -156,7 +164,7 @@ impl AdamCore {
         let _profile = tandem_core::profile::scope("adam.step", tandem_core::profile::Phase::Other);
         let updates = self.gather()?;
         let (name, decoupled) = (self.name, self.decoupled_weight_decay);
-        for (device, group) in by_device(&updates, |u| u.target.device()) {
+        for (device, group) in by_device(&updates, |u| u.device) {
             match device {
                 Device::Cpu => cpu::update(name, &group, &self.config, decoupled)?,
                 Device::Cuda(ordinal) => cuda::update(

@@ -141,6 +141,8 @@ pub struct Sgd {
 struct SgdUpdate {
     /// The parameter's index.
     index: usize,
+    /// The device of the parameter, its gradient and its buffer.
+    device: Device,
     /// The gradient, dense and not sharing the parameter's memory.
     grad: Tensor,
     /// The parameter, or a dense copy written back after the update.
@@ -188,7 +190,12 @@ impl Sgd {
         let mut updates = Vec::with_capacity(self.params.len());
         for index in 0..self.params.len() {
             let param = &self.params[index];
-            let Some(UpdateOperands { grad, target }) = update_operands(NAME, index, param)? else {
+            let Some(UpdateOperands {
+                grad,
+                target,
+                device,
+            }) = update_operands(NAME, index, param)?
+            else {
                 continue;
             };
             let slot = &mut self.momentum_buffers[index];
@@ -196,17 +203,18 @@ impl Sgd {
             let buffer = match slot {
                 _ if !momentum => None,
                 Some(b) => {
-                    follow_parameter(NAME, index, param, b)?;
+                    follow_parameter(NAME, index, param, device, b)?;
                     Some(b.clone())
                 }
                 None => {
-                    let b = Tensor::zeros(param.dims(), param.dtype(), param.device())?;
+                    let b = Tensor::zeros(param.dims(), param.dtype(), device)?;
                     *slot = Some(b.clone());
                     Some(b)
                 }
             };
             updates.push(SgdUpdate {
                 index,
+                device,
                 grad,
                 target,
                 buffer,
@@ -229,7 +237,7 @@ impl Optimizer for Sgd {
     fn step(&mut self) -> Result<()> {
         let _profile = tandem_core::profile::scope("sgd.step", tandem_core::profile::Phase::Other);
         let updates = self.gather()?;
-        for (device, group) in by_device(&updates, |u| u.target.device()) {
+        for (device, group) in by_device(&updates, |u| u.device) {
             match device {
                 Device::Cpu => cpu::update(&group, &self.config)?,
                 Device::Cuda(ordinal) => cuda::update(
