@@ -361,19 +361,38 @@ fn zero_grad_on_cuda_zeroes_every_gradient_in_place() {
     }
     let values = initial_values(DType::F32, 4);
     let params = parameters(&values, GPU);
-    // The strided parameter's gradient is strided too: the runtime fills it.
+    // The strided parameter's gradient is strided too: the runtime fills it, one launch zeroes
+    // all the others.
     let mut gen = Generator::new(8);
     let grads: Vec<Tensor> = params
         .iter()
-        .map(|p| {
-            let g = Tensor::randn(p.dims(), 0.0, 1.0, DType::F32, Device::Cpu, &mut gen).unwrap();
-            let g = g.to_device(GPU).unwrap();
+        .enumerate()
+        .map(|(i, p)| {
+            let g = if i == STRIDED {
+                let dense = Tensor::randn(&[64, 65], 0.0, 1.0, DType::F32, Device::Cpu, &mut gen)
+                    .unwrap()
+                    .to_device(GPU)
+                    .unwrap();
+                dense
+                    .view_detached(dense.layout().transpose("test", 0, 1).unwrap())
+                    .unwrap()
+            } else {
+                Tensor::randn(p.dims(), 0.0, 1.0, DType::F32, Device::Cpu, &mut gen)
+                    .unwrap()
+                    .to_device(GPU)
+                    .unwrap()
+            };
             p.set_grad(Some(g.clone())).unwrap();
             g
         })
         .collect();
+    assert!(!grads[STRIDED].is_contiguous());
     let mut opt = Sgd::new(params.clone(), SgdConfig::new(0.1)).unwrap();
-    opt.zero_grad().unwrap();
+    let c = counted(|| opt.zero_grad().unwrap());
+    assert_eq!(
+        c.kernels, 1,
+        "one multi-tensor launch for the dense gradients: {c:?}"
+    );
     for (i, (p, g)) in params.iter().zip(&grads).enumerate() {
         assert!(
             p.grad().unwrap().same_tensor(g),
