@@ -38,7 +38,8 @@ struct optim_chunk {
 };
 
 // The entry holding chunk `c`: the last one whose first_chunk is <= c. Every thread of a block
-// searches for the same chunk, so the loads are uniform. `tensors` >= 1.
+// searches for the same chunk, so the loads are uniform. `tensors` >= 1; it is 32-bit because
+// the table's builder checks the count with index_u32 (TensorTable::new).
 TANDEM_FN optim_chunk optim_chunk_at(const optim_tensor* table, tandem_u32 tensors,
                                      tandem_u64 chunk_size, tandem_u64 c) {
     tandem_u32 lo = 0;
