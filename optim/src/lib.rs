@@ -7,13 +7,21 @@
 //!
 //! Alongside the optimizers ([`Sgd`], [`Adam`], [`AdamW`]) live learning-rate schedules
 //! ([`schedule`], driven by a [`Scheduler`]) and gradient clipping ([`clip_grad_norm`]).
+//!
+//! Every update, clipping and `zero_grad` dispatches once on the parameters' device: host loops
+//! on the CPU, fused multi-tensor kernels on a CUDA device ([`multi_tensor`]: one launch per
+//! dtype updates every parameter). Optimizer state lives on its parameter's device and follows
+//! it when the model moves; `state()` hands out the live tensors, which a checkpoint saves from
+//! any device, and `load_state` copies saved state to the parameters' device.
 
 pub mod adam;
 pub mod clip;
 pub mod error;
+pub mod multi_tensor;
 pub mod optimizer;
 pub mod schedule;
 pub mod sgd;
+mod zero_grad;
 
 pub use adam::{Adam, AdamConfig, AdamW};
 pub use clip::clip_grad_norm;

@@ -3,10 +3,15 @@
 //! A training step is `optimizer.zero_grad()?; loss.backward()?; optimizer.step()?`. The
 //! optimizer holds the parameters (clones of the model's tensor handles, so updates are seen by
 //! the model) and its own state, which [`Optimizer::state`] exposes by name for checkpoints.
+//!
+//! Per-element state (momentum buffers, moment estimates) lives on its parameter's device. A
+//! parameter moved since its state was made (`Tensor::move_to_device`, `Module::to_device`)
+//! takes its state along at the next step (`follow_parameter`); state loaded from a
+//! checkpoint is copied to the parameter's device (`state_for_parameter`).
 
 use std::collections::HashSet;
 
-use tandem_core::Tensor;
+use tandem_core::{Device, Tensor};
 
 use crate::{Error, Result};
 
@@ -44,14 +49,11 @@ pub trait Optimizer: Send {
 
     /// Sets every existing gradient to zero *in place*. The gradient tensors themselves are
     /// kept, so a gradient that is a view into a communication bucket stays one.
+    ///
+    /// On a CUDA device the gradients of each dtype are zeroed by one multi-tensor launch.
     fn zero_grad(&mut self) -> Result<()> {
         let _profile = tandem_core::profile::scope("zero_grad", tandem_core::profile::Phase::Other);
-        for p in self.parameters() {
-            if let Some(g) = p.grad() {
-                g.zero_()?;
-            }
-        }
-        Ok(())
+        crate::zero_grad::zero_grads(self.parameters())
     }
 
     /// Drops every gradient (`grad = None`), releasing its memory; the next backward allocates
@@ -116,10 +118,12 @@ pub(crate) fn check_learning_rate(optimizer: &'static str, lr: f64) -> Result<()
 }
 
 /// What an update kernel works on: the parameter's gradient and a contiguous tensor holding the
-/// parameter's values (the parameter itself, or a copy to write back with [`write_back`]).
+/// parameter's values (the parameter itself, or a copy to write back with [`write_back`]), and
+/// the device they are on (read once: the step dispatches on it).
 pub(crate) struct UpdateOperands {
     pub grad: Tensor,
     pub target: Tensor,
+    pub device: Device,
 }
 
 /// The operands for updating parameter `index`, or `None` when it has no gradient. The kernels
@@ -145,6 +149,18 @@ pub(crate) fn update_operands(
             ),
         ));
     }
+    let device = param.device();
+    if grad.device() != device {
+        return Err(Error::parameter(
+            optimizer,
+            index,
+            param,
+            format!(
+                "its gradient is on {} but the parameter is on {device}",
+                grad.device()
+            ),
+        ));
+    }
     let grad = if grad.is_contiguous() && !grad.storage().same_buffer(param.storage()) {
         grad
     } else {
@@ -155,7 +171,11 @@ pub(crate) fn update_operands(
     } else {
         param.copy_detached()?
     };
-    Ok(Some(UpdateOperands { grad, target }))
+    Ok(Some(UpdateOperands {
+        grad,
+        target,
+        device,
+    }))
 }
 
 /// Copies an updated `target` back into a non-contiguous `param`.
@@ -164,4 +184,157 @@ pub(crate) fn write_back(param: &Tensor, target: &Tensor) -> Result<()> {
         param.copy_(target)?;
     }
     Ok(())
+}
+
+/// Moves a state tensor of parameter `index` to `device`, the parameter's, when the parameter
+/// has moved since the state was made. The move is in place ([`Tensor::move_to_device`]), so
+/// the state keeps its identity (handles from `momentum_buffer`, `exp_avg`, … stay valid).
+#[inline]
+pub(crate) fn follow_parameter(
+    optimizer: &'static str,
+    index: usize,
+    param: &Tensor,
+    device: Device,
+    state: &Tensor,
+) -> Result<()> {
+    if state.device() == device {
+        return Ok(());
+    }
+    let from = state.device();
+    state.move_to_device(device).map_err(|e| {
+        Error::parameter(
+            optimizer,
+            index,
+            param,
+            format!("moving its optimizer state from {from} to the parameter's {device}: {e}"),
+        )
+    })
+}
+
+/// A fresh copy of loaded state `tensor` on `param`'s device (a checkpoint's tensors are in
+/// host memory; the state of a CUDA parameter lives on its device).
+pub(crate) fn state_for_parameter(tensor: &Tensor, param: &Tensor) -> Result<Tensor> {
+    if tensor.device() == param.device() {
+        Ok(tensor.copy_detached()?)
+    } else {
+        Ok(tensor.to_device(param.device())?)
+    }
+}
+
+/// Errors when two tensors of a fused update's table share memory: the kernel updates every
+/// parameter at once, so (unlike the CPU's one-after-the-other loop) overlapping parameters,
+/// gradients or states would race. `param_of` maps a table position to the parameter's index
+/// and tensor.
+pub(crate) fn check_disjoint<'a>(
+    optimizer: &'static str,
+    table: &crate::multi_tensor::TensorTable,
+    param_of: impl Fn(usize) -> (usize, &'a Tensor),
+) -> Result<()> {
+    let Some((a, b)) = table.first_overlap() else {
+        return Ok(());
+    };
+    let (first, _) = param_of(a);
+    let (index, param) = param_of(b);
+    let what = if first == index {
+        "its gradient or optimizer state shares memory with the parameter or with each other"
+            .to_string()
+    } else {
+        format!(
+            "it (or its gradient or state) shares memory with parameter {first}; a fused CUDA \
+             step updates all parameters at once, so they must not overlap"
+        )
+    };
+    Err(Error::parameter(optimizer, index, param, what))
+}
+
+/// `items` grouped by device, in order of first appearance; within a group in their order.
+/// Training keeps everything on one device, which costs one pass and no search.
+pub(crate) fn by_device<T>(items: &[T], device: impl Fn(&T) -> Device) -> Vec<(Device, Vec<&T>)> {
+    let Some(first) = items.first().map(&device) else {
+        return Vec::new();
+    };
+    if items.iter().all(|item| device(item) == first) {
+        return vec![(first, items.iter().collect())];
+    }
+    let mut groups: Vec<(Device, Vec<&T>)> = Vec::new();
+    for item in items {
+        let d = device(item);
+        match groups.iter_mut().find(|(g, _)| *g == d) {
+            Some((_, group)) => group.push(item),
+            None => {
+                let mut group = Vec::with_capacity(items.len());
+                group.push(item);
+                groups.push((d, group));
+            }
+        }
+    }
+    groups
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tandem_core::{DType, Storage};
+
+    #[test]
+    fn items_are_grouped_by_device_in_order() {
+        let items = [
+            (Device::Cpu, 0),
+            (Device::Cuda(1), 1),
+            (Device::Cpu, 2),
+            (Device::Cuda(0), 3),
+        ];
+        let groups = by_device(&items, |i| i.0);
+        let flat: Vec<(Device, Vec<i32>)> = groups
+            .into_iter()
+            .map(|(d, g)| (d, g.into_iter().map(|i| i.1).collect()))
+            .collect();
+        assert_eq!(
+            flat,
+            [
+                (Device::Cpu, vec![0, 2]),
+                (Device::Cuda(1), vec![1]),
+                (Device::Cuda(0), vec![3])
+            ]
+        );
+        let one = [(Device::Cpu, 0), (Device::Cpu, 1)];
+        let groups = by_device(&one, |i| i.0);
+        assert_eq!(groups.len(), 1);
+        assert_eq!(groups[0].1.len(), 2);
+        assert!(by_device(&[] as &[(Device, i32)], |i| i.0).is_empty());
+    }
+
+    fn labelled_on_cuda(numel: usize) -> Tensor {
+        let storage = Storage::host_memory_labelled(
+            tandem_core::storage::CpuStorage::F32(vec![0.0; numel]),
+            Device::Cuda(0),
+        );
+        Tensor::from_storage(storage, tandem_core::Layout::contiguous(&[numel])).unwrap()
+    }
+
+    #[test]
+    fn state_on_another_device_is_moved_to_the_parameter_and_failures_name_it() {
+        let param = Tensor::zeros(&[4], DType::F32, Device::Cpu)
+            .unwrap()
+            .with_requires_grad()
+            .unwrap();
+        // State already beside its parameter: nothing to do.
+        let state = Tensor::zeros(&[4], DType::F32, Device::Cpu).unwrap();
+        follow_parameter("SGD", 3, &param, Device::Cpu, &state).unwrap();
+        assert_eq!(state.device(), Device::Cpu);
+        // State elsewhere is moved; this machine cannot read the labelled memory, so the move
+        // fails, and the error says what was attempted for which parameter.
+        let away = labelled_on_cuda(4);
+        let err = follow_parameter("SGD", 3, &param, Device::Cpu, &away)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("SGD: parameter 3") && err.contains("from cuda:0 to the parameter's cpu"),
+            "{err}"
+        );
+        // Loading state onto the parameter's device copies it there (here: a copy on the CPU).
+        let loaded = state_for_parameter(&state, &param).unwrap();
+        assert!(!loaded.storage().same_buffer(state.storage()));
+        assert!(state_for_parameter(&away, &param).is_err());
+    }
 }

@@ -12,12 +12,20 @@
 //! p = p - lr * d
 //! ```
 //!
-//! The arithmetic runs in the parameter's dtype, in place on its buffer.
+//! The arithmetic runs in the parameter's dtype, in place on its buffer. A step gathers every
+//! parameter's operands here and dispatches once per device: to the host loops of `cpu.rs`, or
+//! to one fused multi-tensor launch per dtype on a CUDA device (`cuda.rs`), which computes the
+//! same operations in the same order. Momentum buffers live on their parameter's device.
 
-use tandem_core::{with_float_type, DType, Error as TensorError, FloatElement, Tensor};
+mod cpu;
+mod cuda;
 
+use tandem_core::{DType, Device, Tensor};
+
+use crate::multi_tensor::TableCache;
 use crate::optimizer::{
-    check_learning_rate, check_parameters, update_operands, write_back, UpdateOperands,
+    by_device, check_learning_rate, check_parameters, follow_parameter, state_for_parameter,
+    update_operands, write_back, UpdateOperands,
 };
 use crate::{Error, Optimizer, Result};
 
@@ -125,7 +133,29 @@ pub struct Sgd {
     /// One per parameter; `None` until the parameter's first update with momentum.
     momentum_buffers: Vec<Option<Tensor>>,
     steps: u64,
+    /// Tables of the fused CUDA step, reused while the tensors stay where they are.
+    tables: TableCache,
 }
+
+/// One parameter's share of a step: what the kernels read and write.
+struct SgdUpdate {
+    /// The parameter's index.
+    index: usize,
+    /// The device of the parameter, its gradient and its buffer.
+    device: Device,
+    /// The gradient, dense and not sharing the parameter's memory.
+    grad: Tensor,
+    /// The parameter, or a dense copy written back after the update.
+    target: Tensor,
+    /// The momentum buffer, when momentum is on.
+    buffer: Option<Tensor>,
+    /// Whether the buffer is new (it becomes the gradient, undampened).
+    first: bool,
+}
+
+/// Cached tables per optimizer: a step needs one per dtype (two in the step that creates some
+/// momentum buffers), and a few more absorb parameters whose gradients come and go.
+const CACHED_TABLES: usize = 4;
 
 impl Sgd {
     /// An optimizer over `params` (usually `model.parameters()`). Errors for an invalid config
@@ -139,6 +169,7 @@ impl Sgd {
             config,
             momentum_buffers,
             steps: 0,
+            tables: TableCache::new(CACHED_TABLES),
         })
     }
 
@@ -152,66 +183,46 @@ impl Sgd {
         self.momentum_buffers.get(index).and_then(|b| b.as_ref())
     }
 
-    fn update_one(&mut self, index: usize) -> Result<()> {
-        let param = &self.params[index];
-        let Some(UpdateOperands { grad, target }) = update_operands(NAME, index, param)? else {
-            return Ok(());
-        };
-        let cfg = self.config;
-        let first = self.momentum_buffers[index].is_none();
-        if cfg.momentum != 0.0 && first {
-            self.momentum_buffers[index] =
-                Some(Tensor::zeros(param.dims(), param.dtype(), param.device())?);
-        }
-        let buffer = if cfg.momentum != 0.0 {
-            self.momentum_buffers[index].as_ref()
-        } else {
-            None
-        };
-        with_float_type!(NAME, param.dtype(), T => {
-            update_in_place::<T>(&target, &grad, buffer, first, &cfg)
-        })?;
-        write_back(param, &target)
-    }
-}
-
-/// One SGD update of a contiguous parameter, in its dtype.
-fn update_in_place<T: FloatElement>(
-    param: &Tensor,
-    grad: &Tensor,
-    buffer: Option<&Tensor>,
-    first: bool,
-    cfg: &SgdConfig,
-) -> std::result::Result<(), TensorError> {
-    let (lr, momentum, weight_decay) = (
-        T::from_f64(cfg.lr),
-        T::from_f64(cfg.momentum),
-        T::from_f64(cfg.weight_decay),
-    );
-    let keep = T::from_f64(1.0 - cfg.dampening);
-    let mut p = param.write_slice::<T>()?;
-    let g = grad.read_slice::<T>()?;
-    let mut buf_guard = match buffer {
-        Some(b) => Some(b.write_slice::<T>()?),
-        None => None,
-    };
-    for i in 0..p.len() {
-        let mut d = g[i];
-        if cfg.weight_decay != 0.0 {
-            d += weight_decay * p[i];
-        }
-        if let Some(buf) = buf_guard.as_deref_mut() {
-            let b = if first {
-                d
-            } else {
-                momentum * buf[i] + keep * d
+    /// The operands of every parameter that has a gradient, creating momentum buffers on first
+    /// use and moving existing ones to a parameter that has moved.
+    fn gather(&mut self) -> Result<Vec<SgdUpdate>> {
+        let momentum = self.config.momentum != 0.0;
+        let mut updates = Vec::with_capacity(self.params.len());
+        for index in 0..self.params.len() {
+            let param = &self.params[index];
+            let Some(UpdateOperands {
+                grad,
+                target,
+                device,
+            }) = update_operands(NAME, index, param)?
+            else {
+                continue;
             };
-            buf[i] = b;
-            d = if cfg.nesterov { d + momentum * b } else { b };
+            let slot = &mut self.momentum_buffers[index];
+            let first = slot.is_none();
+            let buffer = match slot {
+                _ if !momentum => None,
+                Some(b) => {
+                    follow_parameter(NAME, index, param, device, b)?;
+                    Some(b.clone())
+                }
+                None => {
+                    let b = Tensor::zeros(param.dims(), param.dtype(), device)?;
+                    *slot = Some(b.clone());
+                    Some(b)
+                }
+            };
+            updates.push(SgdUpdate {
+                index,
+                device,
+                grad,
+                target,
+                buffer,
+                first,
+            });
         }
-        p[i] -= lr * d;
+        Ok(updates)
     }
-    Ok(())
 }
 
 impl Optimizer for Sgd {
@@ -225,8 +236,21 @@ impl Optimizer for Sgd {
 
     fn step(&mut self) -> Result<()> {
         let _profile = tandem_core::profile::scope("sgd.step", tandem_core::profile::Phase::Other);
-        for index in 0..self.params.len() {
-            self.update_one(index)?;
+        let updates = self.gather()?;
+        for (device, group) in by_device(&updates, |u| u.device) {
+            match device {
+                Device::Cpu => cpu::update(&group, &self.config)?,
+                Device::Cuda(ordinal) => cuda::update(
+                    ordinal,
+                    &self.params,
+                    &group,
+                    &self.config,
+                    &mut self.tables,
+                )?,
+            }
+        }
+        for u in &updates {
+            write_back(&self.params[u.index], &u.target)?;
         }
         self.steps += 1;
         Ok(())
@@ -300,7 +324,7 @@ impl Optimizer for Sgd {
                     param.dtype()
                 )));
             }
-            buffers[index] = Some(tensor.copy_detached()?);
+            buffers[index] = Some(state_for_parameter(tensor, param)?);
         }
         self.momentum_buffers = buffers;
         self.steps = steps;

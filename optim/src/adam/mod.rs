@@ -17,109 +17,30 @@
 //! The arithmetic runs in the parameter's dtype, in place on its buffer. State is exposed as
 //! `"{i}.exp_avg"`, `"{i}.exp_avg_sq"`, `"{i}.max_exp_avg_sq"` (amsgrad only) and `"{i}.step"`
 //! (an i64 scalar per parameter, as in PyTorch), plus the optimizer-wide `"step"`.
+//!
+//! A step gathers every parameter's operands here and dispatches once per device: to the host
+//! loops of `cpu.rs`, or on a CUDA device to one fused multi-tensor launch per dtype and step
+//! count (`cuda.rs`; in training every parameter has the same count, so one launch), computing
+//! the same operations in the same order with the bias corrections computed on the host as
+//! the CPU computes them (`UpdateRule`). The moment estimates live on their parameter's
+//! device; the per-parameter step counts are host integers, like the learning rate.
 
-use tandem_core::{with_float_type, DType, Device, Error as TensorError, FloatElement, Tensor};
+mod config;
+mod cpu;
+mod cuda;
+mod rule;
 
+pub use config::AdamConfig;
+pub(crate) use rule::UpdateRule;
+
+use tandem_core::{DType, Device, Tensor};
+
+use crate::multi_tensor::TableCache;
 use crate::optimizer::{
-    check_learning_rate, check_parameters, update_operands, write_back, UpdateOperands,
+    by_device, check_learning_rate, check_parameters, follow_parameter, state_for_parameter,
+    update_operands, write_back, UpdateOperands,
 };
 use crate::{Error, Optimizer, Result};
-
-/// Hyper-parameters of [`Adam`] and [`AdamW`]. Defaults: `lr` 1e-3, `betas` (0.9, 0.999),
-/// `eps` 1e-8, `weight_decay` 0 ([`AdamConfig::adamw`] has 1e-2), `amsgrad` off.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct AdamConfig {
-    /// Learning rate (>= 0).
-    pub lr: f64,
-    /// Decay rates of the first and second moment estimates, each in `[0, 1)`.
-    pub betas: (f64, f64),
-    /// Added to the denominator for numerical stability (> 0).
-    pub eps: f64,
-    /// Weight decay (>= 0): an L2 penalty added to the gradient for [`Adam`], a decoupled
-    /// shrinking of the parameter for [`AdamW`].
-    pub weight_decay: f64,
-    /// Use the maximum of all second-moment estimates so far (AMSGrad).
-    pub amsgrad: bool,
-}
-
-impl Default for AdamConfig {
-    fn default() -> Self {
-        AdamConfig {
-            lr: 1e-3,
-            betas: (0.9, 0.999),
-            eps: 1e-8,
-            weight_decay: 0.0,
-            amsgrad: false,
-        }
-    }
-}
-
-impl AdamConfig {
-    /// The defaults with learning rate `lr`.
-    pub fn new(lr: f64) -> Self {
-        AdamConfig {
-            lr,
-            ..Default::default()
-        }
-    }
-
-    /// PyTorch's `AdamW` defaults with learning rate `lr`: those of Adam with
-    /// `weight_decay` 1e-2.
-    pub fn adamw(lr: f64) -> Self {
-        AdamConfig {
-            lr,
-            weight_decay: 1e-2,
-            ..Default::default()
-        }
-    }
-
-    /// The same config with betas `(beta1, beta2)`.
-    pub fn with_betas(self, beta1: f64, beta2: f64) -> Self {
-        AdamConfig {
-            betas: (beta1, beta2),
-            ..self
-        }
-    }
-
-    /// The same config with `eps`.
-    pub fn with_eps(self, eps: f64) -> Self {
-        AdamConfig { eps, ..self }
-    }
-
-    /// The same config with weight decay `weight_decay`.
-    pub fn with_weight_decay(self, weight_decay: f64) -> Self {
-        AdamConfig {
-            weight_decay,
-            ..self
-        }
-    }
-
-    /// The same config with AMSGrad switched on or off.
-    pub fn with_amsgrad(self, amsgrad: bool) -> Self {
-        AdamConfig { amsgrad, ..self }
-    }
-
-    /// Checks the values, naming what is wrong; `optimizer` is the name used in the error.
-    fn validate_for(&self, optimizer: &'static str) -> Result<()> {
-        check_learning_rate(optimizer, self.lr)?;
-        let invalid = |msg: String| Err(Error::InvalidConfig { optimizer, msg });
-        for (which, beta) in [("betas.0", self.betas.0), ("betas.1", self.betas.1)] {
-            if !(0.0..1.0).contains(&beta) {
-                return invalid(format!("{which} must be in [0, 1), got {beta}"));
-            }
-        }
-        if !self.eps.is_finite() || self.eps <= 0.0 {
-            return invalid(format!("eps must be finite and > 0, got {}", self.eps));
-        }
-        if !self.weight_decay.is_finite() || self.weight_decay < 0.0 {
-            return invalid(format!(
-                "weight_decay must be finite and >= 0, got {}",
-                self.weight_decay
-            ));
-        }
-        Ok(())
-    }
-}
 
 /// The moment estimates of one parameter.
 struct ParamState {
@@ -141,7 +62,30 @@ struct AdamCore {
     /// One per parameter; `None` until the parameter's first update.
     states: Vec<Option<ParamState>>,
     steps: u64,
+    /// Tables of the fused CUDA step, reused while the tensors stay where they are.
+    tables: TableCache,
 }
+
+/// One parameter's share of a step: what the kernels read and write.
+struct AdamUpdate {
+    /// The parameter's index.
+    index: usize,
+    /// The device of the parameter, its gradient and its state.
+    device: Device,
+    /// The gradient, dense and not sharing the parameter's memory.
+    grad: Tensor,
+    /// The parameter, or a dense copy written back after the update.
+    target: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    /// Present exactly when amsgrad is on.
+    max_exp_avg_sq: Option<Tensor>,
+    /// The number of this update of the parameter (from 1).
+    step: u64,
+}
+
+/// Cached tables per optimizer: one per dtype and step count in use, and a few more.
+const CACHED_TABLES: usize = 4;
 
 impl AdamCore {
     fn new(
@@ -160,44 +104,85 @@ impl AdamCore {
             config,
             states,
             steps: 0,
+            tables: TableCache::new(CACHED_TABLES),
         })
     }
 
-    fn update_one(&mut self, index: usize) -> Result<()> {
+    /// The operands of every parameter that has a gradient, creating state on first use and
+    /// moving existing state to a parameter that has moved.
+    fn gather(&mut self) -> Result<Vec<AdamUpdate>> {
         let name = self.name;
-        let param = &self.params[index];
-        let Some(UpdateOperands { grad, target }) = update_operands(name, index, param)? else {
-            return Ok(());
-        };
-        if self.states[index].is_none() {
-            let zeros = || Tensor::zeros(param.dims(), param.dtype(), param.device());
-            self.states[index] = Some(ParamState {
-                step: 0,
-                exp_avg: zeros()?,
-                exp_avg_sq: zeros()?,
-                max_exp_avg_sq: if self.config.amsgrad {
-                    Some(zeros()?)
-                } else {
-                    None
-                },
+        let mut updates = Vec::with_capacity(self.params.len());
+        for index in 0..self.params.len() {
+            let param = &self.params[index];
+            let Some(UpdateOperands {
+                grad,
+                target,
+                device,
+            }) = update_operands(name, index, param)?
+            else {
+                continue;
+            };
+            let state = match &mut self.states[index] {
+                Some(state) => {
+                    follow_parameter(name, index, param, device, &state.exp_avg)?;
+                    follow_parameter(name, index, param, device, &state.exp_avg_sq)?;
+                    if let Some(m) = &state.max_exp_avg_sq {
+                        follow_parameter(name, index, param, device, m)?;
+                    }
+                    state
+                }
+                slot @ None => {
+                    let zeros = || Tensor::zeros(param.dims(), param.dtype(), device);
+                    slot.insert(ParamState {
+                        step: 0,
+                        exp_avg: zeros()?,
+                        exp_avg_sq: zeros()?,
+                        max_exp_avg_sq: if self.config.amsgrad {
+                            Some(zeros()?)
+                        } else {
+                            None
+                        },
+                    })
+                }
+            };
+            updates.push(AdamUpdate {
+                index,
+                device,
+                grad,
+                target,
+                exp_avg: state.exp_avg.clone(),
+                exp_avg_sq: state.exp_avg_sq.clone(),
+                max_exp_avg_sq: state.max_exp_avg_sq.clone(),
+                step: state.step + 1,
             });
         }
-        let state = self.states[index]
-            .as_mut()
-            .expect("state was created just above");
-        let step = state.step + 1;
-        let rule = UpdateRule::new(&self.config, self.decoupled_weight_decay, step);
-        with_float_type!(name, param.dtype(), T => {
-            update_in_place::<T>(&target, &grad, state, &rule)
-        })?;
-        state.step = step;
-        write_back(param, &target)
+        Ok(updates)
     }
 
     fn step(&mut self) -> Result<()> {
         let _profile = tandem_core::profile::scope("adam.step", tandem_core::profile::Phase::Other);
-        for index in 0..self.params.len() {
-            self.update_one(index)?;
+        let updates = self.gather()?;
+        let (name, decoupled) = (self.name, self.decoupled_weight_decay);
+        for (device, group) in by_device(&updates, |u| u.device) {
+            match device {
+                Device::Cpu => cpu::update(name, &group, &self.config, decoupled)?,
+                Device::Cuda(ordinal) => cuda::update(
+                    ordinal,
+                    self.name,
+                    &self.params,
+                    &group,
+                    &self.config,
+                    decoupled,
+                    &mut self.tables,
+                )?,
+            }
+        }
+        for u in &updates {
+            if let Some(state) = self.states[u.index].as_mut() {
+                state.step = u.step;
+            }
+            write_back(&self.params[u.index], &u.target)?;
         }
         self.steps += 1;
         Ok(())
@@ -298,7 +283,7 @@ impl AdamCore {
                     param.dtype()
                 )));
             }
-            *target = Some(tensor.copy_detached()?);
+            *target = Some(state_for_parameter(tensor, param)?);
         }
         let mut states = Vec::with_capacity(found.len());
         for (index, f) in found.into_iter().enumerate() {
@@ -338,94 +323,6 @@ impl AdamCore {
     fn exp_avg_sq(&self, index: usize) -> Option<&Tensor> {
         self.states.get(index)?.as_ref().map(|s| &s.exp_avg_sq)
     }
-}
-
-/// The scalars of one update, computed once in f64 as PyTorch does on the host.
-struct UpdateRule {
-    lr: f64,
-    beta1: f64,
-    beta2: f64,
-    eps: f64,
-    /// Weight decay added to the gradient (Adam), or 0.
-    l2: f64,
-    /// Factor the parameter is multiplied by first (AdamW), or 1.
-    shrink: f64,
-    amsgrad: bool,
-    /// `lr / (1 - beta1^t)`.
-    step_size: f64,
-    /// `sqrt(1 - beta2^t)`.
-    bias_correction2_sqrt: f64,
-}
-
-impl UpdateRule {
-    fn new(cfg: &AdamConfig, decoupled: bool, step: u64) -> Self {
-        let (beta1, beta2) = cfg.betas;
-        let t = step.min(i32::MAX as u64) as i32;
-        let (l2, shrink) = if decoupled {
-            (0.0, 1.0 - cfg.lr * cfg.weight_decay)
-        } else {
-            (cfg.weight_decay, 1.0)
-        };
-        UpdateRule {
-            lr: cfg.lr,
-            beta1,
-            beta2,
-            eps: cfg.eps,
-            l2,
-            shrink,
-            amsgrad: cfg.amsgrad,
-            step_size: cfg.lr / (1.0 - beta1.powi(t)),
-            bias_correction2_sqrt: (1.0 - beta2.powi(t)).sqrt(),
-        }
-    }
-}
-
-/// One Adam(W) update of a contiguous parameter and its state, in its dtype.
-fn update_in_place<T: FloatElement>(
-    param: &Tensor,
-    grad: &Tensor,
-    state: &ParamState,
-    rule: &UpdateRule,
-) -> std::result::Result<(), TensorError> {
-    let c = |v: f64| T::from_f64(v);
-    let (one_minus_beta1, beta2, one_minus_beta2) =
-        (c(1.0 - rule.beta1), c(rule.beta2), c(1.0 - rule.beta2));
-    let (l2, shrink, eps) = (c(rule.l2), c(rule.shrink), c(rule.eps));
-    let (step_size, bias_correction2_sqrt) = (c(rule.step_size), c(rule.bias_correction2_sqrt));
-    let mut p = param.write_slice::<T>()?;
-    let g = grad.read_slice::<T>()?;
-    let mut m = state.exp_avg.write_slice::<T>()?;
-    let mut v = state.exp_avg_sq.write_slice::<T>()?;
-    let mut v_max = match &state.max_exp_avg_sq {
-        Some(t) if rule.amsgrad => Some(t.write_slice::<T>()?),
-        _ => None,
-    };
-    let decay = rule.l2 != 0.0;
-    let shrinks = rule.shrink != 1.0 && rule.lr != 0.0;
-    for i in 0..p.len() {
-        let mut gi = g[i];
-        if decay {
-            gi += l2 * p[i];
-        }
-        if shrinks {
-            p[i] *= shrink;
-        }
-        let mi = m[i];
-        m[i] = mi + one_minus_beta1 * (gi - mi);
-        v[i] = beta2 * v[i] + one_minus_beta2 * gi * gi;
-        let second = match v_max.as_deref_mut() {
-            Some(v_max) => {
-                if v[i] > v_max[i] {
-                    v_max[i] = v[i];
-                }
-                v_max[i]
-            }
-            None => v[i],
-        };
-        let denom = second.sqrt() / bias_correction2_sqrt + eps;
-        p[i] -= step_size * (m[i] / denom);
-    }
-    Ok(())
 }
 
 /// Generates the public wrapper type around [`AdamCore`] and its `Optimizer` impl.

@@ -3,8 +3,16 @@
 //! The norm is taken over all gradients together, as if they were one vector, and computed in
 //! f64 whatever the gradients' dtype. Gradients are scaled in place, so a gradient that is a
 //! view into a communication bucket stays one.
+//!
+//! The function checks its arguments here and dispatches once on the gradients' device: host
+//! loops (`cpu.rs`), or on a CUDA device multi-tensor kernels that compute the norm and scale
+//! every gradient without a host round trip; only the returned norm is read back, once
+//! (`cuda.rs`).
 
-use tandem_core::{DType, Tensor};
+mod cpu;
+mod cuda;
+
+use tandem_core::{Device, Tensor};
 
 use crate::{Error, Result};
 
@@ -17,8 +25,9 @@ use crate::{Error, Result};
 /// `max_norm / (total + 1e-6)` when that factor is below 1, i.e. when `total + 1e-6 >
 /// max_norm`.
 ///
-/// Errors if `max_norm` is negative or not finite, `norm_type` is not a positive number, or the
-/// total norm is NaN or infinite (a gradient overflowed); gradients are left untouched then.
+/// Errors if `max_norm` is negative or not finite, `norm_type` is not a positive number, the
+/// gradients are on different devices, or the total norm is NaN or infinite (a gradient
+/// overflowed); gradients are left untouched then.
 pub fn clip_grad_norm(params: &[Tensor], max_norm: f64, norm_type: f64) -> Result<f64> {
     let bad = |msg: String| Err(Error::Clip { msg });
     if !max_norm.is_finite() || max_norm < 0.0 {
@@ -31,77 +40,36 @@ pub fn clip_grad_norm(params: &[Tensor], max_norm: f64, norm_type: f64) -> Resul
         ));
     }
     let grads: Vec<Tensor> = params.iter().filter_map(Tensor::grad).collect();
-    if grads.is_empty() {
+    let Some(device) = grads.first().map(Tensor::device) else {
         return Ok(0.0);
-    }
-    let total = total_norm(&grads, norm_type)?;
-    if !total.is_finite() {
+    };
+    if let Some(other) = grads.iter().find(|g| g.device() != device) {
         return bad(format!(
-            "the total norm of order {norm_type} of the gradients of {} parameters is {total} \
-             (non-finite); a gradient holds NaN or infinity, or overflowed",
-            grads.len()
+            "gradients on {device} and {} cannot be clipped together; move the model to one \
+             device",
+            other.device()
         ));
     }
-    let coefficient = max_norm / (total + 1e-6);
-    if coefficient < 1.0 {
-        for g in &grads {
-            g.scale_(coefficient)?;
-        }
+    match device {
+        Device::Cpu => cpu::clip(&grads, max_norm, norm_type),
+        Device::Cuda(ordinal) => cuda::clip(ordinal, &grads, max_norm, norm_type),
     }
-    Ok(total)
 }
 
-/// The norm of order `p` of all elements of `grads` together.
-fn total_norm(grads: &[Tensor], p: f64) -> Result<f64> {
-    if p == f64::INFINITY {
-        let mut max = 0.0f64;
-        for g in grads {
-            for_each_value(g, |x| {
-                let a = x.abs();
-                // NaN must win, so that a NaN gradient is reported rather than hidden.
-                if a > max || a.is_nan() {
-                    max = a;
-                }
-            })?;
-        }
-        return Ok(max);
+/// The error for a total norm that is NaN or infinite.
+fn non_finite(total: f64, norm_type: f64, grads: usize) -> Error {
+    Error::Clip {
+        msg: format!(
+            "the total norm of order {norm_type} of the gradients of {grads} parameters is \
+             {total} (non-finite); a gradient holds NaN or infinity, or overflowed"
+        ),
     }
-    let mut sum = 0.0f64;
-    for g in grads {
-        if p == 2.0 {
-            for_each_value(g, |x| sum += x * x)?;
-        } else if p == 1.0 {
-            for_each_value(g, |x| sum += x.abs())?;
-        } else {
-            for_each_value(g, |x| sum += x.abs().powf(p))?;
-        }
-    }
-    Ok(sum.powf(1.0 / p))
-}
-
-/// Calls `f` on every element of `t` as f64, reading contiguous f32 / f64 tensors in place.
-fn for_each_value(t: &Tensor, mut f: impl FnMut(f64)) -> Result<()> {
-    if t.is_contiguous() {
-        match t.dtype() {
-            DType::F32 => {
-                t.read_slice::<f32>()?.iter().for_each(|&x| f(x as f64));
-                return Ok(());
-            }
-            DType::F64 => {
-                t.read_slice::<f64>()?.iter().for_each(|&x| f(x));
-                return Ok(());
-            }
-            _ => {}
-        }
-    }
-    t.to_vec_f64()?.into_iter().for_each(f);
-    Ok(())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tandem_core::Device;
+    use tandem_core::DType;
 
     fn param_with_grad(grad: &[f32], shape: &[usize]) -> Tensor {
         let p = Tensor::zeros(shape, DType::F32, Device::Cpu)

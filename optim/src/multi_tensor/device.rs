@@ -1,0 +1,158 @@
+//! Running multi-tensor kernels on a CUDA device: tensors' element addresses, tables uploaded
+//! once and reused while the same addresses come back, launches on the compute stream, and
+//! counters of what a thread issued (for tests that bound the launches of a step).
+//!
+//! A table is keyed by its content (device, dtype, chunk size and every word), not by the
+//! tensors that produced it: a table whose words equal the current ones points at exactly the
+//! current tensors, whatever happened in between. In a steady training loop the parameters,
+//! their states and (with `zero_grad` keeping gradients in place) the gradients stay where they
+//! are, so after the first step every step finds its table and uploads nothing.
+
+use std::cell::Cell;
+use std::collections::VecDeque;
+use std::sync::{Mutex, MutexGuard};
+
+use tandem_core::cuda::device::CudaDevice;
+use tandem_core::cuda::launch::Launch;
+use tandem_core::{Device, Error as TensorError, Tensor};
+
+use super::table::TensorTable;
+use crate::Result;
+
+/// What the calling thread has issued through optim's multi-tensor path since it started.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LaunchCounts {
+    /// Kernel launches (optim's kernels and the runtime's `norm_finish` that clipping uses).
+    pub kernels: u64,
+    /// Tables copied to a device (a step whose tables were cached copies none).
+    pub table_uploads: u64,
+    /// Values read back to the host (clipping reads its norm once).
+    pub host_reads: u64,
+}
+
+thread_local! {
+    static COUNTS: Cell<LaunchCounts> = const { Cell::new(LaunchCounts { kernels: 0, table_uploads: 0, host_reads: 0 }) };
+}
+
+fn count(update: impl FnOnce(&mut LaunchCounts)) {
+    COUNTS.with(|c| {
+        let mut counts = c.get();
+        update(&mut counts);
+        c.set(counts);
+    });
+}
+
+/// The counts of the calling thread (subtract two readings to count one step).
+pub fn launch_counts() -> LaunchCounts {
+    COUNTS.with(Cell::get)
+}
+
+/// Notes a value read back to the host.
+pub(crate) fn count_host_read() {
+    count(|c| c.host_reads += 1);
+}
+
+/// Runs `launch` on `dev`'s compute stream, in order with every op.
+pub(crate) fn run(dev: &CudaDevice, launch: &Launch) -> Result<()> {
+    dev.launch(launch, dev.compute_stream())?;
+    count(|c| c.kernels += 1);
+    Ok(())
+}
+
+/// The device and the address of element 0 of a dense CUDA tensor.
+pub(crate) fn element_address(
+    op: &'static str,
+    t: &Tensor,
+) -> Result<(std::sync::Arc<CudaDevice>, u64)> {
+    if !t.is_contiguous() {
+        return Err(TensorError::invalid(
+            op,
+            format!(
+                "multi-tensor kernels take dense tensors; got shape {:?} with strides {:?}",
+                t.dims(),
+                t.layout().strides().as_slice()
+            ),
+        )
+        .into());
+    }
+    let (dev, base) = tandem_core::cuda::device_pointer(op, t)?;
+    let offset = (t.layout().offset() as u64)
+        .checked_mul(t.dtype().size_in_bytes() as u64)
+        .and_then(|bytes| base.checked_add(bytes))
+        .ok_or_else(|| TensorError::invalid(op, "tensor address overflows"))?;
+    Ok((dev, offset))
+}
+
+/// A table on a device.
+struct Cached {
+    ordinal: usize,
+    table: TensorTable,
+    /// The words in device memory (an i64 tensor, freed in stream order when dropped).
+    uploaded: Tensor,
+}
+
+/// Tables uploaded to devices, the most recently used first, at most `capacity` of them.
+pub(crate) struct TableCache {
+    capacity: usize,
+    tables: VecDeque<Cached>,
+}
+
+impl TableCache {
+    /// An empty cache keeping up to `capacity` tables.
+    pub(crate) const fn new(capacity: usize) -> Self {
+        TableCache {
+            capacity,
+            tables: VecDeque::new(),
+        }
+    }
+
+    /// The device address of `table` on `cuda:ordinal`: the cached copy when one with the same
+    /// words exists, otherwise a new upload (after `validate` accepts the table; a table that
+    /// passed once is not checked again). The upload is ordered on the compute stream before
+    /// any later kernel.
+    pub(crate) fn address(
+        &mut self,
+        ordinal: usize,
+        table: &TensorTable,
+        validate: impl FnOnce(&TensorTable) -> Result<()>,
+    ) -> Result<u64> {
+        let found = self.tables.iter().position(|c| {
+            c.ordinal == ordinal
+                && c.table.dtype() == table.dtype()
+                && c.table.chunk_size() == table.chunk_size()
+                && c.table.words() == table.words()
+        });
+        if let Some(i) = found {
+            let hit = self.tables.remove(i).expect("index from position");
+            let (_, address) = element_address("multi-tensor table", &hit.uploaded)?;
+            self.tables.push_front(hit);
+            return Ok(address);
+        }
+        validate(table)?;
+        let words: Vec<i64> = table.words().iter().map(|&w| w as i64).collect();
+        let len = words.len();
+        let uploaded =
+            Tensor::from_vec(words, &[len], Device::Cpu)?.to_device(Device::Cuda(ordinal))?;
+        let (_, address) = element_address("multi-tensor table", &uploaded)?;
+        count(|c| c.table_uploads += 1);
+        self.tables.push_front(Cached {
+            ordinal,
+            table: table.clone(),
+            uploaded,
+        });
+        self.tables.truncate(self.capacity.max(1));
+        Ok(address)
+    }
+}
+
+/// Tables of the functions without an owner to keep them (`clip_grad_norm`, the default
+/// `zero_grad`), shared by every thread. Large enough for several models or ranks per process.
+static SHARED: Mutex<TableCache> = Mutex::new(TableCache::new(32));
+
+/// The shared cache, locked.
+pub(crate) fn shared_cache() -> MutexGuard<'static, TableCache> {
+    // A panic while holding the lock leaves the cache consistent (entries are whole).
+    SHARED
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
