@@ -44,7 +44,8 @@ pub struct CudaDevice {
     total_memory: usize,
     pool: Handle<sys::CUmemoryPool>,
     modules: Mutex<HashMap<&'static str, Handle<sys::CUmodule>>>,
-    functions: Mutex<HashMap<(&'static str, String), Handle<sys::CUfunction>>>,
+    /// Function handles by source file, then kernel name (looked up without allocating).
+    functions: Mutex<HashMap<&'static str, HashMap<String, Handle<sys::CUfunction>>>>,
     pub(crate) memory: super::memory::Counters,
 }
 
@@ -237,8 +238,12 @@ impl CudaDevice {
 
     /// The handle of `kernel` in `source`, compiling and loading the module on first use.
     fn function(&self, source: &'static KernelSource, kernel: &str) -> Result<sys::CUfunction> {
-        let key = (source.name, kernel.to_string());
-        if let Some(f) = self.functions.lock().get(&key) {
+        if let Some(f) = self
+            .functions
+            .lock()
+            .get(source.name)
+            .and_then(|kernels| kernels.get(kernel))
+        {
             return Ok(f.0);
         }
         let dev = self.device();
@@ -278,7 +283,11 @@ impl CudaDevice {
                     driver_err("launch", dev)(e)
                 ),
             })?;
-        self.functions.lock().insert(key, Handle(function));
+        self.functions
+            .lock()
+            .entry(source.name)
+            .or_default()
+            .insert(kernel.to_string(), Handle(function));
         Ok(function)
     }
 
