@@ -15,6 +15,7 @@ pub mod layers;
 pub mod models;
 pub mod module;
 pub mod resnet;
+pub mod resnet_imagenet;
 
 pub use error::{Error, Result};
 pub use layers::{

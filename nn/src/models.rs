@@ -1,5 +1,5 @@
-//! Ready-made networks: LeNet-5 for MNIST here, and the CIFAR ResNets of [`crate::resnet`]
-//! re-exported.
+//! Ready-made networks: LeNet-5 for MNIST here, and the CIFAR ResNets of [`crate::resnet`] and
+//! the ImageNet ResNets of [`crate::resnet_imagenet`] re-exported.
 
 use crate::layers::{Conv2d, Conv2dConfig, Flatten, Linear, MaxPool2d, ReLU, Sequential};
 use crate::Result;
@@ -41,3 +41,7 @@ pub fn lenet5() -> Result<Sequential> {
 }
 
 pub use crate::resnet::{resnet20, resnet32, resnet56, resnet_cifar, BasicBlock, CifarResNet};
+pub use crate::resnet_imagenet::{
+    resnet101, resnet152, resnet18, resnet34, resnet50, resnet_imagenet, Block, Bottleneck,
+    ImageNetResNet,
+};

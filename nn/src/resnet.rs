@@ -34,7 +34,7 @@ fn conv3x3(in_channels: usize, out_channels: usize, stride: usize) -> Result<Con
 }
 
 /// Runs `child` named `name` on `x`, wrapping an error with the child's path.
-fn run_child(name: &str, child: &dyn Module, x: &Tensor) -> Result<Tensor> {
+pub(crate) fn run_child(name: &str, child: &dyn Module, x: &Tensor) -> Result<Tensor> {
     child
         .forward(x)
         .map_err(|e| e.in_module(name, child.type_name()))
@@ -42,7 +42,7 @@ fn run_child(name: &str, child: &dyn Module, x: &Tensor) -> Result<Tensor> {
 
 /// `relu(child(x))` through [`Module::forward_relu`] (fused where the child can: a
 /// `BatchNorm2d`), wrapping an error with the child's path.
-fn run_child_relu(name: &str, child: &dyn Module, x: &Tensor) -> Result<Tensor> {
+pub(crate) fn run_child_relu(name: &str, child: &dyn Module, x: &Tensor) -> Result<Tensor> {
     child
         .forward_relu(x)
         .map_err(|e| e.in_module(name, child.type_name()))
@@ -50,7 +50,7 @@ fn run_child_relu(name: &str, child: &dyn Module, x: &Tensor) -> Result<Tensor> 
 
 /// `relu(child(x) + residual)` through [`Module::forward_add_relu`] (fused where the child
 /// can: a `BatchNorm2d`), wrapping an error with the child's path.
-fn run_child_add_relu(
+pub(crate) fn run_child_add_relu(
     name: &str,
     child: &dyn Module,
     x: &Tensor,
