@@ -250,13 +250,15 @@ pub fn batch_norm_fused(
     let (mean, var) = match (&stats, args.running_mean, args.running_var) {
         (Some(s), _, _) => (&s.mean, &s.var),
         (None, Some(m), Some(v)) => (m, v),
-        _ => return Err(Error::invalid(
-            op,
-            format!(
+        _ => {
+            return Err(Error::invalid(
+                op,
+                format!(
                 "evaluation (training = false) needs running_mean and running_var for input {:?}",
                 x.dims()
             ),
-        )),
+            ))
+        }
     };
     let norm = phases::normalization(&NormalizationArgs {
         mean,
