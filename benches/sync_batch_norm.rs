@@ -79,7 +79,7 @@ fn run(args: &Args) -> Result<(), AnyError> {
     if args.ranks == 0 || args.steps == 0 || args.threads_per_rank == 0 {
         return Err("--ranks, --steps and --threads-per-rank must be > 0".into());
     }
-    if args.batch_size % args.ranks != 0 || args.batch_size / args.ranks < 1 {
+    if !args.batch_size.is_multiple_of(args.ranks) || args.batch_size / args.ranks < 1 {
         return Err("--batch-size must be a positive multiple of --ranks".into());
     }
     let local = args.batch_size / args.ranks;

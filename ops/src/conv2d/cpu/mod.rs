@@ -216,14 +216,14 @@ fn run_forward<T: ConvElement>(
 ) -> Result<()> {
     let (in_per, out_per, patch) = (g.in_per_sample(), g.out_per_sample(), g.patch());
     let split = Split::new(g);
-    match plan {
-        &Forward::Winograd(k, ref winograd) => winograd.forward(
+    match *plan {
+        Forward::Winograd(k, ref winograd) => winograd.forward(
             T::f32s(k, x),
             T::f32s(k, w),
             bias.map(|b| T::f32s(k, b)),
             T::f32s_mut(k, out),
         ),
-        &Forward::Implicit(k, ref implicit) => {
+        Forward::Implicit(k, ref implicit) => {
             let wt = transposed_weights(w, g)?;
             let wt32 = T::f32s(k, &wt);
             let result = for_each_chunk(&split, g.batch, out, out_per, |n0, chunk| {
@@ -245,7 +245,7 @@ fn run_forward<T: ConvElement>(
             alloc::recycle(wt);
             result
         }
-        &Forward::Im2col(kernels) => {
+        Forward::Im2col(kernels) => {
             let table = Im2col::new(g, split.tile_width);
             // The tile kernel reads the weights transposed, `[C·kh·kw, O]`.
             let wt = match kernels {
@@ -374,6 +374,9 @@ fn input_gradient<T: ConvElement>(
     }
 }
 
+/// The weight and the bias gradient, each when asked for.
+type WeightAndBias<T> = (Option<Vec<T>>, Option<Vec<T>>);
+
 /// The weight gradient by the algorithm `plan` (when asked for) and the bias gradient (when
 /// `bias`), in one pass over the samples where the weight gradient goes sample by sample.
 fn weight_and_bias<T: ConvElement>(
@@ -383,7 +386,7 @@ fn weight_and_bias<T: ConvElement>(
     gy: &[T],
     g: &Geometry,
     split: &Split,
-) -> Result<(Option<Vec<T>>, Option<Vec<T>>)> {
+) -> Result<WeightAndBias<T>> {
     let (o_n, patch) = (g.out_channels, g.patch());
     // Winograd takes the whole batch at once; the sample loop below then only sums the bias.
     let (winograd, per_sample) = match plan {

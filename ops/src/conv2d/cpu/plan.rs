@@ -112,7 +112,7 @@ pub(crate) enum InputGrad<T: ConvElement> {
     /// `geometry` (see [`Geometry::transposed`]).
     Transposed {
         geometry: Geometry,
-        forward: Forward<T>,
+        forward: Box<Forward<T>>,
     },
     /// `Wᵀ·g` per column tile (by the tile kernel where given, else gemm), added back by
     /// col2im.
@@ -124,7 +124,7 @@ impl<T: ConvElement> InputGrad<T> {
         match g.transposed() {
             Some(geometry) => InputGrad::Transposed {
                 geometry,
-                forward: Forward::choose(&geometry),
+                forward: Box::new(Forward::choose(&geometry)),
             },
             None => {
                 InputGrad::Col2im(T::kernels().filter(|_| g.out_channels <= TILE_KERNEL_MAX_DEPTH))
