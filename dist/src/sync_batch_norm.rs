@@ -88,9 +88,7 @@ impl SyncBatchNorm {
                 stats: &stats,
                 momentum: config.momentum,
             })?;
-            if let Some(count) = bn.num_batches_tracked() {
-                count.fill_(count.item()? + 1.0)?;
-            }
+            bn.count_training_batch()?;
         }
         let norm = phases::normalization(&NormalizationArgs {
             mean: &stats.mean,
@@ -219,4 +217,140 @@ pub fn convert_sync_batch_norm(
         }
     }
     Ok(module)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ThreadProcessGroup;
+    use tandem_core::{DType, Device, Generator};
+
+    /// Rows `start..start + len` of the batch dim, as a fresh tensor.
+    fn rows(t: &Tensor, start: usize, len: usize) -> Tensor {
+        let v = t.to_vec::<f32>().unwrap();
+        let per: usize = t.dims()[1..].iter().product();
+        let mut shape = t.dims().to_vec();
+        shape[0] = len;
+        Tensor::from_vec(
+            v[start * per..(start + len) * per].to_vec(),
+            &shape,
+            Device::Cpu,
+        )
+        .unwrap()
+    }
+
+    fn randn(shape: &[usize], seed: u64) -> Tensor {
+        let mut g = Generator::new(seed);
+        Tensor::randn(shape, 0.3, 1.0, DType::F32, Device::Cpu, &mut g).unwrap()
+    }
+
+    fn assert_close(what: &str, got: &[f32], want: &[f32]) {
+        assert_eq!(got.len(), want.len(), "{what}");
+        for (k, (a, b)) in got.iter().zip(want).enumerate() {
+            assert!(
+                (a - b).abs() <= 1e-4 * (1.0 + b.abs()),
+                "{what} element {k}: {a} vs {b}"
+            );
+        }
+    }
+
+    /// What one run of a fused layer gives: the output, and the gradients of the input, the
+    /// residual, the weight and the bias.
+    struct Run {
+        y: Vec<f32>,
+        grads: [Vec<f32>; 4],
+    }
+
+    fn run(
+        layer: &dyn Module,
+        bn: &BatchNorm2d,
+        x: &Tensor,
+        r: &Tensor,
+        g: &Tensor,
+        add: bool,
+    ) -> Run {
+        let (x, r) = (
+            x.detach().with_requires_grad().unwrap(),
+            r.detach().with_requires_grad().unwrap(),
+        );
+        let y = if add {
+            layer.forward_add_relu(&x, &r).unwrap()
+        } else {
+            layer.forward_relu(&x).unwrap()
+        };
+        tandem_autograd::backward(&y, Some(g), &Default::default()).unwrap();
+        let grad = |t: &Tensor| t.grad().map_or(vec![], |g| g.to_vec::<f32>().unwrap());
+        let grads = [
+            grad(&x),
+            grad(&r),
+            grad(bn.weight().unwrap()),
+            grad(bn.bias().unwrap()),
+        ];
+        for t in [bn.weight().unwrap(), bn.bias().unwrap()] {
+            t.set_grad(None).unwrap();
+        }
+        Run {
+            y: y.to_vec::<f32>().unwrap(),
+            grads,
+        }
+    }
+
+    /// A batch norm of `c` channels whose weight and bias are not the identity.
+    fn batch_norm(c: usize) -> Arc<BatchNorm2d> {
+        let bn = BatchNorm2d::new(c).unwrap();
+        bn.weight().unwrap().copy_(&randn(&[c], 7)).unwrap();
+        bn.bias().unwrap().copy_(&randn(&[c], 8)).unwrap();
+        Arc::new(bn)
+    }
+
+    #[test]
+    fn fused_epilogues_on_two_ranks_match_the_full_batch_forward_and_backward() {
+        let (n, c) = (6, 3);
+        let x = randn(&[n, c, 4, 5], 1);
+        let r = randn(&[n, c, 4, 5], 2);
+        let g = randn(&[n, c, 4, 5], 3);
+        for add in [false, true] {
+            let full_bn = batch_norm(c);
+            let want = run(full_bn.as_ref(), &full_bn, &x, &r, &g, add);
+            let groups = ThreadProcessGroup::new_group(2).unwrap();
+            let per_rank: Vec<Run> = std::thread::scope(|s| {
+                let handles: Vec<_> = groups
+                    .into_iter()
+                    .enumerate()
+                    .map(|(rank, group)| {
+                        let (x, r, g) = (&x, &r, &g);
+                        s.spawn(move || {
+                            let bn = batch_norm(c);
+                            let sync = SyncBatchNorm::new(bn.clone(), Arc::new(group));
+                            let half = n / 2;
+                            let (xs, rs, gs) = (
+                                rows(x, rank * half, half),
+                                rows(r, rank * half, half),
+                                rows(g, rank * half, half),
+                            );
+                            run(&sync, &bn, &xs, &rs, &gs, add)
+                        })
+                    })
+                    .collect();
+                handles.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            let what = if add { "add+relu" } else { "relu" };
+            let y: Vec<f32> = per_rank.iter().flat_map(|p| p.y.clone()).collect();
+            assert_close(&format!("{what} output"), &y, &want.y);
+            for (i, name) in ["input", "residual"].iter().enumerate() {
+                if !add && i == 1 {
+                    continue;
+                }
+                let got: Vec<f32> = per_rank.iter().flat_map(|p| p.grads[i].clone()).collect();
+                assert_close(&format!("{what} {name} gradient"), &got, &want.grads[i]);
+            }
+            // The parameters' gradients are each rank's own sums: together the full batch's.
+            for (i, name) in [(2, "weight"), (3, "bias")] {
+                let summed: Vec<f32> = (0..c)
+                    .map(|k| per_rank.iter().map(|p| p.grads[i][k]).sum())
+                    .collect();
+                assert_close(&format!("{what} {name} gradient"), &summed, &want.grads[i]);
+            }
+        }
+    }
 }

@@ -178,11 +178,18 @@ impl BatchNorm2d {
         };
         let out = tandem_ops::batch_norm::batch_norm_fused(x, epilogue, &args)?;
         if training {
-            if let Some(count) = &self.num_batches_tracked {
-                count.write_slice::<i64>()?[0] += 1;
-            }
+            self.count_training_batch()?;
         }
         Ok(out)
+    }
+
+    /// Adds one to `num_batches_tracked` (when tracked), as every training forward does; a
+    /// layer that runs this one's statistics itself (`SyncBatchNorm`) calls it for its own.
+    pub fn count_training_batch(&self) -> Result<()> {
+        if let Some(count) = &self.num_batches_tracked {
+            count.write_slice::<i64>()?[0] += 1;
+        }
+        Ok(())
     }
 }
 
