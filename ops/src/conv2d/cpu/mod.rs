@@ -308,6 +308,11 @@ fn transposed_weights<T: FloatElement>(w: &[T], g: &Geometry) -> Result<Vec<T>> 
 /// Backward of [`forward`] for the output gradient `gy` (`[N, O, OH, OW]`, contiguous):
 /// `grad_x[n] = col2im(Wᵀ·gy[n])`, `grad_W = Σₙ gy[n]·im2col(x[n])ᵀ`, `grad_b = Σ gy`, each by
 /// the algorithm its plan picks.
+///
+/// The algorithms that go sample by sample (every weight-gradient algorithm but Winograd, the
+/// bias gradient, and the input gradient through col2im) run in one loop over the samples,
+/// so that each sample's output gradient is read from memory once; Winograd's weight
+/// gradient and the input gradient as a transposed convolution take the whole batch.
 pub(crate) fn backward<T: ConvElement>(
     x: &[T],
     w: &[T],
@@ -317,89 +322,33 @@ pub(crate) fn backward<T: ConvElement>(
 ) -> Result<Grads<T>> {
     let split = Split::new(g);
     let weight_plan = needs.weight.then(|| WeightGrad::<T>::choose(g));
-    let (weight, bias) = weight_and_bias(weight_plan.as_ref(), needs.bias, x, gy, g, &split)?;
-    let input = match needs.input {
-        true => Some(input_gradient(
-            &InputGrad::<T>::choose(g),
-            w,
-            gy,
-            g,
-            &split,
-        )?),
-        false => None,
-    };
-    Ok(Grads {
-        input,
-        weight,
-        bias,
-    })
-}
-
-/// The input gradient by the algorithm `plan` (`[N, C, H, W]`).
-fn input_gradient<T: ConvElement>(
-    plan: &InputGrad<T>,
-    w: &[T],
-    gy: &[T],
-    g: &Geometry,
-    split: &Split,
-) -> Result<Vec<T>> {
-    let (in_per, out_per, patch) = (g.in_per_sample(), g.out_per_sample(), g.patch());
-    match plan {
-        InputGrad::Transposed { geometry, forward } => {
-            let flipped = flipped_weights(w, g)?;
-            let mut grad_x = memory::uninit::<T>(OP, g.batch * in_per)?;
-            let result = match grad_x.is_empty() {
-                true => Ok(()),
-                false => run_forward(forward, gy, &flipped, None, geometry, &mut grad_x),
-            };
-            alloc::recycle(flipped);
-            result.map(|()| grad_x)
-        }
-        &InputGrad::Col2im(kernels) => {
-            let mut grad_x = memory::zeroed::<T>(OP, g.batch * in_per)?;
-            if in_per == 0 {
-                return Ok(grad_x);
-            }
-            let table = Im2col::new(g, split.tile_width);
-            for_each_chunk(split, g.batch, &mut grad_x, in_per, |n0, chunk| {
-                let mut cols = Scratch::<T>::new(OP, patch * table.max_tile_width())?;
-                for (s, gx) in chunk.chunks_mut(in_per).enumerate() {
-                    let gn = &gy[(n0 + s) * out_per..][..out_per];
-                    table.input_sample(kernels, g, w, gn, &mut cols.buf, gx, split.parallel_gemm);
-                }
-                Ok(())
-            })?;
-            Ok(grad_x)
-        }
-    }
-}
-
-/// The weight and the bias gradient, each when asked for.
-type WeightAndBias<T> = (Option<Vec<T>>, Option<Vec<T>>);
-
-/// The weight gradient by the algorithm `plan` (when asked for) and the bias gradient (when
-/// `bias`), in one pass over the samples where the weight gradient goes sample by sample.
-fn weight_and_bias<T: ConvElement>(
-    plan: Option<&WeightGrad<T>>,
-    bias: bool,
-    x: &[T],
-    gy: &[T],
-    g: &Geometry,
-    split: &Split,
-) -> Result<WeightAndBias<T>> {
+    let input_plan = needs.input.then(|| InputGrad::<T>::choose(g));
     let (o_n, patch) = (g.out_channels, g.patch());
-    // Winograd takes the whole batch at once; the sample loop below then only sums the bias.
-    let (winograd, per_sample) = match plan {
-        Some(&WeightGrad::Winograd(k, ref winograd)) => {
+    // Winograd's weight gradient over the whole batch; any other goes sample by sample.
+    let (winograd, per_sample) = match weight_plan {
+        Some(WeightGrad::Winograd(k, ref winograd)) => {
             let gw = winograd.weight_gradient(T::f32s(k, x), T::f32s(k, gy))?;
             (Some(T::from_f32s(k, gw)), None)
         }
-        other => (None, other),
+        ref other => (None, other.as_ref()),
     };
-    if per_sample.is_none() && !bias {
-        return Ok((winograd, None));
-    }
-    let partials = chunk_partials(per_sample, bias, x, gy, g, split)?;
+    let col2im = match input_plan {
+        Some(InputGrad::Col2im(kernels)) => Some(kernels),
+        _ => None,
+    };
+    let mut grad_x = match col2im {
+        Some(_) => Some(memory::zeroed::<T>(OP, g.batch * g.in_per_sample())?),
+        None => None,
+    };
+    let pass = SamplePass {
+        weight: per_sample,
+        bias: needs.bias,
+        col2im,
+    };
+    let partials = match pass.is_empty() {
+        true => Vec::new(),
+        false => sample_pass(&pass, x, w, gy, g, &split, grad_x.as_deref_mut())?,
+    };
     let weight = match per_sample {
         None => winograd,
         Some(plan) => {
@@ -423,7 +372,7 @@ fn weight_and_bias<T: ConvElement>(
             Some(gw)
         }
     };
-    let bias = match bias {
+    let bias = match needs.bias {
         true => Some(sum_vectors(partials.iter().map(|p| &p.1), o_n)?),
         false => None,
     };
@@ -431,49 +380,110 @@ fn weight_and_bias<T: ConvElement>(
         alloc::recycle(gw);
         alloc::recycle(gb);
     }
-    Ok((weight, bias))
+    let input = match input_plan {
+        Some(InputGrad::Transposed {
+            ref geometry,
+            ref forward,
+        }) => Some(transposed_input_gradient(forward, geometry, w, gy, g)?),
+        Some(InputGrad::Col2im(_)) => grad_x,
+        None => None,
+    };
+    Ok(Grads {
+        input,
+        weight,
+        bias,
+    })
 }
 
-/// Per chunk of samples: the chunk's weight gradient by the per-sample algorithm `plan` (in
-/// the algorithm's own order, see [`weight_and_bias`]) and its bias gradient (when `bias`).
-fn chunk_partials<T: ConvElement>(
-    plan: Option<&WeightGrad<T>>,
+/// The input gradient as a forward convolution of `gy` with the flipped weights, over
+/// `geometry` (`g`'s [`Geometry::transposed`]) by the algorithm `forward`.
+fn transposed_input_gradient<T: ConvElement>(
+    forward: &Forward<T>,
+    geometry: &Geometry,
+    w: &[T],
+    gy: &[T],
+    g: &Geometry,
+) -> Result<Vec<T>> {
+    let flipped = flipped_weights(w, g)?;
+    let mut grad_x = memory::uninit::<T>(OP, g.batch * g.in_per_sample())?;
+    let result = match grad_x.is_empty() {
+        true => Ok(()),
+        false => run_forward(forward, gy, &flipped, None, geometry, &mut grad_x),
+    };
+    alloc::recycle(flipped);
+    result.map(|()| grad_x)
+}
+
+/// What the loop over the samples of the backward computes.
+struct SamplePass<'a, T: ConvElement> {
+    /// The weight gradient by this per-sample algorithm.
+    weight: Option<&'a WeightGrad<T>>,
+    /// The bias gradient.
     bias: bool,
+    /// The input gradient by col2im, `Wᵀ·g` by the tile kernel where given, else gemm.
+    col2im: Option<Option<T::Kernels>>,
+}
+
+impl<T: ConvElement> SamplePass<'_, T> {
+    fn is_empty(&self) -> bool {
+        self.weight.is_none() && !self.bias && self.col2im.is_none()
+    }
+}
+
+/// Runs `pass` over the samples, a chunk of them per task: the input gradient straight into
+/// `grad_x` (`[N, C, H, W]`, zeroed; each chunk owns its samples), and per chunk the partial
+/// weight gradient (in the algorithm's own order, see [`backward`]) and bias gradient.
+fn sample_pass<T: ConvElement>(
+    pass: &SamplePass<'_, T>,
     x: &[T],
+    w: &[T],
     gy: &[T],
     g: &Geometry,
     split: &Split,
+    grad_x: Option<&mut [T]>,
 ) -> Result<Vec<(Vec<T>, Vec<T>)>> {
     let (o_n, pixels, patch) = (g.out_channels, g.out_pixels(), g.patch());
     let (in_per, out_per) = (g.in_per_sample(), g.out_per_sample());
-    let table = matches!(plan, Some(WeightGrad::Im2col)).then(|| Im2col::new(g, split.tile_width));
+    let needs_table = pass.col2im.is_some() || matches!(pass.weight, Some(WeightGrad::Im2col));
+    let table = needs_table.then(|| Im2col::new(g, split.tile_width));
     let bounds = tile_bounds(pixels, split.tile_width);
     let widest = bounds.windows(2).map(|b| b[1] - b[0]).max().unwrap_or(0);
-    let run_chunk = |ci: usize| -> Result<(Vec<T>, Vec<T>)> {
+    // Scratch of the weight algorithm: a padded sample, a spread gradient, a column tile
+    // (which col2im also takes).
+    let (padded_len, spread_len, weight_cols) = match pass.weight {
+        Some(WeightGrad::RowsInPlace(_, rows)) => (rows.padded_len(), rows.spread_len(), false),
+        Some(WeightGrad::Implicit(_, p)) => (p.padded_len(), p.spread_len(), false),
+        Some(WeightGrad::Rows(_, rows)) => (rows.padded_len(), 0, true),
+        Some(WeightGrad::Im2col) => (0, 0, true),
+        Some(WeightGrad::Winograd(..)) | None => (0, 0, false),
+    };
+    let cols_len = if weight_cols || pass.col2im.is_some() {
+        patch * widest
+    } else {
+        0
+    };
+    let run_chunk = |ci: usize, mut gx_chunk: Option<&mut [T]>| -> Result<(Vec<T>, Vec<T>)> {
         let n0 = ci * split.chunk;
         let count = split.chunk.min(g.batch - n0);
-        let mut gw = memory::zeroed::<T>(OP, if plan.is_some() { o_n * patch } else { 0 })?;
-        let mut gb = memory::zeroed::<T>(OP, if bias { o_n } else { 0 })?;
-        // Scratch of the algorithm: a padded sample, a spread gradient, a column tile.
-        let (padded_len, spread_len, cols_len) = match plan {
-            Some(WeightGrad::RowsInPlace(_, rows)) => (rows.padded_len(), rows.spread_len(), 0),
-            Some(WeightGrad::Implicit(_, p)) => (p.padded_len(), p.spread_len(), 0),
-            Some(WeightGrad::Rows(_, rows)) => (rows.padded_len(), 0, patch * widest),
-            Some(WeightGrad::Im2col) => (0, 0, patch * widest),
-            Some(WeightGrad::Winograd(..)) | None => (0, 0, 0),
+        let weight_len = if pass.weight.is_some() {
+            o_n * patch
+        } else {
+            0
         };
+        let mut gw = memory::zeroed::<T>(OP, weight_len)?;
+        let mut gb = memory::zeroed::<T>(OP, if pass.bias { o_n } else { 0 })?;
         let mut padded = Scratch::<T>::new(OP, padded_len)?;
         let mut spread = Scratch::<T>::new(OP, spread_len)?;
         let mut cols = Scratch::<T>::new(OP, cols_len)?;
         for s in 0..count {
             let xn = &x[(n0 + s) * in_per..][..in_per];
             let gn = &gy[(n0 + s) * out_per..][..out_per];
-            if bias {
+            if pass.bias {
                 for (acc, plane) in gb.iter_mut().zip(gn.chunks(pixels)) {
                     *acc += plane_sum(plane);
                 }
             }
-            match plan {
+            match pass.weight {
                 Some(&WeightGrad::RowsInPlace(k, ref rows)) => rows.weight_sample_in_place(
                     k,
                     xn,
@@ -506,16 +516,34 @@ fn chunk_partials<T: ConvElement>(
                 }
                 Some(WeightGrad::Winograd(..)) | None => {}
             }
+            if let (Some(kernels), Some(table), Some(gx)) =
+                (pass.col2im, &table, gx_chunk.as_deref_mut())
+            {
+                let gx = &mut gx[s * in_per..(s + 1) * in_per];
+                table.input_sample(kernels, g, w, gn, &mut cols.buf, gx, split.parallel_gemm);
+            }
         }
         Ok((gw, gb))
     };
     let chunks = g.batch.div_ceil(split.chunk);
+    let gx_chunks: Vec<Option<&mut [T]>> = match grad_x {
+        Some(gx) if in_per > 0 => gx.chunks_mut(split.chunk * in_per).map(Some).collect(),
+        _ => (0..chunks).map(|_| None).collect(),
+    };
     // At one thread the calling thread does the work: a parallel iterator would hand it to the
     // pool and wait.
     if rayon::current_num_threads() > 1 && chunks > 1 {
-        (0..chunks).into_par_iter().map(run_chunk).collect()
+        gx_chunks
+            .into_par_iter()
+            .enumerate()
+            .map(|(ci, gx)| run_chunk(ci, gx))
+            .collect()
     } else {
-        (0..chunks).map(run_chunk).collect()
+        gx_chunks
+            .into_iter()
+            .enumerate()
+            .map(|(ci, gx)| run_chunk(ci, gx))
+            .collect()
     }
 }
 
