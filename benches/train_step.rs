@@ -3,6 +3,8 @@
 //! ```text
 //! cargo bench --bench train_step -- --model lenet --batch-size 64 --threads 2 [--json FILE]
 //! cargo bench --bench train_step -- --model resnet20 --batch-size 32 --threads 2
+//! cargo bench --bench train_step -- --device cuda --model resnet20 --batch-size 128
+//! cargo bench --bench train_step -- --device cuda --model resnet50 --batch-size 64
 //! ```
 //!
 //! Times `--steps` steps (default 30) after `--warmup` untimed ones (default 5) on one fixed
@@ -11,6 +13,17 @@
 //! `benches/peers/train_step_torch.py` with the same batch size and thread count, and the
 //! ratio tandem/PyTorch of median step times is printed. Unknown flags that `cargo bench`
 //! adds (`--bench`) are ignored.
+//!
+//! **On a GPU** (`--device cuda` or `cuda:N`) the model, batch and optimizer state live on the
+//! device; each timed step ends with a device synchronisation, and the host time — how long the
+//! host took to issue the step's work, before waiting for the device — is reported beside it:
+//! when it approaches the step time, the step is bound by the host, not the GPU. Peak device
+//! memory is the most bytes held by tensors at once over the whole run (parameters, optimizer
+//! state, activations, workspaces), on both sides (`torch.cuda.max_memory_allocated()`). TF32
+//! is as both frameworks default: off for matmuls (`--tf32-matmul` turns it on, on both sides),
+//! on for convolutions. `--profile N` then shows the host time per op. Models: LeNet-5
+//! (1×28×28), ResNet-20/56 (3×32×32) and ResNet-50 (3×224×224, 1000 classes; torchvision's
+//! layout on both sides).
 
 use std::path::PathBuf;
 use std::process::{Command, ExitCode};
@@ -33,6 +46,10 @@ enum ModelKind {
     Lenet,
     /// ResNet-20 (CIFAR) on 3×32×32 inputs, 10 classes.
     Resnet20,
+    /// ResNet-56 (CIFAR) on 3×32×32 inputs, 10 classes.
+    Resnet56,
+    /// ResNet-50 (ImageNet, torchvision's layout) on 3×224×224 inputs, 1000 classes.
+    Resnet50,
 }
 
 impl ModelKind {
@@ -40,6 +57,8 @@ impl ModelKind {
         match self {
             ModelKind::Lenet => "lenet",
             ModelKind::Resnet20 => "resnet20",
+            ModelKind::Resnet56 => "resnet56",
+            ModelKind::Resnet50 => "resnet50",
         }
     }
 
@@ -55,6 +74,16 @@ impl ModelKind {
                 model: Box::new(tandem::nn::models::resnet20()?),
                 sample_shape: vec![3, 32, 32],
                 classes: 10,
+            }),
+            ModelKind::Resnet56 => Ok(Workload {
+                model: Box::new(tandem::nn::models::resnet_cifar(56, 10)?),
+                sample_shape: vec![3, 32, 32],
+                classes: 10,
+            }),
+            ModelKind::Resnet50 => Ok(Workload {
+                model: Box::new(tandem::nn::models::resnet50()?),
+                sample_shape: vec![3, 224, 224],
+                classes: 1000,
             }),
         }
     }
@@ -78,6 +107,13 @@ struct Args {
     /// Samples per step.
     #[arg(long, default_value_t = 64)]
     batch_size: usize,
+    /// Where to train: cpu, cuda or cuda:N (both sides).
+    #[arg(long, default_value = "cpu")]
+    device: Device,
+    /// Allow TF32 in matmuls on both sides (convolutions use TF32 either way, as both
+    /// frameworks default).
+    #[arg(long)]
+    tf32_matmul: bool,
     /// Compute threads on both sides [default: all cores].
     #[arg(long)]
     threads: Option<usize>,
@@ -116,7 +152,11 @@ struct Timing {
     median_ms: f64,
     mean_ms: f64,
     min_ms: f64,
+    /// On a GPU: median time to issue a step, before waiting for the device.
+    host_ms: Option<f64>,
     peak_rss_mib: Option<f64>,
+    /// On a GPU: the most device memory held by tensors at once.
+    peak_device_mib: Option<f64>,
 }
 
 fn main() -> ExitCode {
@@ -150,28 +190,40 @@ fn run(args: Args) -> Result<(), AnyError> {
     };
 
     println!(
-        "train_step: model {}, batch {}, {} threads, median of {} steps after {} warm-up",
+        "train_step: model {}, batch {}, on {}, {} threads, median of {} steps after {} warm-up",
         args.model.name(),
         args.batch_size,
+        args.device,
         threads,
         args.steps,
         args.warmup
     );
     println!(
-        "{:<8} {:>10} {:>10} {:>10} {:>10} {:>14}",
-        "side", "median ms", "mean ms", "min ms", "images/s", "peak RSS MiB"
+        "{:<8} {:>10} {:>10} {:>10} {:>10} {:>10} {:>14} {:>14}",
+        "side",
+        "median ms",
+        "mean ms",
+        "min ms",
+        "host ms",
+        "images/s",
+        "peak RSS MiB",
+        "peak dev MiB"
     );
+    let or_dash = |v: Option<f64>, digits: usize| {
+        v.map(|m| format!("{m:.digits$}"))
+            .unwrap_or_else(|| "-".into())
+    };
     let row = |side: &str, t: &Timing| {
         println!(
-            "{:<8} {:>10.2} {:>10.2} {:>10.2} {:>10.0} {:>14}",
+            "{:<8} {:>10.2} {:>10.2} {:>10.2} {:>10} {:>10.0} {:>14} {:>14}",
             side,
             t.median_ms,
             t.mean_ms,
             t.min_ms,
+            or_dash(t.host_ms, 2),
             args.batch_size as f64 / (t.median_ms / 1e3),
-            t.peak_rss_mib
-                .map(|m| format!("{m:.1}"))
-                .unwrap_or_else(|| "-".into())
+            or_dash(t.peak_rss_mib, 1),
+            or_dash(t.peak_device_mib, 1),
         )
     };
     row("tandem", &tandem);
@@ -180,6 +232,12 @@ fn run(args: Args) -> Result<(), AnyError> {
             row("pytorch", t);
             let ratio = tandem.median_ms / t.median_ms;
             println!("ratio tandem/pytorch (median step time): {ratio:.2} (torch {version})");
+            if let (Some(ours), Some(theirs)) = (tandem.peak_device_mib, t.peak_device_mib) {
+                println!(
+                    "ratio tandem/pytorch (peak device memory): {:.2}",
+                    ours / theirs
+                );
+            }
             Some(ratio)
         }
         Err(why) => {
@@ -193,6 +251,8 @@ fn run(args: Args) -> Result<(), AnyError> {
         let json = serde_json::json!({
             "model": args.model.name(),
             "batch_size": args.batch_size,
+            "device": args.device.to_string(),
+            "tf32_matmul": args.tf32_matmul,
             "threads": threads,
             "warmup": args.warmup,
             "steps": args.steps,
@@ -205,6 +265,10 @@ fn run(args: Args) -> Result<(), AnyError> {
             "torch_images_per_sec": torch_ok.map(|(t, _)| args.batch_size as f64 / (t.median_ms / 1e3)),
             "tandem_peak_rss_mib": tandem.peak_rss_mib,
             "torch_peak_rss_mib": torch_ok.and_then(|(t, _)| t.peak_rss_mib),
+            "tandem_host_ms": tandem.host_ms,
+            "torch_host_ms": torch_ok.and_then(|(t, _)| t.host_ms),
+            "tandem_peak_device_mib": tandem.peak_device_mib,
+            "torch_peak_device_mib": torch_ok.and_then(|(t, _)| t.peak_device_mib),
             "torch_version": torch_ok.map(|(_, v)| v.clone()),
         });
         std::fs::write(path, serde_json::to_string_pretty(&json)? + "\n")
@@ -223,16 +287,30 @@ fn time_tandem(args: &Args) -> Result<Timing, AnyError> {
         sample_shape,
         classes,
     } = args.model.build()?;
+    let device = args.device;
+    if let Device::Cuda(_) = device {
+        tandem::core::cuda::blas::set_allow_tf32_matmul(args.tf32_matmul);
+        tandem::core::cuda::blas::set_allow_tf32_conv(true);
+    }
+    model.to_device(device)?;
     model.train();
     let mut optimizer = Sgd::new(model.parameters(), SgdConfig::new(0.01).with_momentum(0.9))?;
     let mut generator = Generator::new(args.seed);
     let mut shape = vec![args.batch_size];
     shape.extend(&sample_shape);
-    let inputs = Tensor::randn(&shape, 0.0, 1.0, DType::F32, Device::Cpu, &mut generator)?;
+    let inputs = Tensor::randn(&shape, 0.0, 1.0, DType::F32, Device::Cpu, &mut generator)?
+        .to_device(device)?;
     let labels: Vec<i64> = (0..args.batch_size)
         .map(|_| generator.below(classes) as i64)
         .collect();
-    let targets = Tensor::from_vec(labels, &[args.batch_size], Device::Cpu)?;
+    let targets = Tensor::from_vec(labels, &[args.batch_size], Device::Cpu)?.to_device(device)?;
+    // Waits for the device's queued work (nothing to wait for on the CPU).
+    let sync = || -> Result<(), AnyError> {
+        if let Device::Cuda(n) = device {
+            tandem::core::cuda::device(n)?.synchronize()?;
+        }
+        Ok(())
+    };
 
     let mut step = || -> Result<(), AnyError> {
         let logits = model.forward(&inputs)?;
@@ -245,18 +323,29 @@ fn time_tandem(args: &Args) -> Result<Timing, AnyError> {
     for _ in 0..args.warmup {
         step()?;
     }
+    sync()?;
     let mut times = Vec::with_capacity(args.steps);
+    let mut host = Vec::with_capacity(args.steps);
     for _ in 0..args.steps {
         let start = Instant::now();
         step()?;
+        let issued = start.elapsed();
+        sync()?;
         times.push(start.elapsed().as_secs_f64() * 1e3);
+        host.push(issued.as_secs_f64() * 1e3);
     }
-    let timing = summarise(times, peak_rss_mib());
+    let mut timing = summarise(times, peak_rss_mib());
+    if let Device::Cuda(n) = device {
+        timing.host_ms = Some(median(host));
+        let stats = tandem::core::cuda::memory_stats(n)?;
+        timing.peak_device_mib = Some(stats.peak_allocated as f64 / (1024.0 * 1024.0));
+    }
     if args.profile > 0 {
         tandem::core::profile::start();
         for _ in 0..args.profile {
             step()?;
         }
+        sync()?;
         print_profile(&tandem::core::profile::stop(), args.profile);
     }
     Ok(timing)
@@ -292,19 +381,26 @@ fn print_profile(report: &tandem::core::profile::ProfileReport, steps: usize) {
     println!();
 }
 
-fn summarise(mut times: Vec<f64>, peak_rss_mib: Option<f64>) -> Timing {
-    times.sort_by(|a, b| a.total_cmp(b));
-    let n = times.len();
-    let median_ms = if n % 2 == 1 {
-        times[n / 2]
+/// The median of a non-empty sample.
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(|a, b| a.total_cmp(b));
+    let n = values.len();
+    if n % 2 == 1 {
+        values[n / 2]
     } else {
-        0.5 * (times[n / 2 - 1] + times[n / 2])
-    };
+        0.5 * (values[n / 2 - 1] + values[n / 2])
+    }
+}
+
+fn summarise(times: Vec<f64>, peak_rss_mib: Option<f64>) -> Timing {
+    let n = times.len();
     Timing {
-        median_ms,
         mean_ms: times.iter().sum::<f64>() / n as f64,
-        min_ms: times[0],
+        min_ms: times.iter().copied().fold(f64::INFINITY, f64::min),
+        median_ms: median(times),
+        host_ms: None,
         peak_rss_mib,
+        peak_device_mib: None,
     }
 }
 
@@ -340,6 +436,8 @@ fn time_torch(args: &Args, threads: usize) -> Result<(Timing, String), String> {
         .args(["--warmup", &args.warmup.to_string()])
         .args(["--steps", &args.steps.to_string()])
         .args(["--seed", &args.seed.to_string()])
+        .args(["--device", &args.device.to_string()])
+        .args(args.tf32_matmul.then_some("--tf32-matmul"))
         .output()
         .map_err(|e| format!("cannot run the peer script: {e}"))?;
     let stdout = String::from_utf8_lossy(&output.stdout);
@@ -363,7 +461,11 @@ fn time_torch(args: &Args, threads: usize) -> Result<(Timing, String), String> {
             median_ms: field("median_ms")?,
             mean_ms: field("mean_ms")?,
             min_ms: field("min_ms")?,
+            host_ms: value["host_ms"]
+                .as_f64()
+                .filter(|_| args.device != Device::Cpu),
             peak_rss_mib: value["peak_rss_mib"].as_f64(),
+            peak_device_mib: value["peak_device_mib"].as_f64(),
         },
         value["torch_version"].as_str().unwrap_or("?").to_string(),
     ))

@@ -35,6 +35,11 @@
 //! srun or mpirun set it). `--batch-size` is the global batch, split evenly; gradients are
 //! averaged, so the single-process learning rate stays right. Rank 0 prints, evaluates and
 //! writes checkpoints and metrics.
+//!
+//! **GPUs.** `--device cuda` (or `cuda:N`) trains on a GPU: the model's parameters live there,
+//! the loader copies each batch there in the background, and checkpoints hold the same
+//! tensors as on the CPU, so a run may resume on either. With several ranks each trains on
+//! `cuda:LOCAL_RANK`.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -44,6 +49,7 @@ use std::time::Instant;
 
 use clap::{Parser, ValueEnum};
 use tandem::core::rng::manual_seed;
+use tandem::core::Device;
 use tandem::dist::{DdpConfig, DistributedDataParallel, DistributedSampler};
 use tandem::nn::data::{
     Augmentation, Cifar10, CifarDataset, DataLoader, DataLoaderConfig, Dataset, Mnist32, Split,
@@ -115,6 +121,9 @@ struct Args {
     /// Continue from this checkpoint (written by this example).
     #[arg(long)]
     resume: Option<PathBuf>,
+    /// Where to train: cpu, cuda (with several ranks: each rank on cuda:LOCAL_RANK) or cuda:N.
+    #[arg(long, default_value = "cpu", value_parser = common::parse_device)]
+    device: Device,
     /// Train data-parallel on this many local processes (DDP over TCP).
     #[arg(long, default_value_t = 1)]
     nproc_per_node: usize,
@@ -181,9 +190,14 @@ fn run(args: Args) -> Result<(), AnyError> {
     if !(0.0..1.0).contains(&args.warmup_frac) {
         return Err(format!("--warmup-frac must be in [0, 1), got {}", args.warmup_frac).into());
     }
-    let group = match join_or_launch(args.nproc_per_node, args.max_restarts, args.threads)? {
+    let (group, device) = match join_or_launch(
+        args.nproc_per_node,
+        args.max_restarts,
+        args.threads,
+        args.device,
+    )? {
         Role::Launched => return Ok(()),
-        Role::Train(group) => group,
+        Role::Train { group, device } => (group, device),
     };
     let (rank, world) = group
         .as_ref()
@@ -221,6 +235,7 @@ fn run(args: Args) -> Result<(), AnyError> {
         Some(_) => {
             let sampler = DistributedSampler::new(train_set.len(), world, rank, true, args.seed)?;
             let config = DataLoaderConfig {
+                device,
                 batch_size: args.batch_size / world,
                 ..Default::default()
             };
@@ -229,6 +244,7 @@ fn run(args: Args) -> Result<(), AnyError> {
         None => DataLoader::new(
             train_set,
             DataLoaderConfig {
+                device,
                 batch_size: args.batch_size,
                 shuffle: true,
                 seed: args.seed,
@@ -239,6 +255,7 @@ fn run(args: Args) -> Result<(), AnyError> {
     let test = DataLoader::new(
         test_set,
         DataLoaderConfig {
+            device,
             batch_size: 500,
             ..Default::default()
         },
@@ -246,6 +263,7 @@ fn run(args: Args) -> Result<(), AnyError> {
 
     manual_seed(args.seed);
     let model: Arc<dyn Module> = Arc::new(resnet_cifar(args.depth, 10)?);
+    model.to_device(device)?;
     let mut optimizer = Sgd::new(
         model.parameters(),
         SgdConfig::new(args.lr)
@@ -310,7 +328,7 @@ fn run(args: Args) -> Result<(), AnyError> {
     if leader {
         say(format_args!(
         "ResNet-{} ({} parameters) on {:?}: {} epochs, batch {}, lr {} (linear warm-up over {} \
-         steps, then linear decay to 0), momentum {}, weight decay {}, {} threads",
+         steps, then linear decay to 0), momentum {}, weight decay {}, on {}, {} threads",
         args.depth,
         model.num_parameters(),
         kind,
@@ -320,6 +338,7 @@ fn run(args: Args) -> Result<(), AnyError> {
         warmup_steps,
         args.momentum,
         args.weight_decay,
+        device,
         threads
     ));
     }
@@ -374,6 +393,7 @@ fn run(args: Args) -> Result<(), AnyError> {
             "seed": args.seed,
             "threads": threads,
             "world_size": world,
+            "device": device.to_string(),
         });
         write_metrics(path, settings, &history, seconds)?;
     }

@@ -26,6 +26,8 @@
 //! resumes from the newest complete one and ends with the same parameters, bit for bit, as if
 //! it had never stopped. `--max-restarts N` makes the built-in launcher restart the ranks
 //! after a failure (as `tandem-run --max-restarts N` does), which then resume that way.
+//! `--device cuda` (or `cuda:N`) trains on a GPU (with several ranks: each on
+//! `cuda:LOCAL_RANK`); checkpoints are the same on every device, so a run may resume on another.
 //! `--train-limit` / `--test-limit` train and test on the first samples only, for quick runs.
 
 use std::collections::BTreeMap;
@@ -36,6 +38,7 @@ use std::time::Instant;
 
 use clap::Parser;
 use tandem::core::rng::manual_seed;
+use tandem::core::Device;
 use tandem::dist::{DdpConfig, DistributedDataParallel, DistributedSampler};
 use tandem::nn::data::{DataLoader, DataLoaderConfig, Mnist, Split};
 use tandem::nn::models::lenet5;
@@ -74,6 +77,9 @@ struct Args {
     /// Write the results as a JSON object to this file.
     #[arg(long)]
     metrics_out: Option<PathBuf>,
+    /// Where to train: cpu, cuda (with several ranks: each rank on cuda:LOCAL_RANK) or cuda:N.
+    #[arg(long, default_value = "cpu", value_parser = common::parse_device)]
+    device: Device,
     /// Train data-parallel on this many local processes (DDP over TCP).
     #[arg(long, default_value_t = 1)]
     nproc_per_node: usize,
@@ -114,9 +120,14 @@ pub fn main() -> ExitCode {
 }
 
 fn run(args: Args) -> Result<(), AnyError> {
-    let group = match join_or_launch(args.nproc_per_node, args.max_restarts, args.threads)? {
+    let (group, device) = match join_or_launch(
+        args.nproc_per_node,
+        args.max_restarts,
+        args.threads,
+        args.device,
+    )? {
         Role::Launched => return Ok(()),
-        Role::Train(group) => group,
+        Role::Train { group, device } => (group, device),
     };
     let (rank, world) = group
         .as_ref()
@@ -142,6 +153,7 @@ fn run(args: Args) -> Result<(), AnyError> {
         args.test_limit,
     );
     let loader_config = DataLoaderConfig {
+        device,
         batch_size: args.batch_size / world,
         shuffle: true,
         seed: args.seed,
@@ -162,6 +174,7 @@ fn run(args: Args) -> Result<(), AnyError> {
     let test = DataLoader::new(
         test_set,
         DataLoaderConfig {
+            device,
             batch_size: 1000,
             ..Default::default()
         },
@@ -190,6 +203,7 @@ fn run(args: Args) -> Result<(), AnyError> {
 
     manual_seed(args.seed);
     let model: Arc<dyn Module> = Arc::new(lenet5()?);
+    model.to_device(device)?;
     let mut optimizer = Sgd::new(
         model.parameters(),
         SgdConfig::new(args.lr).with_momentum(args.momentum),
@@ -222,7 +236,7 @@ fn run(args: Args) -> Result<(), AnyError> {
     if leader {
         say(format_args!(
             "LeNet-5 ({} parameters) on MNIST: {} epochs, global batch {} ({} per rank × {} ranks), \
-             lr {} (×{} per epoch), momentum {}, {} threads per rank",
+             lr {} (×{} per epoch), momentum {}, on {}, {} threads per rank",
             trainer.model.num_parameters(),
             args.epochs,
             args.batch_size,
@@ -231,6 +245,7 @@ fn run(args: Args) -> Result<(), AnyError> {
             args.lr,
             args.lr_decay,
             args.momentum,
+            device,
             threads
         ));
     }
@@ -285,6 +300,7 @@ fn run(args: Args) -> Result<(), AnyError> {
             "seed": args.seed,
             "threads": threads,
             "world_size": world,
+            "device": device.to_string(),
         });
         write_metrics(path, settings, &history, seconds)?;
     }

@@ -96,3 +96,68 @@ def convnet():
         nn.ReLU(),
         nn.Linear(512, 10),
     )
+
+
+class Bottleneck(nn.Module):
+    """torchvision's ResNet v1.5 bottleneck (stride on the 3x3 conv), same names as
+    `tandem_nn::resnet_imagenet::Bottleneck`."""
+
+    expansion = 4
+
+    def __init__(self, cin, width, stride):
+        super().__init__()
+        cout = width * self.expansion
+        self.conv1 = nn.Conv2d(cin, width, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.conv2 = nn.Conv2d(width, width, 3, stride, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(width)
+        self.conv3 = nn.Conv2d(width, cout, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(cout)
+        self.downsample = None
+        if stride != 1 or cin != cout:
+            self.downsample = nn.Sequential(
+                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)
+            )
+
+    def forward(self, x):
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = F.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        shortcut = x if self.downsample is None else self.downsample(x)
+        return F.relu(out + shortcut)
+
+
+class ResNet50(nn.Module):
+    """ResNet-50 for 224x224 images with torchvision's layout and parameter names (used when
+    torchvision itself is not installed; `tests/fixtures/resnet50_keys.txt` lists them)."""
+
+    def __init__(self, num_classes=1000):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 64, 7, 2, 3, bias=False)
+        self.bn1 = nn.BatchNorm2d(64)
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(3, 2, 1)
+        cin = 64
+        for i, (width, blocks) in enumerate([(64, 3), (128, 4), (256, 6), (512, 3)]):
+            layers = []
+            for j in range(blocks):
+                layers.append(Bottleneck(cin, width, (1 if i == 0 else 2) if j == 0 else 1))
+                cin = width * Bottleneck.expansion
+            setattr(self, f"layer{i + 1}", nn.Sequential(*layers))
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(cin, num_classes)
+
+    def forward(self, x):
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+def resnet50():
+    """torchvision's ResNet-50 when installed, otherwise the same network from `ResNet50`."""
+    try:
+        import torchvision
+
+        return torchvision.models.resnet50(weights=None)
+    except ImportError:
+        return ResNet50()

@@ -1,10 +1,16 @@
 """PyTorch peer of `benches/train_step.rs`: times the same training step on the same model.
 
 One step is forward, cross entropy, zero_grad, backward and an SGD-with-momentum update, on a
-fixed random batch. Prints one JSON object on the last line of stdout:
-{"median_ms", "mean_ms", "min_ms", "steps", "peak_rss_mib", "torch_version", "threads"}.
+fixed random batch, on the CPU or a CUDA device. On CUDA each timed step ends with
+`torch.cuda.synchronize()`; the host time (issuing the step, before the synchronisation) is
+reported beside it, and the peak device memory is `torch.cuda.max_memory_allocated()` over the
+whole run (parameters, optimizer state and activations). TF32: matmuls off, convolutions on,
+PyTorch's defaults and tandem's (`--tf32-matmul` turns matmuls on). Prints one JSON object on
+the last line of stdout: {"median_ms", "mean_ms", "min_ms", "host_ms", "steps",
+"peak_rss_mib", "peak_device_mib", "torch_version", "threads", "device"}.
 
     python3 benches/peers/train_step_torch.py --model lenet --batch-size 64 --threads 2
+    python3 benches/peers/train_step_torch.py --model resnet20 --batch-size 128 --device cuda
 """
 
 import argparse
@@ -17,13 +23,15 @@ import time
 import torch
 import torch.nn.functional as F
 
-from models import CifarResNet, lenet5
+from models import CifarResNet, lenet5, resnet50
 
 
 MODELS = {
     # name: (constructor, input shape without the batch dim, classes)
     "lenet": (lenet5, (1, 28, 28), 10),
     "resnet20": (lambda: CifarResNet(20, 10), (3, 32, 32), 10),
+    "resnet56": (lambda: CifarResNet(56, 10), (3, 32, 32), 10),
+    "resnet50": (resnet50, (3, 224, 224), 1000),
 }
 
 
@@ -37,16 +45,24 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--momentum", type=float, default=0.9)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--tf32-matmul", action="store_true")
     args = parser.parse_args()
 
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
+    if cuda:
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = args.tf32_matmul
+        torch.backends.cudnn.allow_tf32 = True
     build, shape, classes = MODELS[args.model]
-    model = build()
+    model = build().to(device)
     model.train()
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
-    x = torch.randn(args.batch_size, *shape)
-    y = torch.randint(0, classes, (args.batch_size,))
+    x = torch.randn(args.batch_size, *shape).to(device)
+    y = torch.randint(0, classes, (args.batch_size,)).to(device)
 
     def step():
         out = model(x)
@@ -56,25 +72,38 @@ def main():
         optimizer.step()
         return loss
 
+    def sync():
+        if cuda:
+            torch.cuda.synchronize(device)
+
     for _ in range(args.warmup):
         step()
-    times = []
+    sync()
+    times, host = [], []
     for _ in range(args.steps):
         start = time.perf_counter()
         step()
-        times.append((time.perf_counter() - start) * 1e3)
+        issued = time.perf_counter()
+        sync()
+        end = time.perf_counter()
+        times.append((end - start) * 1e3)
+        host.append((issued - start) * 1e3)
 
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    peak_device = torch.cuda.max_memory_allocated(device) / 2**20 if cuda else None
     print(
         json.dumps(
             {
                 "median_ms": statistics.median(times),
                 "mean_ms": statistics.fmean(times),
                 "min_ms": min(times),
+                "host_ms": statistics.median(host),
                 "steps": args.steps,
                 "peak_rss_mib": peak_kib / 1024.0,
+                "peak_device_mib": peak_device,
                 "torch_version": torch.__version__,
                 "threads": torch.get_num_threads(),
+                "device": str(device),
             }
         )
     )

@@ -13,7 +13,7 @@ use std::time::Instant;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 use tandem::autograd::{no_grad, TensorBackward};
-use tandem::core::Tensor;
+use tandem::core::{DType, Device, Tensor};
 use tandem::dist::launch::{forward_signals, launch, LaunchOptions};
 use tandem::dist::{
     init_process_group, DistributedDataParallel, GroupConfig, LaunchEnv, ProcessGroup,
@@ -77,8 +77,48 @@ fn group_in_environment() -> bool {
 pub enum Role {
     /// It started the ranks, which have all finished: nothing left to do.
     Launched,
-    /// It trains, alone (`None`) or as one rank of a group.
-    Train(Option<Arc<dyn ProcessGroup>>),
+    /// It trains on `device`, alone (`group` is `None`) or as one rank of a group.
+    Train {
+        group: Option<Arc<dyn ProcessGroup>>,
+        device: Device,
+    },
+}
+
+/// Reads `--device`: `cpu`, `cuda` or `cuda:N`.
+pub fn parse_device(text: &str) -> Result<Device, String> {
+    text.parse::<Device>().map_err(|e| e.to_string())
+}
+
+/// The device this rank trains on when the user asked for `requested`: the CPU stays the CPU;
+/// plain `cuda` becomes `cuda:LOCAL_RANK` for a rank of a group, one GPU per local process (as
+/// with PyTorch's `torch.cuda.set_device(local_rank)`), or `cuda:0` when the launcher left
+/// this rank a single visible GPU; an explicit `cuda:N` is kept. The device is checked here, so
+/// `--device cuda` on a machine without a usable GPU ends with the runtime's error before any
+/// data is loaded.
+fn rank_device(requested: Device, env: Option<&LaunchEnv>) -> Result<Device, AnyError> {
+    let device = match (requested, env) {
+        (Device::Cuda(0), Some(env)) if env.local_world_size > 1 => {
+            let visible = tandem::core::cuda::device_count();
+            if visible == 1 {
+                Device::Cuda(0)
+            } else if env.local_rank < visible {
+                Device::Cuda(env.local_rank)
+            } else {
+                return Err(format!(
+                    "local rank {} of {} needs its own GPU, but this node shows {visible} \
+                     CUDA device(s)",
+                    env.local_rank, env.local_world_size
+                )
+                .into());
+            }
+        }
+        (device, _) => device,
+    };
+    if let Device::Cuda(_) = device {
+        // Fails with the runtime's error (no driver, no device, ordinal out of range).
+        Tensor::zeros(&[1], DType::F32, device)?;
+    }
+    Ok(device)
 }
 
 /// Joins the group the environment describes; otherwise, with `nproc_per_node > 1`, starts
@@ -91,6 +131,7 @@ pub fn join_or_launch(
     nproc_per_node: usize,
     max_restarts: usize,
     threads: Option<usize>,
+    device: Device,
 ) -> Result<Role, AnyError> {
     let joining = group_in_environment();
     if nproc_per_node > 1 && !joining {
@@ -116,7 +157,10 @@ pub fn join_or_launch(
     }
     if !joining {
         tandem::ops::set_num_threads(threads.unwrap_or(0))?;
-        return Ok(Role::Train(None));
+        return Ok(Role::Train {
+            group: None,
+            device: rank_device(device, None)?,
+        });
     }
     let env = LaunchEnv::from_process_env()?;
     let threads = threads.unwrap_or_else(|| {
@@ -124,10 +168,12 @@ pub fn join_or_launch(
         (cores / env.local_world_size.max(1)).max(1)
     });
     tandem::ops::set_num_threads(threads)?;
-    Ok(Role::Train(Some(Arc::new(init_process_group(
-        &env,
-        GroupConfig::default(),
-    )?))))
+    let device = rank_device(device, Some(&env))?;
+    let group: Arc<dyn ProcessGroup> = Arc::new(init_process_group(&env, GroupConfig::default())?);
+    Ok(Role::Train {
+        group: Some(group),
+        device,
+    })
 }
 
 /// The model as the training step sees it: through DDP when training data-parallel.
@@ -206,6 +252,7 @@ pub fn train_epoch(
     let started = Instant::now();
     let mut images = 0usize;
     let first = progress.epoch_step;
+    let mut losses = LossSum::default();
     for batch in train.epoch_from(progress.epoch as u64 - 1, first) {
         let batch = batch?;
         if let Some(lr_at) = lr_at {
@@ -216,11 +263,12 @@ pub fn train_epoch(
         optimizer.zero_grad()?;
         loss.backward()?;
         optimizer.step()?;
-        progress.loss_sum += loss.item()?;
+        losses.add(&loss)?;
         progress.epoch_step += 1;
         progress.global_step += 1;
         images += batch.targets.numel() * trainer.world_size();
         if progress.epoch_step.is_multiple_of(10) {
+            progress.loss_sum += losses.take()?;
             let rate = images as f64 / started.elapsed().as_secs_f64();
             bar.set_message(format!(
                 "loss {:.4}, {rate:.0} images/s",
@@ -229,9 +277,11 @@ pub fn train_epoch(
         }
         bar.inc(1);
         if checkpoints.due(progress) {
+            progress.loss_sum += losses.take()?;
             checkpoints.save(trainer, optimizer, progress)?;
         }
     }
+    progress.loss_sum += losses.take()?;
     bar.finish_and_clear();
     let seconds = started.elapsed().as_secs_f64();
     Ok(EpochResult {
@@ -240,6 +290,38 @@ pub fn train_epoch(
         images_per_sec: images as f64 / seconds,
         seconds,
     })
+}
+
+/// The running sum of the step losses, kept where the losses are: reading a CUDA loss on the
+/// host every step would stall the host until the GPU catches up, so the sum is read only
+/// every few steps (for the progress bar and before checkpoints).
+#[derive(Default)]
+struct LossSum {
+    sum: Option<Tensor>,
+}
+
+impl LossSum {
+    /// Adds the (scalar) loss of one step, without reading it.
+    fn add(&mut self, loss: &Tensor) -> Result<(), AnyError> {
+        match &self.sum {
+            Some(sum) => sum.add_scaled_(&loss.detach(), 1.0)?,
+            None => {
+                // A fresh sum every few steps: its own dtype (the loss's) loses nothing.
+                let sum = Tensor::zeros(&[], loss.dtype(), loss.device())?;
+                sum.add_scaled_(&loss.detach(), 1.0)?;
+                self.sum = Some(sum);
+            }
+        }
+        Ok(())
+    }
+
+    /// The sum since the last call (0 after none), read on the host.
+    fn take(&mut self) -> Result<f64, AnyError> {
+        Ok(match self.sum.take() {
+            Some(sum) => sum.item()?,
+            None => 0.0,
+        })
+    }
 }
 
 /// The first `limit` samples of a dataset (all of them without a limit): for short runs.
