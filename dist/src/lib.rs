@@ -86,6 +86,7 @@ pub mod testing;
 pub use auth::JobSecret;
 pub use ddp::{DdpConfig, DistributedDataParallel};
 pub use error::{DistError, Result};
+pub use process_group::nccl::{NcclConfig, NcclProcessGroup};
 pub use process_group::tcp::TcpProcessGroup;
 pub use process_group::threads::ThreadProcessGroup;
 pub use process_group::{
