@@ -239,9 +239,9 @@ fn a_failed_rank_fails_the_others_with_its_own_message() {
         waiting_for: vec![1],
     };
     monitors[2].publish_failure(&cause);
-    for rank in 0..2 {
+    for (rank, monitor) in monitors.iter().enumerate().take(2) {
         let err = verdict(
-            &monitors[rank],
+            monitor,
             in_flight(4, all_reduce(8)),
             LONG,
             Duration::from_secs(5),
