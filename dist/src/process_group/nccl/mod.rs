@@ -76,14 +76,13 @@ use crate::rendezvous::MAX_WORLD_SIZE;
 use crate::store::{StoreServer, TcpStore};
 use crate::{DistError, Result};
 
-/// Settings of an NCCL process group. Every rank must use the same values.
+/// Settings of an NCCL process group beside the [`GroupConfig`] every backend takes (of which
+/// an NCCL group uses `name`, `timeout` — the longest time one collective may run on the comm
+/// stream —, `connect_timeout` — rendezvous and communicator creation — and
+/// `wait_log_interval`; the TCP transport settings do not apply). Every rank must use the same
+/// values.
 #[derive(Clone, Debug)]
 pub struct NcclConfig {
-    /// The settings shared with the other backends. NCCL groups use `name`,
-    /// `timeout` (longest time one collective may run on the comm stream before the group
-    /// fails; default 300 s), `connect_timeout` (rendezvous and communicator creation;
-    /// default 300 s) and `wait_log_interval`; the TCP transport settings do not apply.
-    pub group: GroupConfig,
     /// Longest time between a rank dying, stopping or failing and every other rank failing
     /// with an error naming it. Heartbeats are published every 1/40 of it and a rank whose
     /// heartbeat stops counts as stopped after half of it. Default: 10 s.
@@ -98,7 +97,6 @@ pub struct NcclConfig {
 impl Default for NcclConfig {
     fn default() -> Self {
         NcclConfig {
-            group: GroupConfig::default(),
             failure_timeout: Duration::from_secs(10),
             check_every_collective: false,
         }
@@ -129,6 +127,7 @@ struct Shared {
     rank: usize,
     world: usize,
     device: Device,
+    group: GroupConfig,
     config: NcclConfig,
     prefix: String,
     cuda: Arc<CudaDevice>,
@@ -196,7 +195,7 @@ impl Shared {
         crate::failure_report::post(&self.store, self.rank, &err);
         eprintln!(
             "tandem: rank {}: NCCL group {:?} failed; aborting its communicator: {err}",
-            self.rank, self.config.group.name
+            self.rank, self.group.name
         );
         self.comm.abort();
     }
@@ -222,7 +221,7 @@ impl std::fmt::Debug for NcclProcessGroup {
             self.shared.rank,
             self.shared.world,
             self.shared.device,
-            self.shared.config.group.name,
+            self.shared.group.name,
             self.shared.comm.version()
         )
     }
@@ -236,27 +235,30 @@ fn connect_error(rank: usize, detail: impl Into<String>) -> DistError {
 }
 
 impl NcclProcessGroup {
-    /// Joins the NCCL group `config.group.name` as `rank` of `world_size`, on the CUDA device
+    /// Joins the NCCL group `group.name` as `rank` of `world_size`, on the CUDA device
     /// `device`, meeting the other ranks through `store`. Blocks until every rank has joined
-    /// (at most `config.group.connect_timeout`).
+    /// (at most `group.connect_timeout`).
     pub fn connect(
         store: Arc<TcpStore>,
         rank: usize,
         world_size: usize,
         device: Device,
+        group: GroupConfig,
         config: NcclConfig,
     ) -> Result<Self> {
-        Self::connect_with_server(store, rank, world_size, device, config, None, None)
+        Self::connect_with_server(store, rank, world_size, device, group, config, None, None)
     }
 
     /// Like [`NcclProcessGroup::connect`]; `server` is the store this rank serves (kept until
     /// the other ranks are done with it) and `store_owner` the rank whose process serves the
     /// store, if a rank does (losing the store then names that rank).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn connect_with_server(
         store: Arc<TcpStore>,
         rank: usize,
         world: usize,
         device: Device,
+        group: GroupConfig,
         config: NcclConfig,
         server: Option<StoreServer>,
         store_owner: Option<usize>,
@@ -279,7 +281,7 @@ impl NcclProcessGroup {
         let api = ffi::api().map_err(DistError::NcclUnavailable)?;
         let cuda = tandem_core::cuda::device(ordinal)
             .map_err(|e| connect_error(rank, format!("opening {device}: {e}")))?;
-        let name = &config.group.name;
+        let name = &group.name;
         let generation = store.add(&format!("tandem/{name}/nccl/instances/{rank}"), 1)?;
         let prefix = format!("tandem/{name}/nccl/{generation}");
         let timing = Timing::new(config.failure_timeout, world);
@@ -290,14 +292,14 @@ impl NcclProcessGroup {
             world,
             timing,
             store_owner,
-            connect_timeout: config.group.connect_timeout,
-            wait_log_interval: config.group.wait_log_interval,
+            connect_timeout: group.connect_timeout,
+            wait_log_interval: group.wait_log_interval,
         })?;
         let id = exchange_unique_id(
             &store,
             rank,
             &format!("{prefix}/unique_id"),
-            config.group.connect_timeout,
+            group.connect_timeout,
         )?;
         let stream_err = |e: tandem_core::Error| connect_error(rank, format!("{device}: {e}"));
         let compute = Stream::compute(device).map_err(stream_err)?;
@@ -307,18 +309,18 @@ impl NcclProcessGroup {
             .cuda_stream()
             .map(|s| s.cu_stream() as RawStream)
             .ok_or_else(|| connect_error(rank, "the comm stream is not a CUDA stream"))?;
-        let deadline = Instant::now() + config.group.connect_timeout;
+        let deadline = Instant::now() + group.connect_timeout;
         let init_interrupt = || {
             if Instant::now() > deadline {
                 return Some(connect_error(
                     rank,
                     format!(
                         "creating the NCCL communicator timed out after {:?}",
-                        config.group.connect_timeout
+                        group.connect_timeout
                     ),
                 ));
             }
-            monitor.assess(Instant::now(), None, config.group.timeout)
+            monitor.assess(Instant::now(), None, group.timeout)
         };
         let comm = Comm::init(api, cuda.clone(), world, rank, &id, &init_interrupt).map_err(
             |failure| match failure {
@@ -347,6 +349,7 @@ impl NcclProcessGroup {
             rank,
             world,
             device,
+            group,
             config,
             prefix,
             cuda,
@@ -382,7 +385,12 @@ impl NcclProcessGroup {
     }
 
     /// The group's configuration.
-    pub fn config(&self) -> &NcclConfig {
+    pub fn group_config(&self) -> &GroupConfig {
+        &self.shared.group
+    }
+
+    /// The group's NCCL settings.
+    pub fn nccl_config(&self) -> &NcclConfig {
         &self.shared.config
     }
 
@@ -501,7 +509,7 @@ impl NcclProcessGroup {
             .record_event()
             .map_err(|e| fatal("recording the start", e))?;
         if desc.numel > 0 || desc.kind == CollectiveKind::Barrier {
-            let timeout = s.config.group.timeout;
+            let timeout = s.group.timeout;
             let since = Instant::now();
             let interrupt = || {
                 s.broken().or_else(|| {
@@ -561,7 +569,7 @@ impl NcclProcessGroup {
         s.store
             .set(&mine, &record::encode_desc(desc))
             .map_err(Failure::BeforeIssue)?;
-        let deadline = Instant::now() + s.config.group.timeout;
+        let deadline = Instant::now() + s.group.timeout;
         let bytes = loop {
             match s.store.get_timeout(&theirs, Duration::from_millis(100)) {
                 Ok(bytes) => break bytes,
@@ -574,7 +582,7 @@ impl NcclProcessGroup {
                             rank: s.rank,
                             collective: desc.to_string(),
                             seq,
-                            timeout: s.config.group.timeout,
+                            timeout: s.group.timeout,
                             waiting_for: vec![peer],
                         }));
                     }
@@ -866,14 +874,14 @@ impl Drop for NcclProcessGroup {
                 eprintln!(
                     "tandem: rank {}: NCCL group {:?}: finalizing the communicator failed, \
                      aborted it instead: {e:?}",
-                    s.rank, s.config.group.name
+                    s.rank, s.group.name
                 );
             }
         } else {
             s.comm.abort();
         }
         if self.server.lock().is_some() {
-            s.monitor.wait_for_others(s.config.group.timeout);
+            s.monitor.wait_for_others(s.group.timeout);
         }
         self.server.lock().take();
     }

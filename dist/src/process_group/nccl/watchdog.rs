@@ -51,10 +51,7 @@ fn round(shared: &Shared, nccl_error_since: &mut Option<Instant>) {
         // Aborted or interrupted: the group is failing already.
         Err(_) => None,
     };
-    if let Some(verdict) = shared
-        .monitor
-        .assess(now, in_flight, shared.config.group.timeout)
-    {
+    if let Some(verdict) = shared.monitor.assess(now, in_flight, shared.group.timeout) {
         shared.fail(verdict);
         return;
     }
