@@ -59,8 +59,12 @@ impl std::fmt::Debug for Comm {
     }
 }
 
-/// How long a poll sleeps between rounds once the first, spinning rounds are over.
-const POLL_NAP: Duration = Duration::from_micros(200);
+/// How long a poll spins (yielding) before it starts to nap: in non-blocking mode NCCL
+/// launches every collective from a thread of its own and answers `ncclInProgress` meanwhile,
+/// which takes tens of microseconds.
+const POLL_SPIN: Duration = Duration::from_micros(500);
+/// The longest nap between two polls after that.
+const POLL_MAX_NAP: Duration = Duration::from_millis(1);
 
 impl Comm {
     /// Creates the communicator of `rank` in a group of `world` meeting under `id`, on
@@ -204,6 +208,7 @@ impl Comm {
         interrupt: &dyn Fn() -> Option<crate::DistError>,
     ) -> Result<(), CommFailure> {
         let started = Instant::now();
+        let mut nap = Duration::from_micros(50);
         loop {
             match self.check() {
                 Ok(true) => return Ok(()),
@@ -216,11 +221,11 @@ impl Comm {
             if let Some(e) = interrupt() {
                 return Err(CommFailure::Interrupted(e));
             }
-            // Spin for a moment (most enqueues finish within microseconds), then nap.
-            if started.elapsed() < Duration::from_micros(50) {
+            if started.elapsed() < POLL_SPIN {
                 std::thread::yield_now();
             } else {
-                std::thread::sleep(POLL_NAP);
+                std::thread::sleep(nap);
+                nap = (nap * 2).min(POLL_MAX_NAP);
             }
         }
     }

@@ -103,6 +103,11 @@ impl Default for NcclConfig {
     }
 }
 
+/// Most collectives in flight on one rank. Issuing another first waits (on the host) for the
+/// oldest to finish, so the host never runs so far ahead that CUDA's launch queues fill up —
+/// a full queue blocks kernel launches, NCCL's included, where no abort can reach them.
+const MAX_IN_FLIGHT: usize = 128;
+
 /// A collective issued and not yet seen finishing.
 struct Pending {
     work: Work,
@@ -157,6 +162,41 @@ unsafe impl Sync for Shared {}
 impl Shared {
     fn broken(&self) -> Option<DistError> {
         self.broken.lock().clone()
+    }
+
+    /// Settles the collectives at the head of the queue whose end events have completed;
+    /// returns the last one's sequence number (0 if none) and how many remain in flight.
+    fn retire_finished(&self) -> (u64, usize) {
+        let mut pending = self.pending.lock();
+        let mut done = 0;
+        while let Some(front) = pending.front() {
+            if !front.end.is_complete() {
+                break;
+            }
+            front.work.settle(Ok(()));
+            done = front.seq;
+            pending.pop_front();
+        }
+        (done, pending.len())
+    }
+
+    /// Waits until fewer than [`MAX_IN_FLIGHT`] collectives are in flight, or the group fails.
+    fn make_room(&self) -> Option<DistError> {
+        let mut nap = Duration::from_micros(20);
+        loop {
+            if let Some(cause) = self.broken() {
+                return Some(cause);
+            }
+            let (done, in_flight) = self.retire_finished();
+            if done > 0 {
+                self.monitor.record_progress(0, done);
+            }
+            if in_flight < MAX_IN_FLIGHT {
+                return None;
+            }
+            std::thread::sleep(nap);
+            nap = (nap * 2).min(Duration::from_millis(1));
+        }
     }
 
     fn group_broken(&self, desc: &CollectiveDesc, seq: u64, cause: DistError) -> DistError {
@@ -422,7 +462,7 @@ impl NcclProcessGroup {
         let s = &*self.shared;
         let mut next = s.next_seq.lock();
         let seq = *next;
-        if let Some(cause) = s.broken() {
+        if let Some(cause) = s.make_room() {
             return Err(s.group_broken(&desc, seq, cause));
         }
         *s.issuing.lock() = Some(Issuing {

@@ -316,10 +316,10 @@ impl Monitor {
     }
 
     /// Notes how far the comm stream has got: the last collective seen starting and the last
-    /// seen finishing.
+    /// seen finishing (which has started, too). Progress never goes back.
     pub(crate) fn record_progress(&self, started: u64, done: u64) {
         let mut local = self.inner.local.lock();
-        local.started = local.started.max(started).min(local.issued);
+        local.started = local.started.max(started).max(done).min(local.issued);
         local.done = local.done.max(done).min(local.started);
     }
 

@@ -77,17 +77,9 @@ fn round(shared: &Shared, nccl_error_since: &mut Option<Instant>) {
 /// Settles the collectives that finished, notes the ones that started, and returns the oldest
 /// collective still in flight (or being issued).
 fn progress(shared: &Shared, now: Instant) -> Option<InFlight> {
-    let (started, done, oldest) = {
+    let (done, _) = shared.retire_finished();
+    let (started, oldest) = {
         let mut pending = shared.pending.lock();
-        let mut done = 0;
-        while let Some(front) = pending.front() {
-            if !front.end.is_complete() {
-                break;
-            }
-            front.work.settle(Ok(()));
-            done = front.seq;
-            pending.pop_front();
-        }
         let mut started = done;
         for p in pending.iter_mut() {
             if p.started_at.is_none() && p.start.is_complete() {
@@ -103,7 +95,7 @@ fn progress(shared: &Shared, now: Instant) -> Option<InFlight> {
             desc: p.desc,
             started_at: p.started_at,
         });
-        (started, done, oldest)
+        (started, oldest)
     };
     shared.monitor.record_progress(started, done);
     oldest.or_else(|| {
