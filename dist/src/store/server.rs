@@ -331,7 +331,20 @@ fn admit(shared: &Arc<Shared>, conn: TcpStream) {
 fn serve(served: Served) {
     let shared = &*served.shared;
     let deadline = Instant::now() + shared.config.handshake_timeout;
-    if let Err(reason) = server_handshake(&served.stream, shared.config.secret.as_ref(), deadline) {
+    // Marked authenticated before the client learns it is accepted, so that a flood of new
+    // connections arriving right after can no longer evict it.
+    let accepted = || {
+        if let Some(c) = shared.conns.lock().live.get_mut(&served.id) {
+            c.authenticated = true;
+        }
+    };
+    let handshake = server_handshake(
+        &served.stream,
+        shared.config.secret.as_ref(),
+        deadline,
+        accepted,
+    );
+    if let Err(reason) = handshake {
         let evicted = shared
             .conns
             .lock()
@@ -345,9 +358,6 @@ fn serve(served: Served) {
         };
         log_rejection(shared, &served.peer, &reason);
         return;
-    }
-    if let Some(c) = shared.conns.lock().live.get_mut(&served.id) {
-        c.authenticated = true;
     }
     let mut wills = Vec::new();
     serve_requests(&served, &mut wills);

@@ -311,11 +311,14 @@ pub(crate) fn refusal(message: &str) -> Vec<u8> {
 }
 
 /// Runs the server's side of the handshake. `Err` carries why the connection is refused (for
-/// the log); the caller closes it.
+/// the log); the caller closes it. `accepted` runs once the client is verified, before the
+/// final accept is sent: whatever it records is in place by the time the client can act on
+/// the accept (the server must not evict a connection whose client already holds one).
 pub(crate) fn server_handshake(
     conn: &TcpStream,
     secret: Option<&JobSecret>,
     deadline: Instant,
+    accepted: impl FnOnce(),
 ) -> Result<(), String> {
     let mut r = Deadline {
         stream: conn,
@@ -371,5 +374,6 @@ pub(crate) fn server_handshake(
             return Err("failed authentication (wrong job secret)".into());
         }
     }
+    accepted();
     (&*conn).write_all(&[ANSWER_ACCEPT]).map_err(fail)
 }

@@ -107,6 +107,28 @@ fn verdict(
 
 const LONG: Duration = Duration::from_secs(600);
 
+/// Waits (at most 5 s) until `monitor` has read a heartbeat of `peer` that reports at least
+/// `issued` collectives issued and `done` finished: a fixed sleep races the heartbeat threads
+/// on a loaded machine.
+fn until_seen(monitor: &Monitor, peer: usize, issued: u64, done: u64) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let seen = monitor.inner.peers.lock()[peer]
+            .beat
+            .as_ref()
+            .is_some_and(|b| b.issued >= issued && b.done >= done);
+        if seen {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "rank {} never saw rank {peer} report {issued} issued and {done} done",
+            monitor.inner.rank
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
 #[test]
 fn timing_follows_the_failure_timeout() {
     let t = Timing::new(Duration::from_secs(10), 2);
@@ -169,7 +191,7 @@ fn a_rank_whose_process_dies_is_named_once_a_collective_needs_it() {
         m.record_issue(1, &all_reduce(8));
         m.record_progress(1, 1);
     }
-    std::thread::sleep(Duration::from_millis(100));
+    until_seen(&monitors[0], 1, 1, 1);
     let dead = monitors.pop().unwrap();
     dead.inner.faults.vanish.store(true, Ordering::SeqCst);
     let killed_at = Instant::now();
@@ -266,7 +288,7 @@ fn a_rank_that_left_fails_only_collectives_it_did_not_finish() {
         m.record_issue(1, &describe_barrier());
         m.record_progress(1, 1);
     }
-    std::thread::sleep(Duration::from_millis(100));
+    until_seen(&monitors[0], 1, 1, 1);
     monitors[1].leave();
     std::thread::sleep(Duration::from_millis(200));
     assert!(monitors[0]
@@ -376,7 +398,8 @@ fn a_stuck_collective_times_out_naming_the_ranks_that_did_not_issue_it() {
     let (_server, monitors) = group(3, None);
     monitors[0].record_issue(1, &all_reduce(5));
     monitors[1].record_issue(1, &all_reduce(5));
-    std::thread::sleep(Duration::from_millis(150));
+    until_seen(&monitors[0], 1, 1, 0);
+    until_seen(&monitors[0], 2, 0, 0);
     let started_long_ago = Some(InFlight {
         seq: 1,
         desc: all_reduce(5),
