@@ -33,7 +33,7 @@ use std::time::{Duration, Instant};
 
 use tandem_core::{DType, Device, Tensor};
 use tandem_dist::launch::{launch, LaunchOptions};
-use tandem_dist::{init_from_env_with, GroupConfig, ProcessGroup, ReduceOp};
+use tandem_dist::{init_from_env_with, GroupConfig, ReduceOp};
 
 /// Settings shared by the coordinator and its workers.
 struct Settings {

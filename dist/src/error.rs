@@ -241,6 +241,21 @@ pub enum DistError {
     /// The launcher was misused or a launched rank failed.
     #[error("tandem-run: {0}")]
     Launch(String),
+
+    /// The NCCL library cannot be used: it is missing, too old, or lacks a function.
+    #[error("NCCL is not available: {0}")]
+    NcclUnavailable(String),
+
+    /// An NCCL call failed, or NCCL reported an asynchronous error.
+    #[error("rank {rank}: NCCL: {op}: {detail}")]
+    Nccl {
+        /// The reporting rank.
+        rank: usize,
+        /// What was being done, e.g. `all_reduce(f32, 100, sum) (collective #3)`.
+        op: String,
+        /// NCCL's status and message.
+        detail: String,
+    },
 }
 
 impl DistError {

@@ -86,6 +86,7 @@ pub mod testing;
 pub use auth::JobSecret;
 pub use ddp::{DdpConfig, DistributedDataParallel};
 pub use error::{DistError, Result};
+pub use process_group::nccl::{NcclConfig, NcclProcessGroup};
 pub use process_group::tcp::TcpProcessGroup;
 pub use process_group::threads::ThreadProcessGroup;
 pub use process_group::{
@@ -94,7 +95,10 @@ pub use process_group::{
 pub use reducer::comm_hook::{AllReduceHook, BucketReduction, CommHook, CompressionHook};
 pub use reducer::telemetry::{BucketTiming, OverlapSummary, StepTiming, Telemetry};
 pub use reducer::{GradReduction, LaunchRecord};
-pub use rendezvous::{init_from_env, init_from_env_with, init_process_group, EnvSource, LaunchEnv};
+pub use rendezvous::{
+    init_from_env, init_from_env_on, init_from_env_with, init_from_env_with_options,
+    init_process_group, init_with_options, Backend, EnvSource, InitOptions, LaunchEnv,
+};
 pub use sampler::DistributedSampler;
 pub use store::{StoreConfig, StoreServer, TcpStore};
 pub use sync_batch_norm::{convert_sync_batch_norm, SyncBatchNorm};

@@ -1,5 +1,5 @@
 //! Rendezvous: reading who this process is from the launcher's environment, and joining the
-//! TCP process group through the store at `MASTER_ADDR:MASTER_PORT`.
+//! job's process group through the store at `MASTER_ADDR:MASTER_PORT`.
 //!
 //! Three launchers are understood, tried in this order:
 //!
@@ -25,15 +25,27 @@
 //! and every connection between ranks prove it. A job of more than one rank without it is
 //! refused unless `TANDEM_ALLOW_UNAUTHENTICATED=1` asks to run unauthenticated. `WORLD_SIZE`
 //! is bounded by [`MAX_WORLD_SIZE`].
+//!
+//! **Backend and device.** [`InitOptions`] says what the job trains on and which backend to
+//! use. With [`Backend::Auto`] (the default), CUDA training uses NCCL and CPU training uses
+//! tandem's TCP backend; [`Backend::Tcp`] and [`Backend::Nccl`] choose explicitly (a backend
+//! that cannot serve the device is an error). A CUDA rank uses `cuda:LOCAL_RANK` — one GPU per
+//! local rank, as torchrun, `tandem-run`, `srun` and `mpirun` number them — whatever ordinal the
+//! requested device names; when the launcher gives each rank a single GPU of its own
+//! (`CUDA_VISIBLE_DEVICES` naming exactly one device, as `srun --gpus-per-task=1` does), that
+//! GPU, `cuda:0`, is used ([`LaunchEnv::rank_device`]).
 
 use std::collections::HashMap;
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, ToSocketAddrs};
 use std::str::FromStr;
 use std::sync::Arc;
 
+use tandem_core::Device;
+
 use crate::auth::{self, JobSecret, ALLOW_UNAUTHENTICATED_VAR, SECRET_VAR};
+use crate::process_group::nccl::{NcclConfig, NcclProcessGroup};
 use crate::process_group::tcp::TcpProcessGroup;
-use crate::process_group::GroupConfig;
+use crate::process_group::{GroupConfig, ProcessGroup};
 use crate::store::{StoreConfig, StoreServer, TcpStore};
 use crate::{DistError, Result};
 
@@ -296,20 +308,213 @@ impl LaunchEnv {
     }
 }
 
-/// Joins the job's TCP process group as described by the environment, with the default
-/// [`GroupConfig`]. Blocks until every rank has joined.
-pub fn init_from_env() -> Result<Arc<TcpProcessGroup>> {
-    init_from_env_with(GroupConfig::default())
+/// Which process-group backend a job uses.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Backend {
+    /// NCCL when training on CUDA, TCP when training on the CPU.
+    #[default]
+    Auto,
+    /// tandem's TCP backend: CPU tensors, one or many hosts.
+    Tcp,
+    /// NCCL: CUDA tensors, one GPU per rank.
+    Nccl,
 }
 
-/// [`init_from_env`] with a configuration (timeouts, thresholds).
-pub fn init_from_env_with(config: GroupConfig) -> Result<Arc<TcpProcessGroup>> {
-    init_process_group(&LaunchEnv::from_process_env()?, config).map(Arc::new)
+impl Backend {
+    /// The lower-case name (`auto`, `tcp`, `nccl`), as [`Backend::from_str`] reads it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Auto => "auto",
+            Backend::Tcp => "tcp",
+            Backend::Nccl => "nccl",
+        }
+    }
+
+    /// The backend that serves training on `device`: `Auto` picks NCCL for CUDA and TCP for
+    /// the CPU; an explicit choice that cannot serve the device is an error.
+    pub fn resolve(self, device: Device) -> Result<Backend> {
+        match (self, device) {
+            (Backend::Auto, Device::Cpu) | (Backend::Tcp, Device::Cpu) => Ok(Backend::Tcp),
+            (Backend::Auto, Device::Cuda(_)) | (Backend::Nccl, Device::Cuda(_)) => {
+                Ok(Backend::Nccl)
+            }
+            (Backend::Nccl, Device::Cpu) => Err(DistError::Connect {
+                rank: 0,
+                detail: "the NCCL backend needs CUDA training; use Backend::Tcp (or Auto) for \
+                         the CPU"
+                    .into(),
+            }),
+            (Backend::Tcp, Device::Cuda(_)) => Err(DistError::Connect {
+                rank: 0,
+                detail: "the TCP backend works on CPU tensors; use Backend::Nccl (or Auto) for \
+                         CUDA training"
+                    .into(),
+            }),
+        }
+    }
+}
+
+impl FromStr for Backend {
+    type Err = DistError;
+
+    /// Reads `auto`, `tcp` or `nccl` (any case), e.g. from a `--backend` option.
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Ok(Backend::Auto),
+            "tcp" => Ok(Backend::Tcp),
+            "nccl" => Ok(Backend::Nccl),
+            _ => Err(DistError::Connect {
+                rank: 0,
+                detail: format!("`{s}` is not a backend; use auto, tcp or nccl"),
+            }),
+        }
+    }
+}
+
+impl std::fmt::Display for Backend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// How a process joins the job's process group: the backend, the device it trains on, and
+/// the groups' settings. Every rank must use the same values.
+#[derive(Clone, Debug, Default)]
+pub struct InitOptions {
+    /// The backend. Default: [`Backend::Auto`].
+    pub backend: Backend,
+    /// What the job trains on: [`Device::Cpu`], or a CUDA device, in which case each rank uses
+    /// its own GPU ([`LaunchEnv::rank_device`]). Default: the CPU.
+    pub device: Device,
+    /// Settings every backend takes (name, timeouts).
+    pub group: GroupConfig,
+    /// Settings of an NCCL group (failure detection, collective checks).
+    pub nccl: NcclConfig,
+}
+
+impl LaunchEnv {
+    /// The device this rank trains on when the job trains on `requested`: the CPU for the
+    /// CPU; for CUDA, `cuda:LOCAL_RANK`, or `cuda:0` when the launcher made a single GPU
+    /// visible to this rank (`CUDA_VISIBLE_DEVICES` naming one device). An error names the
+    /// local rank and the devices this node shows.
+    pub fn rank_device(&self, requested: Device) -> Result<Device> {
+        match requested {
+            Device::Cpu => Ok(Device::Cpu),
+            Device::Cuda(_) => pick_cuda_device(
+                self.local_rank,
+                tandem_core::cuda::device_count(),
+                std::env::var("CUDA_VISIBLE_DEVICES").ok().as_deref(),
+            )
+            .map_err(|problem| DistError::env(local_rank_var(self.source), problem)),
+        }
+    }
+}
+
+/// The variable that gave the local rank.
+fn local_rank_var(source: EnvSource) -> &'static str {
+    match source {
+        EnvSource::Torchrun => "LOCAL_RANK",
+        EnvSource::Slurm => "SLURM_LOCALID",
+        EnvSource::OpenMpi => "OMPI_COMM_WORLD_LOCAL_RANK",
+    }
+}
+
+/// The CUDA device of local rank `local_rank` on a node that shows `count` devices (see
+/// [`LaunchEnv::rank_device`]).
+fn pick_cuda_device(
+    local_rank: usize,
+    count: usize,
+    visible: Option<&str>,
+) -> std::result::Result<Device, String> {
+    if count == 0 {
+        return Err(format!(
+            "is {local_rank}, and CUDA training needs a GPU per rank, but this process sees no \
+             CUDA device"
+        ));
+    }
+    if local_rank < count {
+        return Ok(Device::Cuda(local_rank));
+    }
+    let one_visible =
+        visible.is_some_and(|v| v.split(',').filter(|d| !d.trim().is_empty()).count() == 1);
+    if count == 1 && one_visible {
+        return Ok(Device::Cuda(0));
+    }
+    Err(format!(
+        "is {local_rank}, so this rank would use cuda:{local_rank}, but this node shows {count} \
+         CUDA device{} (CUDA_VISIBLE_DEVICES={}); start at most {count} rank{} per node",
+        if count == 1 { "" } else { "s" },
+        visible.map_or("unset".to_string(), |v| format!("{v:?}")),
+        if count == 1 { "" } else { "s" },
+    ))
+}
+
+/// Joins the job's process group as described by the environment, with the default options:
+/// CPU training over TCP. Blocks until every rank has joined.
+pub fn init_from_env() -> Result<Arc<dyn ProcessGroup>> {
+    init_from_env_with_options(InitOptions::default())
+}
+
+/// [`init_from_env`] with a configuration (timeouts, thresholds): CPU training over TCP.
+pub fn init_from_env_with(config: GroupConfig) -> Result<Arc<dyn ProcessGroup>> {
+    init_from_env_with_options(InitOptions {
+        group: config,
+        ..InitOptions::default()
+    })
+}
+
+/// Joins the job's process group for training on `device`: NCCL on this rank's GPU
+/// (`cuda:LOCAL_RANK`) for a CUDA device, TCP for the CPU.
+pub fn init_from_env_on(device: Device) -> Result<Arc<dyn ProcessGroup>> {
+    init_from_env_with_options(InitOptions {
+        device,
+        ..InitOptions::default()
+    })
+}
+
+/// Joins the job's process group as described by the environment and `options`.
+pub fn init_from_env_with_options(options: InitOptions) -> Result<Arc<dyn ProcessGroup>> {
+    init_with_options(&LaunchEnv::from_process_env()?, options)
+}
+
+/// Joins the process group described by `env` with `options`: picks the backend and this
+/// rank's device, serves the store on rank 0 (unless a launcher does), and connects.
+pub fn init_with_options(env: &LaunchEnv, options: InitOptions) -> Result<Arc<dyn ProcessGroup>> {
+    let backend = options.backend.resolve(options.device)?;
+    match backend {
+        Backend::Nccl => {
+            let device = env.rank_device(options.device)?;
+            let (server, store) = join_store(env, &options.group)?;
+            // Without a launcher serving it, the store lives in rank 0's process.
+            let owner = (!env.store_hosted).then_some(0);
+            let group = NcclProcessGroup::connect_with_server(
+                store,
+                env.rank,
+                env.world_size,
+                device,
+                options.group,
+                options.nccl,
+                server,
+                owner,
+            )?;
+            Ok(Arc::new(group))
+        }
+        _ => Ok(Arc::new(init_process_group(env, options.group)?)),
+    }
 }
 
 /// Joins the TCP process group described by `env`: rank 0 serves the store (unless a launcher
 /// does), every rank connects to it, then the ranks connect to each other.
 pub fn init_process_group(env: &LaunchEnv, config: GroupConfig) -> Result<TcpProcessGroup> {
+    let (server, store) = join_store(env, &config)?;
+    TcpProcessGroup::connect_with_server(store, env.rank, env.world_size, config, server)
+}
+
+/// Serves the store on rank 0 (unless a launcher does) and connects to it.
+fn join_store(
+    env: &LaunchEnv,
+    config: &GroupConfig,
+) -> Result<(Option<StoreServer>, Arc<TcpStore>)> {
     let addr = env.store_addr();
     let server = if env.rank == 0 && !env.store_hosted {
         let store_config = StoreConfig {
@@ -328,7 +533,7 @@ pub fn init_process_group(env: &LaunchEnv, config: GroupConfig) -> Result<TcpPro
         config.connect_timeout,
         env.secret.clone(),
     )?);
-    TcpProcessGroup::connect_with_server(store, env.rank, env.world_size, config, server)
+    Ok((server, store))
 }
 
 /// Where rank 0 serves the store: the loopback address `addr` resolves to, if it is one (so a
@@ -563,6 +768,66 @@ mod tests {
         assert!(store_bind_addr("127.0.0.1:1", 1).ip().is_loopback());
         assert!(store_bind_addr("localhost:1", 1).ip().is_loopback());
         assert!(store_bind_addr("10.1.2.3:1", 1).ip().is_unspecified());
+    }
+
+    #[test]
+    fn auto_picks_nccl_for_cuda_and_tcp_for_the_cpu_and_explicit_choices_are_checked() {
+        assert_eq!(Backend::Auto.resolve(Device::Cpu).unwrap(), Backend::Tcp);
+        assert_eq!(
+            Backend::Auto.resolve(Device::Cuda(3)).unwrap(),
+            Backend::Nccl
+        );
+        assert_eq!(Backend::Tcp.resolve(Device::Cpu).unwrap(), Backend::Tcp);
+        assert_eq!(
+            Backend::Nccl.resolve(Device::Cuda(0)).unwrap(),
+            Backend::Nccl
+        );
+        let err = Backend::Nccl.resolve(Device::Cpu).unwrap_err().to_string();
+        assert!(err.contains("NCCL backend needs CUDA"), "{err}");
+        let err = Backend::Tcp
+            .resolve(Device::Cuda(0))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("TCP backend works on CPU tensors"), "{err}");
+        for b in [Backend::Auto, Backend::Tcp, Backend::Nccl] {
+            assert_eq!(b.name().parse::<Backend>().unwrap(), b);
+        }
+        assert_eq!(" NCCL ".parse::<Backend>().unwrap(), Backend::Nccl);
+        assert!("gloo"
+            .parse::<Backend>()
+            .unwrap_err()
+            .to_string()
+            .contains("auto, tcp or nccl"));
+        assert_eq!(InitOptions::default().backend, Backend::Auto);
+        assert_eq!(InitOptions::default().device, Device::Cpu);
+    }
+
+    #[test]
+    fn each_cuda_rank_uses_the_gpu_of_its_local_rank() {
+        assert_eq!(pick_cuda_device(0, 8, None).unwrap(), Device::Cuda(0));
+        assert_eq!(pick_cuda_device(7, 8, None).unwrap(), Device::Cuda(7));
+        // srun --gpus-per-task=1: each rank sees only its own GPU.
+        assert_eq!(pick_cuda_device(3, 1, Some("3")).unwrap(), Device::Cuda(0));
+        let err = pick_cuda_device(2, 2, Some("0,1")).unwrap_err();
+        assert!(
+            err.contains("cuda:2") && err.contains("2 CUDA devices") && err.contains("\"0,1\""),
+            "{err}"
+        );
+        let err = pick_cuda_device(1, 1, None).unwrap_err();
+        assert!(err.contains("at most 1 rank per node"), "{err}");
+        let err = pick_cuda_device(0, 0, None).unwrap_err();
+        assert!(err.contains("sees no CUDA device"), "{err}");
+        let mut pairs = vec![("RANK", "0"), ("WORLD_SIZE", "1")];
+        pairs.extend(MASTER);
+        let env = LaunchEnv::from_map(&map(&pairs)).unwrap();
+        assert_eq!(env.rank_device(Device::Cpu).unwrap(), Device::Cpu);
+        if tandem_core::cuda::device_count() == 0 {
+            let err = env.rank_device(Device::Cuda(0)).unwrap_err();
+            assert!(
+                matches!(&err, DistError::Env { name, .. } if name == "LOCAL_RANK"),
+                "{err}"
+            );
+        }
     }
 
     #[test]

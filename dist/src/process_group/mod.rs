@@ -15,6 +15,7 @@ mod frame;
 mod handshake;
 mod link;
 mod mesh;
+pub mod nccl;
 mod plan;
 pub(crate) mod reduce;
 mod same_host;

@@ -5,8 +5,11 @@
 //! the `tandem-run` launcher on node 0 — serves the store at `MASTER_ADDR:MASTER_PORT`; every
 //! rank connects to it, publishes what the others need (its listening address) and waits for
 //! what it needs from them. The operations are those of PyTorch's `TCPStore`: `set`, `get`
-//! (waits for the key), `add` (an atomic counter), `wait` for several keys, `check`, `delete`.
-//! Every blocking call has a timeout, and a server that goes away is an error, not a hang.
+//! (waits for the key), `add` (an atomic counter), `wait` for several keys, `check`, `delete`;
+//! and two that heartbeats need: `get_many` (several keys at once, without waiting) and
+//! `set_will` (a key the server sets when the client's connection closes, so that a process
+//! that dies is noticed at once). Every blocking call has a timeout, and a server that goes
+//! away is an error, not a hang.
 //!
 //! Every connection starts with a handshake in which the client speaks first (see `wire`), so a
 //! program on the port that is not a tandem store is recognised by its first answer, and in
@@ -348,6 +351,60 @@ impl TcpStore {
         )
     }
 
+    /// The values of `keys` as stored now, without waiting: `None` for a key that is not set.
+    /// A value longer than `max_value` bytes is an error (callers know how large their values
+    /// are, so a longer one is not theirs), as is a reply of more than 64 MiB in all.
+    pub fn get_many(&self, keys: &[&str], max_value: usize) -> Result<Vec<Option<Vec<u8>>>> {
+        let req = self.keys_request(OP_GET_MANY, None, keys)?;
+        let cap = max_value.min(MAX_VALUE);
+        self.call(
+            || format!("get_many of {} keys", keys.len()),
+            &req,
+            Duration::ZERO,
+            |_, conn| {
+                let n = read_u32(conn)? as usize;
+                if n != keys.len() {
+                    return Err(invalid(format!("{n} values for {} keys", keys.len())));
+                }
+                let mut values = Vec::with_capacity(n);
+                for _ in 0..n {
+                    values.push(match read_u8(conn)? {
+                        0 => None,
+                        1 => Some(read_bytes(conn, cap)?),
+                        other => return Err(invalid(format!("presence flag {other}"))),
+                    });
+                }
+                Ok(values)
+            },
+        )
+    }
+
+    /// Leaves a *will* with the store: when this client's connection closes — the client is
+    /// dropped, or its process exits or dies — the store sets `key` to `value` (unless the
+    /// store itself is shutting down). A later will for the same key replaces the earlier one;
+    /// one client may leave up to 16 wills of up to 64 KiB each.
+    pub fn set_will(&self, key: &str, value: &[u8]) -> Result<()> {
+        self.check_key(key)?;
+        if value.len() > MAX_WILL_VALUE {
+            return Err(self.error(
+                format!("set_will {key:?}"),
+                format!(
+                    "value of {} bytes is over the {MAX_WILL_VALUE}-byte cap of a will",
+                    value.len()
+                ),
+            ));
+        }
+        let mut req = vec![OP_SET_WILL];
+        put_bytes(&mut req, key.as_bytes());
+        put_bytes(&mut req, value);
+        self.call(
+            || format!("set_will {key:?}"),
+            &req,
+            Duration::ZERO,
+            |_, _| Ok(()),
+        )
+    }
+
     fn check_key(&self, key: &str) -> Result<()> {
         if key.len() > MAX_KEY {
             return Err(self.error(
@@ -407,6 +464,93 @@ mod tests {
             store.add("x", 1)
         });
         assert!(err.unwrap_err().to_string().contains("not an integer"));
+    }
+
+    #[test]
+    fn get_many_reads_present_and_missing_keys_without_waiting() {
+        let (_server, addr) = server();
+        let store = TcpStore::connect(&addr, Duration::from_secs(5)).unwrap();
+        store.set("a", b"one").unwrap();
+        store.set("c", b"").unwrap();
+        let started = Instant::now();
+        let values = store.get_many(&["a", "b", "c"], 16).unwrap();
+        assert!(started.elapsed() < Duration::from_secs(1));
+        assert_eq!(values, vec![Some(b"one".to_vec()), None, Some(Vec::new())]);
+        assert_eq!(
+            store.get_many(&[], 16).unwrap(),
+            Vec::<Option<Vec<u8>>>::new()
+        );
+        // A value longer than the caller allows is an error, not an allocation.
+        store.set("big", &[7u8; 100]).unwrap();
+        let err = store.get_many(&["big"], 10).unwrap_err().to_string();
+        assert!(err.contains("get_many"), "{err}");
+    }
+
+    #[test]
+    fn a_will_is_set_when_its_connection_closes_and_can_be_replaced() {
+        let (server, addr) = server();
+        let watcher = TcpStore::connect(&addr, Duration::from_secs(5)).unwrap();
+        let client = TcpStore::connect(&addr, Duration::from_secs(5)).unwrap();
+        client.set("hb", b"alive").unwrap();
+        client.set_will("hb", b"gone").unwrap();
+        client.set_will("hb", b"gone for good").unwrap();
+        client.set_will("other", b"x").unwrap();
+        assert_eq!(watcher.get("hb").unwrap(), b"alive");
+        assert!(!watcher.check(&["other"]).unwrap());
+        drop(client);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while watcher.get_many(&["hb"], 64).unwrap()[0].as_deref() != Some(b"gone for good") {
+            assert!(Instant::now() < deadline, "the will was not set");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(watcher.get("other").unwrap(), b"x");
+        assert_eq!(server.value("hb").unwrap(), b"gone for good");
+    }
+
+    #[test]
+    fn wills_are_bounded_in_number_size_and_stored_bytes() {
+        let server = StoreServer::bind_with(
+            "127.0.0.1:0",
+            StoreConfig {
+                max_stored_bytes: 5_000,
+                ..StoreConfig::default()
+            },
+        )
+        .unwrap();
+        let addr = server.local_addr().to_string();
+        let client = TcpStore::connect(&addr, Duration::from_secs(5)).unwrap();
+        for k in 0..MAX_WILLS {
+            client.set_will(&format!("w{k}"), b"v").unwrap();
+        }
+        let err = client
+            .set_will("one-too-many", b"v")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("at most 16 wills"), "{err}");
+        client
+            .set_will("w0", b"replacing an existing will is fine")
+            .unwrap();
+        let err = client
+            .set_will("huge", &vec![0u8; MAX_WILL_VALUE + 1])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("cap of a will"), "{err}");
+        let other = TcpStore::connect(&addr, Duration::from_secs(5)).unwrap();
+        let err = other
+            .set_will("fat", &[0u8; 5_000])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("store is full"), "{err}");
+        // Reserved will bytes count against the limit of ordinary sets too.
+        other.set_will("fat", &[0u8; 3_000]).unwrap();
+        let err = client.set("k", &[0u8; 1_000]).unwrap_err().to_string();
+        assert!(err.contains("store is full"), "{err}");
+        drop(other);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while server.value("fat").is_none() {
+            assert!(Instant::now() < deadline, "the will was not set");
+            std::thread::sleep(Duration::from_millis(5));
+        }
     }
 
     #[test]

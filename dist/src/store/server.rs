@@ -81,6 +81,14 @@ struct Data {
     stored: usize,
     /// Bytes reserved for `set` values being received.
     in_flight: usize,
+    /// Bytes reserved for the wills of open connections (set when their connection closes).
+    wills: usize,
+}
+
+/// A key and value a connection leaves to be set when it closes (see `OP_SET_WILL`).
+struct Will {
+    key: String,
+    value: Arc<[u8]>,
 }
 
 fn charge(key: &str, value: &[u8]) -> usize {
@@ -150,6 +158,7 @@ impl StoreServer {
                 map: HashMap::new(),
                 stored: 0,
                 in_flight: 0,
+                wills: 0,
             }),
             changed: Condvar::new(),
             stop: AtomicBool::new(false),
@@ -322,7 +331,20 @@ fn admit(shared: &Arc<Shared>, conn: TcpStream) {
 fn serve(served: Served) {
     let shared = &*served.shared;
     let deadline = Instant::now() + shared.config.handshake_timeout;
-    if let Err(reason) = server_handshake(&served.stream, shared.config.secret.as_ref(), deadline) {
+    // Marked authenticated before the client learns it is accepted, so that a flood of new
+    // connections arriving right after can no longer evict it.
+    let accepted = || {
+        if let Some(c) = shared.conns.lock().live.get_mut(&served.id) {
+            c.authenticated = true;
+        }
+    };
+    let handshake = server_handshake(
+        &served.stream,
+        shared.config.secret.as_ref(),
+        deadline,
+        accepted,
+    );
+    if let Err(reason) = handshake {
         let evicted = shared
             .conns
             .lock()
@@ -337,9 +359,14 @@ fn serve(served: Served) {
         log_rejection(shared, &served.peer, &reason);
         return;
     }
-    if let Some(c) = shared.conns.lock().live.get_mut(&served.id) {
-        c.authenticated = true;
-    }
+    let mut wills = Vec::new();
+    serve_requests(&served, &mut wills);
+    fire_wills(shared, wills);
+}
+
+/// Answers requests until the connection closes or fails.
+fn serve_requests(served: &Served, wills: &mut Vec<Will>) {
+    let shared = &*served.shared;
     let stream = &served.stream;
     loop {
         // Between requests a client may stay silent as long as it likes.
@@ -354,7 +381,7 @@ fn serve(served: Served) {
             stream,
             deadline: Instant::now() + shared.config.request_timeout,
         };
-        let reply = match handle(op, &mut r, shared) {
+        let reply = match handle(op, &mut r, shared, wills) {
             Ok(reply) => reply,
             Err(e) => {
                 if !shared.stop.load(Ordering::SeqCst) {
@@ -374,6 +401,29 @@ fn serve(served: Served) {
             return;
         }
     }
+}
+
+/// Sets the keys a closed connection left wills for (unless the server is stopping). Their
+/// bytes were reserved when the wills were made, so this never exceeds the store's limit.
+fn fire_wills(shared: &Shared, wills: Vec<Will>) {
+    if wills.is_empty() {
+        return;
+    }
+    let stopping = shared.stop.load(Ordering::SeqCst);
+    let mut data = shared.data.lock();
+    for will in wills {
+        let charged = charge(&will.key, &will.value);
+        data.wills -= charged;
+        if stopping {
+            continue;
+        }
+        if let Some(old) = data.map.insert(will.key.clone(), will.value) {
+            data.stored -= charge(&will.key, &old);
+        }
+        data.stored += charged;
+    }
+    drop(data);
+    shared.changed.notify_all();
 }
 
 /// A reply: its head, then (for `get`) the stored value, sent without a copy.
@@ -416,7 +466,12 @@ fn discard(r: &mut impl Read, mut len: usize) -> io::Result<()> {
     Ok(())
 }
 
-fn handle(op: u8, r: &mut Deadline<'_>, shared: &Shared) -> io::Result<Reply> {
+fn handle(
+    op: u8,
+    r: &mut Deadline<'_>,
+    shared: &Shared,
+    wills: &mut Vec<Will>,
+) -> io::Result<Reply> {
     let limit = shared.config.max_stored_bytes;
     match op {
         OP_SET => {
@@ -425,7 +480,7 @@ fn handle(op: u8, r: &mut Deadline<'_>, shared: &Shared) -> io::Result<Reply> {
             let need = key.len() + len + KEY_OVERHEAD;
             {
                 let mut data = shared.data.lock();
-                if data.stored + data.in_flight + need > limit {
+                if data.stored + data.in_flight + data.wills + need > limit {
                     drop(data);
                     discard(r, len)?;
                     return Ok(Reply::error(&format!(
@@ -485,7 +540,7 @@ fn handle(op: u8, r: &mut Deadline<'_>, shared: &Shared) -> io::Result<Reply> {
             let value: Arc<[u8]> = new.to_string().into_bytes().into();
             let added = charge(&key, &value);
             let old = data.map.get(&key).map_or(0, |v| charge(&key, v));
-            if data.stored + data.in_flight + added > limit + old {
+            if data.stored + data.in_flight + data.wills + added > limit + old {
                 return Ok(Reply::error(&format!(
                     "the store is full: adding to {key:?} would exceed its limit of {limit} bytes"
                 )));
@@ -528,6 +583,57 @@ fn handle(op: u8, r: &mut Deadline<'_>, shared: &Shared) -> io::Result<Reply> {
             let mut reply = Reply::status(STATUS_OK);
             reply.head.push(old.is_some() as u8);
             Ok(reply)
+        }
+        OP_GET_MANY => {
+            let keys = read_keys(r)?;
+            let data = shared.data.lock();
+            let mut head = vec![STATUS_OK];
+            head.extend_from_slice(&(keys.len() as u32).to_le_bytes());
+            let mut total = 0usize;
+            for key in &keys {
+                match data.map.get(key) {
+                    None => head.push(0),
+                    Some(value) => {
+                        total += value.len();
+                        if total > MAX_VALUE {
+                            return Ok(Reply::error(&format!(
+                                "the values of these {} keys exceed {MAX_VALUE} bytes together; \
+                                 ask for fewer at a time",
+                                keys.len()
+                            )));
+                        }
+                        head.push(1);
+                        put_bytes(&mut head, value);
+                    }
+                }
+            }
+            Ok(Reply { head, value: None })
+        }
+        OP_SET_WILL => {
+            let key = read_key(r)?;
+            let value: Arc<[u8]> = read_bytes(r, MAX_WILL_VALUE)?.into();
+            let need = charge(&key, &value);
+            let replaced = wills.iter().position(|w| w.key == key);
+            if replaced.is_none() && wills.len() >= MAX_WILLS {
+                return Ok(Reply::error(&format!(
+                    "a connection may leave at most {MAX_WILLS} wills"
+                )));
+            }
+            let mut data = shared.data.lock();
+            let old = replaced.map_or(0, |i| charge(&wills[i].key, &wills[i].value));
+            if data.stored + data.in_flight + data.wills + need > limit + old {
+                return Ok(Reply::error(&format!(
+                    "the store is full: a will for {key:?} would exceed its limit of {limit} bytes"
+                )));
+            }
+            data.wills = data.wills + need - old;
+            drop(data);
+            let will = Will { key, value };
+            match replaced {
+                Some(i) => wills[i] = will,
+                None => wills.push(will),
+            }
+            Ok(Reply::status(STATUS_OK))
         }
         other => Err(invalid(format!("unknown store opcode {other}"))),
     }

@@ -47,6 +47,16 @@ pub(crate) const OP_ADD: u8 = 3;
 pub(crate) const OP_WAIT: u8 = 4;
 pub(crate) const OP_CHECK: u8 = 5;
 pub(crate) const OP_DELETE: u8 = 6;
+/// Reads several keys without waiting: `u32` count and keys; the reply is the count and, per
+/// key, `0` (missing) or `1` and the value.
+pub(crate) const OP_GET_MANY: u8 = 7;
+/// Leaves a will: key and value, set by the server when this connection closes.
+pub(crate) const OP_SET_WILL: u8 = 8;
+
+/// Longest value of a will.
+pub(crate) const MAX_WILL_VALUE: usize = 64 << 10;
+/// Most wills one connection may leave.
+pub(crate) const MAX_WILLS: usize = 16;
 
 pub(crate) const STATUS_OK: u8 = 0;
 pub(crate) const STATUS_TIMEOUT: u8 = 1;
@@ -301,11 +311,14 @@ pub(crate) fn refusal(message: &str) -> Vec<u8> {
 }
 
 /// Runs the server's side of the handshake. `Err` carries why the connection is refused (for
-/// the log); the caller closes it.
+/// the log); the caller closes it. `accepted` runs once the client is verified, before the
+/// final accept is sent: whatever it records is in place by the time the client can act on
+/// the accept (the server must not evict a connection whose client already holds one).
 pub(crate) fn server_handshake(
     conn: &TcpStream,
     secret: Option<&JobSecret>,
     deadline: Instant,
+    accepted: impl FnOnce(),
 ) -> Result<(), String> {
     let mut r = Deadline {
         stream: conn,
@@ -361,5 +374,6 @@ pub(crate) fn server_handshake(
             return Err("failed authentication (wrong job secret)".into());
         }
     }
+    accepted();
     (&*conn).write_all(&[ANSWER_ACCEPT]).map_err(fail)
 }

@@ -1,0 +1,233 @@
+//! Checking the tensors handed to an NCCL collective and turning them into what NCCL takes:
+//! device addresses, element counts, `ncclDataType_t` and `ncclRedOp_t` values.
+//!
+//! NCCL works on raw device pointers and trusts them, so every tensor is checked first: on
+//! this rank's CUDA device, contiguous, of a dtype NCCL knows (and, for reductions, one tandem
+//! reduces: f32, f64, f16, bf16). A failed check is an [`DistError::InvalidArgument`] naming the
+//! rank, the collective and the tensor, raised before anything is issued.
+
+use std::ffi::c_int;
+
+use tandem_core::{DType, Device, Tensor};
+
+use super::ffi::{data_type, red_op};
+use crate::process_group::{CollectiveDesc, CollectiveKind, ReduceOp};
+use crate::{DistError, Result};
+
+/// A checked tensor: where its elements start on the device and how many bytes they span.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Buffer {
+    /// Device address of the first element.
+    pub ptr: u64,
+    /// Bytes of the elements.
+    pub bytes: u64,
+}
+
+impl Buffer {
+    /// Whether the two byte ranges share a byte.
+    pub(crate) fn overlaps(&self, other: &Buffer) -> bool {
+        self.bytes > 0
+            && other.bytes > 0
+            && self.ptr < other.ptr + other.bytes
+            && other.ptr < self.ptr + self.bytes
+    }
+}
+
+fn invalid(rank: usize, collective: &'static str, problem: String) -> DistError {
+    DistError::InvalidArgument {
+        rank,
+        collective,
+        problem,
+    }
+}
+
+/// `dtype` as an `ncclDataType_t`.
+pub(crate) fn nccl_type(dtype: DType) -> c_int {
+    match dtype {
+        DType::F32 => data_type::FLOAT32,
+        DType::F64 => data_type::FLOAT64,
+        DType::F16 => data_type::FLOAT16,
+        DType::BF16 => data_type::BFLOAT16,
+        DType::I64 => data_type::INT64,
+        DType::U8 => data_type::UINT8,
+    }
+}
+
+/// `op` as an `ncclRedOp_t`.
+pub(crate) fn nccl_op(op: ReduceOp) -> c_int {
+    match op {
+        ReduceOp::Sum => red_op::SUM,
+        ReduceOp::Avg => red_op::AVG,
+        ReduceOp::Max => red_op::MAX,
+        ReduceOp::Min => red_op::MIN,
+    }
+}
+
+/// Checks that `t` can take part in an NCCL collective of the group on `device`.
+pub(crate) fn check(
+    rank: usize,
+    device: Device,
+    collective: &'static str,
+    what: &str,
+    t: &Tensor,
+) -> Result<Buffer> {
+    if t.device() != device {
+        return Err(invalid(
+            rank,
+            collective,
+            format!(
+                "{what} is on {}; this NCCL group works on tensors of {device} (this rank's \
+                 device)",
+                t.device()
+            ),
+        ));
+    }
+    if !t.is_contiguous() {
+        return Err(invalid(
+            rank,
+            collective,
+            format!(
+                "{what} {:?} is not contiguous; collectives work in place on contiguous storage \
+                 (call contiguous() and copy the result back)",
+                t.dims()
+            ),
+        ));
+    }
+    let size = t.dtype().size_in_bytes() as u64;
+    let (_, base) = tandem_core::cuda::device_pointer(collective, t)
+        .map_err(|e| invalid(rank, collective, format!("{what}: {e}")))?;
+    Ok(Buffer {
+        ptr: base + t.layout().offset() as u64 * size,
+        bytes: t.numel() as u64 * size,
+    })
+}
+
+/// Checks that `t` may be reduced (f32, f64, f16, bf16).
+pub(crate) fn check_reducible(rank: usize, collective: &'static str, t: &Tensor) -> Result<()> {
+    if t.dtype().is_float() {
+        Ok(())
+    } else {
+        Err(invalid(
+            rank,
+            collective,
+            format!(
+                "cannot reduce {} tensors (supported: f32, f64, f16, bf16)",
+                t.dtype()
+            ),
+        ))
+    }
+}
+
+/// Checks that `input` and `output` have one dtype.
+pub(crate) fn check_same_dtype(
+    rank: usize,
+    collective: &'static str,
+    input: &Tensor,
+    output: &Tensor,
+) -> Result<()> {
+    if input.dtype() != output.dtype() {
+        return Err(invalid(
+            rank,
+            collective,
+            format!(
+                "input is {} but output is {}",
+                input.dtype(),
+                output.dtype()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Checks that `bigger` has `world × smaller` elements.
+pub(crate) fn check_world_multiple(
+    rank: usize,
+    world: usize,
+    collective: &'static str,
+    (bigger_name, bigger): (&str, &Tensor),
+    (smaller_name, smaller): (&str, &Tensor),
+) -> Result<()> {
+    if Some(bigger.numel()) != world.checked_mul(smaller.numel()) {
+        return Err(invalid(
+            rank,
+            collective,
+            format!(
+                "{bigger_name} has {} elements but must have world_size × {smaller_name} = \
+                 {world} × {} = {}",
+                bigger.numel(),
+                smaller.numel(),
+                world.saturating_mul(smaller.numel())
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The descriptor of a collective on `dtype` with `numel` elements per rank.
+pub(crate) fn desc(
+    kind: CollectiveKind,
+    dtype: Option<DType>,
+    numel: usize,
+    op: Option<ReduceOp>,
+    root: Option<usize>,
+) -> CollectiveDesc {
+    CollectiveDesc {
+        kind,
+        dtype,
+        numel: numel as u64,
+        op,
+        root: root.map(|r| r as u32),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_and_strided_tensors_are_refused_before_anything_is_issued() {
+        let cpu = Tensor::zeros(&[4], DType::F32, Device::Cpu).unwrap();
+        let err = check(1, Device::Cuda(0), "all_reduce", "tensor", &cpu)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("rank 1") && err.contains("is on cpu") && err.contains("cuda:0"),
+            "{err}"
+        );
+        let ints = Tensor::zeros(&[4], DType::I64, Device::Cpu).unwrap();
+        let err = check_reducible(0, "all_reduce", &ints)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("i64") && err.contains("bf16"), "{err}");
+        let out = Tensor::zeros(&[7], DType::F32, Device::Cpu).unwrap();
+        let err = check_world_multiple(0, 2, "all_gather", ("output", &out), ("input", &cpu))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("2 × 4 = 8"), "{err}");
+        let err = check_same_dtype(0, "all_gather", &cpu, &ints)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("input is f32 but output is i64"), "{err}");
+    }
+
+    #[test]
+    fn buffers_overlap_only_when_they_share_a_byte() {
+        let a = Buffer {
+            ptr: 100,
+            bytes: 10,
+        };
+        assert!(a.overlaps(&Buffer { ptr: 109, bytes: 1 }));
+        assert!(!a.overlaps(&Buffer { ptr: 110, bytes: 5 }));
+        assert!(!a.overlaps(&Buffer { ptr: 105, bytes: 0 }));
+        assert!(Buffer { ptr: 90, bytes: 11 }.overlaps(&a));
+    }
+
+    #[test]
+    fn dtypes_and_ops_map_to_nccl_h_values() {
+        assert_eq!(nccl_type(DType::F32), 7);
+        assert_eq!(nccl_type(DType::BF16), 9);
+        assert_eq!(nccl_type(DType::F16), 6);
+        assert_eq!(nccl_op(ReduceOp::Avg), 4);
+        assert_eq!(nccl_op(ReduceOp::Min), 3);
+    }
+}
