@@ -16,7 +16,7 @@ use tandem::autograd::{no_grad, TensorBackward};
 use tandem::core::{DType, Device, Tensor};
 use tandem::dist::launch::{forward_signals, launch, LaunchOptions};
 use tandem::dist::{
-    init_process_group, DistributedDataParallel, GroupConfig, LaunchEnv, ProcessGroup,
+    init_with_options, DistributedDataParallel, InitOptions, LaunchEnv, ProcessGroup,
 };
 use tandem::nn::data::{Batch, DataLoader, Dataset};
 use tandem::nn::loss::{cross_entropy, Reduction};
@@ -89,33 +89,11 @@ pub fn parse_device(text: &str) -> Result<Device, String> {
     text.parse::<Device>().map_err(|e| e.to_string())
 }
 
-/// The device this rank trains on when the user asked for `requested`: the CPU stays the CPU;
-/// plain `cuda` becomes `cuda:LOCAL_RANK` for a rank of a group, one GPU per local process (as
-/// with PyTorch's `torch.cuda.set_device(local_rank)`), or `cuda:0` when the launcher left
-/// this rank a single visible GPU; an explicit `cuda:N` is kept. The device is checked here, so
-/// `--device cuda` on a machine without a usable GPU ends with the runtime's error before any
-/// data is loaded.
-fn rank_device(requested: Device, env: Option<&LaunchEnv>) -> Result<Device, AnyError> {
-    let device = match (requested, env) {
-        (Device::Cuda(0), Some(env)) if env.local_world_size > 1 => {
-            let visible = tandem::core::cuda::device_count();
-            if visible == 1 {
-                Device::Cuda(0)
-            } else if env.local_rank < visible {
-                Device::Cuda(env.local_rank)
-            } else {
-                return Err(format!(
-                    "local rank {} of {} needs its own GPU, but this node shows {visible} \
-                     CUDA device(s)",
-                    env.local_rank, env.local_world_size
-                )
-                .into());
-            }
-        }
-        (device, _) => device,
-    };
+/// Checks that `device` can be used, so `--device cuda` on a machine without a usable GPU ends
+/// with the runtime's error (no driver, no device, ordinal out of range) before any data is
+/// loaded.
+fn check_device(device: Device) -> Result<Device, AnyError> {
     if let Device::Cuda(_) = device {
-        // Fails with the runtime's error (no driver, no device, ordinal out of range).
         Tensor::zeros(&[1], DType::F32, device)?;
     }
     Ok(device)
@@ -159,7 +137,7 @@ pub fn join_or_launch(
         tandem::ops::set_num_threads(threads.unwrap_or(0))?;
         return Ok(Role::Train {
             group: None,
-            device: rank_device(device, None)?,
+            device: check_device(device)?,
         });
     }
     let env = LaunchEnv::from_process_env()?;
@@ -168,8 +146,16 @@ pub fn join_or_launch(
         (cores / env.local_world_size.max(1)).max(1)
     });
     tandem::ops::set_num_threads(threads)?;
-    let device = rank_device(device, Some(&env))?;
-    let group: Arc<dyn ProcessGroup> = Arc::new(init_process_group(&env, GroupConfig::default())?);
+    // Plain `cuda` means one GPU per local rank: cuda:LOCAL_RANK (or the only GPU the launcher
+    // left visible). The group is NCCL for CUDA and TCP for the CPU.
+    let device = check_device(env.rank_device(device)?)?;
+    let group = init_with_options(
+        &env,
+        InitOptions {
+            device,
+            ..InitOptions::default()
+        },
+    )?;
     Ok(Role::Train {
         group: Some(group),
         device,
