@@ -54,8 +54,13 @@ pub(crate) fn nccl_type(dtype: DType) -> c_int {
 }
 
 /// `op` as an `ncclRedOp_t`.
-pub(crate) fn nccl_op(op: ReduceOp) -> c_int {
+///
+/// Over one rank the average is the sum: NCCL 2.28.9's one-rank average left the last element
+/// of an odd-length f64 reduce_scatter unwritten on an H100 (seen in `cuda_nccl`), so a world
+/// of 1 never asks NCCL for it.
+pub(crate) fn nccl_op(op: ReduceOp, world: usize) -> c_int {
     match op {
+        ReduceOp::Avg if world == 1 => red_op::SUM,
         ReduceOp::Sum => red_op::SUM,
         ReduceOp::Avg => red_op::AVG,
         ReduceOp::Max => red_op::MAX,
@@ -227,7 +232,9 @@ mod tests {
         assert_eq!(nccl_type(DType::F32), 7);
         assert_eq!(nccl_type(DType::BF16), 9);
         assert_eq!(nccl_type(DType::F16), 6);
-        assert_eq!(nccl_op(ReduceOp::Avg), 4);
-        assert_eq!(nccl_op(ReduceOp::Min), 3);
+        assert_eq!(nccl_op(ReduceOp::Avg, 2), 4);
+        assert_eq!(nccl_op(ReduceOp::Min, 2), 3);
+        // Over one rank the average is asked of NCCL as a sum.
+        assert_eq!(nccl_op(ReduceOp::Avg, 1), 0);
     }
 }

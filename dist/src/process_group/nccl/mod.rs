@@ -164,6 +164,23 @@ impl Shared {
         self.broken.lock().clone()
     }
 
+    /// The error to report for `nccl_error`, met while issuing a collective. A peer whose
+    /// process died makes NCCL report a remote error before the store has noticed, so this
+    /// gives the watchdog the time it takes itself (the heartbeats' `stale_after` and one
+    /// interval, plus a margin) to name the rank behind it, and reports the group's failure if
+    /// one comes; NCCL's own error otherwise.
+    fn explain_nccl_error(&self, nccl_error: DistError) -> DistError {
+        let timing = self.monitor.timing();
+        let deadline = Instant::now() + timing.stale_after + timing.interval * 3;
+        while Instant::now() < deadline {
+            if let Some(verdict) = self.broken() {
+                return verdict;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        self.broken().unwrap_or(nccl_error)
+    }
+
     /// Settles the collectives at the head of the queue whose end events have completed;
     /// returns the last one's sequence number (0 if none) and how many remain in flight.
     fn retire_finished(&self) -> (u64, usize) {
@@ -568,11 +585,11 @@ impl NcclProcessGroup {
                 .map_err(|failure| {
                     Failure::Fatal(match failure {
                         CommFailure::Interrupted(e) => e,
-                        CommFailure::Nccl(detail) => DistError::Nccl {
+                        CommFailure::Nccl(detail) => s.explain_nccl_error(DistError::Nccl {
                             rank: s.rank,
                             op: label.clone(),
                             detail,
-                        },
+                        }),
                         CommFailure::Gone => s.broken().unwrap_or_else(|| DistError::Nccl {
                             rank: s.rank,
                             op: label.clone(),
@@ -704,7 +721,7 @@ impl ProcessGroup for NcclProcessGroup {
         let (count, dtype, op) = (
             tensor.numel(),
             args::nccl_type(tensor.dtype()),
-            args::nccl_op(op),
+            args::nccl_op(op, self.shared.world),
         );
         self.issue(
             desc,
@@ -826,7 +843,7 @@ impl ProcessGroup for NcclProcessGroup {
         let (count, dtype, op) = (
             output.numel(),
             args::nccl_type(output.dtype()),
-            args::nccl_op(op),
+            args::nccl_op(op, world),
         );
         self.issue(desc, held, false, move |api, comm, stream| {
             // SAFETY: `inp` holds `world × count` elements and `out` `count`, of `dtype`, on this
