@@ -1,7 +1,5 @@
 #![doc = include_str!("../README.md")]
 
-mod tensor_ext;
-
 pub use tandem_autograd as autograd;
 pub use tandem_core as core;
 pub use tandem_dist as dist;
@@ -9,11 +7,10 @@ pub use tandem_nn as nn;
 pub use tandem_ops as ops;
 pub use tandem_optim as optim;
 
-pub use tensor_ext::TensorOps;
+pub use tandem_ops::TensorOps;
 
 /// What a training program usually needs, in one import: `use tandem::prelude::*;`.
 pub mod prelude {
-    pub use crate::tensor_ext::TensorOps;
     pub use tandem_autograd::{no_grad, TensorBackward};
     pub use tandem_core::rng::manual_seed;
     pub use tandem_core::{DType, Device, Generator, Tensor};
@@ -24,5 +21,6 @@ pub mod prelude {
         BatchNorm2d, Conv2d, Conv2dConfig, Dropout, Flatten, Linear, MaxPool2d, Module, ReLU,
         Sequential,
     };
+    pub use tandem_ops::TensorOps;
     pub use tandem_optim::{Optimizer, Sgd, SgdConfig};
 }

@@ -1,19 +1,27 @@
 //! `SyncBatchNorm`: batch normalisation whose statistics cover the global batch.
 //!
 //! Under DDP, plain BatchNorm normalises each rank's B/N samples with that rank's own
-//! statistics. SyncBatchNorm all-reduces per-channel sums (Σx, Σx², count) in forward so every
-//! rank normalises with the statistics of all B samples, and all-reduces Σg and Σg·x̂ in
-//! backward so the input gradient is the full-batch one. It runs on the CPU too (PyTorch's
-//! refuses to). The weight and bias gradients stay local sums; DDP averages them like any
-//! other gradient. [`convert_sync_batch_norm`] swaps a model's `BatchNorm2d` layers for it,
-//! sharing their parameters and buffers.
+//! statistics. SyncBatchNorm runs batch norm's phases (`tandem_ops::batch_norm::phases`) with
+//! an all-reduce between them: in forward, each rank's statistics (as additive sums: count,
+//! Σx, Σx²) are all-reduced so every rank normalises with the statistics of all B samples; in
+//! backward, the per-channel sums Σg and Σg·(x − mean) are all-reduced so the input gradient is
+//! the full-batch one. It has no batch-norm arithmetic of its own, runs where the input is
+//! (the CPU too, which PyTorch's refuses), and fuses the ReLU and the residual join of a
+//! ResNet block as `BatchNorm2d` does. The weight and bias gradients stay local sums; DDP
+//! averages them like any other gradient. [`convert_sync_batch_norm`] swaps a model's
+//! `BatchNorm2d` layers for it, sharing their parameters and buffers.
 
 use std::sync::Arc;
 
 use tandem_autograd::record_fn;
-use tandem_core::{Device, Tensor};
+use tandem_core::Tensor;
 use tandem_nn::module::{Module, ParamKind, TrainingFlag};
 use tandem_nn::BatchNorm2d;
+use tandem_ops::batch_norm::phases::{
+    self, ApplyArgs, BackwardApplyArgs, BackwardReduceArgs, GradMask, GradSums, NormalizationArgs,
+    RunningUpdate, Statistics,
+};
+use tandem_ops::batch_norm::{BatchNormArgs, Epilogue};
 
 use crate::{ProcessGroup, ReduceOp};
 
@@ -33,6 +41,127 @@ impl SyncBatchNorm {
     fn input_error(&self, msg: String) -> tandem_nn::Error {
         tandem_nn::Error::input("SyncBatchNorm", msg)
     }
+
+    /// The forward with `epilogue` fused onto the output.
+    fn run(&self, x: &Tensor, epilogue: Epilogue<'_>) -> tandem_nn::Result<Tensor> {
+        let bn = &self.bn;
+        if x.rank() < 2 || x.dims()[1] != bn.num_features() {
+            return Err(self.input_error(format!(
+                "expected input [N, {}, …], got shape {:?}",
+                bn.num_features(),
+                x.dims()
+            )));
+        }
+        let config = bn.config();
+        if !self.is_training() && config.track_running_stats {
+            // Evaluation uses the running statistics: nothing to synchronise.
+            let args = BatchNormArgs {
+                running_mean: bn.running_mean(),
+                running_var: bn.running_var(),
+                weight: bn.weight(),
+                bias: bn.bias(),
+                training: false,
+                momentum: config.momentum,
+                eps: config.eps,
+            };
+            return Ok(tandem_ops::batch_norm::batch_norm_fused(
+                x, epilogue, &args,
+            )?);
+        }
+        // Contiguous once: every phase, forward and backward, reads the input.
+        let xc = x.contiguous_detached()?;
+        let sums = phases::statistics(&xc)?.to_sums()?;
+        self.group
+            .all_reduce(&sums, ReduceOp::Sum)
+            .and_then(|w| w.wait())
+            .map_err(|e| core_err("forward statistics", e))?;
+        let stats = Statistics::from_sums(&sums).map_err(|e| {
+            self.input_error(format!(
+                "batch statistics over the group failed for input {:?}: {e}",
+                x.dims()
+            ))
+        })?;
+        if let (Some(running_mean), Some(running_var)) = (bn.running_mean(), bn.running_var()) {
+            phases::update_running(&RunningUpdate {
+                running_mean: Some(running_mean),
+                running_var: Some(running_var),
+                stats: &stats,
+                momentum: config.momentum,
+            })?;
+            bn.count_training_batch()?;
+        }
+        let norm = phases::normalization(&NormalizationArgs {
+            mean: &stats.mean,
+            var: &stats.var,
+            weight: bn.weight(),
+            bias: bn.bias(),
+            eps: config.eps,
+        })?;
+        let out = phases::apply(&ApplyArgs {
+            x: &xc,
+            norm: &norm,
+            epilogue,
+        })?;
+
+        let residual = match epilogue {
+            Epilogue::AddRelu(r) => Some(r),
+            _ => None,
+        };
+        // With a residual, the backward's mask is `y > 0` of the output itself.
+        let saved_out = residual.is_some().then(|| out.detach());
+        let relu = matches!(epilogue, Epilogue::Relu);
+        let mut inputs: Vec<&Tensor> = vec![x];
+        inputs.extend(residual);
+        inputs.extend(bn.weight());
+        inputs.extend(bn.bias());
+        let (has_w, has_b) = (bn.weight().is_some(), bn.bias().is_some());
+        let group = self.group.clone();
+        let count = stats.count;
+        Ok(record_fn(out, &inputs, "sync_batch_norm", move || {
+            move |g: &Tensor| {
+                let mask = match (&saved_out, relu) {
+                    (Some(y), _) => GradMask::Output(y),
+                    (None, true) => GradMask::Relu,
+                    (None, false) => GradMask::None,
+                };
+                let GradSums { sums, grad: masked } =
+                    phases::backward_reduce(&BackwardReduceArgs {
+                        grad: g,
+                        x: &xc,
+                        norm: &norm,
+                        mask,
+                    })?;
+                // The parameters' gradients are this rank's own sums (DDP averages them); the
+                // input's gradient needs the group's.
+                let (grad_w, grad_b) = phases::parameter_gradients(&sums, &norm, g.dtype())?;
+                group
+                    .all_reduce(&sums, ReduceOp::Sum)
+                    .and_then(|w| w.wait())
+                    .map_err(|e| core_err("backward", e))?;
+                let g_bn = masked.as_ref().unwrap_or(g);
+                let grad_x = phases::backward_apply(&BackwardApplyArgs {
+                    grad: g_bn,
+                    x: &xc,
+                    norm: &norm,
+                    sums: &sums,
+                    count,
+                    training: true,
+                    relu_mask: relu,
+                })?;
+                let mut grads = vec![Some(grad_x)];
+                if saved_out.is_some() {
+                    grads.push(masked);
+                }
+                if has_w {
+                    grads.push(Some(grad_w));
+                }
+                if has_b {
+                    grads.push(Some(grad_b));
+                }
+                Ok(grads)
+            }
+        }))
+    }
 }
 
 fn core_err(
@@ -42,169 +171,19 @@ fn core_err(
     tandem_core::Error::external(format!("SyncBatchNorm {context}"), e)
 }
 
-/// Per-channel sums over `[N, C, rest…]` data: returns Σ f(i) for each channel.
-fn channel_sums(
-    values: &[f64],
-    n: usize,
-    c: usize,
-    inner: usize,
-    f: impl Fn(usize, f64) -> f64,
-) -> Vec<f64> {
-    let mut sums = vec![0.0; c];
-    for i in 0..n {
-        for (ch, sum) in sums.iter_mut().enumerate() {
-            let base = (i * c + ch) * inner;
-            *sum += values[base..base + inner]
-                .iter()
-                .enumerate()
-                .map(|(k, &v)| f(base + k, v))
-                .sum::<f64>();
-        }
-    }
-    sums
-}
-
 impl Module for SyncBatchNorm {
     fn forward(&self, x: &Tensor) -> tandem_nn::Result<Tensor> {
-        if x.rank() < 2 || x.dims()[1] != self.bn.num_features() {
-            return Err(self.input_error(format!(
-                "expected input [N, {}, …], got shape {:?}",
-                self.bn.num_features(),
-                x.dims()
-            )));
-        }
-        let training = self.is_training();
-        if !training && self.bn.config().track_running_stats {
-            // Evaluation uses the running statistics: nothing to synchronise.
-            return Ok(tandem_ops::batch_norm(
-                x,
-                self.bn.running_mean(),
-                self.bn.running_var(),
-                self.bn.weight(),
-                self.bn.bias(),
-                false,
-                self.bn.config().momentum,
-                self.bn.config().eps,
-            )?);
-        }
-        let (n, c) = (x.dims()[0], x.dims()[1]);
-        let inner: usize = x.dims()[2..].iter().product();
-        let xs = x.to_vec_f64()?;
-        let local_sum = channel_sums(&xs, n, c, inner, |_, v| v);
-        let local_sq = channel_sums(&xs, n, c, inner, |_, v| v * v);
-        let mut packed = local_sum;
-        packed.extend(local_sq);
-        packed.push((n * inner) as f64);
-        let stats = Tensor::from_vec(packed, &[2 * c + 1], Device::Cpu)?;
-        self.group
-            .all_reduce(&stats, ReduceOp::Sum)
-            .and_then(|w| w.wait())
-            .map_err(|e| core_err("forward statistics", e))?;
-        let stats = stats.to_vec::<f64>()?;
-        let count = stats[2 * c];
-        if count <= 1.0 {
-            return Err(self.input_error(format!(
-                "batch statistics need more than one value per channel, got {count} in total"
-            )));
-        }
-        let mean: Vec<f64> = (0..c).map(|ch| stats[ch] / count).collect();
-        let var: Vec<f64> = (0..c)
-            .map(|ch| (stats[c + ch] / count - mean[ch] * mean[ch]).max(0.0))
-            .collect();
-        let invstd: Vec<f64> = var
-            .iter()
-            .map(|v| 1.0 / (v + self.bn.config().eps).sqrt())
-            .collect();
+        self.run(x, Epilogue::Plain)
+    }
 
-        if let (Some(rm), Some(rv)) = (self.bn.running_mean(), self.bn.running_var()) {
-            let m = self.bn.config().momentum;
-            let unbiased = count / (count - 1.0);
-            let new_mean: Vec<f64> = rm
-                .to_vec_f64()?
-                .iter()
-                .zip(&mean)
-                .map(|(r, b)| (1.0 - m) * r + m * b)
-                .collect();
-            let new_var: Vec<f64> = rv
-                .to_vec_f64()?
-                .iter()
-                .zip(&var)
-                .map(|(r, b)| (1.0 - m) * r + m * b * unbiased)
-                .collect();
-            rm.copy_(&Tensor::from_vec(new_mean, &[c], Device::Cpu)?.to_dtype(rm.dtype())?)?;
-            rv.copy_(&Tensor::from_vec(new_var, &[c], Device::Cpu)?.to_dtype(rv.dtype())?)?;
-            if let Some(count) = self.bn.num_batches_tracked() {
-                count.write_slice::<i64>()?[0] += 1;
-            }
-        }
+    /// `relu(forward(x))` in batch norm's own passes.
+    fn forward_relu(&self, x: &Tensor) -> tandem_nn::Result<Tensor> {
+        self.run(x, Epilogue::Relu)
+    }
 
-        let w: Vec<f64> = match self.bn.weight() {
-            Some(w) => w.to_vec_f64()?,
-            None => vec![1.0; c],
-        };
-        let b: Vec<f64> = match self.bn.bias() {
-            Some(b) => b.to_vec_f64()?,
-            None => vec![0.0; c],
-        };
-        let channel = move |idx: usize| (idx / inner) % c;
-        let xhat: Vec<f64> = xs
-            .iter()
-            .enumerate()
-            .map(|(i, &v)| (v - mean[channel(i)]) * invstd[channel(i)])
-            .collect();
-        let y: Vec<f64> = xhat
-            .iter()
-            .enumerate()
-            .map(|(i, &h)| h * w[channel(i)] + b[channel(i)])
-            .collect();
-        let out = Tensor::from_vec(y, x.dims(), Device::Cpu)?.to_dtype(x.dtype())?;
-
-        let mut inputs: Vec<&Tensor> = vec![x];
-        inputs.extend(self.bn.weight());
-        inputs.extend(self.bn.bias());
-        let (has_w, has_b) = (self.bn.weight().is_some(), self.bn.bias().is_some());
-        let group = self.group.clone();
-        let dtype = x.dtype();
-        let dims = x.dims().to_vec();
-        Ok(record_fn(out, &inputs, "sync_batch_norm", move || {
-            move |g: &Tensor| {
-                let gs = g.to_vec_f64()?;
-                let sum_g = channel_sums(&gs, n, c, inner, |_, v| v);
-                let sum_gx = channel_sums(&gs, n, c, inner, |k, v| v * xhat[k]);
-                let mut packed = sum_g.clone();
-                packed.extend(sum_gx.iter().copied());
-                let global = Tensor::from_vec(packed, &[2 * c], Device::Cpu)?;
-                group
-                    .all_reduce(&global, ReduceOp::Sum)
-                    .and_then(|w| w.wait())
-                    .map_err(|e| core_err("backward", e))?;
-                let global = global.to_vec::<f64>()?;
-                let grad_x: Vec<f64> = gs
-                    .iter()
-                    .enumerate()
-                    .map(|(i, &gv)| {
-                        let ch = channel(i);
-                        w[ch]
-                            * invstd[ch]
-                            * (gv - global[ch] / count - xhat[i] * global[c + ch] / count)
-                    })
-                    .collect();
-                let mut grads = vec![Some(
-                    Tensor::from_vec(grad_x, &dims, Device::Cpu)?.to_dtype(dtype)?,
-                )];
-                if has_w {
-                    grads.push(Some(
-                        Tensor::from_vec(sum_gx.clone(), &[c], Device::Cpu)?.to_dtype(dtype)?,
-                    ));
-                }
-                if has_b {
-                    grads.push(Some(
-                        Tensor::from_vec(sum_g.clone(), &[c], Device::Cpu)?.to_dtype(dtype)?,
-                    ));
-                }
-                Ok(grads)
-            }
-        }))
+    /// `relu(forward(x) + residual)` in batch norm's own passes.
+    fn forward_add_relu(&self, x: &Tensor, residual: &Tensor) -> tandem_nn::Result<Tensor> {
+        self.run(x, Epilogue::AddRelu(residual))
     }
 
     fn training_flag(&self) -> &TrainingFlag {
@@ -238,4 +217,140 @@ pub fn convert_sync_batch_norm(
         }
     }
     Ok(module)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ThreadProcessGroup;
+    use tandem_core::{DType, Device, Generator};
+
+    /// Rows `start..start + len` of the batch dim, as a fresh tensor.
+    fn rows(t: &Tensor, start: usize, len: usize) -> Tensor {
+        let v = t.to_vec::<f32>().unwrap();
+        let per: usize = t.dims()[1..].iter().product();
+        let mut shape = t.dims().to_vec();
+        shape[0] = len;
+        Tensor::from_vec(
+            v[start * per..(start + len) * per].to_vec(),
+            &shape,
+            Device::Cpu,
+        )
+        .unwrap()
+    }
+
+    fn randn(shape: &[usize], seed: u64) -> Tensor {
+        let mut g = Generator::new(seed);
+        Tensor::randn(shape, 0.3, 1.0, DType::F32, Device::Cpu, &mut g).unwrap()
+    }
+
+    fn assert_close(what: &str, got: &[f32], want: &[f32]) {
+        assert_eq!(got.len(), want.len(), "{what}");
+        for (k, (a, b)) in got.iter().zip(want).enumerate() {
+            assert!(
+                (a - b).abs() <= 1e-4 * (1.0 + b.abs()),
+                "{what} element {k}: {a} vs {b}"
+            );
+        }
+    }
+
+    /// What one run of a fused layer gives: the output, and the gradients of the input, the
+    /// residual, the weight and the bias.
+    struct Run {
+        y: Vec<f32>,
+        grads: [Vec<f32>; 4],
+    }
+
+    fn run(
+        layer: &dyn Module,
+        bn: &BatchNorm2d,
+        x: &Tensor,
+        r: &Tensor,
+        g: &Tensor,
+        add: bool,
+    ) -> Run {
+        let (x, r) = (
+            x.detach().with_requires_grad().unwrap(),
+            r.detach().with_requires_grad().unwrap(),
+        );
+        let y = if add {
+            layer.forward_add_relu(&x, &r).unwrap()
+        } else {
+            layer.forward_relu(&x).unwrap()
+        };
+        tandem_autograd::backward(&y, Some(g), &Default::default()).unwrap();
+        let grad = |t: &Tensor| t.grad().map_or(vec![], |g| g.to_vec::<f32>().unwrap());
+        let grads = [
+            grad(&x),
+            grad(&r),
+            grad(bn.weight().unwrap()),
+            grad(bn.bias().unwrap()),
+        ];
+        for t in [bn.weight().unwrap(), bn.bias().unwrap()] {
+            t.set_grad(None).unwrap();
+        }
+        Run {
+            y: y.to_vec::<f32>().unwrap(),
+            grads,
+        }
+    }
+
+    /// A batch norm of `c` channels whose weight and bias are not the identity.
+    fn batch_norm(c: usize) -> Arc<BatchNorm2d> {
+        let bn = BatchNorm2d::new(c).unwrap();
+        bn.weight().unwrap().copy_(&randn(&[c], 7)).unwrap();
+        bn.bias().unwrap().copy_(&randn(&[c], 8)).unwrap();
+        Arc::new(bn)
+    }
+
+    #[test]
+    fn fused_epilogues_on_two_ranks_match_the_full_batch_forward_and_backward() {
+        let (n, c) = (6, 3);
+        let x = randn(&[n, c, 4, 5], 1);
+        let r = randn(&[n, c, 4, 5], 2);
+        let g = randn(&[n, c, 4, 5], 3);
+        for add in [false, true] {
+            let full_bn = batch_norm(c);
+            let want = run(full_bn.as_ref(), &full_bn, &x, &r, &g, add);
+            let groups = ThreadProcessGroup::new_group(2).unwrap();
+            let per_rank: Vec<Run> = std::thread::scope(|s| {
+                let handles: Vec<_> = groups
+                    .into_iter()
+                    .enumerate()
+                    .map(|(rank, group)| {
+                        let (x, r, g) = (&x, &r, &g);
+                        s.spawn(move || {
+                            let bn = batch_norm(c);
+                            let sync = SyncBatchNorm::new(bn.clone(), Arc::new(group));
+                            let half = n / 2;
+                            let (xs, rs, gs) = (
+                                rows(x, rank * half, half),
+                                rows(r, rank * half, half),
+                                rows(g, rank * half, half),
+                            );
+                            run(&sync, &bn, &xs, &rs, &gs, add)
+                        })
+                    })
+                    .collect();
+                handles.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            let what = if add { "add+relu" } else { "relu" };
+            let y: Vec<f32> = per_rank.iter().flat_map(|p| p.y.clone()).collect();
+            assert_close(&format!("{what} output"), &y, &want.y);
+            for (i, name) in ["input", "residual"].iter().enumerate() {
+                if !add && i == 1 {
+                    continue;
+                }
+                let got: Vec<f32> = per_rank.iter().flat_map(|p| p.grads[i].clone()).collect();
+                assert_close(&format!("{what} {name} gradient"), &got, &want.grads[i]);
+            }
+            // The parameters' gradients are each rank's own sums: together the full batch's.
+            for (i, name) in [(2, "weight"), (3, "bias")] {
+                let summed: Vec<f32> = (0..c)
+                    .map(|k| per_rank.iter().map(|p| p.grads[i][k]).sum())
+                    .collect();
+                assert_close(&format!("{what} {name} gradient"), &summed, &want.grads[i]);
+            }
+        }
+    }
 }

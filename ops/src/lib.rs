@@ -1,25 +1,30 @@
 //! `tandem-ops`: differentiable operations on tensors.
 //!
 //! Each op (or small family of ops sharing a kernel) has a folder: `mod.rs` holds the public
-//! functions with a `# Shapes` section, their backward and their tests (every op is
-//! gradient-checked in f64); `cpu.rs` holds the CPU kernel. Ops run where their inputs are,
-//! return `Result`, and name themselves and the offending shapes in errors.
+//! functions with a `# Shapes` section, their validation, their backward and their tests (every
+//! op is gradient-checked in f64), and dispatches once on the device of its inputs (see
+//! `device.rs`); `cpu.rs` (or a `cpu/` folder) holds the CPU kernel, and `cpu/` at the crate
+//! root the helpers the CPU kernels share. Only kernel files touch host memory
+//! (`tests/seam.rs` checks it). Ops run where their inputs are, return `Result`, and name
+//! themselves and the offending shapes in errors.
 
 pub mod batch_norm;
 pub mod binary;
 pub mod cat;
+pub(crate) mod checks;
 pub mod conv2d;
+pub(crate) mod cpu;
+pub(crate) mod device;
 pub mod dropout;
 pub mod linear;
 pub mod loss;
 pub mod matmul;
 pub mod pool;
 pub mod reduce;
-pub(crate) mod simd;
 pub mod softmax;
+pub mod tensor_ops;
 pub mod threads;
 pub mod unary;
-pub mod util;
 pub mod views;
 
 #[cfg(test)]
@@ -37,6 +42,7 @@ pub use dropout::dropout;
 pub use loss::{cross_entropy, mse_loss, nll_loss, Reduction};
 pub use reduce::{argmax, max};
 pub use softmax::{log_softmax, softmax};
+pub use tensor_ops::TensorOps;
 pub use threads::set_num_threads;
 pub use unary::{exp, log, neg, pow_scalar, relu, sigmoid, sqrt, tanh};
 

@@ -34,19 +34,3 @@ pub fn check(f: impl Fn(&[Tensor]) -> Result<Tensor>, inputs: &[Tensor]) {
         panic!("{e}");
     }
 }
-
-/// Best time in milliseconds of `f` over at least 10 repetitions and about half a second
-/// (at most 500), after one untimed call: for the ignored release-mode timing harnesses.
-pub(crate) fn best_ms(mut f: impl FnMut()) -> f64 {
-    f();
-    let mut best = f64::INFINITY;
-    let start = std::time::Instant::now();
-    let mut reps = 0;
-    while reps < 10 || (start.elapsed().as_secs_f64() < 0.5 && reps < 500) {
-        let t = std::time::Instant::now();
-        f();
-        best = best.min(t.elapsed().as_secs_f64() * 1e3);
-        reps += 1;
-    }
-    best
-}

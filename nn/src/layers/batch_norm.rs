@@ -1,7 +1,7 @@
 //! Batch normalisation over the channels of `[N, C, H, W]` inputs.
 
 use tandem_core::{DType, Device, Tensor};
-use tandem_ops::batch_norm::Epilogue;
+use tandem_ops::batch_norm::{BatchNormArgs, Epilogue};
 
 use crate::module::{parameter, Module, ParamKind, TrainingFlag};
 use crate::{Error, Result};
@@ -170,23 +170,29 @@ impl BatchNorm2d {
                 ),
             ));
         }
-        let out = tandem_ops::batch_norm::batch_norm_fused(
-            x,
-            epilogue,
-            self.running_mean.as_ref(),
-            self.running_var.as_ref(),
-            self.weight.as_ref(),
-            self.bias.as_ref(),
-            use_batch_stats,
-            self.config.momentum,
-            self.config.eps,
-        )?;
+        let args = BatchNormArgs {
+            running_mean: self.running_mean.as_ref(),
+            running_var: self.running_var.as_ref(),
+            weight: self.weight.as_ref(),
+            bias: self.bias.as_ref(),
+            training: use_batch_stats,
+            momentum: self.config.momentum,
+            eps: self.config.eps,
+        };
+        let out = tandem_ops::batch_norm::batch_norm_fused(x, epilogue, &args)?;
         if training {
-            if let Some(count) = &self.num_batches_tracked {
-                count.write_slice::<i64>()?[0] += 1;
-            }
+            self.count_training_batch()?;
         }
         Ok(out)
+    }
+
+    /// Adds one to `num_batches_tracked` (when tracked), as every training forward does; a
+    /// layer that runs this one's statistics itself (`SyncBatchNorm`) calls it for its own.
+    pub fn count_training_batch(&self) -> Result<()> {
+        if let Some(count) = &self.num_batches_tracked {
+            count.write_slice::<i64>()?[0] += 1;
+        }
+        Ok(())
     }
 }
 

@@ -5,7 +5,7 @@
 use super::*;
 use crate::testing::{check, rand_f64, rand_f64_noncontiguous};
 use tandem_autograd::TensorBackward;
-use tandem_core::Device;
+use tandem_core::{DType, Device};
 
 fn vec_tensor(v: Vec<f64>) -> Tensor {
     let n = v.len();

@@ -22,16 +22,18 @@
 #[cfg(test)]
 mod add_relu_tests;
 mod cpu;
+pub mod phases;
 #[cfg(test)]
 mod relu_tests;
-#[cfg(test)]
-mod timing;
 
 use tandem_autograd::record_fn;
-use tandem_core::{with_float_type, DType, Error, Result, Tensor};
+use tandem_core::{Error, Result, Tensor};
 
-use crate::util::{float_dtype, same_dtype_device};
-use cpu::Dims;
+use crate::checks::{float_dtype, same_dtype_device};
+use phases::{
+    ApplyArgs, BackwardApplyArgs, BackwardReduceArgs, GradMask, GradSums, NormalizationArgs,
+    RunningUpdate,
+};
 
 /// Checks that a per-channel argument is `[C]` with the input's dtype and device.
 fn check_channel_param(op: &'static str, name: &str, x: &Tensor, t: Option<&Tensor>) -> Result<()> {
@@ -49,6 +51,26 @@ fn check_channel_param(op: &'static str, name: &str, x: &Tensor, t: Option<&Tens
         ));
     }
     Ok(())
+}
+
+/// The parameters, buffers and settings of one batch-norm call (see [`batch_norm`]).
+#[derive(Clone, Copy, Debug)]
+pub struct BatchNormArgs<'a> {
+    /// Running mean `[C]`, updated in place in training; needed in evaluation.
+    pub running_mean: Option<&'a Tensor>,
+    /// Running (unbiased) variance `[C]`, updated in place in training; needed in evaluation.
+    pub running_var: Option<&'a Tensor>,
+    /// Per-channel scale `[C]`; ones when absent.
+    pub weight: Option<&'a Tensor>,
+    /// Per-channel shift `[C]`; zeros when absent.
+    pub bias: Option<&'a Tensor>,
+    /// Normalise with the batch statistics (and update the running ones), or with the running
+    /// statistics.
+    pub training: bool,
+    /// Weight of the batch in the running statistics.
+    pub momentum: f64,
+    /// Added to the variance before the square root (≥ 0).
+    pub eps: f64,
 }
 
 /// Batch normalization of `x` per channel (dim 1).
@@ -77,10 +99,7 @@ pub fn batch_norm(
     momentum: f64,
     eps: f64,
 ) -> Result<Tensor> {
-    let epilogue = Epilogue::Plain;
-    batch_norm_fused(
-        x,
-        epilogue,
+    let args = BatchNormArgs {
         running_mean,
         running_var,
         weight,
@@ -88,7 +107,8 @@ pub fn batch_norm(
         training,
         momentum,
         eps,
-    )
+    };
+    batch_norm_fused(x, Epilogue::Plain, &args)
 }
 
 /// `max(0, batch_norm(x))`: [`batch_norm`] (same arguments, shapes, running-statistics update
@@ -113,10 +133,7 @@ pub fn batch_norm_relu(
     momentum: f64,
     eps: f64,
 ) -> Result<Tensor> {
-    let epilogue = Epilogue::Relu;
-    batch_norm_fused(
-        x,
-        epilogue,
+    let args = BatchNormArgs {
         running_mean,
         running_var,
         weight,
@@ -124,7 +141,8 @@ pub fn batch_norm_relu(
         training,
         momentum,
         eps,
-    )
+    };
+    batch_norm_fused(x, Epilogue::Relu, &args)
 }
 
 /// `max(0, batch_norm(x) + residual)`: [`batch_norm`] (same arguments, shapes,
@@ -156,10 +174,7 @@ pub fn batch_norm_add_relu(
     momentum: f64,
     eps: f64,
 ) -> Result<Tensor> {
-    let epilogue = Epilogue::AddRelu(residual);
-    batch_norm_fused(
-        x,
-        epilogue,
+    let args = BatchNormArgs {
         running_mean,
         running_var,
         weight,
@@ -167,7 +182,8 @@ pub fn batch_norm_add_relu(
         training,
         momentum,
         eps,
-    )
+    };
+    batch_norm_fused(x, Epilogue::AddRelu(residual), &args)
 }
 
 /// What is fused onto batch norm's output (see [`batch_norm_fused`]).
@@ -182,77 +198,35 @@ pub enum Epilogue<'a> {
 }
 
 impl Epilogue<'_> {
-    /// The op's name (in errors and the profiler) and its backward's.
-    fn names(self) -> (&'static str, &'static str) {
+    /// The op's name (in errors, the graph and the profiler).
+    fn name(self) -> &'static str {
         match self {
-            Epilogue::Plain => ("batch_norm", "batch_norm_backward"),
-            Epilogue::Relu => ("batch_norm_relu", "batch_norm_relu_backward"),
-            Epilogue::AddRelu(_) => ("batch_norm_add_relu", "batch_norm_add_relu_backward"),
+            Epilogue::Plain => "batch_norm",
+            Epilogue::Relu => "batch_norm_relu",
+            Epilogue::AddRelu(_) => "batch_norm_add_relu",
         }
     }
 }
 
 /// [`batch_norm`], [`batch_norm_relu`] or [`batch_norm_add_relu`], chosen by `epilogue`, with
-/// their arguments: for callers (a layer) that pick the fusion at run time. Same semantics,
-/// shapes and errors as the op it stands for.
-#[allow(clippy::too_many_arguments)]
+/// their arguments in one struct: for callers (a layer) that pick the fusion at run time. Same
+/// semantics, shapes and errors as the op it stands for.
+///
+/// It runs the [`phases`] in a row — statistics (and the running update) in training,
+/// normalization, apply — and records a backward that runs the backward reduce and the
+/// backward apply.
 pub fn batch_norm_fused(
     x: &Tensor,
     epilogue: Epilogue<'_>,
-    running_mean: Option<&Tensor>,
-    running_var: Option<&Tensor>,
-    weight: Option<&Tensor>,
-    bias: Option<&Tensor>,
-    training: bool,
-    momentum: f64,
-    eps: f64,
+    args: &BatchNormArgs<'_>,
 ) -> Result<Tensor> {
-    let (op, backward_op) = epilogue.names();
+    let op = epilogue.name();
     let _profile = tandem_core::profile::scope(op, tandem_core::profile::Phase::Forward);
-    let relu = matches!(epilogue, Epilogue::Relu);
-    float_dtype(op, x)?;
-    if x.rank() < 2 {
-        return Err(Error::shape(
-            op,
-            format!("need input [N, C] or [N, C, ...], got {:?}", x.dims()),
-        ));
-    }
-    check_channel_param(op, "running_mean", x, running_mean)?;
-    check_channel_param(op, "running_var", x, running_var)?;
-    check_channel_param(op, "weight", x, weight)?;
-    check_channel_param(op, "bias", x, bias)?;
-    let residual = match epilogue {
-        Epilogue::AddRelu(r) => {
-            same_dtype_device(op, x, r)?;
-            if r.dims() != x.dims() {
-                return Err(Error::shape(
-                    op,
-                    format!(
-                        "residual has shape {:?} but input has shape {:?} (they must match)",
-                        r.dims(),
-                        x.dims()
-                    ),
-                ));
-            }
-            Some(r)
-        }
-        _ => None,
-    };
-    if eps.is_nan() || eps < 0.0 {
-        return Err(Error::invalid(
-            op,
-            format!("eps must be non-negative, got {eps}"),
-        ));
-    }
-    let d = Dims {
-        n: x.dims()[0],
-        c: x.dims()[1],
-        l: x.dims()[2..].iter().product(),
-    };
-    let count = d.n * d.l;
-
+    validate(op, x, epilogue, args)?;
+    let count = x.numel() / x.dims()[1].max(1);
+    // Contiguous once: every phase, forward and backward, reads the input.
     let xc = x.contiguous_detached()?;
-    let (mean, var) = if training {
+    let stats = if args.training {
         if count <= 1 {
             return Err(Error::invalid(
                 op,
@@ -262,164 +236,157 @@ pub fn batch_norm_fused(
                 ),
             ));
         }
-        let (mean, var) =
-            with_float_type!(op, x.dtype(), T => Ok(cpu::moments::<T>(&xc.read_slice::<T>()?, d)))?;
-        let unbiased = count as f64 / (count - 1) as f64;
-        update_running(running_mean, &mean, momentum, 1.0)?;
-        update_running(running_var, &var, momentum, unbiased)?;
-        (mean, var)
+        let stats = phases::statistics(&xc)?;
+        phases::update_running(&RunningUpdate {
+            running_mean: args.running_mean,
+            running_var: args.running_var,
+            stats: &stats,
+            momentum: args.momentum,
+        })?;
+        Some(stats)
     } else {
-        match (running_mean, running_var) {
-            (Some(m), Some(v)) => (m.to_vec_f64()?, v.to_vec_f64()?),
-            _ => {
-                return Err(Error::invalid(
-                    op,
-                    format!(
-                        "evaluation (training = false) needs running_mean and running_var for input {:?}",
-                        x.dims()
-                    ),
-                ))
-            }
+        None
+    };
+    let (mean, var) = match (&stats, args.running_mean, args.running_var) {
+        (Some(s), _, _) => (&s.mean, &s.var),
+        (None, Some(m), Some(v)) => (m, v),
+        _ => {
+            return Err(Error::invalid(
+                op,
+                format!(
+                "evaluation (training = false) needs running_mean and running_var for input {:?}",
+                x.dims()
+            ),
+            ))
         }
     };
-    let invstd: Vec<f64> = var.iter().map(|v| 1.0 / (v + eps).sqrt()).collect();
-    let w: Vec<f64> = match weight {
-        Some(w) => w.to_vec_f64()?,
-        None => vec![1.0; d.c],
-    };
-    let b: Vec<f64> = match bias {
-        Some(b) => b.to_vec_f64()?,
-        None => vec![0.0; d.c],
-    };
-    let scale: Vec<f64> = (0..d.c).map(|c| w[c] * invstd[c]).collect();
-    let shift: Vec<f64> = (0..d.c).map(|c| b[c] - mean[c] * scale[c]).collect();
-    let rc = residual.map(|r| r.contiguous_detached()).transpose()?;
-    let out = with_float_type!(op, x.dtype(), T => {
-        let xs = xc.read_slice::<T>()?;
-        let y = match &rc {
-            Some(rc) => {
-                let rs = rc.read_slice::<T>()?;
-                cpu::normalize::<T>(&xs, d, &scale, &shift, cpu::Epilogue::AddRelu(&rs))
-            }
-            None if relu => cpu::normalize::<T>(&xs, d, &scale, &shift, cpu::Epilogue::Relu),
-            None => cpu::normalize::<T>(&xs, d, &scale, &shift, cpu::Epilogue::Plain),
-        };
-        Tensor::from_vec(y, x.dims(), x.device())
+    let norm = phases::normalization(&NormalizationArgs {
+        mean,
+        var,
+        weight: args.weight,
+        bias: args.bias,
+        eps: args.eps,
+    })?;
+    let out = phases::apply(&ApplyArgs {
+        x: &xc,
+        norm: &norm,
+        epilogue,
     })?;
     // With a residual, the backward's mask is `y > 0` of the output itself.
+    let residual = match epilogue {
+        Epilogue::AddRelu(r) => Some(r),
+        _ => None,
+    };
     let saved_out = residual.is_some().then(|| out.detach());
+    let relu = matches!(epilogue, Epilogue::Relu);
 
     let needs = (
         x.requires_grad(),
         residual.is_some_and(|t| t.requires_grad()),
-        weight.is_some_and(|t| t.requires_grad()),
-        bias.is_some_and(|t| t.requires_grad()),
+        args.weight.is_some_and(|t| t.requires_grad()),
+        args.bias.is_some_and(|t| t.requires_grad()),
     );
-    let (has_weight, has_bias) = (weight.is_some(), bias.is_some());
+    let (has_weight, has_bias, training) =
+        (args.weight.is_some(), args.bias.is_some(), args.training);
     let mut inputs = vec![x];
     inputs.extend(residual);
-    inputs.extend(weight);
-    inputs.extend(bias);
+    inputs.extend(args.weight);
+    inputs.extend(args.bias);
     Ok(record_fn(out, &inputs, op, move || {
         move |g: &Tensor| {
-            let gc = g.contiguous_detached()?;
+            let mask = match (&saved_out, relu) {
+                (Some(y), _) => GradMask::Output(y),
+                (None, true) => GradMask::Relu,
+                (None, false) => GradMask::None,
+            };
+            let GradSums { sums, grad: masked } = phases::backward_reduce(&BackwardReduceArgs {
+                grad: g,
+                x: &xc,
+                norm: &norm,
+                mask,
+            })?;
             // The gradient batch norm itself sees: g, or behind an add+ReLU the masked g
             // (which is also the residual's gradient).
-            let (g_bn, sum_g, sum_g_centered) = match &saved_out {
-                Some(y) => with_float_type!(backward_op, g.dtype(), T => {
-                    let (gs, ys, xs) =
-                        (gc.read_slice::<T>()?, y.read_slice::<T>()?, xc.read_slice::<T>()?);
-                    let (masked, sum_g, sum_gc) = cpu::masked_grad_sums::<T>(&gs, &ys, &xs, d, &mean);
-                    Ok((Tensor::from_vec(masked, xc.dims(), g.device())?, sum_g, sum_gc))
-                })?,
-                None => {
-                    let (sum_g, sum_gc) = with_float_type!(backward_op, g.dtype(), T => {
-                        let mask = relu.then(|| cpu::affine_coefs::<T>(&scale, &shift));
-                        let (gs, xs) = (gc.read_slice::<T>()?, xc.read_slice::<T>()?);
-                        Ok(cpu::grad_sums::<T>(&gs, &xs, d, &mean, mask.as_deref()))
-                    })?;
-                    (gc, sum_g, sum_gc)
-                }
-            };
-            // Σ g·x̂ per channel.
-            let sum_g_xhat: Vec<f64> = (0..d.c).map(|c| sum_g_centered[c] * invstd[c]).collect();
+            let g_bn = masked.as_ref().unwrap_or(g);
             let grad_x = if needs.0 {
-                let m = count as f64;
-                // w/σ per channel: the forward's scale
-                let a: &[f64] = &scale;
-                let (slope, offset): (Vec<f64>, Vec<f64>) = if training {
-                    (0..d.c)
-                        .map(|c| {
-                            let slope = -a[c] * invstd[c] * sum_g_xhat[c] / m;
-                            (slope, -a[c] * sum_g[c] / m - slope * mean[c])
-                        })
-                        .unzip()
-                } else {
-                    (vec![0.0; d.c], vec![0.0; d.c])
-                };
-                Some(with_float_type!(backward_op, g.dtype(), T => {
-                    let mask = relu.then(|| cpu::affine_coefs::<T>(&scale, &shift));
-                    let (gs, xs) = (g_bn.read_slice::<T>()?, xc.read_slice::<T>()?);
-                    let gx = cpu::grad_input::<T>(&gs, &xs, d, a, &slope, &offset, mask.as_deref());
-                    Tensor::from_vec(gx, xc.dims(), g.device())
+                Some(phases::backward_apply(&BackwardApplyArgs {
+                    grad: g_bn,
+                    x: &xc,
+                    norm: &norm,
+                    sums: &sums,
+                    count,
+                    training,
+                    relu_mask: relu,
                 })?)
             } else {
                 None
             };
-            let per_channel = |values: &[f64]| -> Result<Tensor> {
-                Tensor::from_vec(values.to_vec(), &[d.c], g.device())?.to_dtype(g.dtype())
+            let (grad_w, grad_b) = if (has_weight && needs.2) || (has_bias && needs.3) {
+                let (w, b) = phases::parameter_gradients(&sums, &norm, g.dtype())?;
+                (needs.2.then_some(w), needs.3.then_some(b))
+            } else {
+                (None, None)
             };
             let mut grads = vec![grad_x];
             if saved_out.is_some() {
-                grads.push(needs.1.then_some(g_bn));
+                grads.push(if needs.1 { masked } else { None });
             }
             if has_weight {
-                grads.push(if needs.2 {
-                    Some(per_channel(&sum_g_xhat)?)
-                } else {
-                    None
-                });
+                grads.push(grad_w);
             }
             if has_bias {
-                grads.push(if needs.3 {
-                    Some(per_channel(&sum_g)?)
-                } else {
-                    None
-                });
+                grads.push(grad_b);
             }
             Ok(grads)
         }
     }))
 }
 
-/// `running = (1 − momentum)·running + momentum·factor·stat`, in place.
-fn update_running(
-    running: Option<&Tensor>,
-    stat: &[f64],
-    momentum: f64,
-    factor: f64,
+/// Checks the input, the per-channel arguments, the residual and `eps` of a batch-norm op.
+fn validate(
+    op: &'static str,
+    x: &Tensor,
+    epilogue: Epilogue<'_>,
+    args: &BatchNormArgs<'_>,
 ) -> Result<()> {
-    let Some(r) = running else { return Ok(()) };
-    let old = r.to_vec_f64()?;
-    let new: Vec<f64> = old
-        .iter()
-        .zip(stat)
-        .map(|(o, s)| (1.0 - momentum) * o + momentum * factor * s)
-        .collect();
-    let update = Tensor::from_vec(new, r.dims(), r.device())?;
-    let update = if r.dtype() == DType::F64 {
-        update
-    } else {
-        update.to_dtype(r.dtype())?
-    };
-    r.copy_(&update)
+    float_dtype(op, x)?;
+    if x.rank() < 2 {
+        return Err(Error::shape(
+            op,
+            format!("need input [N, C] or [N, C, ...], got {:?}", x.dims()),
+        ));
+    }
+    check_channel_param(op, "running_mean", x, args.running_mean)?;
+    check_channel_param(op, "running_var", x, args.running_var)?;
+    check_channel_param(op, "weight", x, args.weight)?;
+    check_channel_param(op, "bias", x, args.bias)?;
+    if let Epilogue::AddRelu(r) = epilogue {
+        same_dtype_device(op, x, r)?;
+        if r.dims() != x.dims() {
+            return Err(Error::shape(
+                op,
+                format!(
+                    "residual has shape {:?} but input has shape {:?} (they must match)",
+                    r.dims(),
+                    x.dims()
+                ),
+            ));
+        }
+    }
+    if args.eps.is_nan() || args.eps < 0.0 {
+        return Err(Error::invalid(
+            op,
+            format!("eps must be non-negative, got {}", args.eps),
+        ));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::testing::{check, rand_f64, rand_f64_noncontiguous};
-    use tandem_core::Device;
+    use tandem_core::{DType, Device};
 
     /// Direct-loop reference: per-channel batch mean and biased variance of `[N, C, L]` values.
     fn naive_moments(v: &[f64], n: usize, c: usize, l: usize) -> (Vec<f64>, Vec<f64>) {

@@ -1,12 +1,13 @@
 //! CPU kernels of the elementwise binary ops. Same-shape contiguous operands (the residual
-//! `add` of a ResNet block, for one) go through the unary module's vector-dispatched
-//! [`zip_slices`]; broadcasting walks the strided indices. `add_relu` (the join of a ResNet
+//! `add` of a ResNet block, for one) go through the vector-dispatched [`zip_slices`];
+//! broadcasting walks the strided indices. `add_relu` (the join of a ResNet
 //! block) adds and clamps in that same one pass.
 
-use tandem_core::{alloc, with_float_type, Element, FloatElement, Result, Tensor};
+use tandem_core::{with_float_type, Element, FloatElement, Result, Tensor};
 
-use crate::unary::{map_slice, zip_slices};
-use crate::util::for_each_index2;
+use crate::cpu::elementwise::{map_slice, zip_slices};
+use crate::cpu::memory::{self, host_slice};
+use crate::cpu::strided::for_each_index2;
 
 /// Which binary operation a kernel applies.
 #[derive(Clone, Copy, Debug)]
@@ -45,9 +46,9 @@ pub(crate) fn binary(
     shape: &[usize],
 ) -> Result<Tensor> {
     with_float_type!(op, a.dtype(), T => {
-        let n: usize = shape.iter().product();
+        let n = tandem_core::checked_numel(op, shape)?;
         // Both paths below write every element.
-        let mut out = alloc::uninit::<T>(n);
+        let mut out = memory::uninit::<T>(op, n)?;
         if a.dims() == shape && b.dims() == shape && a.is_contiguous() && b.is_contiguous() {
             let (x, y) = (a.read_slice::<T>()?, b.read_slice::<T>()?);
             same_shape_kernel(kind, &x, &y, &mut out);
@@ -56,7 +57,7 @@ pub(crate) fn binary(
             let lb = b.layout().expand(op, shape)?;
             let ga = a.storage().read_host(op)?;
             let gb = b.storage().read_host(op)?;
-            let (x, y) = (T::slice(&ga).expect("dtype checked"), T::slice(&gb).expect("dtype checked"));
+            let (x, y) = (host_slice::<T>(op, &ga)?, host_slice::<T>(op, &gb)?);
             for_each_index2(shape, (la.strides(), la.offset()), (lb.strides(), lb.offset()), |i, ia, ib| {
                 out[i] = apply(kind, x[ia], y[ib]);
             });
@@ -71,7 +72,7 @@ pub(crate) fn add_relu(op: &'static str, a: &Tensor, b: &Tensor) -> Result<Tenso
     with_float_type!(op, a.dtype(), T => {
         let (x, y) = (a.read_slice::<T>()?, b.read_slice::<T>()?);
         // Every element is written.
-        let mut out = alloc::uninit::<T>(x.len());
+        let mut out = memory::uninit::<T>(op, x.len())?;
         zip_slices(&x, &y, &mut out, |x: T, y: T| {
             let s = x + y;
             if s < T::ZERO {
@@ -91,9 +92,9 @@ pub(crate) fn scalar(
     f: impl Fn(f64) -> f64 + Sync,
 ) -> Result<Tensor> {
     with_float_type!(op, a.dtype(), T => {
-        let c = a.contiguous_detached()?;
+        let c = memory::contiguous(op, a)?;
         let x = c.read_slice::<T>()?;
-        let mut out = alloc::uninit::<T>(x.len());
+        let mut out = memory::uninit::<T>(op, x.len())?;
         map_slice(&x, &mut out, |v: T| T::from_f64(f(v.to_f64())));
         drop(x);
         Tensor::from_vec(out, a.dims(), a.device())

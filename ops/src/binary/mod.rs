@@ -9,9 +9,11 @@
 mod cpu;
 
 use tandem_autograd::record_fn;
-use tandem_core::{broadcast_shapes, Result, Tensor};
+use tandem_core::{broadcast_shapes, Device, Result, Tensor};
 
-use crate::util::{float_dtype, same_dtype_device, sum_to_shape};
+use crate::checks::{float_dtype, same_dtype_device};
+use crate::device::no_kernel;
+use crate::reduce::sum_to_shape;
 
 pub(crate) use cpu::BinaryKind;
 
@@ -20,7 +22,19 @@ fn binary(op: &'static str, kind: BinaryKind, a: &Tensor, b: &Tensor) -> Result<
     same_dtype_device(op, a, b)?;
     float_dtype(op, a)?;
     let shape = broadcast_shapes(op, a.dims(), b.dims())?;
-    cpu::binary(op, kind, a, b, &shape)
+    match a.device() {
+        Device::Cpu => cpu::binary(op, kind, a, b, &shape),
+        Device::Cuda(_) => Err(no_kernel(op, a.device())),
+    }
+}
+
+/// `f(a, c)` elementwise for a scalar `c`, dispatched on the device.
+fn scalar(op: &'static str, a: &Tensor, f: impl Fn(f64) -> f64 + Sync) -> Result<Tensor> {
+    float_dtype(op, a)?;
+    match a.device() {
+        Device::Cpu => cpu::scalar(op, a, f),
+        Device::Cuda(_) => Err(no_kernel(op, a.device())),
+    }
 }
 
 /// `a + b`, broadcasting.
@@ -56,7 +70,10 @@ pub fn add_relu(a: &Tensor, b: &Tensor) -> Result<Tensor> {
         return crate::unary::relu(&add(a, b)?);
     }
     let _profile = tandem_core::profile::scope(OP, tandem_core::profile::Phase::Forward);
-    let out = cpu::add_relu(OP, a, b)?;
+    let out = match a.device() {
+        Device::Cpu => cpu::add_relu(OP, a, b)?,
+        Device::Cuda(_) => return Err(no_kernel(OP, a.device())),
+    };
     let saved = out.detach();
     Ok(record_fn(out, &[a, b], OP, move || {
         move |g: &Tensor| {
@@ -128,8 +145,7 @@ pub fn div(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 
 /// `a + c` for a scalar `c`.
 pub fn add_scalar(a: &Tensor, c: f64) -> Result<Tensor> {
-    float_dtype("add_scalar", a)?;
-    let out = cpu::scalar("add_scalar", a, move |x| x + c)?;
+    let out = scalar("add_scalar", a, move |x| x + c)?;
     Ok(record_fn(out, &[a], "add_scalar", || {
         |g: &Tensor| Ok(vec![Some(g.clone())])
     }))
@@ -137,8 +153,7 @@ pub fn add_scalar(a: &Tensor, c: f64) -> Result<Tensor> {
 
 /// `a * c` for a scalar `c`.
 pub fn mul_scalar(a: &Tensor, c: f64) -> Result<Tensor> {
-    float_dtype("mul_scalar", a)?;
-    let out = cpu::scalar("mul_scalar", a, move |x| x * c)?;
+    let out = scalar("mul_scalar", a, move |x| x * c)?;
     Ok(record_fn(out, &[a], "mul_scalar", move || {
         move |g: &Tensor| Ok(vec![Some(mul_scalar(g, c)?)])
     }))

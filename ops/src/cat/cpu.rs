@@ -7,21 +7,22 @@
 use rayon::prelude::*;
 use tandem_core::{Element, Result, Tensor};
 
-use crate::util::parallel;
+use crate::cpu::memory;
+use crate::cpu::parallel::parallel;
 
 /// The output (of `shape`) holding the inputs one after the other along `dim`.
 pub(crate) fn cat<T: Element>(inputs: &[&Tensor], dim: usize, shape: &[usize]) -> Result<Tensor> {
     let inner: usize = shape[dim + 1..].iter().product();
     let numel: usize = shape.iter().product();
     // The inputs cover the output, every element is written.
-    let mut out = tandem_core::alloc::uninit::<T>(numel);
+    let mut out = memory::uninit::<T>("cat", numel)?;
     if numel == 0 {
         return Tensor::from_vec(out, shape, inputs[0].device());
     }
     // Zero-size inputs contribute nothing (and a zero-size layout may not read as contiguous).
     let contiguous: Vec<Tensor> = inputs
         .iter()
-        .map(|t| t.contiguous_detached())
+        .map(|t| memory::contiguous("cat", t))
         .collect::<Result<_>>()?;
     let guards = contiguous
         .iter()
@@ -35,8 +36,9 @@ pub(crate) fn cat<T: Element>(inputs: &[&Tensor], dim: usize, shape: &[usize]) -
     for t in inputs {
         let width = t.dims()[dim] * inner;
         if t.numel() > 0 {
-            let g = guard_iter.next().expect("one guard per non-empty input");
-            runs.push((&**g, offset, width));
+            if let Some(g) = guard_iter.next() {
+                runs.push((&**g, offset, width));
+            }
         }
         offset += width;
     }
@@ -68,9 +70,9 @@ pub(crate) fn slice_back<T: Element>(
     let row = g.dims()[dim] * inner;
     let (at, width) = (start * inner, input_shape[dim] * inner);
     let numel: usize = input_shape.iter().product();
-    let mut out = tandem_core::alloc::uninit::<T>(numel);
+    let mut out = memory::uninit::<T>("cat backward", numel)?;
     if numel > 0 {
-        let gc = g.contiguous_detached()?;
+        let gc = memory::contiguous("cat backward", g)?;
         let src = gc.read_slice::<T>()?;
         let take = |(o, dst): (usize, &mut [T])| {
             dst.copy_from_slice(&src[o * row + at..o * row + at + width]);

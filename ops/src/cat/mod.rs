@@ -9,9 +9,10 @@
 mod cpu;
 
 use tandem_autograd::record_fn;
-use tandem_core::{normalize_dim, with_element_type, Error, Result, Tensor};
+use tandem_core::{checked_numel, normalize_dim, with_element_type, Device, Error, Result, Tensor};
 
-use crate::util::same_dtype_device;
+use crate::checks::same_dtype_device;
+use crate::device::no_kernel;
 
 /// Concatenates `tensors` along `dim` (negative counts from the end).
 ///
@@ -47,9 +48,15 @@ pub fn cat(tensors: &[&Tensor], dim: isize) -> Result<Tensor> {
                 ),
             ));
         }
-        shape[d] += t.dims()[d];
+        shape[d] = shape[d]
+            .checked_add(t.dims()[d])
+            .ok_or_else(|| too_large(tensors, d))?;
     }
-    let out = with_element_type!(first.dtype(), T => cpu::cat::<T>(tensors, d, &shape))?;
+    checked_numel("cat", &shape)?;
+    let out = match first.device() {
+        Device::Cpu => with_element_type!(first.dtype(), T => cpu::cat::<T>(tensors, d, &shape))?,
+        Device::Cuda(_) => return Err(no_kernel("cat", first.device())),
+    };
     let parts: Vec<(bool, Vec<usize>)> = tensors
         .iter()
         .map(|t| (t.requires_grad(), t.dims().to_vec()))
@@ -60,9 +67,12 @@ pub fn cat(tensors: &[&Tensor], dim: isize) -> Result<Tensor> {
             let mut grads = Vec::with_capacity(parts.len());
             for (needs, part_shape) in &parts {
                 grads.push(if *needs {
-                    Some(with_element_type!(g.dtype(), T => {
-                        cpu::slice_back::<T>(g, d, start, part_shape)
-                    })?)
+                    Some(match g.device() {
+                        Device::Cpu => with_element_type!(g.dtype(), T => {
+                            cpu::slice_back::<T>(g, d, start, part_shape)
+                        })?,
+                        Device::Cuda(_) => return Err(no_kernel("cat backward", g.device())),
+                    })
                 } else {
                     None
                 });
@@ -71,6 +81,17 @@ pub fn cat(tensors: &[&Tensor], dim: isize) -> Result<Tensor> {
             Ok(grads)
         }
     }))
+}
+
+/// The error for inputs whose sizes along the cat dim add up past `usize`.
+fn too_large(tensors: &[&Tensor], d: usize) -> Error {
+    let sizes: Vec<usize> = tensors.iter().map(|t| t.dims()[d]).collect();
+    Error::shape(
+        "cat",
+        format!(
+            "the sizes {sizes:?} along dim {d} add up to more elements than any tensor can hold"
+        ),
+    )
 }
 
 #[cfg(test)]

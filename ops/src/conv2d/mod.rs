@@ -1,31 +1,23 @@
 //! 2-D convolution (cross-correlation, like `torch.nn.functional.conv2d` with groups = 1) with
 //! stride, zero padding and dilation.
 //!
-//! The CPU path is parallel over the batch (`cpu.rs`). In general it is im2col + gemm in
-//! cache-sized tiles of output pixels (`im2col.rs`). For f32 on AVX-512 CPUs no column matrix
-//! is built: the forward is an implicit gemm that reads the rows of the column matrix straight
-//! from a padded copy of each sample (`implicit.rs`) with a register-blocked kernel
-//! (`tile_product.rs`); with unit strides the input gradient is the same kind of convolution,
-//! of the output gradient with the flipped, transposed weights, and the weight gradient reads
-//! its pixel-major columns in place from a padded channels-last copy (`pixel_rows.rs`). The
-//! 3×3, unit-stride layers with 16 or more channels on both sides run Winograd F(2×2, 3×3)
-//! instead (`winograd.rs`): 16 multiplications per 2×2 output tile rather than 36.
-//! Nothing is saved for the backward beyond the input and the weight, which keeps training
-//! memory at the size of the activations.
+//! `geometry.rs` works out the sizes once; the CPU kernels (`cpu/`) plan each pass into one
+//! algorithm — Winograd F(2×2, 3×3) for the 3×3 unit-stride layers with 16 or more channels, an
+//! implicit GEMM with a register-blocked AVX-512 kernel, pixel-major weight-gradient columns,
+//! or im2col + gemm — and run it over the batch in parallel (see `cpu/mod.rs`). With unit
+//! strides the input gradient is itself a convolution, of the output gradient with the flipped,
+//! transposed weights. Nothing is saved for the backward beyond the input and the weight,
+//! which keeps training memory at the size of the activations.
 
 mod cpu;
-mod im2col;
-mod implicit;
-mod pixel_rows;
-mod tile_product;
-#[cfg(test)]
-mod timing;
-mod winograd;
+mod geometry;
 
 use tandem_autograd::record_fn;
-use tandem_core::{with_float_type, Error, Result, Tensor};
+use tandem_core::{Device, Error, Result, Tensor};
 
-use crate::util::{float_dtype, same_dtype_device};
+use crate::checks::{float_dtype, same_dtype_device};
+use crate::device::no_kernel;
+use geometry::Geometry;
 
 /// Stride, padding and dilation of a 2-D convolution, each as `(height, width)`.
 ///
@@ -56,7 +48,7 @@ fn geometry(
     weight: &Tensor,
     bias: Option<&Tensor>,
     p: &Conv2dParams,
-) -> Result<cpu::Geometry> {
+) -> Result<Geometry> {
     const OP: &str = "conv2d";
     same_dtype_device(OP, x, weight)?;
     float_dtype(OP, x)?;
@@ -93,47 +85,7 @@ fn geometry(
             ));
         }
     }
-    if p.stride.0 == 0 || p.stride.1 == 0 || p.dilation.0 == 0 || p.dilation.1 == 0 {
-        return Err(Error::invalid(
-            OP,
-            format!(
-                "stride {:?} and dilation {:?} must be at least 1",
-                p.stride, p.dilation
-            ),
-        ));
-    }
-    if wd[2] == 0 || wd[3] == 0 {
-        return Err(Error::shape(
-            OP,
-            format!("weight {wd:?} has an empty kernel"),
-        ));
-    }
-    let span_h = (wd[2] - 1) * p.dilation.0 + 1;
-    let span_w = (wd[3] - 1) * p.dilation.1 + 1;
-    let (padded_h, padded_w) = (xd[2] + 2 * p.padding.0, xd[3] + 2 * p.padding.1);
-    if span_h > padded_h || span_w > padded_w {
-        return Err(Error::shape(
-            OP,
-            format!(
-                "kernel of weight {wd:?} (spanning {span_h}×{span_w} with dilation {:?}) is \
-                 larger than input {xd:?} padded by {:?} ({padded_h}×{padded_w})",
-                p.dilation, p.padding
-            ),
-        ));
-    }
-    Ok(cpu::Geometry {
-        batch: xd[0],
-        in_channels: xd[1],
-        in_h: xd[2],
-        in_w: xd[3],
-        out_channels: wd[0],
-        kernel: (wd[2], wd[3]),
-        stride: p.stride,
-        padding: p.padding,
-        dilation: p.dilation,
-        out_h: (padded_h - span_h) / p.stride.0 + 1,
-        out_w: (padded_w - span_w) / p.stride.1 + 1,
-    })
+    Geometry::new(OP, xd, wd, p)
 }
 
 /// 2-D convolution of `x` with `weight`, plus `bias` per output channel.
@@ -158,14 +110,10 @@ pub fn conv2d(
 ) -> Result<Tensor> {
     let _profile = tandem_core::profile::scope("conv2d", tandem_core::profile::Phase::Forward);
     let geo = geometry(x, weight, bias, params)?;
-    let out_shape = [geo.batch, geo.out_channels, geo.out_h, geo.out_w];
-    let out = with_float_type!("conv2d", x.dtype(), T => {
-        let xc = x.contiguous_detached()?;
-        let wc = weight.contiguous_detached()?;
-        let b: Option<Vec<T>> = bias.map(|b| b.to_vec::<T>()).transpose()?;
-        let values = cpu::forward::<T>(&xc.read_slice::<T>()?, &wc.read_slice::<T>()?, b.as_deref(), &geo);
-        Tensor::from_vec(values, &out_shape, x.device())
-    })?;
+    let out = match x.device() {
+        Device::Cpu => cpu::conv2d(x, weight, bias, &geo)?,
+        Device::Cuda(_) => return Err(no_kernel("conv2d", x.device())),
+    };
 
     let needs = cpu::Needs {
         input: x.requires_grad(),
@@ -178,25 +126,15 @@ pub fn conv2d(
     Ok(record_fn(out, &inputs, "conv2d", move || {
         let (dx, dw) = (x.detach(), weight.detach());
         move |g: &Tensor| {
-            with_float_type!("conv2d_backward", g.dtype(), T => {
-                let (xc, wc, gc) = (dx.contiguous_detached()?, dw.contiguous_detached()?, g.contiguous_detached()?);
-                let grads = cpu::backward::<T>(
-                    &xc.read_slice::<T>()?,
-                    &wc.read_slice::<T>()?,
-                    &gc.read_slice::<T>()?,
-                    &geo,
-                    needs,
-                );
-                let device = g.device();
-                let mut out = vec![
-                    grads.input.map(|v| Tensor::from_vec(v, dx.dims(), device)).transpose()?,
-                    grads.weight.map(|v| Tensor::from_vec(v, dw.dims(), device)).transpose()?,
-                ];
-                if has_bias {
-                    out.push(grads.bias.map(|v| Tensor::from_vec(v, &[geo.out_channels], device)).transpose()?);
-                }
-                Ok(out)
-            })
+            let [input, weight, bias] = match g.device() {
+                Device::Cpu => cpu::conv2d_backward(&dx, &dw, g, &geo, needs)?,
+                Device::Cuda(_) => return Err(no_kernel("conv2d_backward", g.device())),
+            };
+            let mut grads = vec![input, weight];
+            if has_bias {
+                grads.push(bias);
+            }
+            Ok(grads)
         }
     }))
 }

@@ -7,9 +7,11 @@
 //! a branch-free select that vectorises.
 
 use rayon::prelude::*;
-use tandem_core::{FloatElement, Generator, Result, Tensor};
+use tandem_core::{with_float_type, FloatElement, Generator, Result, Tensor};
 
-use crate::util::parallel;
+use crate::cpu::elementwise::empty_like;
+use crate::cpu::memory;
+use crate::cpu::parallel::parallel;
 
 /// Elements per independently seeded mask chunk. Part of the mask's definition: changing it
 /// changes which elements a given seed drops.
@@ -18,8 +20,21 @@ const MASK_CHUNK: usize = 1 << 14;
 /// Elements per rayon task when applying the mask.
 const APPLY_CHUNK: usize = 1 << 13;
 
+/// Inverted dropout of `x`: the output (`x · scale` where kept, 0 where dropped) and the
+/// keep-mask drawn from `generator`, a u8 tensor of `x`'s shape (1 = keep).
+pub(crate) fn forward(
+    x: &Tensor,
+    p: f64,
+    scale: f64,
+    generator: &mut Generator,
+) -> Result<(Tensor, Tensor)> {
+    let mask = Tensor::from_vec(draw_mask(x.numel(), p, generator)?, x.dims(), x.device())?;
+    let out = apply_mask(x, &mask, scale)?;
+    Ok((out, mask))
+}
+
 /// A keep-mask of `n` elements (1 = keep), each dropped with probability `p` (in `[0, 1)`).
-pub(crate) fn draw_mask(n: usize, p: f64, generator: &mut Generator) -> Vec<u8> {
+fn draw_mask(n: usize, p: f64, generator: &mut Generator) -> Result<Vec<u8>> {
     // keep iff a uniform 32-bit draw is >= threshold: P(keep) = 1 − threshold / 2³²
     let threshold = ((p * 4_294_967_296.0).round() as u64).min(u32::MAX as u64) as u32;
     let base = generator.next_u64();
@@ -34,25 +49,31 @@ pub(crate) fn draw_mask(n: usize, p: f64, generator: &mut Generator) -> Vec<u8> 
             }
         }
     };
-    let mut mask = tandem_core::alloc::uninit::<u8>(n);
+    let mut mask = memory::uninit::<u8>("dropout", n)?;
     if parallel(n) {
         mask.par_chunks_mut(MASK_CHUNK).enumerate().for_each(fill);
     } else {
         mask.chunks_mut(MASK_CHUNK).enumerate().for_each(fill);
     }
-    mask
+    Ok(mask)
 }
 
-/// `x · scale` where the mask keeps an element, 0 where it drops it (any layout in,
-/// contiguous out).
-pub(crate) fn apply_mask<T: FloatElement>(x: &Tensor, mask: &[u8], scale: f64) -> Result<Tensor> {
+/// `x · scale` where the mask (a contiguous u8 tensor of `x`'s shape) keeps an element, 0 where
+/// it drops it (any layout in, contiguous out).
+pub(crate) fn apply_mask(x: &Tensor, mask: &Tensor, scale: f64) -> Result<Tensor> {
+    with_float_type!("dropout", x.dtype(), T => apply_mask_typed::<T>(x, mask, scale))
+}
+
+fn apply_mask_typed<T: FloatElement>(x: &Tensor, mask: &Tensor, scale: f64) -> Result<Tensor> {
     if x.numel() == 0 {
-        return crate::unary::empty_like::<T>(x);
+        return empty_like::<T>(x);
     }
-    let c = x.contiguous_detached()?;
+    let c = memory::contiguous("dropout", x)?;
     let src = c.read_slice::<T>()?;
+    let mask = mask.read_slice::<u8>()?;
+    let mask = &mask[..];
     let scale = T::from_f64(scale);
-    let mut out = tandem_core::alloc::uninit::<T>(src.len());
+    let mut out = memory::uninit::<T>("dropout", src.len())?;
     let body = |((o, s), m): ((&mut [T], &[T]), &[u8])| {
         for ((o, &s), &m) in o.iter_mut().zip(s).zip(m) {
             *o = if m != 0 { s * scale } else { T::ZERO };

@@ -11,9 +11,10 @@
 mod cpu;
 
 use tandem_autograd::record_fn;
-use tandem_core::{with_float_type, Error, Generator, Result, Tensor};
+use tandem_core::{Device, Error, Generator, Result, Tensor};
 
-use crate::util::float_dtype;
+use crate::checks::float_dtype;
+use crate::device::no_kernel;
 
 /// Inverted dropout with drop probability `p` (in `[0, 1)`).
 ///
@@ -38,13 +39,18 @@ pub fn dropout(x: &Tensor, p: f64, training: bool, generator: &mut Generator) ->
     if !training || p == 0.0 {
         return Ok(x.clone());
     }
-    let mask = cpu::draw_mask(x.numel(), p, generator);
     let scale = 1.0 / (1.0 - p);
-    let out = with_float_type!("dropout", x.dtype(), T => cpu::apply_mask::<T>(x, &mask, scale))?;
+    // The keep-mask (u8, 1 = keep) lives where `x` does, for the backward.
+    let (out, mask) = match x.device() {
+        Device::Cpu => cpu::forward(x, p, scale, generator)?,
+        Device::Cuda(_) => return Err(no_kernel("dropout", x.device())),
+    };
     Ok(record_fn(out, &[x], "dropout", move || {
         move |g: &Tensor| {
-            let grad =
-                with_float_type!("dropout", g.dtype(), T => cpu::apply_mask::<T>(g, &mask, scale))?;
+            let grad = match g.device() {
+                Device::Cpu => cpu::apply_mask(g, &mask, scale)?,
+                Device::Cuda(_) => return Err(no_kernel("dropout backward", g.device())),
+            };
             Ok(vec![Some(grad)])
         }
     }))

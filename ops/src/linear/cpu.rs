@@ -1,26 +1,28 @@
 //! CPU kernel of linear's bias gradient: the column sums of the output gradient. The products
-//! themselves go through `matmul::cpu`.
+//! themselves go through matmul's batched product.
 
 use tandem_core::{with_float_type, FloatElement, Result, Tensor};
+
+use crate::cpu::memory;
 
 /// Sums the rows of `g` viewed as `[rows, cols]` (`cols` = its last dim): the gradient of a
 /// bias added to every row.
 pub(crate) fn column_sums(g: &Tensor) -> Result<Tensor> {
     with_float_type!("linear_backward", g.dtype(), T => {
         let cols = g.dims().last().copied().unwrap_or(1);
-        let g = g.contiguous_detached()?;
+        let g = memory::contiguous("linear_backward", g)?;
         let values = g.read_slice::<T>()?;
-        Tensor::from_vec(sum_rows::<T>(&values, cols), &[cols], g.device())
+        Tensor::from_vec(sum_rows::<T>(&values, cols)?, &[cols], g.device())
     })
 }
 
-fn sum_rows<T: FloatElement>(values: &[T], cols: usize) -> Vec<T> {
-    let mut acc = vec![T::ZERO; cols];
+fn sum_rows<T: FloatElement>(values: &[T], cols: usize) -> Result<Vec<T>> {
+    let mut acc = memory::zeroed::<T>("linear_backward", cols)?;
     if cols == 0 {
-        return acc;
+        return Ok(acc);
     }
     for row in values.chunks_exact(cols) {
         acc.iter_mut().zip(row).for_each(|(a, &v)| *a += v);
     }
-    acc
+    Ok(acc)
 }

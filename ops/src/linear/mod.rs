@@ -9,10 +9,11 @@
 mod cpu;
 
 use tandem_autograd::record_fn;
-use tandem_core::{Error, Layout, Result, Tensor};
+use tandem_core::{Device, Error, Layout, Result, Tensor};
 
-use crate::matmul::cpu::batched_product;
-use crate::util::{float_dtype, same_dtype_device};
+use crate::checks::{float_dtype, same_dtype_device};
+use crate::device::no_kernel;
+use crate::matmul::batched_product;
 
 /// `x` as a matrix: a 1-D input becomes a one-row view.
 fn as_matrix(x: &Tensor) -> Result<Tensor> {
@@ -112,7 +113,10 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
             };
             let mut grads = vec![grad_x, grad_w];
             if has_bias {
-                grads.push(Some(cpu::column_sums(g)?));
+                grads.push(Some(match g.device() {
+                    Device::Cpu => cpu::column_sums(g)?,
+                    Device::Cuda(_) => return Err(no_kernel("linear_backward", g.device())),
+                }));
             }
             Ok(grads)
         }

@@ -9,118 +9,10 @@
 
 use rayon::prelude::*;
 use smallvec::SmallVec;
-use tandem_core::{with_float_type, Element, FloatElement, Result, Tensor};
+use tandem_core::{checked_numel, with_float_type, FloatElement, Result, Tensor};
 
-/// Products with at least this many multiply-adds let gemm split the work over threads.
-const GEMM_PARALLEL_WORK: usize = 1 << 18;
-
-/// Where a matrix sits in a slice: element `(i, j)` is at `offset + i·rs + j·cs`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct MatRef {
-    pub offset: usize,
-    pub rs: usize,
-    pub cs: usize,
-}
-
-impl MatRef {
-    /// A dense row-major matrix with `cols` columns starting at `offset`.
-    pub fn row_major(offset: usize, cols: usize) -> Self {
-        MatRef {
-            offset,
-            rs: cols,
-            cs: 1,
-        }
-    }
-
-    /// The transposed matrix (same storage, swapped strides).
-    pub fn t(self) -> Self {
-        MatRef {
-            offset: self.offset,
-            rs: self.cs,
-            cs: self.rs,
-        }
-    }
-
-    /// One past the largest index a `rows × cols` matrix touches (0 when it is empty).
-    fn extent(self, rows: usize, cols: usize) -> usize {
-        if rows == 0 || cols == 0 {
-            0
-        } else {
-            self.offset + (rows - 1) * self.rs + (cols - 1) * self.cs + 1
-        }
-    }
-}
-
-/// Whether gemm may use the rayon pool for an `m × k · k × n` product.
-fn parallelism(m: usize, n: usize, k: usize, allow: bool) -> gemm::Parallelism {
-    let work = m.saturating_mul(n).saturating_mul(k);
-    if allow && work >= GEMM_PARALLEL_WORK && rayon::current_num_threads() > 1 {
-        gemm::Parallelism::Rayon(0)
-    } else {
-        gemm::Parallelism::None
-    }
-}
-
-/// `dst = lhs · rhs`, or `dst += lhs · rhs` when `accumulate`; `dst` is `m × n`, `lhs` is
-/// `m × k`, `rhs` is `k × n`. `parallel` lets gemm use the rayon pool for large products
-/// (pass false when already inside a parallel loop).
-///
-/// `dst` must map distinct `(i, j)` to distinct elements (every caller passes a dense matrix).
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn gemm_into<T: FloatElement>(
-    (m, n, k): (usize, usize, usize),
-    dst: &mut [T],
-    d: MatRef,
-    lhs: &[T],
-    l: MatRef,
-    rhs: &[T],
-    r: MatRef,
-    accumulate: bool,
-    parallel: bool,
-) {
-    if m == 0 || n == 0 {
-        return;
-    }
-    assert!(d.extent(m, n) <= dst.len(), "gemm_into: dst out of bounds");
-    if k == 0 {
-        if !accumulate {
-            for i in 0..m {
-                for j in 0..n {
-                    dst[d.offset + i * d.rs + j * d.cs] = T::ZERO;
-                }
-            }
-        }
-        return;
-    }
-    assert!(l.extent(m, k) <= lhs.len(), "gemm_into: lhs out of bounds");
-    assert!(r.extent(k, n) <= rhs.len(), "gemm_into: rhs out of bounds");
-    // SAFETY: the asserts above keep every index gemm forms (offset + i·rs + j·cs inside the
-    // stated sizes) within the three slices; `dst` is a unique borrow, so it aliases neither
-    // operand; `T` is f32 or f64 (the only `FloatElement`s), which gemm supports.
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            dst.as_mut_ptr().add(d.offset),
-            d.cs as isize,
-            d.rs as isize,
-            accumulate,
-            lhs.as_ptr().add(l.offset),
-            l.cs as isize,
-            l.rs as isize,
-            rhs.as_ptr().add(r.offset),
-            r.cs as isize,
-            r.rs as isize,
-            T::one(),
-            T::one(),
-            false,
-            false,
-            false,
-            parallelism(m, n, k, parallel),
-        )
-    }
-}
+use crate::cpu::gemm::{gemm_into, MatRef, GEMM_PARALLEL_WORK};
+use crate::cpu::memory::{self, host_slice};
 
 /// One operand of a batched product: its storage, the stride of each (full) batch dim (0 where
 /// it is broadcast) and the matrix of batch element 0.
@@ -216,43 +108,46 @@ pub(crate) fn batched_product(
         let yd = y.dims();
         let (m, k) = if tx { (xd[xd.len() - 1], xd[xd.len() - 2]) } else { (xd[xd.len() - 2], xd[xd.len() - 1]) };
         let n = if ty { yd[yd.len() - 2] } else { yd[yd.len() - 1] };
-        let bias_values: Option<Vec<T>> = match bias {
-            Some(b) => Some(b.to_vec::<T>()?),
-            None => None,
-        };
-        let gx = x.storage().read_host("matmul")?;
-        let gy_own;
-        let ys: &[T] = if y.storage().same_buffer(x.storage()) {
-            T::slice(&gx).expect("dtype checked")
-        } else {
-            gy_own = y.storage().read_host("matmul")?;
-            T::slice(&gy_own).expect("dtype checked")
-        };
-        let xs: &[T] = T::slice(&gx).expect("dtype checked");
-        let lhs = operand(x, xs, batch, tx);
-        let rhs = operand(y, ys, batch, ty);
-        let out = product_kernel(&lhs, &rhs, (m, n, k), batch, out_batch, bias_values.as_deref());
         let mut shape: Vec<usize> = out_batch.to_vec();
         shape.extend([m, n]);
+        let numel = checked_numel(op, &shape)?;
+        let bias_values: Option<Vec<T>> = match bias {
+            Some(b) => Some(memory::gather::<T>(op, b)?),
+            None => None,
+        };
+        let gx = x.storage().read_host(op)?;
+        let gy_own;
+        let ys: &[T] = if y.storage().same_buffer(x.storage()) {
+            host_slice::<T>(op, &gx)?
+        } else {
+            gy_own = y.storage().read_host(op)?;
+            host_slice::<T>(op, &gy_own)?
+        };
+        let xs: &[T] = host_slice::<T>(op, &gx)?;
+        let lhs = operand(x, xs, batch, tx);
+        let rhs = operand(y, ys, batch, ty);
+        let out = product_kernel(op, &lhs, &rhs, (m, n, k), (batch, out_batch), numel, bias_values.as_deref())?;
         Tensor::from_vec(out, &shape, x.device())
     })
 }
 
+/// The product into a fresh buffer of `numel` (`= out_count·m·n`, checked) elements.
 fn product_kernel<T: FloatElement>(
+    op: &'static str,
     lhs: &Operand<'_, T>,
     rhs: &Operand<'_, T>,
     (m, n, k): (usize, usize, usize),
-    batch: &[usize],
-    out_batch: &[usize],
+    (batch, out_batch): (&[usize], &[usize]),
+    numel: usize,
     bias: Option<&[T]>,
-) -> Vec<T> {
+) -> Result<Vec<T>> {
     let out_count: usize = out_batch.iter().product();
     let batch_count: usize = batch.iter().product();
     // Every element is written by the products below unless there is nothing to multiply.
     let mut out = if k == 0 || batch_count == 0 {
-        tandem_core::alloc::zeroed(out_count * m * n)
+        memory::zeroed(op, numel)?
     } else {
-        tandem_core::alloc::uninit(out_count * m * n)
+        memory::uninit(op, numel)?
     };
     if let Some(b) = bias {
         out.chunks_mut(n.max(1))
@@ -260,10 +155,10 @@ fn product_kernel<T: FloatElement>(
     }
     let accumulate = bias.is_some();
     if out.is_empty() {
-        return out;
+        return Ok(out);
     }
     if batch_count == 0 {
-        return out;
+        return Ok(out);
     }
     let dense = MatRef::row_major(0, n);
     let reduced = out_count != batch_count;
@@ -285,7 +180,7 @@ fn product_kernel<T: FloatElement>(
                 accumulate,
                 true,
             );
-            return out;
+            return Ok(out);
         }
         let work = m * n * k;
         let run = |b: usize, dst: &mut [T], parallel: bool| {
@@ -312,7 +207,7 @@ fn product_kernel<T: FloatElement>(
                 .enumerate()
                 .for_each(|(b, dst)| run(b, dst, true));
         }
-        return out;
+        return Ok(out);
     }
 
     // Reduction over broadcast batch dims. When the whole batch is summed and both operands'
@@ -333,7 +228,7 @@ fn product_kernel<T: FloatElement>(
             accumulate,
             true,
         );
-        return out;
+        return Ok(out);
     }
     // General case: accumulate each batch entry's product into its output entry.
     let lead = batch.len() - out_batch.len();
@@ -360,42 +255,5 @@ fn product_kernel<T: FloatElement>(
             true,
         );
     }
-    out
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn gemm_into_reads_transposed_operands_and_accumulates() {
-        // lhs = [[1, 2], [3, 4]] stored column-major; rhs = [[5, 6], [7, 8]] row-major.
-        let lhs = [1.0f64, 3.0, 2.0, 4.0];
-        let rhs = [5.0f64, 6.0, 7.0, 8.0];
-        let mut dst = [1.0f64; 4];
-        gemm_into(
-            (2, 2, 2),
-            &mut dst,
-            MatRef::row_major(0, 2),
-            &lhs,
-            MatRef::row_major(0, 2).t(),
-            &rhs,
-            MatRef::row_major(0, 2),
-            true,
-            false,
-        );
-        assert_eq!(dst, [20.0, 23.0, 44.0, 51.0]);
-        gemm_into(
-            (2, 2, 0),
-            &mut dst,
-            MatRef::row_major(0, 2),
-            &lhs,
-            MatRef::row_major(0, 2),
-            &rhs,
-            MatRef::row_major(0, 2),
-            false,
-            false,
-        );
-        assert_eq!(dst, [0.0; 4]);
-    }
+    Ok(out)
 }

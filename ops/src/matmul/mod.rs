@@ -5,12 +5,13 @@
 //! backward is two more products, `grad_a = g·bᵀ` and `grad_b = aᵀ·g`, each summed over the
 //! batch dims its operand was broadcast along.
 
-pub(crate) mod cpu;
+mod cpu;
 
 use tandem_autograd::record_fn;
-use tandem_core::{broadcast_shapes, Error, Result, Tensor};
+use tandem_core::{broadcast_shapes, Device, Error, Result, Tensor};
 
-use crate::util::{float_dtype, same_dtype_device};
+use crate::checks::{float_dtype, same_dtype_device};
+use crate::device::no_kernel;
 use crate::views::{squeeze, unsqueeze};
 
 /// Matrix product of `a` and `b`, like `torch.matmul`.
@@ -87,9 +88,30 @@ pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     Ok(out)
 }
 
+/// The batched product `op(x) · op(y)` that matmul, its backward and linear are built on,
+/// dispatched on the device (see `cpu::batched_product` for the arguments): `op` transposes the
+/// last two dims when `tx`/`ty` is set, the batch dims broadcast to `batch` and are summed into
+/// `out_batch`, and `bias` is added to every row.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn batched_product(
+    op: &'static str,
+    x: &Tensor,
+    tx: bool,
+    y: &Tensor,
+    ty: bool,
+    batch: &[usize],
+    out_batch: &[usize],
+    bias: Option<&Tensor>,
+) -> Result<Tensor> {
+    match x.device() {
+        Device::Cpu => cpu::batched_product(op, x, tx, y, ty, batch, out_batch, bias),
+        Device::Cuda(_) => Err(no_kernel(op, x.device())),
+    }
+}
+
 /// `[ba.., m, k]·[bb.., k, n]` with checked shapes, recorded for autograd.
 fn matrix_product(a: &Tensor, b: &Tensor, batch: &[usize]) -> Result<Tensor> {
-    let out = cpu::batched_product("matmul", a, false, b, false, batch, batch, None)?;
+    let out = batched_product("matmul", a, false, b, false, batch, batch, None)?;
     let (need_a, need_b) = (a.requires_grad(), b.requires_grad());
     let batch = batch.to_vec();
     Ok(record_fn(out, &[a, b], "matmul", move || {
@@ -97,7 +119,7 @@ fn matrix_product(a: &Tensor, b: &Tensor, batch: &[usize]) -> Result<Tensor> {
         move |g: &Tensor| {
             let ga = if need_a {
                 let out_batch = &da.dims()[..da.rank() - 2];
-                Some(cpu::batched_product(
+                Some(batched_product(
                     "matmul_backward",
                     g,
                     false,
@@ -112,7 +134,7 @@ fn matrix_product(a: &Tensor, b: &Tensor, batch: &[usize]) -> Result<Tensor> {
             };
             let gb = if need_b {
                 let out_batch = &db.dims()[..db.rank() - 2];
-                Some(cpu::batched_product(
+                Some(batched_product(
                     "matmul_backward",
                     &da,
                     true,

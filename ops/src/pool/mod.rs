@@ -8,15 +8,14 @@
 //! `OH = (H + 2·padding.0 − kernel.0) / stride.0 + 1` (floor) and likewise `OW`.
 
 mod cpu;
-mod max2x2;
-#[cfg(test)]
-mod timing;
+mod windows;
 
 use tandem_autograd::{needs_grad, record_fn};
-use tandem_core::{with_float_type, Error, Result, Tensor};
+use tandem_core::{checked_numel, Device, Error, Result, Tensor};
 
-use crate::util::float_dtype;
-use cpu::Windows;
+use crate::checks::float_dtype;
+use crate::device::no_kernel;
+use windows::Windows;
 
 /// Checks that `x` is `[N, C, H, W]` or `[C, H, W]` and returns `(H, W)`.
 fn plane_dims(op: &'static str, x: &Tensor) -> Result<(usize, usize)> {
@@ -29,19 +28,6 @@ fn plane_dims(op: &'static str, x: &Tensor) -> Result<(usize, usize)> {
     }
     let r = x.rank();
     Ok((x.dims()[r - 2], x.dims()[r - 1]))
-}
-
-/// Windows of a sliding pool along one dim: output `o` covers `[o·stride − pad, +kernel)`,
-/// clipped to the input.
-fn sliding(len: usize, kernel: usize, stride: usize, pad: usize) -> Vec<(usize, usize)> {
-    let out = (len + 2 * pad - kernel) / stride + 1;
-    (0..out)
-        .map(|o| {
-            let start = (o * stride).saturating_sub(pad);
-            let end = (o * stride + kernel).saturating_sub(pad).min(len);
-            (start, end)
-        })
-        .collect()
 }
 
 /// Validates sliding-pool arguments and builds its windows.
@@ -60,13 +46,21 @@ fn sliding_windows(
             format!("kernel {kernel:?} and stride {stride:?} must be at least 1"),
         ));
     }
-    if 2 * padding.0 > kernel.0 || 2 * padding.1 > kernel.1 {
+    // `2·padding > kernel`, without overflowing.
+    if padding.0 > kernel.0 / 2 || padding.1 > kernel.1 / 2 {
         return Err(Error::invalid(
             op,
             format!("padding {padding:?} must be at most half of kernel {kernel:?}"),
         ));
     }
-    if kernel.0 > h + 2 * padding.0 || kernel.1 > w + 2 * padding.1 {
+    let padded = |len: usize, pad: usize| len.checked_add(2 * pad);
+    let (Some(padded_h), Some(padded_w)) = (padded(h, padding.0), padded(w, padding.1)) else {
+        return Err(Error::shape(
+            op,
+            format!("input {:?} padded by {padding:?} is too large", x.dims()),
+        ));
+    };
+    if kernel.0 > padded_h || kernel.1 > padded_w {
         return Err(Error::shape(
             op,
             format!(
@@ -76,18 +70,20 @@ fn sliding_windows(
         ));
     }
     Ok(Windows {
-        rows: sliding(h, kernel.0, stride.0, padding.0),
-        cols: sliding(w, kernel.1, stride.1, padding.1),
+        rows: windows::sliding(op, h, kernel.0, stride.0, padding.0)?,
+        cols: windows::sliding(op, w, kernel.1, stride.1, padding.1)?,
         divisor,
     })
 }
 
-fn out_shape(x: &Tensor, win: &Windows) -> Vec<usize> {
+/// The output shape of a pool with windows `win`, its product checked.
+fn out_shape(op: &'static str, x: &Tensor, win: &Windows) -> Result<Vec<usize>> {
     let mut shape = x.dims().to_vec();
     let r = shape.len();
     shape[r - 2] = win.rows.len();
     shape[r - 1] = win.cols.len();
-    shape
+    checked_numel(op, &shape)?;
+    Ok(shape)
 }
 
 /// Max pooling over `kernel`-sized windows moved by `stride`, with implicit `-inf` padding.
@@ -107,20 +103,20 @@ pub fn max_pool2d(
     let win = sliding_windows(OP, x, kernel, stride, padding, None)?;
     let hw = plane_dims(OP, x)?;
     let keep = needs_grad(&[x]);
-    let shape = out_shape(x, &win);
-    let (out, indices) = with_float_type!(OP, x.dtype(), T => {
-        let xc = x.contiguous_detached()?;
-        let (values, indices) = cpu::max_forward::<T>(&xc.read_slice::<T>()?, hw, &win, keep);
-        Ok((Tensor::from_vec(values, &shape, x.device())?, indices))
-    })?;
+    let shape = out_shape(OP, x, &win)?;
+    let (out, indices) = match x.device() {
+        Device::Cpu => cpu::max_pool(OP, x, hw, &win, keep, &shape)?,
+        Device::Cuda(_) => return Err(no_kernel(OP, x.device())),
+    };
     let in_shape = x.dims().to_vec();
     Ok(record_fn(out, &[x], OP, move || {
         move |g: &Tensor| {
-            with_float_type!("max_pool2d_backward", g.dtype(), T => {
-                let gc = g.contiguous_detached()?;
-                let gx = cpu::max_backward::<T>(&gc.read_slice::<T>()?, &indices, hw, &win);
-                Ok(vec![Some(Tensor::from_vec(gx, &in_shape, g.device())?)])
-            })
+            const BACKWARD: &str = "max_pool2d_backward";
+            let gx = match g.device() {
+                Device::Cpu => cpu::max_pool_backward(BACKWARD, g, &indices, hw, &win, &in_shape)?,
+                Device::Cuda(_) => return Err(no_kernel(BACKWARD, g.device())),
+            };
+            Ok(vec![Some(gx)])
         }
     }))
 }
@@ -138,9 +134,15 @@ pub fn avg_pool2d(
     padding: (usize, usize),
 ) -> Result<Tensor> {
     let _profile = tandem_core::profile::scope("avg_pool2d", tandem_core::profile::Phase::Forward);
-    let divisor = kernel.0 * kernel.1;
-    let win = sliding_windows("avg_pool2d", x, kernel, stride, padding, Some(divisor))?;
-    average("avg_pool2d", x, win)
+    const OP: &str = "avg_pool2d";
+    let divisor = kernel.0.checked_mul(kernel.1).ok_or_else(|| {
+        Error::invalid(
+            OP,
+            format!("kernel {kernel:?} has more elements than fit in usize"),
+        )
+    })?;
+    let win = sliding_windows(OP, x, kernel, stride, padding, Some(divisor))?;
+    average(OP, x, win)
 }
 
 /// Adaptive average pooling to a fixed `output` size `(OH, OW)`: output row `i` averages
@@ -163,14 +165,13 @@ pub fn adaptive_avg_pool2d(x: &Tensor, output: (usize, usize)) -> Result<Tensor>
             ),
         ));
     }
-    let adaptive = |len: usize, out: usize| -> Vec<(usize, usize)> {
-        (0..out)
-            .map(|i| ((i * len) / out, ((i + 1) * len).div_ceil(out)))
-            .collect()
-    };
+    let mut shape = x.dims().to_vec();
+    let r = shape.len();
+    (shape[r - 2], shape[r - 1]) = output;
+    checked_numel(OP, &shape)?;
     let win = Windows {
-        rows: adaptive(h, output.0),
-        cols: adaptive(w, output.1),
+        rows: windows::adaptive(OP, h, output.0)?,
+        cols: windows::adaptive(OP, w, output.1)?,
         divisor: None,
     };
     average(OP, x, win)
@@ -179,20 +180,19 @@ pub fn adaptive_avg_pool2d(x: &Tensor, output: (usize, usize)) -> Result<Tensor>
 /// Shared forward/backward of the average pools.
 fn average(op: &'static str, x: &Tensor, win: Windows) -> Result<Tensor> {
     let hw = plane_dims(op, x)?;
-    let shape = out_shape(x, &win);
-    let out = with_float_type!(op, x.dtype(), T => {
-        let xc = x.contiguous_detached()?;
-        let values = cpu::avg_forward::<T>(&xc.read_slice::<T>()?, hw, &win);
-        Tensor::from_vec(values, &shape, x.device())
-    })?;
+    let shape = out_shape(op, x, &win)?;
+    let out = match x.device() {
+        Device::Cpu => cpu::avg_pool(op, x, hw, &win, &shape)?,
+        Device::Cuda(_) => return Err(no_kernel(op, x.device())),
+    };
     let in_shape = x.dims().to_vec();
     Ok(record_fn(out, &[x], op, move || {
         move |g: &Tensor| {
-            with_float_type!(op, g.dtype(), T => {
-                let gc = g.contiguous_detached()?;
-                let gx = cpu::avg_backward::<T>(&gc.read_slice::<T>()?, hw, &win);
-                Ok(vec![Some(Tensor::from_vec(gx, &in_shape, g.device())?)])
-            })
+            let gx = match g.device() {
+                Device::Cpu => cpu::avg_pool_backward(op, g, hw, &win, &in_shape)?,
+                Device::Cuda(_) => return Err(no_kernel(op, g.device())),
+            };
+            Ok(vec![Some(gx)])
         }
     }))
 }

@@ -1,19 +1,16 @@
-//! `max` over dims and `argmax` along one dim, with the CPU kernel they share.
+//! `max` over dims and `argmax` along one dim.
 //!
-//! The reduced dims are moved last (a copy only when they are not already trailing dims of a
-//! contiguous input), then each output element scans one contiguous block and remembers where
-//! its first maximum was. NaN counts as larger than every number, so a NaN in a group is its
-//! maximum, as in PyTorch. `max`'s backward sends each output gradient to that first maximal
-//! element only (a subgradient at ties).
+//! Each output element is the maximum of one group of elements (the reduced dims), and the
+//! kernel remembers where the group's first maximum was. NaN counts as larger than every
+//! number, so a NaN in a group is its maximum, as in PyTorch. `max`'s backward sends each
+//! output gradient to that first maximal element only (a subgradient at ties).
 
-use rayon::prelude::*;
 use tandem_autograd::record_fn;
-use tandem_core::{
-    normalize_dim, with_float_type, Element, Error, FloatElement, Layout, Result, Tensor,
-};
+use tandem_core::{normalize_dim, Device, Error, Layout, Result, Tensor};
 
-use super::{keepdim_shape, resolve_dims};
-use crate::util::{float_dtype, parallel};
+use super::{cpu, keepdim_shape, resolve_dims};
+use crate::checks::float_dtype;
+use crate::device::no_kernel;
 
 /// The maximum over `dims` (all dims when empty), keeping them as size-1 dims if `keepdim`.
 ///
@@ -23,27 +20,26 @@ use crate::util::{float_dtype, parallel};
 /// `x`: `[d0, …, dn]` → output: `x`'s shape without the reduced dims (with them as `1` when
 /// `keepdim`). Reducing a dim of size 0 is an error.
 pub fn max(x: &Tensor, dims: &[isize], keepdim: bool) -> Result<Tensor> {
-    let _profile = tandem_core::profile::scope("max", tandem_core::profile::Phase::Forward);
-    float_dtype("max", x)?;
-    let dims = resolve_dims("max", x, dims)?;
+    const OP: &str = "max";
+    let _profile = tandem_core::profile::scope(OP, tandem_core::profile::Phase::Forward);
+    float_dtype(OP, x)?;
+    let dims = resolve_dims(OP, x, dims)?;
     let kept = keepdim_shape(x, &dims);
-    let (values, positions) = with_float_type!("max", x.dtype(), T => {
-        let (values, positions) = reduce_max::<T>("max", x, &dims)?;
-        Ok((Tensor::from_vec(values, &kept, x.device())?, positions))
-    })?;
+    let (values, positions) = groups_max(OP, x, &dims, &kept)?;
     let out = if keepdim {
         values
     } else {
-        let squeezed: Vec<usize> = (0..x.rank())
-            .filter(|d| !dims.contains(d))
-            .map(|d| x.dims()[d])
-            .collect();
-        values.view_detached(Layout::contiguous(&squeezed))?
+        values.view_detached(Layout::contiguous(&without(x.dims(), &dims)))?
     };
     let in_shape = x.dims().to_vec();
-    Ok(record_fn(out, &[x], "max", move || {
-        let flat = flat_positions(&in_shape, &dims, &positions);
-        move |g: &Tensor| Ok(vec![Some(scatter_to(g, &in_shape, &flat)?)])
+    Ok(record_fn(out, &[x], OP, move || {
+        move |g: &Tensor| {
+            let grad = match g.device() {
+                Device::Cpu => cpu::max_backward(g, &positions, &in_shape, &dims)?,
+                Device::Cuda(_) => return Err(no_kernel("max backward", g.device())),
+            };
+            Ok(vec![Some(grad)])
+        }
     }))
 }
 
@@ -53,35 +49,37 @@ pub fn max(x: &Tensor, dims: &[isize], keepdim: bool) -> Result<Tensor> {
 /// `x`: `[d0, …, dn]` → output: `x`'s shape without `dim` (with it as `1` when `keepdim`).
 /// `dim` must not have size 0.
 pub fn argmax(x: &Tensor, dim: isize, keepdim: bool) -> Result<Tensor> {
-    float_dtype("argmax", x)?;
-    let d = normalize_dim("argmax", dim, x.rank())?;
-    let positions = with_float_type!("argmax", x.dtype(), T => {
-        reduce_max::<T>("argmax", x, &[d]).map(|(_, positions)| positions)
-    })?;
-    let indices: Vec<i64> = positions.into_iter().map(|k| k as i64).collect();
-    let mut shape = x.dims().to_vec();
+    const OP: &str = "argmax";
+    float_dtype(OP, x)?;
+    let d = normalize_dim(OP, dim, x.rank())?;
+    let kept = keepdim_shape(x, &[d]);
+    let (_, positions) = groups_max(OP, x, &[d], &kept)?;
     if keepdim {
-        shape[d] = 1;
+        Ok(positions)
     } else {
-        shape.remove(d);
+        positions.view_detached(Layout::contiguous(&without(x.dims(), &[d])))
     }
-    Tensor::from_vec(indices, &shape, x.device())
 }
 
-/// For each output element (row-major over the kept dims): the maximum of its group and the
-/// position of the first maximum within the group (row-major over the reduced dims).
-fn reduce_max<T: FloatElement>(
+/// `dims` of `shape` left out.
+fn without(shape: &[usize], dims: &[usize]) -> Vec<usize> {
+    (0..shape.len())
+        .filter(|d| !dims.contains(d))
+        .map(|d| shape[d])
+        .collect()
+}
+
+/// The maximum of each group over `dims` and the position of its first maximum (see
+/// [`cpu::max`]), after checking that the groups are not empty.
+fn groups_max(
     op: &'static str,
     x: &Tensor,
     dims: &[usize],
-) -> Result<(Vec<T>, Vec<usize>)> {
-    let keep: Vec<usize> = (0..x.rank()).filter(|d| !dims.contains(d)).collect();
+    kept: &[usize],
+) -> Result<(Tensor, Tensor)> {
     let inner: usize = dims.iter().map(|&d| x.dims()[d]).product();
-    let outer: usize = keep.iter().map(|&d| x.dims()[d]).product();
-    if outer == 0 {
-        return Ok((Vec::new(), Vec::new()));
-    }
-    if inner == 0 {
+    let outer: usize = kept.iter().product();
+    if inner == 0 && outer > 0 {
         return Err(Error::shape(
             op,
             format!(
@@ -90,66 +88,10 @@ fn reduce_max<T: FloatElement>(
             ),
         ));
     }
-    let perm: Vec<usize> = keep.iter().chain(dims).copied().collect();
-    let permuted = x.view_detached(x.layout().permute(op, &perm)?)?;
-    let c = permuted.contiguous_detached()?;
-    let data = c.read_slice::<T>()?;
-    let pairs: Vec<(T, usize)> = if parallel(outer * inner) && outer > 1 {
-        data.par_chunks(inner).map(first_max).collect()
-    } else {
-        data.chunks(inner).map(first_max).collect()
-    };
-    Ok(pairs.into_iter().unzip())
-}
-
-/// The first maximum of a non-empty block and its index (NaN beats every number).
-fn first_max<T: FloatElement>(block: &[T]) -> (T, usize) {
-    let mut best = block[0];
-    let mut at = 0;
-    for (i, &v) in block.iter().enumerate().skip(1) {
-        if v > best || (v.is_nan() && !best.is_nan()) {
-            best = v;
-            at = i;
-        }
+    match x.device() {
+        Device::Cpu => cpu::max(op, x, dims, kept),
+        Device::Cuda(_) => Err(no_kernel(op, x.device())),
     }
-    (best, at)
-}
-
-/// Turns per-group positions (as returned by [`reduce_max`]) into row-major indices into the
-/// input.
-fn flat_positions(shape: &[usize], dims: &[usize], positions: &[usize]) -> Vec<usize> {
-    let strides = Layout::contiguous(shape).strides().clone();
-    let keep: Vec<usize> = (0..shape.len()).filter(|d| !dims.contains(d)).collect();
-    // row-major decomposition of a position within a group (or of a group number) into the
-    // reduced (or kept) dims, weighted by the input's strides
-    let offset_of = |mut k: usize, axes: &[usize]| -> usize {
-        let mut off = 0;
-        for &d in axes.iter().rev() {
-            off += (k % shape[d]) * strides[d];
-            k /= shape[d];
-        }
-        off
-    };
-    positions
-        .iter()
-        .enumerate()
-        .map(|(o, &k)| offset_of(o, &keep) + offset_of(k, dims))
-        .collect()
-}
-
-/// A zero tensor of `shape` with `g`'s elements written at the row-major positions `flat`.
-fn scatter_to(g: &Tensor, shape: &[usize], flat: &[usize]) -> Result<Tensor> {
-    with_float_type!("max backward", g.dtype(), T => {
-        let mut grad = vec![T::ZERO; shape.iter().product()];
-        if !flat.is_empty() {
-            let gc = g.contiguous_detached()?;
-            let src = gc.read_slice::<T>()?;
-            for (&p, &v) in flat.iter().zip(src.iter()) {
-                grad[p] = v;
-            }
-        }
-        Tensor::from_vec(grad, shape, g.device())
-    })
 }
 
 #[cfg(test)]

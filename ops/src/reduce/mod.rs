@@ -9,9 +9,10 @@ mod cpu;
 mod max;
 
 use tandem_autograd::record_fn;
-use tandem_core::{normalize_dim, Error, Result, Tensor};
+use tandem_core::{normalize_dim, Device, Error, Result, Tensor};
 
-use crate::util::float_dtype;
+use crate::checks::float_dtype;
+use crate::device::no_kernel;
 use crate::views::{expand, reshape};
 
 pub use max::{argmax, max};
@@ -60,7 +61,10 @@ pub fn sum(x: &Tensor, dims: &[isize], keepdim: bool) -> Result<Tensor> {
     float_dtype("sum", x)?;
     let dims = resolve_dims("sum", x, dims)?;
     let kept = keepdim_shape(x, &dims);
-    let out = cpu::sum_kept(x, &dims, &kept)?;
+    let out = match x.device() {
+        Device::Cpu => cpu::sum_kept(x, &dims, &kept)?,
+        Device::Cuda(_) => return Err(no_kernel("sum", x.device())),
+    };
     let out = if keepdim {
         out
     } else {
@@ -88,6 +92,30 @@ fn squeeze_to_usize(x: &Tensor, dims: &[usize]) -> Vec<usize> {
 /// Sum of every element, as a 0-dim tensor.
 pub fn sum_all(x: &Tensor) -> Result<Tensor> {
     sum(x, &[], false)
+}
+
+/// The dims of `from` that were broadcast to reach it from `to` (leading dims that `to` lacks,
+/// and dims where `to` has size 1), as indices into `from`.
+pub(crate) fn broadcast_dims(from: &[usize], to: &[usize]) -> Vec<usize> {
+    let lead = from.len() - to.len();
+    (0..from.len())
+        .filter(|&d| d < lead || (to[d - lead] == 1 && from[d] != 1))
+        .collect()
+}
+
+/// Sums a gradient of a broadcast shape down to `target` (the shape of the input that was
+/// broadcast): the backward of every broadcasting op.
+pub(crate) fn sum_to_shape(grad: &Tensor, target: &[usize]) -> Result<Tensor> {
+    if grad.dims() == target {
+        return Ok(grad.clone());
+    }
+    let dims: Vec<isize> = broadcast_dims(grad.dims(), target)
+        .into_iter()
+        .map(|d| d as isize)
+        .collect();
+    let summed = sum(grad, &dims, true)?;
+    let shape: Vec<isize> = target.iter().map(|&d| d as isize).collect();
+    reshape(&summed, &shape)
 }
 
 /// Mean over `dims` (all dims when empty).

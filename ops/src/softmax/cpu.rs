@@ -7,10 +7,13 @@
 //! Stability comes from subtracting each group's maximum before exponentiating.
 
 use rayon::prelude::*;
-use tandem_core::{Element, FloatElement, Result, Tensor};
+use tandem_core::{Element, Result, Tensor};
 
-use crate::unary::ExpFloat;
-use crate::util::parallel;
+use crate::cpu::elementwise::empty_like;
+use crate::cpu::exp::ExpFloat;
+use crate::cpu::lanes::{lanes_max, lanes_sum, lanes_sum_exp};
+use crate::cpu::memory;
+use crate::cpu::parallel::parallel;
 
 /// The split of a contiguous tensor around the softmax dim.
 #[derive(Clone, Copy, Debug)]
@@ -29,52 +32,6 @@ impl Split {
             inner: dims[dim + 1..].iter().product(),
         }
     }
-}
-
-/// Sum of a slice in 8 independent lanes (vectorises; rounds less than one running sum).
-pub(crate) fn lanes_sum<T: FloatElement>(v: &[T]) -> T {
-    let mut lanes = [T::ZERO; 8];
-    let chunks = v.chunks_exact(8);
-    let rest = chunks.remainder();
-    for c in chunks {
-        for i in 0..8 {
-            lanes[i] += c[i];
-        }
-    }
-    lanes.iter().fold(T::ZERO, |a, &b| a + b) + rest.iter().fold(T::ZERO, |a, &b| a + b)
-}
-
-/// `Σ e^(v − shift)` over a slice, in 8 lanes so that the exponentials vectorise.
-pub(crate) fn lanes_sum_exp<T: ExpFloat>(v: &[T], shift: T) -> T {
-    let mut lanes = [T::ZERO; 8];
-    let chunks = v.chunks_exact(8);
-    let rest = chunks.remainder();
-    for c in chunks {
-        for i in 0..8 {
-            lanes[i] += (c[i] - shift).exp_fast();
-        }
-    }
-    let tail = rest
-        .iter()
-        .fold(T::ZERO, |a, &b| a + (b - shift).exp_fast());
-    lanes.iter().fold(T::ZERO, |a, &b| a + b) + tail
-}
-
-/// Maximum of a non-empty slice in 8 lanes (NaNs are skipped; they poison the sum later).
-pub(crate) fn lanes_max<T: FloatElement>(v: &[T]) -> T {
-    let pick = |a: T, b: T| if b > a { b } else { a };
-    let mut lanes = [T::neg_infinity(); 8];
-    let chunks = v.chunks_exact(8);
-    let rest = chunks.remainder();
-    for c in chunks {
-        for i in 0..8 {
-            lanes[i] = pick(lanes[i], c[i]);
-        }
-    }
-    rest.iter().fold(
-        lanes.iter().fold(T::neg_infinity(), |a, &b| pick(a, b)),
-        |a, &b| pick(a, b),
-    )
 }
 
 /// Runs `f` on each `[n, inner]` block of the input and output (and of a third operand for
@@ -107,11 +64,12 @@ fn for_each_block<T: Element>(
 /// softmax (or log_softmax when `log`) of `x` along the middle dim of `split`.
 pub(crate) fn forward<T: ExpFloat>(x: &Tensor, split: Split, log: bool) -> Result<Tensor> {
     if x.numel() == 0 {
-        return crate::unary::empty_like::<T>(x);
+        return empty_like::<T>(x);
     }
-    let c = x.contiguous_detached()?;
+    let op = if log { "log_softmax" } else { "softmax" };
+    let c = memory::contiguous(op, x)?;
     let data = c.read_slice::<T>()?;
-    let mut out = tandem_core::alloc::uninit::<T>(data.len());
+    let mut out = memory::uninit::<T>(op, data.len())?;
     for_each_block(split, &mut out, &data, None, |y, x, _| {
         if split.inner == 1 {
             row_forward(x, y, log)
@@ -182,11 +140,12 @@ pub(crate) fn backward<T: ExpFloat>(
     log: bool,
 ) -> Result<Tensor> {
     if g.numel() == 0 {
-        return crate::unary::empty_like::<T>(g);
+        return empty_like::<T>(g);
     }
-    let (gc, yc) = (g.contiguous_detached()?, y.contiguous_detached()?);
+    let op = if log { "log_softmax" } else { "softmax" };
+    let (gc, yc) = (memory::contiguous(op, g)?, memory::contiguous(op, y)?);
     let (gs, ys) = (gc.read_slice::<T>()?, yc.read_slice::<T>()?);
-    let mut out = tandem_core::alloc::uninit::<T>(gs.len());
+    let mut out = memory::uninit::<T>(op, gs.len())?;
     for_each_block(split, &mut out, &gs, Some(&ys), |dx, g, y| {
         if split.inner == 1 {
             row_backward(g, y, dx, log)

@@ -9,23 +9,32 @@
 //! `x`: any shape of rank ≥ 1, f32 or f64 → output: the same shape; every slice along `dim`
 //! is normalised independently.
 
-pub(crate) mod cpu;
+mod cpu;
 
 use tandem_autograd::record_fn;
-use tandem_core::{normalize_dim, with_float_type, Result, Tensor};
+use tandem_core::{normalize_dim, with_float_type, Device, Result, Tensor};
 
-use crate::util::float_dtype;
+use crate::checks::float_dtype;
+use crate::device::no_kernel;
 use cpu::Split;
 
 fn softmax_impl(op: &'static str, x: &Tensor, dim: isize, log: bool) -> Result<Tensor> {
     float_dtype(op, x)?;
     let d = normalize_dim(op, dim, x.rank())?;
     let split = Split::around(x.dims(), d);
-    let out = with_float_type!(op, x.dtype(), T => cpu::forward::<T>(x, split, log))?;
+    let out = match x.device() {
+        Device::Cpu => with_float_type!(op, x.dtype(), T => cpu::forward::<T>(x, split, log))?,
+        Device::Cuda(_) => return Err(no_kernel(op, x.device())),
+    };
     let y = out.detach();
     Ok(record_fn(out, &[x], op, move || {
         move |g: &Tensor| {
-            let dx = with_float_type!(op, g.dtype(), T => cpu::backward::<T>(g, &y, split, log))?;
+            let dx = match g.device() {
+                Device::Cpu => {
+                    with_float_type!(op, g.dtype(), T => cpu::backward::<T>(g, &y, split, log))?
+                }
+                Device::Cuda(_) => return Err(no_kernel(op, g.device())),
+            };
             Ok(vec![Some(dx)])
         }
     }))

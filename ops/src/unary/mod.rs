@@ -7,29 +7,39 @@
 //! negative number) give NaN, as in IEEE arithmetic, rather than an error.
 
 mod cpu;
-// The vector-dispatch helpers shared by the elementwise, pooling and batch-norm kernels.
 
 use tandem_autograd::record_fn;
-use tandem_core::{Result, Tensor};
+use tandem_core::{Device, Result, Tensor};
 
-use crate::util::float_dtype;
+use crate::checks::float_dtype;
+use crate::device::no_kernel;
 
 use cpu::UnaryKind;
-pub(crate) use cpu::{empty_like, map, map_slice, zip_map, zip_slices, ExpFloat};
 
 fn unary(kind: UnaryKind, x: &Tensor) -> Result<Tensor> {
     let name = kind.name();
     let _profile = tandem_core::profile::scope(name, tandem_core::profile::Phase::Forward);
     float_dtype(name, x)?;
-    let out = cpu::forward(kind, x)?;
+    let out = match x.device() {
+        Device::Cpu => cpu::forward(kind, x)?,
+        Device::Cuda(_) => return Err(no_kernel(name, x.device())),
+    };
     let saved = if kind.saves_output() {
         out.detach()
     } else {
         x.detach()
     };
     Ok(record_fn(out, &[x], name, move || {
-        move |g: &Tensor| Ok(vec![Some(cpu::backward(kind, g, &saved)?)])
+        move |g: &Tensor| Ok(vec![Some(backward(kind, g, &saved)?)])
     }))
+}
+
+/// The gradient of `kind`'s input from the output gradient `g` and what the forward saved.
+fn backward(kind: UnaryKind, g: &Tensor, saved: &Tensor) -> Result<Tensor> {
+    match g.device() {
+        Device::Cpu => cpu::backward(kind, g, saved),
+        Device::Cuda(_) => Err(no_kernel(kind.name(), g.device())),
+    }
 }
 
 /// `−x`, elementwise.
@@ -91,7 +101,7 @@ pub fn relu(x: &Tensor) -> Result<Tensor> {
 /// The gradient of [`relu`]'s input from the output gradient `g` and its output `y`: `g` where
 /// `y > 0`, else 0 (for fused ops that end in a ReLU).
 pub(crate) fn relu_backward(g: &Tensor, y: &Tensor) -> Result<Tensor> {
-    cpu::backward(UnaryKind::Relu, g, y)
+    backward(UnaryKind::Relu, g, y)
 }
 
 /// The logistic function `1 / (1 + e⁻ˣ)`, elementwise.
@@ -234,38 +244,6 @@ mod tests {
             let want = (xv as f64).powi(3);
             assert!(((*v as f64) - want).abs() <= 1e-6 * want.abs().max(1.0));
         }
-    }
-
-    #[test]
-    fn vectorisable_f32_exp_is_within_two_ulp_everywhere() {
-        // every 2⁻¹² step over the range where e^x is a finite non-zero f32, plus the ends
-        let mut x = -104.0f32;
-        while x < 89.0 {
-            let got = cpu::exp_f32(x);
-            let want = (x as f64).exp();
-            if want >= f32::MIN_POSITIVE as f64 && want <= f32::MAX as f64 {
-                let ulp = 2f64.powi(want.log2().floor() as i32 - 23);
-                assert!(
-                    ((got as f64) - want).abs() <= 2.0 * ulp,
-                    "exp({x}) = {got}, want {want}"
-                );
-            } else if want < f32::MIN_POSITIVE as f64 {
-                // denormal results: one denormal step of error
-                assert!(
-                    ((got as f64) - want).abs() <= 1.5e-45,
-                    "exp({x}) = {got}, want {want}"
-                );
-            } else {
-                assert_eq!(got, f32::INFINITY, "exp({x})");
-            }
-            x += 1.0 / 4096.0;
-        }
-        assert_eq!(cpu::exp_f32(0.0), 1.0);
-        assert_eq!(cpu::exp_f32(f32::INFINITY), f32::INFINITY);
-        assert_eq!(cpu::exp_f32(f32::NEG_INFINITY), 0.0);
-        assert_eq!(cpu::exp_f32(-1000.0), 0.0);
-        assert!(cpu::exp_f32(f32::NAN).is_nan());
-        assert!(cpu::exp_f32(-f32::NAN).is_nan());
     }
 
     #[test]

@@ -16,7 +16,7 @@
 use tandem_autograd::record_fn;
 use tandem_core::{normalize_dim, Layout, Result, Tensor};
 
-use crate::util::sum_to_shape;
+use crate::reduce::sum_to_shape;
 
 fn to_isize(dims: &[usize]) -> Vec<isize> {
     dims.iter().map(|&d| d as isize).collect()

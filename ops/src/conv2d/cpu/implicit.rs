@@ -18,10 +18,10 @@
 
 use tandem_core::FloatElement;
 
-use super::cpu::Geometry;
 use super::im2col::copy_run;
-use super::tile_product::{self, TileShape};
-use crate::simd::wide_simd_method;
+use super::tile_product::{self, Avx512, TileShape};
+use crate::conv2d::geometry::Geometry;
+use crate::cpu::simd::wide_simd_method;
 
 /// Tiles are at most this many output columns wide (whole output rows, over the padded
 /// width, unless one row is wider): the tile's output block `[O, width]` then stays in L1/L2
@@ -49,6 +49,7 @@ fn tile_rows(out_h: usize, out_w: usize, wp: usize) -> usize {
 /// The implicit-gemm plan of one unit-stride geometry: padded sizes, the row offsets of the
 /// column matrix and the tiling of the output rows.
 pub(crate) struct Implicit {
+    cpu: Avx512,
     g: Geometry,
     /// Padded height and width.
     hp: usize,
@@ -63,7 +64,8 @@ impl Implicit {
     /// The plan for `g`, or None where it does not apply: strides other than 1, or a CPU
     /// without the AVX-512 kernel.
     pub(crate) fn new(g: &Geometry) -> Option<Self> {
-        if !tile_product::available() || g.out_h == 0 || g.out_w == 0 {
+        let cpu = tile_product::avx512()?;
+        if g.out_h == 0 || g.out_w == 0 {
             return None;
         }
         let (sh, sw) = g.stride;
@@ -87,6 +89,7 @@ impl Implicit {
         }
         // Near-equal tiles of whole output rows.
         Some(Implicit {
+            cpu,
             g: *g,
             hp,
             wp,
@@ -116,8 +119,8 @@ impl Implicit {
 
     /// One sample's output `[O, OH, OW]` into `out`, from its input `x` (`[C, H, W]`), the
     /// weights transposed (`wt`, `[C·kh·kw, O]`) and the bias; `padded` and `tile` are scratch
-    /// of [`Implicit::padded_len`] and [`Implicit::tile_len`] elements. Returns false where the
-    /// kernel cannot run; the output is then incomplete and the caller must compute it.
+    /// of [`Implicit::padded_len`] and [`Implicit::tile_len`] elements. Writes every element of
+    /// `out`.
     pub(crate) fn sample(
         &self,
         wt: &[f32],
@@ -126,7 +129,7 @@ impl Implicit {
         padded: &mut [f32],
         tile: &mut [f32],
         out: &mut [f32],
-    ) -> bool {
+    ) {
         let g = &self.g;
         let src: &[f32] = if self.padded_len() == 0 {
             x
@@ -149,13 +152,10 @@ impl Implicit {
                 accumulate: false,
             };
             let b = &src[oh * self.wp..];
-            if !tile_product::product_rows(shape, wt, b, &self.rows, bias, tile) {
-                return false;
-            }
+            tile_product::product_rows(self.cpu, shape, wt, b, &self.rows, bias, tile);
             self.compact(tile, out, oh, count);
             oh += count;
         }
-        true
     }
 
     /// Columns of the implicit column matrix: the output pixels over the padded width.
@@ -172,8 +172,7 @@ impl Implicit {
     /// `gw_t[r, o] += Σ_q cols[r, q] · gy[o, q]`, with the column matrix read in place from the
     /// padded input (`x`, `[C, H, W]`) and the output gradient `gy` (`[O, OH, OW]`) spread
     /// into `[q, O]` order (zero in the columns past each output row). `padded` and `spread`
-    /// are scratch of [`Implicit::padded_len`] and [`Implicit::spread_len`] elements. Returns
-    /// false (adding nothing) where the kernel cannot run.
+    /// are scratch of [`Implicit::padded_len`] and [`Implicit::spread_len`] elements.
     pub(crate) fn weight_sample(
         &self,
         x: &[f32],
@@ -181,7 +180,7 @@ impl Implicit {
         padded: &mut [f32],
         spread: &mut [f32],
         gw_t: &mut [f32],
-    ) -> bool {
+    ) {
         let g = &self.g;
         let src: &[f32] = if self.padded_len() == 0 {
             x
@@ -200,7 +199,7 @@ impl Implicit {
             out_stride: g.out_channels,
             accumulate: true,
         };
-        tile_product::product_a_rows(shape, src, &self.rows, spread, gw_t)
+        tile_product::product_a_rows(self.cpu, shape, src, &self.rows, spread, gw_t);
     }
 
     wide_simd_method!(
@@ -461,7 +460,7 @@ mod tests {
             let mut padded = vec![f32::NAN; plan.padded_len()];
             let mut tile = vec![f32::NAN; plan.tile_len()];
             let mut out = vec![f32::NAN; o * out_h * out_w];
-            assert!(plan.sample(&wt, Some(&bias), &x, &mut padded, &mut tile, &mut out));
+            plan.sample(&wt, Some(&bias), &x, &mut padded, &mut tile, &mut out);
             let want = direct(&g, &x, &wts, &bias);
             for (k, (&got, &want)) in out.iter().zip(&want).enumerate() {
                 assert_eq!(got as f64, want, "case {ci} element {k}");
@@ -473,7 +472,7 @@ mod tests {
                 .collect();
             let mut spread = vec![f32::NAN; plan.spread_len()];
             let mut gw_t = vec![1.0f32; patch * o];
-            assert!(plan.weight_sample(&x, &gy, &mut padded, &mut spread, &mut gw_t));
+            plan.weight_sample(&x, &gy, &mut padded, &mut spread, &mut gw_t);
             let pixels = out_h * out_w;
             for (r, row) in gw_t.chunks(o).enumerate() {
                 let (ch, ki, kj) = (r / (kh * kw), r / kw % kh, r % kw);

@@ -31,15 +31,27 @@ struct Block {
     depth: std::ops::Range<usize>,
 }
 
-/// Whether [`product`] can run on this CPU.
+/// Proof that this CPU has AVX-512F, so that the kernels of this file (and the algorithms
+/// built on them: the implicit GEMM, Winograd) can run. Only [`avx512`] makes one.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Avx512 {
+    _detected: (),
+}
+
+/// Whether this CPU has AVX-512F (for the assertions of kernels that do not take the proof).
 pub(crate) fn available() -> bool {
+    avx512().is_some()
+}
+
+/// The proof that [`product`] can run on this CPU, or None.
+pub(crate) fn avx512() -> Option<Avx512> {
     #[cfg(target_arch = "x86_64")]
     {
-        std::arch::is_x86_feature_detected!("avx512f")
+        std::arch::is_x86_feature_detected!("avx512f").then_some(Avx512 { _detected: () })
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        false
+        None
     }
 }
 
@@ -81,27 +93,29 @@ impl TileShape {
 }
 
 /// `out[o·out_stride + p] (+)= bias[o] + Σ_k A(o, k) · b[k·b_rs + p]` for `o < o_n`,
-/// `p < width` (see [`TileShape`]). Returns false (doing nothing) when the CPU lacks AVX-512F
-/// or a slice is too short for the shape.
+/// `p < width` (see [`TileShape`]).
+///
+/// # Panics
+/// When a slice is too short for the shape: the callers size them from the same geometry, so
+/// that would be a bug in this crate, and the check keeps it from reading out of bounds.
 pub(crate) fn product(
+    _cpu: Avx512,
     s: TileShape,
     a: &[f32],
     b: &[f32],
     bias: Option<&[f32]>,
     out: &mut [f32],
-) -> bool {
+) {
     let (a_end, b_end, out_end) = s.extents();
     let fits = a.len() >= a_end
         && b.len() >= b_end
         && out.len() >= out_end
         && bias.is_none_or(|b| b.len() >= s.o_n)
         && (s.o_n <= 1 || s.width <= s.out_stride);
-    if !fits || !available() {
-        return false;
-    }
+    assert!(fits, "tile product: operands too short for {s:?}");
     #[cfg(target_arch = "x86_64")]
-    // SAFETY: AVX-512F is present (checked above), and `fits` bounds every index the kernel
-    // forms by the extents of the three matrices; distinct output rows do not overlap
+    // SAFETY: AVX-512F is present (the `Avx512` proof), and `fits` bounds every index the
+    // kernel forms by the extents of the three matrices; distinct output rows do not overlap
     // (width ≤ out_stride), and `out` is a unique borrow.
     unsafe {
         product_avx512::<false, false>(
@@ -113,19 +127,19 @@ pub(crate) fn product(
             out.as_mut_ptr(),
         );
     }
-    true
 }
 
 /// Like [`product`], but row `k` of `B` starts at `b[rows[k]]` (`s.b_rs` is not used): the
 /// rows of an implicit column matrix, read straight from the padded input they overlap in.
 pub(crate) fn product_rows(
+    _cpu: Avx512,
     s: TileShape,
     a: &[f32],
     b: &[f32],
     rows: &[usize],
     bias: Option<&[f32]>,
     out: &mut [f32],
-) -> bool {
+) {
     let (a_end, _, out_end) = s.extents();
     let b_fits = s.o_n == 0
         || s.width == 0
@@ -135,11 +149,9 @@ pub(crate) fn product_rows(
         && out.len() >= out_end
         && bias.is_none_or(|b| b.len() >= s.o_n)
         && (s.o_n <= 1 || s.width <= s.out_stride);
-    if !fits || !available() {
-        return false;
-    }
+    assert!(fits, "tile product: operands too short for {s:?}");
     #[cfg(target_arch = "x86_64")]
-    // SAFETY: AVX-512F is present (checked above); `fits` bounds the indices into `a` and
+    // SAFETY: AVX-512F is present (the `Avx512` proof); `fits` bounds the indices into `a` and
     // `out` as in `product`, and every row of `B` the kernel reads (`rows[k] + p` for
     // `k < depth`, `p < width`) inside `b`; `out` is a unique borrow.
     unsafe {
@@ -149,18 +161,18 @@ pub(crate) fn product_rows(
         };
         product_avx512::<false, true>(s, a.as_ptr(), b.as_ptr(), tables, bias, out.as_mut_ptr());
     }
-    true
 }
 
 /// Like [`product`], but row `i` of `A` starts at `a[rows[i]]` (`s.a_rs` is not used): an
 /// implicit column matrix as the left operand, its rows read straight from the padded input.
 pub(crate) fn product_a_rows(
+    _cpu: Avx512,
     s: TileShape,
     a: &[f32],
     rows: &[usize],
     b: &[f32],
     out: &mut [f32],
-) -> bool {
+) {
     let (_, b_end, out_end) = s.extents();
     let a_span = match s.depth {
         0 => 0,
@@ -174,11 +186,9 @@ pub(crate) fn product_a_rows(
         && b.len() >= b_end
         && out.len() >= out_end
         && (s.o_n <= 1 || s.width <= s.out_stride);
-    if !fits || !available() {
-        return false;
-    }
+    assert!(fits, "tile product: operands too short for {s:?}");
     #[cfg(target_arch = "x86_64")]
-    // SAFETY: AVX-512F is present (checked above); `fits` bounds every element of `A` the
+    // SAFETY: AVX-512F is present (the `Avx512` proof); `fits` bounds every element of `A` the
     // kernel reads (`rows[i] + k·a_cs` for `i < o_n`, `k < depth`) inside `a`, and the indices
     // into `b` and `out` as in `product`; `out` is a unique borrow.
     unsafe {
@@ -188,7 +198,6 @@ pub(crate) fn product_a_rows(
         };
         product_avx512::<true, false>(s, a.as_ptr(), b.as_ptr(), tables, None, out.as_mut_ptr());
     }
-    true
 }
 
 /// Row-offset tables of the operands (used by the kernels instantiated with them).
@@ -354,9 +363,9 @@ mod tests {
 
     #[test]
     fn tile_products_match_an_f64_sum_for_ragged_blocks() {
-        if !available() {
+        let Some(cpu) = avx512() else {
             return;
-        }
+        };
         let cases = [
             (16, 144, 64, 1024, false, false),
             (6, 25, 100, 100, false, false),
@@ -390,7 +399,7 @@ mod tests {
                 out_stride: stride,
                 accumulate,
             };
-            assert!(product(shape, &a, &b, Some(&bias), &mut out));
+            product(cpu, shape, &a, &b, Some(&bias), &mut out);
             for o in 0..o_n {
                 for p in 0..width {
                     let start = if accumulate { -7.0 } else { 0.0 };

@@ -1,11 +1,15 @@
 //! Method syntax for the differentiable ops: `x.matmul(&w)?.relu()?` instead of
-//! `relu(&matmul(&x, &w)?)?`. Every method forwards to the function of the same name in
-//! `tandem::ops`, whose docs give shapes and errors.
+//! `relu(&matmul(&x, &w)?)?`. Every method forwards to the function of the same name in this
+//! crate, whose docs give shapes and errors. It lives here so that the layers (`tandem-nn`)
+//! and `tandem-dist` can use it; the `tandem` facade re-exports it (and its prelude brings it
+//! in).
 
 use tandem_core::{Generator, Result, Tensor};
-use tandem_ops as ops;
 
-/// Differentiable ops as methods on [`Tensor`]; brought in by `use tandem::prelude::*`.
+use crate as ops;
+
+/// Differentiable ops as methods on [`Tensor`]; brought in by `use tandem::prelude::*` (or
+/// `use tandem_ops::TensorOps`).
 pub trait TensorOps {
     /// See [`ops::add`].
     fn add(&self, other: &Tensor) -> Result<Tensor>;

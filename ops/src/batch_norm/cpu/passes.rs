@@ -1,4 +1,4 @@
-//! CPU kernels of batch normalization. The input is viewed as `[N, C, L]` (L = product of the
+//! The passes of batch normalization over host slices. The input is viewed as `[N, C, L]` (L = product of the
 //! dims after the channel), so each `(n, c)` pair owns one contiguous run of `L` elements.
 //!
 //! Reductions sum each run in the element type with [`LANES`] independent accumulators (so
@@ -20,10 +20,11 @@
 //! the input is large.
 
 use rayon::prelude::*;
-use tandem_core::{alloc, FloatElement};
+use tandem_core::{FloatElement, Result};
 
-use crate::simd::wide_simd_fn;
-use crate::util::parallel;
+use crate::cpu::memory;
+use crate::cpu::parallel::parallel;
+use crate::cpu::simd::wide_simd_fn;
 
 /// The input viewed as `[n, c, l]`.
 #[derive(Clone, Copy, Debug)]
@@ -398,16 +399,17 @@ wide_simd_fn!(
 
 /// Applies the per-channel [`Form`] with `(a[c], b[c], k[c])` over every `(n, c)` run.
 fn per_channel_map<T: FloatElement>(
+    op: &'static str,
     x: &[T],
     form: Form<'_, T>,
     d: Dims,
     coef: impl Fn(usize) -> (T, T, T),
-) -> Vec<T> {
+) -> Result<Vec<T>> {
     // Every element is written.
-    let mut out = alloc::uninit::<T>(x.len());
+    let mut out = memory::uninit::<T>(op, x.len())?;
     let per_sample = d.c * d.l;
     if per_sample == 0 {
-        return out;
+        return Ok(out);
     }
     let coefs: Vec<(T, T, T)> = (0..d.c).map(coef).collect();
     if parallel(x.len()) {
@@ -418,7 +420,7 @@ fn per_channel_map<T: FloatElement>(
     } else {
         map_runs_wide(x, form, d, &coefs, 0, &mut out);
     }
-    out
+    Ok(out)
 }
 
 /// The per-channel `(scale, shift)` in the element type: the forward normalises with exactly
@@ -445,19 +447,20 @@ pub(crate) enum Epilogue<'a, T> {
 
 /// `y = x·scale[c] + shift[c]` and then the [`Epilogue`], in one pass.
 pub(crate) fn normalize<T: FloatElement>(
+    op: &'static str,
     x: &[T],
     d: Dims,
     scale: &[f64],
     shift: &[f64],
     epilogue: Epilogue<'_, T>,
-) -> Vec<T> {
+) -> Result<Vec<T>> {
     let coefs = affine_coefs::<T>(scale, shift);
     let (form, k) = match epilogue {
         Epilogue::Plain => (Form::Affine, T::ZERO),
         Epilogue::Relu => (Form::AffineRelu, T::ZERO),
         Epilogue::AddRelu(r) => (Form::PlusRelu(r), T::from_f64(1.0)),
     };
-    per_channel_map(x, form, d, |c| (coefs[c].0, coefs[c].1, k))
+    per_channel_map(op, x, form, d, |c| (coefs[c].0, coefs[c].1, k))
 }
 
 /// Per-channel `Σ g` and `Σ g·(x − mean)`; with `mask` (from [`affine_coefs`]) `g` counts
@@ -480,17 +483,18 @@ pub(crate) fn grad_sums<T: FloatElement>(
 /// behind `max(0, z + r)`, for the input side and the residual alike), with the per-channel
 /// `Σ g'` and `Σ g'·(x − mean)` of that masked gradient, all in one pass.
 pub(crate) fn masked_grad_sums<T: FloatElement>(
+    op: &'static str,
     g: &[T],
     y: &[T],
     x: &[T],
     d: Dims,
     mean: &[f64],
-) -> (Vec<T>, Vec<f64>, Vec<f64>) {
+) -> Result<(Vec<T>, Vec<f64>, Vec<f64>)> {
     // Every element is written.
-    let mut out = alloc::uninit::<T>(g.len());
+    let mut out = memory::uninit::<T>(op, g.len())?;
     let per_sample = d.c * d.l;
     if per_sample == 0 {
-        return (out, vec![0.0; d.c], vec![0.0; d.c]);
+        return Ok((out, vec![0.0; d.c], vec![0.0; d.c]));
     }
     let mean_t: Vec<T> = mean.iter().map(|&m| T::from_f64(m)).collect();
     let inputs = MaskInputs { g, y, x };
@@ -510,7 +514,7 @@ pub(crate) fn masked_grad_sums<T: FloatElement>(
         acc
     };
     let (sum_g, sum_g_centered) = sums.iter().map(|s| (s[0], s[1])).unzip();
-    (out, sum_g, sum_g_centered)
+    Ok((out, sum_g, sum_g_centered))
 }
 
 /// `grad_x = g·a[c] + x·b[c] + k[c]` (the closed form of the normalisation's backward,
@@ -518,6 +522,7 @@ pub(crate) fn masked_grad_sums<T: FloatElement>(
 /// `g` is zeroed where the forward's normalised value was not positive.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn grad_input<T: FloatElement>(
+    op: &'static str,
     g: &[T],
     x: &[T],
     d: Dims,
@@ -525,13 +530,13 @@ pub(crate) fn grad_input<T: FloatElement>(
     b: &[f64],
     k: &[f64],
     mask: Option<&[(T, T)]>,
-) -> Vec<T> {
+) -> Result<Vec<T>> {
     // per_channel_map computes `a'·first + b' + k'·second`: first = g, second = x.
     let form = match mask {
         Some(mask) => Form::MaskedPlus(x, mask),
         None => Form::Plus(x),
     };
-    per_channel_map(g, form, d, |c| {
+    per_channel_map(op, g, form, d, |c| {
         (T::from_f64(a[c]), T::from_f64(k[c]), T::from_f64(b[c]))
     })
 }

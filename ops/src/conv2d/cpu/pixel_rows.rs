@@ -8,13 +8,20 @@
 //! elements (`C` when the width is dilated). With unit strides those runs of consecutive
 //! pixels overlap in the padded copy, `C` apart, so the f32 kernel reads them there and nothing
 //! is copied out ([`PixelRows::spread`]). The caller maps the resulting gradient back to the
-//! `[O, C, kh, kw]` order.
+//! `[O, C, kh, kw]` order ([`PixelRows::to_weight_order`]).
+//!
+//! Two weight-gradient algorithms are built on it: [`PixelRows::weight_sample_in_place`]
+//! (unit strides, dense kernel rows, the AVX-512 tile kernel) and
+//! [`PixelRows::weight_sample`] (any geometry: rows copied out tile by tile).
 
-use tandem_core::FloatElement;
+use tandem_core::{FloatElement, Result};
 
-use super::cpu::Geometry;
 use super::im2col::copy_run;
-use crate::simd::wide_simd_method;
+use super::tile_product::TileShape;
+use super::ConvElement;
+use crate::conv2d::geometry::Geometry;
+use crate::cpu::gemm::{gemm_into, MatRef};
+use crate::cpu::simd::wide_simd_method;
 
 /// Builder of pixel-major column matrices for one geometry.
 pub(crate) struct PixelRows {
@@ -158,13 +165,108 @@ impl PixelRows {
         }
     }
 
+    /// Adds one sample's weight gradient, `[O, (ki, kj, c)]`, onto `gw` with the column rows
+    /// read in place from the padded channels-last sample (see [`PixelRows::spread`]): one
+    /// tile product per kernel row. `xn` is the sample (`[C, H, W]`), `gn` its output gradient
+    /// (`[O, OH, OW]`); `padded` and `spread` are scratch of [`PixelRows::padded_len`] and
+    /// [`PixelRows::spread_len`] elements. Needs [`PixelRows::in_place`].
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn weight_sample_in_place<T: ConvElement>(
+        &self,
+        k: T::Kernels,
+        xn: &[T],
+        gn: &[T],
+        padded: &mut [T],
+        spread: &mut [T],
+        gw: &mut [T],
+    ) {
+        let g = &self.g;
+        self.pad_channels_last(xn, padded);
+        self.spread(gn, spread);
+        let (kh, kw, c_n) = (g.kernel.0, g.kernel.1, g.in_channels);
+        let columns = self.columns();
+        let shape = TileShape {
+            o_n: g.out_channels,
+            depth: columns,
+            width: kw * c_n,
+            a_rs: columns,
+            a_cs: 1,
+            b_rs: c_n,
+            out_stride: g.patch(),
+            accumulate: true,
+        };
+        // The last kernel row reads furthest: it is taken first.
+        for ki in (0..kh).rev() {
+            let b = &padded[self.kernel_row(ki)..];
+            T::tile_product(k, shape, spread, b, None, &mut gw[ki * kw * c_n..]);
+        }
+    }
+
+    /// Adds one sample's weight gradient, `[O, (ki, kj, c)]`, onto `gw`, the pixel-major column
+    /// rows copied out tile by tile (tiles of output pixels `bounds[t]..bounds[t + 1]`) into
+    /// `cols` and multiplied by the tile kernel where `kernels` is given, else by gemm
+    /// (`parallel_gemm` lets it use the pool). `padded` is scratch of
+    /// [`PixelRows::padded_len`] elements, `cols` of `C·kh·kw` times the widest tile.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn weight_sample<T: ConvElement>(
+        &self,
+        kernels: Option<T::Kernels>,
+        xn: &[T],
+        gn: &[T],
+        bounds: &[usize],
+        padded: &mut [T],
+        cols: &mut [T],
+        gw: &mut [T],
+        parallel_gemm: bool,
+    ) {
+        let g = &self.g;
+        let (o_n, pixels, patch) = (g.out_channels, g.out_pixels(), g.patch());
+        self.pad_channels_last(xn, padded);
+        for tile in bounds.windows(2) {
+            let (first, width) = (tile[0], tile[1] - tile[0]);
+            // grad_W [O, (ki, kj, c)] += g · rows, rows [width, C·kh·kw].
+            self.fill(padded, cols, first, width);
+            match kernels {
+                Some(k) => {
+                    let shape = TileShape {
+                        o_n,
+                        depth: width,
+                        width: patch,
+                        a_rs: pixels,
+                        a_cs: 1,
+                        b_rs: patch,
+                        out_stride: patch,
+                        accumulate: true,
+                    };
+                    T::tile_product(k, shape, &gn[first..], cols, None, gw);
+                }
+                None => gemm_into(
+                    (o_n, patch, width),
+                    gw,
+                    MatRef::row_major(0, patch),
+                    gn,
+                    // This tile of g: [O, width] inside the sample's [O, OH·OW].
+                    MatRef {
+                        offset: first,
+                        rs: pixels,
+                        cs: 1,
+                    },
+                    cols,
+                    MatRef::row_major(0, patch),
+                    true,
+                    parallel_gemm,
+                ),
+            }
+        }
+    }
+
     /// Moves a weight gradient from `[O, (ki, kj, c)]` order to `[O, C, kh, kw]`.
-    pub(crate) fn to_weight_order<T: FloatElement>(&self, gw: &[T]) -> Vec<T> {
+    pub(crate) fn to_weight_order<T: FloatElement>(&self, gw: &[T]) -> Result<Vec<T>> {
         let g = &self.g;
         let (kh, kw, c_n) = (g.kernel.0, g.kernel.1, g.in_channels);
         let patch = c_n * kh * kw;
         // Every element is written below.
-        let mut out = tandem_core::alloc::uninit(gw.len());
+        let mut out = crate::cpu::memory::uninit(super::OP, gw.len())?;
         for (o, row) in gw.chunks(patch.max(1)).enumerate() {
             for ki in 0..kh {
                 for kj in 0..kw {
@@ -174,6 +276,6 @@ impl PixelRows {
                 }
             }
         }
-        out
+        Ok(out)
     }
 }

@@ -12,7 +12,7 @@
 
 use tandem_core::FloatElement;
 
-use crate::simd::wide_simd_fn;
+use crate::cpu::simd::wide_simd_fn;
 
 /// Whether `later` replaces `earlier` as the running maximum: it is larger, or it is a NaN
 /// and `earlier` is not (a NaN wins for good).

@@ -4,7 +4,7 @@
 //! sizes, paddings 0–2, one and several samples, chunks that split samples, at 1 and 2
 //! threads.
 
-use super::super::cpu::{self, Geometry, Needs};
+use super::super::{self as cpu, Needs};
 use super::*;
 
 /// `(N, C, H, W, O, padding, bias)` of the geometries tested.
@@ -139,7 +139,7 @@ fn winograd_forward_matches_a_direct_f64_convolution() {
             });
             let plan = Winograd::with_min_channels(&g, 1).expect("Winograd applies");
             let mut out = vec![f32::NAN; len];
-            assert!(plan.forward(&x, &wt, bias, &mut out));
+            plan.forward(&x, &wt, bias, &mut out).unwrap();
             assert_close(&format!("forward {g:?}"), &out, &want, &scale, 1e-5);
         }
     });
@@ -170,14 +170,14 @@ fn winograd_input_gradient_matches_a_direct_f64_sum() {
             };
             // Through the backward (Winograd where it is used), and as the Winograd forward of
             // the flipped weights where the input gradient is a convolution.
-            let grads = cpu::backward(&x, &wt, &gy, &g, needs);
+            let grads = cpu::backward(&x, &wt, &gy, &g, needs).unwrap();
             let gx = grads.input.expect("input gradient");
             assert_close(&format!("input gradient {g:?}"), &gx, &want, &scale, 1e-5);
-            if let Some(t) = cpu::transposed(&g) {
+            if let Some(t) = g.transposed() {
                 let plan = Winograd::with_min_channels(&t, 1).expect("Winograd applies");
                 let mut gx = vec![f32::NAN; x.len()];
-                let flipped = cpu::flipped_weights(&wt, &g);
-                assert!(plan.forward(&gy, &flipped, None, &mut gx));
+                let flipped = cpu::flipped_weights(&wt, &g).unwrap();
+                plan.forward(&gy, &flipped, None, &mut gx).unwrap();
                 assert_close(
                     &format!("Winograd input gradient {g:?}"),
                     &gx,
@@ -217,7 +217,7 @@ fn winograd_weight_gradient_matches_a_direct_f64_sum() {
                 bias: true,
             };
             let wt = values(o * c * 9, 10);
-            let grads = cpu::backward(&x, &wt, &gy, &g, needs);
+            let grads = cpu::backward(&x, &wt, &gy, &g, needs).unwrap();
             let gw = grads.weight.expect("weight gradient");
             assert_close(&format!("backward weight {g:?}"), &gw, &want, &scale, 1e-5);
             let gb = grads.bias.expect("bias gradient");

@@ -3,7 +3,7 @@
 //! The crate is compiled for baseline x86-64 (SSE2: 4 f32 lanes). [`wide_simd_fn`] defines a
 //! function that runs an `#[inline(always)]` body compiled three times (AVX-512F, AVX2 + FMA,
 //! baseline) and picks the widest one the CPU has, so that the loops LLVM auto-vectorises in
-//! that body move 16 (or 8) f32 lanes at a time. (`util::parallel` is the one rule for when a
+//! that body move 16 (or 8) f32 lanes at a time. (`parallel::parallel` is the one rule for when a
 //! kernel forks onto the rayon pool.)
 
 /// Defines `fn $name<generics>(args) -> ret` that calls `$body(args)` compiled for AVX-512F,
@@ -66,7 +66,7 @@ macro_rules! wide_simd_method {
     ($(#[$meta:meta])* $vis:vis fn $name:ident = $owner:ident::$body:ident(&self $(, $arg:ident: $ty:ty)*)) => {
         $(#[$meta])*
         $vis fn $name<T: FloatElement>(&self $(, $arg: $ty)*) {
-            $crate::simd::wide_simd_fn!(
+            $crate::cpu::simd::wide_simd_fn!(
                 fn dispatch[T: FloatElement](this: &$owner $(, $arg: $ty)*) = $owner::$body
             );
             dispatch::<T>(self $(, $arg)*)
@@ -91,10 +91,5 @@ mod tests {
     fn dispatched_function_computes_what_its_body_computes() {
         let x: Vec<f32> = (0..100).map(|i| i as f32).collect();
         assert_eq!(scaled_sum_wide(&x, |v| 2.0 * v), 9900.0);
-    }
-
-    #[test]
-    fn small_work_never_goes_parallel() {
-        assert!(!crate::util::parallel(10));
     }
 }

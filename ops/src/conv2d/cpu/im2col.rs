@@ -7,11 +7,18 @@
 //! strides and an output as wide as the input ("same" padding, as in 3×3/pad-1 and 5×5/pad-2
 //! layers) a whole row is one shifted copy of the input plane, followed by zeroing the few
 //! entries that wrapped around a row edge.
+//!
+//! Three algorithms are built on the table, one per pass ([`Im2col::forward_sample`],
+//! [`Im2col::weight_sample`], [`Im2col::input_sample`]): each tile of columns is filled,
+//! multiplied, and (for the input gradient) added back, while it is still in cache.
 
 use tandem_core::FloatElement;
 
-use super::cpu::Geometry;
-use crate::simd::wide_simd_method;
+use super::tile_product::TileShape;
+use super::ConvElement;
+use crate::conv2d::geometry::Geometry;
+use crate::cpu::gemm::{gemm_into, MatRef};
+use crate::cpu::simd::wide_simd_method;
 
 /// For a kernel tap at offset `tap` (= k·dilation), the output positions `[lo, hi)` whose input
 /// position `o·stride + tap − pad` falls inside `[0, len)`.
@@ -234,6 +241,155 @@ impl Im2col {
                     .zip(src)
                     .for_each(|(d, &s)| *d += s);
             }
+        }
+    }
+}
+
+impl Im2col {
+    /// One sample's forward, `out = W · im2col(x) + b` (`xn` `[C, H, W]`, `out` `[O, OH, OW]`,
+    /// every element written): tile by tile, the columns filled into `cols` (`C·kh·kw` times
+    /// the widest tile) and multiplied by the tile kernel where `kernels` is given (reading the
+    /// transposed weights `wt`, `[C·kh·kw, O]`), else by gemm (reading `w`, `[O, C·kh·kw]`;
+    /// `parallel_gemm` lets it use the pool).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn forward_sample<T: ConvElement>(
+        &self,
+        kernels: Option<T::Kernels>,
+        g: &Geometry,
+        (w, wt): (&[T], &[T]),
+        bias: Option<&[T]>,
+        xn: &[T],
+        cols: &mut [T],
+        out: &mut [T],
+        parallel_gemm: bool,
+    ) {
+        let (o_n, pixels, patch) = (g.out_channels, g.out_pixels(), g.patch());
+        // gemm adds the product onto the bias (the tile kernel stores bias + product).
+        if let (Some(b), None) = (bias, kernels) {
+            out.chunks_mut(pixels).zip(b).for_each(|(p, &v)| p.fill(v));
+        }
+        for t in 0..self.tile_count() {
+            let (first, width) = self.tile(t);
+            self.fill(t, xn, cols);
+            match kernels {
+                Some(k) => {
+                    let shape = TileShape {
+                        o_n,
+                        depth: patch,
+                        width,
+                        a_rs: 1,
+                        a_cs: o_n,
+                        b_rs: width,
+                        out_stride: pixels,
+                        accumulate: false,
+                    };
+                    T::tile_product(k, shape, wt, cols, bias, &mut out[first..]);
+                }
+                None => gemm_into(
+                    (o_n, width, patch),
+                    out,
+                    MatRef {
+                        offset: first,
+                        rs: pixels,
+                        cs: 1,
+                    },
+                    w,
+                    MatRef::row_major(0, patch),
+                    cols,
+                    MatRef::row_major(0, width),
+                    bias.is_some(),
+                    parallel_gemm,
+                ),
+            }
+        }
+    }
+
+    /// Adds one sample's weight gradient, transposed (`[C·kh·kw, O]`), onto `gw_t`: tile by
+    /// tile, the columns of `xn` filled into `cols` and multiplied with the output gradient
+    /// `gn` (`[O, OH, OW]`) by gemm.
+    pub(crate) fn weight_sample<T: ConvElement>(
+        &self,
+        g: &Geometry,
+        xn: &[T],
+        gn: &[T],
+        cols: &mut [T],
+        gw_t: &mut [T],
+        parallel_gemm: bool,
+    ) {
+        let (o_n, pixels, patch) = (g.out_channels, g.out_pixels(), g.patch());
+        for t in 0..self.tile_count() {
+            let (first, width) = self.tile(t);
+            // Accumulated transposed ([C·kh·kw, O]): gemm then streams the column matrix
+            // along its rows, much faster for these thin products.
+            self.fill(t, xn, cols);
+            gemm_into(
+                (o_n, patch, width),
+                gw_t,
+                MatRef::row_major(0, o_n).t(),
+                gn,
+                MatRef {
+                    offset: first,
+                    rs: pixels,
+                    cs: 1,
+                },
+                cols,
+                MatRef::row_major(0, width).t(),
+                true,
+                parallel_gemm,
+            );
+        }
+    }
+
+    /// Adds one sample's input gradient onto `gx` (`[C, H, W]`): tile by tile, `Wᵀ·g` of the
+    /// output gradient `gn` into `cols` — by the tile kernel where `kernels` is given, else by
+    /// gemm — then added back to the input positions it was read from (col2im).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn input_sample<T: ConvElement>(
+        &self,
+        kernels: Option<T::Kernels>,
+        g: &Geometry,
+        w: &[T],
+        gn: &[T],
+        cols: &mut [T],
+        gx: &mut [T],
+        parallel_gemm: bool,
+    ) {
+        let (o_n, pixels, patch) = (g.out_channels, g.out_pixels(), g.patch());
+        for t in 0..self.tile_count() {
+            let (first, width) = self.tile(t);
+            // `[C·kh·kw, width]`. Rows of Wᵀ are columns of W: unit row step, `C·kh·kw`
+            // between terms.
+            match kernels {
+                Some(k) => {
+                    let shape = TileShape {
+                        o_n: patch,
+                        depth: o_n,
+                        width,
+                        a_rs: 1,
+                        a_cs: patch,
+                        b_rs: pixels,
+                        out_stride: width,
+                        accumulate: false,
+                    };
+                    T::tile_product(k, shape, w, &gn[first..], None, cols);
+                }
+                None => gemm_into(
+                    (patch, width, o_n),
+                    cols,
+                    MatRef::row_major(0, width),
+                    w,
+                    MatRef::row_major(0, patch).t(),
+                    gn,
+                    MatRef {
+                        offset: first,
+                        rs: pixels,
+                        cs: 1,
+                    },
+                    false,
+                    parallel_gemm,
+                ),
+            }
+            self.add_back(t, cols, gx);
         }
     }
 }

@@ -1,47 +1,84 @@
-//! CPU kernels of the 2-D pools. Every pool is described by its windows: for each output row
-//! and column, the (already clipped) range of input rows and columns it covers. Planes (one per
-//! sample and channel) are independent and run in parallel when the input is large (and the
+//! CPU kernels of the 2-D pools. Every pool is described by its [`Windows`]: for each output
+//! row and column, the (already clipped) range of input rows and columns it covers. Planes (one
+//! per sample and channel) are independent and run in parallel when the input is large (and the
 //! rayon pool has more than one thread). Max pooling over 2×2 windows with stride 2 and no
-//! padding goes to the branch-free kernels of [`super::max2x2`].
+//! padding goes to the branch-free kernels of [`max2x2`].
+
+mod max2x2;
 
 use rayon::prelude::*;
-use tandem_core::{alloc, FloatElement};
+use tandem_core::{with_float_type, FloatElement, Result, Tensor};
 
-use super::max2x2;
-use crate::util::parallel;
+use super::windows::Windows;
+use crate::cpu::memory;
+use crate::cpu::parallel::parallel;
 
-/// The input ranges that each output row and column of a pool covers, clipped to the input.
-#[derive(Clone, Debug)]
-pub(crate) struct Windows {
-    /// Input rows `[start, end)` of each output row.
-    pub rows: Vec<(usize, usize)>,
-    /// Input columns `[start, end)` of each output column.
-    pub cols: Vec<(usize, usize)>,
-    /// What an average divides by: `Some(k)` for a fixed count (padding included), `None` for
-    /// the number of elements in the window.
-    pub divisor: Option<usize>,
+/// Where each window's maximum came from (its index within the plane), kept by the forward of
+/// a max pool for its backward.
+pub(crate) struct MaxIndices(Vec<u32>);
+
+/// Max pooling of `x` (`[.., H, W]`, `hw = (H, W)`) into a tensor of `shape`, with the indices
+/// of the maxima when `keep_indices` (the backward needs them).
+pub(crate) fn max_pool(
+    op: &'static str,
+    x: &Tensor,
+    hw: (usize, usize),
+    win: &Windows,
+    keep_indices: bool,
+    shape: &[usize],
+) -> Result<(Tensor, MaxIndices)> {
+    with_float_type!(op, x.dtype(), T => {
+        let xc = memory::contiguous(op, x)?;
+        let (values, indices) = max_forward::<T>(op, &xc.read_slice::<T>()?, hw, win, keep_indices)?;
+        Ok((Tensor::from_vec(values, shape, x.device())?, MaxIndices(indices)))
+    })
 }
 
-impl Windows {
-    fn out_pixels(&self) -> usize {
-        self.rows.len() * self.cols.len()
-    }
+/// The backward of [`max_pool`]: each output gradient routed to the input element its window's
+/// maximum came from, as a tensor of `in_shape`.
+pub(crate) fn max_pool_backward(
+    op: &'static str,
+    g: &Tensor,
+    indices: &MaxIndices,
+    hw: (usize, usize),
+    win: &Windows,
+    in_shape: &[usize],
+) -> Result<Tensor> {
+    with_float_type!(op, g.dtype(), T => {
+        let gc = memory::contiguous(op, g)?;
+        let gx = max_backward::<T>(op, &gc.read_slice::<T>()?, &indices.0, hw, win)?;
+        Tensor::from_vec(gx, in_shape, g.device())
+    })
+}
 
-    /// Whether these are the windows of `MaxPool2d(2)`: 2×2, stride 2, no padding.
-    fn is_two_by_two(&self) -> bool {
-        let tiles = |ranges: &[(usize, usize)]| {
-            ranges
-                .iter()
-                .enumerate()
-                .all(|(i, &(a, b))| a == 2 * i && b == 2 * i + 2)
-        };
-        tiles(&self.rows) && tiles(&self.cols)
-    }
+/// Average pooling of `x` into a tensor of `shape`.
+pub(crate) fn avg_pool(
+    op: &'static str,
+    x: &Tensor,
+    hw: (usize, usize),
+    win: &Windows,
+    shape: &[usize],
+) -> Result<Tensor> {
+    with_float_type!(op, x.dtype(), T => {
+        let xc = memory::contiguous(op, x)?;
+        let values = avg_forward::<T>(op, &xc.read_slice::<T>()?, hw, win)?;
+        Tensor::from_vec(values, shape, x.device())
+    })
+}
 
-    fn divisor_of(&self, rows: (usize, usize), cols: (usize, usize)) -> usize {
-        self.divisor
-            .unwrap_or((rows.1 - rows.0) * (cols.1 - cols.0))
-    }
+/// The backward of [`avg_pool`], as a tensor of `in_shape`.
+pub(crate) fn avg_pool_backward(
+    op: &'static str,
+    g: &Tensor,
+    hw: (usize, usize),
+    win: &Windows,
+    in_shape: &[usize],
+) -> Result<Tensor> {
+    with_float_type!(op, g.dtype(), T => {
+        let gc = memory::contiguous(op, g)?;
+        let gx = avg_backward::<T>(op, &gc.read_slice::<T>()?, hw, win)?;
+        Tensor::from_vec(gx, in_shape, g.device())
+    })
 }
 
 /// Runs `f(plane_index, out_plane)` over chunks of `out_per` elements, in parallel when
@@ -69,20 +106,21 @@ fn for_each_plane<T: Send>(
 /// Max over each window of each `[h, w]` plane of `x`. Returns the maxima and, when
 /// `keep_indices`, the index within its plane of the first maximal element of each window
 /// (NaN counts as maximal, as in PyTorch).
-pub(crate) fn max_forward<T: FloatElement>(
+fn max_forward<T: FloatElement>(
+    op: &'static str,
     x: &[T],
     (h, w): (usize, usize),
     win: &Windows,
     keep_indices: bool,
-) -> (Vec<T>, Vec<u32>) {
+) -> Result<(Vec<T>, Vec<u32>)> {
     let (in_per, out_per) = (h * w, win.out_pixels());
     let planes = x.len().checked_div(in_per).unwrap_or(0);
     // Both paths write every value (the cache holds only tensor element types, so the
     // indices come from the system).
-    let mut values = alloc::uninit::<T>(planes * out_per);
-    let mut indices = vec![0u32; if keep_indices { planes * out_per } else { 0 }];
+    let mut values = memory::uninit::<T>(op, planes * out_per)?;
+    let mut indices = index_buffer(op, if keep_indices { planes * out_per } else { 0 })?;
     if out_per == 0 {
-        return (values, indices);
+        return Ok((values, indices));
     }
     if win.is_two_by_two() {
         let (vals, idx) = (&mut values[..], &mut indices[..]);
@@ -104,7 +142,7 @@ pub(crate) fn max_forward<T: FloatElement>(
         } else {
             max2x2::forward(x, (h, w), vals, idx);
         }
-        return (values, indices);
+        return Ok((values, indices));
     }
     let plane_max = |p: usize, vals: &mut [T], mut idx: Option<&mut [u32]>| {
         let plane = &x[p * in_per..(p + 1) * in_per];
@@ -133,7 +171,22 @@ pub(crate) fn max_forward<T: FloatElement>(
             .for_each(|(p, (v, i))| plane_max(p, v, Some(i))),
         (false, _) => for_each_plane(&mut values, out_per, x.len(), |p, v| plane_max(p, v, None)),
     }
-    (values, indices)
+    Ok((values, indices))
+}
+
+/// `len` zeroed indices (the caching allocator holds only tensor element types, so these come
+/// from the system), or an error naming `op`.
+fn index_buffer(op: &'static str, len: usize) -> Result<Vec<u32>> {
+    let mut buffer = Vec::new();
+    buffer
+        .try_reserve_exact(len)
+        .map_err(|_| tandem_core::Error::OutOfMemory {
+            op,
+            device: tandem_core::Device::Cpu,
+            bytes: len.saturating_mul(4),
+        })?;
+    buffer.resize(len, 0);
+    Ok(buffer)
 }
 
 /// The first maximal element of one window of a `w`-wide plane and its index in the plane
@@ -162,34 +215,36 @@ fn window_max<T: FloatElement>(
 }
 
 /// Routes each output gradient to the input element its window's maximum came from.
-pub(crate) fn max_backward<T: FloatElement>(
+fn max_backward<T: FloatElement>(
+    op: &'static str,
     g: &[T],
     indices: &[u32],
     (h, w): (usize, usize),
     win: &Windows,
-) -> Vec<T> {
+) -> Result<Vec<T>> {
     let (in_per, out_per) = (h * w, win.out_pixels());
     let planes = g.len().checked_div(out_per).unwrap_or(0);
-    let mut gx = alloc::zeroed::<T>(planes * in_per);
+    let mut gx = memory::zeroed::<T>(op, planes * in_per)?;
     for_each_plane(&mut gx, in_per, g.len(), |p, plane| {
         let range = p * out_per..(p + 1) * out_per;
         for (&gv, &i) in g[range.clone()].iter().zip(&indices[range]) {
             plane[i as usize] += gv;
         }
     });
-    gx
+    Ok(gx)
 }
 
 /// Mean over each window of each `[h, w]` plane of `x` (divided by `win.divisor`).
-pub(crate) fn avg_forward<T: FloatElement>(
+fn avg_forward<T: FloatElement>(
+    op: &'static str,
     x: &[T],
     (h, w): (usize, usize),
     win: &Windows,
-) -> Vec<T> {
+) -> Result<Vec<T>> {
     let (in_per, out_per) = (h * w, win.out_pixels());
     let planes = x.len().checked_div(in_per).unwrap_or(0);
     // Every element is written.
-    let mut out = alloc::uninit::<T>(planes * out_per);
+    let mut out = memory::uninit::<T>(op, planes * out_per)?;
     for_each_plane(&mut out, out_per, x.len(), |p, o| {
         let plane = &x[p * in_per..(p + 1) * in_per];
         let mut k = 0;
@@ -206,18 +261,19 @@ pub(crate) fn avg_forward<T: FloatElement>(
             }
         }
     });
-    out
+    Ok(out)
 }
 
 /// Spreads each output gradient evenly (by the same divisor) over its window.
-pub(crate) fn avg_backward<T: FloatElement>(
+fn avg_backward<T: FloatElement>(
+    op: &'static str,
     g: &[T],
     (h, w): (usize, usize),
     win: &Windows,
-) -> Vec<T> {
+) -> Result<Vec<T>> {
     let (in_per, out_per) = (h * w, win.out_pixels());
     let planes = g.len().checked_div(out_per).unwrap_or(0);
-    let mut gx = alloc::zeroed::<T>(planes * in_per);
+    let mut gx = memory::zeroed::<T>(op, planes * in_per)?;
     for_each_plane(&mut gx, in_per, g.len() + planes * in_per, |p, plane| {
         let gp = &g[p * out_per..(p + 1) * out_per];
         let mut k = 0;
@@ -233,7 +289,7 @@ pub(crate) fn avg_backward<T: FloatElement>(
             }
         }
     });
-    gx
+    Ok(gx)
 }
 
 #[cfg(test)]
@@ -247,9 +303,10 @@ mod tests {
             cols: vec![(0, 2)],
             divisor: None,
         };
-        let (v, i) = max_forward(&[1.0f64, 3.0, 3.0, 0.0], (2, 2), &win, true);
+        let (v, i) = max_forward("test", &[1.0f64, 3.0, 3.0, 0.0], (2, 2), &win, true).unwrap();
         assert_eq!((v, i), (vec![3.0], vec![1]));
-        let (v, i) = max_forward(&[1.0f64, f64::NAN, 3.0, 0.0], (2, 2), &win, true);
+        let (v, i) =
+            max_forward("test", &[1.0f64, f64::NAN, 3.0, 0.0], (2, 2), &win, true).unwrap();
         assert!(v[0].is_nan());
         assert_eq!(i, vec![1]);
     }

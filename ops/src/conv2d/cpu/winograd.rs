@@ -20,10 +20,13 @@
 //! `dU[ξ] = Σ_tiles dM[ξ]·V[ξ]ᵀ`, `dW = Gᵀ·dU·G` — the exact gradient of the forward.
 
 use rayon::prelude::*;
-use tandem_core::alloc;
+use tandem_core::{alloc, Result};
 
-use super::cpu::Geometry;
-use super::tile_product::{self, TileShape};
+use super::tile_product::{self, Avx512, TileShape};
+use super::OP;
+use crate::conv2d::geometry::Geometry;
+use crate::cpu::memory::{self, Scratch};
+use crate::cpu::parallel::parallel;
 
 mod dot;
 mod transforms;
@@ -58,6 +61,7 @@ const SKEW: usize = 16;
 /// The Winograd plan of one geometry: its tiling and how many tile rows a chunk takes.
 #[derive(Clone, Copy)]
 pub(crate) struct Winograd {
+    cpu: Avx512,
     g: Geometry,
     /// Tiles down and across one sample's output.
     tiles_h: usize,
@@ -88,6 +92,7 @@ impl Winograd {
 
     /// [`Winograd::new`] with another channel threshold (the tests run any channel count).
     fn with_min_channels(g: &Geometry, min_channels: usize) -> Option<Self> {
+        let cpu = tile_product::avx512()?;
         let suits = g.kernel == (3, 3)
             && g.stride == (1, 1)
             && g.dilation == (1, 1)
@@ -95,8 +100,7 @@ impl Winograd {
             && g.out_channels >= min_channels.max(1)
             && g.batch > 0
             && g.out_h > 0
-            && g.out_w > 0
-            && tile_product::available();
+            && g.out_w > 0;
         if !suits {
             return None;
         }
@@ -104,6 +108,7 @@ impl Winograd {
         let tile_bytes = XI * 4 * (g.in_channels + g.out_channels);
         let chunk_rows = (CHUNK_BYTES / tile_bytes / (tiles_w + 1)).max(1);
         Some(Winograd {
+            cpu,
             g: *g,
             tiles_h,
             tiles_w,
@@ -141,23 +146,26 @@ impl Winograd {
     }
 
     /// `U[ξ][c][o] = (G·w[o, c]·Gᵀ)[ξ]` for the weights `w` (`[O, C, 3, 3]`).
-    fn transform_weights(&self, w: &[f32]) -> Vec<f32> {
+    fn transform_weights(&self, w: &[f32]) -> Result<Vec<f32>> {
         let (c_n, o_n) = (self.g.in_channels, self.g.out_channels);
-        let mut u = alloc::uninit::<f32>(XI * c_n * o_n);
+        let mut u = memory::uninit::<f32>(OP, XI * c_n * o_n)?;
         weight_tiles(w, c_n, o_n, &mut u);
-        u
+        Ok(u)
     }
 
     /// The forward `out = conv(x, w) + bias` (`x` `[N, C, H, W]`, `w` `[O, C, 3, 3]`, `out`
-    /// `[N, O, OH, OW]`, every element written). Returns false (the output then incomplete)
-    /// where a slice is shorter than the geometry needs or the kernel cannot run.
+    /// `[N, O, OH, OW]`): writes every element of `out`. Errors only when scratch memory
+    /// cannot be had.
+    ///
+    /// # Panics
+    /// When a slice is shorter than the geometry needs (a bug of the caller).
     pub(crate) fn forward(
         &self,
         x: &[f32],
         w: &[f32],
         bias: Option<&[f32]>,
         out: &mut [f32],
-    ) -> bool {
+    ) -> Result<()> {
         let g = &self.g;
         let (in_per, out_per) = (
             g.in_channels * g.in_h * g.in_w,
@@ -167,24 +175,19 @@ impl Winograd {
             && w.len() >= g.out_channels * g.in_channels * 9
             && out.len() >= g.batch * out_per
             && bias.is_none_or(|b| b.len() >= g.out_channels);
-        if !fits {
-            return false;
-        }
-        let u = self.transform_weights(w);
+        assert!(fits, "Winograd forward: slices too short for {g:?}");
+        let u = self.transform_weights(w)?;
         let out = &mut out[..g.batch * out_per];
         let threads = rayon::current_num_threads();
-        let done = if crate::util::parallel(out.len()) && g.batch > 1 {
+        let done = if parallel(out.len()) && g.batch > 1 {
             let per = g.batch.div_ceil(threads);
             out.par_chunks_mut(per * out_per)
                 .enumerate()
-                .map(|(i, part)| {
+                .try_for_each(|(i, part)| {
                     let n0 = i * per;
                     let xs = &x[n0 * in_per..(n0 + part.len() / out_per) * in_per];
                     self.forward_samples(xs, &u, bias, part)
                 })
-                .collect::<Vec<_>>()
-                .into_iter()
-                .all(|ok| ok)
         } else {
             self.forward_samples(&x[..g.batch * in_per], &u, bias, out)
         };
@@ -193,17 +196,23 @@ impl Winograd {
     }
 
     /// The forward of the samples `x` (whole samples) into `out`, chunk by chunk.
-    fn forward_samples(&self, x: &[f32], u: &[f32], bias: Option<&[f32]>, out: &mut [f32]) -> bool {
+    fn forward_samples(
+        &self,
+        x: &[f32],
+        u: &[f32],
+        bias: Option<&[f32]>,
+        out: &mut [f32],
+    ) -> Result<()> {
         let g = &self.g;
         let (c_n, o_n) = (g.in_channels, g.out_channels);
         let samples = x.len() / (c_n * g.in_h * g.in_w);
         let stride = self.max_stride();
-        let mut v_buf = Scratch::new(XI * (c_n * stride + SKEW));
-        let mut m_buf = Scratch::new(XI * (o_n * stride + SKEW));
-        let mut rows_buf = Scratch::zeroed(4 * self.row_len());
-        let mut out_buf = Scratch::new(4 * stride);
-        let (rows, out_rows) = (rows_buf.aligned(), out_buf.aligned());
-        let (v, m) = (v_buf.aligned(), m_buf.aligned());
+        let mut v_buf = Scratch::new(OP, XI * (c_n * stride + SKEW) + 16)?;
+        let mut m_buf = Scratch::new(OP, XI * (o_n * stride + SKEW) + 16)?;
+        let mut rows_buf = Scratch::zeroed(OP, 4 * self.row_len() + 16)?;
+        let mut out_buf = Scratch::new(OP, 4 * stride + 16)?;
+        let (rows, out_rows) = (aligned(&mut rows_buf), aligned(&mut out_buf));
+        let (v, m) = (aligned(&mut v_buf), aligned(&mut m_buf));
         let mut sources = Vec::with_capacity(4 * self.chunk_rows);
         for chunk in self.chunks(samples * self.tiles_h) {
             let t = chunk.stride;
@@ -221,9 +230,7 @@ impl Winograd {
                     accumulate: false,
                 };
                 let (a, b) = (&u[xi * c_n * o_n..], &v[xi * v_xi..]);
-                if !tile_product::product(shape, a, b, None, &mut m[xi * m_xi..]) {
-                    return false;
-                }
+                tile_product::product(self.cpu, shape, a, b, None, &mut m[xi * m_xi..]);
             }
             for o in 0..o_n {
                 let b = bias.map_or(0.0, |b| b[o]);
@@ -232,7 +239,7 @@ impl Winograd {
                 self.scatter_rows(chunk, o, top, bottom, out);
             }
         }
-        true
+        Ok(())
     }
 
     /// `V` of the tiles of `chunk` (`v[ξ·(C·t + SKEW) + c·t + j]`, `t = chunk.stride`) from
@@ -273,15 +280,19 @@ impl Winograd {
     }
 
     /// The weight gradient `dW[o, c, a, b] = Σ gy[n, o, i, j] · x[n, c, i + a − ph, j + b − pw]`
-    /// (`[O, C, 3, 3]`) of the forward, from the input `x` and the output gradient `gy`; None
-    /// where a slice is shorter than the geometry needs.
-    pub(crate) fn weight_gradient(&self, x: &[f32], gy: &[f32]) -> Option<Vec<f32>> {
+    /// (`[O, C, 3, 3]`) of the forward, from the input `x` and the output gradient `gy`. Errors
+    /// only when scratch memory cannot be had.
+    ///
+    /// # Panics
+    /// When a slice is shorter than the geometry needs (a bug of the caller).
+    pub(crate) fn weight_gradient(&self, x: &[f32], gy: &[f32]) -> Result<Vec<f32>> {
         let g = &self.g;
         let (c_n, o_n) = (g.in_channels, g.out_channels);
         let (in_per, out_per) = (c_n * g.in_h * g.in_w, o_n * g.out_h * g.out_w);
-        if x.len() < g.batch * in_per || gy.len() < g.batch * out_per {
-            return None;
-        }
+        assert!(
+            x.len() >= g.batch * in_per && gy.len() >= g.batch * out_per,
+            "Winograd weight gradient: slices too short for {g:?}"
+        );
         let plan = Winograd {
             chunk_rows: self
                 .chunk_rows
@@ -290,35 +301,36 @@ impl Winograd {
         };
         // Each part takes its own `dU` through the (linear) weight transform, so that with
         // several threads the transforms run in parallel and the merge adds `9/16` as much.
-        let part = |n0: usize, n1: usize| {
+        let part = |n0: usize, n1: usize| -> Result<Vec<f32>> {
             let du = plan.weight_samples(
                 &x[n0 * in_per..n1 * in_per],
                 &gy[n0 * out_per..n1 * out_per],
-            );
+            )?;
             let gw = self.weight_adjoint(&du);
             alloc::recycle(du);
             gw
         };
-        let partials: Vec<Vec<f32>> = if crate::util::parallel(g.batch * out_per) && g.batch > 1 {
+        let partials: Vec<Vec<f32>> = if parallel(g.batch * out_per) && g.batch > 1 {
             let per = g.batch.div_ceil(rayon::current_num_threads());
             (0..g.batch.div_ceil(per))
                 .into_par_iter()
                 .map(|i| part(i * per, ((i + 1) * per).min(g.batch)))
-                .collect()
+                .collect::<Result<_>>()?
         } else {
-            vec![part(0, g.batch)]
+            vec![part(0, g.batch)?]
         };
         let mut parts = partials.into_iter();
-        let mut total = parts.next()?;
+        // `Winograd::new` refuses an empty batch, so there is at least one part.
+        let mut total = parts.next().unwrap_or_default();
         for p in parts {
             total.iter_mut().zip(&p).for_each(|(t, &v)| *t += v);
             alloc::recycle(p);
         }
-        Some(total)
+        Ok(total)
     }
 
     /// `dW = Gᵀ·dU·G` (`[O, C, 3, 3]`) of `dU` laid out as the accumulator of `dot.rs`.
-    fn weight_adjoint(&self, total: &[f32]) -> Vec<f32> {
+    fn weight_adjoint(&self, total: &[f32]) -> Result<Vec<f32>> {
         let (c_n, o_n) = (self.g.in_channels, self.g.out_channels);
         // dW = Gᵀ·dU·G, G = [[1, 0, 0], [½, ½, ½], [½, −½, ½], [0, 0, 1]].
         let adjoint = |d: [f32; 4]| {
@@ -328,7 +340,7 @@ impl Winograd {
                 0.5 * (d[1] + d[2]) + d[3],
             ]
         };
-        let mut gw = alloc::uninit::<f32>(o_n * c_n * 9);
+        let mut gw = memory::uninit::<f32>(OP, o_n * c_n * 9)?;
         let xi_stride = accumulator_len(o_n, c_n) / XI;
         for o in 0..o_n {
             for c in 0..c_n {
@@ -344,26 +356,26 @@ impl Winograd {
                 }
             }
         }
-        gw
+        Ok(gw)
     }
 
     /// `dU` of the samples `x` with output gradient `gy`, laid out as the accumulator of
     /// `dot.rs`: `dM = A·dY·Aᵀ` per tile, `dU[ξ] += dM[ξ]·V[ξ]ᵀ` chunk by chunk.
-    fn weight_samples(&self, x: &[f32], gy: &[f32]) -> Vec<f32> {
+    fn weight_samples(&self, x: &[f32], gy: &[f32]) -> Result<Vec<f32>> {
         let g = &self.g;
         let (c_n, o_n, oh, ow) = (g.in_channels, g.out_channels, g.out_h, g.out_w);
         let samples = x.len() / (c_n * g.in_h * g.in_w);
         let stride = self.max_stride();
         let (row_len, seg) = (self.row_len(), self.segment());
-        let mut acc = alloc::zeroed(accumulator_len(o_n, c_n));
+        let mut acc = memory::zeroed(OP, accumulator_len(o_n, c_n))?;
         let (mut v_buf, mut m_buf) = (
-            Scratch::new(XI * (c_n * stride + SKEW)),
-            Scratch::new(XI * (o_n * stride + SKEW)),
+            Scratch::new(OP, XI * (c_n * stride + SKEW) + 16)?,
+            Scratch::new(OP, XI * (o_n * stride + SKEW) + 16)?,
         );
-        let mut rows_buf = Scratch::zeroed(4 * row_len);
-        let mut grad_buf = Scratch::zeroed(2 * row_len);
-        let (rows, grad_rows) = (rows_buf.aligned(), grad_buf.aligned());
-        let (v, dm) = (v_buf.aligned(), m_buf.aligned());
+        let mut rows_buf = Scratch::zeroed(OP, 4 * row_len + 16)?;
+        let mut grad_buf = Scratch::zeroed(OP, 2 * row_len + 16)?;
+        let (rows, grad_rows) = (aligned(&mut rows_buf), aligned(&mut grad_buf));
+        let (v, dm) = (aligned(&mut v_buf), aligned(&mut m_buf));
         let mut sources = Vec::with_capacity(4 * self.chunk_rows);
         let mut grad_sources = Vec::with_capacity(2 * self.chunk_rows);
         for chunk in self.chunks(samples * self.tiles_h) {
@@ -396,7 +408,7 @@ impl Winograd {
             }
             weight_products(dm, m_xi, v, v_xi, t, o_n, c_n, &mut acc);
         }
-        acc
+        Ok(acc)
     }
 
     /// Where the four long input rows of `chunk` read, for channel 0 of the samples `x`: for
@@ -437,28 +449,11 @@ impl Winograd {
     }
 }
 
-/// A scratch buffer from the caching allocator, handed back on drop.
-struct Scratch(Vec<f32>);
-
-impl Scratch {
-    fn new(len: usize) -> Self {
-        Scratch(alloc::uninit(len + 16))
-    }
-    fn zeroed(len: usize) -> Self {
-        Scratch(alloc::zeroed(len + 16))
-    }
-    /// The buffer from its first 64-byte aligned element (the vector loads and stores then
-    /// never straddle cache lines).
-    fn aligned(&mut self) -> &mut [f32] {
-        let skip = self.0.as_ptr().align_offset(64).min(16);
-        &mut self.0[skip..]
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        alloc::recycle(std::mem::take(&mut self.0));
-    }
+/// A scratch buffer (allocated 16 elements longer than needed) from its first 64-byte
+/// aligned element on: the vector loads and stores then never straddle cache lines.
+fn aligned(scratch: &mut Scratch<f32>) -> &mut [f32] {
+    let skip = scratch.buf.as_ptr().align_offset(64).min(16);
+    &mut scratch.buf[skip..]
 }
 
 #[cfg(test)]

@@ -1,0 +1,258 @@
+//! CPU kernels of the batch-norm phases (see `phases.rs`): each reads its tensors on the host,
+//! runs the passes of `passes.rs` and returns tensors. The per-channel constants (the
+//! normalization table, the gradient sums) are f64, as are the formulas that combine them.
+
+mod passes;
+
+use tandem_core::{with_float_type, DType, Element, Result, Tensor};
+
+use super::phases::{
+    ApplyArgs, BackwardApplyArgs, BackwardReduceArgs, GradMask, GradSums, Normalization,
+    NormalizationArgs, RunningUpdate, Statistics,
+};
+use super::Epilogue;
+use crate::cpu::memory;
+use passes::Dims;
+
+/// The input `[N, C, ...]` viewed as `[n, c, l]`.
+fn dims(x: &Tensor) -> Dims {
+    Dims {
+        n: x.dims()[0],
+        c: x.dims()[1],
+        l: x.dims()[2..].iter().product(),
+    }
+}
+
+/// A `[len]` f64 tensor on the CPU.
+fn f64_tensor(values: Vec<f64>) -> Result<Tensor> {
+    let len = values.len();
+    Tensor::from_vec(values, &[len], tandem_core::Device::Cpu)
+}
+
+/// The values of a float tensor as f64 (any layout).
+fn f64_values(op: &'static str, t: &Tensor) -> Result<Vec<f64>> {
+    with_float_type!(op, t.dtype(), T => Ok(memory::gather::<T>(op, t)?.into_iter().map(|v| v.to_f64()).collect()))
+}
+
+/// Per-channel mean and biased variance of `x` (contiguous or not).
+pub(crate) fn statistics(op: &'static str, x: &Tensor) -> Result<Statistics> {
+    let d = dims(x);
+    let xc = memory::contiguous(op, x)?;
+    let (mean, var) =
+        with_float_type!(op, x.dtype(), T => Ok(passes::moments::<T>(&xc.read_slice::<T>()?, d)))?;
+    Ok(Statistics {
+        count: d.n * d.l,
+        mean: f64_tensor(mean)?,
+        var: f64_tensor(var)?,
+    })
+}
+
+/// `[count, count·mean…, count·(var + mean²)…]`.
+pub(crate) fn to_sums(op: &'static str, stats: &Statistics) -> Result<Tensor> {
+    let (mean, var) = (f64_values(op, &stats.mean)?, f64_values(op, &stats.var)?);
+    let n = stats.count as f64;
+    let mut sums = Vec::with_capacity(1 + 2 * mean.len());
+    sums.push(n);
+    sums.extend(mean.iter().map(|m| n * m));
+    sums.extend(mean.iter().zip(&var).map(|(m, v)| n * (v + m * m)));
+    f64_tensor(sums)
+}
+
+/// The inverse of [`to_sums`]: the count (checked by the caller) and the per-channel mean and
+/// biased variance (clamped at 0 against rounding).
+pub(crate) fn from_sums(op: &'static str, sums: &Tensor) -> Result<(f64, Tensor, Tensor)> {
+    let values = f64_values(op, sums)?;
+    let c = values.len() / 2;
+    let n = values[0];
+    let mean: Vec<f64> = values[1..=c].iter().map(|s| s / n).collect();
+    let var: Vec<f64> = values[1 + c..]
+        .iter()
+        .zip(&mean)
+        .map(|(s, m)| (s / n - m * m).max(0.0))
+        .collect();
+    Ok((n, f64_tensor(mean)?, f64_tensor(var)?))
+}
+
+/// `running = (1 − momentum)·running + momentum·factor·stat`, in place, computed in f64.
+fn update_one(
+    op: &'static str,
+    running: &Tensor,
+    stat: &Tensor,
+    momentum: f64,
+    factor: f64,
+) -> Result<()> {
+    let (old, stat) = (f64_values(op, running)?, f64_values(op, stat)?);
+    let new: Vec<f64> = old
+        .iter()
+        .zip(&stat)
+        .map(|(o, s)| (1.0 - momentum) * o + momentum * factor * s)
+        .collect();
+    let update = Tensor::from_vec(new, running.dims(), running.device())?;
+    let update = if running.dtype() == DType::F64 {
+        update
+    } else {
+        update.to_dtype(running.dtype())?
+    };
+    running.copy_(&update)
+}
+
+/// The running-statistics update (the unbiased variance for `running_var`).
+pub(crate) fn update_running(op: &'static str, args: &RunningUpdate<'_>) -> Result<()> {
+    let count = args.stats.count as f64;
+    if let Some(r) = args.running_mean {
+        update_one(op, r, &args.stats.mean, args.momentum, 1.0)?;
+    }
+    if let Some(r) = args.running_var {
+        update_one(op, r, &args.stats.var, args.momentum, count / (count - 1.0))?;
+    }
+    Ok(())
+}
+
+/// The `[4, C]` table of mean, 1/σ, scale = w/σ and shift = b − mean·scale.
+pub(crate) fn normalization(op: &'static str, args: &NormalizationArgs<'_>) -> Result<Tensor> {
+    let (mean, var) = (f64_values(op, args.mean)?, f64_values(op, args.var)?);
+    let c = mean.len();
+    let invstd: Vec<f64> = var.iter().map(|v| 1.0 / (v + args.eps).sqrt()).collect();
+    let w = match args.weight {
+        Some(w) => f64_values(op, w)?,
+        None => vec![1.0; c],
+    };
+    let b = match args.bias {
+        Some(b) => f64_values(op, b)?,
+        None => vec![0.0; c],
+    };
+    let scale: Vec<f64> = (0..c).map(|i| w[i] * invstd[i]).collect();
+    let shift: Vec<f64> = (0..c).map(|i| b[i] - mean[i] * scale[i]).collect();
+    let mut table = mean;
+    table.extend(invstd);
+    table.extend(scale);
+    table.extend(shift);
+    Tensor::from_vec(table, &[4, c], tandem_core::Device::Cpu)
+}
+
+/// The rows of a normalization table: `(mean, invstd, scale, shift)`.
+fn rows(table: &[f64], c: usize) -> (&[f64], &[f64], &[f64], &[f64]) {
+    (
+        &table[..c],
+        &table[c..2 * c],
+        &table[2 * c..3 * c],
+        &table[3 * c..4 * c],
+    )
+}
+
+/// `y = x·scale + shift` and the epilogue, in one pass.
+pub(crate) fn apply(op: &'static str, args: &ApplyArgs<'_>) -> Result<Tensor> {
+    let x = args.x;
+    let d = dims(x);
+    let xc = memory::contiguous(op, x)?;
+    let table = args.norm.table().read_slice::<f64>()?;
+    let (_, _, scale, shift) = rows(&table, d.c);
+    with_float_type!(op, x.dtype(), T => {
+        let xs = xc.read_slice::<T>()?;
+        let y = match args.epilogue {
+            Epilogue::AddRelu(r) => {
+                let rc = memory::contiguous(op, r)?;
+                let rs = rc.read_slice::<T>()?;
+                passes::normalize::<T>(op, &xs, d, scale, shift, passes::Epilogue::AddRelu(&rs))?
+            }
+            Epilogue::Relu => passes::normalize::<T>(op, &xs, d, scale, shift, passes::Epilogue::Relu)?,
+            Epilogue::Plain => passes::normalize::<T>(op, &xs, d, scale, shift, passes::Epilogue::Plain)?,
+        };
+        Tensor::from_vec(y, x.dims(), x.device())
+    })
+}
+
+/// Per-channel `[Σg', Σg'·(x − mean)]` of the masked gradient `g'`, and `g'` itself where the
+/// mask comes from the saved output.
+pub(crate) fn backward_reduce(op: &'static str, args: &BackwardReduceArgs<'_>) -> Result<GradSums> {
+    let d = dims(args.x);
+    let (xc, gc) = (
+        memory::contiguous(op, args.x)?,
+        memory::contiguous(op, args.grad)?,
+    );
+    let table = args.norm.table().read_slice::<f64>()?;
+    let (mean, _, scale, shift) = rows(&table, d.c);
+    let (sum_g, sum_gc, masked) = with_float_type!(op, args.grad.dtype(), T => {
+        let (gs, xs) = (gc.read_slice::<T>()?, xc.read_slice::<T>()?);
+        match args.mask {
+            GradMask::Output(y) => {
+                let yc = memory::contiguous(op, y)?;
+                let ys = yc.read_slice::<T>()?;
+                let (masked, sum_g, sum_gc) = passes::masked_grad_sums::<T>(op, &gs, &ys, &xs, d, mean)?;
+                Ok((sum_g, sum_gc, Some(Tensor::from_vec(masked, args.x.dims(), args.grad.device())?)))
+            }
+            GradMask::Relu => {
+                let mask = passes::affine_coefs::<T>(scale, shift);
+                let (sum_g, sum_gc) = passes::grad_sums::<T>(&gs, &xs, d, mean, Some(&mask));
+                Ok((sum_g, sum_gc, None))
+            }
+            GradMask::None => {
+                let (sum_g, sum_gc) = passes::grad_sums::<T>(&gs, &xs, d, mean, None);
+                Ok((sum_g, sum_gc, None))
+            }
+        }
+    })?;
+    let mut sums = sum_g;
+    sums.extend(sum_gc);
+    Ok(GradSums {
+        sums: Tensor::from_vec(sums, &[2, d.c], tandem_core::Device::Cpu)?,
+        grad: masked,
+    })
+}
+
+/// The input gradient: in training `(w/σ)·(g − Σg/m − x̂·Σg·x̂/m)` per channel, expanded into
+/// `g·a + x·slope + offset`; in evaluation `g·w/σ`.
+pub(crate) fn backward_apply(op: &'static str, args: &BackwardApplyArgs<'_>) -> Result<Tensor> {
+    let d = dims(args.x);
+    let (xc, gc) = (
+        memory::contiguous(op, args.x)?,
+        memory::contiguous(op, args.grad)?,
+    );
+    let table = args.norm.table().read_slice::<f64>()?;
+    let (mean, invstd, scale, shift) = rows(&table, d.c);
+    let sums = memory::gather::<f64>(op, args.sums)?;
+    let (sum_g, sum_gc) = sums.split_at(d.c);
+    // w/σ per channel: the forward's scale
+    let a = scale;
+    let (slope, offset): (Vec<f64>, Vec<f64>) = if args.training {
+        let m = args.count as f64;
+        (0..d.c)
+            .map(|c| {
+                // Σ g·x̂
+                let sum_g_xhat = sum_gc[c] * invstd[c];
+                let slope = -a[c] * invstd[c] * sum_g_xhat / m;
+                (slope, -a[c] * sum_g[c] / m - slope * mean[c])
+            })
+            .unzip()
+    } else {
+        (vec![0.0; d.c], vec![0.0; d.c])
+    };
+    with_float_type!(op, args.grad.dtype(), T => {
+        let mask = args.relu_mask.then(|| passes::affine_coefs::<T>(scale, shift));
+        let (gs, xs) = (gc.read_slice::<T>()?, xc.read_slice::<T>()?);
+        let gx = passes::grad_input::<T>(op, &gs, &xs, d, a, &slope, &offset, mask.as_deref())?;
+        Tensor::from_vec(gx, args.x.dims(), args.grad.device())
+    })
+}
+
+/// The weight and bias gradients `(Σ g·x̂, Σ g)` per channel, in `dtype`.
+pub(crate) fn parameter_gradients(
+    op: &'static str,
+    sums: &Tensor,
+    norm: &Normalization,
+    dtype: DType,
+) -> Result<(Tensor, Tensor)> {
+    let c = norm.channels();
+    let sums = memory::gather::<f64>(op, sums)?;
+    let table = norm.table().read_slice::<f64>()?;
+    let (_, invstd, _, _) = rows(&table, c);
+    let (sum_g, sum_gc) = sums.split_at(c);
+    with_float_type!(op, dtype, T => {
+        let weight: Vec<T> = (0..c).map(|i| T::from_f64(sum_gc[i] * invstd[i])).collect();
+        let bias: Vec<T> = sum_g.iter().map(|&s| T::from_f64(s)).collect();
+        Ok((
+            Tensor::from_vec(weight, &[c], tandem_core::Device::Cpu)?,
+            Tensor::from_vec(bias, &[c], tandem_core::Device::Cpu)?,
+        ))
+    })
+}

@@ -1,0 +1,419 @@
+//! Batch normalization as phases, for callers that put something between them — above all
+//! `SyncBatchNorm`, which all-reduces the statistics across processes between [`statistics`]
+//! and [`apply`], and the gradient sums between [`backward_reduce`] and [`backward_apply`]:
+//!
+//! ```text
+//! forward:  statistics(x) ──(to_sums → all-reduce → from_sums)──► normalization ──► apply
+//!                     └──► update_running
+//! backward: backward_reduce(g) ──(all-reduce of the sums)──► backward_apply ──► grad_x
+//!                     └──► parameter_gradients ──► grad_weight, grad_bias
+//! ```
+//!
+//! [`batch_norm`](super::batch_norm) and its fused forms are these phases run in a row. The
+//! phases are not recorded by autograd: a caller records its own backward, as the fused ops
+//! do. Per-channel values (statistics, the normalization table, gradient sums) are f64 tensors
+//! on the input's device; every phase checks its arguments and dispatches once on that device.
+
+use tandem_core::{DType, Device, Error, Result, Tensor};
+
+use super::{cpu, Epilogue};
+use crate::checks::{float_dtype, same_dtype_device};
+use crate::device::no_kernel;
+
+/// Per-channel statistics of a batch: what batch norm normalises with.
+#[derive(Clone, Debug)]
+pub struct Statistics {
+    /// How many values each channel's statistics cover (`N·H·W…`).
+    pub count: usize,
+    /// The mean of each channel, `[C]` f64.
+    pub mean: Tensor,
+    /// The biased variance of each channel, `[C]` f64.
+    pub var: Tensor,
+}
+
+impl Statistics {
+    /// The statistics as additive sums, a `[1 + 2C]` f64 tensor
+    /// `[count, count·mean…, count·(var + mean²)…]`: the elementwise sum of the sums of
+    /// several batches is the sums of their union. All-reduce them across processes, then
+    /// [`Statistics::from_sums`] gives the statistics of the global batch. (Each batch's own
+    /// moments are exact; the merge's subtraction loses only `ε·mean²/var` relative, in f64.)
+    pub fn to_sums(&self) -> Result<Tensor> {
+        const OP: &str = "batch_norm_statistics";
+        let c = self.mean.numel();
+        check_channel_tensor(OP, "mean", &self.mean, c, self.mean.device())?;
+        check_channel_tensor(OP, "var", &self.var, c, self.mean.device())?;
+        match self.mean.device() {
+            Device::Cpu => cpu::to_sums(OP, self),
+            Device::Cuda(_) => Err(no_kernel(OP, self.mean.device())),
+        }
+    }
+
+    /// The statistics whose [`Statistics::to_sums`] are `sums` (`[1 + 2C]` f64, as summed
+    /// over processes). Errors when the tensor has the wrong shape or dtype, or when its count
+    /// is not a whole number above 1 (no variance can be taken of fewer values).
+    pub fn from_sums(sums: &Tensor) -> Result<Statistics> {
+        const OP: &str = "batch_norm_statistics";
+        if sums.dtype() != DType::F64 || sums.rank() != 1 || sums.dims()[0] % 2 != 1 {
+            return Err(Error::shape(
+                OP,
+                format!(
+                    "statistic sums must be a [1 + 2C] f64 tensor, got {} {:?}",
+                    sums.dtype(),
+                    sums.dims()
+                ),
+            ));
+        }
+        let (count, mean, var) = match sums.device() {
+            Device::Cpu => cpu::from_sums(OP, sums)?,
+            Device::Cuda(_) => return Err(no_kernel(OP, sums.device())),
+        };
+        // Counts are exact in f64 up to 2⁵³, far beyond any batch.
+        let whole = count.is_finite() && count.fract() == 0.0 && count < 2f64.powi(53);
+        if !whole || count < 2.0 {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "batch statistics need more than one value per channel, got a count of \
+                     {count}"
+                ),
+            ));
+        }
+        Ok(Statistics {
+            count: count as usize,
+            mean,
+            var,
+        })
+    }
+}
+
+/// Checks that `x` is a float `[N, C, …]` tensor; returns `C`.
+fn channels(op: &'static str, x: &Tensor) -> Result<usize> {
+    float_dtype(op, x)?;
+    if x.rank() < 2 {
+        return Err(Error::shape(
+            op,
+            format!("need input [N, C] or [N, C, ...], got {:?}", x.dims()),
+        ));
+    }
+    Ok(x.dims()[1])
+}
+
+/// Checks that a per-channel tensor is `[c]`, float, on `device`.
+fn check_channel_tensor(
+    op: &'static str,
+    name: &str,
+    t: &Tensor,
+    c: usize,
+    device: Device,
+) -> Result<()> {
+    device.same_as(t.device(), op)?;
+    float_dtype(op, t)?;
+    if t.dims() != [c] {
+        return Err(Error::shape(
+            op,
+            format!("{name} has shape {:?}, need [{c}]", t.dims()),
+        ));
+    }
+    Ok(())
+}
+
+/// The per-channel mean and biased variance of `x` (`[N, C]` or `[N, C, …]`, f32 or f64, any
+/// layout), over every dim but the channel dim.
+///
+/// # Shapes
+/// `x`: `[N, C, …]` → `mean`, `var`: `[C]` f64; `count = N·(product of the trailing dims)`.
+pub fn statistics(x: &Tensor) -> Result<Statistics> {
+    const OP: &str = "batch_norm_statistics";
+    channels(OP, x)?;
+    match x.device() {
+        Device::Cpu => cpu::statistics(OP, x),
+        Device::Cuda(_) => Err(no_kernel(OP, x.device())),
+    }
+}
+
+/// Arguments of [`update_running`].
+#[derive(Clone, Copy, Debug)]
+pub struct RunningUpdate<'a> {
+    /// The running mean to update in place, if tracked.
+    pub running_mean: Option<&'a Tensor>,
+    /// The running (unbiased) variance to update in place, if tracked.
+    pub running_var: Option<&'a Tensor>,
+    /// The batch statistics to fold in (a count above 1).
+    pub stats: &'a Statistics,
+    /// Weight of the batch: `running = (1 − momentum)·running + momentum·batch`.
+    pub momentum: f64,
+}
+
+/// Folds batch statistics into the running ones, in place: the mean as it is, the variance
+/// unbiased (`var·count/(count − 1)`), as PyTorch does.
+pub fn update_running(args: &RunningUpdate<'_>) -> Result<()> {
+    const OP: &str = "batch_norm_update_running";
+    let c = args.stats.mean.numel();
+    for (name, t) in [
+        ("running_mean", args.running_mean),
+        ("running_var", args.running_var),
+    ] {
+        if let Some(t) = t {
+            check_channel_tensor(OP, name, t, c, args.stats.mean.device())?;
+        }
+    }
+    if args.stats.count < 2 {
+        return Err(Error::invalid(
+            OP,
+            format!("need a count above 1, got {}", args.stats.count),
+        ));
+    }
+    match args.stats.mean.device() {
+        Device::Cpu => cpu::update_running(OP, args),
+        Device::Cuda(_) => Err(no_kernel(OP, args.stats.mean.device())),
+    }
+}
+
+/// Arguments of [`normalization`].
+#[derive(Clone, Copy, Debug)]
+pub struct NormalizationArgs<'a> {
+    /// Per-channel mean `[C]` (batch or running statistics; any float dtype).
+    pub mean: &'a Tensor,
+    /// Per-channel biased variance `[C]`.
+    pub var: &'a Tensor,
+    /// Per-channel scale `[C]`; ones when absent.
+    pub weight: Option<&'a Tensor>,
+    /// Per-channel shift `[C]`; zeros when absent.
+    pub bias: Option<&'a Tensor>,
+    /// Added to the variance before the square root (≥ 0).
+    pub eps: f64,
+}
+
+/// The per-channel constants of a normalization: the mean, `1/σ = 1/sqrt(var + eps)`, and the
+/// affine map `y = x·scale + shift` that [`apply`] computes (`scale = w/σ`,
+/// `shift = b − mean·scale`), as one `[4, C]` f64 tensor.
+#[derive(Clone, Debug)]
+pub struct Normalization {
+    table: Tensor,
+}
+
+impl Normalization {
+    /// The `[4, C]` f64 table: rows mean, 1/σ, scale, shift.
+    pub fn table(&self) -> &Tensor {
+        &self.table
+    }
+
+    /// Number of channels.
+    pub fn channels(&self) -> usize {
+        self.table.dims()[1]
+    }
+
+    /// The device the constants live on.
+    pub fn device(&self) -> Device {
+        self.table.device()
+    }
+}
+
+/// The constants [`apply`] and the backward phases use, from the statistics, the affine
+/// parameters and `eps`.
+pub fn normalization(args: &NormalizationArgs<'_>) -> Result<Normalization> {
+    const OP: &str = "batch_norm_normalization";
+    let c = args.mean.numel();
+    let device = args.mean.device();
+    check_channel_tensor(OP, "mean", args.mean, c, device)?;
+    check_channel_tensor(OP, "var", args.var, c, device)?;
+    for (name, t) in [("weight", args.weight), ("bias", args.bias)] {
+        if let Some(t) = t {
+            check_channel_tensor(OP, name, t, c, device)?;
+        }
+    }
+    if args.eps.is_nan() || args.eps < 0.0 {
+        return Err(Error::invalid(
+            OP,
+            format!("eps must be non-negative, got {}", args.eps),
+        ));
+    }
+    let table = match device {
+        Device::Cpu => cpu::normalization(OP, args)?,
+        Device::Cuda(_) => return Err(no_kernel(OP, device)),
+    };
+    Ok(Normalization { table })
+}
+
+/// Checks that `x` fits `norm` (channels and device); returns nothing else.
+fn check_input(op: &'static str, x: &Tensor, norm: &Normalization) -> Result<()> {
+    let c = channels(op, x)?;
+    x.device().same_as(norm.device(), op)?;
+    if c != norm.channels() {
+        return Err(Error::shape(
+            op,
+            format!(
+                "input {:?} has {c} channels but the normalization has {}",
+                x.dims(),
+                norm.channels()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Checks that `t` has `x`'s shape, dtype and device.
+fn check_like(op: &'static str, what: &str, x: &Tensor, t: &Tensor) -> Result<()> {
+    same_dtype_device(op, x, t)?;
+    if t.dims() != x.dims() {
+        return Err(Error::shape(
+            op,
+            format!(
+                "{what} has shape {:?} but input has shape {:?} (they must match)",
+                t.dims(),
+                x.dims()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Arguments of [`apply`].
+#[derive(Clone, Copy, Debug)]
+pub struct ApplyArgs<'a> {
+    /// The input `[N, C, …]`.
+    pub x: &'a Tensor,
+    /// The constants to normalise with.
+    pub norm: &'a Normalization,
+    /// What is fused onto the output.
+    pub epilogue: Epilogue<'a>,
+}
+
+/// `y = x·scale + shift` per channel, then the epilogue (a ReLU, or a residual add and a
+/// ReLU), in one pass. Not recorded by autograd.
+///
+/// # Shapes
+/// `x` (and the residual): `[N, C, …]` → output: the same shape.
+pub fn apply(args: &ApplyArgs<'_>) -> Result<Tensor> {
+    const OP: &str = "batch_norm_apply";
+    check_input(OP, args.x, args.norm)?;
+    if let Epilogue::AddRelu(r) = args.epilogue {
+        check_like(OP, "residual", args.x, r)?;
+    }
+    match args.x.device() {
+        Device::Cpu => cpu::apply(OP, args),
+        Device::Cuda(_) => Err(no_kernel(OP, args.x.device())),
+    }
+}
+
+/// How the forward's epilogue masks the output gradient, for the backward phases.
+#[derive(Clone, Copy, Debug)]
+pub enum GradMask<'a> {
+    /// No epilogue: the gradient passes as it is.
+    None,
+    /// A ReLU on the normalised value: the gradient counts where `x·scale + shift > 0`, which
+    /// is recomputed from the input with the forward's own constants.
+    Relu,
+    /// A residual add and a ReLU: the gradient counts where this saved output is positive.
+    Output(&'a Tensor),
+}
+
+/// Arguments of [`backward_reduce`].
+#[derive(Clone, Copy, Debug)]
+pub struct BackwardReduceArgs<'a> {
+    /// The gradient of the output.
+    pub grad: &'a Tensor,
+    /// The forward's input.
+    pub x: &'a Tensor,
+    /// The forward's constants.
+    pub norm: &'a Normalization,
+    /// The epilogue's mask.
+    pub mask: GradMask<'a>,
+}
+
+/// What [`backward_reduce`] returns.
+#[derive(Clone, Debug)]
+pub struct GradSums {
+    /// `[2, C]` f64: per channel `Σ g'` and `Σ g'·(x − mean)` of the masked gradient `g'`.
+    /// Additive over batches normalised with the same mean: all-reduce it across processes
+    /// for the gradient of a global batch.
+    pub sums: Tensor,
+    /// The masked gradient itself under [`GradMask::Output`] (it is the residual's gradient
+    /// and the gradient [`backward_apply`] takes), None otherwise.
+    pub grad: Option<Tensor>,
+}
+
+/// The per-channel reductions of the backward (see [`GradSums`]), with the epilogue's mask
+/// applied on the way.
+pub fn backward_reduce(args: &BackwardReduceArgs<'_>) -> Result<GradSums> {
+    const OP: &str = "batch_norm_backward_reduce";
+    check_input(OP, args.x, args.norm)?;
+    check_like(OP, "gradient", args.x, args.grad)?;
+    if let GradMask::Output(y) = args.mask {
+        check_like(OP, "saved output", args.x, y)?;
+    }
+    match args.x.device() {
+        Device::Cpu => cpu::backward_reduce(OP, args),
+        Device::Cuda(_) => Err(no_kernel(OP, args.x.device())),
+    }
+}
+
+/// Arguments of [`backward_apply`].
+#[derive(Clone, Copy, Debug)]
+pub struct BackwardApplyArgs<'a> {
+    /// The gradient batch norm itself sees: [`GradSums::grad`] where the reduce returned one,
+    /// else the output gradient.
+    pub grad: &'a Tensor,
+    /// The forward's input.
+    pub x: &'a Tensor,
+    /// The forward's constants.
+    pub norm: &'a Normalization,
+    /// [`GradSums::sums`] (all-reduced where the statistics were).
+    pub sums: &'a Tensor,
+    /// How many values the statistics covered (the global batch's count where they were
+    /// all-reduced).
+    pub count: usize,
+    /// Whether the forward normalised with batch statistics (whose dependence on `x` the
+    /// gradient then includes) or with running ones.
+    pub training: bool,
+    /// Whether to mask `grad` by the recomputed ReLU mask ([`GradMask::Relu`]).
+    pub relu_mask: bool,
+}
+
+/// The gradient of the input: `(w/σ)·(g − Σg/m − x̂·Σg·x̂/m)` per channel in training,
+/// `g·w/σ` in evaluation.
+pub fn backward_apply(args: &BackwardApplyArgs<'_>) -> Result<Tensor> {
+    const OP: &str = "batch_norm_backward_apply";
+    check_input(OP, args.x, args.norm)?;
+    check_like(OP, "gradient", args.x, args.grad)?;
+    check_sums(OP, args.sums, args.norm)?;
+    if args.training && args.count == 0 {
+        return Err(Error::invalid(OP, "training needs a count above 0"));
+    }
+    match args.x.device() {
+        Device::Cpu => cpu::backward_apply(OP, args),
+        Device::Cuda(_) => Err(no_kernel(OP, args.x.device())),
+    }
+}
+
+/// Checks that `sums` is a `[2, C]` f64 tensor on the normalization's device.
+fn check_sums(op: &'static str, sums: &Tensor, norm: &Normalization) -> Result<()> {
+    norm.device().same_as(sums.device(), op)?;
+    if sums.dtype() != DType::F64 || sums.dims() != [2, norm.channels()] {
+        return Err(Error::shape(
+            op,
+            format!(
+                "gradient sums must be a [2, {}] f64 tensor, got {} {:?}",
+                norm.channels(),
+                sums.dtype(),
+                sums.dims()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The gradients of the weight and the bias, `(Σ g'·x̂, Σ g')` per channel (`[C]` each, in
+/// `dtype`), from the [`GradSums::sums`] of this process.
+pub fn parameter_gradients(
+    sums: &Tensor,
+    norm: &Normalization,
+    dtype: DType,
+) -> Result<(Tensor, Tensor)> {
+    const OP: &str = "batch_norm_parameter_gradients";
+    check_sums(OP, sums, norm)?;
+    match sums.device() {
+        Device::Cpu => cpu::parameter_gradients(OP, sums, norm, dtype),
+        Device::Cuda(_) => Err(no_kernel(OP, sums.device())),
+    }
+}
