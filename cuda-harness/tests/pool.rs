@@ -373,8 +373,8 @@ fn builders_refuse_views_that_do_not_fit_the_geometry() {
         Some(4),
     )
     .unwrap();
-    let mut x = HostBuffer::new(&vec![0.0f32; 40]);
-    let mut y = HostBuffer::new(&vec![0.0f32; 8]);
+    let mut x = HostBuffer::new(&[0.0f32; 40]);
+    let mut y = HostBuffer::new(&[0.0f32; 8]);
     // A strided input, an input of the wrong size, an f64 output for an f32 input.
     let strided = Layout::contiguous(&[2, 4, 5]).narrow("t", 2, 0, 4).unwrap();
     let y_layout = Layout::contiguous(&[2, 2, 2]);
@@ -384,7 +384,7 @@ fn builders_refuse_views_that_do_not_fit_the_geometry() {
     assert!(err.contains("avg_pool2d") && err.contains("dense"), "{err}");
     let wrong = Layout::contiguous(&[2, 4, 3]);
     assert!(avg_pool2d_launch("t", x.view(&wrong), y.view(&y_layout), &geometry).is_err());
-    let mut y64 = HostBuffer::new(&vec![0.0f64; 8]);
+    let mut y64 = HostBuffer::new(&[0.0f64; 8]);
     let x_layout = Layout::contiguous(&[2, 4, 4]);
     let err = avg_pool2d_launch("t", x.view(&x_layout), y64.view(&y_layout), &geometry)
         .unwrap_err()
@@ -392,7 +392,7 @@ fn builders_refuse_views_that_do_not_fit_the_geometry() {
     assert!(err.contains("f64") && err.contains("f32"), "{err}");
     // Max pooling of integers has no kernel.
     let mut xi = HostBuffer::new(&vec![0i64; 32]);
-    let mut yi = HostBuffer::new(&vec![0i64; 8]);
+    let mut yi = HostBuffer::new(&[0i64; 8]);
     assert!(
         max_pool2d_launch("t", xi.view(&x_layout), yi.view(&y_layout), 0, &geometry)
             .unwrap_err()
