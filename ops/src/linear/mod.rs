@@ -1,5 +1,6 @@
 //! The affine map of a fully connected layer, `y = x·Wᵀ + b`, as one gemm with the bias fused
-//! in (the output starts as the bias and the product accumulates onto it).
+//! in (the output starts as the bias and the product accumulates onto it; on CUDA one
+//! broadcast copy writes the bias and cuBLAS accumulates with `beta = 1`).
 //!
 //! The weight is read transposed through its strides, and the leading dims of `x` fold into the
 //! rows of a single product. The backward is two more products, `grad_x = g·W` and
@@ -7,12 +8,12 @@
 //! of `g`.
 
 mod cpu;
+mod cuda;
 
 use tandem_autograd::record_fn;
 use tandem_core::{Device, Error, Layout, Result, Tensor};
 
 use crate::checks::{float_dtype, same_dtype_device};
-use crate::device::no_kernel;
 use crate::matmul::batched_product;
 
 /// `x` as a matrix: a 1-D input becomes a one-row view.
@@ -115,7 +116,7 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
             if has_bias {
                 grads.push(Some(match g.device() {
                     Device::Cpu => cpu::column_sums(g)?,
-                    Device::Cuda(_) => return Err(no_kernel("linear_backward", g.device())),
+                    Device::Cuda(_) => cuda::column_sums("linear_backward", g)?,
                 }));
             }
             Ok(grads)

@@ -1,17 +1,19 @@
 //! Matrix products with `torch.matmul` semantics: vector·vector, matrix·matrix, and batched
-//! products whose batch dims broadcast, all through the `gemm` crate.
+//! products whose batch dims broadcast, through the `gemm` crate on the CPU and cuBLAS on CUDA
+//! (`blas_plan.rs` maps the layouts to cuBLAS calls, `cuda.rs` issues them).
 //!
 //! Operands are read in place through their strides, so transposed views cost no copy. The
 //! backward is two more products, `grad_a = g·bᵀ` and `grad_b = aᵀ·g`, each summed over the
 //! batch dims its operand was broadcast along.
 
+mod blas_plan;
 mod cpu;
+pub(crate) mod cuda;
 
 use tandem_autograd::record_fn;
 use tandem_core::{broadcast_shapes, Device, Error, Result, Tensor};
 
 use crate::checks::{float_dtype, same_dtype_device};
-use crate::device::no_kernel;
 use crate::views::{squeeze, unsqueeze};
 
 /// Matrix product of `a` and `b`, like `torch.matmul`.
@@ -105,7 +107,7 @@ pub(crate) fn batched_product(
 ) -> Result<Tensor> {
     match x.device() {
         Device::Cpu => cpu::batched_product(op, x, tx, y, ty, batch, out_batch, bias),
-        Device::Cuda(_) => Err(no_kernel(op, x.device())),
+        Device::Cuda(_) => cuda::batched_product(op, x, tx, y, ty, batch, out_batch, bias),
     }
 }
 

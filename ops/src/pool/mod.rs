@@ -8,14 +8,22 @@
 //! `OH = (H + 2·padding.0 − kernel.0) / stride.0 + 1` (floor) and likewise `OW`.
 
 mod cpu;
+mod cuda;
+pub mod launch;
 mod windows;
 
 use tandem_autograd::{needs_grad, record_fn};
 use tandem_core::{checked_numel, Device, Error, Result, Tensor};
 
 use crate::checks::float_dtype;
-use crate::device::no_kernel;
+use launch::PoolWindows;
 use windows::Windows;
+
+/// The maxima a max pool's forward saved for its backward, on the device it ran on.
+enum MaxIndices {
+    Cpu(cpu::MaxIndices),
+    Cuda(cuda::MaxIndices),
+}
 
 /// Checks that `x` is `[N, C, H, W]` or `[C, H, W]` and returns `(H, W)`.
 fn plane_dims(op: &'static str, x: &Tensor) -> Result<(usize, usize)> {
@@ -40,6 +48,15 @@ fn sliding_windows(
     divisor: Option<usize>,
 ) -> Result<Windows> {
     let (h, w) = plane_dims(op, x)?;
+    if h == 0 || w == 0 {
+        return Err(Error::shape(
+            op,
+            format!(
+                "input {:?} has empty planes (H and W must be positive)",
+                x.dims()
+            ),
+        ));
+    }
     if kernel.0 == 0 || kernel.1 == 0 || stride.0 == 0 || stride.1 == 0 {
         return Err(Error::invalid(
             op,
@@ -104,17 +121,41 @@ pub fn max_pool2d(
     let hw = plane_dims(OP, x)?;
     let keep = needs_grad(&[x]);
     let shape = out_shape(OP, x, &win)?;
+    let spec = PoolWindows::Sliding {
+        kernel,
+        stride,
+        padding,
+    };
     let (out, indices) = match x.device() {
-        Device::Cpu => cpu::max_pool(OP, x, hw, &win, keep, &shape)?,
-        Device::Cuda(_) => return Err(no_kernel(OP, x.device())),
+        Device::Cpu => {
+            let (out, indices) = cpu::max_pool(OP, x, hw, &win, keep, &shape)?;
+            (out, MaxIndices::Cpu(indices))
+        }
+        Device::Cuda(_) => match cuda::max_pool(OP, x, spec, keep, &shape)? {
+            (out, Some(indices)) => (out, MaxIndices::Cuda(indices)),
+            // Nothing needs a gradient, so no backward is recorded to read the indices.
+            (out, None) => return Ok(out),
+        },
     };
     let in_shape = x.dims().to_vec();
+    let forward_device = x.device();
     Ok(record_fn(out, &[x], OP, move || {
         move |g: &Tensor| {
             const BACKWARD: &str = "max_pool2d_backward";
-            let gx = match g.device() {
-                Device::Cpu => cpu::max_pool_backward(BACKWARD, g, &indices, hw, &win, &in_shape)?,
-                Device::Cuda(_) => return Err(no_kernel(BACKWARD, g.device())),
+            let gx = match (g.device(), &indices) {
+                (Device::Cpu, MaxIndices::Cpu(indices)) => {
+                    cpu::max_pool_backward(BACKWARD, g, indices, hw, &win, &in_shape)?
+                }
+                (Device::Cuda(_), MaxIndices::Cuda(indices)) => {
+                    cuda::max_pool_backward(BACKWARD, g, indices, spec, &in_shape)?
+                }
+                _ => {
+                    return Err(Error::DeviceMismatch {
+                        op: BACKWARD,
+                        lhs: forward_device,
+                        rhs: g.device(),
+                    })
+                }
             };
             Ok(vec![Some(gx)])
         }
@@ -142,7 +183,12 @@ pub fn avg_pool2d(
         )
     })?;
     let win = sliding_windows(OP, x, kernel, stride, padding, Some(divisor))?;
-    average(OP, x, win)
+    let spec = PoolWindows::Sliding {
+        kernel,
+        stride,
+        padding,
+    };
+    average(OP, x, win, spec)
 }
 
 /// Adaptive average pooling to a fixed `output` size `(OH, OW)`: output row `i` averages
@@ -174,23 +220,24 @@ pub fn adaptive_avg_pool2d(x: &Tensor, output: (usize, usize)) -> Result<Tensor>
         cols: windows::adaptive(OP, w, output.1)?,
         divisor: None,
     };
-    average(OP, x, win)
+    average(OP, x, win, PoolWindows::Adaptive)
 }
 
-/// Shared forward/backward of the average pools.
-fn average(op: &'static str, x: &Tensor, win: Windows) -> Result<Tensor> {
+/// Shared forward/backward of the average pools: `win` lists the windows (for the CPU),
+/// `spec` describes them (for the CUDA kernels, which compute each window themselves).
+fn average(op: &'static str, x: &Tensor, win: Windows, spec: PoolWindows) -> Result<Tensor> {
     let hw = plane_dims(op, x)?;
     let shape = out_shape(op, x, &win)?;
     let out = match x.device() {
         Device::Cpu => cpu::avg_pool(op, x, hw, &win, &shape)?,
-        Device::Cuda(_) => return Err(no_kernel(op, x.device())),
+        Device::Cuda(_) => cuda::avg_pool(op, x, spec, win.divisor, &shape)?,
     };
     let in_shape = x.dims().to_vec();
     Ok(record_fn(out, &[x], op, move || {
         move |g: &Tensor| {
             let gx = match g.device() {
                 Device::Cpu => cpu::avg_pool_backward(op, g, hw, &win, &in_shape)?,
-                Device::Cuda(_) => return Err(no_kernel(op, g.device())),
+                Device::Cuda(_) => cuda::avg_pool_backward(op, g, spec, win.divisor, &in_shape)?,
             };
             Ok(vec![Some(gx)])
         }

@@ -1,0 +1,403 @@
+//! The matrix products on a CUDA device, through cuBLAS on the device's compute stream: the
+//! batched product that matmul, its backward and linear are built on, and the row sums that
+//! reduce a product over a summed batch (and give linear's bias gradient).
+//!
+//! `blas_plan.rs` turns the operands' layouts into cuBLAS calls; this file prepares the
+//! operands (a dense copy only where cuBLAS cannot read one in place), allocates the output
+//! from the stream-ordered allocator and issues the calls. f32 products use TF32 only when
+//! `tandem_core::cuda::blas::allow_tf32_matmul()` says so (off by default, as in PyTorch). A
+//! bias is copied into every output row by one broadcast copy and the product accumulates onto
+//! it (`beta = 1`), as the CPU does. Nothing here waits for the device.
+
+use cudarc::cublas::result as cublas;
+use cudarc::cublas::sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
+use tandem_core::cuda::{blas, device_pointer};
+use tandem_core::{checked_numel, DType, Error, Result, Tensor};
+
+use super::blas_plan::{plan, GemmCall, Mat, Operand, Plan};
+
+/// Describes `t` (`[own_batch.., r, c]`) as an operand of a product over the full `batch`,
+/// transposed when `trans` (the CPU's `operand`, in elements).
+fn describe(t: &Tensor, trans: bool, batch: &[usize]) -> Operand {
+    let rank = t.rank();
+    let (st, dims) = (t.layout().strides(), t.dims());
+    let lead = batch.len() + 2 - rank;
+    let batch_strides = (0..batch.len())
+        .map(|d| {
+            if d < lead || dims[d - lead] == 1 {
+                0
+            } else {
+                st[d - lead]
+            }
+        })
+        .collect();
+    let (rows, cols, rs, cs) = if trans {
+        (dims[rank - 1], dims[rank - 2], st[rank - 1], st[rank - 2])
+    } else {
+        (dims[rank - 2], dims[rank - 1], st[rank - 2], st[rank - 1])
+    };
+    Operand {
+        mat: Mat {
+            rows,
+            cols,
+            rs,
+            cs,
+            offset: t.layout().offset(),
+        },
+        batch_strides,
+    }
+}
+
+fn check_device(op: &'static str, a: &Tensor, b: &Tensor) -> Result<()> {
+    if a.device() != b.device() {
+        return Err(Error::DeviceMismatch {
+            op,
+            lhs: a.device(),
+            rhs: b.device(),
+        });
+    }
+    if a.dtype() != b.dtype() {
+        return Err(Error::DTypeMismatch {
+            op,
+            lhs: a.dtype(),
+            rhs: b.dtype(),
+        });
+    }
+    Ok(())
+}
+
+/// The batched product `op(x)·op(y)` on CUDA, with the CPU's arguments and result (see
+/// `cpu::batched_product`): a dense `[out_batch.., m, n]` tensor.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn batched_product(
+    op: &'static str,
+    x: &Tensor,
+    tx: bool,
+    y: &Tensor,
+    ty: bool,
+    batch: &[usize],
+    out_batch: &[usize],
+    bias: Option<&Tensor>,
+) -> Result<Tensor> {
+    check_device(op, x, y)?;
+    let (xd, yd) = (x.dims(), y.dims());
+    let (m, n) = (
+        if tx {
+            xd[xd.len() - 1]
+        } else {
+            xd[xd.len() - 2]
+        },
+        if ty {
+            yd[yd.len() - 2]
+        } else {
+            yd[yd.len() - 1]
+        },
+    );
+    let mut shape = out_batch.to_vec();
+    shape.extend([m, n]);
+    checked_numel(op, &shape)?;
+    let out = Tensor::empty(&shape, x.dtype(), x.device())?;
+    if out.numel() == 0 {
+        return Ok(out);
+    }
+    let accumulate = match bias {
+        Some(b) => {
+            check_device(op, x, b)?;
+            // One broadcast copy puts the bias in every row; the product accumulates onto it.
+            out.copy_(&b.view_detached(b.layout().expand(op, &shape)?)?)?;
+            true
+        }
+        None => false,
+    };
+    product_into(op, x, tx, y, ty, batch, out_batch, &out, accumulate)?;
+    Ok(out)
+}
+
+/// `out = op(x)·op(y)` (`+ out` when `accumulate`), `out` dense `[out_batch.., m, n]`.
+#[allow(clippy::too_many_arguments)]
+fn product_into(
+    op: &'static str,
+    x: &Tensor,
+    tx: bool,
+    y: &Tensor,
+    ty: bool,
+    batch: &[usize],
+    out_batch: &[usize],
+    out: &Tensor,
+    accumulate: bool,
+) -> Result<()> {
+    let k = if tx {
+        x.dims()[x.rank() - 2]
+    } else {
+        x.dims()[x.rank() - 1]
+    };
+    if k == 0 || batch.contains(&0) {
+        // Nothing to multiply: the product is zero.
+        if !accumulate {
+            out.zero_()?;
+        }
+        return Ok(());
+    }
+    let (mut x, mut y) = (x.detach(), y.detach());
+    // A dense copy always plans without copies, so the second round issues the calls.
+    for _ in 0..2 {
+        let (xo, yo) = (describe(&x, tx, batch), describe(&y, ty, batch));
+        match plan(op, &xo, &yo, batch, out_batch, accumulate)? {
+            Plan::Copy(copy_x, copy_y) => {
+                if copy_x {
+                    x = x.copy_detached()?;
+                }
+                if copy_y {
+                    y = y.copy_detached()?;
+                }
+            }
+            Plan::Gemms { calls, zero_first } => {
+                if zero_first && !accumulate {
+                    out.zero_()?;
+                }
+                return gemms(op, &x, &y, out, &calls);
+            }
+            Plan::SumThroughTemporary => {
+                let (m, n) = (xo.mat.rows, yo.mat.cols);
+                let mut shape = batch.to_vec();
+                shape.extend([m, n]);
+                let temp = Tensor::empty(&shape, x.dtype(), x.device())?;
+                product_into(op, &x, tx, &y, ty, batch, batch, &temp, false)?;
+                let count = batch.iter().product();
+                return sum_rows_into(op, &temp, count, m * n, out, accumulate);
+            }
+        }
+    }
+    Err(Error::invalid(
+        op,
+        format!(
+            "no cuBLAS plan for {:?}·{:?} after dense copies (strides {:?}, {:?})",
+            x.dims(),
+            y.dims(),
+            x.layout().strides().as_slice(),
+            y.layout().strides().as_slice()
+        ),
+    ))
+}
+
+/// Runs `calls` (cuBLAS's `A` from `y`, `B` from `x`, `C` = `out`) on the compute stream.
+fn gemms(op: &'static str, x: &Tensor, y: &Tensor, out: &Tensor, calls: &[GemmCall]) -> Result<()> {
+    let (dev, xp) = device_pointer(op, x)?;
+    let (_, yp) = device_pointer(op, y)?;
+    let (_, cp) = device_pointer(op, out)?;
+    let size = out.dtype().size_in_bytes() as u64;
+    let at = |base: u64, offset: usize| base + offset as u64 * size;
+    let trans = |t: bool| if t { CUBLAS_OP_T } else { CUBLAS_OP_N };
+    match out.dtype() {
+        DType::F32 => {
+            let tf32 = blas::allow_tf32_matmul();
+            blas::with_blas(op, &dev, dev.compute_stream(), tf32, |h| {
+                for c in calls {
+                    let (a, b, cc) = (at(yp, c.a_offset), at(xp, c.b_offset), at(cp, c.c_offset));
+                    let beta = if c.accumulate { 1.0f32 } else { 0.0 };
+                    // SAFETY: the plan keeps every matrix of every call inside its tensor's
+                    // storage (offsets, leading dimensions and batch strides come from the
+                    // tensors' layouts, checked in blas_plan.rs), the tensors live until the
+                    // stream-ordered allocator sees them freed after this work, and alpha and
+                    // beta are host scalars (the handle's default pointer mode).
+                    unsafe {
+                        if c.batch == 1 {
+                            cublas::sgemm(
+                                h,
+                                trans(c.trans_a),
+                                trans(c.trans_b),
+                                c.m,
+                                c.n,
+                                c.k,
+                                &1.0,
+                                a as *const f32,
+                                c.lda,
+                                b as *const f32,
+                                c.ldb,
+                                &beta,
+                                cc as *mut f32,
+                                c.ldc,
+                            )?;
+                        } else {
+                            cublas::sgemm_strided_batched(
+                                h,
+                                trans(c.trans_a),
+                                trans(c.trans_b),
+                                c.m,
+                                c.n,
+                                c.k,
+                                &1.0,
+                                a as *const f32,
+                                c.lda,
+                                c.stride_a,
+                                b as *const f32,
+                                c.ldb,
+                                c.stride_b,
+                                &beta,
+                                cc as *mut f32,
+                                c.ldc,
+                                c.stride_c,
+                                c.batch,
+                            )?;
+                        }
+                    }
+                }
+                Ok(())
+            })
+        }
+        DType::F64 => blas::with_blas(op, &dev, dev.compute_stream(), false, |h| {
+            for c in calls {
+                let (a, b, cc) = (at(yp, c.a_offset), at(xp, c.b_offset), at(cp, c.c_offset));
+                let beta = if c.accumulate { 1.0f64 } else { 0.0 };
+                // SAFETY: as for f32 above.
+                unsafe {
+                    if c.batch == 1 {
+                        cublas::dgemm(
+                            h,
+                            trans(c.trans_a),
+                            trans(c.trans_b),
+                            c.m,
+                            c.n,
+                            c.k,
+                            &1.0,
+                            a as *const f64,
+                            c.lda,
+                            b as *const f64,
+                            c.ldb,
+                            &beta,
+                            cc as *mut f64,
+                            c.ldc,
+                        )?;
+                    } else {
+                        cublas::dgemm_strided_batched(
+                            h,
+                            trans(c.trans_a),
+                            trans(c.trans_b),
+                            c.m,
+                            c.n,
+                            c.k,
+                            &1.0,
+                            a as *const f64,
+                            c.lda,
+                            c.stride_a,
+                            b as *const f64,
+                            c.ldb,
+                            c.stride_b,
+                            &beta,
+                            cc as *mut f64,
+                            c.ldc,
+                            c.stride_c,
+                            c.batch,
+                        )?;
+                    }
+                }
+            }
+            Ok(())
+        }),
+        other => Err(Error::UnsupportedDType {
+            op,
+            dtype: other,
+            supported: "f32, f64",
+        }),
+    }
+}
+
+fn int(op: &'static str, what: &str, v: usize) -> Result<i32> {
+    i32::try_from(v)
+        .map_err(|_| Error::invalid(op, format!("{what} {v} exceeds cuBLAS's 32-bit sizes")))
+}
+
+/// `out[j] (+)= Σ_i t[i, j]` over a dense `t` viewed as `[rows, cols]`, into the dense `out`
+/// of `cols` elements: one `gemv` with a vector of ones (column-major, `t` is `cols × rows`).
+pub(crate) fn sum_rows_into(
+    op: &'static str,
+    t: &Tensor,
+    rows: usize,
+    cols: usize,
+    out: &Tensor,
+    accumulate: bool,
+) -> Result<()> {
+    check_device(op, t, out)?;
+    if !t.is_contiguous() || t.numel() != rows * cols || out.numel() != cols || !out.is_contiguous()
+    {
+        return Err(Error::invalid(
+            op,
+            format!(
+                "row sums need a dense [{rows}, {cols}] input and a dense [{cols}] output, got \
+                 {:?} and {:?}",
+                t.dims(),
+                out.dims()
+            ),
+        ));
+    }
+    if cols == 0 {
+        return Ok(());
+    }
+    if rows == 0 {
+        if !accumulate {
+            out.zero_()?;
+        }
+        return Ok(());
+    }
+    let (m, n) = (
+        int(op, "a row length", cols)?,
+        int(op, "a row count", rows)?,
+    );
+    let ones = Tensor::full(&[rows], 1.0, t.dtype(), t.device())?;
+    let (dev, tp) = device_pointer(op, t)?;
+    let (_, onesp) = device_pointer(op, &ones)?;
+    let (_, yp) = device_pointer(op, out)?;
+    let size = t.dtype().size_in_bytes() as u64;
+    let (tp, yp) = (
+        tp + t.layout().offset() as u64 * size,
+        yp + out.layout().offset() as u64 * size,
+    );
+    match t.dtype() {
+        DType::F32 => blas::with_blas(op, &dev, dev.compute_stream(), false, |h| {
+            let beta = if accumulate { 1.0f32 } else { 0.0 };
+            // SAFETY: `t` holds cols·rows dense elements (lda = cols), `ones` rows and `out`
+            // cols, all on this device and alive until after the call in stream order.
+            unsafe {
+                cublas::sgemv(
+                    h,
+                    CUBLAS_OP_N,
+                    m,
+                    n,
+                    &1.0,
+                    tp as *const f32,
+                    m,
+                    onesp as *const f32,
+                    1,
+                    &beta,
+                    yp as *mut f32,
+                    1,
+                )
+            }
+        }),
+        DType::F64 => blas::with_blas(op, &dev, dev.compute_stream(), false, |h| {
+            let beta = if accumulate { 1.0f64 } else { 0.0 };
+            // SAFETY: as for f32.
+            unsafe {
+                cublas::dgemv(
+                    h,
+                    CUBLAS_OP_N,
+                    m,
+                    n,
+                    &1.0,
+                    tp as *const f64,
+                    m,
+                    onesp as *const f64,
+                    1,
+                    &beta,
+                    yp as *mut f64,
+                    1,
+                )
+            }
+        }),
+        other => Err(Error::UnsupportedDType {
+            op,
+            dtype: other,
+            supported: "f32, f64",
+        }),
+    }
+}

@@ -1,0 +1,168 @@
+//! The pools on a CUDA device: the launches of `pool.cu` (built in `launch.rs`) on the device's
+//! compute stream, into fresh tensors from the stream-ordered allocator. Strided inputs and
+//! output gradients are made dense first (pooling reads every element of a plane, so a copy is
+//! what a fast implementation does anyway, as PyTorch's `.contiguous()` does). The max pool's
+//! saved maxima are u32 plane indices in a device buffer that lives in the backward closure.
+
+use tandem_core::cuda::runtime_kernels::DeviceView;
+use tandem_core::cuda::{device_pointer, launch_on_compute, DeviceBuffer};
+use tandem_core::{Error, Result, Tensor};
+
+use super::launch::{
+    avg_pool2d_backward_launch, avg_pool2d_launch, max_pool2d_backward_launch, max_pool2d_launch,
+    PoolGeometry, PoolWindows,
+};
+
+/// Where each window's maximum came from (its index within the plane, as u32), in device
+/// memory, kept by the forward of a max pool for its backward.
+pub(crate) struct MaxIndices {
+    buffer: DeviceBuffer,
+}
+
+/// The pool's geometry for an input `x` of dims `[.., H, W]` and an output of `shape`.
+fn geometry(
+    op: &'static str,
+    x: &Tensor,
+    shape: &[usize],
+    windows: PoolWindows,
+    divisor: Option<usize>,
+) -> Result<PoolGeometry> {
+    let (r, dims) = (x.rank(), x.dims());
+    if shape.len() != r || r < 2 {
+        return Err(Error::shape(
+            op,
+            format!("input {dims:?} and output {shape:?} of a 2-D pool differ in rank"),
+        ));
+    }
+    let planes = dims[..r - 2].iter().product();
+    let output = (shape[r - 2], shape[r - 1]);
+    PoolGeometry::new(
+        op,
+        planes,
+        (dims[r - 2], dims[r - 1]),
+        output,
+        windows,
+        divisor,
+    )
+}
+
+/// `t`, or a dense copy of it when it is strided.
+fn dense(t: &Tensor) -> Result<Tensor> {
+    if t.is_contiguous() {
+        Ok(t.detach())
+    } else {
+        t.contiguous_detached()
+    }
+}
+
+fn view<'a>(t: &'a Tensor, ptr: u64) -> DeviceView<'a> {
+    DeviceView {
+        ptr,
+        dtype: t.dtype(),
+        layout: t.layout(),
+    }
+}
+
+/// Max pooling of `x` into a tensor of `shape`, with the maxima's indices when `keep_indices`.
+pub(crate) fn max_pool(
+    op: &'static str,
+    x: &Tensor,
+    windows: PoolWindows,
+    keep_indices: bool,
+    shape: &[usize],
+) -> Result<(Tensor, Option<MaxIndices>)> {
+    let geometry = geometry(op, x, shape, windows, None)?;
+    let x = dense(x)?;
+    let out = Tensor::empty(shape, x.dtype(), x.device())?;
+    let (dev, x_ptr) = device_pointer(op, &x)?;
+    let (_, out_ptr) = device_pointer(op, &out)?;
+    let n = out.numel();
+    let indices = if keep_indices {
+        let bytes = n.checked_mul(4).ok_or_else(|| Error::OutOfMemory {
+            op,
+            device: x.device(),
+            bytes: usize::MAX,
+        })?;
+        Some(DeviceBuffer::alloc(op, &dev, bytes, dev.compute_stream())?)
+    } else {
+        None
+    };
+    let launch = max_pool2d_launch(
+        op,
+        view(&x, x_ptr),
+        view(&out, out_ptr),
+        indices.as_ref().map_or(0, DeviceBuffer::ptr),
+        &geometry,
+    )?;
+    launch_on_compute(&dev, &launch, n)?;
+    Ok((out, indices.map(|buffer| MaxIndices { buffer })))
+}
+
+/// The backward of [`max_pool`]: each output gradient routed to where its window's maximum
+/// came from, as a tensor of `in_shape`.
+pub(crate) fn max_pool_backward(
+    op: &'static str,
+    g: &Tensor,
+    indices: &MaxIndices,
+    windows: PoolWindows,
+    in_shape: &[usize],
+) -> Result<Tensor> {
+    let gx = Tensor::empty(in_shape, g.dtype(), g.device())?;
+    let geometry = geometry(op, &gx, g.dims(), windows, None)?;
+    let g = dense(g)?;
+    let (dev, g_ptr) = device_pointer(op, &g)?;
+    let (_, gx_ptr) = device_pointer(op, &gx)?;
+    if indices.buffer.device().device() != g.device() {
+        return Err(Error::DeviceMismatch {
+            op,
+            lhs: indices.buffer.device().device(),
+            rhs: g.device(),
+        });
+    }
+    let launch = max_pool2d_backward_launch(
+        op,
+        view(&g, g_ptr),
+        indices.buffer.ptr(),
+        view(&gx, gx_ptr),
+        &geometry,
+    )?;
+    launch_on_compute(&dev, &launch, gx.numel())?;
+    Ok(gx)
+}
+
+/// Average pooling of `x` into a tensor of `shape`: sliding windows divided by `divisor`, or
+/// adaptive windows divided by their size.
+pub(crate) fn avg_pool(
+    op: &'static str,
+    x: &Tensor,
+    windows: PoolWindows,
+    divisor: Option<usize>,
+    shape: &[usize],
+) -> Result<Tensor> {
+    let geometry = geometry(op, x, shape, windows, divisor)?;
+    let x = dense(x)?;
+    let out = Tensor::empty(shape, x.dtype(), x.device())?;
+    let (dev, x_ptr) = device_pointer(op, &x)?;
+    let (_, out_ptr) = device_pointer(op, &out)?;
+    let launch = avg_pool2d_launch(op, view(&x, x_ptr), view(&out, out_ptr), &geometry)?;
+    launch_on_compute(&dev, &launch, out.numel())?;
+    Ok(out)
+}
+
+/// The backward of [`avg_pool`], as a tensor of `in_shape`.
+pub(crate) fn avg_pool_backward(
+    op: &'static str,
+    g: &Tensor,
+    windows: PoolWindows,
+    divisor: Option<usize>,
+    in_shape: &[usize],
+) -> Result<Tensor> {
+    let gx = Tensor::empty(in_shape, g.dtype(), g.device())?;
+    let geometry = geometry(op, &gx, g.dims(), windows, divisor)?;
+    let g = dense(g)?;
+    let (dev, g_ptr) = device_pointer(op, &g)?;
+    let (_, gx_ptr) = device_pointer(op, &gx)?;
+    let launch = avg_pool2d_backward_launch(op, view(&g, g_ptr), view(&gx, gx_ptr), &geometry)?;
+    launch_on_compute(&dev, &launch, gx.numel())?;
+    Ok(gx)
+}
