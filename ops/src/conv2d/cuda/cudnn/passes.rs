@@ -648,26 +648,34 @@ pub(super) fn select<P: Pass>(
         return Ok(Err(declined(call, e)));
     }
     let returned = (returned.max(0) as usize).min(results.len());
-    let best = results[..returned].iter().find_map(|r| {
-        let algo = P::algo(r.algo)?;
-        let math = allowed_math(r.math_type, dtype, tf32)?;
-        (r.status == 0 && r.memory <= limit).then_some((algo, math, r.memory))
-    });
-    let Some((algo, math, workspace)) = best else {
-        return Ok(Err(format!(
-            "none of the {returned} ranked algorithms ran with the math allowed for {dtype} \
-             (TF32 {})",
-            if tf32 { "allowed" } else { "off" }
-        )));
-    };
-    if let Err(e) = conv.set_math(math) {
-        return Ok(Err(declined("math type", e)));
+    // In ranked order, the first algorithm that succeeded with an allowed math type and whose
+    // workspace, asked for again with the descriptor set to that math type (the ranking's
+    // figure is only an estimate for the heuristics), stays under the limit.
+    for r in &results[..returned] {
+        let (Some(algo), Some(math)) = (P::algo(r.algo), allowed_math(r.math_type, dtype, tf32))
+        else {
+            continue;
+        };
+        if r.status != 0 || r.memory > limit || conv.set_math(math).is_err() {
+            continue;
+        }
+        // SAFETY: live handle and descriptors; `algo` came from cuDNN's ranking for them.
+        match unsafe { P::workspace(handle, plan, &conv, algo) } {
+            Ok(bytes) if bytes <= limit => {
+                return Ok(Ok(Choice::Cudnn {
+                    conv,
+                    algo,
+                    workspace: bytes.max(r.memory),
+                }))
+            }
+            _ => continue,
+        }
     }
-    Ok(Ok(Choice::Cudnn {
-        conv,
-        algo,
-        workspace,
-    }))
+    Ok(Err(format!(
+        "none of the {returned} ranked algorithms ran with the math allowed for {dtype} (TF32 \
+         {}) within the workspace limit of {limit} bytes",
+        if tf32 { "allowed" } else { "off" }
+    )))
 }
 
 /// Runs pass `P` with the chosen algorithm on the compute stream (the handle's stream), with a
