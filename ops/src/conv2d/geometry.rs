@@ -1,29 +1,66 @@
 //! The sizes of one convolution, worked out once from the shapes of its input and weight and
-//! its parameters: what every kernel (and every device) of conv2d reads.
+//! its parameters: what every kernel (and every device) of conv2d reads, and the key under which
+//! the CUDA path caches its cuDNN descriptors and algorithms.
 
 use tandem_core::{checked_numel, Error, Result};
 
 use super::Conv2dParams;
 
-/// Sizes of one convolution. Built by [`Geometry::new`], which checks that they are
-/// consistent (the dilated kernel fits the padded input, strides and dilations are positive) and
-/// that no size overflows, so kernels can compute with them freely.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Geometry {
+/// Sizes of one convolution. Built by [`Geometry::of`] (or [`Geometry::new`] inside the crate),
+/// which checks that they are consistent (the dilated kernel fits the padded input, strides and
+/// dilations are positive) and that no size overflows, so kernels can compute with them freely.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Geometry {
+    /// Samples `N`.
     pub batch: usize,
+    /// Input channels `C`.
     pub in_channels: usize,
+    /// Input height `H`.
     pub in_h: usize,
+    /// Input width `W`.
     pub in_w: usize,
+    /// Output channels `O`.
     pub out_channels: usize,
+    /// Kernel `(kh, kw)`.
     pub kernel: (usize, usize),
+    /// Stride `(sh, sw)`.
     pub stride: (usize, usize),
+    /// Zero padding `(ph, pw)` on each side.
     pub padding: (usize, usize),
+    /// Dilation `(dh, dw)`.
     pub dilation: (usize, usize),
+    /// Output height `OH`.
     pub out_h: usize,
+    /// Output width `OW`.
     pub out_w: usize,
 }
 
 impl Geometry {
+    /// The geometry of input shape `x` (`[N, C, H, W]`) and weight shape `w` (`[O, C, kh, kw]`)
+    /// under `p`, checking the ranks and the channel count as well; errors name `op` and the
+    /// shapes.
+    pub fn of(op: &'static str, x: &[usize], w: &[usize], p: &Conv2dParams) -> Result<Self> {
+        if x.len() != 4 || w.len() != 4 {
+            return Err(Error::shape(
+                op,
+                format!(
+                    "need input [N, C, H, W] and weight [O, C, kh, kw], got input {x:?} and \
+                     weight {w:?}"
+                ),
+            ));
+        }
+        if x[1] != w[1] {
+            return Err(Error::shape(
+                op,
+                format!(
+                    "input {x:?} has {} channels but weight {w:?} expects {}",
+                    x[1], w[1]
+                ),
+            ));
+        }
+        Geometry::new(op, x, w, p)
+    }
+
     /// The geometry of input `[N, C, H, W]` (`x`) and weight `[O, C, kh, kw]` (`w`) under `p`;
     /// errors name `op` and the shapes. The caller has checked the ranks and the channel count.
     pub(crate) fn new(
@@ -99,27 +136,27 @@ impl Geometry {
     }
 
     /// The output shape `[N, O, OH, OW]`.
-    pub(crate) fn out_shape(&self) -> [usize; 4] {
+    pub fn out_shape(&self) -> [usize; 4] {
         [self.batch, self.out_channels, self.out_h, self.out_w]
     }
 
     /// Rows of the column matrix: `C·kh·kw`.
-    pub(crate) fn patch(&self) -> usize {
+    pub fn patch(&self) -> usize {
         self.in_channels * self.kernel.0 * self.kernel.1
     }
 
     /// Output pixels of one sample and channel.
-    pub(crate) fn out_pixels(&self) -> usize {
+    pub fn out_pixels(&self) -> usize {
         self.out_h * self.out_w
     }
 
     /// Input elements of one sample.
-    pub(crate) fn in_per_sample(&self) -> usize {
+    pub fn in_per_sample(&self) -> usize {
         self.in_channels * self.in_h * self.in_w
     }
 
     /// Output elements of one sample.
-    pub(crate) fn out_per_sample(&self) -> usize {
+    pub fn out_per_sample(&self) -> usize {
         self.out_channels * self.out_pixels()
     }
 

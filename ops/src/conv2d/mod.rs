@@ -8,16 +8,29 @@
 //! strides the input gradient is itself a convolution, of the output gradient with the flipped,
 //! transposed weights. Nothing is saved for the backward beyond the input and the weight,
 //! which keeps training memory at the size of the activations.
+//!
+//! On CUDA devices (`cuda/`) cuDNN computes the convolution and its two gradients, with
+//! descriptors and algorithms cached per geometry; where cuDNN does not load, im2col + cuBLAS
+//! does (`conv2d.cu` holds its kernels and the bias kernels both engines share).
+//! [`set_cuda_conv_backend`] forces the fallback, [`set_cudnn_algorithm_search`] chooses between
+//! measured and heuristic algorithm choice, and `tandem_core::cuda::blas::set_allow_tf32_conv`
+//! turns TF32 off (it is on by default for convolutions, as in PyTorch).
 
 mod cpu;
+mod cuda;
 mod geometry;
 
 use tandem_autograd::record_fn;
 use tandem_core::{Device, Error, Result, Tensor};
 
 use crate::checks::{float_dtype, same_dtype_device};
-use crate::device::no_kernel;
-use geometry::Geometry;
+pub use cuda::launches;
+pub use cuda::{
+    cuda_conv_backend, cudnn_algorithm_search, cudnn_available, cudnn_cache_stats,
+    set_cuda_conv_backend, set_cudnn_algorithm_search, CudaConvBackend, CudnnAlgorithmSearch,
+    CudnnCacheStats,
+};
+pub use geometry::Geometry;
 
 /// Stride, padding and dilation of a 2-D convolution, each as `(height, width)`.
 ///
@@ -52,26 +65,8 @@ fn geometry(
     const OP: &str = "conv2d";
     same_dtype_device(OP, x, weight)?;
     float_dtype(OP, x)?;
-    if x.rank() != 4 || weight.rank() != 4 {
-        return Err(Error::shape(
-            OP,
-            format!(
-                "need input [N, C, H, W] and weight [O, C, kh, kw], got input {:?} and weight {:?}",
-                x.dims(),
-                weight.dims()
-            ),
-        ));
-    }
     let (xd, wd) = (x.dims(), weight.dims());
-    if xd[1] != wd[1] {
-        return Err(Error::shape(
-            OP,
-            format!(
-                "input {xd:?} has {} channels but weight {wd:?} expects {}",
-                xd[1], wd[1]
-            ),
-        ));
-    }
+    let geometry = Geometry::of(OP, xd, wd, p)?;
     if let Some(b) = bias {
         same_dtype_device(OP, x, b)?;
         if b.dims() != [wd[0]] {
@@ -85,7 +80,15 @@ fn geometry(
             ));
         }
     }
-    Geometry::new(OP, xd, wd, p)
+    Ok(geometry)
+}
+
+/// Which gradients the backward must produce.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Needs {
+    pub input: bool,
+    pub weight: bool,
+    pub bias: bool,
 }
 
 /// 2-D convolution of `x` with `weight`, plus `bias` per output channel.
@@ -112,10 +115,10 @@ pub fn conv2d(
     let geo = geometry(x, weight, bias, params)?;
     let out = match x.device() {
         Device::Cpu => cpu::conv2d(x, weight, bias, &geo)?,
-        Device::Cuda(_) => return Err(no_kernel("conv2d", x.device())),
+        Device::Cuda(_) => cuda::conv2d(x, weight, bias, &geo)?,
     };
 
-    let needs = cpu::Needs {
+    let needs = Needs {
         input: x.requires_grad(),
         weight: weight.requires_grad(),
         bias: bias.is_some_and(|b| b.requires_grad()),
@@ -128,7 +131,7 @@ pub fn conv2d(
         move |g: &Tensor| {
             let [input, weight, bias] = match g.device() {
                 Device::Cpu => cpu::conv2d_backward(&dx, &dw, g, &geo, needs)?,
-                Device::Cuda(_) => return Err(no_kernel("conv2d_backward", g.device())),
+                Device::Cuda(_) => cuda::conv2d_backward(&dx, &dw, g, &geo, needs)?,
             };
             let mut grads = vec![input, weight];
             if has_bias {

@@ -36,6 +36,7 @@ use rayon::prelude::*;
 use tandem_core::{alloc, with_float_type, FloatElement, Result, Tensor};
 
 use crate::conv2d::geometry::Geometry;
+use crate::conv2d::Needs;
 use crate::cpu::memory::{self, Scratch};
 use im2col::{tile_bounds, Im2col};
 use plan::{Forward, InputGrad, Split, WeightGrad};
@@ -131,14 +132,6 @@ impl ConvElement for f64 {
     fn from_f32s(k: NoKernels, _: Vec<f32>) -> Vec<f64> {
         match k {}
     }
-}
-
-/// Which gradients the backward must produce.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Needs {
-    pub input: bool,
-    pub weight: bool,
-    pub bias: bool,
 }
 
 /// Gradients produced by [`backward`] (flat, in the layouts of x, weight and bias).

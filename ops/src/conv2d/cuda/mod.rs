@@ -1,0 +1,285 @@
+//! conv2d on CUDA devices: forward, input gradient, weight gradient and bias gradient, on the
+//! device's compute stream, with no host synchronisation (except the one-time algorithm
+//! search, see `cudnn/`).
+//!
+//! Two engines compute the convolution itself:
+//!
+//! - **cuDNN** (`cudnn/`), the default wherever `libcudnn.so.9` loads: the legacy convolution
+//!   API (forward, backward-data, backward-filter), with descriptors and an algorithm chosen
+//!   once per geometry and cached, workspaces from tandem's allocator, TF32 as
+//!   [`allow_tf32_conv`] says.
+//! - **im2col + cuBLAS** (`im2col.rs`, kernels in `conv2d.cu`): column matrices and strided
+//!   batched GEMMs, col2im for the input gradient. It runs where cuDNN does not load (with a
+//!   one-line notice on stderr, once per process), for a geometry cuDNN declines (sizes beyond
+//!   its 32-bit limits, no algorithm that honours the TF32 setting), and everywhere when
+//!   [`set_cuda_conv_backend`]`(CudaConvBackend::Im2col)` asks for it.
+//!
+//! The bias is added, and its gradient summed, by conv2d's own kernels on both engines. Inputs
+//! are made contiguous first (a strided input is copied once, as any fast implementation would);
+//! degenerate sizes (no samples, channels or pixels) never reach either engine.
+
+mod cudnn;
+mod im2col;
+pub mod launches;
+
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Arc, Once};
+
+use tandem_core::cuda::blas::allow_tf32_conv;
+use tandem_core::cuda::{device_pointer, launch_on_compute, CudaDevice, DeviceBuffer};
+use tandem_core::{DType, Device, Error, Result, Tensor};
+
+use super::geometry::Geometry;
+use super::Needs;
+use crate::checks::{float_dtype, same_dtype_device};
+use launches::{bias_add_launch, bias_grad_launches, BiasGradSplit};
+
+pub use cudnn::{cudnn_cache_stats, CudnnCacheStats};
+
+/// Which engine runs conv2d on CUDA devices (a process-wide setting).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum CudaConvBackend {
+    /// cuDNN where it loads, im2col + cuBLAS where it does not (the default).
+    #[default]
+    Cudnn,
+    /// Always im2col + cuBLAS (and col2im), even where cuDNN loads: to test the fallback, or
+    /// to compare the two.
+    Im2col,
+}
+
+/// How cuDNN's algorithm is chosen for a geometry it has not seen (a process-wide setting;
+/// each choice is made once per geometry, dtype, TF32 setting and search, and cached).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum CudnnAlgorithmSearch {
+    /// Run every applicable algorithm once on the real buffers (`cudnnFind…AlgorithmEx`) and
+    /// keep the fastest: PyTorch's `torch.backends.cudnn.benchmark = True`, and the default.
+    /// Training repeats each layer's geometry every step, so the one-time cost (a few
+    /// milliseconds per layer and pass, and one host synchronisation) is repaid at once, and
+    /// the `_v7` heuristics are known to misjudge some layers, the weight gradient of small
+    /// CIFAR-style layers above all. The choice can differ between runs (timing noise), so
+    /// results are reproducible only to rounding across processes.
+    #[default]
+    Measured,
+    /// Take cuDNN's heuristic ranking (`cudnnGet…Algorithm_v7`): no trial runs and no
+    /// synchronisation, the same choice in every run; PyTorch's default
+    /// (`benchmark = False`). Suits programs whose shapes change often.
+    Heuristic,
+}
+
+static BACKEND: AtomicU8 = AtomicU8::new(0);
+static SEARCH: AtomicU8 = AtomicU8::new(0);
+
+/// Chooses the engine of conv2d on CUDA devices for the whole process (default
+/// [`CudaConvBackend::Cudnn`]). Takes effect at the next call; cached cuDNN plans stay valid.
+pub fn set_cuda_conv_backend(backend: CudaConvBackend) {
+    BACKEND.store(backend as u8, Ordering::Relaxed);
+}
+
+/// The engine chosen by [`set_cuda_conv_backend`].
+pub fn cuda_conv_backend() -> CudaConvBackend {
+    match BACKEND.load(Ordering::Relaxed) {
+        0 => CudaConvBackend::Cudnn,
+        _ => CudaConvBackend::Im2col,
+    }
+}
+
+/// Chooses how cuDNN algorithms are picked for new geometries (default
+/// [`CudnnAlgorithmSearch::Measured`]). Plans are cached per search, so switching does not
+/// discard what the other search found.
+pub fn set_cudnn_algorithm_search(search: CudnnAlgorithmSearch) {
+    SEARCH.store(search as u8, Ordering::Relaxed);
+}
+
+/// The search chosen by [`set_cudnn_algorithm_search`].
+pub fn cudnn_algorithm_search() -> CudnnAlgorithmSearch {
+    match SEARCH.load(Ordering::Relaxed) {
+        0 => CudnnAlgorithmSearch::Measured,
+        _ => CudnnAlgorithmSearch::Heuristic,
+    }
+}
+
+/// Whether cuDNN can be used on `device`: the library loads, is cuDNN 9, and no handle has
+/// failed to be created (checked once per process; a failure prints the notice). Says nothing
+/// about [`cuda_conv_backend`].
+pub fn cudnn_available(device: Device) -> bool {
+    match device {
+        Device::Cuda(n) => tandem_core::cuda::device(n).is_ok_and(|dev| cudnn::loads(&dev)),
+        Device::Cpu => false,
+    }
+}
+
+/// Whether conv2d uses cuDNN on `dev` now: the backend setting asks for it and it loads.
+fn cudnn_in_use(dev: &CudaDevice) -> bool {
+    cuda_conv_backend() == CudaConvBackend::Cudnn && cudnn::loads(dev)
+}
+
+/// Prints, once per process, that conv2d runs through im2col + cuBLAS because cuDNN cannot be
+/// used (`reason`).
+fn notice_cudnn_unavailable(reason: &str) {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        eprintln!(
+            "tandem: cuDNN cannot be used ({reason}); conv2d on CUDA runs through im2col + cuBLAS"
+        )
+    });
+}
+
+/// A contiguous tensor's device and the address of its element 0.
+fn address(op: &'static str, t: &Tensor) -> Result<(Arc<CudaDevice>, u64)> {
+    let (dev, base) = device_pointer(op, t)?;
+    let offset = t.layout().offset() as u64 * t.dtype().size_in_bytes() as u64;
+    Ok((dev, base + offset))
+}
+
+/// Whether the f32 products of this call may use TF32.
+fn tf32(dtype: DType) -> bool {
+    dtype == DType::F32 && allow_tf32_conv()
+}
+
+/// The forward of conv2d on CUDA tensors: `[N, O, OH, OW]`.
+pub(crate) fn conv2d(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    g: &Geometry,
+) -> Result<Tensor> {
+    const OP: &str = "conv2d";
+    let dtype = x.dtype();
+    let out = Tensor::empty(&g.out_shape(), dtype, x.device())?;
+    if out.numel() == 0 {
+        return Ok(out);
+    }
+    let (dev, y) = address(OP, &out)?;
+    if x.numel() == 0 || g.patch() == 0 {
+        // Every output sums over no input element.
+        out.fill_(0.0)?;
+    } else {
+        let (x, weight) = (x.contiguous_detached()?, weight.contiguous_detached()?);
+        let (_, xa) = address(OP, &x)?;
+        let (_, wa) = address(OP, &weight)?;
+        let done = cudnn_in_use(&dev) && cudnn::forward(&dev, g, dtype, xa, wa, y)?;
+        if !done {
+            im2col::forward(&dev, g, dtype, xa, wa, y)?;
+        }
+    }
+    if let Some(b) = bias {
+        let b = b.contiguous_detached()?;
+        let (_, ba) = address(OP, &b)?;
+        let launch = bias_add_launch(dtype, y, ba, g.batch, g.out_channels, g.out_pixels())?;
+        launch_on_compute(&dev, &launch, out.numel())?;
+    }
+    Ok(out)
+}
+
+/// The backward of conv2d on CUDA tensors: the gradients `needs` asks for, shaped like the
+/// input, the weight and the bias (`[O]`).
+pub(crate) fn conv2d_backward(
+    x: &Tensor,
+    weight: &Tensor,
+    grad: &Tensor,
+    g: &Geometry,
+    needs: Needs,
+) -> Result<[Option<Tensor>; 3]> {
+    const OP: &str = "conv2d_backward";
+    same_dtype_device(OP, x, grad)?;
+    // The forward checked x; cuDNN's descriptors and the kernels exist for these dtypes only.
+    float_dtype(OP, grad)?;
+    if grad.dims() != g.out_shape() {
+        return Err(Error::shape(
+            OP,
+            format!(
+                "output gradient {:?} does not match the output {:?}",
+                grad.dims(),
+                g.out_shape()
+            ),
+        ));
+    }
+    let dtype = grad.dtype();
+    let gy = grad.contiguous_detached()?;
+    let (dev, gya) = address(OP, &gy)?;
+    let use_cudnn = cudnn_in_use(&dev);
+
+    let input = match needs.input {
+        false => None,
+        true => {
+            let dx = Tensor::empty(x.dims(), dtype, x.device())?;
+            if dx.numel() > 0 {
+                let (_, dxa) = address(OP, &dx)?;
+                if gy.numel() == 0 || weight.numel() == 0 {
+                    dx.fill_(0.0)?;
+                } else {
+                    let w = weight.contiguous_detached()?;
+                    let (_, wa) = address(OP, &w)?;
+                    let done = use_cudnn && cudnn::input_grad(&dev, g, dtype, wa, gya, dxa)?;
+                    if !done {
+                        im2col::input_grad(&dev, g, dtype, wa, gya, dxa)?;
+                    }
+                }
+            }
+            Some(dx)
+        }
+    };
+
+    let weight_grad = match needs.weight {
+        false => None,
+        true => {
+            let dw = Tensor::empty(weight.dims(), dtype, weight.device())?;
+            if dw.numel() > 0 {
+                let (_, dwa) = address(OP, &dw)?;
+                if gy.numel() == 0 || x.numel() == 0 {
+                    dw.fill_(0.0)?;
+                } else {
+                    let xc = x.contiguous_detached()?;
+                    let (_, xa) = address(OP, &xc)?;
+                    let done = use_cudnn && cudnn::weight_grad(&dev, g, dtype, xa, gya, dwa)?;
+                    if !done {
+                        im2col::weight_grad(&dev, g, dtype, xa, &gy, dwa)?;
+                    }
+                }
+            }
+            Some(dw)
+        }
+    };
+
+    let bias = match needs.bias {
+        false => None,
+        true => Some(bias_grad(&dev, g, dtype, &gy, gya)?),
+    };
+    Ok([input, weight_grad, bias])
+}
+
+/// `Σ_{n,p} gy[n, o, p]` for every output channel `o`, by conv2d's two-pass reduction.
+fn bias_grad(
+    dev: &Arc<CudaDevice>,
+    g: &Geometry,
+    dtype: DType,
+    gy: &Tensor,
+    gya: u64,
+) -> Result<Tensor> {
+    const OP: &str = "conv2d_backward";
+    let db = Tensor::empty(&[g.out_channels], dtype, gy.device())?;
+    if g.out_channels == 0 {
+        return Ok(db);
+    }
+    let (_, dba) = address(OP, &db)?;
+    let split = BiasGradSplit::new(g.batch, g.out_pixels());
+    let partials = DeviceBuffer::alloc(
+        OP,
+        dev,
+        split.partials_len(g.out_channels) * dtype.size_in_bytes(),
+        dev.compute_stream(),
+    )?;
+    let launches = bias_grad_launches(
+        dtype,
+        gya,
+        dba,
+        partials.ptr(),
+        [g.batch, g.out_channels, g.out_pixels()],
+        split,
+    )?;
+    for launch in &launches {
+        // Never empty: every channel's sum is written, zero when there is nothing to sum.
+        dev.launch(launch, dev.compute_stream())?;
+    }
+    Ok(db)
+}
