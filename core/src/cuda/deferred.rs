@@ -237,7 +237,10 @@ mod tests {
     use super::*;
 
     fn describe(f: &Finding) -> String {
-        format!("label {} at {} is not below {}", f.value, f.position, f.bound)
+        format!(
+            "label {} at {} is not below {}",
+            f.value, f.position, f.bound
+        )
     }
 
     static FIRST: DeferredCheck = DeferredCheck::new("first_op", describe);
