@@ -228,12 +228,13 @@ impl CudaDevice {
     }
 
     /// Blocks until everything issued on the compute stream has run; reports an error a
-    /// kernel raised asynchronously.
+    /// kernel raised asynchronously, or one it recorded ([`deferred`](super::deferred)).
     pub fn synchronize(&self) -> Result<()> {
         self.bind("synchronize")?;
         self.compute
             .synchronize()
-            .map_err(driver_err("synchronize", self.device()))
+            .map_err(driver_err("synchronize", self.device()))?;
+        super::deferred::check(self, "synchronize")
     }
 
     /// The handle of `kernel` in `source`, compiling and loading the module on first use.

@@ -1,13 +1,15 @@
 //! The CUDA runtime: finding the CUDA libraries, compiling kernels with NVRTC, launches as plain
 //! data, the runtime's own kernels (fill, copy, cast, scale, add_scaled, norms), and the device
 //! side of tensors: devices with their context and compute stream, stream-ordered device
-//! memory, pinned host staging for copies, cuBLAS handles.
+//! memory, pinned host staging for copies, cuBLAS handles, and errors kernels record on the
+//! device for the host to report later ([`deferred`]).
 //!
 //! Everything here is compiled on every machine; nothing is linked. Libraries are opened at
 //! first use, and a missing one is a [`DeviceUnavailable`](crate::Error::DeviceUnavailable)
 //! error naming it and the places searched ([`libs`]).
 
 pub mod blas;
+pub mod deferred;
 pub mod device;
 pub mod kernel_cache;
 pub mod launch;

@@ -109,7 +109,8 @@ pub(crate) fn cast(t: &Tensor, dtype: DType) -> Result<Tensor> {
 }
 
 /// The elements of a CUDA tensor in row-major order, in host memory. Waits for the work
-/// issued before it on the compute stream.
+/// issued before it on the compute stream, then reports what its kernels found wrong
+/// ([`deferred`](super::deferred)).
 pub(crate) fn to_vec<T: Element>(t: &Tensor) -> Result<Vec<T>> {
     let dense = t.contiguous_detached()?;
     let (dev, ptr) = device_pointer("to_vec", &dense)?;
@@ -120,6 +121,7 @@ pub(crate) fn to_vec<T: Element>(t: &Tensor) -> Result<Vec<T>> {
     let bytes =
         unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<u8>(), out.len() * size) };
     transfer::download(&dev, "to_vec", start, bytes, dev.compute_stream())?;
+    super::deferred::check(&dev, "to_vec")?;
     Ok(out)
 }
 

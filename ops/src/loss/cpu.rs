@@ -121,9 +121,9 @@ pub(crate) fn nll_backward(
 /// What cross entropy's backward reads: the contiguous logits and, per row, the maximum and
 /// `ln Σ e^(x − max)` (tensors of `[n]`).
 pub(crate) struct CrossEntropySaved {
-    logits: Tensor,
-    max: Tensor,
-    log_sum: Tensor,
+    pub(crate) logits: Tensor,
+    pub(crate) max: Tensor,
+    pub(crate) log_sum: Tensor,
 }
 
 /// Cross entropy of `logits` (`[n, c]`) against `targets`, reduced, and what its backward

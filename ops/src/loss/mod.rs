@@ -12,12 +12,12 @@
 //!   `Reduction::None`, a 0-dim scalar otherwise.
 
 mod cpu;
+pub mod cuda;
 
 use tandem_autograd::record_fn;
 use tandem_core::{DType, Device, Error, Result, Tensor};
 
 use crate::checks::{float_dtype, same_dtype_device};
-use crate::device::no_kernel;
 
 /// How a loss combines the losses of the individual samples (or elements).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -112,14 +112,14 @@ pub fn nll_loss(log_probs: &Tensor, targets: &Tensor, reduction: Reduction) -> R
     let classes = Classes { n, c, reduction };
     let out = match log_probs.device() {
         Device::Cpu => cpu::nll_forward(OP, log_probs, targets, classes)?,
-        Device::Cuda(_) => return Err(no_kernel(OP, log_probs.device())),
+        Device::Cuda(_) => cuda::nll_forward(OP, log_probs, targets, classes)?,
     };
     let targets = targets.detach();
     Ok(record_fn(out, &[log_probs], OP, move || {
         move |g: &Tensor| {
             let grad = match g.device() {
                 Device::Cpu => cpu::nll_backward(OP, g, &targets, classes)?,
-                Device::Cuda(_) => return Err(no_kernel(OP, g.device())),
+                Device::Cuda(_) => cuda::nll_backward(OP, g, &targets, classes)?,
             };
             Ok(vec![Some(grad)])
         }
@@ -146,14 +146,14 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor, reduction: Reduction) ->
     let classes = Classes { n, c, reduction };
     let (out, saved) = match logits.device() {
         Device::Cpu => cpu::cross_entropy_forward(OP, logits, targets, classes)?,
-        Device::Cuda(_) => return Err(no_kernel(OP, logits.device())),
+        Device::Cuda(_) => cuda::cross_entropy_forward(OP, logits, targets, classes)?,
     };
     let targets = targets.detach();
     Ok(record_fn(out, &[logits], OP, move || {
         move |g: &Tensor| {
             let grad = match g.device() {
                 Device::Cpu => cpu::cross_entropy_backward(OP, g, &targets, &saved, classes)?,
-                Device::Cuda(_) => return Err(no_kernel(OP, g.device())),
+                Device::Cuda(_) => cuda::cross_entropy_backward(OP, g, &targets, &saved, classes)?,
             };
             Ok(vec![Some(grad)])
         }
@@ -186,7 +186,7 @@ pub fn mse_loss(pred: &Tensor, target: &Tensor, reduction: Reduction) -> Result<
     }
     let out = match pred.device() {
         Device::Cpu => cpu::mse_forward(OP, pred, target, reduction)?,
-        Device::Cuda(_) => return Err(no_kernel(OP, pred.device())),
+        Device::Cuda(_) => cuda::mse_forward(OP, pred, target, reduction)?,
     };
     let (need_pred, need_target) = (pred.requires_grad(), target.requires_grad());
     let (p, t) = (pred.detach(), target.detach());
@@ -194,7 +194,7 @@ pub fn mse_loss(pred: &Tensor, target: &Tensor, reduction: Reduction) -> Result<
         move |g: &Tensor| {
             let (grad_pred, grad_target) = match g.device() {
                 Device::Cpu => cpu::mse_backward(OP, g, &p, &t, reduction, need_target)?,
-                Device::Cuda(_) => return Err(no_kernel(OP, g.device())),
+                Device::Cuda(_) => cuda::mse_backward(OP, g, &p, &t, reduction, need_target)?,
             };
             Ok(vec![need_pred.then_some(grad_pred), grad_target])
         }

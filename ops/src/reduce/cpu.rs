@@ -21,8 +21,8 @@ fn grouped(op: &'static str, x: &Tensor, dims: &[usize]) -> Result<(Tensor, usiz
     Ok((memory::contiguous(op, &permuted)?, outer, inner))
 }
 
-/// Sum over `dims`, returning a tensor of shape `kept` (reduced dims of size 1).
-pub(crate) fn sum_kept(x: &Tensor, dims: &[usize], kept: &[usize]) -> Result<Tensor> {
+/// `scale ·` the sum over `dims`, returning a tensor of shape `kept` (reduced dims of size 1).
+pub(crate) fn sum_kept(x: &Tensor, dims: &[usize], kept: &[usize], scale: f64) -> Result<Tensor> {
     const OP: &str = "sum";
     let (c, outer, inner) = grouped(OP, x, dims)?;
     with_float_type!(OP, x.dtype(), T => {
@@ -36,6 +36,10 @@ pub(crate) fn sum_kept(x: &Tensor, dims: &[usize], kept: &[usize]) -> Result<Ten
             } else {
                 out.iter_mut().zip(data.chunks(inner)).for_each(|(o, b)| *o = block_sum(b));
             }
+        }
+        if scale != 1.0 {
+            let s = T::from_f64(scale);
+            out.iter_mut().for_each(|o| *o *= s);
         }
         Tensor::from_vec(out, kept, x.device())
     })

@@ -8,9 +8,8 @@
 use tandem_autograd::record_fn;
 use tandem_core::{normalize_dim, Device, Error, Layout, Result, Tensor};
 
-use super::{cpu, keepdim_shape, resolve_dims};
+use super::{cpu, cuda, keepdim_shape, resolve_dims};
 use crate::checks::float_dtype;
-use crate::device::no_kernel;
 
 /// The maximum over `dims` (all dims when empty), keeping them as size-1 dims if `keepdim`.
 ///
@@ -36,7 +35,9 @@ pub fn max(x: &Tensor, dims: &[isize], keepdim: bool) -> Result<Tensor> {
         move |g: &Tensor| {
             let grad = match g.device() {
                 Device::Cpu => cpu::max_backward(g, &positions, &in_shape, &dims)?,
-                Device::Cuda(_) => return Err(no_kernel("max backward", g.device())),
+                Device::Cuda(_) => {
+                    cuda::max_backward("max backward", g, &positions, &in_shape, &dims)?
+                }
             };
             Ok(vec![Some(grad)])
         }
@@ -90,7 +91,7 @@ fn groups_max(
     }
     match x.device() {
         Device::Cpu => cpu::max(op, x, dims, kept),
-        Device::Cuda(_) => Err(no_kernel(op, x.device())),
+        Device::Cuda(_) => cuda::max(op, x, dims, kept),
     }
 }
 

@@ -6,13 +6,13 @@
 //! Backward broadcasts the output gradient back over the reduced dims.
 
 mod cpu;
+pub mod cuda;
 mod max;
 
 use tandem_autograd::record_fn;
 use tandem_core::{normalize_dim, Device, Error, Result, Tensor};
 
 use crate::checks::float_dtype;
-use crate::device::no_kernel;
 use crate::views::{expand, reshape};
 
 pub use max::{argmax, max};
@@ -58,12 +58,24 @@ fn squeeze_shape(x: &Tensor, dims: &[usize]) -> Vec<isize> {
 /// Sum over `dims` (all dims when empty).
 pub fn sum(x: &Tensor, dims: &[isize], keepdim: bool) -> Result<Tensor> {
     let _profile = tandem_core::profile::scope("sum", tandem_core::profile::Phase::Forward);
-    float_dtype("sum", x)?;
-    let dims = resolve_dims("sum", x, dims)?;
+    scaled_sum("sum", x, dims, keepdim, 1.0)
+}
+
+/// `scale ·` the sum over `dims`: `sum` (scale 1) and `mean` (1 / count) in one kernel, with
+/// one backward (the output gradient broadcast back, times `scale`).
+fn scaled_sum(
+    op: &'static str,
+    x: &Tensor,
+    dims: &[isize],
+    keepdim: bool,
+    scale: f64,
+) -> Result<Tensor> {
+    float_dtype(op, x)?;
+    let dims = resolve_dims(op, x, dims)?;
     let kept = keepdim_shape(x, &dims);
     let out = match x.device() {
-        Device::Cpu => cpu::sum_kept(x, &dims, &kept)?,
-        Device::Cuda(_) => return Err(no_kernel("sum", x.device())),
+        Device::Cpu => cpu::sum_kept(x, &dims, &kept, scale)?,
+        Device::Cuda(_) => cuda::sum(op, x, &dims, &kept, scale)?,
     };
     let out = if keepdim {
         out
@@ -72,12 +84,21 @@ pub fn sum(x: &Tensor, dims: &[isize], keepdim: bool) -> Result<Tensor> {
     };
     let in_shape = x.dims().to_vec();
     let kept_i: Vec<isize> = kept.iter().map(|&d| d as isize).collect();
-    Ok(record_fn(out, &[x], "sum", move || {
+    Ok(record_fn(out, &[x], op, move || {
         move |g: &Tensor| {
-            Ok(vec![Some(crate::views::contiguous(&expand(
-                &reshape(g, &kept_i)?,
-                &in_shape,
-            )?)?)])
+            let grad = match g.device() {
+                Device::Cpu => {
+                    let spread =
+                        crate::views::contiguous(&expand(&reshape(g, &kept_i)?, &in_shape)?)?;
+                    if scale == 1.0 {
+                        spread
+                    } else {
+                        crate::binary::mul_scalar(&spread, scale)?
+                    }
+                }
+                Device::Cuda(_) => cuda::sum_backward(op, g, &in_shape, &dims, scale)?,
+            };
+            Ok(vec![Some(grad)])
         }
     }))
 }
@@ -129,8 +150,7 @@ pub fn mean(x: &Tensor, dims: &[isize], keepdim: bool) -> Result<Tensor> {
             format!("mean over an empty set of elements (shape {:?})", x.dims()),
         ));
     }
-    let s = sum(x, dims, keepdim)?;
-    crate::binary::mul_scalar(&s, 1.0 / count as f64)
+    scaled_sum("mean", x, dims, keepdim, 1.0 / count as f64)
 }
 
 /// Mean of every element, as a 0-dim tensor.

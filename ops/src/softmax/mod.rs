@@ -10,12 +10,12 @@
 //! is normalised independently.
 
 mod cpu;
+pub mod cuda;
 
 use tandem_autograd::record_fn;
 use tandem_core::{normalize_dim, with_float_type, Device, Result, Tensor};
 
 use crate::checks::float_dtype;
-use crate::device::no_kernel;
 use cpu::Split;
 
 fn softmax_impl(op: &'static str, x: &Tensor, dim: isize, log: bool) -> Result<Tensor> {
@@ -24,7 +24,7 @@ fn softmax_impl(op: &'static str, x: &Tensor, dim: isize, log: bool) -> Result<T
     let split = Split::around(x.dims(), d);
     let out = match x.device() {
         Device::Cpu => with_float_type!(op, x.dtype(), T => cpu::forward::<T>(x, split, log))?,
-        Device::Cuda(_) => return Err(no_kernel(op, x.device())),
+        Device::Cuda(_) => cuda::forward(op, x, split, log)?,
     };
     let y = out.detach();
     Ok(record_fn(out, &[x], op, move || {
@@ -33,7 +33,7 @@ fn softmax_impl(op: &'static str, x: &Tensor, dim: isize, log: bool) -> Result<T
                 Device::Cpu => {
                     with_float_type!(op, g.dtype(), T => cpu::backward::<T>(g, &y, split, log))?
                 }
-                Device::Cuda(_) => return Err(no_kernel(op, g.device())),
+                Device::Cuda(_) => cuda::backward(op, g, &y, split, log)?,
             };
             Ok(vec![Some(dx)])
         }
