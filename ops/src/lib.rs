@@ -16,6 +16,7 @@ pub mod conv2d;
 pub(crate) mod cpu;
 pub(crate) mod device;
 pub mod dropout;
+pub(crate) mod elementwise_plan;
 pub mod linear;
 pub mod loss;
 pub mod matmul;

@@ -10,11 +10,15 @@ use crate::cpu::memory::{self, host_slice};
 use crate::cpu::strided::for_each_index2;
 
 /// Which binary operation a kernel applies.
-#[derive(Clone, Copy, Debug)]
-pub(crate) enum BinaryKind {
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BinaryKind {
+    /// `a + b`.
     Add,
+    /// `a - b`.
     Sub,
+    /// `a * b`.
     Mul,
+    /// `a / b`.
     Div,
 }
 

@@ -7,15 +7,34 @@
 //! Both inputs must share dtype (f32 or f64) and device.
 
 mod cpu;
+pub mod cuda;
 
 use tandem_autograd::record_fn;
 use tandem_core::{broadcast_shapes, Device, Result, Tensor};
 
 use crate::checks::{float_dtype, same_dtype_device};
-use crate::device::no_kernel;
 use crate::reduce::sum_to_shape;
 
-pub(crate) use cpu::BinaryKind;
+pub use cpu::BinaryKind;
+
+/// Which scalar operation [`add_scalar`] or [`mul_scalar`] applies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ScalarKind {
+    /// `x + c`.
+    Add,
+    /// `x * c`.
+    Mul,
+}
+
+impl ScalarKind {
+    /// The op's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            ScalarKind::Add => "add_scalar",
+            ScalarKind::Mul => "mul_scalar",
+        }
+    }
+}
 
 fn binary(op: &'static str, kind: BinaryKind, a: &Tensor, b: &Tensor) -> Result<Tensor> {
     let _profile = tandem_core::profile::scope(op, tandem_core::profile::Phase::Forward);
@@ -24,16 +43,18 @@ fn binary(op: &'static str, kind: BinaryKind, a: &Tensor, b: &Tensor) -> Result<
     let shape = broadcast_shapes(op, a.dims(), b.dims())?;
     match a.device() {
         Device::Cpu => cpu::binary(op, kind, a, b, &shape),
-        Device::Cuda(_) => Err(no_kernel(op, a.device())),
+        Device::Cuda(_) => cuda::binary(op, kind, a, b, &shape),
     }
 }
 
-/// `f(a, c)` elementwise for a scalar `c`, dispatched on the device.
-fn scalar(op: &'static str, a: &Tensor, f: impl Fn(f64) -> f64 + Sync) -> Result<Tensor> {
+/// `a ∘ c` elementwise for a scalar `c`, dispatched on the device.
+fn scalar(kind: ScalarKind, a: &Tensor, c: f64) -> Result<Tensor> {
+    let op = kind.name();
     float_dtype(op, a)?;
-    match a.device() {
-        Device::Cpu => cpu::scalar(op, a, f),
-        Device::Cuda(_) => Err(no_kernel(op, a.device())),
+    match (a.device(), kind) {
+        (Device::Cpu, ScalarKind::Add) => cpu::scalar(op, a, move |x| x + c),
+        (Device::Cpu, ScalarKind::Mul) => cpu::scalar(op, a, move |x| x * c),
+        (Device::Cuda(_), _) => cuda::scalar(kind, a, c),
     }
 }
 
@@ -72,7 +93,7 @@ pub fn add_relu(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     let _profile = tandem_core::profile::scope(OP, tandem_core::profile::Phase::Forward);
     let out = match a.device() {
         Device::Cpu => cpu::add_relu(OP, a, b)?,
-        Device::Cuda(_) => return Err(no_kernel(OP, a.device())),
+        Device::Cuda(_) => cuda::add_relu(a, b)?,
     };
     let saved = out.detach();
     Ok(record_fn(out, &[a, b], OP, move || {
@@ -145,7 +166,7 @@ pub fn div(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 
 /// `a + c` for a scalar `c`.
 pub fn add_scalar(a: &Tensor, c: f64) -> Result<Tensor> {
-    let out = scalar("add_scalar", a, move |x| x + c)?;
+    let out = scalar(ScalarKind::Add, a, c)?;
     Ok(record_fn(out, &[a], "add_scalar", || {
         |g: &Tensor| Ok(vec![Some(g.clone())])
     }))
@@ -153,7 +174,7 @@ pub fn add_scalar(a: &Tensor, c: f64) -> Result<Tensor> {
 
 /// `a * c` for a scalar `c`.
 pub fn mul_scalar(a: &Tensor, c: f64) -> Result<Tensor> {
-    let out = scalar("mul_scalar", a, move |x| x * c)?;
+    let out = scalar(ScalarKind::Mul, a, c)?;
     Ok(record_fn(out, &[a], "mul_scalar", move || {
         move |g: &Tensor| Ok(vec![Some(mul_scalar(g, c)?)])
     }))

@@ -13,22 +13,32 @@ use tandem_core::{with_float_type, FloatElement, Result, Tensor};
 use crate::cpu::elementwise::{map, zip_map};
 use crate::cpu::exp::ExpFloat;
 
+use super::integer_exponent;
+
 /// Which unary operation a kernel applies.
-#[derive(Clone, Copy, Debug)]
-pub(crate) enum UnaryKind {
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum UnaryKind {
+    /// `−x`.
     Neg,
+    /// `eˣ`.
     Exp,
+    /// `ln x`.
     Log,
+    /// `√x`.
     Sqrt,
+    /// `xᵖ` for a finite scalar `p`.
     Pow(f64),
+    /// `max(x, 0)`.
     Relu,
+    /// `1 / (1 + e⁻ˣ)`.
     Sigmoid,
+    /// `tanh x`.
     Tanh,
 }
 
 impl UnaryKind {
     /// The op name used in errors and in the graph.
-    pub(crate) fn name(self) -> &'static str {
+    pub fn name(self) -> &'static str {
         match self {
             UnaryKind::Neg => "neg",
             UnaryKind::Exp => "exp",
@@ -43,7 +53,7 @@ impl UnaryKind {
 
     /// Whether the backward is cheaper from the output than from the input (then the output
     /// is what the op saves, and the input can be freed).
-    pub(crate) fn saves_output(self) -> bool {
+    pub fn saves_output(self) -> bool {
         matches!(
             self,
             UnaryKind::Exp
@@ -53,11 +63,6 @@ impl UnaryKind {
                 | UnaryKind::Tanh
         )
     }
-}
-
-/// `p` as a small integer exponent when it is one (then `powi` is exact and faster).
-fn integer_exponent(p: f64) -> Option<i32> {
-    (p.fract() == 0.0 && p.abs() <= 64.0).then_some(p as i32)
 }
 
 /// The forward of `kind` on `x`.

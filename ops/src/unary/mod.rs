@@ -7,14 +7,20 @@
 //! negative number) give NaN, as in IEEE arithmetic, rather than an error.
 
 mod cpu;
+pub mod cuda;
 
 use tandem_autograd::record_fn;
 use tandem_core::{Device, Result, Tensor};
 
 use crate::checks::float_dtype;
-use crate::device::no_kernel;
 
-use cpu::UnaryKind;
+pub use cpu::UnaryKind;
+
+/// `p` as a small integer exponent when it is one (then `powi` is exact and faster); both
+/// devices' kernels pick their method for `pow_scalar` by it.
+pub(crate) fn integer_exponent(p: f64) -> Option<i32> {
+    (p.fract() == 0.0 && p.abs() <= 64.0).then_some(p as i32)
+}
 
 fn unary(kind: UnaryKind, x: &Tensor) -> Result<Tensor> {
     let name = kind.name();
@@ -22,7 +28,7 @@ fn unary(kind: UnaryKind, x: &Tensor) -> Result<Tensor> {
     float_dtype(name, x)?;
     let out = match x.device() {
         Device::Cpu => cpu::forward(kind, x)?,
-        Device::Cuda(_) => return Err(no_kernel(name, x.device())),
+        Device::Cuda(_) => cuda::forward(kind, x)?,
     };
     let saved = if kind.saves_output() {
         out.detach()
@@ -38,7 +44,7 @@ fn unary(kind: UnaryKind, x: &Tensor) -> Result<Tensor> {
 fn backward(kind: UnaryKind, g: &Tensor, saved: &Tensor) -> Result<Tensor> {
     match g.device() {
         Device::Cpu => cpu::backward(kind, g, saved),
-        Device::Cuda(_) => Err(no_kernel(kind.name(), g.device())),
+        Device::Cuda(_) => cuda::backward(kind, g, saved),
     }
 }
 

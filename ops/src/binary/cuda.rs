@@ -1,0 +1,99 @@
+//! The binary ops on a CUDA device (`binary.cu`): one launch per op, writing a fresh dense
+//! output. Same-shape dense operands take the kernels' dense form (128-bit packs when aligned);
+//! broadcast or strided operands are read through their layouts, a broadcast dim having stride
+//! 0, so nothing is expanded or copied first.
+//!
+//! The `*_launch` builders are pure functions from device views to a [`Launch`], public so that
+//! the host harness (`tandem-cuda-harness`) runs the very plans the ops run on a GPU.
+
+use tandem_core::cuda::launch::{KernelArg, KernelSource, Launch};
+use tandem_core::cuda::runtime_kernels::DeviceView;
+use tandem_core::{Result, Tensor};
+
+use super::{BinaryKind, ScalarKind};
+use crate::elementwise_plan::{elementwise_launch, run_into_new};
+
+/// `binary.cu`, embedded.
+pub static BINARY_KERNELS: KernelSource = KernelSource {
+    name: "binary",
+    source: include_str!("binary.cu"),
+    headers: &[],
+};
+
+/// The op's name, which is also its kernels' name.
+fn name(kind: BinaryKind) -> &'static str {
+    match kind {
+        BinaryKind::Add => "add",
+        BinaryKind::Sub => "sub",
+        BinaryKind::Mul => "mul",
+        BinaryKind::Div => "div",
+    }
+}
+
+/// `out = a ∘ b` for `kind`'s operation. `a` and `b` are viewed with `out`'s shape (a broadcast
+/// input expanded to it, stride 0 along the stretched dims); `out` is dense; f32 or f64.
+pub fn binary_launch(
+    kind: BinaryKind,
+    out: DeviceView,
+    a: DeviceView,
+    b: DeviceView,
+) -> Result<Launch> {
+    let name = name(kind);
+    elementwise_launch(name, &BINARY_KERNELS, name, out, &[a, b], &[])
+}
+
+/// `out = max(0, a + b)` (NaN stays NaN), with the shapes and layouts of [`binary_launch`].
+pub fn add_relu_launch(out: DeviceView, a: DeviceView, b: DeviceView) -> Result<Launch> {
+    elementwise_launch("add_relu", &BINARY_KERNELS, "add_relu", out, &[a, b], &[])
+}
+
+/// `out = x ∘ c` for a scalar `c`, computed in f64 and rounded once to the dtype, as the CPU
+/// does; `x` any layout of `out`'s shape.
+pub fn scalar_launch(kind: ScalarKind, out: DeviceView, x: DeviceView, c: f64) -> Result<Launch> {
+    let name = kind.name();
+    elementwise_launch(name, &BINARY_KERNELS, name, out, &[x], &[KernelArg::F64(c)])
+}
+
+/// `a ∘ b` broadcast to `shape` (already checked), as a fresh tensor on their device.
+pub(crate) fn binary(
+    op: &'static str,
+    kind: BinaryKind,
+    a: &Tensor,
+    b: &Tensor,
+    shape: &[usize],
+) -> Result<Tensor> {
+    let la = a.layout().expand(op, shape)?;
+    let lb = b.layout().expand(op, shape)?;
+    run_into_new(
+        op,
+        shape,
+        a.dtype(),
+        a.device(),
+        &[(a, &la), (b, &lb)],
+        |out, x| binary_launch(kind, out, x[0], x[1]),
+    )
+}
+
+/// `max(0, a + b)` of two tensors of one shape.
+pub(crate) fn add_relu(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    run_into_new(
+        "add_relu",
+        a.dims(),
+        a.dtype(),
+        a.device(),
+        &[(a, a.layout()), (b, b.layout())],
+        |out, x| add_relu_launch(out, x[0], x[1]),
+    )
+}
+
+/// `x ∘ c` for a scalar `c`.
+pub(crate) fn scalar(kind: ScalarKind, x: &Tensor, c: f64) -> Result<Tensor> {
+    run_into_new(
+        kind.name(),
+        x.dims(),
+        x.dtype(),
+        x.device(),
+        &[(x, x.layout())],
+        |out, v| scalar_launch(kind, out, v[0], c),
+    )
+}
