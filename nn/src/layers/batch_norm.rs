@@ -190,7 +190,8 @@ impl BatchNorm2d {
     /// layer that runs this one's statistics itself (`SyncBatchNorm`) calls it for its own.
     pub fn count_training_batch(&self) -> Result<()> {
         if let Some(count) = &self.num_batches_tracked {
-            count.write_slice::<i64>()?[0] += 1;
+            // On the counter's device: no host access to a CUDA buffer.
+            tandem_ops::batch_norm::phases::count_batch(count)?;
         }
         Ok(())
     }

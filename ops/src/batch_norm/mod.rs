@@ -18,10 +18,15 @@
 //! in the same passes: the residual is added in the output pass, and since its mask cannot be
 //! recomputed from `x`, the backward masks the output gradient by the saved output inside the
 //! gradient reduction, writing the residual's gradient there for the input-gradient pass.
+//!
+//! Every phase runs on the CPU (`cpu/`) and on CUDA devices (`cuda.rs`, with the kernels of
+//! `batch_norm.cu` launched through the plans of [`kernels`]).
 
 #[cfg(test)]
 mod add_relu_tests;
 mod cpu;
+mod cuda;
+pub mod kernels;
 pub mod phases;
 #[cfg(test)]
 mod relu_tests;

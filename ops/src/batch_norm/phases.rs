@@ -13,12 +13,13 @@
 //! phases are not recorded by autograd: a caller records its own backward, as the fused ops
 //! do. Per-channel values (statistics, the normalization table, gradient sums) are f64 tensors
 //! on the input's device; every phase checks its arguments and dispatches once on that device.
+//! On a CUDA device nothing waits for the device except [`Statistics::from_sums`], which
+//! returns the count as a host value. [`count_batch`] advances `num_batches_tracked`.
 
 use tandem_core::{DType, Device, Error, Result, Tensor};
 
-use super::{cpu, Epilogue};
+use super::{cpu, cuda, Epilogue};
 use crate::checks::{float_dtype, same_dtype_device};
-use crate::device::no_kernel;
 
 /// Per-channel statistics of a batch: what batch norm normalises with.
 #[derive(Clone, Debug)]
@@ -44,7 +45,7 @@ impl Statistics {
         check_channel_tensor(OP, "var", &self.var, c, self.mean.device())?;
         match self.mean.device() {
             Device::Cpu => cpu::to_sums(OP, self),
-            Device::Cuda(_) => Err(no_kernel(OP, self.mean.device())),
+            Device::Cuda(_) => cuda::to_sums(OP, self),
         }
     }
 
@@ -65,7 +66,7 @@ impl Statistics {
         }
         let (count, mean, var) = match sums.device() {
             Device::Cpu => cpu::from_sums(OP, sums)?,
-            Device::Cuda(_) => return Err(no_kernel(OP, sums.device())),
+            Device::Cuda(_) => cuda::from_sums(OP, sums)?,
         };
         // Counts are exact in f64 up to 2⁵³, far beyond any batch.
         let whole = count.is_finite() && count.fract() == 0.0 && count < 2f64.powi(53);
@@ -127,7 +128,7 @@ pub fn statistics(x: &Tensor) -> Result<Statistics> {
     channels(OP, x)?;
     match x.device() {
         Device::Cpu => cpu::statistics(OP, x),
-        Device::Cuda(_) => Err(no_kernel(OP, x.device())),
+        Device::Cuda(_) => cuda::statistics(OP, x),
     }
 }
 
@@ -165,7 +166,7 @@ pub fn update_running(args: &RunningUpdate<'_>) -> Result<()> {
     }
     match args.stats.mean.device() {
         Device::Cpu => cpu::update_running(OP, args),
-        Device::Cuda(_) => Err(no_kernel(OP, args.stats.mean.device())),
+        Device::Cuda(_) => cuda::update_running(OP, args),
     }
 }
 
@@ -230,7 +231,7 @@ pub fn normalization(args: &NormalizationArgs<'_>) -> Result<Normalization> {
     }
     let table = match device {
         Device::Cpu => cpu::normalization(OP, args)?,
-        Device::Cuda(_) => return Err(no_kernel(OP, device)),
+        Device::Cuda(_) => cuda::normalization(OP, args)?,
     };
     Ok(Normalization { table })
 }
@@ -292,7 +293,7 @@ pub fn apply(args: &ApplyArgs<'_>) -> Result<Tensor> {
     }
     match args.x.device() {
         Device::Cpu => cpu::apply(OP, args),
-        Device::Cuda(_) => Err(no_kernel(OP, args.x.device())),
+        Device::Cuda(_) => cuda::apply(OP, args),
     }
 }
 
@@ -344,7 +345,7 @@ pub fn backward_reduce(args: &BackwardReduceArgs<'_>) -> Result<GradSums> {
     }
     match args.x.device() {
         Device::Cpu => cpu::backward_reduce(OP, args),
-        Device::Cuda(_) => Err(no_kernel(OP, args.x.device())),
+        Device::Cuda(_) => cuda::backward_reduce(OP, args),
     }
 }
 
@@ -382,7 +383,7 @@ pub fn backward_apply(args: &BackwardApplyArgs<'_>) -> Result<Tensor> {
     }
     match args.x.device() {
         Device::Cpu => cpu::backward_apply(OP, args),
-        Device::Cuda(_) => Err(no_kernel(OP, args.x.device())),
+        Device::Cuda(_) => cuda::backward_apply(OP, args),
     }
 }
 
@@ -414,6 +415,27 @@ pub fn parameter_gradients(
     check_sums(OP, sums, norm)?;
     match sums.device() {
         Device::Cpu => cpu::parameter_gradients(OP, sums, norm, dtype),
-        Device::Cuda(_) => Err(no_kernel(OP, sums.device())),
+        Device::Cuda(_) => cuda::parameter_gradients(OP, sums, norm, dtype),
+    }
+}
+
+/// Adds one to `num_batches_tracked` (a one-element i64 tensor), in place on its device: what
+/// every training forward of a layer that tracks running statistics does.
+pub fn count_batch(num_batches_tracked: &Tensor) -> Result<()> {
+    const OP: &str = "batch_norm_count_batch";
+    let t = num_batches_tracked;
+    if t.dtype() != DType::I64 || t.numel() != 1 {
+        return Err(Error::shape(
+            OP,
+            format!(
+                "num_batches_tracked must be one i64 value, got {} {:?}",
+                t.dtype(),
+                t.dims()
+            ),
+        ));
+    }
+    match t.device() {
+        Device::Cpu => cpu::count_batch(&t.contiguous_detached()?),
+        Device::Cuda(_) => cuda::count_batch(OP, t),
     }
 }

@@ -47,6 +47,21 @@ pub(crate) fn statistics(op: &'static str, x: &Tensor) -> Result<Statistics> {
     })
 }
 
+/// The value of a one-element CPU tensor as f64: how the CUDA path reads the count of
+/// all-reduced statistic sums once it has copied it to the host (`from_sums` returns it).
+pub(crate) fn host_value(op: &'static str, t: &Tensor) -> Result<f64> {
+    f64_values(op, t)?.first().copied().ok_or_else(|| {
+        tandem_core::Error::invalid(op, format!("need one value, got a tensor {:?}", t.dims()))
+    })
+}
+
+/// `counter += 1` for a one-element i64 tensor (`num_batches_tracked`).
+pub(crate) fn count_batch(counter: &Tensor) -> Result<()> {
+    let mut values = counter.write_slice::<i64>()?;
+    values[0] = values[0].wrapping_add(1);
+    Ok(())
+}
+
 /// `[count, count·mean…, count·(var + mean²)…]`.
 pub(crate) fn to_sums(op: &'static str, stats: &Statistics) -> Result<Tensor> {
     let (mean, var) = (f64_values(op, &stats.mean)?, f64_values(op, &stats.var)?);

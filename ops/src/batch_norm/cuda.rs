@@ -1,0 +1,326 @@
+//! CUDA kernels of the batch-norm phases (see `phases.rs`): each makes its inputs contiguous
+//! where a kernel needs them so (the fused ops pass contiguous inputs already), allocates its
+//! outputs on the device, builds the launches of `kernels.rs` and runs them on the device's
+//! compute stream. Nothing waits for the device, except [`from_sums`], whose contract returns
+//! the count as a host value.
+
+use std::sync::Arc;
+
+use tandem_core::cuda::launch::Launch;
+use tandem_core::cuda::{device_pointer, launch_on_compute, CudaDevice};
+use tandem_core::{DType, Layout, Result, Shape, Tensor};
+
+use super::kernels::{self, ApplyEpilogue, ChannelArg, Dims, ReduceMask, Split, SumsArg};
+use super::phases::{
+    ApplyArgs, BackwardApplyArgs, BackwardReduceArgs, GradMask, GradSums, Normalization,
+    NormalizationArgs, RunningUpdate, Statistics,
+};
+use super::{cpu, Epilogue};
+
+/// The device of a CUDA tensor and the address of its first element (the storage's base
+/// plus the layout offset).
+fn address(op: &'static str, t: &Tensor) -> Result<(Arc<CudaDevice>, u64)> {
+    let (dev, base) = device_pointer(op, t)?;
+    let offset = (t.layout().offset() * t.dtype().size_in_bytes()) as u64;
+    Ok((dev, base + offset))
+}
+
+/// The address of a CUDA tensor's first element.
+fn ptr(op: &'static str, t: &Tensor) -> Result<u64> {
+    Ok(address(op, t)?.1)
+}
+
+/// A `[C]` tensor (any stride) as a kernel's per-channel vector; absent for `None`.
+fn channel(op: &'static str, name: &str, t: Option<&Tensor>) -> Result<ChannelArg> {
+    let Some(t) = t else {
+        return Ok(ChannelArg::absent());
+    };
+    let stride = t.layout().strides().first().copied().unwrap_or(0);
+    ChannelArg::new(op, name, ptr(op, t)?, stride, t.dtype())
+}
+
+/// Row `row` of a `[2, C]` f64 tensor (any strides) as a per-channel vector.
+fn sums_row(op: &'static str, sums: &Tensor, row: usize) -> Result<ChannelArg> {
+    let strides = sums.layout().strides();
+    let at = ptr(op, sums)? + (row * strides[0] * DType::F64.size_in_bytes()) as u64;
+    ChannelArg::new(op, "the gradient sums", at, strides[1], DType::F64)
+}
+
+/// The two rows of `[2, C]` gradient sums.
+fn sums_arg(op: &'static str, sums: &Tensor) -> Result<SumsArg> {
+    Ok(SumsArg {
+        sum_g: sums_row(op, sums, 0)?,
+        sum_centered: sums_row(op, sums, 1)?,
+    })
+}
+
+/// A fresh f64 tensor on `t`'s device.
+fn f64_like(t: &Tensor, shape: &[usize]) -> Result<Tensor> {
+    Tensor::empty(shape, DType::F64, t.device())
+}
+
+/// Scratch for the partial sums of a split reduction and its address (none for one split).
+fn partials(
+    op: &'static str,
+    t: &Tensor,
+    dims: Dims,
+    split: Split,
+) -> Result<(Option<Tensor>, u64)> {
+    let len = split.partials_len(dims);
+    if len == 0 {
+        return Ok((None, 0));
+    }
+    let p = f64_like(t, &[len])?;
+    let at = ptr(op, &p)?;
+    Ok((Some(p), at))
+}
+
+/// Runs launches in order on the compute stream; `work` is the number of items they cover
+/// (nothing runs for none).
+fn run(dev: &CudaDevice, launches: &[Launch], work: usize) -> Result<()> {
+    for launch in launches {
+        launch_on_compute(dev, launch, work)?;
+    }
+    Ok(())
+}
+
+/// Per-channel mean and biased variance of `x` (any layout).
+pub(crate) fn statistics(op: &'static str, x: &Tensor) -> Result<Statistics> {
+    let xc = x.contiguous_detached()?;
+    let dims = Dims::of(x.dims());
+    let (dev, xa) = address(op, &xc)?;
+    let mean = f64_like(x, &[dims.c])?;
+    let var = f64_like(x, &[dims.c])?;
+    let split = Split::for_dims(dims);
+    let (_scratch, scratch_at) = partials(op, x, dims, split)?;
+    let launches = kernels::statistics_launches(
+        op,
+        xa,
+        x.dtype(),
+        dims,
+        split,
+        scratch_at,
+        ptr(op, &mean)?,
+        ptr(op, &var)?,
+    )?;
+    // Every channel gets a value, also for an input without elements (NaN).
+    run(&dev, &launches, dims.c)?;
+    Ok(Statistics {
+        count: dims.per_channel(),
+        mean,
+        var,
+    })
+}
+
+/// `[count, count·mean…, count·(var + mean²)…]`.
+pub(crate) fn to_sums(op: &'static str, stats: &Statistics) -> Result<Tensor> {
+    let c = stats.mean.numel();
+    let (dev, _) = device_pointer(op, &stats.mean)?;
+    let sums = f64_like(&stats.mean, &[1 + 2 * c])?;
+    let launch = kernels::to_sums_launch(
+        op,
+        channel(op, "mean", Some(&stats.mean))?,
+        channel(op, "var", Some(&stats.var))?,
+        c,
+        stats.count,
+        ptr(op, &sums)?,
+    )?;
+    run(&dev, &[launch], c + 1)?;
+    Ok(sums)
+}
+
+/// The count (a host value: the caller validates it) and the per-channel mean and biased
+/// variance of `[1 + 2C]` f64 sums.
+pub(crate) fn from_sums(op: &'static str, sums: &Tensor) -> Result<(f64, Tensor, Tensor)> {
+    let c = sums.dims()[0] / 2;
+    let (dev, _) = device_pointer(op, sums)?;
+    let mean = f64_like(sums, &[c])?;
+    let var = f64_like(sums, &[c])?;
+    let stride = sums.layout().strides()[0];
+    let launch = kernels::from_sums_launch(
+        op,
+        ChannelArg::new(op, "the statistic sums", ptr(op, sums)?, stride, DType::F64)?,
+        c,
+        ptr(op, &mean)?,
+        ptr(op, &var)?,
+    )?;
+    run(&dev, &[launch], c)?;
+    // The contract returns the count on the host (it is checked there and sizes later
+    // phases): the one host synchronisation of the batch-norm phases, after the launch above so
+    // the device has that work queued. The value is read by the CPU kernel's helper.
+    let first = sums.view_detached(Layout::from_parts(
+        Shape::new(),
+        Shape::new(),
+        sums.layout().offset(),
+    ))?;
+    let count = cpu::host_value(op, &first.to_device(tandem_core::Device::Cpu)?)?;
+    Ok((count, mean, var))
+}
+
+/// The running-statistics update, in place.
+pub(crate) fn update_running(op: &'static str, args: &RunningUpdate<'_>) -> Result<()> {
+    let stats = args.stats;
+    let c = stats.mean.numel();
+    if args.running_mean.is_none() && args.running_var.is_none() {
+        return Ok(());
+    }
+    let (dev, _) = device_pointer(op, &stats.mean)?;
+    let count = stats.count as f64;
+    let launch = kernels::update_running_launch(
+        op,
+        channel(op, "running_mean", args.running_mean)?,
+        channel(op, "running_var", args.running_var)?,
+        channel(op, "mean", Some(&stats.mean))?,
+        channel(op, "var", Some(&stats.var))?,
+        c,
+        args.momentum,
+        count / (count - 1.0),
+    )?;
+    run(&dev, &[launch], c)
+}
+
+/// The `[4, C]` table of mean, 1/σ, scale and shift.
+pub(crate) fn normalization(op: &'static str, args: &NormalizationArgs<'_>) -> Result<Tensor> {
+    let c = args.mean.numel();
+    let (dev, _) = device_pointer(op, args.mean)?;
+    let table = f64_like(args.mean, &[4, c])?;
+    let launch = kernels::normalization_launch(
+        op,
+        channel(op, "mean", Some(args.mean))?,
+        channel(op, "var", Some(args.var))?,
+        channel(op, "weight", args.weight)?,
+        channel(op, "bias", args.bias)?,
+        c,
+        args.eps,
+        ptr(op, &table)?,
+    )?;
+    run(&dev, &[launch], c)?;
+    Ok(table)
+}
+
+/// `y = x·scale + shift` and the epilogue.
+pub(crate) fn apply(op: &'static str, args: &ApplyArgs<'_>) -> Result<Tensor> {
+    let xc = args.x.contiguous_detached()?;
+    let dims = Dims::of(xc.dims());
+    let (dev, xa) = address(op, &xc)?;
+    let out = Tensor::empty(xc.dims(), xc.dtype(), xc.device())?;
+    let residual = match args.epilogue {
+        Epilogue::AddRelu(r) => Some(r.contiguous_detached()?),
+        _ => None,
+    };
+    let epilogue = match (&args.epilogue, &residual) {
+        (Epilogue::AddRelu(_), Some(r)) => ApplyEpilogue::AddRelu(ptr(op, r)?),
+        (Epilogue::Relu, _) => ApplyEpilogue::Relu,
+        _ => ApplyEpilogue::Plain,
+    };
+    let launch = kernels::apply_launch(
+        op,
+        xa,
+        epilogue,
+        ptr(op, &out)?,
+        xc.dtype(),
+        dims,
+        ptr(op, args.norm.table())?,
+    )?;
+    run(&dev, &[launch], dims.numel())?;
+    Ok(out)
+}
+
+/// Per-channel `[Σg', Σg'·(x − mean)]` of the masked gradient, and the masked gradient
+/// itself under [`GradMask::Output`].
+pub(crate) fn backward_reduce(op: &'static str, args: &BackwardReduceArgs<'_>) -> Result<GradSums> {
+    let xc = args.x.contiguous_detached()?;
+    let gc = args.grad.contiguous_detached()?;
+    let dims = Dims::of(xc.dims());
+    let (dev, xa) = address(op, &xc)?;
+    let sums = f64_like(&xc, &[2, dims.c])?;
+    let (output, masked) = match args.mask {
+        GradMask::Output(y) => (
+            Some(y.contiguous_detached()?),
+            Some(Tensor::empty(xc.dims(), xc.dtype(), xc.device())?),
+        ),
+        _ => (None, None),
+    };
+    let mask = match (args.mask, &output, &masked) {
+        (GradMask::Output(_), Some(y), Some(m)) => ReduceMask::Output {
+            output: ptr(op, y)?,
+            masked: ptr(op, m)?,
+        },
+        (GradMask::Relu, _, _) => ReduceMask::Relu,
+        _ => ReduceMask::None,
+    };
+    let split = Split::for_dims(dims);
+    let (_scratch, scratch_at) = partials(op, &xc, dims, split)?;
+    let launches = kernels::backward_reduce_launches(
+        op,
+        ptr(op, &gc)?,
+        xa,
+        mask,
+        xc.dtype(),
+        dims,
+        split,
+        ptr(op, args.norm.table())?,
+        scratch_at,
+        ptr(op, &sums)?,
+    )?;
+    // Every channel's sums are written, also for an input without elements (zeros).
+    run(&dev, &launches, dims.c)?;
+    Ok(GradSums { sums, grad: masked })
+}
+
+/// The input gradient from the (all-reduced) sums.
+pub(crate) fn backward_apply(op: &'static str, args: &BackwardApplyArgs<'_>) -> Result<Tensor> {
+    let xc = args.x.contiguous_detached()?;
+    let gc = args.grad.contiguous_detached()?;
+    let dims = Dims::of(xc.dims());
+    let (dev, xa) = address(op, &xc)?;
+    let out = Tensor::empty(xc.dims(), xc.dtype(), xc.device())?;
+    let coefficients = Tensor::empty(&[4, dims.c], xc.dtype(), xc.device())?;
+    let [coefs, apply] = kernels::backward_apply_launches(
+        op,
+        ptr(op, &gc)?,
+        xa,
+        ptr(op, &out)?,
+        xc.dtype(),
+        dims,
+        ptr(op, args.norm.table())?,
+        sums_arg(op, args.sums)?,
+        args.count,
+        args.training,
+        args.relu_mask,
+        ptr(op, &coefficients)?,
+    )?;
+    launch_on_compute(&dev, &coefs, dims.c)?;
+    launch_on_compute(&dev, &apply, dims.numel())?;
+    Ok(out)
+}
+
+/// The weight and bias gradients `(Σg'·x̂, Σg')` per channel, in `dtype`.
+pub(crate) fn parameter_gradients(
+    op: &'static str,
+    sums: &Tensor,
+    norm: &Normalization,
+    dtype: DType,
+) -> Result<(Tensor, Tensor)> {
+    let c = norm.channels();
+    let (dev, _) = device_pointer(op, sums)?;
+    let grad_weight = Tensor::empty(&[c], dtype, sums.device())?;
+    let grad_bias = Tensor::empty(&[c], dtype, sums.device())?;
+    let launch = kernels::parameter_gradients_launch(
+        op,
+        sums_arg(op, sums)?,
+        ptr(op, norm.table())?,
+        c,
+        dtype,
+        ptr(op, &grad_weight)?,
+        ptr(op, &grad_bias)?,
+    )?;
+    run(&dev, &[launch], c)?;
+    Ok((grad_weight, grad_bias))
+}
+
+/// `counter += 1` for a one-element i64 tensor.
+pub(crate) fn count_batch(op: &'static str, counter: &Tensor) -> Result<()> {
+    let (dev, at) = address(op, counter)?;
+    run(&dev, &[kernels::count_batch_launch(op, at)?], 1)
+}
