@@ -90,11 +90,7 @@ pub(crate) fn flat_views(
 }
 
 fn tensor_error(rank: usize, e: tandem_core::Error) -> DistError {
-    DistError::Tensor {
-        rank,
-        collective: "broadcast (coalesced)",
-        message: e.to_string(),
-    }
+    DistError::tensor(rank, "broadcast (coalesced)", e)
 }
 
 #[cfg(test)]

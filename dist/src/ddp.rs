@@ -100,24 +100,22 @@ impl DistributedDataParallel {
     ) -> Result<Self> {
         let rank = group.rank();
         if !(config.bucket_cap_mb > 0.0 && config.first_bucket_mb > 0.0) {
-            return Err(DistError::Model {
+            return Err(DistError::config(
                 rank,
-                detail: format!(
+                format!(
                     "DdpConfig: bucket_cap_mb ({}) and first_bucket_mb ({}) must be positive",
                     config.bucket_cap_mb, config.first_bucket_mb
                 ),
-            });
+            ));
         }
         let params = module.named_parameters();
         let buffers = module.named_buffers();
         for (path, p) in &params {
             if p.device() != Device::Cpu || !p.is_contiguous() {
-                return Err(DistError::Model {
+                return Err(DistError::config(
                     rank,
-                    detail: format!(
-                        "parameter `{path}` must be a contiguous CPU tensor for this backend"
-                    ),
-                });
+                    format!("parameter `{path}` must be a contiguous CPU tensor for this backend"),
+                ));
             }
         }
         check_same_model(group.as_ref(), &params, &buffers)?;
@@ -168,10 +166,10 @@ impl DistributedDataParallel {
         {
             buffers.broadcast(self.group.as_ref(), 0)?;
         }
-        let out = self.module.forward(x).map_err(|e| DistError::Model {
-            rank,
-            detail: e.to_string(),
-        })?;
+        let out = self
+            .module
+            .forward(x)
+            .map_err(|e| DistError::model(rank, "forward of the wrapped module", e))?;
         self.reducer.mark_forward_end();
         Ok(out)
     }
@@ -241,10 +239,8 @@ fn check_same_model(
     let mut mine = describe("parameter", params);
     mine.extend(describe("buffer", buffers));
     let text = mine.join("\n");
-    let model_err = |e: tandem_core::Error| DistError::Model {
-        rank,
-        detail: e.to_string(),
-    };
+    let model_err =
+        |e: tandem_core::Error| DistError::tensor(rank, "comparing the models of the ranks", e);
 
     let len = Tensor::from_vec(vec![text.len() as i64], &[1], Device::Cpu).map_err(model_err)?;
     group.broadcast(&len, 0)?.wait()?;

@@ -440,11 +440,7 @@ pub(crate) fn tensor_error(
     desc: &CollectiveDesc,
     err: tandem_core::Error,
 ) -> DistError {
-    DistError::Tensor {
-        rank,
-        collective: desc.kind.name(),
-        message: err.to_string(),
-    }
+    DistError::tensor(rank, desc.kind.name(), err)
 }
 
 // ---- the comm-stream queue ------------------------------------------------------------------
@@ -472,10 +468,7 @@ impl CommQueue {
             .enqueue(move || {
                 let _ = learn.set(std::thread::current().id());
             })
-            .map_err(|e| DistError::Model {
-                rank,
-                detail: e.to_string(),
-            })?;
+            .map_err(|e| DistError::tensor(rank, format!("starting comm stream {name}"), e))?;
         Ok(CommQueue {
             rank,
             stream,
@@ -532,10 +525,10 @@ impl CommQueue {
                                     .map(|s| s.to_string())
                                     .or_else(|| panic.downcast_ref::<String>().cloned())
                                     .unwrap_or_else(|| "a panic".to_string());
-                                Err(DistError::Io {
-                                    context: format!("rank {rank}: {desc} (collective #{seq})"),
-                                    message: format!("internal error: {what}"),
-                                })
+                                Err(DistError::internal(
+                                    format!("rank {rank}: {desc} (collective #{seq})"),
+                                    what,
+                                ))
                             });
                     if let Err(e) = &outcome {
                         broken.lock().get_or_insert_with(|| e.clone());
@@ -546,10 +539,11 @@ impl CommQueue {
             done.finish(result);
         });
         if let Err(e) = queued {
-            failed.finish(Err(DistError::Model {
+            failed.finish(Err(DistError::tensor(
                 rank,
-                detail: format!("{desc} (collective #{seq}) could not be queued: {e}"),
-            }));
+                format!("{desc} (collective #{seq}) could not be queued"),
+                e,
+            )));
         }
         drop(next);
         work

@@ -299,7 +299,9 @@ pub(crate) fn run(
     chunk_bytes: usize,
 ) -> Result<()> {
     match run_pieces(links, ctx, sh, main, chunk_bytes) {
-        Err(err) if !matches!(err, DistError::Io { .. }) => Err(explain(links, ctx, err)),
+        Err(err) if !matches!(err, DistError::Io { .. } | DistError::Internal { .. }) => {
+            Err(explain(links, ctx, err))
+        }
         other => other,
     }
 }
@@ -637,10 +639,10 @@ fn explain(links: &mut [Option<Link>], ctx: &Ctx<'_>, err: DistError) -> DistErr
 }
 
 fn internal(ctx: &Ctx<'_>, what: impl Into<String>) -> DistError {
-    DistError::Io {
-        context: format!("rank {}: {} (collective #{})", ctx.rank, ctx.desc, ctx.seq),
-        message: format!("internal error: {}", what.into()),
-    }
+    DistError::internal(
+        format!("rank {}: {} (collective #{})", ctx.rank, ctx.desc, ctx.seq),
+        what,
+    )
 }
 
 fn protocol(ctx: &Ctx<'_>, peer: usize, problem: impl Into<String>) -> DistError {

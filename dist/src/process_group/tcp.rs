@@ -171,10 +171,10 @@ impl TcpProcessGroup {
                 body(&shared, &mut state, &ctx)
             }))
             .unwrap_or_else(|_| {
-                Err(DistError::Io {
-                    context: format!("rank {}: {desc} (collective #{seq})", shared.rank),
-                    message: "internal error: the collective panicked".into(),
-                })
+                Err(DistError::internal(
+                    format!("rank {}: {desc} (collective #{seq})", shared.rank),
+                    "the collective panicked",
+                ))
             });
             state.history = history;
             if state.history.len() == HISTORY {

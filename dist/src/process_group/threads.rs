@@ -220,10 +220,10 @@ fn exchange(
     for q in 0..world {
         let queue = &mut board.posts[q];
         let Some(at) = queue.iter().position(|p| p.seq == seq) else {
-            return Err(DistError::Io {
-                context: format!("rank {rank}: {desc}"),
-                message: "internal error: post vanished".into(),
-            });
+            return Err(DistError::internal(
+                format!("rank {rank}: {desc}"),
+                "post vanished",
+            ));
         };
         all.push(queue[at].data.clone());
         queue[at].unread -= 1;
@@ -250,10 +250,8 @@ fn fold(rank: usize, desc: &CollectiveDesc, sources: &[&[u8]], out: &mut [u8]) -
     if out.is_empty() {
         return Ok(());
     }
-    reduce::reduce_all(dtype, op, sources, out).map_err(|message| DistError::Io {
-        context: format!("rank {rank}: {desc}"),
-        message,
-    })
+    reduce::reduce_all(dtype, op, sources, out)
+        .map_err(|problem| DistError::internal(format!("rank {rank}: {desc}"), problem))
 }
 
 impl ProcessGroup for ThreadProcessGroup {

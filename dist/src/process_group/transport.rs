@@ -62,13 +62,13 @@ impl Ctx<'_> {
     }
 
     fn internal(&self, what: impl Into<String>) -> DistError {
-        DistError::Io {
-            context: format!(
+        DistError::internal(
+            format!(
                 "rank {}: {} (collective #{})",
                 self.rank, self.desc, self.seq
             ),
-            message: format!("internal error: {}", what.into()),
-        }
+            what,
+        )
     }
 
     /// The error for a needed peer that is gone.
@@ -302,7 +302,12 @@ impl Exec<'_, '_> {
                 Ok(0) => continue,
                 Ok(_) => {}
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(self.ctx.internal(format!("poll failed: {e}"))),
+                Err(e) => {
+                    let c = self.ctx;
+                    let context =
+                        format!("rank {}: {} (collective #{}): poll", c.rank, c.desc, c.seq);
+                    return Err(DistError::io(context, e));
+                }
             }
             for (fd, &p) in fds.iter().zip(&owners) {
                 let hangup = fd.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0;

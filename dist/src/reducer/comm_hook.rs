@@ -8,7 +8,6 @@
 
 use tandem_core::{DType, Event, Tensor};
 
-use crate::reducer::model_err;
 use crate::{ProcessGroup, ReduceOp, Result, Work};
 
 /// A bucket reduction in flight: the collectives issued and an event that completes when the
@@ -80,10 +79,7 @@ impl CommHook for CompressionHook {
     fn reduce(&self, group: &dyn ProcessGroup, bucket: &Tensor) -> Result<BucketReduction> {
         let compressed = bucket
             .to_dtype(self.dtype)
-            .map_err(|e| crate::DistError::Model {
-                rank: group.rank(),
-                detail: format!("{}: {e}", self.name()),
-            })?;
+            .map_err(|e| crate::DistError::tensor(group.rank(), self.name(), e))?;
         let work = group.all_reduce(&compressed, ReduceOp::Sum)?;
         let (target, source) = (bucket.clone(), compressed);
         let rank = group.rank();
@@ -96,11 +92,11 @@ impl CommHook for CompressionHook {
                     let _ = target.copy_(&values);
                 }
             })
-            .map_err(|e| model_err(rank, e))?;
+            .map_err(|e| crate::DistError::tensor(rank, self.name(), e))?;
         let done = group
             .comm_stream()
             .record_event()
-            .map_err(|e| model_err(rank, e))?;
+            .map_err(|e| crate::DistError::tensor(rank, self.name(), e))?;
         Ok(BucketReduction {
             works: vec![work],
             done,

@@ -27,7 +27,7 @@ use tandem_autograd::{
 use tandem_core::{DType, Device, Event, GradReady, Tensor, TensorId};
 
 use crate::{DistError, ProcessGroup, Result, Work};
-use bucket::{model_err, Bucket, BucketSet, Slot};
+use bucket::{Bucket, BucketSet, Slot};
 use comm_hook::{AllReduceHook, CommHook};
 use telemetry::{BucketTiming, StepTiming, Telemetry};
 use unused::{is_slot_view, UnreachedHere};
@@ -187,10 +187,7 @@ impl Reducer {
                 Some(reducer) => reducer.on_grad_ready(ready).map_err(to_core),
                 None => Ok(()),
             })
-            .map_err(|e| DistError::Model {
-                rank,
-                detail: format!("parameter `{path}`: {e}"),
-            })?;
+            .map_err(|e| DistError::tensor(rank, format!("registering the hook of `{path}`"), e))?;
             handles.push(handle);
         }
         let tensors: Vec<Tensor> = self.params.iter().map(|(_, t)| t.clone()).collect();
@@ -200,7 +197,7 @@ impl Reducer {
                 Some(reducer) => reducer.on_backward_finished(summary).map_err(to_core),
                 None => Ok(()),
             })
-            .map_err(|e| model_err(rank, e))?;
+            .map_err(|e| DistError::tensor(rank, "registering the backward-finished hook", e))?;
         handles.push(handle);
         *self.hooks.lock() = handles;
         Ok(())
@@ -240,9 +237,11 @@ impl Reducer {
                 // Every rank must bucket alike: rank 0's order wins.
                 let values: Vec<i64> = order.iter().map(|&p| p as i64).collect();
                 let t = Tensor::from_vec(values, &[order.len()], Device::Cpu)
-                    .map_err(|e| model_err(rank, e))?;
+                    .map_err(|e| DistError::tensor(rank, "DistributedDataParallel", e))?;
                 self.group.broadcast(&t, 0)?.wait()?;
-                let agreed = t.to_vec::<i64>().map_err(|e| model_err(rank, e))?;
+                let agreed = t
+                    .to_vec::<i64>()
+                    .map_err(|e| DistError::tensor(rank, "DistributedDataParallel", e))?;
                 order = agreed.into_iter().map(|p| p as usize).collect();
             }
             let BucketSet { buckets, slots } =
@@ -285,13 +284,15 @@ impl Reducer {
         let view = &st.slots[index].view;
         if !is_slot_view(grad, view) {
             let rank = self.group.rank();
-            view.copy_(grad).map_err(|e| DistError::Model {
-                rank,
-                detail: format!("gradient of `{path}`: {e}"),
-            })?;
-            param
-                .set_grad(Some(view.clone()))
-                .map_err(|e| model_err(rank, e))?;
+            let err = |e| {
+                DistError::tensor(
+                    rank,
+                    format!("moving the gradient of `{path}` into its bucket"),
+                    e,
+                )
+            };
+            view.copy_(grad).map_err(err)?;
+            param.set_grad(Some(view.clone())).map_err(err)?;
         }
         Ok(())
     }
@@ -308,7 +309,7 @@ impl Reducer {
             st.slots[index]
                 .view
                 .scale_(1.0 / self.group.world_size() as f64)
-                .map_err(|e| model_err(rank, e))?;
+                .map_err(|e| DistError::tensor(rank, "DistributedDataParallel", e))?;
         }
         st.ready[index] = true;
         if st.sync_backwards == 0 {
@@ -336,11 +337,13 @@ impl Reducer {
         }));
         let rank = self.group.rank();
         // The collective must not read the bucket before the compute stream wrote it.
-        stream.wait_event(event).map_err(|e| model_err(rank, e))?;
+        stream
+            .wait_event(event)
+            .map_err(|e| DistError::tensor(rank, "DistributedDataParallel", e))?;
         let t = timing.clone();
         stream
             .enqueue(move || t.lock().started = Some(Instant::now()))
-            .map_err(|e| model_err(rank, e))?;
+            .map_err(|e| DistError::tensor(rank, "DistributedDataParallel", e))?;
         let hook: &dyn CommHook = match &self.config.comm_hook {
             Some(h) => h.as_ref(),
             None => &AllReduceHook,
@@ -349,8 +352,10 @@ impl Reducer {
         let t = timing.clone();
         stream
             .enqueue(move || t.lock().ended = Some(Instant::now()))
-            .map_err(|e| model_err(rank, e))?;
-        let stamped = stream.record_event().map_err(|e| model_err(rank, e))?;
+            .map_err(|e| DistError::tensor(rank, "DistributedDataParallel", e))?;
+        let stamped = stream
+            .record_event()
+            .map_err(|e| DistError::tensor(rank, "DistributedDataParallel", e))?;
         let backward = st.sync_backwards;
         if st.launch_log.len() == MAX_LAUNCH_RECORDS {
             st.launch_log.pop_front();
@@ -404,7 +409,11 @@ impl Reducer {
             }
             for event in [&flight.done, &flight.stamped] {
                 if let Err(e) = event.synchronize() {
-                    first_error.get_or_insert(model_err(rank, e));
+                    first_error.get_or_insert(DistError::tensor(
+                        rank,
+                        "DistributedDataParallel",
+                        e,
+                    ));
                 }
             }
             timings.push(flight.timing.lock().clone());
