@@ -9,19 +9,9 @@
 //! the same order — each one carries `(sequence number, kind, dtype, element count)` so a rank
 //! that disagrees is reported instead of corrupting data.
 
-#[cfg(test)]
-mod attack_tests;
-mod frame;
-mod handshake;
-mod link;
-mod mesh;
-mod plan;
 pub(crate) mod reduce;
-mod same_host;
-mod segment;
 pub mod tcp;
 pub mod threads;
-mod transport;
 mod work;
 
 use std::fmt;

@@ -22,8 +22,8 @@ use std::time::{Duration, Instant};
 use super::frame::{self, Expected, Farewell, FrameHeader, Verdict, HEADER_LEN};
 use super::link::{abort_links, drain_farewell, poll, read_message, send_parts, Gone, Link};
 use super::plan::{Dest, Finish, Plan};
-use super::{reduce, CollectiveDesc, ReduceOp};
 use crate::error::{fmt_left_after, fmt_ranks};
+use crate::process_group::{reduce, CollectiveDesc, ReduceOp};
 use crate::{DistError, Result};
 
 /// How long the event loop keeps retrying without progress before it sleeps in `poll`.

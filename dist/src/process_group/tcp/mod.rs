@@ -16,6 +16,17 @@
 //! so that a rank still waiting for this one learns that it left (and after how many
 //! collectives) instead of waiting for the timeout.
 
+#[cfg(test)]
+mod attack_tests;
+mod frame;
+mod handshake;
+mod link;
+mod mesh;
+mod plan;
+mod same_host;
+mod segment;
+mod transport;
+
 use std::fmt;
 use std::sync::Arc;
 use std::time::Instant;
@@ -23,13 +34,12 @@ use std::time::Instant;
 use parking_lot::Mutex;
 use tandem_core::{Stream, Tensor};
 
-use super::frame::Algorithm;
-use super::link::{self, Link};
-use super::mesh::connect_mesh;
-use super::plan::{self, choose_algorithm};
+use self::frame::Algorithm;
+use self::link::Link;
+use self::mesh::connect_mesh;
+use self::plan::choose_algorithm;
+use self::transport::Ctx;
 use super::reduce::{with_tensor_bytes, with_tensor_bytes_mut, AlignedBuf};
-use super::same_host;
-use super::transport::{self, Ctx};
 use super::{
     describe_all_gather, describe_all_reduce, describe_barrier, describe_broadcast,
     describe_reduce_scatter, tensor_error, CollectiveDesc, CommQueue, GroupConfig, ProcessGroup,
@@ -328,8 +338,8 @@ impl Drop for TcpProcessGroup {
 
 #[cfg(test)]
 mod tests {
-    use super::super::frame::{FrameHeader, HEADER_LEN};
-    use super::super::handshake::{connect_side, Channel, Me};
+    use super::frame::{FrameHeader, HEADER_LEN};
+    use super::handshake::{connect_side, Channel, Me};
     use super::*;
     use crate::testing::conformance;
     use std::io::Write;
@@ -590,14 +600,7 @@ mod tests {
     fn all_reduce_header(payload_len: u64) -> [u8; HEADER_LEN] {
         let t = Tensor::ones(&[100], DType::F32, Device::Cpu).unwrap();
         let desc = describe_all_reduce(1, &t, ReduceOp::Sum).unwrap();
-        FrameHeader::data(
-            desc,
-            super::super::frame::Algorithm::Direct,
-            1,
-            0,
-            payload_len,
-        )
-        .encode()
+        FrameHeader::data(desc, super::frame::Algorithm::Direct, 1, 0, payload_len).encode()
     }
 
     #[test]

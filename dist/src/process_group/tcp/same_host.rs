@@ -49,13 +49,13 @@ use super::handshake::{connect_side, Channel};
 use super::link::{drain_farewell, poll, Gone, Link};
 use super::mesh::{accept_peers, me};
 use super::plan::same_host_phase;
-use super::reduce;
 use super::segment::{
     adopt_segment, create_segment, mark, recv_fd, send_fd, Counter, Mapping, GROW_MESSAGE, HEADER,
 };
 use super::transport::{self, Ctx};
-use super::{CollectiveKind, GroupConfig};
 use crate::error::{fmt_left_after, fmt_ranks};
+use crate::process_group::reduce;
+use crate::process_group::{CollectiveKind, GroupConfig};
 use crate::store::TcpStore;
 use crate::{DistError, Result};
 

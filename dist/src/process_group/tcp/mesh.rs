@@ -20,8 +20,8 @@ use std::time::{Duration, Instant};
 
 use super::handshake::{accept_side, connect_side, Channel, Failure, HandshakeStream, Me};
 use super::link::{self, Link};
-use super::GroupConfig;
 use crate::error::fmt_ranks;
+use crate::process_group::GroupConfig;
 use crate::store::TcpStore;
 use crate::{DistError, Result};
 
