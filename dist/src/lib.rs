@@ -80,6 +80,7 @@ pub mod reducer;
 pub mod rendezvous;
 pub mod sampler;
 pub mod store;
+mod stream_ops;
 pub mod sync_batch_norm;
 pub mod testing;
 

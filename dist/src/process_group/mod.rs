@@ -9,6 +9,7 @@
 //! the same order — each one carries `(sequence number, kind, dtype, element count)` so a rank
 //! that disagrees is reported instead of corrupting data.
 
+mod board;
 pub(crate) mod reduce;
 pub mod tcp;
 pub mod threads;
@@ -199,12 +200,13 @@ impl Default for GroupConfig {
 /// A group of ranks that run collectives together.
 ///
 /// One rank per process (per device) in real training; the `threads` backend runs ranks as
-/// threads for tests. Every method returns at once with a [`Work`]; the collective runs on the
-/// group's comm stream ([`ProcessGroup::comm_stream`]) in issue order, in place on the tensors'
-/// storage, so the tensors must not be read or written until the work completes. Tensors must
-/// be contiguous and on the CPU; the reductions support f32, f64, f16 and bf16 (half types
-/// reduce in f32 precision per element), `broadcast` and `all_gather` every dtype. Empty
-/// tensors and sizes not divisible by the world size are fine.
+/// threads for tests. Every method returns with a [`Work`] without waiting for the data; the
+/// collective runs on the group's comm stream ([`ProcessGroup::comm_stream`]) in issue order,
+/// in place on the tensors' storage, so the tensors must not be read or written until the work
+/// completes. Tensors must be contiguous and on a device the backend works on (the CPU for TCP
+/// and threads); the reductions support f32, f64, f16 and bf16 (half types reduce in f32
+/// precision per element), `broadcast` and `all_gather` every dtype. Empty tensors and sizes
+/// not divisible by the world size are fine.
 ///
 /// Safe to call from any thread: issuing takes a short lock that fixes the sequence number and
 /// the stream order together. Hold a group as `Arc<dyn ProcessGroup>` to share it.
@@ -252,16 +254,6 @@ fn invalid(rank: usize, collective: &'static str, problem: impl Into<String>) ->
 }
 
 fn check_tensor(rank: usize, collective: &'static str, what: &str, t: &Tensor) -> Result<()> {
-    if t.device() != Device::Cpu {
-        return Err(invalid(
-            rank,
-            collective,
-            format!(
-                "{what} is on {}; this backend works on CPU tensors",
-                t.device()
-            ),
-        ));
-    }
     if !t.is_contiguous() {
         return Err(invalid(
             rank,
@@ -274,6 +266,26 @@ fn check_tensor(rank: usize, collective: &'static str, what: &str, t: &Tensor) -
         ));
     }
     Ok(())
+}
+
+/// Refuses tensors outside host memory, for the backends that work on CPU tensors only (checked
+/// after the arguments themselves, like them before the collective takes a sequence number).
+pub(crate) fn require_cpu(
+    rank: usize,
+    desc: &CollectiveDesc,
+    tensors: &[(&str, &Tensor)],
+) -> Result<()> {
+    match tensors.iter().find(|(_, t)| t.device() != Device::Cpu) {
+        Some((what, t)) => Err(invalid(
+            rank,
+            desc.kind.name(),
+            format!(
+                "{what} is on {}; this backend works on CPU tensors",
+                t.device()
+            ),
+        )),
+        None => Ok(()),
+    }
 }
 
 fn check_reducible(rank: usize, collective: &'static str, t: &Tensor) -> Result<()> {
@@ -339,6 +351,17 @@ fn check_pair(
 ) -> Result<()> {
     check_tensor(rank, collective, "input", input)?;
     check_tensor(rank, collective, "output", output)?;
+    if input.device() != output.device() {
+        return Err(invalid(
+            rank,
+            collective,
+            format!(
+                "input is on {} but output is on {}",
+                input.device(),
+                output.device()
+            ),
+        ));
+    }
     if input.dtype() != output.dtype() {
         return Err(invalid(
             rank,

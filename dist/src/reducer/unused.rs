@@ -84,19 +84,22 @@ impl UnreachedHere {
         })
     }
 
-    /// Starts the all-reduce that counts, per parameter, the ranks whose backward reached it.
-    /// Every rank calls this after launching its last bucket.
-    pub fn count_users(&self, group: &dyn ProcessGroup) -> Result<(Tensor, Work)> {
+    /// Starts the all-reduce that counts, per parameter, the ranks whose backward reached it
+    /// (on `device`, the parameters' device, which every backend reaches). Every rank calls
+    /// this after launching its last bucket.
+    pub fn count_users(&self, group: &dyn ProcessGroup, device: Device) -> Result<(Tensor, Work)> {
         let rank = group.rank();
         let flags: Vec<f32> = self.used.iter().map(|&u| u as u8 as f32).collect();
         let counts = Tensor::from_vec(flags, &[self.used.len()], Device::Cpu)
+            .and_then(|t| t.to_device(device))
             .map_err(|e| DistError::tensor(rank, "counting the users of each parameter", e))?;
         let work = group.all_reduce(&counts, ReduceOp::Sum)?;
         Ok((counts, work))
     }
 
     /// Once the buckets are reduced and `counts` (from [`UnreachedHere::count_users`]) is
-    /// complete: gives every parameter that no rank reached its gradient back, bit for bit.
+    /// complete on the compute stream: gives every parameter that no rank reached its gradient
+    /// back, bit for bit. Reads the counts on the host.
     pub fn restore_unused_everywhere(
         self,
         rank: usize,

@@ -42,8 +42,8 @@ use self::transport::Ctx;
 use super::reduce::{with_tensor_bytes, with_tensor_bytes_mut, AlignedBuf};
 use super::{
     describe_all_gather, describe_all_reduce, describe_barrier, describe_broadcast,
-    describe_reduce_scatter, tensor_error, CollectiveDesc, CommQueue, GroupConfig, ProcessGroup,
-    ReduceOp, Work,
+    describe_reduce_scatter, require_cpu, tensor_error, CollectiveDesc, CommQueue, GroupConfig,
+    ProcessGroup, ReduceOp, Work,
 };
 use crate::failure_report;
 use crate::rendezvous::MAX_WORLD_SIZE;
@@ -250,6 +250,7 @@ impl ProcessGroup for TcpProcessGroup {
 
     fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Work> {
         let desc = describe_all_reduce(self.shared.rank, tensor, op)?;
+        require_cpu(self.shared.rank, &desc, &[("tensor", tensor)])?;
         let tensor = tensor.clone();
         Ok(self.issue(desc, move |shared, state, ctx| {
             with_tensor_bytes_mut(&tensor, |main| run(shared, state, ctx, main))
@@ -259,6 +260,7 @@ impl ProcessGroup for TcpProcessGroup {
 
     fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<Work> {
         let desc = describe_broadcast(self.shared.rank, self.shared.world, tensor, root)?;
+        require_cpu(self.shared.rank, &desc, &[("tensor", tensor)])?;
         let tensor = tensor.clone();
         Ok(self.issue(desc, move |shared, state, ctx| {
             with_tensor_bytes_mut(&tensor, |main| run(shared, state, ctx, main))
@@ -268,6 +270,11 @@ impl ProcessGroup for TcpProcessGroup {
 
     fn all_gather(&self, input: &Tensor, output: &Tensor) -> Result<Work> {
         let desc = describe_all_gather(self.shared.rank, self.shared.world, input, output)?;
+        require_cpu(
+            self.shared.rank,
+            &desc,
+            &[("input", input), ("output", output)],
+        )?;
         let (input, output) = (input.clone(), output.clone());
         Ok(self.issue(desc, move |shared, state, ctx| {
             let block = desc.total_bytes(1);
@@ -293,6 +300,11 @@ impl ProcessGroup for TcpProcessGroup {
 
     fn reduce_scatter(&self, input: &Tensor, output: &Tensor, op: ReduceOp) -> Result<Work> {
         let desc = describe_reduce_scatter(self.shared.rank, self.shared.world, input, output, op)?;
+        require_cpu(
+            self.shared.rank,
+            &desc,
+            &[("input", input), ("output", output)],
+        )?;
         let (input, output) = (input.clone(), output.clone());
         Ok(self.issue(desc, move |shared, state, ctx| {
             let block = desc.total_bytes(1);
