@@ -5,7 +5,12 @@
 use std::path::{Path, PathBuf};
 
 /// The folders, relative to the workspace root, searched (recursively) for `.cu` files.
-pub const KERNEL_FOLDERS: &[&str] = &["core/src/cuda/kernels", "ops/src", "cuda-harness/kernels"];
+pub const KERNEL_FOLDERS: &[&str] = &[
+    "core/src/cuda/kernels",
+    "ops/src",
+    "dist/src",
+    "cuda-harness/kernels",
+];
 
 /// The folder of `tandem.cuh`, relative to the workspace root; on the include path of every
 /// host compile, and supplied by name to every NVRTC compile.

@@ -104,3 +104,14 @@ pub(crate) fn cast_on(stream: &Stream, dst: &Tensor, src: &Tensor) -> Result<()>
     src.record_stream(stream)?;
     launch_on(&dev, stream, &launch, dst.numel())
 }
+/// `dst = src` (same shape and dtype) on `stream`.
+pub(crate) fn copy_on(stream: &Stream, dst: &Tensor, src: &Tensor) -> Result<()> {
+    if dst.dtype() != src.dtype() {
+        return Err(Error::DTypeMismatch {
+            op: "copy_ (on a comm stream)",
+            lhs: dst.dtype(),
+            rhs: src.dtype(),
+        });
+    }
+    cast_on(stream, dst, src)
+}

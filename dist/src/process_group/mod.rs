@@ -10,6 +10,8 @@
 //! that disagrees is reported instead of corrupting data.
 
 mod board;
+pub mod device_threads;
+mod host;
 pub(crate) mod reduce;
 pub mod tcp;
 pub mod threads;
@@ -245,7 +247,11 @@ pub trait ProcessGroup: Send + Sync + fmt::Debug {
 
 // ---- argument validation (shared by the backends) -----------------------------------------
 
-fn invalid(rank: usize, collective: &'static str, problem: impl Into<String>) -> DistError {
+pub(crate) fn invalid(
+    rank: usize,
+    collective: &'static str,
+    problem: impl Into<String>,
+) -> DistError {
     DistError::InvalidArgument {
         rank,
         collective,

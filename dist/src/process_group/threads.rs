@@ -17,7 +17,8 @@ use std::sync::Arc;
 use tandem_core::{Stream, Tensor};
 
 use super::board::Board;
-use super::reduce::{self, with_tensor_bytes, with_tensor_bytes_mut, AlignedBuf};
+use super::host::{self, snapshot, Target};
+use super::reduce::AlignedBuf;
 use super::{
     describe_all_gather, describe_all_reduce, describe_barrier, describe_broadcast,
     describe_reduce_scatter, require_cpu, tensor_error, CollectiveDesc, CollectiveKind, CommQueue,
@@ -75,20 +76,23 @@ impl ThreadProcessGroup {
             .collect()
     }
 
-    /// Issues a collective: `contribute` (on the comm thread) returns this rank's snapshot,
-    /// `apply` computes the result from every rank's snapshot, in rank order.
+    /// Issues a collective: `contribute` (on the comm thread) returns this rank's snapshot, and
+    /// the result for `target` is computed from every rank's snapshot, in rank order.
     fn issue(
         &self,
         desc: CollectiveDesc,
         contribute: impl FnOnce() -> tandem_core::Result<AlignedBuf> + Send + 'static,
-        apply: impl FnOnce(&[Arc<AlignedBuf>]) -> Result<()> + Send + 'static,
+        target: Target,
     ) -> Work {
         let (rank, board, completed) = (self.rank, self.board.clone(), self.completed.clone());
         self.queue.issue(desc, move |seq| {
             let result = contribute()
                 .map_err(|e| tensor_error(rank, &desc, e))
                 .and_then(|data| board.exchange(rank, seq, &desc, Arc::new(data)))
-                .and_then(|all| apply(&all));
+                .and_then(|all| {
+                    let bytes: Vec<&[u8]> = all.iter().map(|b| b.bytes()).collect();
+                    host::apply(rank, &desc, &target, &bytes)
+                });
             match &result {
                 Ok(()) => completed.store(seq, Ordering::SeqCst),
                 Err(err) => board.fail(rank, err),
@@ -96,26 +100,6 @@ impl ThreadProcessGroup {
             result
         })
     }
-}
-
-fn snapshot(t: &Tensor) -> tandem_core::Result<AlignedBuf> {
-    with_tensor_bytes(t, |b| {
-        let mut buf = AlignedBuf::default();
-        buf.resize(b.len());
-        buf.bytes_mut().copy_from_slice(b);
-        buf
-    })
-}
-
-fn fold(rank: usize, desc: &CollectiveDesc, sources: &[&[u8]], out: &mut [u8]) -> Result<()> {
-    let (Some(dtype), Some(op)) = (desc.dtype, desc.op) else {
-        return Ok(());
-    };
-    if out.is_empty() {
-        return Ok(());
-    }
-    reduce::reduce_all(dtype, op, sources, out)
-        .map_err(|problem| DistError::internal(format!("rank {rank}: {desc}"), problem))
 }
 
 impl ProcessGroup for ThreadProcessGroup {
@@ -138,22 +122,18 @@ impl ProcessGroup for ThreadProcessGroup {
     fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Work> {
         let desc = describe_all_reduce(self.rank, tensor, op)?;
         require_cpu(self.rank, &desc, &[("tensor", tensor)])?;
-        let (t, t2, rank) = (tensor.clone(), tensor.clone(), self.rank);
+        let t = tensor.clone();
         Ok(self.issue(
             desc,
             move || snapshot(&t),
-            move |all| {
-                let sources: Vec<&[u8]> = all.iter().map(|b| b.bytes()).collect();
-                with_tensor_bytes_mut(&t2, |out| fold(rank, &desc, &sources, out))
-                    .map_err(|e| tensor_error(rank, &desc, e))?
-            },
+            Target::AllReduce(tensor.clone()),
         ))
     }
 
     fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<Work> {
         let desc = describe_broadcast(self.rank, self.board.world(), tensor, root)?;
         require_cpu(self.rank, &desc, &[("tensor", tensor)])?;
-        let (t, t2, rank) = (tensor.clone(), tensor.clone(), self.rank);
+        let (t, rank) = (tensor.clone(), self.rank);
         let contribute = move || {
             if rank == root {
                 snapshot(&t)
@@ -161,59 +141,39 @@ impl ProcessGroup for ThreadProcessGroup {
                 Ok(AlignedBuf::default())
             }
         };
-        Ok(self.issue(desc, contribute, move |all| {
-            if rank == root {
-                return Ok(());
-            }
-            with_tensor_bytes_mut(&t2, |out| out.copy_from_slice(all[root].bytes()))
-                .map_err(|e| tensor_error(rank, &desc, e))
-        }))
+        let target = Target::Broadcast {
+            tensor: tensor.clone(),
+            root,
+        };
+        Ok(self.issue(desc, contribute, target))
     }
 
     fn all_gather(&self, input: &Tensor, output: &Tensor) -> Result<Work> {
         let desc = describe_all_gather(self.rank, self.board.world(), input, output)?;
         require_cpu(self.rank, &desc, &[("input", input), ("output", output)])?;
-        let (input, output, rank) = (input.clone(), output.clone(), self.rank);
+        let input = input.clone();
         Ok(self.issue(
             desc,
             move || snapshot(&input),
-            move |all| {
-                with_tensor_bytes_mut(&output, |out| {
-                    let block = out.len() / all.len();
-                    for (q, data) in all.iter().enumerate() {
-                        out[q * block..(q + 1) * block].copy_from_slice(data.bytes());
-                    }
-                })
-                .map_err(|e| tensor_error(rank, &desc, e))
-            },
+            Target::AllGather(output.clone()),
         ))
     }
 
     fn reduce_scatter(&self, input: &Tensor, output: &Tensor, op: ReduceOp) -> Result<Work> {
         let desc = describe_reduce_scatter(self.rank, self.board.world(), input, output, op)?;
         require_cpu(self.rank, &desc, &[("input", input), ("output", output)])?;
-        let (input, output, rank) = (input.clone(), output.clone(), self.rank);
+        let input = input.clone();
         Ok(self.issue(
             desc,
             move || snapshot(&input),
-            move |all| {
-                with_tensor_bytes_mut(&output, |out| {
-                    let block = out.len();
-                    let sources: Vec<&[u8]> = all
-                        .iter()
-                        .map(|b| &b.bytes()[rank * block..(rank + 1) * block])
-                        .collect();
-                    fold(rank, &desc, &sources, out)
-                })
-                .map_err(|e| tensor_error(rank, &desc, e))?
-            },
+            Target::ReduceScatter(output.clone()),
         ))
     }
 
     fn barrier(&self) -> Result<Work> {
         let desc = describe_barrier();
         debug_assert_eq!(desc.kind, CollectiveKind::Barrier);
-        Ok(self.issue(desc, || Ok(AlignedBuf::default()), |_| Ok(())))
+        Ok(self.issue(desc, || Ok(AlignedBuf::default()), Target::Barrier))
     }
 }
 
