@@ -240,6 +240,11 @@ impl DeviceThreadGroup {
             (work.clone(), self.completed.clone(), self.broken.clone());
         let (timeout, device) = (self.timeout, self.device);
         let finish = move || {
+            if let Device::Cuda(ordinal) = device {
+                // Querying an event needs the device's context current on this thread; a
+                // failure here shows in the query below.
+                let _ = tandem_core::cuda::device(ordinal).and_then(|d| d.bind("device group"));
+            }
             let result = outcome.and_then(|done| match done {
                 None => Ok(()),
                 Some(event) => match event.wait_timeout(timeout) {
