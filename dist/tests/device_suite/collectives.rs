@@ -348,3 +348,79 @@ pub fn cpu_tensors_work_and_mixed_placements_are_named(device: Device) {
         }
     }
 }
+
+/// Issuing a collective never waits for the device: with the device's compute stream held by a
+/// [`Gate`](super::gate::Gate), every rank's `all_reduce` returns, its work stays pending (the
+/// comm stream is ordered after the held compute stream), and once the last rank has issued and
+/// the stream is released the work completes with the right sum. CUDA devices only (a CPU stream
+/// cannot be held). Nothing here can hang: the gate opens by itself after
+/// [`GATE_LIMIT`](super::gate::GATE_LIMIT) and every wait is bounded by the group's timeout.
+pub fn issuing_does_not_wait_for_the_device(device: Device) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Mutex;
+    use std::time::{Duration, Instant};
+    assert!(
+        matches!(device, Device::Cuda(_)),
+        "{device}: only a CUDA stream can be held"
+    );
+    let world = 2;
+    // Inputs are made (and their copies finished) before the stream is held.
+    let inputs: Vec<Tensor> = (0..world)
+        .map(|rank| {
+            Tensor::full(&[10_007], rank as f64 + 1.0, DType::F32, Device::Cpu)
+                .and_then(|t| t.to_device(device))
+                .unwrap_or_else(|e| panic!("{device}: input of rank {rank}: {e}"))
+        })
+        .collect();
+    let compute = tandem_core::Stream::compute(device).unwrap();
+    compute.synchronize().unwrap();
+    let gate = Mutex::new(Some(super::gate::Gate::hold(&compute)));
+    let issued = AtomicUsize::new(0);
+    let seen = on_device_ranks(device, world, |rank, g| {
+        let started = Instant::now();
+        let work = g.all_reduce(&inputs[rank], ReduceOp::Sum);
+        let took = started.elapsed();
+        let pending = work
+            .as_ref()
+            .map(|w| !w.is_completed())
+            .map_err(Clone::clone);
+        let held = gate
+            .lock()
+            .unwrap()
+            .as_ref()
+            .is_some_and(|gate| !gate.opened());
+        if issued.fetch_add(1, Ordering::SeqCst) + 1 == world {
+            // Every rank has issued: let the device go on.
+            drop(gate.lock().unwrap().take());
+        }
+        let result = work.and_then(|w| w.wait()).map(|()| {
+            let got = inputs[rank].to_vec::<f32>().unwrap();
+            got.iter().find(|&&v| v != 3.0).copied()
+        });
+        (took, pending, held, result)
+    });
+    for (rank, (took, pending, held, result)) in seen.into_iter().enumerate() {
+        let pending =
+            pending.unwrap_or_else(|e| panic!("{device} rank {rank}: issuing all_reduce: {e}"));
+        assert!(
+            held,
+            "{device} rank {rank}: the gate was open when all_reduce returned (after {took:?}); \
+             the test proves nothing"
+        );
+        assert!(
+            pending,
+            "{device} rank {rank}: all_reduce completed while the compute stream it is ordered \
+             after was held"
+        );
+        assert!(
+            took < Duration::from_secs(5),
+            "{device} rank {rank}: issuing all_reduce took {took:?}: it waited for the device"
+        );
+        let wrong = result
+            .unwrap_or_else(|e| panic!("{device} rank {rank}: all_reduce after release: {e}"));
+        assert_eq!(
+            wrong, None,
+            "{device} rank {rank}: all_reduce of 1.0 (rank 0) and 2.0 (rank 1) must give 3.0"
+        );
+    }
+}

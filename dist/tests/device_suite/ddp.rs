@@ -14,7 +14,7 @@ use tandem_nn::module::{ParamKind, TrainingFlag};
 use tandem_nn::{Linear, Module};
 use tandem_optim::{Optimizer, Sgd, SgdConfig};
 
-use super::on_device_ranks;
+use super::{on_ranks, Backend};
 use crate::ddp_common::{
     assert_close, batch, build, reference, rows, sgd, shard, snapshot_grads, snapshot_params,
     Model, Outcome, CLASSES, GLOBAL_BATCH,
@@ -94,11 +94,28 @@ pub fn train_ddp_on(
     steps: usize,
     config: DdpConfig,
 ) -> (Outcome, DistributedDataParallel) {
+    train_ddp_with(model, rank, group, steps, config, false)
+}
+
+/// [`train_ddp_on`], with the model's BatchNorm layers turned into SyncBatchNorm over the
+/// group first when `sync_bn` is set.
+pub fn train_ddp_with(
+    model: Model,
+    rank: usize,
+    group: Arc<dyn ProcessGroup>,
+    steps: usize,
+    config: DdpConfig,
+    sync_bn: bool,
+) -> (Outcome, DistributedDataParallel) {
     let device = group.comm_stream().device();
     let world = group.world_size();
     let what =
         |step: usize| format!("DDP {model:?} on {device}, rank {rank} of {world}, step {step}");
-    let m = build_on(model, 7, device);
+    let mut m = build_on(model, 7, device);
+    if sync_bn {
+        m = tandem_dist::convert_sync_batch_norm(m, group.clone())
+            .unwrap_or_else(|e| panic!("{}: convert_sync_batch_norm: {e}", what(0)));
+    }
     let ddp = DistributedDataParallel::new(m, group, config)
         .unwrap_or_else(|e| panic!("{}: DistributedDataParallel::new: {e}", what(0)));
     let mut opt = sgd(ddp.module().parameters());
@@ -155,19 +172,32 @@ fn check_reference_against_cpu(device: Device, model: Model, want: &Outcome) {
     );
 }
 
-/// N ranks with B/N samples each against one process with batch B, for each N in `worlds`:
-/// the gradients after the first step and the parameters after [`STEPS`] steps agree within
-/// [`tolerance`], and every rank ends with bit-identical parameters.
-pub fn equivalence(device: Device, model: Model, worlds: &[usize]) {
+/// N ranks of `backend` with B/N samples each against one process with batch B, for each N in
+/// `worlds`: the gradients after the first step and the parameters after [`STEPS`] steps agree
+/// within [`tolerance`], and every rank ends with bit-identical parameters.
+pub fn equivalence(backend: Backend, model: Model, worlds: &[usize]) {
+    run_equivalence(backend, model, false, worlds);
+}
+
+/// SyncBatchNorm normalises with the statistics of the global batch, so DDP over N ranks of
+/// `backend` with every BatchNorm turned into SyncBatchNorm equals one process with plain
+/// BatchNorm on the full batch (gradients after one step, parameters after [`STEPS`] steps).
+pub fn sync_batch_norm_matches_the_full_batch(backend: Backend, worlds: &[usize]) {
+    run_equivalence(backend, Model::CnnBatchNorm, true, worlds);
+}
+
+fn run_equivalence(backend: Backend, model: Model, sync_bn: bool, worlds: &[usize]) {
+    let device = backend.device();
     let want = reference_on(device, model, STEPS, 1);
     check_reference_against_cpu(device, model, &want);
     let tol = tolerance(device);
+    let layers = if sync_bn { " with SyncBatchNorm" } else { "" };
     for &world in worlds {
-        let outcomes = on_device_ranks(device, world, |rank, group| {
-            train_ddp_on(model, rank, group, STEPS, DdpConfig::default()).0
+        let outcomes = on_ranks(backend, world, |rank, group| {
+            train_ddp_with(model, rank, group, STEPS, DdpConfig::default(), sync_bn).0
         });
         for (rank, got) in outcomes.iter().enumerate() {
-            let what = format!("{model:?} on {device}, {world} ranks, rank {rank}");
+            let what = format!("{model:?}{layers} on the {backend}, {world} ranks, rank {rank}");
             assert_close(
                 &format!("{what}: first-step gradients vs one process on the full batch"),
                 &got.first_grads,
@@ -181,7 +211,10 @@ pub fn equivalence(device: Device, model: Model, worlds: &[usize]) {
                 tol,
             );
             assert_close(
-                &format!("{what}: parameters after {STEPS} steps vs rank 0 (replicas must agree bit for bit)"),
+                &format!(
+                    "{what}: parameters after {STEPS} steps vs rank 0 (replicas must agree bit \
+                     for bit)"
+                ),
                 &got.final_params,
                 &outcomes[0].final_params,
                 0.0,
@@ -192,16 +225,17 @@ pub fn equivalence(device: Device, model: Model, worlds: &[usize]) {
 
 /// Plain BatchNorm normalises each rank's shard with its own statistics: DDP over 4 ranks
 /// equals one process whose BatchNorm sees the 4 chunks separately.
-pub fn plain_batch_norm_matches_the_chunked_reference(device: Device) {
+pub fn plain_batch_norm_matches_the_chunked_reference(backend: Backend) {
+    let device = backend.device();
     let world = 4;
     let want = reference_on(device, Model::CnnBatchNorm, 1, world);
-    let outcomes = on_device_ranks(device, world, |rank, group| {
+    let outcomes = on_ranks(backend, world, |rank, group| {
         train_ddp_on(Model::CnnBatchNorm, rank, group, 1, DdpConfig::default()).0
     });
     for (rank, got) in outcomes.iter().enumerate() {
         assert_close(
             &format!(
-                "CnnBatchNorm on {device}, rank {rank} of {world}: first-step gradients vs one \
+                "CnnBatchNorm on {backend}, rank {rank} of {world}: first-step gradients vs one \
                  process normalising each rank's chunk separately"
             ),
             &got.first_grads,
@@ -212,10 +246,11 @@ pub fn plain_batch_norm_matches_the_chunked_reference(device: Device) {
 }
 
 /// `Sum` gives world × the `Mean` gradients.
-pub fn sum_is_world_size_times_mean(device: Device) {
+pub fn sum_is_world_size_times_mean(backend: Backend) {
+    let device = backend.device();
     let world = 4;
     let run = |reduction| {
-        on_device_ranks(device, world, |rank, group| {
+        on_ranks(backend, world, |rank, group| {
             let config = DdpConfig {
                 reduction,
                 ..DdpConfig::default()
@@ -233,7 +268,7 @@ pub fn sum_is_world_size_times_mean(device: Device) {
         .map(|(n, g)| (n.clone(), g.iter().map(|v| v * world as f32).collect()))
         .collect();
     assert_close(
-        &format!("{device}: GradReduction::Sum vs {world} × Mean"),
+        &format!("{backend}: GradReduction::Sum vs {world} × Mean"),
         &sum,
         &scaled,
         tolerance(device),
@@ -242,10 +277,11 @@ pub fn sum_is_world_size_times_mean(device: Device) {
 
 /// Two micro-batches, the first under `no_sync`, give the gradient of one batch of both; only
 /// the synchronised backward launches buckets.
-pub fn no_sync_accumulates_locally(device: Device) {
+pub fn no_sync_accumulates_locally(backend: Backend) {
+    let device = backend.device();
     let world = 2;
     let want = reference_on(device, Model::Mlp, 1, 1);
-    let grads = on_device_ranks(device, world, |rank, group| {
+    let grads = on_ranks(backend, world, |rank, group| {
         let ddp = DistributedDataParallel::new(
             build_on(Model::Mlp, 7, device),
             group,
@@ -264,7 +300,7 @@ pub fn no_sync_accumulates_locally(device: Device) {
             tandem_ops::mul_scalar(&loss, 0.5)
                 .unwrap()
                 .backward()
-                .unwrap_or_else(|e| panic!("{device} rank {rank}: micro-batch {part}: {e}"));
+                .unwrap_or_else(|e| panic!("{backend} rank {rank}: micro-batch {part}: {e}"));
         };
         ddp.no_sync(|| micro(0));
         let launched_under_no_sync = ddp.launch_log().len();
@@ -272,17 +308,17 @@ pub fn no_sync_accumulates_locally(device: Device) {
         let log = ddp.launch_log();
         assert_eq!(
             launched_under_no_sync, 0,
-            "{device} rank {rank}: no bucket may be launched under no_sync"
+            "{backend} rank {rank}: no bucket may be launched under no_sync"
         );
         assert!(
             !log.is_empty() && log.iter().all(|l| l.backward == 0),
-            "{device} rank {rank}: only the synchronised backward launches: {log:?}"
+            "{backend} rank {rank}: only the synchronised backward launches: {log:?}"
         );
         snapshot_grads(ddp.module().as_ref())
     });
     for (rank, g) in grads.iter().enumerate() {
         assert_close(
-            &format!("{device} rank {rank}: no_sync micro-batch then a synchronised one vs one batch of both"),
+            &format!("{backend} rank {rank}: no_sync micro-batch then a synchronised one vs one batch of both"),
             g,
             &want.first_grads,
             tolerance(device),
@@ -292,13 +328,14 @@ pub fn no_sync_accumulates_locally(device: Device) {
 
 /// The bf16 and f16 compression hooks (casts on the comm stream) agree with the full-batch
 /// gradients within half precision.
-pub fn compression_hooks_agree_within_half_precision(device: Device) {
+pub fn compression_hooks_agree_within_half_precision(backend: Backend) {
+    let device = backend.device();
     let want = reference_on(device, Model::Mlp, 1, 1);
     for (hook, tol) in [
         (CompressionHook::bf16(), 1e-2),
         (CompressionHook::f16(), 2e-3),
     ] {
-        let grads = on_device_ranks(device, 4, |rank, group| {
+        let grads = on_ranks(backend, 4, |rank, group| {
             let config = DdpConfig {
                 comm_hook: Some(Arc::new(hook)),
                 ..DdpConfig::default()
@@ -309,7 +346,7 @@ pub fn compression_hooks_agree_within_half_precision(device: Device) {
         });
         for (rank, g) in grads.iter().enumerate() {
             assert_close(
-                &format!("{device} rank {rank} of 4, {hook:?}: first-step gradients"),
+                &format!("{backend} rank {rank} of 4, {hook:?}: first-step gradients"),
                 g,
                 &want.first_grads,
                 tol,
@@ -320,14 +357,15 @@ pub fn compression_hooks_agree_within_half_precision(device: Device) {
 
 /// Tiny buckets (about one parameter each): after the first step every rank rebuilds them in
 /// the observed ready order, identically, and training still matches the full batch.
-pub fn buckets_rebuild_identically_and_training_still_matches(device: Device) {
+pub fn buckets_rebuild_identically_and_training_still_matches(backend: Backend) {
+    let device = backend.device();
     let config = DdpConfig {
         bucket_cap_mb: 0.001,
         first_bucket_mb: 0.001,
         ..DdpConfig::default()
     };
     let want = reference_on(device, Model::Cnn, 3, 1);
-    let results = on_device_ranks(device, 4, |rank, group| {
+    let results = on_ranks(backend, 4, |rank, group| {
         let (outcome, ddp) = train_ddp_on(Model::Cnn, rank, group, 3, config.clone());
         (outcome, ddp.bucket_layout(), ddp.launch_log())
     });
@@ -335,17 +373,17 @@ pub fn buckets_rebuild_identically_and_training_still_matches(device: Device) {
     for (rank, (outcome, layout, log)) in results.iter().enumerate() {
         assert_eq!(
             layout, layout0,
-            "{device}: rank {rank}'s rebuilt buckets differ from rank 0's"
+            "{backend}: rank {rank}'s rebuilt buckets differ from rank 0's"
         );
         assert!(
             layout.len() >= 3,
-            "{device}: expected several buckets, got {layout:?}"
+            "{backend}: expected several buckets, got {layout:?}"
         );
         // Within a layer the weight's gradient is ready before the bias's.
         assert_eq!(
             layout[0],
             vec!["6.weight".to_string()],
-            "{device} rank {rank}: rebuilt first bucket; layout {layout:?}"
+            "{backend} rank {rank}: rebuilt first bucket; layout {layout:?}"
         );
         for backward in 0..3 {
             let launches: Vec<usize> = log
@@ -356,11 +394,11 @@ pub fn buckets_rebuild_identically_and_training_still_matches(device: Device) {
             assert_eq!(
                 launches,
                 (0..layout.len()).collect::<Vec<_>>(),
-                "{device} rank {rank}, backward {backward}: buckets launch in bucket order"
+                "{backend} rank {rank}, backward {backward}: buckets launch in bucket order"
             );
         }
         assert_close(
-            &format!("{device} rank {rank}: parameters after 3 steps with rebuilt tiny buckets"),
+            &format!("{backend} rank {rank}: parameters after 3 steps with rebuilt tiny buckets"),
             &outcome.final_params,
             &want.final_params,
             tolerance(device),
@@ -370,29 +408,30 @@ pub fn buckets_rebuild_identically_and_training_still_matches(device: Device) {
 
 /// Every gradient lives on the device, as a view into its bucket: the gradients of one bucket
 /// share one buffer, different buckets do not, and the views survive the optimizer's steps.
-pub fn gradients_are_views_into_device_buckets(device: Device) {
+pub fn gradients_are_views_into_device_buckets(backend: Backend) {
+    let device = backend.device();
     let config = DdpConfig {
         bucket_cap_mb: 0.004,
         first_bucket_mb: 0.001,
         ..DdpConfig::default()
     };
-    on_device_ranks(device, 2, |rank, group| {
+    on_ranks(backend, 2, |rank, group| {
         let (_, ddp) = train_ddp_on(Model::Cnn, rank, group, 2, config.clone());
         let params: std::collections::HashMap<String, Tensor> =
             ddp.module().named_parameters().into_iter().collect();
         let layout = ddp.bucket_layout();
         assert!(
             layout.len() >= 2,
-            "{device}: expected several buckets: {layout:?}"
+            "{backend}: expected several buckets: {layout:?}"
         );
         let grad = |path: &str| {
             let g = params[path]
                 .grad()
-                .unwrap_or_else(|| panic!("{device} rank {rank}: `{path}` has no gradient"));
+                .unwrap_or_else(|| panic!("{backend} rank {rank}: `{path}` has no gradient"));
             assert_eq!(
                 g.device(),
                 device,
-                "{device} rank {rank}: gradient of `{path}`"
+                "{backend} rank {rank}: gradient of `{path}`"
             );
             g
         };
@@ -401,7 +440,7 @@ pub fn gradients_are_views_into_device_buckets(device: Device) {
             for path in &bucket[1..] {
                 assert!(
                     grad(path).storage().same_buffer(first.storage()),
-                    "{device} rank {rank}: `{path}` and `{}` are in bucket {b} but their \
+                    "{backend} rank {rank}: `{path}` and `{}` are in bucket {b} but their \
                      gradients do not share its buffer",
                     bucket[0]
                 );
@@ -409,7 +448,7 @@ pub fn gradients_are_views_into_device_buckets(device: Device) {
             if let Some(next) = layout.get(b + 1) {
                 assert!(
                     !grad(&next[0]).storage().same_buffer(first.storage()),
-                    "{device} rank {rank}: buckets {b} and {} share a buffer",
+                    "{backend} rank {rank}: buckets {b} and {} share a buffer",
                     b + 1
                 );
             }
@@ -463,7 +502,8 @@ fn decaying_sgd(params: Vec<Tensor>) -> Sgd {
 /// Under `find_unused_parameters`, a parameter no rank used keeps no gradient, so SGD with
 /// momentum and weight decay leaves it bit-unchanged; the used ones match the full batch.
 /// Without the option the next forward fails naming it.
-pub fn an_unused_parameter_is_left_untouched(device: Device) {
+pub fn an_unused_parameter_is_left_untouched(backend: Backend) {
+    let device = backend.device();
     let steps = 3;
     // One process on the full batch.
     let single = WithUnused::new(device);
@@ -482,7 +522,7 @@ pub fn an_unused_parameter_is_left_untouched(device: Device) {
     let want = snapshot_params(&single);
 
     let world = 2;
-    let results = on_device_ranks(device, world, |rank, group| {
+    let results = on_ranks(backend, world, |rank, group| {
         let config = DdpConfig {
             find_unused_parameters: true,
             ..DdpConfig::default()
@@ -497,7 +537,7 @@ pub fn an_unused_parameter_is_left_untouched(device: Device) {
             cross_entropy(&out, &on(device, &shard(&y, rank, world)), Reduction::Mean)
                 .unwrap()
                 .backward()
-                .unwrap_or_else(|e| panic!("{device} rank {rank}, step {step}: backward: {e}"));
+                .unwrap_or_else(|e| panic!("{backend} rank {rank}, step {step}: backward: {e}"));
             opt.step().unwrap();
         }
         let never_grads: Vec<(String, bool)> = ddp
@@ -513,7 +553,7 @@ pub fn an_unused_parameter_is_left_untouched(device: Device) {
             assert_eq!(
                 *has,
                 name.starts_with("used."),
-                "{device} rank {rank}: `{name}` {} a gradient",
+                "{backend} rank {rank}: `{name}` {} a gradient",
                 if *has { "has" } else { "has no" }
             );
         }
@@ -527,7 +567,7 @@ pub fn an_unused_parameter_is_left_untouched(device: Device) {
             .cloned()
             .collect();
         assert_close(
-            &format!("{device} rank {rank}: the never-used layer after {steps} steps (must be bit-unchanged)"),
+            &format!("{backend} rank {rank}: the never-used layer after {steps} steps (must be bit-unchanged)"),
             &never,
             &initial_never,
             0.0,
@@ -538,7 +578,7 @@ pub fn an_unused_parameter_is_left_untouched(device: Device) {
             .cloned()
             .collect();
         assert_close(
-            &format!("{device} rank {rank}: the used layer after {steps} steps vs one process"),
+            &format!("{backend} rank {rank}: the used layer after {steps} steps vs one process"),
             &used,
             &want_used,
             tolerance(device),
@@ -546,7 +586,7 @@ pub fn an_unused_parameter_is_left_untouched(device: Device) {
     }
 
     // Without the option: the next forward names the parameters.
-    let errors = on_device_ranks(device, world, |rank, group| {
+    let errors = on_ranks(backend, world, |rank, group| {
         let ddp = DistributedDataParallel::new(
             Arc::new(WithUnused::new(device)),
             group,
@@ -567,48 +607,48 @@ pub fn an_unused_parameter_is_left_untouched(device: Device) {
     });
     for (rank, err) in errors.into_iter().enumerate() {
         let err = err.unwrap_or_else(|| {
-            panic!("{device} rank {rank}: the forward after an unused parameter must fail")
+            panic!("{backend} rank {rank}: the forward after an unused parameter must fail")
         });
         assert!(
             err.contains("`never.weight`") && err.contains("find_unused_parameters"),
-            "{device} rank {rank}: {err}"
+            "{backend} rank {rank}: {err}"
         );
     }
 }
 
 /// Telemetry comes from events: every step and bucket is timed, in order on the comm stream.
-pub fn telemetry_times_every_bucket(device: Device) {
+pub fn telemetry_times_every_bucket(backend: Backend) {
     let config = DdpConfig {
         bucket_cap_mb: 0.001,
         first_bucket_mb: 0.001,
         ..DdpConfig::default()
     };
-    let telemetry = on_device_ranks(device, 2, |rank, group| {
+    let telemetry = on_ranks(backend, 2, |rank, group| {
         train_ddp_on(Model::Cnn, rank, group, 3, config.clone())
             .1
             .telemetry()
     });
     for (rank, t) in telemetry.iter().enumerate() {
-        assert_eq!(t.steps().len(), 3, "{device} rank {rank}: steps recorded");
+        assert_eq!(t.steps().len(), 3, "{backend} rank {rank}: steps recorded");
         for (i, step) in t.steps().iter().enumerate() {
             assert!(
                 !step.buckets.is_empty(),
-                "{device} rank {rank} step {i}: no buckets"
+                "{backend} rank {rank} step {i}: no buckets"
             );
             assert!(
                 step.forward_end <= step.backward_compute_end,
-                "{device} rank {rank} step {i}: backward ended before forward"
+                "{backend} rank {rank} step {i}: backward ended before forward"
             );
             for b in &step.buckets {
                 let (Some(s), Some(e)) = (b.started, b.ended) else {
                     panic!(
-                        "{device} rank {rank} step {i}: bucket {} untimed: {b:?}",
+                        "{backend} rank {rank} step {i}: bucket {} untimed: {b:?}",
                         b.bucket
                     );
                 };
                 assert!(
                     s <= e && e <= step.comm_end,
-                    "{device} rank {rank} step {i}: bucket {} start {s:?}, end {e:?}, comm end {:?}",
+                    "{backend} rank {rank} step {i}: bucket {} start {s:?}, end {e:?}, comm end {:?}",
                     b.bucket,
                     step.comm_end
                 );
@@ -617,7 +657,7 @@ pub fn telemetry_times_every_bucket(device: Device) {
         let summary = t.summary();
         assert!(
             (0.0..=1.0).contains(&summary.hidden_fraction),
-            "{device} rank {rank}: {summary}"
+            "{backend} rank {rank}: {summary}"
         );
     }
 }
