@@ -187,9 +187,12 @@ pub enum DistError {
         cause: Box<DistError>,
     },
 
-    /// An operating-system error (binding, spawning, signals, starting a thread).
-    #[error("{context}: {source}")]
+    /// An operating-system error (binding, spawning, signals, starting a thread, polling a
+    /// socket).
+    #[error("{}{context}: {source}", fmt_rank_prefix(*rank))]
     Io {
+        /// The rank that hit it; `None` outside a rank (the launcher, the store's server).
+        rank: Option<usize>,
         /// What was being done.
         context: String,
         /// The OS error, with its [`std::io::ErrorKind`].
@@ -283,9 +286,20 @@ pub enum DistError {
 }
 
 impl DistError {
-    /// An [`DistError::Io`] from an OS error.
+    /// An [`DistError::Io`] from an OS error met outside a rank (the launcher, the store's
+    /// server); see [`DistError::rank_io`] for one a rank meets.
     pub(crate) fn io(context: impl Into<String>, err: std::io::Error) -> Self {
         DistError::Io {
+            rank: None,
+            context: context.into(),
+            source: Arc::new(err),
+        }
+    }
+
+    /// An [`DistError::Io`] from an OS error that `rank` met while doing `context`.
+    pub(crate) fn rank_io(rank: usize, context: impl Into<String>, err: std::io::Error) -> Self {
+        DistError::Io {
+            rank: Some(rank),
             context: context.into(),
             source: Arc::new(err),
         }
@@ -370,6 +384,11 @@ fn fmt_mismatch(
              {ours} as collective #{seq}: the ranks issued different numbers of collectives"
         )
     }
+}
+
+/// `rank 3: ` for an error a rank met, nothing otherwise.
+fn fmt_rank_prefix(rank: Option<usize>) -> String {
+    rank.map(|r| format!("rank {r}: ")).unwrap_or_default()
 }
 
 /// `after collective #4`, or `before its first collective` for 0 completed collectives.
@@ -478,6 +497,21 @@ mod tests {
             .source()
             .and_then(|s| s.downcast_ref::<Arc<std::io::Error>>())
             .expect("the io::Error is the source");
+        assert_eq!(io.kind(), std::io::ErrorKind::ConnectionRefused);
+        let err = DistError::rank_io(
+            3,
+            "connecting to rank 1 at 127.0.0.1:29500",
+            std::io::Error::from(std::io::ErrorKind::ConnectionRefused),
+        );
+        assert_eq!(
+            err.to_string(),
+            "rank 3: connecting to rank 1 at 127.0.0.1:29500: connection refused"
+        );
+        assert!(matches!(err, DistError::Io { rank: Some(3), .. }));
+        let io = err
+            .source()
+            .and_then(|s| s.downcast_ref::<Arc<std::io::Error>>())
+            .expect("a rank's io::Error is the source too");
         assert_eq!(io.kind(), std::io::ErrorKind::ConnectionRefused);
 
         let shape = tandem_core::Error::shape("copy_", "destination [2] vs source [3]");

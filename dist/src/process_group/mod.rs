@@ -480,7 +480,7 @@ impl CommQueue {
     pub(crate) fn new(backend: &str, rank: usize) -> Result<Self> {
         let name = format!("tandem-{backend}-comm-{rank}");
         let stream = Stream::worker(&name)
-            .map_err(|e| DistError::io(format!("starting comm stream {name}"), e))?;
+            .map_err(|e| DistError::rank_io(rank, format!("starting comm stream {name}"), e))?;
         let worker = Arc::new(OnceLock::new());
         let learn = worker.clone();
         stream

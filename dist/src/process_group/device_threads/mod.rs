@@ -147,7 +147,7 @@ impl DeviceThreadGroup {
                 .map_err(setup(rank))?;
                 let name = format!("tandem-device-threads-done-{rank}");
                 let watcher = Stream::worker(&name)
-                    .map_err(|e| DistError::io(format!("starting thread {name}"), e))?;
+                    .map_err(|e| DistError::rank_io(rank, format!("starting thread {name}"), e))?;
                 Ok(DeviceThreadGroup {
                     rank,
                     device,

@@ -304,9 +304,8 @@ impl Exec<'_, '_> {
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(e) => {
                     let c = self.ctx;
-                    let context =
-                        format!("rank {}: {} (collective #{}): poll", c.rank, c.desc, c.seq);
-                    return Err(DistError::io(context, e));
+                    let context = format!("{} (collective #{}): poll", c.desc, c.seq);
+                    return Err(DistError::rank_io(c.rank, context, e));
                 }
             }
             for (fd, &p) in fds.iter().zip(&owners) {
