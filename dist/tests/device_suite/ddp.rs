@@ -38,8 +38,15 @@ fn on(device: Device, t: &Tensor) -> Tensor {
         .unwrap_or_else(|e| panic!("copying a {:?} batch to {device}: {e}", t.dims()))
 }
 
-/// `model` with the test's initial weights, moved to `device`.
+/// `model` with the test's initial weights, moved to `device`. On a GPU, f32 products and
+/// convolutions are made to round as f32, not TF32: TF32 would round the same on every rank, but
+/// a convolution's algorithm (and with it where TF32 rounds) may change with the batch size,
+/// which differs between the ranks and the full-batch reference by design.
 pub fn build_on(model: Model, seed: u64, device: Device) -> Arc<dyn Module> {
+    if let Device::Cuda(_) = device {
+        tandem_core::cuda::blas::set_allow_tf32_matmul(false);
+        tandem_core::cuda::blas::set_allow_tf32_conv(false);
+    }
     let m = build(model, seed);
     m.to_device(device)
         .unwrap_or_else(|e| panic!("moving {model:?} to {device}: {e}"));
