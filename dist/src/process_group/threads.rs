@@ -58,10 +58,10 @@ impl ThreadProcessGroup {
         config: &GroupConfig,
     ) -> Result<Vec<ThreadProcessGroup>> {
         if world_size == 0 {
-            return Err(DistError::Connect {
-                rank: 0,
-                detail: "a group needs at least one rank".into(),
-            });
+            return Err(DistError::config(
+                0,
+                "ThreadProcessGroup: a group needs at least one rank",
+            ));
         }
         let board = Arc::new(Board::new("ThreadProcessGroup", world_size, config.timeout));
         (0..world_size)

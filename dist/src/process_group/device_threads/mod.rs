@@ -118,10 +118,10 @@ impl DeviceThreadGroup {
         config: &GroupConfig,
     ) -> Result<Vec<DeviceThreadGroup>> {
         if world_size == 0 {
-            return Err(DistError::Connect {
-                rank: 0,
-                detail: "a group needs at least one rank".into(),
-            });
+            return Err(DistError::config(
+                0,
+                "DeviceThreadGroup: a group needs at least one rank",
+            ));
         }
         if world_size > MAX_GROUP_RANKS {
             return Err(DistError::config(

@@ -116,13 +116,13 @@ impl TcpProcessGroup {
         server: Option<StoreServer>,
     ) -> Result<Self> {
         if world_size == 0 || rank >= world_size || world_size > MAX_WORLD_SIZE {
-            return Err(DistError::Connect {
+            return Err(DistError::config(
                 rank,
-                detail: format!(
-                    "rank {rank} is not in a group of {world_size} (a group has 1 to \
-                     {MAX_WORLD_SIZE} ranks)"
+                format!(
+                    "TcpProcessGroup: rank {rank} is not in a group of {world_size} (a group has \
+                     1 to {MAX_WORLD_SIZE} ranks)"
                 ),
-            });
+            ));
         }
         let started = Instant::now();
         let links = connect_mesh(&store, rank, world_size, &config)?;
