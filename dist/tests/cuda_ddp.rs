@@ -12,7 +12,7 @@ mod ddp_common;
 mod device_suite;
 
 use ddp_common::Model;
-use device_suite::{ddp, Backend, WORLDS};
+use device_suite::{ddp, ddp_unused, Backend, WORLDS};
 use tandem_core::Device;
 
 const BACKEND: Backend = Backend::DeviceThreads(Device::Cuda(0));
@@ -110,7 +110,7 @@ fn ddp_on_the_device_group_leaves_a_parameter_no_rank_used_bit_unchanged() {
         println!("skipped: no CUDA device");
         return;
     }
-    ddp::an_unused_parameter_is_left_untouched(BACKEND);
+    ddp_unused::an_unused_parameter_is_left_untouched(BACKEND);
 }
 
 #[test]

@@ -7,7 +7,7 @@
 mod ddp_common;
 mod device_suite;
 
-use device_suite::{collectives, ddp, Backend, WORLDS};
+use device_suite::{collectives, ddp, ddp_unused, Backend, WORLDS};
 use tandem_core::Device;
 
 /// The DDP suite's tests on one backend, in a module of their own.
@@ -66,7 +66,7 @@ macro_rules! ddp_suite_on {
 
             #[test]
             fn ddp_leaves_a_parameter_no_rank_used_bit_unchanged() {
-                ddp::an_unused_parameter_is_left_untouched(BACKEND);
+                ddp_unused::an_unused_parameter_is_left_untouched(BACKEND);
             }
 
             #[test]

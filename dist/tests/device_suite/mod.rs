@@ -6,7 +6,7 @@
 //! - [`ddp`]: DistributedDataParallel on a [`Backend`] against one process training on the full
 //!   batch on the same device — gradients after one step, parameters after k steps, for 1, 2, 4
 //!   and 8 ranks — and SyncBatchNorm, no_sync, unused parameters, bucket rebuild, compression
-//!   hooks, gradients as bucket views, telemetry.
+//!   hooks, gradients as bucket views, telemetry; [`ddp_unused`]: a parameter no rank uses.
 //! - [`collectives`]: every collective, reduce op and dtype of a device group against the
 //!   threads backend (the CPU reference) on the same inputs, bit for bit, plus ordering,
 //!   mismatches and placement.
@@ -19,6 +19,7 @@
 
 pub mod collectives;
 pub mod ddp;
+pub mod ddp_unused;
 pub mod gate;
 
 use std::fmt;
