@@ -9,6 +9,7 @@ pub const KERNEL_FOLDERS: &[&str] = &[
     "core/src/cuda/kernels",
     "ops/src",
     "optim/src",
+    "dist/src",
     "cuda-harness/kernels",
 ];
 

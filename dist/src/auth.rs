@@ -54,9 +54,12 @@ impl JobSecret {
     /// A new random secret: 32 bytes from the operating system's CSPRNG, as 64 hex digits.
     pub fn generate() -> Result<Self> {
         let mut bytes = [0u8; 32];
-        getrandom::getrandom(&mut bytes).map_err(|e| DistError::Io {
-            context: "generating the job secret".into(),
-            message: e.to_string(),
+        getrandom::getrandom(&mut bytes).map_err(|e| {
+            let os = match e.raw_os_error() {
+                Some(code) => std::io::Error::from_raw_os_error(code),
+                None => std::io::Error::other(e.to_string()),
+            };
+            DistError::io("generating the job secret", os)
         })?;
         let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
         Ok(JobSecret(hex.into()))

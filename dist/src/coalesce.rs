@@ -4,6 +4,9 @@
 //! layer) before every forward. One collective per tensor pays the link's latency dozens of
 //! times per step — on a cluster network that is milliseconds — so the tensors are packed
 //! into one contiguous buffer per dtype, broadcast once, and unpacked on the receiving ranks.
+//! The flat buffers live on the tensors' device; packing and unpacking are copies on its
+//! compute stream, which the collective is ordered after (and the unpacking after the
+//! collective's [`Work::wait`](crate::Work::wait)).
 
 use tandem_core::layout::contiguous_strides;
 use tandem_core::{DType, Device, Layout, Shape, Tensor};
@@ -70,14 +73,18 @@ impl CoalescedBroadcast {
     }
 }
 
-/// A zeroed flat buffer of `dtype` holding `tensors` one after the other, and a contiguous
-/// view of each tensor's place in it (DDP's buckets and coalesced broadcasts).
+/// A zeroed flat buffer of `dtype` holding `tensors` one after the other, on their device, and
+/// a contiguous view of each tensor's place in it (DDP's buckets and coalesced broadcasts).
 pub(crate) fn flat_views(
     tensors: &[&Tensor],
     dtype: DType,
 ) -> tandem_core::Result<(Tensor, Vec<Tensor>)> {
+    let device = tensors.first().map_or(Device::Cpu, |t| t.device());
+    for t in tensors {
+        t.device().same_as(device, "flat_views")?;
+    }
     let total: usize = tensors.iter().map(|t| t.numel()).sum();
-    let flat = Tensor::zeros(&[total], dtype, Device::Cpu)?;
+    let flat = Tensor::zeros(&[total], dtype, device)?;
     let mut offset = 0;
     let mut views = Vec::with_capacity(tensors.len());
     for t in tensors {
@@ -90,11 +97,7 @@ pub(crate) fn flat_views(
 }
 
 fn tensor_error(rank: usize, e: tandem_core::Error) -> DistError {
-    DistError::Tensor {
-        rank,
-        collective: "broadcast (coalesced)",
-        message: e.to_string(),
-    }
+    DistError::tensor(rank, "broadcast (coalesced)", e)
 }
 
 #[cfg(test)]

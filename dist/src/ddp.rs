@@ -6,10 +6,16 @@
 //!                                    ▼
 //!          Reducer: scale grad by 1/world in its bucket slot; bucket full ──► all-reduce on
 //!                   the comm stream while backward goes on
-//!          backward finished ──► wait for the buckets still in flight
+//!          backward finished ──► the compute stream waits on the buckets still in flight
 //!                                    ▼
 //!          optimizer.step() reads averaged gradients (views into the buckets)
 //! ```
+//!
+//! **Devices.** The model lives on the device of the group's comm stream: the CPU for the TCP and
+//! threads backends, a GPU for a device backend (move the model first with
+//! `Module::to_device`). Buckets are allocated there (device memory on a GPU), gradients are
+//! views into them, and on a GPU the host never waits inside backward: the optimizer's kernels,
+//! issued next on the compute stream, run once the buckets are reduced.
 //!
 //! **Averaging.** Gradients are averaged over ranks by default ([`GradReduction::Mean`]): with
 //! a mean-reduced loss and a global batch B split into B/N per rank, the averaged gradient is
@@ -18,7 +24,9 @@
 //! times larger. With a sum-reduced loss, `Mean` yields the full-batch sum divided by N.
 //!
 //! **When synchronisation happens.** During backward, bucket by bucket, in reverse layer order
-//! (the order gradients become ready); backward's end waits only for what is still in flight.
+//! (the order gradients become ready); at backward's end the compute stream waits only for what
+//! is still in flight. A collective that fails is reported by `backward()` when its failure is
+//! known by then (always on the CPU), otherwise by the next [`DistributedDataParallel::forward`].
 //!
 //! **BatchNorm.** Plain BatchNorm under DDP normalises each rank's B/N samples with that
 //! rank's own statistics — not what one process with batch B computes. Use
@@ -100,27 +108,18 @@ impl DistributedDataParallel {
     ) -> Result<Self> {
         let rank = group.rank();
         if !(config.bucket_cap_mb > 0.0 && config.first_bucket_mb > 0.0) {
-            return Err(DistError::Model {
+            return Err(DistError::config(
                 rank,
-                detail: format!(
+                format!(
                     "DdpConfig: bucket_cap_mb ({}) and first_bucket_mb ({}) must be positive",
                     config.bucket_cap_mb, config.first_bucket_mb
                 ),
-            });
+            ));
         }
         let params = module.named_parameters();
         let buffers = module.named_buffers();
-        for (path, p) in &params {
-            if p.device() != Device::Cpu || !p.is_contiguous() {
-                return Err(DistError::Model {
-                    rank,
-                    detail: format!(
-                        "parameter `{path}` must be a contiguous CPU tensor for this backend"
-                    ),
-                });
-            }
-        }
-        check_same_model(group.as_ref(), &params, &buffers)?;
+        let device = model_device(group.as_ref(), &params, &buffers)?;
+        check_same_model(group.as_ref(), device, &params, &buffers)?;
         // Every rank starts from rank 0's values.
         let everything: Vec<Tensor> = params
             .iter()
@@ -138,6 +137,7 @@ impl DistributedDataParallel {
         let reducer = Reducer::new(
             group.clone(),
             params,
+            device,
             ReducerConfig {
                 reduction: config.reduction,
                 bucket_cap_bytes: mib(config.bucket_cap_mb),
@@ -168,10 +168,10 @@ impl DistributedDataParallel {
         {
             buffers.broadcast(self.group.as_ref(), 0)?;
         }
-        let out = self.module.forward(x).map_err(|e| DistError::Model {
-            rank,
-            detail: e.to_string(),
-        })?;
+        let out = self
+            .module
+            .forward(x)
+            .map_err(|e| DistError::model(rank, "forward of the wrapped module", e))?;
         self.reducer.mark_forward_end();
         Ok(out)
     }
@@ -220,11 +220,53 @@ impl Drop for DistributedDataParallel {
     }
 }
 
+/// The device holding every parameter and buffer, which must be the device of the group's comm
+/// stream (the CPU for the TCP and threads backends, the GPU for a device backend); parameters
+/// must be contiguous (their gradients become contiguous views into the buckets).
+fn model_device(
+    group: &dyn ProcessGroup,
+    params: &[(String, Tensor)],
+    buffers: &[(String, Tensor)],
+) -> Result<Device> {
+    let rank = group.rank();
+    let device = group.comm_stream().device();
+    for (kind, list) in [("parameter", params), ("buffer", buffers)] {
+        for (path, t) in list {
+            if t.device() != device {
+                return Err(DistError::config(
+                    rank,
+                    format!(
+                        "DistributedDataParallel: {kind} `{path}` is on {} but the {} process \
+                         group works on {device}; move the model there first \
+                         (Module::to_device)",
+                        t.device(),
+                        group.backend()
+                    ),
+                ));
+            }
+        }
+    }
+    for (path, p) in params {
+        if !p.is_contiguous() {
+            return Err(DistError::config(
+                rank,
+                format!(
+                    "DistributedDataParallel: parameter `{path}` {:?} is not contiguous",
+                    p.dims()
+                ),
+            ));
+        }
+    }
+    Ok(device)
+}
+
 /// Checks that every rank has the same parameter and buffer names, shapes and dtypes. Rank 0's
 /// description is broadcast; each rank compares and the ranks' verdicts are gathered, so every
-/// rank fails with an error naming the first rank that differs and the first difference.
+/// rank fails with an error naming the first rank that differs and the first difference. The
+/// collectives run on `device`, the model's, which every backend reaches.
 fn check_same_model(
     group: &dyn ProcessGroup,
+    device: Device,
     params: &[(String, Tensor)],
     buffers: &[(String, Tensor)],
 ) -> Result<()> {
@@ -241,20 +283,31 @@ fn check_same_model(
     let mut mine = describe("parameter", params);
     mine.extend(describe("buffer", buffers));
     let text = mine.join("\n");
-    let model_err = |e: tandem_core::Error| DistError::Model {
-        rank,
-        detail: e.to_string(),
-    };
+    let model_err =
+        |e: tandem_core::Error| DistError::tensor(rank, "comparing the models of the ranks", e);
 
-    let len = Tensor::from_vec(vec![text.len() as i64], &[1], Device::Cpu).map_err(model_err)?;
+    let on_device = |t: tandem_core::Result<Tensor>| t.and_then(|t| t.to_device(device));
+    let len = on_device(Tensor::from_vec(vec![text.len() as i64], &[1], Device::Cpu))
+        .map_err(model_err)?;
     group.broadcast(&len, 0)?.wait()?;
     let n = len.to_vec::<i64>().map_err(model_err)?[0].max(0) as usize;
+    // Rank 0's description has a line per tensor; anything near this bound is not a model.
+    const MAX_DESCRIPTION_BYTES: usize = 256 << 20;
+    if n > MAX_DESCRIPTION_BYTES {
+        return Err(DistError::ModelMismatch {
+            rank,
+            detail: format!(
+                "rank 0 describes its model in {n} bytes, more than the {MAX_DESCRIPTION_BYTES} \
+                 any model needs"
+            ),
+        });
+    }
     let bytes = if rank == 0 {
         text.as_bytes().to_vec()
     } else {
         vec![0u8; n]
     };
-    let reference = Tensor::from_vec(bytes, &[n], Device::Cpu).map_err(model_err)?;
+    let reference = on_device(Tensor::from_vec(bytes, &[n], Device::Cpu)).map_err(model_err)?;
     group.broadcast(&reference, 0)?.wait()?;
     let reference_text =
         String::from_utf8_lossy(&reference.to_vec::<u8>().map_err(model_err)?).into_owned();
@@ -269,7 +322,8 @@ fn check_same_model(
         .map_or(-1.0, |i| i as f64);
     let mut verdicts = vec![0.0f64; world];
     verdicts[rank] = first_diff;
-    let verdicts = Tensor::from_vec(verdicts, &[world], Device::Cpu).map_err(model_err)?;
+    let verdicts =
+        on_device(Tensor::from_vec(verdicts, &[world], Device::Cpu)).map_err(model_err)?;
     group.all_reduce(&verdicts, ReduceOp::Sum)?.wait()?;
     let verdicts = verdicts.to_vec::<f64>().map_err(model_err)?;
     if let Some((bad_rank, &at)) = verdicts.iter().enumerate().find(|(_, &v)| v >= 0.0) {

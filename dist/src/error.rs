@@ -4,8 +4,19 @@
 //! collective names the rank that reports it, the collective (with its dtype and element
 //! count) and the collective's sequence number, and, when another rank is to blame, that rank.
 //! Errors are `Clone` because one failure is handed to every waiter of a work handle and is
-//! remembered by a broken group as the cause of every later failure.
+//! remembered by a broken group as the cause of every later failure; the lower-level errors they
+//! wrap (an [`std::io::Error`], a [`tandem_core::Error`], a [`tandem_nn::Error`]) are therefore shared behind an `Arc`
+//! and kept whole as the error's [`source`](std::error::Error::source), so a caller can still
+//! match on an `io::ErrorKind` or a tensor error's variant.
+//!
+//! The variants fall into groups: rendezvous and launching (`Env`, `Store`, `StoreTimeout`,
+//! `Connect`, `Launch`, `Io`), collectives (`InvalidArgument` … `GroupBroken`), configuration
+//! mistakes a user fixes in their code (`Config`), and failures of what DDP wraps: the user's
+//! model (`Model`), the tensor layer under dist's own bookkeeping (`Tensor`), the ranks holding
+//! different models (`ModelMismatch`), and gradients that did not arrive as expected
+//! (`UnusedParameters`, `GradientReadyTwice`). `Internal` is a bug in tandem.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 /// Result alias used across `tandem-dist`.
@@ -176,13 +187,38 @@ pub enum DistError {
         cause: Box<DistError>,
     },
 
-    /// An operating-system error outside a collective (binding, spawning, signals).
-    #[error("{context}: {message}")]
+    /// An operating-system error (binding, spawning, signals, starting a thread, polling a
+    /// socket).
+    #[error("{}{context}: {source}", fmt_rank_prefix(*rank))]
     Io {
+        /// The rank that hit it; `None` outside a rank (the launcher, the store's server).
+        rank: Option<usize>,
         /// What was being done.
         context: String,
-        /// The OS error.
-        message: String,
+        /// The OS error, with its [`std::io::ErrorKind`].
+        #[source]
+        source: Arc<std::io::Error>,
+    },
+
+    /// A broken invariant inside tandem (a bug, never the user's input): a panicking collective,
+    /// state that cannot occur. The message says where.
+    #[error("{context}: internal error: {problem}")]
+    Internal {
+        /// Where it happened (rank, collective, sequence number).
+        context: String,
+        /// What was found.
+        problem: String,
+    },
+
+    /// A setting that cannot work (a [`DdpConfig`](crate::DdpConfig) value, parameters on a
+    /// device the process group cannot reach, a group too large for its backend). Fix the
+    /// program; retrying does not help.
+    #[error("rank {rank}: {problem}")]
+    Config {
+        /// The reporting rank.
+        rank: usize,
+        /// What is wrong and how to fix it.
+        problem: String,
     },
 
     /// DistributedDataParallel found that the ranks hold different models.
@@ -218,24 +254,30 @@ pub enum DistError {
         path: String,
     },
 
-    /// The wrapped model (or the tensor layer under it) failed.
-    #[error("rank {rank}: {detail}")]
+    /// The wrapped model failed (its forward, or a layer's own error).
+    #[error("rank {rank}: {context}: {source}")]
     Model {
         /// The reporting rank.
         rank: usize,
-        /// What failed.
-        detail: String,
+        /// What was being done, e.g. `forward of the wrapped module`.
+        context: String,
+        /// The model's error (a layer's, or the tensor layer's under it).
+        #[source]
+        source: Arc<tandem_nn::Error>,
     },
 
-    /// An error from the tensor layer while reading or writing a collective's tensors.
-    #[error("rank {rank}: {collective}: {message}")]
+    /// The tensor layer failed under dist's own work: reading or writing a collective's tensors,
+    /// a gradient bucket, a kernel on a communication stream.
+    #[error("rank {rank}: {context}: {source}")]
     Tensor {
-        /// The calling rank.
+        /// The reporting rank.
         rank: usize,
-        /// The collective.
-        collective: &'static str,
-        /// The tensor layer's message.
-        message: String,
+        /// What was being done: the collective (`all_reduce`), or e.g. ``moving the gradient of
+        /// `fc.weight` into its bucket``.
+        context: String,
+        /// The tensor layer's error (a shape, dtype or device mismatch, a CUDA error, …).
+        #[source]
+        source: Arc<tandem_core::Error>,
     },
 
     /// The launcher was misused or a launched rank failed.
@@ -259,11 +301,56 @@ pub enum DistError {
 }
 
 impl DistError {
-    /// An [`DistError::Io`] from an OS error.
+    /// An [`DistError::Io`] from an OS error met outside a rank (the launcher, the store's
+    /// server); see [`DistError::rank_io`] for one a rank meets.
     pub(crate) fn io(context: impl Into<String>, err: std::io::Error) -> Self {
         DistError::Io {
+            rank: None,
             context: context.into(),
-            message: err.to_string(),
+            source: Arc::new(err),
+        }
+    }
+
+    /// An [`DistError::Io`] from an OS error that `rank` met while doing `context`.
+    pub(crate) fn rank_io(rank: usize, context: impl Into<String>, err: std::io::Error) -> Self {
+        DistError::Io {
+            rank: Some(rank),
+            context: context.into(),
+            source: Arc::new(err),
+        }
+    }
+
+    /// A [`DistError::Internal`]: `problem` found while doing `context`.
+    pub(crate) fn internal(context: impl Into<String>, problem: impl Into<String>) -> Self {
+        DistError::Internal {
+            context: context.into(),
+            problem: problem.into(),
+        }
+    }
+
+    /// A [`DistError::Config`] reported by `rank`.
+    pub(crate) fn config(rank: usize, problem: impl Into<String>) -> Self {
+        DistError::Config {
+            rank,
+            problem: problem.into(),
+        }
+    }
+
+    /// A [`DistError::Model`]: the wrapped model failed while doing `context`.
+    pub(crate) fn model(rank: usize, context: impl Into<String>, err: tandem_nn::Error) -> Self {
+        DistError::Model {
+            rank,
+            context: context.into(),
+            source: Arc::new(err),
+        }
+    }
+
+    /// A [`DistError::Tensor`]: the tensor layer failed while dist was doing `context`.
+    pub(crate) fn tensor(rank: usize, context: impl Into<String>, err: tandem_core::Error) -> Self {
+        DistError::Tensor {
+            rank,
+            context: context.into(),
+            source: Arc::new(err),
         }
     }
 
@@ -312,6 +399,11 @@ fn fmt_mismatch(
              {ours} as collective #{seq}: the ranks issued different numbers of collectives"
         )
     }
+}
+
+/// `rank 3: ` for an error a rank met, nothing otherwise.
+fn fmt_rank_prefix(rank: Option<usize>) -> String {
+    rank.map(|r| format!("rank {r}: ")).unwrap_or_default()
 }
 
 /// `after collective #4`, or `before its first collective` for 0 completed collectives.
@@ -408,6 +500,61 @@ mod tests {
             timeout: Duration::from_secs(1),
         };
         assert!(err.to_string().len() < 500, "{err}");
+    }
+
+    #[test]
+    fn wrapped_errors_stay_reachable_as_sources() {
+        use std::error::Error as _;
+        let refused = std::io::Error::from(std::io::ErrorKind::ConnectionRefused);
+        let err = DistError::io("connecting to rank 1", refused);
+        assert_eq!(err.to_string(), "connecting to rank 1: connection refused");
+        let io = err
+            .source()
+            .and_then(|s| s.downcast_ref::<Arc<std::io::Error>>())
+            .expect("the io::Error is the source");
+        assert_eq!(io.kind(), std::io::ErrorKind::ConnectionRefused);
+        let err = DistError::rank_io(
+            3,
+            "connecting to rank 1 at 127.0.0.1:29500",
+            std::io::Error::from(std::io::ErrorKind::ConnectionRefused),
+        );
+        assert_eq!(
+            err.to_string(),
+            "rank 3: connecting to rank 1 at 127.0.0.1:29500: connection refused"
+        );
+        assert!(matches!(err, DistError::Io { rank: Some(3), .. }));
+        let io = err
+            .source()
+            .and_then(|s| s.downcast_ref::<Arc<std::io::Error>>())
+            .expect("a rank's io::Error is the source too");
+        assert_eq!(io.kind(), std::io::ErrorKind::ConnectionRefused);
+
+        let shape = tandem_core::Error::shape("copy_", "destination [2] vs source [3]");
+        let err = DistError::tensor(
+            0,
+            "moving the gradient of `fc.weight` into its bucket",
+            shape,
+        );
+        assert!(err
+            .to_string()
+            .starts_with("rank 0: moving the gradient of `fc.weight`"));
+        let core = err
+            .source()
+            .and_then(|s| s.downcast_ref::<Arc<tandem_core::Error>>())
+            .expect("the tensor error is the source");
+        assert!(matches!(
+            **core,
+            tandem_core::Error::Shape { op: "copy_", .. }
+        ));
+        // Clones share the source.
+        assert!(err.clone().source().is_some());
+
+        let config = DistError::config(2, "DdpConfig: bucket_cap_mb (0) must be positive");
+        assert_eq!(
+            config.to_string(),
+            "rank 2: DdpConfig: bucket_cap_mb (0) must be positive"
+        );
+        assert!(config.source().is_none());
     }
 
     #[test]

@@ -45,7 +45,9 @@
 //! rank creates and the others map read-only, with TCP only synchronising
 //! ([`GroupConfig::same_host_copy`]). Every connection proves the job secret ([`auth`]).
 //! [`ThreadProcessGroup`] runs ranks as threads of one process and exchanges through shared
-//! memory; it is for tests. Reductions combine contributions in a fixed order, so every rank
+//! memory; it is for tests. [`DeviceThreadGroup`] runs ranks as threads sharing one CUDA
+//! device, each with its own comm stream, reducing with device kernels ordered by CUDA events:
+//! multi-rank training (DDP's equivalence suite) on a machine with a single GPU. Reductions combine contributions in a fixed order, so every rank
 //! ends with bit-identical results; f16/bf16 reduce in f32 precision per element. The
 //! [`testing::conformance`] suite checks a backend against a serial f64 reference.
 //!
@@ -80,12 +82,14 @@ pub mod reducer;
 pub mod rendezvous;
 pub mod sampler;
 pub mod store;
+mod stream_ops;
 pub mod sync_batch_norm;
 pub mod testing;
 
 pub use auth::JobSecret;
 pub use ddp::{DdpConfig, DistributedDataParallel};
 pub use error::{DistError, Result};
+pub use process_group::device_threads::DeviceThreadGroup;
 pub use process_group::nccl::{NcclConfig, NcclProcessGroup};
 pub use process_group::tcp::TcpProcessGroup;
 pub use process_group::threads::ThreadProcessGroup;

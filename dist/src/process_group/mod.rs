@@ -9,20 +9,13 @@
 //! the same order — each one carries `(sequence number, kind, dtype, element count)` so a rank
 //! that disagrees is reported instead of corrupting data.
 
-#[cfg(test)]
-mod attack_tests;
-mod frame;
-mod handshake;
-mod link;
-mod mesh;
+mod board;
+pub mod device_threads;
+mod host;
 pub mod nccl;
-mod plan;
 pub(crate) mod reduce;
-mod same_host;
-mod segment;
 pub mod tcp;
 pub mod threads;
-mod transport;
 mod work;
 
 use std::fmt;
@@ -210,12 +203,13 @@ impl Default for GroupConfig {
 /// A group of ranks that run collectives together.
 ///
 /// One rank per process (per device) in real training; the `threads` backend runs ranks as
-/// threads for tests. Every method returns at once with a [`Work`]; the collective runs on the
-/// group's comm stream ([`ProcessGroup::comm_stream`]) in issue order, in place on the tensors'
-/// storage, so the tensors must not be read or written until the work completes. Tensors must
-/// be contiguous and on the CPU; the reductions support f32, f64, f16 and bf16 (half types
-/// reduce in f32 precision per element), `broadcast` and `all_gather` every dtype. Empty
-/// tensors and sizes not divisible by the world size are fine.
+/// threads for tests. Every method returns with a [`Work`] without waiting for the data; the
+/// collective runs on the group's comm stream ([`ProcessGroup::comm_stream`]) in issue order,
+/// in place on the tensors' storage, so the tensors must not be read or written until the work
+/// completes. Tensors must be contiguous and on a device the backend works on (the CPU for TCP
+/// and threads); the reductions support f32, f64, f16 and bf16 (half types reduce in f32
+/// precision per element), `broadcast` and `all_gather` every dtype. Empty tensors and sizes
+/// not divisible by the world size are fine.
 ///
 /// Safe to call from any thread: issuing takes a short lock that fixes the sequence number and
 /// the stream order together. Hold a group as `Arc<dyn ProcessGroup>` to share it.
@@ -254,7 +248,11 @@ pub trait ProcessGroup: Send + Sync + fmt::Debug {
 
 // ---- argument validation (shared by the backends) -----------------------------------------
 
-fn invalid(rank: usize, collective: &'static str, problem: impl Into<String>) -> DistError {
+pub(crate) fn invalid(
+    rank: usize,
+    collective: &'static str,
+    problem: impl Into<String>,
+) -> DistError {
     DistError::InvalidArgument {
         rank,
         collective,
@@ -263,16 +261,6 @@ fn invalid(rank: usize, collective: &'static str, problem: impl Into<String>) ->
 }
 
 fn check_tensor(rank: usize, collective: &'static str, what: &str, t: &Tensor) -> Result<()> {
-    if t.device() != Device::Cpu {
-        return Err(invalid(
-            rank,
-            collective,
-            format!(
-                "{what} is on {}; this backend works on CPU tensors",
-                t.device()
-            ),
-        ));
-    }
     if !t.is_contiguous() {
         return Err(invalid(
             rank,
@@ -285,6 +273,26 @@ fn check_tensor(rank: usize, collective: &'static str, what: &str, t: &Tensor) -
         ));
     }
     Ok(())
+}
+
+/// Refuses tensors outside host memory, for the backends that work on CPU tensors only (checked
+/// after the arguments themselves, like them before the collective takes a sequence number).
+pub(crate) fn require_cpu(
+    rank: usize,
+    desc: &CollectiveDesc,
+    tensors: &[(&str, &Tensor)],
+) -> Result<()> {
+    match tensors.iter().find(|(_, t)| t.device() != Device::Cpu) {
+        Some((what, t)) => Err(invalid(
+            rank,
+            desc.kind.name(),
+            format!(
+                "{what} is on {}; this backend works on CPU tensors",
+                t.device()
+            ),
+        )),
+        None => Ok(()),
+    }
 }
 
 fn check_reducible(rank: usize, collective: &'static str, t: &Tensor) -> Result<()> {
@@ -350,6 +358,17 @@ fn check_pair(
 ) -> Result<()> {
     check_tensor(rank, collective, "input", input)?;
     check_tensor(rank, collective, "output", output)?;
+    if input.device() != output.device() {
+        return Err(invalid(
+            rank,
+            collective,
+            format!(
+                "input is on {} but output is on {}",
+                input.device(),
+                output.device()
+            ),
+        ));
+    }
     if input.dtype() != output.dtype() {
         return Err(invalid(
             rank,
@@ -441,11 +460,7 @@ pub(crate) fn tensor_error(
     desc: &CollectiveDesc,
     err: tandem_core::Error,
 ) -> DistError {
-    DistError::Tensor {
-        rank,
-        collective: desc.kind.name(),
-        message: err.to_string(),
-    }
+    DistError::tensor(rank, desc.kind.name(), err)
 }
 
 // ---- the comm-stream queue ------------------------------------------------------------------
@@ -466,17 +481,14 @@ impl CommQueue {
     pub(crate) fn new(backend: &str, rank: usize) -> Result<Self> {
         let name = format!("tandem-{backend}-comm-{rank}");
         let stream = Stream::worker(&name)
-            .map_err(|e| DistError::io(format!("starting comm stream {name}"), e))?;
+            .map_err(|e| DistError::rank_io(rank, format!("starting comm stream {name}"), e))?;
         let worker = Arc::new(OnceLock::new());
         let learn = worker.clone();
         stream
             .enqueue(move || {
                 let _ = learn.set(std::thread::current().id());
             })
-            .map_err(|e| DistError::Model {
-                rank,
-                detail: e.to_string(),
-            })?;
+            .map_err(|e| DistError::tensor(rank, format!("starting comm stream {name}"), e))?;
         Ok(CommQueue {
             rank,
             stream,
@@ -533,10 +545,10 @@ impl CommQueue {
                                     .map(|s| s.to_string())
                                     .or_else(|| panic.downcast_ref::<String>().cloned())
                                     .unwrap_or_else(|| "a panic".to_string());
-                                Err(DistError::Io {
-                                    context: format!("rank {rank}: {desc} (collective #{seq})"),
-                                    message: format!("internal error: {what}"),
-                                })
+                                Err(DistError::internal(
+                                    format!("rank {rank}: {desc} (collective #{seq})"),
+                                    what,
+                                ))
                             });
                     if let Err(e) = &outcome {
                         broken.lock().get_or_insert_with(|| e.clone());
@@ -547,10 +559,11 @@ impl CommQueue {
             done.finish(result);
         });
         if let Err(e) = queued {
-            failed.finish(Err(DistError::Model {
+            failed.finish(Err(DistError::tensor(
                 rank,
-                detail: format!("{desc} (collective #{seq}) could not be queued: {e}"),
-            }));
+                format!("{desc} (collective #{seq}) could not be queued"),
+                e,
+            )));
         }
         drop(next);
         work

@@ -3,60 +3,34 @@
 //! sockets, yet with the same asynchronous contract, sequence numbers, mismatch detection and
 //! failure reporting as the TCP backend.
 //!
-//! Each collective is a rendezvous on a shared board: every rank posts a snapshot of its
+//! Each collective is a rendezvous on a shared [`Board`]: every rank posts a snapshot of its
 //! contribution under the collective's sequence number, waits until all ranks have posted, and
 //! computes its own result from all contributions in rank order — the same inputs in the same
 //! order on every rank, so every rank gets bit-identical results. A rank that fails (a timeout,
 //! a mismatch) marks the board broken so the others fail at once naming it; a rank whose handle
 //! is dropped is marked as having left, and a collective that still needs it fails naming it.
 
-use std::collections::VecDeque;
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
-use parking_lot::{Condvar, Mutex};
 use tandem_core::{Stream, Tensor};
 
-use super::reduce::{self, with_tensor_bytes, with_tensor_bytes_mut, AlignedBuf};
+use super::board::Board;
+use super::host::{self, snapshot, Target};
+use super::reduce::AlignedBuf;
 use super::{
     describe_all_gather, describe_all_reduce, describe_barrier, describe_broadcast,
-    describe_reduce_scatter, tensor_error, CollectiveDesc, CollectiveKind, CommQueue, GroupConfig,
-    ProcessGroup, ReduceOp, Work,
+    describe_reduce_scatter, require_cpu, tensor_error, CollectiveDesc, CollectiveKind, CommQueue,
+    GroupConfig, ProcessGroup, ReduceOp, Work,
 };
-use crate::error::fmt_left_after;
 use crate::{DistError, Result};
-
-/// One rank's contribution to one collective.
-struct Post {
-    seq: u64,
-    desc: CollectiveDesc,
-    data: Arc<AlignedBuf>,
-    /// Ranks that have not read it yet; removed when it reaches 0.
-    unread: usize,
-}
-
-struct Board {
-    posts: Vec<VecDeque<Post>>,
-    /// `Some(completed)` once a rank's handle was dropped after `completed` collectives.
-    left: Vec<Option<u64>>,
-    /// The first rank that failed, and its error.
-    failed: Option<(usize, DistError)>,
-}
-
-struct Shared {
-    world: usize,
-    timeout: Duration,
-    board: Mutex<Board>,
-    changed: Condvar,
-}
 
 /// One rank of a group whose ranks are threads of this process. Create a whole group with
 /// [`ThreadProcessGroup::new_group`] and hand one handle to each thread.
 pub struct ThreadProcessGroup {
     rank: usize,
-    shared: Arc<Shared>,
+    board: Arc<Board<Arc<AlignedBuf>>>,
     queue: CommQueue,
     completed: Arc<AtomicU64>,
 }
@@ -66,7 +40,8 @@ impl fmt::Debug for ThreadProcessGroup {
         write!(
             f,
             "ThreadProcessGroup(rank {} of {})",
-            self.rank, self.shared.world
+            self.rank,
+            self.board.world()
         )
     }
 }
@@ -83,26 +58,17 @@ impl ThreadProcessGroup {
         config: &GroupConfig,
     ) -> Result<Vec<ThreadProcessGroup>> {
         if world_size == 0 {
-            return Err(DistError::Connect {
-                rank: 0,
-                detail: "a group needs at least one rank".into(),
-            });
+            return Err(DistError::config(
+                0,
+                "ThreadProcessGroup: a group needs at least one rank",
+            ));
         }
-        let shared = Arc::new(Shared {
-            world: world_size,
-            timeout: config.timeout,
-            board: Mutex::new(Board {
-                posts: (0..world_size).map(|_| VecDeque::new()).collect(),
-                left: vec![None; world_size],
-                failed: None,
-            }),
-            changed: Condvar::new(),
-        });
+        let board = Arc::new(Board::new("ThreadProcessGroup", world_size, config.timeout));
         (0..world_size)
             .map(|rank| {
                 Ok(ThreadProcessGroup {
                     rank,
-                    shared: shared.clone(),
+                    board: board.clone(),
                     queue: CommQueue::new("threads", rank)?,
                     completed: Arc::new(AtomicU64::new(0)),
                 })
@@ -110,150 +76,30 @@ impl ThreadProcessGroup {
             .collect()
     }
 
-    /// Issues a collective: `contribute` (on the comm thread) returns this rank's snapshot,
-    /// `apply` computes the result from every rank's snapshot, in rank order.
+    /// Issues a collective: `contribute` (on the comm thread) returns this rank's snapshot, and
+    /// the result for `target` is computed from every rank's snapshot, in rank order.
     fn issue(
         &self,
         desc: CollectiveDesc,
         contribute: impl FnOnce() -> tandem_core::Result<AlignedBuf> + Send + 'static,
-        apply: impl FnOnce(&[Arc<AlignedBuf>]) -> Result<()> + Send + 'static,
+        target: Target,
     ) -> Work {
-        let (rank, shared, completed) = (self.rank, self.shared.clone(), self.completed.clone());
+        let (rank, board, completed) = (self.rank, self.board.clone(), self.completed.clone());
         self.queue.issue(desc, move |seq| {
             let result = contribute()
                 .map_err(|e| tensor_error(rank, &desc, e))
-                .and_then(|data| exchange(&shared, rank, seq, &desc, data))
-                .and_then(|all| apply(&all));
+                .and_then(|data| board.exchange(rank, seq, &desc, Arc::new(data)))
+                .and_then(|all| {
+                    let bytes: Vec<&[u8]> = all.iter().map(|b| b.bytes()).collect();
+                    host::apply(rank, &desc, &target, &bytes)
+                });
             match &result {
                 Ok(()) => completed.store(seq, Ordering::SeqCst),
-                Err(err) => {
-                    let mut board = shared.board.lock();
-                    board.failed.get_or_insert_with(|| (rank, err.clone()));
-                    shared.changed.notify_all();
-                }
+                Err(err) => board.fail(rank, err),
             }
             result
         })
     }
-}
-
-/// Posts `data` as `rank`'s contribution to collective `seq` and waits for everyone's.
-fn exchange(
-    shared: &Shared,
-    rank: usize,
-    seq: u64,
-    desc: &CollectiveDesc,
-    data: AlignedBuf,
-) -> Result<Vec<Arc<AlignedBuf>>> {
-    let world = shared.world;
-    let mut board = shared.board.lock();
-    board.posts[rank].push_back(Post {
-        seq,
-        desc: *desc,
-        data: Arc::new(data),
-        unread: world,
-    });
-    shared.changed.notify_all();
-    let deadline = Instant::now() + shared.timeout;
-    loop {
-        let mut missing = Vec::new();
-        for q in 0..world {
-            match board.posts[q].iter().find(|p| p.seq == seq) {
-                Some(post) if post.desc != *desc => {
-                    return Err(DistError::Mismatch {
-                        rank,
-                        peer: q,
-                        seq,
-                        their_seq: seq,
-                        ours: desc.to_string(),
-                        theirs: post.desc.to_string(),
-                    })
-                }
-                Some(_) => {}
-                None => missing.push(q),
-            }
-        }
-        if missing.is_empty() {
-            break;
-        }
-        // The root cause first: a rank that left is named directly, not through the first
-        // rank that noticed.
-        let gone: Vec<(usize, u64)> = missing
-            .iter()
-            .filter_map(|&q| board.left[q].map(|c| (q, c)))
-            .collect();
-        if let Some(&(q, completed)) = gone.first() {
-            return Err(DistError::PeerLost {
-                rank,
-                peers: gone.iter().map(|g| g.0).collect(),
-                collective: desc.to_string(),
-                seq,
-                cause: format!(
-                    "rank {q} left the group (its ThreadProcessGroup was dropped) {}; it never \
-                     issued collective #{seq}",
-                    fmt_left_after(completed)
-                ),
-            });
-        }
-        if let Some((peer, err)) = &board.failed {
-            if *peer != rank {
-                return Err(DistError::PeerAborted {
-                    rank,
-                    peer: *peer,
-                    collective: desc.to_string(),
-                    seq,
-                    message: err.to_string(),
-                });
-            }
-        }
-        if shared.changed.wait_until(&mut board, deadline).timed_out() {
-            return Err(DistError::Timeout {
-                rank,
-                collective: desc.to_string(),
-                seq,
-                timeout: shared.timeout,
-                waiting_for: missing,
-            });
-        }
-    }
-    let mut all = Vec::with_capacity(world);
-    for q in 0..world {
-        let queue = &mut board.posts[q];
-        let Some(at) = queue.iter().position(|p| p.seq == seq) else {
-            return Err(DistError::Io {
-                context: format!("rank {rank}: {desc}"),
-                message: "internal error: post vanished".into(),
-            });
-        };
-        all.push(queue[at].data.clone());
-        queue[at].unread -= 1;
-        if queue[at].unread == 0 {
-            queue.remove(at);
-        }
-    }
-    Ok(all)
-}
-
-fn snapshot(t: &Tensor) -> tandem_core::Result<AlignedBuf> {
-    with_tensor_bytes(t, |b| {
-        let mut buf = AlignedBuf::default();
-        buf.resize(b.len());
-        buf.bytes_mut().copy_from_slice(b);
-        buf
-    })
-}
-
-fn fold(rank: usize, desc: &CollectiveDesc, sources: &[&[u8]], out: &mut [u8]) -> Result<()> {
-    let (Some(dtype), Some(op)) = (desc.dtype, desc.op) else {
-        return Ok(());
-    };
-    if out.is_empty() {
-        return Ok(());
-    }
-    reduce::reduce_all(dtype, op, sources, out).map_err(|message| DistError::Io {
-        context: format!("rank {rank}: {desc}"),
-        message,
-    })
 }
 
 impl ProcessGroup for ThreadProcessGroup {
@@ -262,7 +108,7 @@ impl ProcessGroup for ThreadProcessGroup {
     }
 
     fn world_size(&self) -> usize {
-        self.shared.world
+        self.board.world()
     }
 
     fn backend(&self) -> &'static str {
@@ -275,21 +121,19 @@ impl ProcessGroup for ThreadProcessGroup {
 
     fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Work> {
         let desc = describe_all_reduce(self.rank, tensor, op)?;
-        let (t, t2, rank) = (tensor.clone(), tensor.clone(), self.rank);
+        require_cpu(self.rank, &desc, &[("tensor", tensor)])?;
+        let t = tensor.clone();
         Ok(self.issue(
             desc,
             move || snapshot(&t),
-            move |all| {
-                let sources: Vec<&[u8]> = all.iter().map(|b| b.bytes()).collect();
-                with_tensor_bytes_mut(&t2, |out| fold(rank, &desc, &sources, out))
-                    .map_err(|e| tensor_error(rank, &desc, e))?
-            },
+            Target::AllReduce(tensor.clone()),
         ))
     }
 
     fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<Work> {
-        let desc = describe_broadcast(self.rank, self.shared.world, tensor, root)?;
-        let (t, t2, rank) = (tensor.clone(), tensor.clone(), self.rank);
+        let desc = describe_broadcast(self.rank, self.board.world(), tensor, root)?;
+        require_cpu(self.rank, &desc, &[("tensor", tensor)])?;
+        let (t, rank) = (tensor.clone(), self.rank);
         let contribute = move || {
             if rank == root {
                 snapshot(&t)
@@ -297,71 +141,54 @@ impl ProcessGroup for ThreadProcessGroup {
                 Ok(AlignedBuf::default())
             }
         };
-        Ok(self.issue(desc, contribute, move |all| {
-            if rank == root {
-                return Ok(());
-            }
-            with_tensor_bytes_mut(&t2, |out| out.copy_from_slice(all[root].bytes()))
-                .map_err(|e| tensor_error(rank, &desc, e))
-        }))
+        let target = Target::Broadcast {
+            tensor: tensor.clone(),
+            root,
+        };
+        Ok(self.issue(desc, contribute, target))
     }
 
     fn all_gather(&self, input: &Tensor, output: &Tensor) -> Result<Work> {
-        let desc = describe_all_gather(self.rank, self.shared.world, input, output)?;
-        let (input, output, rank) = (input.clone(), output.clone(), self.rank);
+        let desc = describe_all_gather(self.rank, self.board.world(), input, output)?;
+        require_cpu(self.rank, &desc, &[("input", input), ("output", output)])?;
+        let input = input.clone();
         Ok(self.issue(
             desc,
             move || snapshot(&input),
-            move |all| {
-                with_tensor_bytes_mut(&output, |out| {
-                    let block = out.len() / all.len();
-                    for (q, data) in all.iter().enumerate() {
-                        out[q * block..(q + 1) * block].copy_from_slice(data.bytes());
-                    }
-                })
-                .map_err(|e| tensor_error(rank, &desc, e))
-            },
+            Target::AllGather(output.clone()),
         ))
     }
 
     fn reduce_scatter(&self, input: &Tensor, output: &Tensor, op: ReduceOp) -> Result<Work> {
-        let desc = describe_reduce_scatter(self.rank, self.shared.world, input, output, op)?;
-        let (input, output, rank) = (input.clone(), output.clone(), self.rank);
+        let desc = describe_reduce_scatter(self.rank, self.board.world(), input, output, op)?;
+        require_cpu(self.rank, &desc, &[("input", input), ("output", output)])?;
+        let input = input.clone();
         Ok(self.issue(
             desc,
             move || snapshot(&input),
-            move |all| {
-                with_tensor_bytes_mut(&output, |out| {
-                    let block = out.len();
-                    let sources: Vec<&[u8]> = all
-                        .iter()
-                        .map(|b| &b.bytes()[rank * block..(rank + 1) * block])
-                        .collect();
-                    fold(rank, &desc, &sources, out)
-                })
-                .map_err(|e| tensor_error(rank, &desc, e))?
-            },
+            Target::ReduceScatter(output.clone()),
         ))
     }
 
     fn barrier(&self) -> Result<Work> {
         let desc = describe_barrier();
         debug_assert_eq!(desc.kind, CollectiveKind::Barrier);
-        Ok(self.issue(desc, || Ok(AlignedBuf::default()), |_| Ok(())))
+        Ok(self.issue(desc, || Ok(AlignedBuf::default()), Target::Barrier))
     }
 }
 
 impl Drop for ThreadProcessGroup {
     fn drop(&mut self) {
         self.queue.drain();
-        let mut board = self.shared.board.lock();
-        board.left[self.rank] = Some(self.completed.load(Ordering::SeqCst));
-        self.shared.changed.notify_all();
+        self.board
+            .leave(self.rank, self.completed.load(Ordering::SeqCst));
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use std::time::{Duration, Instant};
+
     use super::*;
     use crate::testing::conformance;
     use tandem_core::{DType, Device};

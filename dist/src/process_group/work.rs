@@ -143,13 +143,16 @@ impl Work {
         device
             .compute
             .wait_event(&self.inner.event)
-            .map_err(|e| DistError::Tensor {
-                rank: device.rank,
-                collective: self.inner.desc.kind.name(),
-                message: format!(
-                    "collective #{}: making the compute stream wait: {e}",
-                    self.inner.seq
-                ),
+            .map_err(|e| {
+                DistError::tensor(
+                    device.rank,
+                    format!(
+                        "{} (collective #{}): making the compute stream wait",
+                        self.inner.desc.kind.name(),
+                        self.inner.seq
+                    ),
+                    e,
+                )
             })
     }
 
@@ -270,11 +273,15 @@ impl Work {
         }
         let complete = self.inner.event.wait_timeout(slice).map_err(|e| {
             let rank = self.inner.device.as_ref().map_or(0, |d| d.rank);
-            DistError::Tensor {
+            DistError::tensor(
                 rank,
-                collective: self.inner.desc.kind.name(),
-                message: format!("collective #{}: waiting for its end: {e}", self.inner.seq),
-            }
+                format!(
+                    "{} (collective #{}): waiting for its end",
+                    self.inner.desc.kind.name(),
+                    self.inner.seq
+                ),
+                e,
+            )
         })?;
         if complete {
             // The watchdog settles a collective it gives up on before it aborts the
@@ -356,9 +363,9 @@ mod tests {
         let failing = work.clone();
         let t = std::thread::spawn(move || {
             std::thread::sleep(Duration::from_millis(50));
-            failing.settle(Err(DistError::Model {
+            failing.settle(Err(DistError::Config {
                 rank: 3,
-                detail: "peer gone".into(),
+                problem: "peer gone".into(),
             }));
             // The abort that follows completes the event.
             end.complete();

@@ -80,20 +80,19 @@ pub(crate) fn build(
     let mut buckets = Vec::with_capacity(groups.len());
     for (b, group) in groups.iter().enumerate() {
         let members: Vec<&Tensor> = group.iter().map(|&p| &params[p].1).collect();
-        let (buffer, places) =
-            flat_views(&members, members[0].dtype()).map_err(|e| model_err(rank, e))?;
+        let (buffer, places) = flat_views(&members, members[0].dtype())
+            .map_err(|e| DistError::tensor(rank, format!("allocating gradient bucket {b}"), e))?;
         for (&p, view) in group.iter().zip(places) {
             let (path, tensor) = &params[p];
             // A parameter without a gradient keeps none (optimizers skip it, as they skip it
             // in one process); its first gradient moves into the view when it becomes ready.
             if let Some(g) = tensor.grad() {
-                view.copy_(&g).map_err(|e| DistError::Model {
-                    rank,
-                    detail: format!("moving the gradient of `{path}` into its bucket: {e}"),
-                })?;
+                let context = || format!("moving the gradient of `{path}` into its bucket");
+                view.copy_(&g)
+                    .map_err(|e| DistError::tensor(rank, context(), e))?;
                 tensor
                     .set_grad(Some(view.clone()))
-                    .map_err(|e| model_err(rank, e))?;
+                    .map_err(|e| DistError::tensor(rank, context(), e))?;
             }
             views[p] = Some(Slot { bucket: b, view });
         }
@@ -107,20 +106,15 @@ pub(crate) fn build(
         .into_iter()
         .enumerate()
         .map(|(p, slot)| {
-            slot.ok_or_else(|| DistError::Model {
-                rank,
-                detail: format!("parameter `{}` is in no bucket", params[p].0),
+            slot.ok_or_else(|| {
+                DistError::internal(
+                    format!("rank {rank}: DistributedDataParallel"),
+                    format!("parameter `{}` is in no bucket", params[p].0),
+                )
             })
         })
         .collect::<Result<Vec<_>>>()?;
     Ok(BucketSet { buckets, slots })
-}
-
-pub(crate) fn model_err(rank: usize, e: impl std::fmt::Display) -> DistError {
-    DistError::Model {
-        rank,
-        detail: e.to_string(),
-    }
 }
 
 #[cfg(test)]

@@ -5,11 +5,16 @@
 //! halving the bytes on the wire. Hooks receive the bucket already scaled by `1/world_size`
 //! under `GradReduction::Mean`, so the sum they compute is the mean, and f16 cannot overflow
 //! where the mean itself fits.
+//!
+//! Hooks run on the group's comm stream: the reducer has made it wait for the bucket's
+//! gradients before calling the hook, and the hook's own work (the casts of the compression
+//! hooks, device kernels on CUDA) is issued there in order with the collective, so it overlaps
+//! backward like the collective does.
 
 use tandem_core::{DType, Event, Tensor};
 
-use crate::reducer::model_err;
-use crate::{ProcessGroup, ReduceOp, Result, Work};
+use crate::stream_ops::{cast_on, empty_on};
+use crate::{DistError, ProcessGroup, ReduceOp, Result, Work};
 
 /// A bucket reduction in flight: the collectives issued and an event that completes when the
 /// bucket holds the reduced values.
@@ -25,9 +30,10 @@ pub trait CommHook: Send + Sync {
     /// The hook's name, for telemetry and messages.
     fn name(&self) -> &'static str;
 
-    /// Issues the reduction of `bucket` (a flat, contiguous gradient buffer) over `group`
-    /// and returns at once. Work that must follow the collective is queued on
-    /// `group.comm_stream()` so it runs in order.
+    /// Issues the reduction of `bucket` (a flat, contiguous gradient buffer on the group's
+    /// device) over `group` and returns at once, without waiting for the device. Work that must
+    /// follow the collective is issued on `group.comm_stream()` so it runs in order; `done` is
+    /// typically an event recorded there after it.
     fn reduce(&self, group: &dyn ProcessGroup, bucket: &Tensor) -> Result<BucketReduction>;
 }
 
@@ -42,7 +48,10 @@ impl CommHook for AllReduceHook {
 
     fn reduce(&self, group: &dyn ProcessGroup, bucket: &Tensor) -> Result<BucketReduction> {
         let work = group.all_reduce(bucket, ReduceOp::Sum)?;
-        let done = work.event().clone();
+        let done = group
+            .comm_stream()
+            .record_event()
+            .map_err(|e| DistError::tensor(group.rank(), self.name(), e))?;
         Ok(BucketReduction {
             works: vec![work],
             done,
@@ -78,29 +87,33 @@ impl CommHook for CompressionHook {
     }
 
     fn reduce(&self, group: &dyn ProcessGroup, bucket: &Tensor) -> Result<BucketReduction> {
-        let compressed = bucket
-            .to_dtype(self.dtype)
-            .map_err(|e| crate::DistError::Model {
-                rank: group.rank(),
-                detail: format!("{}: {e}", self.name()),
-            })?;
-        let work = group.all_reduce(&compressed, ReduceOp::Sum)?;
-        let (target, source) = (bucket.clone(), compressed);
         let rank = group.rank();
-        group
-            .comm_stream()
-            .enqueue(move || {
+        let comm = group.comm_stream();
+        let err = |e| DistError::tensor(rank, self.name(), e);
+        let work = if comm.cuda_stream().is_some() {
+            // Compress, reduce and decompress on the comm stream, in its order.
+            let compressed = empty_on(self.name(), comm, bucket.dims(), self.dtype).map_err(err)?;
+            cast_on(comm, &compressed, bucket).map_err(err)?;
+            let work = group.all_reduce(&compressed, ReduceOp::Sum)?;
+            cast_on(comm, bucket, &compressed).map_err(err)?;
+            work
+        } else {
+            // A host comm stream is a thread: the bucket is final (the CPU compute stream is
+            // this thread), so compress here; decompress in a job after the collective.
+            let compressed = bucket.to_dtype(self.dtype).map_err(err)?;
+            let work = group.all_reduce(&compressed, ReduceOp::Sum)?;
+            let (target, source) = (bucket.clone(), compressed);
+            comm.enqueue(move || {
                 // Runs after the all-reduce on the same stream. A failed all-reduce is reported
                 // through its Work; then the values here do not matter.
                 if let Ok(values) = source.to_dtype(target.dtype()) {
                     let _ = target.copy_(&values);
                 }
             })
-            .map_err(|e| model_err(rank, e))?;
-        let done = group
-            .comm_stream()
-            .record_event()
-            .map_err(|e| model_err(rank, e))?;
+            .map_err(err)?;
+            work
+        };
+        let done = comm.record_event().map_err(err)?;
         Ok(BucketReduction {
             works: vec![work],
             done,

@@ -1,18 +1,33 @@
 //! The Reducer: turns gradient-ready events into bucketed all-reduces that run while backward
-//! is still computing.
+//! is still computing, on the CPU or on a CUDA device alike.
 //!
-//! For each parameter the reducer registers a gradient-ready hook. When a parameter's gradient
-//! is final, the hook scales its slot in the bucket by `1/world_size` (under
-//! [`GradReduction::Mean`]) and counts the bucket down; when the bucket's last gradient
-//! arrives, the comm stream waits on the compute event and the bucket is all-reduced there —
-//! strictly in bucket order, so every rank issues the same sequence of collectives. The
-//! backward-finished hook launches what is left, waits for every bucket, and leaves averaged
-//! gradients in `.grad`, which are views into the buckets. Under `find_unused_parameters`,
+//! Buckets live on the parameters' device (device memory on CUDA), and each parameter's `.grad`
+//! is a view into its bucket. For each parameter the reducer registers a gradient-ready hook
+//! (`ready.rs`). When a parameter's gradient is final, the hook scales its slot by
+//! `1/world_size` (under [`GradReduction::Mean`]) on the compute stream and counts the bucket
+//! down; when the bucket's last gradient arrives, the comm stream waits on a compute-stream event
+//! and the bucket is reduced there — strictly in bucket order, so every rank issues the same
+//! sequence of collectives. The backward-finished hook (`finish.rs`) launches what is left and
+//! makes the **compute stream** wait on each bucket's completion event: on the CPU, whose compute
+//! stream is the calling thread, that is a wait; on CUDA the host returns at once and the
+//! optimizer's kernels, issued next, run after the reductions. Under `find_unused_parameters`,
 //! parameters that no rank's backward reached keep their `.grad` exactly as it was (see
-//! `reducer/unused.rs`).
+//! `unused.rs`).
+//!
+//! Streams and events, per bucket:
+//!
+//! ```text
+//! compute: … grad(p) → scale slot → [ready event] … backward ends → wait(done_0) wait(done_1) → step
+//! comm:              wait(ready) → [start] collective(bucket) [end] [done] …          [comm end]
+//! ```
+//!
+//! Every event feeds the telemetry (`telemetry.rs`): bucket timings are the comm-stream events
+//! around each collective, turned into times once the device has passed them.
 
 mod bucket;
 pub mod comm_hook;
+mod finish;
+mod ready;
 pub mod telemetry;
 mod unused;
 
@@ -21,16 +36,13 @@ use std::sync::{Arc, Weak};
 use std::time::Instant;
 
 use parking_lot::Mutex;
-use tandem_autograd::{
-    register_backward_finished_hook, register_grad_ready_hook, BackwardSummary, HookHandle,
-};
-use tandem_core::{DType, Device, Event, GradReady, Tensor, TensorId};
+use tandem_autograd::{register_backward_finished_hook, register_grad_ready_hook, HookHandle};
+use tandem_core::{DType, Device, Event, Stream, Tensor, TensorId};
 
 use crate::{DistError, ProcessGroup, Result, Work};
-use bucket::{model_err, Bucket, BucketSet, Slot};
-use comm_hook::{AllReduceHook, CommHook};
-use telemetry::{BucketTiming, StepTiming, Telemetry};
-use unused::{is_slot_view, UnreachedHere};
+use bucket::{Bucket, BucketSet, Slot};
+use comm_hook::CommHook;
+use telemetry::{PendingBucket, PendingStep, Telemetry};
 
 /// How gradients are combined across ranks.
 ///
@@ -60,12 +72,13 @@ pub(crate) struct ReducerConfig {
     pub comm_hook: Option<Arc<dyn CommHook>>,
 }
 
+/// A bucket whose reduction has been issued.
 struct InFlight {
+    /// The collectives the hook issued; their outcome is checked when known.
     works: Vec<Work>,
+    /// Completes when the bucket holds the reduced gradients (the compute stream waits on it).
     done: Event,
-    /// Completes after the comm stream has stamped the end time.
-    stamped: Event,
-    timing: Arc<Mutex<BucketTiming>>,
+    timing: PendingBucket,
 }
 
 /// What the reducer knows about the current and past iterations.
@@ -84,7 +97,13 @@ struct State {
     rebuilt: bool,
     /// Parameters that got no gradient in the last backward (reported at the next forward).
     unfinished: Option<Vec<String>>,
-    forward_end: Instant,
+    /// When forward last returned, and the compute-stream event recorded then.
+    forward_end: (Instant, Event),
+    /// Collectives whose outcome was not known yet when their backward finished (a device
+    /// backend completes them later); checked at the next forward.
+    unchecked: Vec<Work>,
+    /// Steps whose timing events the device may not have reached yet.
+    pending_steps: VecDeque<PendingStep>,
     telemetry: Telemetry,
     /// The most recent launches (at most `MAX_LAUNCH_RECORDS`), for tests and traces.
     launch_log: VecDeque<LaunchRecord>,
@@ -92,6 +111,10 @@ struct State {
 
 /// How many bucket launches the reducer remembers (a long run must not grow without bound).
 const MAX_LAUNCH_RECORDS: usize = 100_000;
+
+/// How many steps may wait for their timing events before the oldest is waited for (the device
+/// runs a step or two behind the host; a long queue means it fell far behind).
+const MAX_PENDING_STEPS: usize = 16;
 
 /// One bucket launch, as recorded for tests and traces.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -111,18 +134,27 @@ pub(crate) struct Reducer {
     config: ReducerConfig,
     params: Vec<(String, Tensor)>,
     index_of: HashMap<TensorId, usize>,
+    /// The parameters' device, where the buckets live.
+    device: Device,
+    /// That device's compute stream.
+    compute: Stream,
     state: Mutex<State>,
     hooks: Mutex<Vec<HookHandle>>,
 }
 
 impl Reducer {
-    /// Builds buckets in reverse registration order and registers the hooks.
+    /// Builds buckets on `device` (where every parameter lives) in reverse registration order
+    /// and registers the hooks.
     pub fn new(
         group: Arc<dyn ProcessGroup>,
         params: Vec<(String, Tensor)>,
+        device: Device,
         config: ReducerConfig,
     ) -> Result<Arc<Self>> {
         let rank = group.rank();
+        let stream_err = |e| DistError::tensor(rank, format!("the compute stream of {device}"), e);
+        let compute = Stream::compute(device).map_err(stream_err)?;
+        let forward_end = (Instant::now(), compute.record_event().map_err(stream_err)?);
         let order: Vec<usize> = (0..params.len()).rev().collect();
         let BucketSet { buckets, slots } = Self::layout(rank, &params, &order, &config)?;
         let index_of = params
@@ -136,6 +168,8 @@ impl Reducer {
             config,
             params,
             index_of,
+            device,
+            compute,
             state: Mutex::new(State {
                 buckets,
                 slots,
@@ -147,7 +181,9 @@ impl Reducer {
                 sync_backwards: 0,
                 rebuilt: false,
                 unfinished: None,
-                forward_end: Instant::now(),
+                forward_end,
+                unchecked: Vec::new(),
+                pending_steps: VecDeque::new(),
                 telemetry: Telemetry::default(),
                 launch_log: VecDeque::new(),
             }),
@@ -187,10 +223,7 @@ impl Reducer {
                 Some(reducer) => reducer.on_grad_ready(ready).map_err(to_core),
                 None => Ok(()),
             })
-            .map_err(|e| DistError::Model {
-                rank,
-                detail: format!("parameter `{path}`: {e}"),
-            })?;
+            .map_err(|e| DistError::tensor(rank, format!("registering the hook of `{path}`"), e))?;
             handles.push(handle);
         }
         let tensors: Vec<Tensor> = self.params.iter().map(|(_, t)| t.clone()).collect();
@@ -200,7 +233,7 @@ impl Reducer {
                 Some(reducer) => reducer.on_backward_finished(summary).map_err(to_core),
                 None => Ok(()),
             })
-            .map_err(|e| model_err(rank, e))?;
+            .map_err(|e| DistError::tensor(rank, "registering the backward-finished hook", e))?;
         handles.push(handle);
         *self.hooks.lock() = handles;
         Ok(())
@@ -224,26 +257,24 @@ impl Reducer {
     }
 
     /// Called at the start of every forward: reports parameters left without gradient by the
-    /// last backward, and rebuilds the buckets in the observed order after the first iteration.
+    /// last backward and collectives of earlier steps that failed after their backward
+    /// returned, files the timings the device has completed, and rebuilds the buckets in the
+    /// observed order after the first iteration.
     pub fn prepare_forward(&self) -> Result<()> {
         let rank = self.group.rank();
         let mut st = self.state.lock();
         if let Some(paths) = st.unfinished.take() {
             return Err(DistError::UnusedParameters { rank, paths });
         }
+        check_finished_works(&mut st.unchecked)?;
+        file_timings(&mut st, false);
         if self.config.rebuild_buckets && !st.rebuilt && st.sync_backwards >= 1 {
             let mut order = st.observed_order.clone();
             let mut seen = vec![false; self.params.len()];
             order.iter().for_each(|&p| seen[p] = true);
             order.extend((0..self.params.len()).rev().filter(|&p| !seen[p]));
             if self.group.world_size() > 1 {
-                // Every rank must bucket alike: rank 0's order wins.
-                let values: Vec<i64> = order.iter().map(|&p| p as i64).collect();
-                let t = Tensor::from_vec(values, &[order.len()], Device::Cpu)
-                    .map_err(|e| model_err(rank, e))?;
-                self.group.broadcast(&t, 0)?.wait()?;
-                let agreed = t.to_vec::<i64>().map_err(|e| model_err(rank, e))?;
-                order = agreed.into_iter().map(|p| p as usize).collect();
+                order = self.agree_on_order(&order)?;
             }
             let BucketSet { buckets, slots } =
                 Self::layout(rank, &self.params, &order, &self.config)?;
@@ -254,196 +285,53 @@ impl Reducer {
         Ok(())
     }
 
-    /// Marks the end of forward for telemetry.
+    /// Rank 0's bucket order, broadcast to every rank so that all bucket alike. Outside
+    /// backward, so the host may wait for it.
+    fn agree_on_order(&self, order: &[usize]) -> Result<Vec<usize>> {
+        let rank = self.group.rank();
+        let err = |e| DistError::tensor(rank, "agreeing on the rebuilt bucket order", e);
+        let values: Vec<i64> = order.iter().map(|&p| p as i64).collect();
+        let t = Tensor::from_vec(values, &[order.len()], Device::Cpu)
+            .and_then(|t| t.to_device(self.device))
+            .map_err(err)?;
+        self.group.broadcast(&t, 0)?.wait()?;
+        let agreed = t.to_vec::<i64>().map_err(err)?;
+        let n = self.params.len();
+        let mut seen = vec![false; n];
+        let mut out = Vec::with_capacity(n);
+        for p in agreed {
+            // Rank 0 holds the same model (checked at construction); guard anyway, since an
+            // index out of range would otherwise panic.
+            match usize::try_from(p).ok().filter(|&p| p < n && !seen[p]) {
+                Some(p) => {
+                    seen[p] = true;
+                    out.push(p);
+                }
+                None => {
+                    return Err(DistError::internal(
+                        format!("rank {rank}: DistributedDataParallel"),
+                        format!("rank 0's bucket order names parameter #{p} of {n}"),
+                    ))
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Marks the end of forward for telemetry: the host instant and an event on the compute
+    /// stream, which anchors device times to the host clock.
     pub fn mark_forward_end(&self) {
-        self.state.lock().forward_end = Instant::now();
-    }
-
-    fn on_grad_ready(&self, ready: &GradReady) -> Result<()> {
-        let rank = self.group.rank();
-        let Some(&index) = self.index_of.get(&ready.param.id()) else {
-            return Ok(());
-        };
-        let mut st = self.state.lock();
-        self.ensure_in_bucket(&st, index, &ready.grad)?;
-        if !st.sync {
-            return Ok(());
-        }
-        if st.ready[index] {
-            return Err(DistError::GradientReadyTwice {
-                rank,
-                path: self.params[index].0.clone(),
-            });
-        }
-        self.mark_ready(&mut st, index, &ready.event, true)
-    }
-
-    /// Makes sure the parameter's gradient lives in its bucket slot (it does not when the
-    /// gradient was set to `None` and autograd allocated a fresh one).
-    fn ensure_in_bucket(&self, st: &State, index: usize, grad: &Tensor) -> Result<()> {
-        let (path, param) = &self.params[index];
-        let view = &st.slots[index].view;
-        if !is_slot_view(grad, view) {
-            let rank = self.group.rank();
-            view.copy_(grad).map_err(|e| DistError::Model {
-                rank,
-                detail: format!("gradient of `{path}`: {e}"),
-            })?;
-            param
-                .set_grad(Some(view.clone()))
-                .map_err(|e| model_err(rank, e))?;
-        }
-        Ok(())
-    }
-
-    fn mark_ready(
-        &self,
-        st: &mut State,
-        index: usize,
-        event: &Event,
-        during_backward: bool,
-    ) -> Result<()> {
-        let rank = self.group.rank();
-        if self.config.reduction == GradReduction::Mean && self.group.world_size() > 1 {
-            st.slots[index]
-                .view
-                .scale_(1.0 / self.group.world_size() as f64)
-                .map_err(|e| model_err(rank, e))?;
-        }
-        st.ready[index] = true;
-        if st.sync_backwards == 0 {
-            st.observed_order.push(index);
-        }
-        let b = st.slots[index].bucket;
-        st.buckets[b].pending -= 1;
-        while st.next_launch < st.buckets.len() && st.buckets[st.next_launch].pending == 0 {
-            let next = st.next_launch;
-            self.launch(st, next, event, during_backward)?;
-            st.next_launch += 1;
-        }
-        Ok(())
-    }
-
-    fn launch(&self, st: &mut State, b: usize, event: &Event, during_backward: bool) -> Result<()> {
-        let stream = self.group.comm_stream();
-        let buffer = st.buckets[b].buffer.clone();
-        let timing = Arc::new(Mutex::new(BucketTiming {
-            bucket: b,
-            bytes: buffer.numel() * buffer.dtype().size_in_bytes(),
-            issued: Instant::now(),
-            started: None,
-            ended: None,
-        }));
-        let rank = self.group.rank();
-        // The collective must not read the bucket before the compute stream wrote it.
-        stream.wait_event(event).map_err(|e| model_err(rank, e))?;
-        let t = timing.clone();
-        stream
-            .enqueue(move || t.lock().started = Some(Instant::now()))
-            .map_err(|e| model_err(rank, e))?;
-        let hook: &dyn CommHook = match &self.config.comm_hook {
-            Some(h) => h.as_ref(),
-            None => &AllReduceHook,
-        };
-        let reduction = hook.reduce(self.group.as_ref(), &buffer)?;
-        let t = timing.clone();
-        stream
-            .enqueue(move || t.lock().ended = Some(Instant::now()))
-            .map_err(|e| model_err(rank, e))?;
-        let stamped = stream.record_event().map_err(|e| model_err(rank, e))?;
-        let backward = st.sync_backwards;
-        if st.launch_log.len() == MAX_LAUNCH_RECORDS {
-            st.launch_log.pop_front();
-        }
-        st.launch_log.push_back(LaunchRecord {
-            backward,
-            bucket: b,
-            during_backward,
-        });
-        st.in_flight.push(InFlight {
-            works: reduction.works,
-            done: reduction.done,
-            stamped,
-            timing,
-        });
-        Ok(())
-    }
-
-    fn on_backward_finished(&self, _summary: &BackwardSummary) -> Result<()> {
-        let rank = self.group.rank();
-        let compute_end = Instant::now();
-        let mut st = self.state.lock();
-        if !st.sync {
-            return Ok(());
-        }
-        let unready: Vec<usize> = (0..self.params.len()).filter(|&i| !st.ready[i]).collect();
-        let mut unreached = None;
-        if self.config.find_unused_parameters {
-            // Their current gradient (zero when they have none) completes the buckets; every
-            // rank launches the same buckets in the same order, then counts the users of each
-            // parameter, so that what no rank used can be given back untouched.
-            let here = UnreachedHere::prepare(rank, &self.params, &st.slots, &st.ready)?;
-            let done = Event::completed();
-            for &i in &unready {
-                self.mark_ready(&mut st, i, &done, false)?;
-            }
-            let counting = here.count_users(self.group.as_ref())?;
-            unreached = Some((here, counting));
-        } else if !unready.is_empty() {
-            st.unfinished = Some(unready.iter().map(|&i| self.params[i].0.clone()).collect());
-        }
-        // Wait for every bucket in flight: the step sees reduced gradients.
-        let in_flight = std::mem::take(&mut st.in_flight);
-        let mut first_error = None;
-        let mut timings = Vec::with_capacity(in_flight.len());
-        for flight in in_flight {
-            for work in &flight.works {
-                if let Err(e) = work.wait() {
-                    first_error.get_or_insert(e);
-                }
-            }
-            for event in [&flight.done, &flight.stamped] {
-                if let Err(e) = event.synchronize() {
-                    first_error.get_or_insert(model_err(rank, e));
-                }
-            }
-            timings.push(flight.timing.lock().clone());
-        }
-        if let Some((here, (counts, work))) = unreached {
-            match work.wait() {
-                Ok(()) if first_error.is_none() => {
-                    here.restore_unused_everywhere(rank, &counts, &self.params, &st.slots)?
-                }
-                Ok(()) => {}
-                Err(e) => {
-                    first_error.get_or_insert(e);
-                }
-            }
-        }
-        let comm_end = Instant::now();
-        let forward_end = st.forward_end;
-        st.telemetry.push(StepTiming {
-            forward_end,
-            backward_compute_end: compute_end,
-            comm_end,
-            buckets: timings,
-        });
-        // Reset for the next backward.
-        st.ready.iter_mut().for_each(|r| *r = false);
-        for bucket in &mut st.buckets {
-            bucket.pending = bucket.params.len();
-        }
-        st.next_launch = 0;
-        st.sync_backwards += 1;
-        match first_error {
-            Some(e) => Err(e),
-            None => Ok(()),
+        // A failed record leaves the previous anchor; timings are never worth an error.
+        if let Ok(event) = self.compute.record_event() {
+            self.state.lock().forward_end = (Instant::now(), event);
         }
     }
 
-    /// A copy of the telemetry.
+    /// A copy of the telemetry; waits for the timing events of the steps recorded so far.
     pub fn telemetry(&self) -> Telemetry {
-        self.state.lock().telemetry.clone()
+        let mut st = self.state.lock();
+        file_timings(&mut st, true);
+        st.telemetry.clone()
     }
 
     /// Every bucket launch so far.
@@ -461,6 +349,38 @@ impl Reducer {
     }
 }
 
+/// Reports the first failure among `works` whose outcome is known, and forgets the finished.
+fn check_finished_works(works: &mut Vec<Work>) -> Result<()> {
+    let mut failure = None;
+    works.retain(|w| match w.try_result() {
+        None => true,
+        Some(Ok(())) => false,
+        Some(Err(e)) => {
+            failure.get_or_insert(e);
+            false
+        }
+    });
+    match failure {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}
+
+/// Turns completed pending steps into timings (all of them, waiting, with `wait`; otherwise those
+/// the device has passed, and the oldest ones beyond the bound).
+fn file_timings(st: &mut State, wait: bool) {
+    while let Some(step) = st.pending_steps.front() {
+        let must = wait || st.pending_steps.len() > MAX_PENDING_STEPS;
+        if !must && !step.is_complete() {
+            break;
+        }
+        if let Some(step) = st.pending_steps.pop_front() {
+            let timing = step.resolve();
+            st.telemetry.push(timing);
+        }
+    }
+}
+
 fn to_core(e: DistError) -> tandem_core::Error {
     tandem_core::Error::external("DistributedDataParallel", e)
 }
@@ -469,6 +389,7 @@ fn to_core(e: DistError) -> tandem_core::Error {
 mod tests {
     use super::*;
     use crate::ThreadProcessGroup;
+    use tandem_core::GradReady;
 
     #[test]
     fn a_gradient_ready_twice_in_one_backward_is_an_error_naming_the_parameter() {
@@ -486,8 +407,13 @@ mod tests {
             rebuild_buckets: true,
             comm_hook: None,
         };
-        let reducer =
-            Reducer::new(group, vec![("layer.weight".into(), w.clone())], config).unwrap();
+        let reducer = Reducer::new(
+            group,
+            vec![("layer.weight".into(), w.clone())],
+            Device::Cpu,
+            config,
+        )
+        .unwrap();
         let ready = GradReady {
             param: w.clone(),
             // What autograd hands over for a parameter without a gradient yet: its own tensor.

@@ -1,15 +1,27 @@
 //! Overlap telemetry: when each bucket's all-reduce was issued, started and ended relative to
 //! backward, and how much communication was left exposed after backward's compute finished.
 //!
-//! *Exposed* communication is the time from the end of backward's computation (the moment the
-//! backward-finished hook runs) to the end of the last bucket's reduction: what the step
-//! waits for. Everything else of the communication ran while backward was still computing.
-//! [`Telemetry::write_chrome_trace`] writes the steps as a Chrome trace (open it in Perfetto
-//! or `chrome://tracing`) with one track for compute and one for communication.
+//! *Exposed* communication is the time from the end of backward's computation to the end of the
+//! last bucket's reduction: what the step waits for. Everything else of the communication ran
+//! while backward was still computing. [`Telemetry::write_chrome_trace`] writes the steps as a
+//! Chrome trace (open it in Perfetto or `chrome://tracing`) with one track for compute and one
+//! for communication.
+//!
+//! The times come from [`Event`]s, not from the host: the reducer records one on the compute
+//! stream when forward returns and when backward's last gradient is issued, one on the comm
+//! stream before and after each bucket's collective, and one on the comm stream after the last
+//! bucket. On the CPU each event carries the instant it completed. A CUDA event has no host
+//! time, only its distance to another event of the device ([`Event::elapsed_until`]); its
+//! instant is placed on the host clock as the step's forward-end instant plus the device time
+//! from the forward-end event, so the device timeline keeps its own spacing. A step is turned
+//! into a [`StepTiming`] once all its events are complete: at once on the CPU, after the device
+//! has run the step on CUDA (the reducer never waits for that inside backward).
 
 use std::fmt::Write as _;
 use std::path::Path;
 use std::time::{Duration, Instant};
+
+use tandem_core::Event;
 
 /// Timing of one bucket's reduction.
 #[derive(Clone, Debug)]
@@ -18,12 +30,83 @@ pub struct BucketTiming {
     pub bucket: usize,
     /// Bytes of the bucket.
     pub bytes: usize,
-    /// When the reducer issued the collective (on the compute thread).
+    /// When the reducer issued the collective (host time, on the thread running backward).
     pub issued: Instant,
-    /// When the comm stream started it.
+    /// When the comm stream started it (`None` when its events could not be timed).
     pub started: Option<Instant>,
     /// When the comm stream finished it.
     pub ended: Option<Instant>,
+}
+
+/// A bucket's timing events, recorded on the comm stream around its collective.
+pub(crate) struct PendingBucket {
+    pub bucket: usize,
+    pub bytes: usize,
+    pub issued: Instant,
+    pub start: Event,
+    pub end: Event,
+}
+
+/// A step whose events may not all be complete yet.
+pub(crate) struct PendingStep {
+    /// When forward returned, and the event recorded then on the compute stream: the anchor
+    /// that places device events on the host clock.
+    pub forward_end: (Instant, Event),
+    /// Recorded on the compute stream when backward's last gradient had been issued.
+    pub backward_end: Event,
+    /// Recorded on the comm stream after the last bucket.
+    pub comm_end: Event,
+    pub buckets: Vec<PendingBucket>,
+}
+
+impl PendingStep {
+    fn events(&self) -> impl Iterator<Item = &Event> {
+        [&self.backward_end, &self.comm_end]
+            .into_iter()
+            .chain(self.buckets.iter().flat_map(|b| [&b.start, &b.end]))
+    }
+
+    /// Whether every event of the step is complete (never blocks).
+    pub fn is_complete(&self) -> bool {
+        self.events().all(Event::is_complete)
+    }
+
+    /// The step's times; waits for its events.
+    pub fn resolve(self) -> StepTiming {
+        let (origin, anchor) = &self.forward_end;
+        // A host event knows its instant; a device event is placed by its distance from the
+        // forward-end event of the same device. An event that can be neither (it failed, or the
+        // anchor is of another device) is left untimed.
+        let at = |e: &Event| -> Option<Instant> {
+            if let Some(t) = e.completed_at() {
+                return Some(t);
+            }
+            e.synchronize().ok()?;
+            anchor.elapsed_until(e).ok().map(|d| *origin + d)
+        };
+        let backward_compute_end = at(&self.backward_end).unwrap_or(*origin);
+        let buckets: Vec<BucketTiming> = self
+            .buckets
+            .iter()
+            .map(|b| BucketTiming {
+                bucket: b.bucket,
+                bytes: b.bytes,
+                issued: b.issued,
+                started: at(&b.start),
+                ended: at(&b.end),
+            })
+            .collect();
+        let last_bucket = buckets.iter().filter_map(|b| b.ended).max();
+        let comm_end = at(&self.comm_end)
+            .or(last_bucket)
+            .unwrap_or(backward_compute_end);
+        StepTiming {
+            forward_end: *origin,
+            backward_compute_end,
+            comm_end,
+            buckets,
+        }
+    }
 }
 
 /// Timing of one synchronised step.
@@ -31,9 +114,10 @@ pub struct BucketTiming {
 pub struct StepTiming {
     /// When forward returned (backward starts soon after, once the loss is computed).
     pub forward_end: Instant,
-    /// When backward's computation finished (the backward-finished hook ran).
+    /// When backward's computation finished: on the CPU when the backward-finished hook ran, on
+    /// CUDA when the device finished the kernels issued before it.
     pub backward_compute_end: Instant,
-    /// When the last bucket was reduced.
+    /// When the last bucket was reduced (the comm stream passed the event recorded after it).
     pub comm_end: Instant,
     /// Every bucket, in launch order.
     pub buckets: Vec<BucketTiming>,

@@ -13,8 +13,8 @@
 
 use tandem_core::{Device, Tensor};
 
-use super::bucket::{model_err, Slot};
-use crate::{ProcessGroup, ReduceOp, Result, Work};
+use super::bucket::Slot;
+use crate::{DistError, ProcessGroup, ReduceOp, Result, Work};
 
 /// What this rank's backward left unreached, and their gradients from before the reduction.
 pub(crate) struct UnreachedHere {
@@ -50,27 +50,32 @@ impl UnreachedHere {
         ready: &[bool],
     ) -> Result<Self> {
         let mut previous = Vec::new();
-        for (i, (_, param)) in params.iter().enumerate() {
+        for (i, (path, param)) in params.iter().enumerate() {
             if ready[i] {
                 continue;
             }
+            let err = |e| {
+                DistError::tensor(
+                    rank,
+                    format!("keeping the gradient of unused parameter `{path}`"),
+                    e,
+                )
+            };
             let view = &slots[i].view;
             let before = match param.grad() {
                 None => {
-                    view.zero_().map_err(|e| model_err(rank, e))?;
+                    view.zero_().map_err(err)?;
                     Previous::None
                 }
                 Some(g) if is_slot_view(&g, view) => {
-                    Previous::View(g.copy_detached().map_err(|e| model_err(rank, e))?)
+                    Previous::View(g.copy_detached().map_err(err)?)
                 }
                 Some(g) => {
-                    view.copy_(&g).map_err(|e| model_err(rank, e))?;
+                    view.copy_(&g).map_err(err)?;
                     Previous::Own(g)
                 }
             };
-            param
-                .set_grad(Some(view.clone()))
-                .map_err(|e| model_err(rank, e))?;
+            param.set_grad(Some(view.clone())).map_err(err)?;
             previous.push((i, before));
         }
         Ok(UnreachedHere {
@@ -79,19 +84,22 @@ impl UnreachedHere {
         })
     }
 
-    /// Starts the all-reduce that counts, per parameter, the ranks whose backward reached it.
-    /// Every rank calls this after launching its last bucket.
-    pub fn count_users(&self, group: &dyn ProcessGroup) -> Result<(Tensor, Work)> {
+    /// Starts the all-reduce that counts, per parameter, the ranks whose backward reached it
+    /// (on `device`, the parameters' device, which every backend reaches). Every rank calls
+    /// this after launching its last bucket.
+    pub fn count_users(&self, group: &dyn ProcessGroup, device: Device) -> Result<(Tensor, Work)> {
         let rank = group.rank();
         let flags: Vec<f32> = self.used.iter().map(|&u| u as u8 as f32).collect();
         let counts = Tensor::from_vec(flags, &[self.used.len()], Device::Cpu)
-            .map_err(|e| model_err(rank, e))?;
+            .and_then(|t| t.to_device(device))
+            .map_err(|e| DistError::tensor(rank, "counting the users of each parameter", e))?;
         let work = group.all_reduce(&counts, ReduceOp::Sum)?;
         Ok((counts, work))
     }
 
     /// Once the buckets are reduced and `counts` (from [`UnreachedHere::count_users`]) is
-    /// complete: gives every parameter that no rank reached its gradient back, bit for bit.
+    /// complete on the compute stream: gives every parameter that no rank reached its gradient
+    /// back, bit for bit. Reads the counts on the host.
     pub fn restore_unused_everywhere(
         self,
         rank: usize,
@@ -99,7 +107,9 @@ impl UnreachedHere {
         params: &[(String, Tensor)],
         slots: &[Slot],
     ) -> Result<()> {
-        let counts = counts.to_vec::<f32>().map_err(|e| model_err(rank, e))?;
+        let counts = counts
+            .to_vec::<f32>()
+            .map_err(|e| DistError::tensor(rank, "reading the users of each parameter", e))?;
         for (i, before) in self.previous {
             if counts[i] != 0.0 {
                 continue;
@@ -110,7 +120,16 @@ impl UnreachedHere {
                 Previous::View(values) => slots[i].view.copy_(&values),
                 Previous::Own(grad) => param.set_grad(Some(grad)),
             }
-            .map_err(|e| model_err(rank, format!("gradient of `{}`: {e}", params[i].0)))?;
+            .map_err(|e| {
+                DistError::tensor(
+                    rank,
+                    format!(
+                        "restoring the gradient of unused parameter `{}`",
+                        params[i].0
+                    ),
+                    e,
+                )
+            })?;
         }
         Ok(())
     }

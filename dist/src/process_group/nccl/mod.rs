@@ -539,10 +539,12 @@ impl NcclProcessGroup {
     ) -> std::result::Result<(Event, Event), Failure> {
         let s = &*self.shared;
         let label = format!("{desc} (collective #{seq})");
-        let device_err = |what: &str, e: tandem_core::Error| DistError::Tensor {
-            rank: s.rank,
-            collective: desc.kind.name(),
-            message: format!("collective #{seq}: {what}: {e}"),
+        let device_err = |what: &str, e: tandem_core::Error| {
+            DistError::tensor(
+                s.rank,
+                format!("{} (collective #{seq}): {what}", desc.kind.name()),
+                e,
+            )
         };
         if s.config.check_every_collective {
             self.check_with_neighbour(seq, &desc)?;
@@ -896,11 +898,7 @@ fn staged(t: &Tensor) -> tandem_core::Result<Tensor> {
 }
 
 fn tensor_error(rank: usize, collective: &'static str, e: tandem_core::Error) -> DistError {
-    DistError::Tensor {
-        rank,
-        collective,
-        message: e.to_string(),
-    }
+    DistError::tensor(rank, collective, e)
 }
 
 impl Drop for NcclProcessGroup {

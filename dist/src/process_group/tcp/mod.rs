@@ -16,6 +16,17 @@
 //! so that a rank still waiting for this one learns that it left (and after how many
 //! collectives) instead of waiting for the timeout.
 
+#[cfg(test)]
+mod attack_tests;
+mod frame;
+mod handshake;
+mod link;
+mod mesh;
+mod plan;
+mod same_host;
+mod segment;
+mod transport;
+
 use std::fmt;
 use std::sync::Arc;
 use std::time::Instant;
@@ -23,17 +34,16 @@ use std::time::Instant;
 use parking_lot::Mutex;
 use tandem_core::{Stream, Tensor};
 
-use super::frame::Algorithm;
-use super::link::{self, Link};
-use super::mesh::connect_mesh;
-use super::plan::{self, choose_algorithm};
+use self::frame::Algorithm;
+use self::link::Link;
+use self::mesh::connect_mesh;
+use self::plan::choose_algorithm;
+use self::transport::Ctx;
 use super::reduce::{with_tensor_bytes, with_tensor_bytes_mut, AlignedBuf};
-use super::same_host;
-use super::transport::{self, Ctx};
 use super::{
     describe_all_gather, describe_all_reduce, describe_barrier, describe_broadcast,
-    describe_reduce_scatter, tensor_error, CollectiveDesc, CommQueue, GroupConfig, ProcessGroup,
-    ReduceOp, Work,
+    describe_reduce_scatter, require_cpu, tensor_error, CollectiveDesc, CommQueue, GroupConfig,
+    ProcessGroup, ReduceOp, Work,
 };
 use crate::failure_report;
 use crate::rendezvous::MAX_WORLD_SIZE;
@@ -106,13 +116,13 @@ impl TcpProcessGroup {
         server: Option<StoreServer>,
     ) -> Result<Self> {
         if world_size == 0 || rank >= world_size || world_size > MAX_WORLD_SIZE {
-            return Err(DistError::Connect {
+            return Err(DistError::config(
                 rank,
-                detail: format!(
-                    "rank {rank} is not in a group of {world_size} (a group has 1 to \
-                     {MAX_WORLD_SIZE} ranks)"
+                format!(
+                    "TcpProcessGroup: rank {rank} is not in a group of {world_size} (a group has \
+                     1 to {MAX_WORLD_SIZE} ranks)"
                 ),
-            });
+            ));
         }
         let started = Instant::now();
         let links = connect_mesh(&store, rank, world_size, &config)?;
@@ -171,10 +181,10 @@ impl TcpProcessGroup {
                 body(&shared, &mut state, &ctx)
             }))
             .unwrap_or_else(|_| {
-                Err(DistError::Io {
-                    context: format!("rank {}: {desc} (collective #{seq})", shared.rank),
-                    message: "internal error: the collective panicked".into(),
-                })
+                Err(DistError::internal(
+                    format!("rank {}: {desc} (collective #{seq})", shared.rank),
+                    "the collective panicked",
+                ))
             });
             state.history = history;
             if state.history.len() == HISTORY {
@@ -240,6 +250,7 @@ impl ProcessGroup for TcpProcessGroup {
 
     fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Work> {
         let desc = describe_all_reduce(self.shared.rank, tensor, op)?;
+        require_cpu(self.shared.rank, &desc, &[("tensor", tensor)])?;
         let tensor = tensor.clone();
         Ok(self.issue(desc, move |shared, state, ctx| {
             with_tensor_bytes_mut(&tensor, |main| run(shared, state, ctx, main))
@@ -249,6 +260,7 @@ impl ProcessGroup for TcpProcessGroup {
 
     fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<Work> {
         let desc = describe_broadcast(self.shared.rank, self.shared.world, tensor, root)?;
+        require_cpu(self.shared.rank, &desc, &[("tensor", tensor)])?;
         let tensor = tensor.clone();
         Ok(self.issue(desc, move |shared, state, ctx| {
             with_tensor_bytes_mut(&tensor, |main| run(shared, state, ctx, main))
@@ -258,6 +270,11 @@ impl ProcessGroup for TcpProcessGroup {
 
     fn all_gather(&self, input: &Tensor, output: &Tensor) -> Result<Work> {
         let desc = describe_all_gather(self.shared.rank, self.shared.world, input, output)?;
+        require_cpu(
+            self.shared.rank,
+            &desc,
+            &[("input", input), ("output", output)],
+        )?;
         let (input, output) = (input.clone(), output.clone());
         Ok(self.issue(desc, move |shared, state, ctx| {
             let block = desc.total_bytes(1);
@@ -283,6 +300,11 @@ impl ProcessGroup for TcpProcessGroup {
 
     fn reduce_scatter(&self, input: &Tensor, output: &Tensor, op: ReduceOp) -> Result<Work> {
         let desc = describe_reduce_scatter(self.shared.rank, self.shared.world, input, output, op)?;
+        require_cpu(
+            self.shared.rank,
+            &desc,
+            &[("input", input), ("output", output)],
+        )?;
         let (input, output) = (input.clone(), output.clone());
         Ok(self.issue(desc, move |shared, state, ctx| {
             let block = desc.total_bytes(1);
@@ -328,8 +350,8 @@ impl Drop for TcpProcessGroup {
 
 #[cfg(test)]
 mod tests {
-    use super::super::frame::{FrameHeader, HEADER_LEN};
-    use super::super::handshake::{connect_side, Channel, Me};
+    use super::frame::{FrameHeader, HEADER_LEN};
+    use super::handshake::{connect_side, Channel, Me};
     use super::*;
     use crate::testing::conformance;
     use std::io::Write;
@@ -590,14 +612,7 @@ mod tests {
     fn all_reduce_header(payload_len: u64) -> [u8; HEADER_LEN] {
         let t = Tensor::ones(&[100], DType::F32, Device::Cpu).unwrap();
         let desc = describe_all_reduce(1, &t, ReduceOp::Sum).unwrap();
-        FrameHeader::data(
-            desc,
-            super::super::frame::Algorithm::Direct,
-            1,
-            0,
-            payload_len,
-        )
-        .encode()
+        FrameHeader::data(desc, super::frame::Algorithm::Direct, 1, 0, payload_len).encode()
     }
 
     #[test]

@@ -20,8 +20,8 @@ use std::time::{Duration, Instant};
 
 use super::handshake::{accept_side, connect_side, Channel, Failure, HandshakeStream, Me};
 use super::link::{self, Link};
-use super::GroupConfig;
 use crate::error::fmt_ranks;
+use crate::process_group::GroupConfig;
 use crate::store::TcpStore;
 use crate::{DistError, Result};
 
@@ -31,6 +31,12 @@ pub(crate) const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
 const MAX_PENDING_HANDSHAKES: usize = 128;
 /// Rejected connections logged one by one; after these, only every power of two.
 const LOGGED_REJECTIONS: u64 = 16;
+
+/// An OS error `rank` met while setting up its links, kept whole (its `io::ErrorKind` tells a
+/// refused connection from a timeout).
+fn setup_io(rank: usize, doing: impl std::fmt::Display, err: std::io::Error) -> DistError {
+    DistError::rank_io(rank, format!("setting up the process group: {doing}"), err)
+}
 
 fn connect_error(rank: usize, detail: impl Into<String>) -> DistError {
     DistError::Connect {
@@ -73,10 +79,10 @@ pub(crate) fn connect_mesh(
     let me = me(store, rank, world, config, Channel::Link);
     let prefix = format!("tandem/{}/addr", config.name);
     let listener = TcpListener::bind(SocketAddr::new(store.local_ip(), 0))
-        .map_err(|e| connect_error(rank, format!("cannot listen on {}: {e}", store.local_ip())))?;
+        .map_err(|e| setup_io(rank, format!("listening on {}", store.local_ip()), e))?;
     let addr = listener
         .local_addr()
-        .map_err(|e| connect_error(rank, e.to_string()))?;
+        .map_err(|e| setup_io(rank, "reading the listener's address", e))?;
     store.set(&format!("{prefix}/{rank}"), addr.to_string().as_bytes())?;
 
     for (peer, slot) in links.iter_mut().enumerate().take(rank) {
@@ -95,17 +101,13 @@ pub(crate) fn connect_mesh(
                 format!("rank {peer} published an unusable address {text:?}"),
             )
         })?;
-        let mut stream = connect_retry(peer_addr, deadline).map_err(|e| {
-            connect_error(
-                rank,
-                format!("cannot connect to rank {peer} at {peer_addr}: {e}"),
-            )
-        })?;
+        let mut stream = connect_retry(peer_addr, deadline)
+            .map_err(|e| setup_io(rank, format!("connecting to rank {peer} at {peer_addr}"), e))?;
         connect_side(&mut stream, &me, peer, &peer_addr.to_string(), deadline)
             .map_err(|m| connect_error(rank, m))?;
         *slot = Some(
             Link::new(peer, stream, config.socket_buffer_bytes)
-                .map_err(|e| connect_error(rank, e.to_string()))?,
+                .map_err(|e| setup_io(rank, format!("configuring the link to rank {peer}"), e))?,
         );
     }
 
@@ -113,7 +115,7 @@ pub(crate) fn connect_mesh(
     for (peer, stream) in accepted {
         links[peer] = Some(
             Link::new(peer, stream, config.socket_buffer_bytes)
-                .map_err(|e| connect_error(rank, e.to_string()))?,
+                .map_err(|e| setup_io(rank, format!("configuring the link to rank {peer}"), e))?,
         );
     }
     Ok(links)
@@ -289,7 +291,7 @@ pub(crate) fn accept_peers<L: PeerListener>(
     };
     listener
         .set_listener_nonblocking()
-        .map_err(|e| connect_error(rank, e.to_string()))?;
+        .map_err(|e| setup_io(rank, "making the listener non-blocking", e))?;
     type Outcome<S> = (String, S, std::result::Result<usize, Failure>);
     let (tx, rx) = mpsc::channel::<Outcome<L::Stream>>();
     let mut pending = 0usize;

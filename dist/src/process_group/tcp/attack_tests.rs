@@ -16,9 +16,11 @@ use tandem_core::{DType, Device, Tensor};
 use super::frame::{Algorithm, FrameHeader};
 use super::handshake::{connect_side, Channel, Me};
 use super::segment::{create_segment, send_fd, GROW_MESSAGE};
-use super::tcp::TcpProcessGroup;
-use super::{describe_all_reduce, describe_barrier, GroupConfig, ProcessGroup, ReduceOp};
+use super::TcpProcessGroup;
 use crate::auth::JobSecret;
+use crate::process_group::{
+    describe_all_reduce, describe_barrier, GroupConfig, ProcessGroup, ReduceOp,
+};
 use crate::store::{StoreConfig, StoreServer, TcpStore};
 use crate::DistError;
 

@@ -49,13 +49,13 @@ use super::handshake::{connect_side, Channel};
 use super::link::{drain_farewell, poll, Gone, Link};
 use super::mesh::{accept_peers, me};
 use super::plan::same_host_phase;
-use super::reduce;
 use super::segment::{
     adopt_segment, create_segment, mark, recv_fd, send_fd, Counter, Mapping, GROW_MESSAGE, HEADER,
 };
 use super::transport::{self, Ctx};
-use super::{CollectiveKind, GroupConfig};
 use crate::error::{fmt_left_after, fmt_ranks};
+use crate::process_group::reduce;
+use crate::process_group::{CollectiveKind, GroupConfig};
 use crate::store::TcpStore;
 use crate::{DistError, Result};
 
@@ -299,7 +299,9 @@ pub(crate) fn run(
     chunk_bytes: usize,
 ) -> Result<()> {
     match run_pieces(links, ctx, sh, main, chunk_bytes) {
-        Err(err) if !matches!(err, DistError::Io { .. }) => Err(explain(links, ctx, err)),
+        Err(err) if !matches!(err, DistError::Io { .. } | DistError::Internal { .. }) => {
+            Err(explain(links, ctx, err))
+        }
         other => other,
     }
 }
@@ -637,10 +639,10 @@ fn explain(links: &mut [Option<Link>], ctx: &Ctx<'_>, err: DistError) -> DistErr
 }
 
 fn internal(ctx: &Ctx<'_>, what: impl Into<String>) -> DistError {
-    DistError::Io {
-        context: format!("rank {}: {} (collective #{})", ctx.rank, ctx.desc, ctx.seq),
-        message: format!("internal error: {}", what.into()),
-    }
+    DistError::internal(
+        format!("rank {}: {} (collective #{})", ctx.rank, ctx.desc, ctx.seq),
+        what,
+    )
 }
 
 fn protocol(ctx: &Ctx<'_>, peer: usize, problem: impl Into<String>) -> DistError {

@@ -31,7 +31,7 @@
 
 use tandem_core::DType;
 
-use super::{CollectiveDesc, CollectiveKind, ReduceOp};
+use crate::process_group::{CollectiveDesc, CollectiveKind, ReduceOp};
 
 /// Bytes in a frame header.
 pub(crate) const HEADER_LEN: usize = 48;
@@ -548,7 +548,7 @@ mod tests {
                 root: None,
             });
         }
-        v.push(super::super::describe_barrier());
+        v.push(crate::process_group::describe_barrier());
         v
     }
 

@@ -22,7 +22,7 @@ use std::collections::VecDeque;
 use std::ops::Range;
 
 use super::frame::{Algorithm, MAX_DATA_PAYLOAD};
-use super::{CollectiveDesc, CollectiveKind, GroupConfig, ReduceOp};
+use crate::process_group::{CollectiveDesc, CollectiveKind, GroupConfig, ReduceOp};
 
 /// One frame to send to a peer: bytes `range` of the main buffer.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -587,7 +587,7 @@ mod tests {
         desc.kind = CollectiveKind::Broadcast;
         assert_eq!(choose_algorithm(&desc, 4, &cfg, false), Algorithm::Chain);
         assert_eq!(
-            choose_algorithm(&super::super::describe_barrier(), 4, &cfg, true),
+            choose_algorithm(&crate::process_group::describe_barrier(), 4, &cfg, true),
             Algorithm::Direct
         );
     }

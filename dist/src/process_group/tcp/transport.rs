@@ -22,8 +22,8 @@ use std::time::{Duration, Instant};
 use super::frame::{self, Expected, Farewell, FrameHeader, Verdict, HEADER_LEN};
 use super::link::{abort_links, drain_farewell, poll, read_message, send_parts, Gone, Link};
 use super::plan::{Dest, Finish, Plan};
-use super::{reduce, CollectiveDesc, ReduceOp};
 use crate::error::{fmt_left_after, fmt_ranks};
+use crate::process_group::{reduce, CollectiveDesc, ReduceOp};
 use crate::{DistError, Result};
 
 /// How long the event loop keeps retrying without progress before it sleeps in `poll`.
@@ -62,13 +62,13 @@ impl Ctx<'_> {
     }
 
     fn internal(&self, what: impl Into<String>) -> DistError {
-        DistError::Io {
-            context: format!(
+        DistError::internal(
+            format!(
                 "rank {}: {} (collective #{})",
                 self.rank, self.desc, self.seq
             ),
-            message: format!("internal error: {}", what.into()),
-        }
+            what,
+        )
     }
 
     /// The error for a needed peer that is gone.
@@ -302,7 +302,11 @@ impl Exec<'_, '_> {
                 Ok(0) => continue,
                 Ok(_) => {}
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(self.ctx.internal(format!("poll failed: {e}"))),
+                Err(e) => {
+                    let c = self.ctx;
+                    let context = format!("{} (collective #{}): poll", c.desc, c.seq);
+                    return Err(DistError::rank_io(c.rank, context, e));
+                }
             }
             for (fd, &p) in fds.iter().zip(&owners) {
                 let hangup = fd.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0;

@@ -1,0 +1,164 @@
+//! The gradient-ready path: a parameter's final gradient is written into its bucket slot
+//! (pre-scaled by `1/world` for an average), and every bucket that is complete — in bucket
+//! order — is launched on the comm stream.
+//!
+//! The pre-scale is one kernel per gradient in the common case: when `.grad` already is the
+//! slot view (every backward after the first, unless the user sets gradients to `None`),
+//! autograd has accumulated into the slot and a single in-place `scale_` divides it. A gradient
+//! that autograd allocated fresh (the first backward, or after `zero_grad_set_to_none`) is
+//! copied into its slot and scaled there: two passes, because the runtime has no fused
+//! "`dst = alpha * src`" operation.
+//!
+//! Nothing here waits: on CUDA the slot writes are kernels on the compute stream, the comm
+//! stream waits for them through an event, and the collective is issued on the comm stream.
+
+use std::time::Instant;
+
+use tandem_core::{Event, GradReady, Tensor};
+
+use super::comm_hook::{AllReduceHook, CommHook};
+use super::telemetry::PendingBucket;
+use super::unused::is_slot_view;
+use super::{GradReduction, InFlight, LaunchRecord, Reducer, State, MAX_LAUNCH_RECORDS};
+use crate::{DistError, Result};
+
+impl Reducer {
+    pub(super) fn on_grad_ready(&self, ready: &GradReady) -> Result<()> {
+        let rank = self.group.rank();
+        let Some(&index) = self.index_of.get(&ready.param.id()) else {
+            return Ok(());
+        };
+        let mut st = self.state.lock();
+        if !st.sync {
+            // Accumulate locally, unscaled: the next synchronised backward adds to the slot
+            // and scales the sum.
+            return self.write_slot(&st, index, &ready.grad, None);
+        }
+        if st.ready[index] {
+            return Err(DistError::GradientReadyTwice {
+                rank,
+                path: self.params[index].0.clone(),
+            });
+        }
+        let scale = self.pre_scale();
+        self.write_slot(&st, index, &ready.grad, scale)?;
+        self.mark_ready(&mut st, index, true)
+    }
+
+    /// `1/world_size` when gradients are averaged over more than one rank.
+    pub(super) fn pre_scale(&self) -> Option<f64> {
+        let world = self.group.world_size();
+        (self.config.reduction == GradReduction::Mean && world > 1).then(|| 1.0 / world as f64)
+    }
+
+    /// Leaves `grad` (the parameter's accumulated gradient) in its bucket slot, multiplied by
+    /// `scale`, and points `.grad` at the slot.
+    pub(super) fn write_slot(
+        &self,
+        st: &State,
+        index: usize,
+        grad: &Tensor,
+        scale: Option<f64>,
+    ) -> Result<()> {
+        let (path, param) = &self.params[index];
+        let view = &st.slots[index].view;
+        let rank = self.group.rank();
+        let err = |e| {
+            DistError::tensor(
+                rank,
+                format!("writing the gradient of `{path}` into its bucket"),
+                e,
+            )
+        };
+        if is_slot_view(grad, view) {
+            // Autograd accumulated into the slot: one kernel.
+            if let Some(alpha) = scale {
+                view.scale_(alpha).map_err(err)?;
+            }
+            return Ok(());
+        }
+        view.copy_(grad).map_err(err)?;
+        if let Some(alpha) = scale {
+            view.scale_(alpha).map_err(err)?;
+        }
+        param.set_grad(Some(view.clone())).map_err(err)
+    }
+
+    /// Counts parameter `index` as ready (its slot holds its final, scaled gradient) and
+    /// launches, in bucket order, every bucket that is complete.
+    pub(super) fn mark_ready(
+        &self,
+        st: &mut State,
+        index: usize,
+        during_backward: bool,
+    ) -> Result<()> {
+        st.ready[index] = true;
+        if st.sync_backwards == 0 {
+            st.observed_order.push(index);
+        }
+        let b = st.slots[index].bucket;
+        st.buckets[b].pending -= 1;
+        if st.buckets.get(st.next_launch).map(|b| b.pending) != Some(0) {
+            return Ok(());
+        }
+        // Everything the buckets hold was written on the compute stream before this point.
+        let rank = self.group.rank();
+        let written = self
+            .compute
+            .record_event()
+            .map_err(|e| DistError::tensor(rank, "recording the gradients' event", e))?;
+        while st.next_launch < st.buckets.len() && st.buckets[st.next_launch].pending == 0 {
+            let next = st.next_launch;
+            self.launch(st, next, &written, during_backward)?;
+            st.next_launch += 1;
+        }
+        Ok(())
+    }
+
+    /// Issues bucket `b`'s reduction on the comm stream, after `written`.
+    fn launch(
+        &self,
+        st: &mut State,
+        b: usize,
+        written: &Event,
+        during_backward: bool,
+    ) -> Result<()> {
+        let rank = self.group.rank();
+        let comm = self.group.comm_stream();
+        let err = |e| DistError::tensor(rank, format!("launching gradient bucket {b}"), e);
+        let buffer = st.buckets[b].buffer.clone();
+        // The collective must not read the bucket before the compute stream wrote it, and its
+        // memory must not be reused before the comm stream is done with it.
+        comm.wait_event(written).map_err(err)?;
+        buffer.record_stream(comm).map_err(err)?;
+        let issued = Instant::now();
+        let start = comm.record_event().map_err(err)?;
+        let hook: &dyn CommHook = match &self.config.comm_hook {
+            Some(h) => h.as_ref(),
+            None => &AllReduceHook,
+        };
+        let reduction = hook.reduce(self.group.as_ref(), &buffer)?;
+        let end = comm.record_event().map_err(err)?;
+        let backward = st.sync_backwards;
+        if st.launch_log.len() == MAX_LAUNCH_RECORDS {
+            st.launch_log.pop_front();
+        }
+        st.launch_log.push_back(LaunchRecord {
+            backward,
+            bucket: b,
+            during_backward,
+        });
+        st.in_flight.push(InFlight {
+            works: reduction.works,
+            done: reduction.done,
+            timing: PendingBucket {
+                bucket: b,
+                bytes: buffer.numel() * buffer.dtype().size_in_bytes(),
+                issued,
+                start,
+                end,
+            },
+        });
+        Ok(())
+    }
+}
