@@ -77,6 +77,7 @@ pub mod ddp;
 pub mod error;
 pub mod failure_report;
 pub mod launch;
+pub mod nvtx_ranges;
 pub mod process_group;
 pub mod reducer;
 pub mod rendezvous;
@@ -85,6 +86,7 @@ pub mod store;
 mod stream_ops;
 pub mod sync_batch_norm;
 pub mod testing;
+pub mod timeline;
 
 pub use auth::JobSecret;
 pub use ddp::{DdpConfig, DistributedDataParallel};
@@ -102,3 +104,4 @@ pub use rendezvous::{init_from_env, init_from_env_with, init_process_group, EnvS
 pub use sampler::DistributedSampler;
 pub use store::{StoreConfig, StoreServer, TcpStore};
 pub use sync_batch_norm::{convert_sync_batch_norm, SyncBatchNorm};
+pub use timeline::{merge_chrome_traces, Phase, Span, SpanKind, Timeline, Track};
