@@ -79,6 +79,7 @@ pub mod failure_report;
 pub mod launch;
 pub mod nvtx_ranges;
 pub mod process_group;
+pub mod projection;
 pub mod reducer;
 pub mod rendezvous;
 pub mod sampler;
