@@ -15,17 +15,18 @@
 //! `α` comes from the time nccl-tests reports at small sizes (8 B – 1 KiB), divided by the
 //! `2(p-1)` ring steps.
 //!
-//! The presets are orders of magnitude for the two systems the issue names; measure your own
-//! with `all_reduce_perf -b 8 -e 1G -f 2 -g 1` (one process per GPU) and pass them with
-//! `--busbw-gbs` and `--alpha-us`:
+//! The presets are orders of magnitude for the two systems the issue names, taken from what
+//! public `all_reduce_perf` runs on such machines typically report — not measured by tandem and
+//! not a vendor specification; measure your own with `all_reduce_perf -b 8 -e 1G -f 2 -g 1` (one
+//! process per GPU) and pass them with `--busbw-gbs` and `--alpha-us`:
 //!
 //! - **NVLink (one DGX A100 node, 8 × A100 over NVSwitch).** Each A100 has 12 NVLink 3 links,
 //!   300 GB/s per direction (A100 datasheet); nccl-tests' large-message `all_reduce_perf` on
-//!   such a node reports a bus bandwidth of about 230 GB/s, and about 15–25 µs at small sizes
+//!   such a node typically reports a bus bandwidth of about 230 GB/s, and about 15–25 µs at small sizes
 //!   for 8 GPUs, i.e. `α ≈ 1.5 µs` per ring step. Preset: `β = 230 GB/s`, `α = 1.5 µs`.
 //! - **InfiniBand (DGX A100 nodes, 8 × HDR 200 Gb/s rails per node).** Across nodes the ring's
 //!   slowest hop is the network: 8 rails × 25 GB/s, of which nccl-tests' multi-node
-//!   `all_reduce_perf` reports a bus bandwidth of about 180–190 GB/s, and small-message times of
+//!   `all_reduce_perf` typically reports a bus bandwidth of about 180–190 GB/s, and small-message times of
 //!   tens of µs (`α ≈ 5 µs` per step). Preset: `β = 185 GB/s`, `α = 5 µs`, used when `p` exceeds
 //!   the 8 GPUs of a node.
 //!
