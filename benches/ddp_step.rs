@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! cargo bench --bench ddp_step -- --nproc 2 [--model lenet|convnet] [--batch-size 32]
-//!     [--steps 30] [--link-mbit R] [--peer-python python3] [--json FILE]
+//!     [--steps 30] [--link-mbit R] [--peer-python python3] [--json FILE] [--record FILE]
 //! ```
 //!
 //! Runs `--nproc` local ranks (this binary re-executed as worker processes, meeting over TCP
@@ -21,6 +21,9 @@
 //! When `--peer-python` can import torch, `benches/peers/ddp_step_torch.py` times PyTorch DDP
 //! (gloo) on the same model, batch and number of ranks, each rank with cores/N threads.
 //!
+//! `--record FILE` writes rank 0's per-bucket ready times and sizes (DDP's telemetry over the
+//! timed steps) for `tandem-project`, which projects the step onto more devices.
+//!
 //! `--link-mbit R` puts every rank in its own network namespace (`tandem-bench-K`, addresses in
 //! 10.231.0.0/24 behind a bridge) whose link is shaped to R Mbit/s each way with `tc tbf`, so
 //! the numbers show a slow network rather than loopback. It needs root and iproute2, and turns
@@ -37,6 +40,7 @@ use clap::{Parser, ValueEnum};
 use tandem::autograd::TensorBackward;
 use tandem::core::rng::manual_seed;
 use tandem::core::{DType, Device, Generator, Tensor};
+use tandem::dist::projection::{ReadyClock, Recording};
 use tandem::dist::rendezvous::STORE_HOSTED_VAR;
 use tandem::dist::{
     init_process_group, DdpConfig, DistributedDataParallel, GroupConfig, JobSecret, LaunchEnv,
@@ -47,6 +51,9 @@ use tandem::nn::{
     AdaptiveAvgPool2d, Conv2d, Conv2dConfig, Flatten, Linear, MaxPool2d, Module, ReLU, Sequential,
 };
 use tandem::optim::{Optimizer, Sgd, SgdConfig};
+
+#[path = "models/resnet50.rs"]
+mod resnet50;
 
 type AnyError = Box<dyn std::error::Error>;
 
@@ -72,6 +79,9 @@ enum ModelKind {
     Convnet,
     /// ResNet-20 on 3×32×32 inputs, 10 classes (272 k parameters, ~1.1 MB of gradients).
     Resnet20,
+    /// ResNet-50 on 3×224×224 inputs, 1000 classes (25.6 M parameters, ~97.5 MiB of
+    /// gradients).
+    Resnet50,
 }
 
 impl ModelKind {
@@ -80,6 +90,7 @@ impl ModelKind {
             ModelKind::Lenet => "lenet",
             ModelKind::Convnet => "convnet",
             ModelKind::Resnet20 => "resnet20",
+            ModelKind::Resnet50 => "resnet50",
         }
     }
 
@@ -93,6 +104,7 @@ impl ModelKind {
                 vec![3, 32, 32],
                 10,
             )),
+            ModelKind::Resnet50 => Ok((resnet50::resnet50(1000)?, vec![3, 224, 224], 1000)),
         }
     }
 }
@@ -160,6 +172,10 @@ struct Args {
     /// Also write the results as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Write rank 0's per-bucket ready times and sizes, and the step's phases, measured over
+    /// the timed DDP steps, to this file: the input of `tandem-project`.
+    #[arg(long)]
+    record: Option<PathBuf>,
     /// Set in workers under `--link-mbit`: always use the TCP ring.
     #[arg(long, hide = true)]
     tcp_only: bool,
@@ -232,6 +248,8 @@ fn worker(args: &Args, mode: &str) -> Result<(), AnyError> {
     let params = model.parameters();
     let scale = 1.0 / world as f64;
 
+    // When the last backward returned (for `--record`).
+    let backward_done = std::cell::Cell::new(Instant::now());
     let mut step = || -> Result<(), AnyError> {
         optimizer.zero_grad()?;
         let logits = match &ddp {
@@ -240,6 +258,7 @@ fn worker(args: &Args, mode: &str) -> Result<(), AnyError> {
         };
         let loss = cross_entropy(&logits, &targets, Reduction::Mean)?;
         loss.backward()?;
+        backward_done.set(Instant::now());
         if mode == "allreduce_after_backward" {
             for p in &params {
                 if let Some(grad) = p.grad() {
@@ -258,10 +277,15 @@ fn worker(args: &Args, mode: &str) -> Result<(), AnyError> {
     // Start the timed steps together.
     group.barrier()?.wait()?;
     let mut times = Vec::with_capacity(args.steps);
+    let mut bounds = Vec::with_capacity(args.steps);
     for _ in 0..args.steps {
         let start = Instant::now();
         step()?;
         times.push(start.elapsed().as_secs_f64() * 1e3);
+        bounds.push((start, backward_done.get(), Instant::now()));
+    }
+    if let (Some(path), Some(ddp), 0) = (&args.record, &ddp, rank) {
+        record_buckets(args, path, &ddp.telemetry(), &bounds, world)?;
     }
     // Only the timed steps: the totals now minus those after warm-up.
     let overlap = match (&ddp, before) {
@@ -290,6 +314,54 @@ fn worker(args: &Args, mode: &str) -> Result<(), AnyError> {
             median(&mut times)
         );
     }
+    Ok(())
+}
+
+/// Writes the recording `tandem-project` reads: per bucket its size and when it was issued
+/// (on the CPU, when its last gradient was computed) after forward ended, medians over the
+/// timed steps (`bounds`: each timed step's start, the return of its backward, and its end).
+fn record_buckets(
+    args: &Args,
+    path: &std::path::Path,
+    telemetry: &tandem::dist::Telemetry,
+    bounds: &[(Instant, Instant, Instant)],
+    world: usize,
+) -> Result<(), AnyError> {
+    let steps = telemetry.steps();
+    let timed = &steps[steps.len().saturating_sub(bounds.len())..];
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    let mut forward: Vec<f64> = timed
+        .iter()
+        .zip(bounds)
+        .map(|(s, (start, _, _))| ms(s.forward_end.saturating_duration_since(*start)))
+        .collect();
+    let mut optimizer: Vec<f64> = bounds
+        .iter()
+        .map(|(_, backward_done, end)| ms(end.saturating_duration_since(*backward_done)))
+        .collect();
+    let mut recording = Recording::from_steps(
+        timed,
+        ReadyClock::Issued,
+        median(&mut forward),
+        median(&mut optimizer),
+    )
+    .ok_or("--record: DDP recorded no step")?;
+    recording.model = args.model.name().to_string();
+    recording.device = format!(
+        "cpu, {} threads per rank, {world} ranks on {}",
+        (cores() / world).max(1),
+        args.link_mbit
+            .map_or_else(|| "loopback".to_string(), |m| format!("{m} Mbit/s links"))
+    );
+    recording.batch_size = args.batch_size;
+    recording.note = format!(
+        "ddp_step --bucket-cap-mb {} --first-bucket-mb {}; ready times are when rank 0 issued each bucket (host clock, exact on the CPU); medians of {} steps",
+        args.bucket_cap_mb,
+        args.first_bucket_mb,
+        timed.len()
+    );
+    std::fs::write(path, serde_json::to_string_pretty(&recording)? + "\n")
+        .map_err(|e| format!("{}: {e}", path.display()))?;
     Ok(())
 }
 
@@ -449,6 +521,9 @@ fn run_tandem_mode(
             .args(["--seed", &args.seed.to_string()])
             .args(["--bucket-cap-mb", &args.bucket_cap_mb.to_string()])
             .args(["--first-bucket-mb", &args.first_bucket_mb.to_string()]);
+        if let (Some(path), "ddp") = (&args.record, mode) {
+            cmd.arg("--record").arg(path);
+        }
         if network.is_some() {
             cmd.arg("--tcp-only");
         }

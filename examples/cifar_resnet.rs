@@ -112,6 +112,11 @@ struct Args {
     /// Write the results as a JSON object to this file.
     #[arg(long)]
     metrics_out: Option<PathBuf>,
+    /// Write tandem's own timeline of the steps (forward, backward, optimizer and data on the
+    /// compute stream, each bucket's all-reduce on the comm stream; one track per stream per
+    /// rank) as a Chrome trace to this file; open it in Perfetto or chrome://tracing.
+    #[arg(long)]
+    trace_out: Option<PathBuf>,
     /// Directory for the checkpoints, and to resume from (the newest complete one).
     #[arg(long, default_value = "checkpoints")]
     checkpoint_dir: PathBuf,
@@ -324,7 +329,9 @@ fn run(args: Args) -> Result<(), AnyError> {
     let trainer = Trainer {
         model: model.clone(),
         ddp,
-    };
+        timeline: None,
+    }
+    .with_timeline(args.trace_out.as_deref())?;
     if leader {
         say(format_args!(
         "ResNet-{} ({} parameters) on {:?}: {} epochs, batch {}, lr {} (linear warm-up over {} \
@@ -371,8 +378,15 @@ fn run(args: Args) -> Result<(), AnyError> {
         progress.finish_epoch(result);
         checkpoints.save(&trainer, &optimizer, &progress)?;
     }
+    let trace = match &args.trace_out {
+        Some(path) => trainer.write_trace(path)?.map(|summary| (path, summary)),
+        None => None,
+    };
     if !leader {
         return Ok(());
+    }
+    if let Some((path, summary)) = trace {
+        say(format_args!("timeline: {} ({summary})", path.display()));
     }
     let history = progress.history;
     let seconds = started.elapsed().as_secs_f64();

@@ -80,6 +80,11 @@ struct Args {
     /// Where to train: cpu, cuda (with several ranks: each rank on cuda:LOCAL_RANK) or cuda:N.
     #[arg(long, default_value = "cpu", value_parser = common::parse_device)]
     device: Device,
+    /// Write tandem's own timeline of the steps (forward, backward, optimizer and data on the
+    /// compute stream, each bucket's all-reduce on the comm stream; one track per stream per
+    /// rank) as a Chrome trace to this file; open it in Perfetto or chrome://tracing.
+    #[arg(long)]
+    trace_out: Option<PathBuf>,
     /// Train data-parallel on this many local processes (DDP over TCP).
     #[arg(long, default_value_t = 1)]
     nproc_per_node: usize,
@@ -218,7 +223,12 @@ fn run(args: Args) -> Result<(), AnyError> {
         )?),
         None => None,
     };
-    let trainer = Trainer { model, ddp };
+    let trainer = Trainer {
+        model,
+        ddp,
+        timeline: None,
+    }
+    .with_timeline(args.trace_out.as_deref())?;
     let leader = trainer.rank() == 0;
     let mut progress = Progress::start();
     if let Some(resumed) = resumed {
@@ -280,8 +290,15 @@ fn run(args: Args) -> Result<(), AnyError> {
         checkpoints.save(&trainer, &optimizer, &progress)?;
     }
     let seconds = started.elapsed().as_secs_f64();
+    let trace = match &args.trace_out {
+        Some(path) => trainer.write_trace(path)?.map(|summary| (path, summary)),
+        None => None,
+    };
     if !leader {
         return Ok(());
+    }
+    if let Some((path, summary)) = trace {
+        say(format_args!("timeline: {} ({summary})", path.display()));
     }
     say(format_args!("done in {seconds:.1} s"));
     if let Some(ddp) = &trainer.ddp {

@@ -77,7 +77,9 @@ pub mod ddp;
 pub mod error;
 pub mod failure_report;
 pub mod launch;
+pub mod nvtx_ranges;
 pub mod process_group;
+pub mod projection;
 pub mod reducer;
 pub mod rendezvous;
 pub mod sampler;
@@ -85,6 +87,7 @@ pub mod store;
 mod stream_ops;
 pub mod sync_batch_norm;
 pub mod testing;
+pub mod timeline;
 
 pub use auth::JobSecret;
 pub use ddp::{DdpConfig, DistributedDataParallel};
@@ -106,3 +109,4 @@ pub use rendezvous::{
 pub use sampler::DistributedSampler;
 pub use store::{StoreConfig, StoreServer, TcpStore};
 pub use sync_batch_norm::{convert_sync_batch_norm, SyncBatchNorm};
+pub use timeline::{merge_chrome_traces, Phase, Span, SpanKind, Timeline, Track};

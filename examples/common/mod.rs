@@ -6,6 +6,7 @@
 pub mod checkpoints;
 pub mod output;
 
+use std::cell::RefCell;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
@@ -16,7 +17,8 @@ use tandem::autograd::{no_grad, TensorBackward};
 use tandem::core::{DType, Device, Tensor};
 use tandem::dist::launch::{forward_signals, launch, LaunchOptions};
 use tandem::dist::{
-    init_with_options, DistributedDataParallel, InitOptions, LaunchEnv, ProcessGroup,
+    init_with_options, merge_chrome_traces, DistributedDataParallel, InitOptions, LaunchEnv,
+    Phase, ProcessGroup, Timeline,
 };
 use tandem::nn::data::{Batch, DataLoader, Dataset};
 use tandem::nn::loss::{cross_entropy, Reduction};
@@ -166,9 +168,65 @@ pub fn join_or_launch(
 pub struct Trainer {
     pub model: Arc<dyn Module>,
     pub ddp: Option<DistributedDataParallel>,
+    /// The step timeline (`--trace-out`), when asked for.
+    pub timeline: Option<RefCell<Timeline>>,
 }
 
 impl Trainer {
+    /// A timeline for this rank when `trace_out` is set (see [`Trainer::write_trace`]).
+    pub fn with_timeline(mut self, trace_out: Option<&Path>) -> Result<Self, AnyError> {
+        if trace_out.is_some() {
+            let device = self.model.device();
+            self.timeline = Some(RefCell::new(Timeline::new(self.rank(), device)?));
+        }
+        Ok(self)
+    }
+
+    /// Runs `f` as `phase` of the current step on the timeline (and in an NVTX range), when
+    /// there is a timeline.
+    pub fn phase<T>(
+        &self,
+        phase: Phase,
+        f: impl FnOnce() -> Result<T, AnyError>,
+    ) -> Result<T, AnyError> {
+        let Some(timeline) = &self.timeline else {
+            return f();
+        };
+        timeline.borrow_mut().begin(phase)?;
+        let out = f();
+        timeline.borrow_mut().end(phase)?;
+        out
+    }
+
+    /// Writes the timeline as a Chrome trace to `path` (every rank its part, then rank 0
+    /// merges the parts into `path`) and returns its overlap summary. Every rank must call it.
+    pub fn write_trace(&self, path: &Path) -> Result<Option<String>, AnyError> {
+        let Some(timeline) = &self.timeline else {
+            return Ok(None);
+        };
+        let mut timeline = timeline.borrow_mut();
+        if let Some(ddp) = &self.ddp {
+            timeline.record_ddp(&ddp.telemetry());
+        }
+        let (rank, world) = (self.rank(), self.world_size());
+        let part = Timeline::rank_trace_path(path, rank, world);
+        timeline.write_chrome_trace(&part)?;
+        let summary = timeline.overlap_summary()?.to_string();
+        if let Some(ddp) = &self.ddp {
+            ddp.group().barrier()?.wait()?;
+        }
+        if rank == 0 && world > 1 {
+            let parts: Vec<_> = (0..world)
+                .map(|r| Timeline::rank_trace_path(path, r, world))
+                .collect();
+            merge_chrome_traces(&parts, path)?;
+            for part in parts {
+                std::fs::remove_file(&part)?;
+            }
+        }
+        Ok(Some(summary))
+    }
+
     /// The step's forward.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor, AnyError> {
         Ok(match &self.ddp {
@@ -239,16 +297,25 @@ pub fn train_epoch(
     let mut images = 0usize;
     let first = progress.epoch_step;
     let mut losses = LossSum::default();
-    for batch in train.epoch_from(progress.epoch as u64 - 1, first) {
+    let mut batches = train.epoch_from(progress.epoch as u64 - 1, first);
+    loop {
+        if let Some(timeline) = &trainer.timeline {
+            timeline.borrow_mut().begin_step()?;
+        }
+        let Some(batch) = trainer.phase(Phase::Data, || Ok(batches.next()))? else {
+            break;
+        };
         let batch = batch?;
         if let Some(lr_at) = lr_at {
             optimizer.set_learning_rate(lr_at(progress.global_step))?;
         }
-        let logits = trainer.forward(&batch.inputs)?;
-        let loss = cross_entropy(&logits, &batch.targets, Reduction::Mean)?;
+        let loss = trainer.phase(Phase::Forward, || {
+            let logits = trainer.forward(&batch.inputs)?;
+            Ok(cross_entropy(&logits, &batch.targets, Reduction::Mean)?)
+        })?;
         optimizer.zero_grad()?;
-        loss.backward()?;
-        optimizer.step()?;
+        trainer.phase(Phase::Backward, || Ok(loss.backward()?))?;
+        trainer.phase(Phase::Optimizer, || Ok(optimizer.step()?))?;
         losses.add(&loss)?;
         progress.epoch_step += 1;
         progress.global_step += 1;

@@ -49,6 +49,10 @@ impl Reducer {
 
         // The step must see reduced gradients: the compute stream waits for every bucket.
         let in_flight = std::mem::take(&mut st.in_flight);
+        crate::nvtx_ranges::mark(
+            rank,
+            &format!("backward finished; waiting for {} buckets", in_flight.len()),
+        );
         let mut first_error = None;
         let mut works = Vec::new();
         let mut buckets = Vec::with_capacity(in_flight.len());

@@ -9,6 +9,9 @@
 //! copied into its slot and scaled there: two passes, because the runtime has no fused
 //! "`dst = alpha * src`" operation.
 //!
+//! Each launch opens an NVTX range (`rank K: all_reduce bucket B (N KiB)`) that lasts until the
+//! reducer files the step's timings, i.e. until the host has seen the bucket complete.
+//!
 //! Nothing here waits: on CUDA the slot writes are kernels on the compute stream, the comm
 //! stream waits for them through an event, and the collective is issued on the comm stream.
 
@@ -20,6 +23,7 @@ use super::comm_hook::{AllReduceHook, CommHook};
 use super::telemetry::PendingBucket;
 use super::unused::is_slot_view;
 use super::{GradReduction, InFlight, LaunchRecord, Reducer, State, MAX_LAUNCH_RECORDS};
+use crate::nvtx_ranges::Range;
 use crate::{DistError, Result};
 
 impl Reducer {
@@ -132,6 +136,11 @@ impl Reducer {
         comm.wait_event(written).map_err(err)?;
         buffer.record_stream(comm).map_err(err)?;
         let issued = Instant::now();
+        let bytes = buffer.numel() * buffer.dtype().size_in_bytes();
+        let nvtx = Range::start(
+            rank,
+            &format!("all_reduce bucket {b} ({} KiB)", bytes.div_ceil(1024)),
+        );
         let start = comm.record_event().map_err(err)?;
         let hook: &dyn CommHook = match &self.config.comm_hook {
             Some(h) => h.as_ref(),
@@ -153,10 +162,11 @@ impl Reducer {
             done: reduction.done,
             timing: PendingBucket {
                 bucket: b,
-                bytes: buffer.numel() * buffer.dtype().size_in_bytes(),
+                bytes,
                 issued,
                 start,
                 end,
+                nvtx,
             },
         });
         Ok(())

@@ -45,6 +45,9 @@ pub(crate) struct PendingBucket {
     pub issued: Instant,
     pub start: Event,
     pub end: Event,
+    /// The bucket's NVTX range, from its issue until the step is filed (dropping ends it).
+    #[allow(dead_code)] // Held for its `Drop`, which ends the range.
+    pub nvtx: crate::nvtx_ranges::Range,
 }
 
 /// A step whose events may not all be complete yet.
