@@ -216,6 +216,9 @@ fn softmax_and_log_softmax_match_the_cpu() {
     assert!(y.iter().all(|v| v.is_finite()), "{y:?}");
 }
 
+/// A function of the gradcheck inputs.
+type OpOfInputs = dyn Fn(&[Tensor]) -> tandem_core::Result<Tensor>;
+
 #[test]
 fn gradcheck_in_f64_on_the_gpu() {
     if !gpu() {
@@ -227,7 +230,7 @@ fn gradcheck_in_f64_on_the_gpu() {
         .unwrap()
         .with_requires_grad()
         .unwrap();
-    let checks: Vec<(&str, Box<dyn Fn(&[Tensor]) -> tandem_core::Result<Tensor>>)> = vec![
+    let checks: Vec<(&str, Box<OpOfInputs>)> = vec![
         ("sum [1]", Box::new(|t| tandem_ops::sum(&t[0], &[1], false))),
         (
             "sum [0, 2]",
