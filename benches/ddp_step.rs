@@ -43,17 +43,15 @@ use tandem::core::{DType, Device, Generator, Tensor};
 use tandem::dist::projection::{ReadyClock, Recording};
 use tandem::dist::rendezvous::STORE_HOSTED_VAR;
 use tandem::dist::{
-    init_process_group, DdpConfig, DistributedDataParallel, GroupConfig, JobSecret, LaunchEnv,
-    ProcessGroup, ReduceOp, StoreConfig, StoreServer,
+    init_process_group, init_with_options, Backend, DdpConfig, DistributedDataParallel,
+    GroupConfig, InitOptions, JobSecret, LaunchEnv, ProcessGroup, ReduceOp, StoreConfig,
+    StoreServer,
 };
 use tandem::nn::loss::{cross_entropy, Reduction};
 use tandem::nn::{
     AdaptiveAvgPool2d, Conv2d, Conv2dConfig, Flatten, Linear, MaxPool2d, Module, ReLU, Sequential,
 };
 use tandem::optim::{Optimizer, Sgd, SgdConfig};
-
-#[path = "models/resnet50.rs"]
-mod resnet50;
 
 type AnyError = Box<dyn std::error::Error>;
 
@@ -104,7 +102,11 @@ impl ModelKind {
                 vec![3, 32, 32],
                 10,
             )),
-            ModelKind::Resnet50 => Ok((resnet50::resnet50(1000)?, vec![3, 224, 224], 1000)),
+            ModelKind::Resnet50 => Ok((
+                Arc::new(tandem::nn::models::resnet50()?),
+                vec![3, 224, 224],
+                1000,
+            )),
         }
     }
 }
@@ -176,6 +178,15 @@ struct Args {
     /// the timed DDP steps, to this file: the input of `tandem-project`.
     #[arg(long)]
     record: Option<PathBuf>,
+    /// Where the ranks train: cpu (TCP backend) or cuda (NCCL, each rank on cuda:LOCAL_RANK).
+    #[arg(long, default_value = "cpu")]
+    device: Device,
+    /// With --device cuda: put every rank on cuda:0, each with its own NCCL_HOSTID so NCCL
+    /// takes them for separate hosts (a test arrangement for machines with one GPU: the ranks
+    /// share the GPU's compute and talk over loopback sockets). On by itself when the machine
+    /// has fewer GPUs than ranks.
+    #[arg(long)]
+    share_gpu: bool,
     /// Set in workers under `--link-mbit`: always use the TCP ring.
     #[arg(long, hide = true)]
     tcp_only: bool,
@@ -215,12 +226,33 @@ fn worker(args: &Args, mode: &str) -> Result<(), AnyError> {
         same_host_copy: !args.tcp_only,
         ..GroupConfig::default()
     };
-    let group: Arc<dyn ProcessGroup> = Arc::new(init_process_group(&env, config)?);
+    // On CUDA: NCCL, each rank on its own GPU (or on the one the parent left visible).
+    let (group, device): (Arc<dyn ProcessGroup>, Device) = match args.device {
+        Device::Cpu => (Arc::new(init_process_group(&env, config)?), Device::Cpu),
+        cuda => {
+            let device = env.rank_device(cuda)?;
+            let options = InitOptions {
+                backend: Backend::Nccl,
+                device,
+                group: config,
+                ..InitOptions::default()
+            };
+            (init_with_options(&env, options)?, device)
+        }
+    };
     let (rank, world) = (group.rank(), group.world_size());
     tandem::ops::set_num_threads((cores() / world).max(1))?;
+    // Waits for the device's queued work (nothing to wait for on the CPU).
+    let sync = || -> Result<(), AnyError> {
+        if let Device::Cuda(n) = device {
+            tandem::core::cuda::device(n)?.synchronize()?;
+        }
+        Ok(())
+    };
 
     manual_seed(args.seed);
     let (model, sample_shape, classes) = args.model.build()?;
+    model.to_device(device)?;
     model.train();
     let ddp = if mode == "ddp" {
         Some(DistributedDataParallel::new(
@@ -240,11 +272,12 @@ fn worker(args: &Args, mode: &str) -> Result<(), AnyError> {
     let mut generator = Generator::new(args.seed.wrapping_add(1 + rank as u64));
     let mut shape = vec![args.batch_size];
     shape.extend(&sample_shape);
-    let inputs = Tensor::randn(&shape, 0.0, 1.0, DType::F32, Device::Cpu, &mut generator)?;
+    let inputs = Tensor::randn(&shape, 0.0, 1.0, DType::F32, Device::Cpu, &mut generator)?
+        .to_device(device)?;
     let labels: Vec<i64> = (0..args.batch_size)
         .map(|_| generator.below(classes) as i64)
         .collect();
-    let targets = Tensor::from_vec(labels, &[args.batch_size], Device::Cpu)?;
+    let targets = Tensor::from_vec(labels, &[args.batch_size], Device::Cpu)?.to_device(device)?;
     let params = model.parameters();
     let scale = 1.0 / world as f64;
 
@@ -268,6 +301,8 @@ fn worker(args: &Args, mode: &str) -> Result<(), AnyError> {
             }
         }
         optimizer.step()?;
+        // A GPU step ends when the device has done its work.
+        sync()?;
         Ok(())
     };
     for _ in 0..args.warmup {
@@ -285,7 +320,7 @@ fn worker(args: &Args, mode: &str) -> Result<(), AnyError> {
         bounds.push((start, backward_done.get(), Instant::now()));
     }
     if let (Some(path), Some(ddp), 0) = (&args.record, &ddp, rank) {
-        record_buckets(args, path, &ddp.telemetry(), &bounds, world)?;
+        record_buckets(args, path, &ddp.telemetry(), &bounds, world, device)?;
     }
     // Only the timed steps: the totals now minus those after warm-up.
     let overlap = match (&ddp, before) {
@@ -326,38 +361,67 @@ fn record_buckets(
     telemetry: &tandem::dist::Telemetry,
     bounds: &[(Instant, Instant, Instant)],
     world: usize,
+    device: Device,
 ) -> Result<(), AnyError> {
     let steps = telemetry.steps();
     let timed = &steps[steps.len().saturating_sub(bounds.len())..];
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
-    let mut forward: Vec<f64> = timed
-        .iter()
-        .zip(bounds)
-        .map(|(s, (start, _, _))| ms(s.forward_end.saturating_duration_since(*start)))
-        .collect();
-    let mut optimizer: Vec<f64> = bounds
-        .iter()
-        .map(|(_, backward_done, end)| ms(end.saturating_duration_since(*backward_done)))
-        .collect();
-    let mut recording = Recording::from_steps(
-        timed,
-        ReadyClock::Issued,
-        median(&mut forward),
-        median(&mut optimizer),
-    )
-    .ok_or("--record: DDP recorded no step")?;
+    let on_gpu = device != Device::Cpu;
+    let (mut forward, mut optimizer): (Vec<f64>, Vec<f64>) = if on_gpu {
+        // The host runs ahead of a GPU, so host times say little: backward's end is the
+        // device's (placed on the host clock by the telemetry), what follows it until the
+        // synchronised end of the step is the optimizer's, and forward is the rest.
+        timed
+            .iter()
+            .zip(bounds)
+            .map(|(s, (start, _, end))| {
+                let step = ms(end.saturating_duration_since(*start));
+                let after = ms(end.saturating_duration_since(s.backward_compute_end));
+                ((step - after - ms(s.backward_compute())).max(0.0), after)
+            })
+            .unzip()
+    } else {
+        timed
+            .iter()
+            .zip(bounds)
+            .map(|(s, (start, backward_done, end))| {
+                (
+                    ms(s.forward_end.saturating_duration_since(*start)),
+                    ms(end.saturating_duration_since(*backward_done)),
+                )
+            })
+            .unzip()
+    };
+    // On a GPU the comm stream's start of a bucket is the device's time (the bucket is issued
+    // by the host long before the device reaches it).
+    let clock = if on_gpu {
+        ReadyClock::Started
+    } else {
+        ReadyClock::Issued
+    };
+    let mut recording =
+        Recording::from_steps(timed, clock, median(&mut forward), median(&mut optimizer))
+            .ok_or("--record: DDP recorded no step")?;
     recording.model = args.model.name().to_string();
-    recording.device = format!(
-        "cpu, {} threads per rank, {world} ranks on {}",
-        (cores() / world).max(1),
-        args.link_mbit
-            .map_or_else(|| "loopback".to_string(), |m| format!("{m} Mbit/s links"))
-    );
+    recording.device = match device {
+        Device::Cpu => format!(
+            "cpu, {} threads per rank, {world} ranks on {}",
+            (cores() / world).max(1),
+            args.link_mbit
+                .map_or_else(|| "loopback".to_string(), |m| format!("{m} Mbit/s links"))
+        ),
+        cuda => format!("{cuda}, {world} ranks (NCCL)"),
+    };
     recording.batch_size = args.batch_size;
     recording.note = format!(
-        "ddp_step --bucket-cap-mb {} --first-bucket-mb {}; ready times are when rank 0 issued each bucket (host clock, exact on the CPU); medians of {} steps",
+        "ddp_step --bucket-cap-mb {} --first-bucket-mb {}; ready times are {}; medians of {} steps",
         args.bucket_cap_mb,
         args.first_bucket_mb,
+        if on_gpu {
+            "when the comm stream started each bucket (device clock; in a world of 1 as soon as it was ready)"
+        } else {
+            "when rank 0 issued each bucket (host clock, exact on the CPU)"
+        },
         timed.len()
     );
     std::fs::write(path, serde_json::to_string_pretty(&recording)? + "\n")
@@ -395,6 +459,28 @@ fn run(args: &Args) -> Result<(), AnyError> {
     }
     // Fail early on a model tandem lacks.
     args.model.build()?;
+    let mut args = args.clone();
+    if let Device::Cuda(_) = args.device {
+        if args.link_mbit.is_some() {
+            return Err(
+                "--link-mbit shapes TCP links between CPU ranks; it does not apply to --device cuda"
+                    .into(),
+            );
+        }
+        let gpus = tandem::core::cuda::device_count();
+        if gpus == 0 {
+            // The runtime's error names what is missing.
+            Tensor::zeros(&[1], DType::F32, args.device)?;
+        }
+        if gpus < args.nproc && !args.share_gpu {
+            eprintln!(
+                "ddp_step: {} ranks but {gpus} GPU(s): every rank on cuda:0 (--share-gpu)",
+                args.nproc
+            );
+            args.share_gpu = true;
+        }
+    }
+    let args = &args;
     let network = match args.link_mbit {
         Some(0) => return Err("--link-mbit must be > 0".into()),
         Some(mbit) => Some(ShapedNetwork::create(args.nproc, mbit)?),
@@ -418,10 +504,12 @@ fn run(args: &Args) -> Result<(), AnyError> {
     let [no_comm, after_backward, ddp] = &results[..] else {
         unreachable!("three modes")
     };
-    let link = args
-        .link_mbit
-        .map(|m| format!("{m} Mbit/s links"))
-        .unwrap_or_else(|| "loopback".into());
+    let link = match (args.link_mbit, args.device) {
+        (Some(m), _) => format!("{m} Mbit/s links"),
+        (None, Device::Cpu) => "loopback".into(),
+        (None, _) if args.share_gpu => "one shared GPU, NCCL over loopback sockets".into(),
+        (None, _) => "one GPU per rank, NCCL".into(),
+    };
     println!(
         "ddp_step: model {}, batch {} per rank, {} ranks × {} threads, {link}, median of {} steps after {} warm-up",
         args.model.name(),
@@ -439,7 +527,11 @@ fn run(args: &Args) -> Result<(), AnyError> {
     );
     println!("{:<28} {:>12.2}", "ddp", ddp.median_ms);
     match &torch {
-        Ok(t) => println!("{:<28} {:>12.2}", "torch_ddp (gloo)", t.median_ms),
+        Ok(t) => println!(
+            "{:<28} {:>12.2}",
+            format!("torch_ddp ({})", t.backend),
+            t.median_ms
+        ),
         Err(why) => println!("torch_ddp: not run: {why}"),
     }
     match ddp.exposed_fraction {
@@ -520,12 +612,16 @@ fn run_tandem_mode(
             .args(["--warmup", &args.warmup.to_string()])
             .args(["--seed", &args.seed.to_string()])
             .args(["--bucket-cap-mb", &args.bucket_cap_mb.to_string()])
-            .args(["--first-bucket-mb", &args.first_bucket_mb.to_string()]);
+            .args(["--first-bucket-mb", &args.first_bucket_mb.to_string()])
+            .args(["--device", &args.device.to_string()]);
         if let (Some(path), "ddp") = (&args.record, mode) {
             cmd.arg("--record").arg(path);
         }
         if network.is_some() {
             cmd.arg("--tcp-only");
+        }
+        if args.share_gpu {
+            share_gpu_env(&mut cmd, rank);
         }
         cmd.env(WORKER_VAR, mode)
             .env("RANK", rank.to_string())
@@ -562,6 +658,17 @@ fn run_tandem_mode(
         comm_ms: optional("comm_ms")?,
         exposed_ms: optional("exposed_ms")?,
     })
+}
+
+/// The environment that lets rank `rank` share cuda:0 with the other ranks: only that GPU
+/// visible, and an `NCCL_HOSTID` of its own, so that NCCL (which refuses two ranks on one GPU)
+/// takes every rank for a separate host and connects them over loopback sockets. A test
+/// arrangement for a machine with one GPU; real jobs give each rank its own GPU.
+fn share_gpu_env(cmd: &mut Command, rank: usize) {
+    cmd.env("CUDA_VISIBLE_DEVICES", "0")
+        .env("NCCL_HOSTID", format!("tandem-ddp-step-rank-{rank}"))
+        .env("NCCL_SOCKET_IFNAME", "lo")
+        .env("NCCL_IB_DISABLE", "1");
 }
 
 /// Collects what a child writes, in the background.
@@ -666,6 +773,8 @@ fn run_ranks(world: usize, command: impl Fn(usize) -> Command) -> Result<Vec<Str
 struct TorchResult {
     median_ms: f64,
     version: String,
+    /// gloo or nccl.
+    backend: String,
 }
 
 /// Runs the PyTorch DDP peer on `args.nproc` ranks; `Err` says why it could not run.
@@ -714,6 +823,14 @@ fn run_torch(
             .args(["--steps", &args.steps.to_string()])
             .args(["--seed", &args.seed.to_string()])
             .args(["--bucket-cap-mb", &args.bucket_cap_mb.to_string()])
+            .args([
+                "--device",
+                if args.device == Device::Cpu {
+                    "cpu"
+                } else {
+                    "cuda"
+                },
+            ])
             .env("RANK", rank.to_string())
             .env("WORLD_SIZE", world.to_string())
             .env("LOCAL_RANK", rank.to_string())
@@ -721,6 +838,10 @@ fn run_torch(
             .env("MASTER_ADDR", &master)
             .env("MASTER_PORT", port.to_string())
             .env("GLOO_SOCKET_IFNAME", ifname);
+        if args.share_gpu {
+            cmd.arg("--share-gpu");
+            share_gpu_env(&mut cmd, rank);
+        }
         cmd
     })?;
     let last = outputs[0].lines().last().unwrap_or("");
@@ -731,6 +852,7 @@ fn run_torch(
             .as_f64()
             .ok_or_else(|| format!("peer output lacks `median_ms`: {last}"))?,
         version: value["torch_version"].as_str().unwrap_or("?").to_string(),
+        backend: value["backend"].as_str().unwrap_or("gloo").to_string(),
     })
 }
 

@@ -17,8 +17,8 @@ use tandem::autograd::{no_grad, TensorBackward};
 use tandem::core::{DType, Device, Tensor};
 use tandem::dist::launch::{forward_signals, launch, LaunchOptions};
 use tandem::dist::{
-    init_with_options, merge_chrome_traces, DistributedDataParallel, InitOptions, LaunchEnv,
-    Phase, ProcessGroup, Timeline,
+    init_with_options, merge_chrome_traces, DistributedDataParallel, InitOptions, LaunchEnv, Phase,
+    ProcessGroup, Timeline,
 };
 use tandem::nn::data::{Batch, DataLoader, Dataset};
 use tandem::nn::loss::{cross_entropy, Reduction};

@@ -140,20 +140,17 @@ impl Work {
         if device.blocks_host {
             return self.wait_host();
         }
-        device
-            .compute
-            .wait_event(&self.inner.event)
-            .map_err(|e| {
-                DistError::tensor(
-                    device.rank,
-                    format!(
-                        "{} (collective #{}): making the compute stream wait",
-                        self.inner.desc.kind.name(),
-                        self.inner.seq
-                    ),
-                    e,
-                )
-            })
+        device.compute.wait_event(&self.inner.event).map_err(|e| {
+            DistError::tensor(
+                device.rank,
+                format!(
+                    "{} (collective #{}): making the compute stream wait",
+                    self.inner.desc.kind.name(),
+                    self.inner.seq
+                ),
+                e,
+            )
+        })
     }
 
     /// Blocks the calling thread until the collective has finished, and returns its outcome.
