@@ -9,6 +9,8 @@
 # ("Development: GPU checks without a Rust toolchain").
 #
 # Usage: scripts/gpu-bundle.sh [--tests-only] [OUT_DIR]
+# With TANDEM_BUNDLE_PACK=1 the folder ends up holding only bundle.tar.xz (the whole bundle,
+# compressed); unpack it with `tar -xJf OUT_DIR/bundle.tar.xz` from the repository root.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tests_only=0
@@ -67,12 +69,23 @@ for line in sys.stdin:
         if kind in ('example', 'bench'):
             shutil.copy(m['executable'], '$out/bin/' + m['target']['name'])
 "
-cargo build --release -p tandem-dist --bin tandem-run
-cp target/release/tandem-run "$out/bin/"
+cargo build --release -p tandem-dist --bin tandem-run --bin tandem-project
+cp target/release/tandem-run target/release/tandem-project "$out/bin/"
 strip "$out"/bin/*
 fi
 
 cp scripts/gpu-run.sh "$out/run.sh"
-chmod +x "$out/run.sh"
+cp scripts/gpu-checks.sh "$out/checks.sh"
+chmod +x "$out/run.sh" "$out/checks.sh"
 du -sh "$out"
 ls -l "$out/tests" "$out/bin"
+
+# A compressed copy for hosts reached through a size-limited transfer: unpack with
+# `tar -xJf bundle.tar.xz` in the repository root (it recreates this folder).
+if [ "${TANDEM_BUNDLE_PACK:-0}" = 1 ]; then
+  tar -cJf "$out.tar.xz" "$out"
+  rm -rf "$out"
+  mkdir -p "$out"
+  mv "$out.tar.xz" "$out/bundle.tar.xz"
+  du -sh "$out/bundle.tar.xz"
+fi
