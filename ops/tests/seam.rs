@@ -286,8 +286,12 @@ fn on_cuda(shape: &[usize], dtype: DType) -> Tensor {
     .expect("a placeholder tensor")
 }
 
+/// Every op now has a CUDA kernel; given a tensor that claims `cuda:0` but holds host memory,
+/// each must fail with an error naming the device (no driver here, or on a GPU machine the
+/// storage refusing to hand out a device pointer), never read the host memory as the
+/// device's, never panic.
 #[test]
-fn every_op_refuses_a_cuda_tensor_with_its_own_no_kernel_error() {
+fn every_op_on_a_cuda_labelled_host_tensor_fails_cleanly_naming_the_device() {
     let x = on_cuda(&[2, 3, 4, 4], DType::F32);
     let m = on_cuda(&[3, 3], DType::F32);
     let labels = on_cuda(&[3], DType::I64);
@@ -317,9 +321,6 @@ fn every_op_refuses_a_cuda_tensor_with_its_own_no_kernel_error() {
             Ok(_) => panic!("{op} ran on a CUDA tensor"),
             Err(e) => e.to_string(),
         };
-        assert!(
-            err.contains(op) && err.contains("has no CUDA kernel") && err.contains("cuda:0"),
-            "{op}: {err}"
-        );
+        assert!(err.contains("cuda:0"), "{op}: {err}");
     }
 }
