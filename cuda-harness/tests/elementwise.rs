@@ -8,6 +8,9 @@
 //! two one-warp blocks (so that every thread goes round the grid-stride loop). Outputs start
 //! poisoned and are guarded on both sides.
 //!
+//! Dropout (`ops/src/dropout/dropout.cu`) must draw the CPU's mask bit for bit for the same seed
+//! (both devices use one counter-based generator) and produce the CPU op's output and gradient.
+//!
 //! Results must equal the CPU's bit for bit (NaN matching NaN), except for the ops that call a
 //! math library function (exp, log, sigmoid, tanh, fractional powers), which must agree within
 //! a few units in the last place.
@@ -20,6 +23,8 @@ use tandem_core::cuda::runtime_kernels::DeviceView;
 use tandem_core::{DType, Element, FloatElement, Layout, Result, Tensor};
 use tandem_ops::binary::cuda::{add_relu_launch, binary_launch, scalar_launch};
 use tandem_ops::binary::{BinaryKind, ScalarKind};
+use tandem_ops::dropout::cuda::{dropout_backward_launch, dropout_forward_launch};
+use tandem_ops::dropout::keep_threshold;
 use tandem_ops::unary::cuda::{unary_backward_launch, unary_launch};
 use tandem_ops::unary::UnaryKind;
 
@@ -326,6 +331,121 @@ fn check_unary_backward<T: FloatElement>(seed: u64) -> usize {
 fn unary_backward_kernels_match_the_cpu_autograd_gradients() {
     let cases = check_unary_backward::<f32>(8) + check_unary_backward::<f64>(9);
     assert!(cases > 300, "only {cases} cases ran");
+}
+
+// ---- dropout -----------------------------------------------------------------------------------
+
+fn check_dropout<T: FloatElement>(seed: u64) -> usize {
+    let mut cases = 0;
+    for (x, _) in families().into_iter().flatten() {
+        let shape = x.layout.shape().as_slice().to_vec();
+        let out = dense(&shape);
+        let storage = values::<T>(x.len, seed);
+        let tx = cpu_view(&storage, &x.layout);
+        for (p, generator_seed) in [(0.3, 11u64), (0.5, 12), (0.9, 13), (1e-9, 14)] {
+            let what = format!("dropout p {p} {} x: {}", T::DTYPE, x.name);
+            // The CPU op with a leaf input, its output and its gradient for an output gradient.
+            let leaf = tx
+                .contiguous_detached()
+                .unwrap()
+                .with_requires_grad()
+                .unwrap();
+            let mut generator = tandem_core::Generator::new(generator_seed);
+            let y = tandem_ops::dropout(&leaf, p, true, &mut generator).unwrap();
+            let g_storage = values::<T>(out.len, seed + 3);
+            let tg = Tensor::from_vec(g_storage.clone(), &shape, tandem_core::Device::Cpu).unwrap();
+            tandem_autograd::backward(&y, Some(&tg), &Default::default()).unwrap();
+            let want_out = y.to_vec::<T>().unwrap();
+            let want_grad = leaf.grad().unwrap().to_vec::<T>().unwrap();
+            // The seed the op drew: the generator's first draw.
+            let kernel_seed = tandem_core::Generator::new(generator_seed).next_u64();
+            let scale = 1.0 / (1.0 - p);
+            let threshold = keep_threshold(p);
+            for small in [false, true] {
+                let what = format!("{what}{}", if small { " (small grid)" } else { "" });
+                let mut xb = HostBuffer::new(&storage);
+                let mut ob = HostBuffer::new(&vec![poison::<T>(); out.len]);
+                let mut mb = HostBuffer::new(&vec![0xa5u8; out.len]);
+                let launch = dropout_forward_launch(
+                    ob.view(&out.layout),
+                    mb.view(&out.layout),
+                    xb.view(&x.layout),
+                    kernel_seed,
+                    threshold,
+                    scale,
+                )
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+                let launch = if small { small_grid(&launch) } else { launch };
+                run_launch(&launch, &what);
+                assert_same(ob.storage(&what), &want_out, &format!("{what}: output"));
+                let mask = mb.storage(&what).to_vec();
+                // (That the mask is the CPU's bit for bit is checked on inputs without zeros
+                // below; here the output and the gradient through it must be the CPU's.)
+                assert!(mask.iter().all(|&m| m <= 1), "{what}: mask {mask:?}");
+                // Backward through the kernel's mask, with the gradient read through each layout.
+                let mut gb = HostBuffer::new(&g_storage);
+                let mut db = HostBuffer::new(&vec![poison::<T>(); out.len]);
+                let mut mb2 = HostBuffer::new(&mask);
+                let launch = dropout_backward_launch(
+                    db.view(&out.layout),
+                    gb.view(&out.layout),
+                    mb2.view(&out.layout),
+                    scale,
+                )
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+                let launch = if small { small_grid(&launch) } else { launch };
+                run_launch(&launch, &what);
+                assert_same(db.storage(&what), &want_grad, &format!("{what}: gradient"));
+            }
+            cases += 1;
+        }
+    }
+    cases
+}
+
+#[test]
+fn dropout_kernels_draw_the_cpu_mask_and_match_the_cpu_op_forward_and_backward() {
+    let cases = check_dropout::<f32>(21) + check_dropout::<f64>(22);
+    assert!(cases > 50, "only {cases} cases ran");
+}
+
+/// The mask as bits: for inputs with no zero, the CPU output is zero exactly where the element
+/// was dropped, so the kernel's mask must be 1 exactly where the CPU output is nonzero.
+#[test]
+fn dropout_mask_equals_the_cpu_mask_over_several_blocks() {
+    let n = 3001;
+    let ones = vec![1.0f32; n];
+    let layout = Layout::contiguous(&[n]);
+    for (p, generator_seed) in [(0.2, 1u64), (0.5, 2), (0.75, 3)] {
+        let x = Tensor::from_vec(ones.clone(), &[n], tandem_core::Device::Cpu).unwrap();
+        let y = tandem_ops::dropout(
+            &x,
+            p,
+            true,
+            &mut tandem_core::Generator::new(generator_seed),
+        )
+        .unwrap()
+        .to_vec::<f32>()
+        .unwrap();
+        let want: Vec<u8> = y.iter().map(|&v| (v != 0.0) as u8).collect();
+        let mut xb = HostBuffer::new(&ones);
+        let mut ob = HostBuffer::new(&vec![poison::<f32>(); n]);
+        let mut mb = HostBuffer::new(&vec![0xa5u8; n]);
+        let launch = dropout_forward_launch(
+            ob.view(&layout),
+            mb.view(&layout),
+            xb.view(&layout),
+            tandem_core::Generator::new(generator_seed).next_u64(),
+            keep_threshold(p),
+            1.0 / (1.0 - p),
+        )
+        .unwrap();
+        let what = format!("dropout mask p {p}");
+        run_launch(&launch, &what);
+        assert_eq!(mb.storage(&what), &want[..], "{what}");
+        let kept = want.iter().filter(|&&m| m == 1).count() as f64 / n as f64;
+        assert!((kept - (1.0 - p)).abs() < 0.05, "{what}: kept {kept}");
+    }
 }
 
 // ---- what the builders refuse -----------------------------------------------------------------

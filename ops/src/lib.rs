@@ -2,9 +2,18 @@
 //!
 //! Each op (or small family of ops sharing a kernel) has a folder: `mod.rs` holds the public
 //! functions with a `# Shapes` section, their validation, their backward and their tests (every
-//! op is gradient-checked in f64), and dispatches once on the device of its inputs (see
-//! `device.rs`); `cpu.rs` (or a `cpu/` folder) holds the CPU kernel, and `cpu/` at the crate
-//! root the helpers the CPU kernels share. Only kernel files touch host memory
+//! op is gradient-checked in f64), and dispatches once on the device of its inputs:
+//!
+//! ```text
+//! match x.device() {
+//!     Device::Cpu => cpu::forward(..),
+//!     Device::Cuda(_) => cuda::forward(..),
+//! }
+//! ```
+//!
+//! `cpu.rs` (or a `cpu/` folder) holds the CPU kernel and `cuda.rs` (or `cuda/`) the CUDA one,
+//! with the CUDA C source beside it (`<op>.cu`, compiled by NVRTC at first use); `cpu/` at the
+//! crate root holds the helpers the CPU kernels share. Only kernel files touch host memory
 //! (`tests/seam.rs` checks it). Ops run where their inputs are, return `Result`, and name
 //! themselves and the offending shapes in errors.
 
@@ -14,7 +23,6 @@ pub mod cat;
 pub(crate) mod checks;
 pub mod conv2d;
 pub(crate) mod cpu;
-pub(crate) mod device;
 pub mod dropout;
 pub(crate) mod elementwise_plan;
 pub mod linear;

@@ -7,12 +7,12 @@
 //! receiving its slice of the output gradient.
 
 mod cpu;
+mod cuda;
 
 use tandem_autograd::record_fn;
 use tandem_core::{checked_numel, normalize_dim, with_element_type, Device, Error, Result, Tensor};
 
 use crate::checks::same_dtype_device;
-use crate::device::no_kernel;
 
 /// Concatenates `tensors` along `dim` (negative counts from the end).
 ///
@@ -55,7 +55,7 @@ pub fn cat(tensors: &[&Tensor], dim: isize) -> Result<Tensor> {
     checked_numel("cat", &shape)?;
     let out = match first.device() {
         Device::Cpu => with_element_type!(first.dtype(), T => cpu::cat::<T>(tensors, d, &shape))?,
-        Device::Cuda(_) => return Err(no_kernel("cat", first.device())),
+        Device::Cuda(_) => cuda::cat(tensors, d, &shape)?,
     };
     let parts: Vec<(bool, Vec<usize>)> = tensors
         .iter()
@@ -71,7 +71,7 @@ pub fn cat(tensors: &[&Tensor], dim: isize) -> Result<Tensor> {
                         Device::Cpu => with_element_type!(g.dtype(), T => {
                             cpu::slice_back::<T>(g, d, start, part_shape)
                         })?,
-                        Device::Cuda(_) => return Err(no_kernel("cat backward", g.device())),
+                        Device::Cuda(_) => cuda::slice_back(g, d, start, part_shape)?,
                     })
                 } else {
                     None

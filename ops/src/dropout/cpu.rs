@@ -1,48 +1,57 @@
 //! CPU kernels of dropout: drawing the keep-mask and applying it.
 //!
-//! The mask is drawn in fixed-size chunks, each from its own generator seeded from one draw of
-//! the caller's generator, so chunks fill in parallel and the mask depends only on the seed,
-//! never on the thread count. One 64-bit draw decides two elements (each half compared with
-//! `p · 2³²`). The mask is kept as bytes — a quarter of an f32 mask's memory — and applied with
-//! a branch-free select that vectorises.
+//! The mask comes from a counter-based generator (see [`mask_hash`]): element `i`'s decision
+//! depends only on the seed and `i`, so chunks fill in parallel, the mask never depends on the
+//! thread count, and the CUDA kernel (`dropout.cu`) draws the very same mask for the same seed.
+//! One 64-bit hash decides two elements (each half compared with `p · 2³²`). The mask is kept
+//! as bytes — a quarter of an f32 mask's memory — and applied with a branch-free select that
+//! vectorises.
 
 use rayon::prelude::*;
-use tandem_core::{with_float_type, FloatElement, Generator, Result, Tensor};
+use tandem_core::{with_float_type, FloatElement, Result, Tensor};
 
 use crate::cpu::elementwise::empty_like;
 use crate::cpu::memory;
 use crate::cpu::parallel::parallel;
 
-/// Elements per independently seeded mask chunk. Part of the mask's definition: changing it
-/// changes which elements a given seed drops.
+/// Elements per rayon task when drawing the mask (even, so a task starts on a pair).
 const MASK_CHUNK: usize = 1 << 14;
 
 /// Elements per rayon task when applying the mask.
 const APPLY_CHUNK: usize = 1 << 13;
 
+/// The counter-based generator of the mask, shared by both devices (`dropout_hash` in
+/// `dropout.cu` is the same function): SplitMix64's output function applied to the seed plus
+/// `counter + 1` times the golden-ratio increment, i.e. the `counter`-th output of a SplitMix64
+/// stream started at `seed`. Elements `2k` and `2k + 1` take the low and high halves of
+/// `mask_hash(seed, k)`.
+pub(crate) fn mask_hash(seed: u64, counter: u64) -> u64 {
+    let mut z = seed.wrapping_add(counter.wrapping_add(1).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
 /// Inverted dropout of `x`: the output (`x · scale` where kept, 0 where dropped) and the
-/// keep-mask drawn from `generator`, a u8 tensor of `x`'s shape (1 = keep).
+/// keep-mask of `seed`, a u8 tensor of `x`'s shape (1 = keep; an element is kept when its
+/// 32-bit draw is at least `threshold`).
 pub(crate) fn forward(
     x: &Tensor,
-    p: f64,
+    seed: u64,
+    threshold: u32,
     scale: f64,
-    generator: &mut Generator,
 ) -> Result<(Tensor, Tensor)> {
-    let mask = Tensor::from_vec(draw_mask(x.numel(), p, generator)?, x.dims(), x.device())?;
+    let mask = Tensor::from_vec(draw_mask(x.numel(), seed, threshold)?, x.dims(), x.device())?;
     let out = apply_mask(x, &mask, scale)?;
     Ok((out, mask))
 }
 
-/// A keep-mask of `n` elements (1 = keep), each dropped with probability `p` (in `[0, 1)`).
-fn draw_mask(n: usize, p: f64, generator: &mut Generator) -> Result<Vec<u8>> {
-    // keep iff a uniform 32-bit draw is >= threshold: P(keep) = 1 − threshold / 2³²
-    let threshold = ((p * 4_294_967_296.0).round() as u64).min(u32::MAX as u64) as u32;
-    let base = generator.next_u64();
+/// A keep-mask of `n` elements (1 = keep) from `seed`.
+fn draw_mask(n: usize, seed: u64, threshold: u32) -> Result<Vec<u8>> {
     let fill = |(i, chunk): (usize, &mut [u8])| {
-        let seed = base.wrapping_add((i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
-        let mut g = Generator::new(seed);
-        for pair in chunk.chunks_mut(2) {
-            let r = g.next_u64();
+        let first_pair = (i * MASK_CHUNK / 2) as u64;
+        for (k, pair) in chunk.chunks_mut(2).enumerate() {
+            let r = mask_hash(seed, first_pair + k as u64);
             pair[0] = (r as u32 >= threshold) as u8;
             if let Some(second) = pair.get_mut(1) {
                 *second = ((r >> 32) as u32 >= threshold) as u8;

@@ -1,20 +1,22 @@
 //! Dropout: during training, zero each element with probability `p` and scale the survivors
 //! by `1 / (1 − p)` ("inverted" dropout, so evaluation needs no rescaling).
 //!
-//! The mask comes from the caller's [`Generator`], so a seeded generator reproduces it
-//! exactly; backward multiplies the gradient by the same mask and scale. In evaluation mode,
+//! The mask comes from a counter-based generator seeded by one draw from the caller's
+//! [`Generator`], so a seeded generator reproduces it exactly, and the CPU and a CUDA device
+//! draw the same mask for the same seed; backward multiplies the gradient by the same mask and
+//! scale. In evaluation mode,
 //! or with `p == 0`, dropout is the identity: it returns `x` itself and draws nothing.
 //!
 //! # Shapes
 //! `x`: any shape, f32 or f64 → output: the same shape.
 
 mod cpu;
+pub mod cuda;
 
 use tandem_autograd::record_fn;
 use tandem_core::{Device, Error, Generator, Result, Tensor};
 
 use crate::checks::float_dtype;
-use crate::device::no_kernel;
 
 /// Inverted dropout with drop probability `p` (in `[0, 1)`).
 ///
@@ -40,20 +42,28 @@ pub fn dropout(x: &Tensor, p: f64, training: bool, generator: &mut Generator) ->
         return Ok(x.clone());
     }
     let scale = 1.0 / (1.0 - p);
+    let seed = generator.next_u64();
+    let threshold = keep_threshold(p);
     // The keep-mask (u8, 1 = keep) lives where `x` does, for the backward.
     let (out, mask) = match x.device() {
-        Device::Cpu => cpu::forward(x, p, scale, generator)?,
-        Device::Cuda(_) => return Err(no_kernel("dropout", x.device())),
+        Device::Cpu => cpu::forward(x, seed, threshold, scale)?,
+        Device::Cuda(_) => cuda::forward(x, seed, threshold, scale)?,
     };
     Ok(record_fn(out, &[x], "dropout", move || {
         move |g: &Tensor| {
             let grad = match g.device() {
                 Device::Cpu => cpu::apply_mask(g, &mask, scale)?,
-                Device::Cuda(_) => return Err(no_kernel("dropout backward", g.device())),
+                Device::Cuda(_) => cuda::apply_mask(g, &mask, scale)?,
             };
             Ok(vec![Some(grad)])
         }
     }))
+}
+
+/// The 32-bit threshold of drop probability `p`: an element is kept when its uniform 32-bit
+/// draw is at least this, so P(keep) = 1 − threshold / 2³².
+pub fn keep_threshold(p: f64) -> u32 {
+    ((p * 4_294_967_296.0).round() as u64).min(u32::MAX as u64) as u32
 }
 
 #[cfg(test)]

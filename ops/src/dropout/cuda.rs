@@ -1,0 +1,210 @@
+//! Dropout on a CUDA device (`dropout.cu`): one launch draws the keep-mask from the
+//! counter-based generator and writes the output, one launch applies the mask in backward. The
+//! mask equals the CPU's for the same seed (both devices use the same generator).
+//!
+//! The `*_launch` builders are pure functions from device views to a [`Launch`], public so that
+//! the host harness (`tandem-cuda-harness`) runs the very plans the op runs on a GPU.
+
+use tandem_core::cuda::launch::{KernelArg, KernelSource, Launch, LaunchConfig, StridedLayout};
+use tandem_core::cuda::runtime_kernels::{overlaps_other_than_same_view, DeviceView};
+use tandem_core::cuda::{device_pointer, launch_on_compute};
+use tandem_core::{DType, Error, Result, Tensor};
+
+use crate::elementwise_plan::THREADS_PER_BLOCK;
+
+/// `dropout.cu`, embedded.
+pub static DROPOUT_KERNELS: KernelSource = KernelSource {
+    name: "dropout",
+    source: include_str!("dropout.cu"),
+    headers: &[],
+};
+
+/// `value` in the kernel's dtype, converted as the CPU kernel converts it (`T::from_f64`).
+fn value_arg(dtype: DType, value: f64) -> KernelArg {
+    match dtype {
+        DType::F64 => KernelArg::F64(value),
+        _ => KernelArg::F32(value as f32),
+    }
+}
+
+/// Checks a dense destination of `like`'s shape and dtype `dtype`.
+fn check_dense(
+    op: &'static str,
+    what: &str,
+    v: &DeviceView,
+    like: &DeviceView,
+    dtype: DType,
+) -> Result<()> {
+    if v.dtype != dtype {
+        return Err(Error::invalid(
+            op,
+            format!("the {what} must be {dtype}, got {}", v.dtype),
+        ));
+    }
+    if v.layout.shape() != like.layout.shape() {
+        return Err(Error::shape(
+            op,
+            format!(
+                "the {what} has shape {:?}, the input {:?}",
+                v.layout.shape().as_slice(),
+                like.layout.shape().as_slice()
+            ),
+        ));
+    }
+    if !StridedLayout::new(op, v.layout)?.is_contiguous() {
+        return Err(Error::invalid(
+            op,
+            format!(
+                "the {what} must be dense; got strides {:?}",
+                v.layout.strides().as_slice()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Errors when `a` and `b` share any memory.
+fn check_disjoint(op: &'static str, a: (&str, &DeviceView), b: (&str, &DeviceView)) -> Result<()> {
+    let same = a.1.ptr == b.1.ptr && a.1.dtype == b.1.dtype && a.1.layout == b.1.layout;
+    if same || overlaps_other_than_same_view(a.1, b.1)? {
+        return Err(Error::invalid(
+            op,
+            format!("the {} overlaps the {}", a.0, b.0),
+        ));
+    }
+    Ok(())
+}
+
+/// The address of a dense view's first element.
+fn first_element(op: &'static str, v: &DeviceView) -> Result<u64> {
+    (v.layout.offset() as u64)
+        .checked_mul(v.dtype.size_in_bytes() as u64)
+        .and_then(|bytes| v.ptr.checked_add(bytes))
+        .ok_or_else(|| Error::invalid(op, format!("layout {:?} overflows an address", v.layout)))
+}
+
+fn float(op: &'static str, dtype: DType) -> Result<()> {
+    if matches!(dtype, DType::F32 | DType::F64) {
+        Ok(())
+    } else {
+        Err(Error::UnsupportedDType {
+            op,
+            dtype,
+            supported: "f32, f64",
+        })
+    }
+}
+
+/// Dropout forward: `out` (dense, `x`'s shape and dtype) gets `x · scale` where the mask keeps
+/// an element and 0 elsewhere; `mask` (dense u8 of `x`'s shape) gets 1 = keep. Element `i` is
+/// kept when its 32-bit draw from `seed` is at least `threshold`. `x` may have any layout; no
+/// two of the three may share memory.
+pub fn dropout_forward_launch(
+    out: DeviceView,
+    mask: DeviceView,
+    x: DeviceView,
+    seed: u64,
+    threshold: u32,
+    scale: f64,
+) -> Result<Launch> {
+    const OP: &str = "dropout";
+    float(OP, x.dtype)?;
+    check_dense(OP, "output", &out, &x, x.dtype)?;
+    check_dense(OP, "mask", &mask, &x, DType::U8)?;
+    check_disjoint(OP, ("output", &out), ("input", &x))?;
+    check_disjoint(OP, ("mask", &mask), ("input", &x))?;
+    check_disjoint(OP, ("mask", &mask), ("output", &out))?;
+    let n = x.layout.numel();
+    let x_layout = StridedLayout::new(OP, x.layout)?;
+    Ok(Launch {
+        source: &DROPOUT_KERNELS,
+        kernel: format!("dropout_forward_{}", x.dtype),
+        config: LaunchConfig::for_elements(OP, n.div_ceil(2), THREADS_PER_BLOCK)?,
+        args: vec![
+            KernelArg::Ptr(first_element(OP, &out)?),
+            KernelArg::Ptr(first_element(OP, &mask)?),
+            KernelArg::Ptr(x.ptr),
+            KernelArg::pod(&x_layout),
+            KernelArg::U64(n as u64),
+            KernelArg::U64(seed),
+            KernelArg::U32(threshold),
+            value_arg(x.dtype, scale),
+        ],
+    })
+}
+
+/// Dropout backward: `out` (dense, `g`'s shape and dtype) gets `g · scale` where `mask` (dense
+/// u8 of `g`'s shape, 1 = keep) keeps an element and 0 elsewhere. `g` may have any layout and
+/// may not share memory with `out`.
+pub fn dropout_backward_launch(
+    out: DeviceView,
+    g: DeviceView,
+    mask: DeviceView,
+    scale: f64,
+) -> Result<Launch> {
+    const OP: &str = "dropout backward";
+    float(OP, g.dtype)?;
+    check_dense(OP, "output", &out, &g, g.dtype)?;
+    check_dense(OP, "mask", &mask, &g, DType::U8)?;
+    check_disjoint(OP, ("output", &out), ("gradient", &g))?;
+    check_disjoint(OP, ("output", &out), ("mask", &mask))?;
+    let n = g.layout.numel();
+    let g_layout = StridedLayout::new(OP, g.layout)?;
+    Ok(Launch {
+        source: &DROPOUT_KERNELS,
+        kernel: format!("dropout_backward_{}", g.dtype),
+        config: LaunchConfig::for_elements(OP, n, THREADS_PER_BLOCK)?,
+        args: vec![
+            KernelArg::Ptr(first_element(OP, &out)?),
+            KernelArg::Ptr(g.ptr),
+            KernelArg::pod(&g_layout),
+            KernelArg::Ptr(first_element(OP, &mask)?),
+            KernelArg::U64(n as u64),
+            value_arg(g.dtype, scale),
+        ],
+    })
+}
+
+/// The view of a CUDA tensor.
+fn view<'a>(op: &'static str, t: &'a Tensor) -> Result<DeviceView<'a>> {
+    let (_, ptr) = device_pointer(op, t)?;
+    Ok(DeviceView {
+        ptr,
+        dtype: t.dtype(),
+        layout: t.layout(),
+    })
+}
+
+/// Inverted dropout of `x` with the mask of `seed`: the output and the u8 keep-mask.
+pub(crate) fn forward(
+    x: &Tensor,
+    seed: u64,
+    threshold: u32,
+    scale: f64,
+) -> Result<(Tensor, Tensor)> {
+    const OP: &str = "dropout";
+    let out = Tensor::empty(x.dims(), x.dtype(), x.device())?;
+    let mask = Tensor::empty(x.dims(), DType::U8, x.device())?;
+    let (dev, _) = device_pointer(OP, &out)?;
+    let launch = dropout_forward_launch(
+        view(OP, &out)?,
+        view(OP, &mask)?,
+        view(OP, x)?,
+        seed,
+        threshold,
+        scale,
+    )?;
+    launch_on_compute(&dev, &launch, x.numel())?;
+    Ok((out, mask))
+}
+
+/// `g · scale` where `mask` keeps an element, 0 elsewhere.
+pub(crate) fn apply_mask(g: &Tensor, mask: &Tensor, scale: f64) -> Result<Tensor> {
+    const OP: &str = "dropout backward";
+    g.device().same_as(mask.device(), OP)?;
+    let out = Tensor::empty(g.dims(), g.dtype(), g.device())?;
+    let (dev, _) = device_pointer(OP, &out)?;
+    let launch = dropout_backward_launch(view(OP, &out)?, view(OP, g)?, view(OP, mask)?, scale)?;
+    launch_on_compute(&dev, &launch, g.numel())?;
+    Ok(out)
+}

@@ -1,0 +1,690 @@
+//! GPU conformance of the elementwise ops, cat, the views and dropout: every op forward and
+//! backward on a CUDA device against the same op on the CPU with the same inputs (f32 and f64,
+//! contiguous, transposed and broadcast inputs, odd and empty sizes), `gradcheck` in f64 on the
+//! device, dropout masks equal to the CPU's for the same seed, and the errors of mixed devices
+//! and bad shapes.
+//!
+//! Each test runs when a CUDA device is present and prints `skipped: no CUDA device` otherwise.
+//! Add, sub, mul, div, neg, relu, sqrt, integer powers, cat, the views and dropout compute the
+//! CPU's IEEE operations and agree to the last bit; exp, log, sigmoid, tanh and fractional powers
+//! use CUDA's math library and agree within a few ulp. Failure messages name the op, the shapes,
+//! the dtype and the first differing elements.
+
+use tandem_autograd::{gradcheck, GradcheckOptions};
+use tandem_core::{cuda, DType, Device, Generator, Result, Tensor};
+use tandem_ops as ops;
+
+const GPU: Device = Device::Cuda(0);
+
+fn gpu() -> bool {
+    if cuda::is_available() {
+        true
+    } else {
+        println!("skipped: no CUDA device");
+        false
+    }
+}
+
+/// Normal values of `shape` and `dtype` on the CPU.
+fn randn(shape: &[usize], dtype: DType, seed: u64) -> Tensor {
+    Tensor::randn(
+        shape,
+        0.0,
+        1.0,
+        dtype,
+        Device::Cpu,
+        &mut Generator::new(seed),
+    )
+    .unwrap()
+}
+
+/// Uniform values in `[lo, hi)` of `shape` and `dtype` on the CPU.
+fn uniform(shape: &[usize], lo: f64, hi: f64, dtype: DType, seed: u64) -> Tensor {
+    Tensor::rand(shape, lo, hi, dtype, Device::Cpu, &mut Generator::new(seed)).unwrap()
+}
+
+/// A copy of `t` (same logical values and the same kind of layout: a transposed view stays
+/// transposed) on `device`.
+fn on(t: &Tensor, device: Device) -> Tensor {
+    if t.is_contiguous() {
+        return t.copy_detached().unwrap().to_device(device).unwrap();
+    }
+    // Rebuild the transposed view on the device: transpose back, copy, transpose again.
+    let r = t.rank();
+    let back = t
+        .view_detached(t.layout().transpose("test", r - 2, r - 1).unwrap())
+        .unwrap()
+        .copy_detached()
+        .unwrap()
+        .to_device(device)
+        .unwrap();
+    back.view_detached(back.layout().transpose("test", r - 2, r - 1).unwrap())
+        .unwrap()
+}
+
+/// `t` transposed in its last two dims as a view of a contiguous tensor with those dims swapped
+/// (a strided input with the same logical values as `t`).
+fn strided(t: &Tensor) -> Tensor {
+    let r = t.rank();
+    let swapped = t
+        .view_detached(t.layout().transpose("test", r - 2, r - 1).unwrap())
+        .unwrap()
+        .copy_detached()
+        .unwrap();
+    let view = swapped
+        .view_detached(swapped.layout().transpose("test", r - 2, r - 1).unwrap())
+        .unwrap();
+    assert!(!view.is_contiguous() || t.numel() <= 1);
+    view
+}
+
+fn leaf(t: &Tensor, device: Device) -> Tensor {
+    on(t, device).with_requires_grad().unwrap()
+}
+
+/// Asserts that `got` (any device) equals `want` (CPU) within `ulps` units in the last place of
+/// `want`'s dtype (0 = bit for bit, NaN matching NaN), naming `what` and the first bad elements.
+fn assert_close(got: &Tensor, want: &Tensor, ulps: f64, what: &str) {
+    assert_eq!(
+        got.dims(),
+        want.dims(),
+        "{what}: shape {:?} on {}, {:?} on the CPU",
+        got.dims(),
+        got.device(),
+        want.dims()
+    );
+    assert_eq!(got.dtype(), want.dtype(), "{what}: dtype");
+    let eps = match want.dtype() {
+        DType::F32 => f32::EPSILON as f64,
+        _ => f64::EPSILON,
+    };
+    let tiny = match want.dtype() {
+        DType::F32 => f32::MIN_POSITIVE as f64,
+        _ => f64::MIN_POSITIVE,
+    };
+    let g = got.to_dtype(DType::F64).unwrap().to_vec::<f64>().unwrap();
+    let w = want.to_dtype(DType::F64).unwrap().to_vec::<f64>().unwrap();
+    let bad: Vec<String> = g
+        .iter()
+        .zip(&w)
+        .enumerate()
+        .filter(|&(_, (&g, &w))| {
+            let same = (g.is_nan() && w.is_nan()) || g == w;
+            !same && !((g - w).abs() <= ulps * eps * w.abs().max(tiny))
+        })
+        .take(5)
+        .map(|(i, (g, w))| format!("element {i}: got {g:e}, want {w:e}"))
+        .collect();
+    assert!(
+        bad.is_empty(),
+        "{what} ({}, shape {:?}): {} of {} elements differ beyond {ulps} ulp; {}",
+        want.dtype(),
+        want.dims(),
+        g.iter()
+            .zip(&w)
+            .filter(|(g, w)| !((g.is_nan() && w.is_nan()) || g == w))
+            .count(),
+        w.len(),
+        bad.join("; ")
+    );
+}
+
+/// Runs backward from `y` with the output gradient `g` (moved to `y`'s device).
+fn backward(y: &Tensor, g: &Tensor) {
+    let g = on(g, y.device());
+    tandem_autograd::backward(y, Some(&g), &Default::default()).unwrap();
+}
+
+fn grad(t: &Tensor, what: &str) -> Tensor {
+    t.grad()
+        .unwrap_or_else(|| panic!("{what}: no gradient on {}", t.device()))
+}
+
+const DTYPES: [DType; 2] = [DType::F32, DType::F64];
+
+// ---- binary ------------------------------------------------------------------------------------
+
+type Binary = fn(&Tensor, &Tensor) -> Result<Tensor>;
+
+const BINARY: [(&str, Binary); 5] = [
+    ("add", ops::add),
+    ("sub", ops::sub),
+    ("mul", ops::mul),
+    ("div", ops::div),
+    ("add_relu", ops::add_relu),
+];
+
+/// Runs `f` on both devices with leaves holding `a` and `b`, compares the outputs and, after a
+/// backward with the same output gradient, both gradients.
+fn compare_binary(name: &str, f: Binary, a: &Tensor, b: &Tensor, seed: u64) {
+    let what = format!("{name} a {:?} b {:?}", a.dims(), b.dims());
+    let (ca, cb) = (leaf(a, Device::Cpu), leaf(b, Device::Cpu));
+    let (ga, gb) = (leaf(a, GPU), leaf(b, GPU));
+    let want = f(&ca, &cb).unwrap();
+    let got = f(&ga, &gb).unwrap_or_else(|e| panic!("{what} on {GPU}: {e}"));
+    assert_eq!(got.device(), GPU, "{what}: output device");
+    assert_close(&got, &want, 0.0, &format!("{what} forward"));
+    let g = randn(want.dims(), want.dtype(), seed);
+    backward(&want, &g);
+    backward(&got, &g);
+    assert_close(
+        &grad(&ga, &what),
+        &grad(&ca, &what),
+        0.0,
+        &format!("{what} grad a"),
+    );
+    assert_close(
+        &grad(&gb, &what),
+        &grad(&cb, &what),
+        0.0,
+        &format!("{what} grad b"),
+    );
+}
+
+#[test]
+fn binary_ops_match_the_cpu_forward_and_backward_on_same_shape_inputs() {
+    if !gpu() {
+        return;
+    }
+    for dtype in DTYPES {
+        for (i, shape) in [&[37][..], &[64, 65], &[2, 3, 129], &[1], &[0, 3]]
+            .iter()
+            .enumerate()
+        {
+            let a = randn(shape, dtype, 10 + i as u64);
+            // divisors away from 0
+            let b = uniform(shape, 0.5, 2.0, dtype, 20 + i as u64);
+            for (name, f) in BINARY {
+                compare_binary(name, f, &a, &b, 30);
+                if shape.len() >= 2 {
+                    compare_binary(name, f, &strided(&a), &b, 31);
+                    compare_binary(name, f, &a, &strided(&b), 32);
+                }
+            }
+        }
+    }
+}
+
+/// The backward of a broadcast input sums the gradient over the broadcast dims (`sum` on the
+/// device).
+#[test]
+fn binary_ops_match_the_cpu_forward_and_backward_with_broadcasting() {
+    if !gpu() {
+        return;
+    }
+    for dtype in DTYPES {
+        for (i, (sa, sb)) in [
+            (&[4, 1, 5][..], &[3, 5][..]),
+            (&[64, 65], &[65]),
+            (&[7, 1], &[1, 9]),
+            (&[33], &[1]),
+            (&[2, 3], &[]),
+        ]
+        .iter()
+        .enumerate()
+        {
+            let a = randn(sa, dtype, 40 + i as u64);
+            let b = uniform(sb, 0.5, 2.0, dtype, 50 + i as u64);
+            for (name, f) in BINARY {
+                compare_binary(name, f, &a, &b, 60);
+                compare_binary(name, f, &b, &a.abs_for_test(), 61);
+            }
+        }
+    }
+}
+
+/// `|t|` + 0.5, elementwise, on the CPU (for divisors).
+trait AbsForTest {
+    fn abs_for_test(&self) -> Tensor;
+}
+
+impl AbsForTest for Tensor {
+    fn abs_for_test(&self) -> Tensor {
+        let t = self.copy_detached().unwrap();
+        t.map_inplace_f64("test", |v| v.abs() + 0.5).unwrap();
+        t
+    }
+}
+
+#[test]
+fn scalar_ops_match_the_cpu_forward_and_backward() {
+    if !gpu() {
+        return;
+    }
+    for dtype in DTYPES {
+        let x = randn(&[129, 3], dtype, 70);
+        for input in [x.clone(), strided(&x)] {
+            for c in [0.3, -2.5, 1e10] {
+                for (name, f) in [
+                    (
+                        "add_scalar",
+                        ops::add_scalar as fn(&Tensor, f64) -> Result<Tensor>,
+                    ),
+                    ("mul_scalar", ops::mul_scalar),
+                ] {
+                    let what = format!("{name}({c}) x {:?}", input.dims());
+                    let (cx, gx) = (leaf(&input, Device::Cpu), leaf(&input, GPU));
+                    let want = f(&cx, c).unwrap();
+                    let got = f(&gx, c).unwrap_or_else(|e| panic!("{what}: {e}"));
+                    assert_close(&got, &want, 0.0, &what);
+                    let g = randn(want.dims(), dtype, 71);
+                    backward(&want, &g);
+                    backward(&got, &g);
+                    assert_close(&grad(&gx, &what), &grad(&cx, &what), 0.0, &what);
+                }
+            }
+        }
+    }
+}
+
+// ---- unary -------------------------------------------------------------------------------------
+
+type Unary = Box<dyn Fn(&Tensor) -> Result<Tensor>>;
+
+/// Every unary op, its ulp tolerance (forward; backward from the same saved values), and whether
+/// it needs positive inputs.
+fn unary_ops() -> Vec<(String, Unary, f64, bool)> {
+    let mut v: Vec<(String, Unary, f64, bool)> = vec![
+        ("neg".into(), Box::new(ops::neg), 0.0, false),
+        ("exp".into(), Box::new(ops::exp), 4.0, false),
+        ("log".into(), Box::new(ops::log), 4.0, true),
+        ("sqrt".into(), Box::new(ops::sqrt), 0.0, true),
+        ("relu".into(), Box::new(ops::relu), 0.0, false),
+        ("sigmoid".into(), Box::new(ops::sigmoid), 4.0, false),
+        ("tanh".into(), Box::new(ops::tanh), 4.0, false),
+    ];
+    for p in [2.0, 0.5, 3.0, -2.0, 0.0, 1.0, 1.7, -0.3] {
+        let ulps = if p == 0.5 || p == 2.0 || f64::fract(p) == 0.0 {
+            0.0
+        } else {
+            8.0
+        };
+        v.push((
+            format!("pow_scalar({p})"),
+            Box::new(move |x| ops::pow_scalar(x, p)),
+            ulps,
+            f64::fract(p) != 0.0,
+        ));
+    }
+    v
+}
+
+#[test]
+fn unary_ops_match_the_cpu_forward_and_backward() {
+    if !gpu() {
+        return;
+    }
+    for dtype in DTYPES {
+        for (i, shape) in [&[37][..], &[64, 65], &[3, 5, 130], &[0]]
+            .iter()
+            .enumerate()
+        {
+            let signed = randn(shape, dtype, 80 + i as u64);
+            let positive = uniform(shape, 0.1, 3.0, dtype, 90 + i as u64);
+            for (name, f, ulps, needs_positive) in unary_ops() {
+                let x = if needs_positive { &positive } else { &signed };
+                let mut inputs = vec![x.clone()];
+                if shape.len() >= 2 {
+                    inputs.push(strided(x));
+                }
+                for input in inputs {
+                    let what = format!(
+                        "{name} x {:?}{}",
+                        input.dims(),
+                        if input.is_contiguous() {
+                            ""
+                        } else {
+                            " (transposed)"
+                        }
+                    );
+                    let (cx, gx) = (leaf(&input, Device::Cpu), leaf(&input, GPU));
+                    let want = f(&cx).unwrap();
+                    let got = f(&gx).unwrap_or_else(|e| panic!("{what} on {GPU}: {e}"));
+                    assert_close(&got, &want, ulps, &format!("{what} forward"));
+                    let g = randn(want.dims(), dtype, 100);
+                    backward(&want, &g);
+                    backward(&got, &g);
+                    // The backward reads the saved output, which may differ by the forward's ulps.
+                    let grad_ulps = if ulps > 0.0 { 4.0 * ulps + 8.0 } else { 0.0 };
+                    assert_close(
+                        &grad(&gx, &what),
+                        &grad(&cx, &what),
+                        grad_ulps,
+                        &format!("{what} backward"),
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn relu_keeps_nan_and_zeroes_negatives_on_the_device() {
+    if !gpu() {
+        return;
+    }
+    let x = Tensor::from_vec(vec![-2.0f32, -0.0, 0.5, f32::NAN, 0.0], &[5], GPU).unwrap();
+    let y = ops::relu(&x).unwrap().to_vec::<f32>().unwrap();
+    assert_eq!(&y[..3], &[0.0, 0.0, 0.5], "relu on {GPU}: {y:?}");
+    assert!(y[3].is_nan(), "relu(NaN) on {GPU}: {}", y[3]);
+}
+
+// ---- gradcheck on the device -------------------------------------------------------------------
+
+fn gradcheck_gpu(what: &str, f: impl Fn(&[Tensor]) -> Result<Tensor>, inputs: &[Tensor]) {
+    let inputs: Vec<Tensor> = inputs.iter().map(|t| leaf(t, GPU)).collect();
+    gradcheck(f, &inputs, &GradcheckOptions::default())
+        .unwrap_or_else(|e| panic!("gradcheck of {what} on {GPU} in f64: {e}"));
+}
+
+#[test]
+fn gradcheck_every_op_in_f64_on_the_device() {
+    if !gpu() {
+        return;
+    }
+    let a = randn(&[3, 4], DType::F64, 110);
+    let b = uniform(&[3, 4], 0.5, 2.0, DType::F64, 111);
+    for (name, f) in BINARY {
+        // add_relu has a kink at 0: keep the sum away from it.
+        let (x, y) = if name == "add_relu" {
+            (a.abs_for_test(), b.clone())
+        } else {
+            (a.clone(), b.clone())
+        };
+        gradcheck_gpu(name, |t| f(&t[0], &t[1]), &[x.clone(), y.clone()]);
+        gradcheck_gpu(name, |t| f(&t[0], &t[1]), &[strided(&x), y]);
+    }
+    gradcheck_gpu(
+        "broadcast mul",
+        |t| ops::mul(&t[0], &t[1]),
+        &[
+            randn(&[3, 1], DType::F64, 112),
+            randn(&[1, 4], DType::F64, 113),
+        ],
+    );
+    gradcheck_gpu("add_scalar", |t| ops::add_scalar(&t[0], 0.7), &[a.clone()]);
+    gradcheck_gpu("mul_scalar", |t| ops::mul_scalar(&t[0], -1.3), &[a.clone()]);
+    let positive = uniform(&[3, 4], 0.3, 2.0, DType::F64, 114);
+    for (name, f, _, needs_positive) in unary_ops() {
+        let x = if needs_positive || name == "relu" {
+            // relu: away from its kink
+            positive.clone()
+        } else {
+            a.clone()
+        };
+        gradcheck_gpu(&name, |t| f(&t[0]), &[x.clone()]);
+        gradcheck_gpu(&name, |t| f(&t[0]), &[strided(&x)]);
+    }
+    gradcheck_gpu(
+        "cat",
+        |t| ops::cat(&[&t[0], &t[1]], 1),
+        &[
+            randn(&[2, 3], DType::F64, 115),
+            randn(&[2, 5], DType::F64, 116),
+        ],
+    );
+    gradcheck_gpu(
+        "dropout",
+        |t| ops::dropout(&t[0], 0.3, true, &mut Generator::new(117)),
+        &[a.clone()],
+    );
+}
+
+// ---- cat ---------------------------------------------------------------------------------------
+
+#[test]
+fn cat_matches_the_cpu_forward_and_backward() {
+    if !gpu() {
+        return;
+    }
+    for dtype in DTYPES {
+        let cases: Vec<(Vec<Tensor>, isize)> = vec![
+            (
+                vec![
+                    randn(&[2, 3, 4], dtype, 120),
+                    randn(&[2, 1, 4], dtype, 121),
+                    randn(&[2, 5, 4], dtype, 122),
+                ],
+                1,
+            ),
+            (
+                vec![randn(&[1, 33], dtype, 123), randn(&[3, 33], dtype, 124)],
+                0,
+            ),
+            (
+                vec![randn(&[4, 3], dtype, 125), randn(&[4, 0], dtype, 126)],
+                -1,
+            ),
+            (
+                vec![
+                    strided(&randn(&[6, 5], dtype, 127)),
+                    randn(&[6, 2], dtype, 128),
+                ],
+                1,
+            ),
+        ];
+        for (parts, dim) in cases {
+            let shapes: Vec<&[usize]> = parts.iter().map(|t| t.dims()).collect();
+            let what = format!("cat {shapes:?} along {dim}");
+            let cpu: Vec<Tensor> = parts.iter().map(|t| leaf(t, Device::Cpu)).collect();
+            let dev: Vec<Tensor> = parts.iter().map(|t| leaf(t, GPU)).collect();
+            let want = ops::cat(&cpu.iter().collect::<Vec<_>>(), dim).unwrap();
+            let got = ops::cat(&dev.iter().collect::<Vec<_>>(), dim)
+                .unwrap_or_else(|e| panic!("{what} on {GPU}: {e}"));
+            assert_close(&got, &want, 0.0, &format!("{what} forward"));
+            let g = randn(want.dims(), dtype, 129);
+            backward(&want, &g);
+            backward(&got, &g);
+            for (i, (d, c)) in dev.iter().zip(&cpu).enumerate() {
+                let what = format!("{what} grad of part {i}");
+                assert_close(&grad(d, &what), &grad(c, &what), 0.0, &what);
+            }
+        }
+    }
+    // Integer tensors join too.
+    let l = Tensor::from_vec(vec![3i64, 1], &[2], GPU).unwrap();
+    let m = Tensor::from_vec(vec![7i64], &[1], GPU).unwrap();
+    assert_eq!(
+        ops::cat(&[&l, &m], 0).unwrap().to_vec::<i64>().unwrap(),
+        vec![3, 1, 7],
+        "cat of i64 tensors on {GPU}"
+    );
+}
+
+// ---- views -------------------------------------------------------------------------------------
+
+#[test]
+fn views_match_the_cpu_forward_and_backward() {
+    if !gpu() {
+        return;
+    }
+    type View = Box<dyn Fn(&Tensor) -> Result<Tensor>>;
+    let views: Vec<(&str, View)> = vec![
+        ("reshape", Box::new(|x| ops::reshape(x, &[5, -1]))),
+        ("transpose", Box::new(|x| ops::transpose(x, 0, 2))),
+        ("permute", Box::new(|x| ops::permute(x, &[2, 0, 1]))),
+        ("narrow", Box::new(|x| ops::narrow(x, 1, 1, 2))),
+        (
+            "expand",
+            Box::new(|x| ops::expand(&ops::narrow(x, 1, 0, 1)?, &[6, 2, 3, 5])),
+        ),
+        (
+            "squeeze",
+            Box::new(|x| ops::squeeze(&ops::narrow(x, 1, 1, 1)?, 1)),
+        ),
+        ("unsqueeze", Box::new(|x| ops::unsqueeze(x, 1))),
+        ("flatten", Box::new(|x| ops::flatten(x, 0, 1))),
+        (
+            "contiguous",
+            Box::new(|x| ops::contiguous(&ops::transpose(x, 0, 2)?)),
+        ),
+    ];
+    for dtype in DTYPES {
+        let x = randn(&[2, 3, 5], dtype, 130);
+        for input in [x.clone(), strided(&x)] {
+            for (name, f) in &views {
+                let what = format!(
+                    "{name} of {:?}{}",
+                    input.dims(),
+                    if input.is_contiguous() {
+                        ""
+                    } else {
+                        " (transposed)"
+                    }
+                );
+                let (cx, gx) = (leaf(&input, Device::Cpu), leaf(&input, GPU));
+                let want = f(&cx).unwrap();
+                let got = f(&gx).unwrap_or_else(|e| panic!("{what} on {GPU}: {e}"));
+                assert_close(&got, &want, 0.0, &format!("{what} forward"));
+                let g = randn(want.dims(), dtype, 131);
+                backward(&want, &g);
+                backward(&got, &g);
+                assert_close(
+                    &grad(&gx, &what),
+                    &grad(&cx, &what),
+                    0.0,
+                    &format!("{what} grad"),
+                );
+            }
+        }
+    }
+}
+
+// ---- dropout -----------------------------------------------------------------------------------
+
+#[test]
+fn dropout_draws_the_cpu_mask_for_the_same_seed_forward_and_backward() {
+    if !gpu() {
+        return;
+    }
+    for dtype in DTYPES {
+        // No zeros in the input, so the output is zero exactly where an element was dropped.
+        let x = uniform(&[257, 129], 1.0, 2.0, dtype, 140);
+        for input in [x.clone(), strided(&x)] {
+            for p in [0.1, 0.5, 0.9] {
+                let what = format!("dropout p {p} x {:?} {dtype}", input.dims());
+                let (cx, gx) = (leaf(&input, Device::Cpu), leaf(&input, GPU));
+                let want = ops::dropout(&cx, p, true, &mut Generator::new(141)).unwrap();
+                let got = ops::dropout(&gx, p, true, &mut Generator::new(141))
+                    .unwrap_or_else(|e| panic!("{what} on {GPU}: {e}"));
+                assert_close(&got, &want, 0.0, &format!("{what} forward (the mask)"));
+                let g = randn(want.dims(), dtype, 142);
+                backward(&want, &g);
+                backward(&got, &g);
+                assert_close(
+                    &grad(&gx, &what),
+                    &grad(&cx, &what),
+                    0.0,
+                    &format!("{what} grad"),
+                );
+            }
+        }
+    }
+    // The generator advances: two draws give different masks; eval mode is the identity.
+    let x = uniform(&[1000], 1.0, 2.0, DType::F32, 143)
+        .to_device(GPU)
+        .unwrap();
+    let mut gen = Generator::new(144);
+    let first = ops::dropout(&x, 0.5, true, &mut gen)
+        .unwrap()
+        .to_vec::<f32>()
+        .unwrap();
+    let second = ops::dropout(&x, 0.5, true, &mut gen)
+        .unwrap()
+        .to_vec::<f32>()
+        .unwrap();
+    assert_ne!(
+        first, second,
+        "dropout on {GPU}: two draws gave the same mask"
+    );
+    let dropped = first.iter().filter(|&&v| v == 0.0).count();
+    assert!(
+        (400..600).contains(&dropped),
+        "dropout p 0.5 on {GPU} dropped {dropped} of 1000"
+    );
+    assert!(ops::dropout(&x, 0.5, false, &mut gen)
+        .unwrap()
+        .same_tensor(&x));
+}
+
+// ---- errors ------------------------------------------------------------------------------------
+
+/// The error text of `r`, which must be an error.
+fn err(r: Result<Tensor>, what: &str) -> String {
+    match r {
+        Ok(t) => panic!(
+            "{what}: expected an error, got a tensor of shape {:?}",
+            t.dims()
+        ),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn mixed_devices_and_bad_shapes_are_the_cpu_errors() {
+    if !gpu() {
+        return;
+    }
+    let c = randn(&[2, 3], DType::F32, 150);
+    let g = on(&c, GPU);
+    for (name, f) in BINARY {
+        let e = err(f(&c, &g), name);
+        assert!(
+            e.starts_with(name) && e.contains("cuda"),
+            "{name} cpu + {GPU}: {e}"
+        );
+        let e = err(f(&g, &c), name);
+        assert!(
+            e.starts_with(name) && e.contains("cuda"),
+            "{name} {GPU} + cpu: {e}"
+        );
+        let (c4, g4) = (
+            randn(&[4], DType::F32, 151),
+            on(&randn(&[4], DType::F32, 151), GPU),
+        );
+        assert_eq!(
+            err(f(&g, &g4), name),
+            err(f(&c, &c4), name),
+            "{name} of [2, 3] and [4]: the device's error differs from the CPU's"
+        );
+    }
+    let e = err(ops::cat(&[&c, &g], 0), "cat");
+    assert!(
+        e.starts_with("cat") && e.contains("cuda"),
+        "cat cpu + {GPU}: {e}"
+    );
+    let (c5, g5) = (
+        randn(&[4, 5], DType::F32, 152),
+        on(&randn(&[4, 5], DType::F32, 152), GPU),
+    );
+    assert_eq!(
+        err(ops::cat(&[&g, &g5], 1), "cat"),
+        err(ops::cat(&[&c, &c5], 1), "cat"),
+        "cat of [2, 3] and [4, 5]: the device's error differs from the CPU's"
+    );
+    let labels = Tensor::zeros(&[3], DType::I64, GPU).unwrap();
+    assert_eq!(
+        err(ops::relu(&labels), "relu"),
+        err(
+            ops::relu(&Tensor::zeros(&[3], DType::I64, Device::Cpu).unwrap()),
+            "relu"
+        ),
+        "relu of i64"
+    );
+    assert_eq!(
+        err(
+            ops::dropout(&labels, 0.5, true, &mut Generator::new(1)),
+            "dropout"
+        ),
+        err(
+            ops::dropout(
+                &Tensor::zeros(&[3], DType::I64, Device::Cpu).unwrap(),
+                0.5,
+                true,
+                &mut Generator::new(1)
+            ),
+            "dropout"
+        ),
+        "dropout of i64"
+    );
+}
