@@ -110,7 +110,8 @@ fn assert_close(got: &Tensor, want: &Tensor, ulps: f64, what: &str) {
         .enumerate()
         .filter(|&(_, (&g, &w))| {
             let same = (g.is_nan() && w.is_nan()) || g == w;
-            !same && !((g - w).abs() <= ulps * eps * w.abs().max(tiny))
+            let within = (g - w).abs() <= ulps * eps * w.abs().max(tiny);
+            !same && !within
         })
         .take(5)
         .map(|(i, (g, w))| format!("element {i}: got {g:e}, want {w:e}"))
@@ -402,8 +403,16 @@ fn gradcheck_every_op_in_f64_on_the_device() {
             randn(&[1, 4], DType::F64, 113),
         ],
     );
-    gradcheck_gpu("add_scalar", |t| ops::add_scalar(&t[0], 0.7), &[a.clone()]);
-    gradcheck_gpu("mul_scalar", |t| ops::mul_scalar(&t[0], -1.3), &[a.clone()]);
+    gradcheck_gpu(
+        "add_scalar",
+        |t| ops::add_scalar(&t[0], 0.7),
+        std::slice::from_ref(&a),
+    );
+    gradcheck_gpu(
+        "mul_scalar",
+        |t| ops::mul_scalar(&t[0], -1.3),
+        std::slice::from_ref(&a),
+    );
     let positive = uniform(&[3, 4], 0.3, 2.0, DType::F64, 114);
     for (name, f, _, needs_positive) in unary_ops() {
         let x = if needs_positive || name == "relu" {
@@ -412,7 +421,7 @@ fn gradcheck_every_op_in_f64_on_the_device() {
         } else {
             a.clone()
         };
-        gradcheck_gpu(&name, |t| f(&t[0]), &[x.clone()]);
+        gradcheck_gpu(&name, |t| f(&t[0]), std::slice::from_ref(&x));
         gradcheck_gpu(&name, |t| f(&t[0]), &[strided(&x)]);
     }
     gradcheck_gpu(
@@ -426,7 +435,7 @@ fn gradcheck_every_op_in_f64_on_the_device() {
     gradcheck_gpu(
         "dropout",
         |t| ops::dropout(&t[0], 0.3, true, &mut Generator::new(117)),
-        &[a.clone()],
+        std::slice::from_ref(&a),
     );
 }
 
