@@ -51,6 +51,10 @@ for line in sys.stdin:
     if m.get('reason') == 'compiler-artifact' and m.get('executable') and m['target']['name'] == '$target':
         print(m['executable'])")
   [ -n "$exe" ] || { echo "gpu-bundle: $pkg/$target did not build" >&2; exit 1; }
+  if [ -e "$out/tests/$target" ]; then
+    echo "gpu-bundle: two packages have a GPU test named $target; rename one" >&2
+    exit 1
+  fi
   cp "$exe" "$out/tests/$target"
   strip "$out/tests/$target"
   # The runner runs each test binary in its package's folder, as cargo does.
