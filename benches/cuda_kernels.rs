@@ -22,6 +22,9 @@ use tandem::core::{DType, Device, Generator, Stream, Tensor};
 
 type AnyError = Box<dyn std::error::Error>;
 
+#[path = "common/peer.rs"]
+mod peer;
+
 /// Time CUDA kernels in tandem and (when available) PyTorch.
 #[derive(Parser, Debug)]
 struct Args {
@@ -153,53 +156,29 @@ fn time_tandem(args: &Args) -> Result<Times, AnyError> {
 
 /// Runs the PyTorch peer; `Err` says why it could not run.
 fn time_torch(args: &Args) -> Result<(Times, String), String> {
-    let probe = Command::new(&args.peer_python)
-        .args([
-            "-c",
-            "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)",
-        ])
-        .output()
-        .map_err(|e| format!("cannot run `{}`: {e}", args.peer_python))?;
-    if !probe.status.success() {
-        return Err(format!(
-            "`{}` cannot import torch with CUDA (install it, or pass --peer-python)",
-            args.peer_python
-        ));
-    }
+    peer::probe(
+        &args.peer_python,
+        "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)",
+        "import torch with CUDA",
+    )?;
     let script = concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/benches/peers/cuda_kernels_torch.py"
     );
-    let output = Command::new(&args.peer_python)
+    let mut command = Command::new(&args.peer_python);
+    command
         .arg(script)
         .args(["--size", &args.size.to_string()])
         .args(["--elements", &args.elements.to_string()])
         .args(["--warmup", &args.warmup.to_string()])
         .args(["--iters", &args.iters.to_string()])
-        .args(["--device", &args.device.to_string()])
-        .output()
-        .map_err(|e| format!("cannot run the peer script: {e}"))?;
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    if !output.status.success() {
-        return Err(format!(
-            "the peer script failed ({}): {}",
-            output.status,
-            String::from_utf8_lossy(&output.stderr).trim()
-        ));
-    }
-    let last = stdout.lines().last().unwrap_or("");
-    let value: serde_json::Value =
-        serde_json::from_str(last).map_err(|e| format!("unreadable peer output `{last}`: {e}"))?;
-    let field = |name: &str| {
-        value[name]
-            .as_f64()
-            .ok_or_else(|| format!("peer output lacks `{name}`: {last}"))
-    };
+        .args(["--device", &args.device.to_string()]);
+    let value = peer::run_json(command)?;
     Ok((
         Times {
-            matmul: field("matmul_ms")?,
-            matmul_tf32: field("matmul_tf32_ms")?,
-            axpy: field("axpy_ms")?,
+            matmul: peer::field(&value, "matmul_ms")?,
+            matmul_tf32: peer::field(&value, "matmul_tf32_ms")?,
+            axpy: peer::field(&value, "axpy_ms")?,
         },
         format!(
             "torch {} on {}",

@@ -39,6 +39,9 @@ use tandem::optim::{Optimizer, Sgd, SgdConfig};
 
 type AnyError = Box<dyn std::error::Error>;
 
+#[path = "common/peer.rs"]
+mod peer;
+
 /// The models the benchmark knows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum ModelKind {
@@ -414,21 +417,13 @@ fn peak_rss_mib() -> Option<f64> {
 
 /// Runs the PyTorch peer; `Err` says why it could not run.
 fn time_torch(args: &Args, threads: usize) -> Result<(Timing, String), String> {
-    let probe = Command::new(&args.peer_python)
-        .args(["-c", "import torch"])
-        .output()
-        .map_err(|e| format!("cannot run `{}`: {e}", args.peer_python))?;
-    if !probe.status.success() {
-        return Err(format!(
-            "`{}` cannot import torch (install it, or pass --peer-python)",
-            args.peer_python
-        ));
-    }
+    peer::probe(&args.peer_python, "import torch", "import torch")?;
     let script = concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/benches/peers/train_step_torch.py"
     );
-    let output = Command::new(&args.peer_python)
+    let mut command = Command::new(&args.peer_python);
+    command
         .arg(script)
         .args(["--model", args.model.name()])
         .args(["--batch-size", &args.batch_size.to_string()])
@@ -437,30 +432,13 @@ fn time_torch(args: &Args, threads: usize) -> Result<(Timing, String), String> {
         .args(["--steps", &args.steps.to_string()])
         .args(["--seed", &args.seed.to_string()])
         .args(["--device", &args.device.to_string()])
-        .args(args.tf32_matmul.then_some("--tf32-matmul"))
-        .output()
-        .map_err(|e| format!("cannot run the peer script: {e}"))?;
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    if !output.status.success() {
-        return Err(format!(
-            "the peer script failed ({}): {}",
-            output.status,
-            String::from_utf8_lossy(&output.stderr).trim()
-        ));
-    }
-    let last = stdout.lines().last().unwrap_or("");
-    let value: serde_json::Value =
-        serde_json::from_str(last).map_err(|e| format!("unreadable peer output `{last}`: {e}"))?;
-    let field = |name: &str| {
-        value[name]
-            .as_f64()
-            .ok_or_else(|| format!("peer output lacks `{name}`: {last}"))
-    };
+        .args(args.tf32_matmul.then_some("--tf32-matmul"));
+    let value = peer::run_json(command)?;
     Ok((
         Timing {
-            median_ms: field("median_ms")?,
-            mean_ms: field("mean_ms")?,
-            min_ms: field("min_ms")?,
+            median_ms: peer::field(&value, "median_ms")?,
+            mean_ms: peer::field(&value, "mean_ms")?,
+            min_ms: peer::field(&value, "min_ms")?,
             host_ms: value["host_ms"]
                 .as_f64()
                 .filter(|_| args.device != Device::Cpu),
