@@ -47,6 +47,7 @@
 #include <unistd.h>
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
 
 #include <algorithm>
 #include <atomic>
@@ -357,6 +358,18 @@ struct LaunchJob {
     const void* arguments;
 };
 
+// Microseconds a worker sleeps between seeing a new launch and reading it, times (its id % 3):
+// `TANDEM_HOST_WORKER_DELAY_US`, read once, 0 when unset. Only for the harness's own test of the
+// pool (tests/worker_pool.rs): it widens the window in which the OS may preempt a worker, so a
+// race there shows in every run instead of one run in ten on a busy 2-core machine.
+inline unsigned int worker_delay_us() {
+    static const unsigned int delay = [] {
+        const char* text = getenv("TANDEM_HOST_WORKER_DELAY_US");
+        return text == nullptr ? 0u : (unsigned int)strtoul(text, nullptr, 10);
+    }();
+    return delay;
+}
+
 // Worker threads kept for the life of the process and reused by every launch: creating one OS
 // thread per CUDA thread per launch would dominate the run time of the tests. Workers sleep on
 // a futex until the next launch.
@@ -364,7 +377,8 @@ class WorkerPool {
 public:
     // Runs job(context, t) for every t in [0, threads) on `threads` distinct workers and waits
     // for all of them. Returns false, running nothing, if the system refuses enough threads.
-    // Called by one launching thread at a time.
+    // Called by one launching thread at a time (the Rust side serialises launches). Every
+    // kernel library of a process shares one pool: `worker_pool`'s static is a unique symbol.
     bool run(unsigned int threads, void (*job)(void*, unsigned int), void* context) {
         while (workers_ < threads) {
             if (!spawn(workers_)) {
@@ -372,11 +386,19 @@ public:
             }
             ++workers_;
         }
-        job_ = job;
-        context_ = context;
+        // Publish the launch like a sequence lock: an odd generation while its fields are
+        // written, the next even one once they are complete. A worker that sat out the last
+        // launch may still be reading the fields; it sees the generation move and reads again,
+        // so it never takes this launch's size with the last launch's generation (which ran a
+        // thread twice and let the launch return while a kernel thread was still running).
+        unsigned int generation = generation_.load(std::memory_order_relaxed);
+        generation_.store(generation + 1, std::memory_order_relaxed);
+        std::atomic_thread_fence(std::memory_order_release);
+        job_.store(job, std::memory_order_relaxed);
+        context_.store(context, std::memory_order_relaxed);
         active_.store(threads, std::memory_order_relaxed);
         finished_.store(0, std::memory_order_relaxed);
-        generation_.fetch_add(1, std::memory_order_release);
+        generation_.store(generation + 2, std::memory_order_release);
         futex_wake_all(&generation_);
         for (;;) {
             unsigned int done = finished_.load(std::memory_order_acquire);
@@ -420,17 +442,28 @@ private:
     void work(unsigned int id, unsigned int seen) {
         for (;;) {
             unsigned int generation = generation_.load(std::memory_order_acquire);
-            if (generation == seen) {
-                futex_wait(&generation_, seen, 1000);
+            if (generation == seen || (generation & 1) != 0) {
+                futex_wait(&generation_, generation, 1000);
+                continue;
+            }
+            if (worker_delay_us() != 0) {
+                usleep(worker_delay_us() * (id % 3));
+            }
+            void (*job)(void*, unsigned int) = job_.load(std::memory_order_relaxed);
+            void* context = context_.load(std::memory_order_relaxed);
+            unsigned int active = active_.load(std::memory_order_relaxed);
+            std::atomic_thread_fence(std::memory_order_acquire);
+            if (generation_.load(std::memory_order_relaxed) != generation) {
+                // A newer launch overwrote the fields while they were read. This worker was
+                // not part of the older one: a launch only ends when all its workers finish.
                 continue;
             }
             seen = generation;
-            if (id >= active_.load(std::memory_order_relaxed)) {
+            if (id >= active) {
                 continue;
             }
-            job_(context_, id);
-            if (finished_.fetch_add(1, std::memory_order_acq_rel) + 1 ==
-                active_.load(std::memory_order_relaxed)) {
+            job(context, id);
+            if (finished_.fetch_add(1, std::memory_order_acq_rel) + 1 == active) {
                 futex_wake_all(&finished_);
             }
         }
@@ -440,8 +473,8 @@ private:
     std::atomic<unsigned int> active_{0};
     std::atomic<unsigned int> finished_{0};
     unsigned int workers_ = 0;
-    void (*job_)(void*, unsigned int) = nullptr;
-    void* context_ = nullptr;
+    std::atomic<void (*)(void*, unsigned int)> job_{nullptr};
+    std::atomic<void*> context_{nullptr};
 };
 
 // Never destroyed: its workers block on its condition variables until the process exits.

@@ -117,6 +117,13 @@ extern "C" __global__ void indices_3d(unsigned int* out) {
 }
 TANDEM_HOST_EXPORT(indices_3d)
 
+// Each thread of the grid adds one to its own slot: every slot must be 1 once the launch returns.
+extern "C" __global__ void count_each_thread(unsigned int* hits) {
+    unsigned int threads = blockDim.x * blockDim.y * blockDim.z;
+    atomicAdd(&hits[blockIdx.x * threads + threadIdx.x], 1u);
+}
+TANDEM_HOST_EXPORT(count_each_thread)
+
 // Broken on purpose: thread 0 returns before a barrier the others reach.
 extern "C" __global__ void broken_early_return(int* out) {
     if (threadIdx.x == 0) {
