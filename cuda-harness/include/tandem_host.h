@@ -477,7 +477,7 @@ private:
     std::atomic<void*> context_{nullptr};
 };
 
-// Never destroyed: its workers block on its condition variables until the process exits.
+// Never destroyed: its workers sleep on its futexes until the process exits.
 inline WorkerPool& worker_pool() {
     static WorkerPool* pool = new WorkerPool();
     return *pool;
