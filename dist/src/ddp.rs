@@ -286,9 +286,7 @@ fn check_same_model(
     let model_err =
         |e: tandem_core::Error| DistError::tensor(rank, "comparing the models of the ranks", e);
 
-    let on_device = |t: tandem_core::Result<Tensor>| t.and_then(|t| t.to_device(device));
-    let len = on_device(Tensor::from_vec(vec![text.len() as i64], &[1], Device::Cpu))
-        .map_err(model_err)?;
+    let len = Tensor::from_vec(vec![text.len() as i64], &[1], device).map_err(model_err)?;
     group.broadcast(&len, 0)?.wait()?;
     let n = len.to_vec::<i64>().map_err(model_err)?[0].max(0) as usize;
     // Rank 0's description has a line per tensor; anything near this bound is not a model.
@@ -307,7 +305,7 @@ fn check_same_model(
     } else {
         vec![0u8; n]
     };
-    let reference = on_device(Tensor::from_vec(bytes, &[n], Device::Cpu)).map_err(model_err)?;
+    let reference = Tensor::from_vec(bytes, &[n], device).map_err(model_err)?;
     group.broadcast(&reference, 0)?.wait()?;
     let reference_text =
         String::from_utf8_lossy(&reference.to_vec::<u8>().map_err(model_err)?).into_owned();
@@ -322,8 +320,7 @@ fn check_same_model(
         .map_or(-1.0, |i| i as f64);
     let mut verdicts = vec![0.0f64; world];
     verdicts[rank] = first_diff;
-    let verdicts =
-        on_device(Tensor::from_vec(verdicts, &[world], Device::Cpu)).map_err(model_err)?;
+    let verdicts = Tensor::from_vec(verdicts, &[world], device).map_err(model_err)?;
     group.all_reduce(&verdicts, ReduceOp::Sum)?.wait()?;
     let verdicts = verdicts.to_vec::<f64>().map_err(model_err)?;
     if let Some((bad_rank, &at)) = verdicts.iter().enumerate().find(|(_, &v)| v >= 0.0) {

@@ -356,14 +356,12 @@ struct LossSum {
 impl LossSum {
     /// Adds the (scalar) loss of one step, without reading it.
     fn add(&mut self, loss: &Tensor) -> Result<(), AnyError> {
-        match &self.sum {
-            Some(sum) => sum.add_scaled_(&loss.detach(), 1.0)?,
-            None => {
-                // A fresh sum every few steps: its own dtype (the loss's) loses nothing.
-                let sum = Tensor::zeros(&[], loss.dtype(), loss.device())?;
-                sum.add_scaled_(&loss.detach(), 1.0)?;
-                self.sum = Some(sum);
-            }
+        if self.sum.is_none() {
+            // A fresh sum every few steps: its own dtype (the loss's) loses nothing.
+            self.sum = Some(Tensor::zeros(&[], loss.dtype(), loss.device())?);
+        }
+        if let Some(sum) = &self.sum {
+            sum.add_scaled_(&loss.detach(), 1.0)?;
         }
         Ok(())
     }

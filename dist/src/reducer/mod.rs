@@ -291,9 +291,7 @@ impl Reducer {
         let rank = self.group.rank();
         let err = |e| DistError::tensor(rank, "agreeing on the rebuilt bucket order", e);
         let values: Vec<i64> = order.iter().map(|&p| p as i64).collect();
-        let t = Tensor::from_vec(values, &[order.len()], Device::Cpu)
-            .and_then(|t| t.to_device(self.device))
-            .map_err(err)?;
+        let t = Tensor::from_vec(values, &[order.len()], self.device).map_err(err)?;
         self.group.broadcast(&t, 0)?.wait()?;
         let agreed = t.to_vec::<i64>().map_err(err)?;
         let n = self.params.len();

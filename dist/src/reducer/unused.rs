@@ -90,8 +90,7 @@ impl UnreachedHere {
     pub fn count_users(&self, group: &dyn ProcessGroup, device: Device) -> Result<(Tensor, Work)> {
         let rank = group.rank();
         let flags: Vec<f32> = self.used.iter().map(|&u| u as u8 as f32).collect();
-        let counts = Tensor::from_vec(flags, &[self.used.len()], Device::Cpu)
-            .and_then(|t| t.to_device(device))
+        let counts = Tensor::from_vec(flags, &[self.used.len()], device)
             .map_err(|e| DistError::tensor(rank, "counting the users of each parameter", e))?;
         let work = group.all_reduce(&counts, ReduceOp::Sum)?;
         Ok((counts, work))

@@ -131,8 +131,7 @@ impl TableCache {
         validate(table)?;
         let words: Vec<i64> = table.words().iter().map(|&w| w as i64).collect();
         let len = words.len();
-        let uploaded =
-            Tensor::from_vec(words, &[len], Device::Cpu)?.to_device(Device::Cuda(ordinal))?;
+        let uploaded = Tensor::from_vec(words, &[len], Device::Cuda(ordinal))?;
         let (_, address) = element_address("multi-tensor table", &uploaded)?;
         count(|c| c.table_uploads += 1);
         self.tables.push_front(Cached {
