@@ -12,8 +12,8 @@
 //! ordinary operations inside the jobs they queue there.
 
 use tandem_core::cuda::launch::Launch;
-use tandem_core::cuda::runtime_kernels::{cast_launch, DeviceView};
-use tandem_core::cuda::{device_pointer, CudaDevice, CudaStorage};
+use tandem_core::cuda::runtime_kernels::cast_launch;
+use tandem_core::cuda::{device_view, CudaDevice, CudaStorage};
 use tandem_core::{DType, Device, Error, Layout, Result, Storage, Stream, Tensor};
 
 /// Checks that `stream` is a CUDA stream and that `tensors` live on its device.
@@ -28,22 +28,6 @@ fn check_stream(op: &'static str, stream: &Stream, tensors: &[&Tensor]) -> Resul
         t.device().same_as(stream.device(), op)?;
     }
     Ok(())
-}
-
-/// The device view of a CUDA tensor for a launch plan, and its device.
-fn view<'a>(
-    op: &'static str,
-    t: &'a Tensor,
-) -> Result<(std::sync::Arc<CudaDevice>, DeviceView<'a>)> {
-    let (dev, ptr) = device_pointer(op, t)?;
-    Ok((
-        dev,
-        DeviceView {
-            ptr,
-            dtype: t.dtype(),
-            layout: t.layout(),
-        },
-    ))
 }
 
 /// Runs `launch` (over `numel` elements; nothing when 0) on `stream`, a CUDA stream of `dev`.
@@ -96,8 +80,8 @@ pub(crate) fn cast_on(stream: &Stream, dst: &Tensor, src: &Tensor) -> Result<()>
             format!("destination {:?} vs source {:?}", dst.dims(), src.dims()),
         ));
     }
-    let (dev, d) = view(OP, dst)?;
-    let (_, s) = view(OP, src)?;
+    let (dev, d) = device_view(OP, dst)?;
+    let (_, s) = device_view(OP, src)?;
     // The plan refuses a source that overlaps its destination other than as the same view.
     let launch = cast_launch(d, s)?;
     dst.record_stream(stream)?;

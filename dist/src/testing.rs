@@ -137,6 +137,18 @@ fn check_identical(pg: &dyn ProcessGroup, what: &str, t: &Tensor) -> Result<(), 
     Ok(())
 }
 
+/// Runs `f(group)` on one thread per rank, one group each, and returns the results in rank
+/// order. A panicking rank panics the caller.
+pub fn on_each_rank<G: Send, R: Send>(groups: Vec<G>, f: impl Fn(G) -> R + Sync) -> Vec<R> {
+    std::thread::scope(|s| {
+        let handles: Vec<_> = groups.into_iter().map(|g| s.spawn(|| f(g))).collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("rank thread panicked"))
+            .collect()
+    })
+}
+
 /// Runs the suite on rank `pg.rank()`; every rank of the group must call it with the same
 /// `seed` and `sizes` (element counts; include 0 and sizes that do not divide by the world size,
 /// and one above the group's small-message threshold to exercise the large-message path).

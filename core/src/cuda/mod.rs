@@ -23,5 +23,5 @@ mod transfer;
 
 pub use device::{device, device_count, is_available, CudaDevice};
 pub use memory::{empty_cache, memory_stats, reset_peak_memory, DeviceBuffer, MemoryStats};
-pub use runtime::{device_pointer, launch_on_compute};
+pub use runtime::{device_pointer, device_view, launch_on_compute};
 pub use storage::CudaStorage;

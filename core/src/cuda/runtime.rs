@@ -21,8 +21,12 @@ pub fn device_pointer(op: &'static str, t: &Tensor) -> Result<(Arc<CudaDevice>, 
     Ok((m.cuda_device().clone(), m.ptr()))
 }
 
-/// A view of a CUDA tensor for the runtime kernels.
-fn view<'a>(op: &'static str, t: &'a Tensor) -> Result<(Arc<CudaDevice>, DeviceView<'a>)> {
+/// The open device of a CUDA tensor and its view for a launch plan (address of the storage,
+/// dtype, layout).
+pub fn device_view<'a>(
+    op: &'static str,
+    t: &'a Tensor,
+) -> Result<(Arc<CudaDevice>, DeviceView<'a>)> {
     let (dev, ptr) = device_pointer(op, t)?;
     Ok((
         dev,
@@ -57,15 +61,15 @@ pub fn launch_on_compute(dev: &CudaDevice, launch: &Launch, numel: usize) -> Res
 
 /// Sets every element to `value`.
 pub(crate) fn fill(t: &Tensor, value: f64) -> Result<()> {
-    let (dev, dst) = view("fill_", t)?;
+    let (dev, dst) = device_view("fill_", t)?;
     launch_on_compute(&dev, &kernels::fill_launch(dst, value)?, t.numel())
 }
 
 /// A copy of `src` when it overlaps `dst` other than as the same view (the kernels read and
 /// write element `i` in one thread, so only that kind of aliasing is safe).
 fn unaliased(dst: &Tensor, src: &Tensor) -> Result<Option<Tensor>> {
-    let (_, d) = view("copy_", dst)?;
-    let (_, s) = view("copy_", src)?;
+    let (_, d) = device_view("copy_", dst)?;
+    let (_, s) = device_view("copy_", src)?;
     if kernels::overlaps_other_than_same_view(&d, &s)? {
         let fresh = Tensor::empty(src.dims(), src.dtype(), src.device())?;
         copy(&fresh, src)?;
@@ -79,14 +83,14 @@ fn unaliased(dst: &Tensor, src: &Tensor) -> Result<Option<Tensor>> {
 pub(crate) fn copy(dst: &Tensor, src: &Tensor) -> Result<()> {
     let staged = unaliased(dst, src)?;
     let src = staged.as_ref().unwrap_or(src);
-    let (dev, d) = view("copy_", dst)?;
-    let (_, s) = view("copy_", src)?;
+    let (dev, d) = device_view("copy_", dst)?;
+    let (_, s) = device_view("copy_", src)?;
     launch_on_compute(&dev, &kernels::copy_launch(d, s)?, dst.numel())
 }
 
 /// `t *= factor`.
 pub(crate) fn scale(t: &Tensor, factor: f64) -> Result<()> {
-    let (dev, dst) = view("scale_", t)?;
+    let (dev, dst) = device_view("scale_", t)?;
     launch_on_compute(&dev, &kernels::scale_launch(dst, factor)?, t.numel())
 }
 
@@ -94,16 +98,16 @@ pub(crate) fn scale(t: &Tensor, factor: f64) -> Result<()> {
 pub(crate) fn add_scaled(dst: &Tensor, src: &Tensor, alpha: f64) -> Result<()> {
     let staged = unaliased(dst, src)?;
     let src = staged.as_ref().unwrap_or(src);
-    let (dev, d) = view("add_scaled_", dst)?;
-    let (_, s) = view("add_scaled_", src)?;
+    let (dev, d) = device_view("add_scaled_", dst)?;
+    let (_, s) = device_view("add_scaled_", src)?;
     launch_on_compute(&dev, &kernels::add_scaled_launch(d, s, alpha)?, dst.numel())
 }
 
 /// `t` converted to `dtype`, as a fresh contiguous tensor on the same device.
 pub(crate) fn cast(t: &Tensor, dtype: DType) -> Result<Tensor> {
     let out = Tensor::empty(t.dims(), dtype, t.device())?;
-    let (dev, src) = view("to_dtype", t)?;
-    let (_, dst) = view("to_dtype", &out)?;
+    let (dev, src) = device_view("to_dtype", t)?;
+    let (_, dst) = device_view("to_dtype", &out)?;
     launch_on_compute(&dev, &kernels::cast_launch(dst, src)?, t.numel())?;
     Ok(out)
 }

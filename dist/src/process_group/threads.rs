@@ -190,22 +190,8 @@ mod tests {
     use std::time::{Duration, Instant};
 
     use super::*;
-    use crate::testing::conformance;
+    use crate::testing::{conformance, on_each_rank};
     use tandem_core::{DType, Device};
-
-    /// Runs `f(group)` on one thread per rank and returns the results in rank order.
-    fn on_each_rank<R: Send>(
-        groups: Vec<ThreadProcessGroup>,
-        f: impl Fn(ThreadProcessGroup) -> R + Sync,
-    ) -> Vec<R> {
-        std::thread::scope(|s| {
-            let handles: Vec<_> = groups.into_iter().map(|g| s.spawn(|| f(g))).collect();
-            handles
-                .into_iter()
-                .map(|h| h.join().expect("rank thread panicked"))
-                .collect()
-        })
-    }
 
     #[test]
     fn every_collective_matches_the_serial_reference_on_1_2_3_4_and_8_ranks() {

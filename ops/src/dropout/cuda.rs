@@ -7,7 +7,7 @@
 
 use tandem_core::cuda::launch::{KernelArg, KernelSource, Launch, LaunchConfig, StridedLayout};
 use tandem_core::cuda::runtime_kernels::{overlaps_other_than_same_view, DeviceView};
-use tandem_core::cuda::{device_pointer, launch_on_compute};
+use tandem_core::cuda::{device_pointer, device_view, launch_on_compute};
 use tandem_core::{DType, Error, Result, Tensor};
 
 use crate::elementwise_plan::THREADS_PER_BLOCK;
@@ -167,12 +167,7 @@ pub fn dropout_backward_launch(
 
 /// The view of a CUDA tensor.
 fn view<'a>(op: &'static str, t: &'a Tensor) -> Result<DeviceView<'a>> {
-    let (_, ptr) = device_pointer(op, t)?;
-    Ok(DeviceView {
-        ptr,
-        dtype: t.dtype(),
-        layout: t.layout(),
-    })
+    device_view(op, t).map(|(_, v)| v)
 }
 
 /// Inverted dropout of `x` with the mask of `seed`: the output and the u8 keep-mask.

@@ -353,7 +353,7 @@ mod tests {
     use super::frame::{FrameHeader, HEADER_LEN};
     use super::handshake::{connect_side, Channel, Me};
     use super::*;
-    use crate::testing::conformance;
+    use crate::testing::{conformance, on_each_rank};
     use std::io::Write;
     use std::net::{SocketAddr, TcpStream};
     use std::time::Duration;
@@ -378,19 +378,6 @@ mod tests {
         });
         groups[0]._server = Some(server);
         groups
-    }
-
-    fn on_each_rank<R: Send>(
-        groups: Vec<TcpProcessGroup>,
-        f: impl Fn(TcpProcessGroup) -> R + Sync,
-    ) -> Vec<R> {
-        std::thread::scope(|s| {
-            let handles: Vec<_> = groups.into_iter().map(|g| s.spawn(|| f(g))).collect();
-            handles
-                .into_iter()
-                .map(|h| h.join().expect("rank thread panicked"))
-                .collect()
-        })
     }
 
     /// Small thresholds, so that modest tensors take the large-message paths in many chunks.
