@@ -4,8 +4,7 @@
 //! what a fast implementation does anyway, as PyTorch's `.contiguous()` does). The max pool's
 //! saved maxima are u32 plane indices in a device buffer that lives in the backward closure.
 
-use tandem_core::cuda::runtime_kernels::DeviceView;
-use tandem_core::cuda::{device_pointer, launch_on_compute, DeviceBuffer};
+use tandem_core::cuda::{device_view, launch_on_compute, DeviceBuffer};
 use tandem_core::{Error, Result, Tensor};
 
 use super::launch::{
@@ -46,23 +45,6 @@ fn geometry(
     )
 }
 
-/// `t`, or a dense copy of it when it is strided.
-fn dense(t: &Tensor) -> Result<Tensor> {
-    if t.is_contiguous() {
-        Ok(t.detach())
-    } else {
-        t.contiguous_detached()
-    }
-}
-
-fn view<'a>(t: &'a Tensor, ptr: u64) -> DeviceView<'a> {
-    DeviceView {
-        ptr,
-        dtype: t.dtype(),
-        layout: t.layout(),
-    }
-}
-
 /// Max pooling of `x` into a tensor of `shape`, with the maxima's indices when `keep_indices`.
 pub(crate) fn max_pool(
     op: &'static str,
@@ -72,10 +54,10 @@ pub(crate) fn max_pool(
     shape: &[usize],
 ) -> Result<(Tensor, Option<MaxIndices>)> {
     let geometry = geometry(op, x, shape, windows, None)?;
-    let x = dense(x)?;
+    let x = x.contiguous_detached()?;
     let out = Tensor::empty(shape, x.dtype(), x.device())?;
-    let (dev, x_ptr) = device_pointer(op, &x)?;
-    let (_, out_ptr) = device_pointer(op, &out)?;
+    let (dev, x_view) = device_view(op, &x)?;
+    let (_, out_view) = device_view(op, &out)?;
     let n = out.numel();
     let indices = if keep_indices {
         let bytes = n.checked_mul(4).ok_or_else(|| Error::OutOfMemory {
@@ -89,8 +71,8 @@ pub(crate) fn max_pool(
     };
     let launch = max_pool2d_launch(
         op,
-        view(&x, x_ptr),
-        view(&out, out_ptr),
+        x_view,
+        out_view,
         indices.as_ref().map_or(0, DeviceBuffer::ptr),
         &geometry,
     )?;
@@ -109,9 +91,9 @@ pub(crate) fn max_pool_backward(
 ) -> Result<Tensor> {
     let gx = Tensor::empty(in_shape, g.dtype(), g.device())?;
     let geometry = geometry(op, &gx, g.dims(), windows, None)?;
-    let g = dense(g)?;
-    let (dev, g_ptr) = device_pointer(op, &g)?;
-    let (_, gx_ptr) = device_pointer(op, &gx)?;
+    let g = g.contiguous_detached()?;
+    let (dev, g_view) = device_view(op, &g)?;
+    let (_, gx_view) = device_view(op, &gx)?;
     if indices.buffer.device().device() != g.device() {
         return Err(Error::DeviceMismatch {
             op,
@@ -119,13 +101,7 @@ pub(crate) fn max_pool_backward(
             rhs: g.device(),
         });
     }
-    let launch = max_pool2d_backward_launch(
-        op,
-        view(&g, g_ptr),
-        indices.buffer.ptr(),
-        view(&gx, gx_ptr),
-        &geometry,
-    )?;
+    let launch = max_pool2d_backward_launch(op, g_view, indices.buffer.ptr(), gx_view, &geometry)?;
     launch_on_compute(&dev, &launch, gx.numel())?;
     Ok(gx)
 }
@@ -140,11 +116,11 @@ pub(crate) fn avg_pool(
     shape: &[usize],
 ) -> Result<Tensor> {
     let geometry = geometry(op, x, shape, windows, divisor)?;
-    let x = dense(x)?;
+    let x = x.contiguous_detached()?;
     let out = Tensor::empty(shape, x.dtype(), x.device())?;
-    let (dev, x_ptr) = device_pointer(op, &x)?;
-    let (_, out_ptr) = device_pointer(op, &out)?;
-    let launch = avg_pool2d_launch(op, view(&x, x_ptr), view(&out, out_ptr), &geometry)?;
+    let (dev, x_view) = device_view(op, &x)?;
+    let (_, out_view) = device_view(op, &out)?;
+    let launch = avg_pool2d_launch(op, x_view, out_view, &geometry)?;
     launch_on_compute(&dev, &launch, out.numel())?;
     Ok(out)
 }
@@ -159,10 +135,10 @@ pub(crate) fn avg_pool_backward(
 ) -> Result<Tensor> {
     let gx = Tensor::empty(in_shape, g.dtype(), g.device())?;
     let geometry = geometry(op, &gx, g.dims(), windows, divisor)?;
-    let g = dense(g)?;
-    let (dev, g_ptr) = device_pointer(op, &g)?;
-    let (_, gx_ptr) = device_pointer(op, &gx)?;
-    let launch = avg_pool2d_backward_launch(op, view(&g, g_ptr), view(&gx, gx_ptr), &geometry)?;
+    let g = g.contiguous_detached()?;
+    let (dev, g_view) = device_view(op, &g)?;
+    let (_, gx_view) = device_view(op, &gx)?;
+    let launch = avg_pool2d_backward_launch(op, g_view, gx_view, &geometry)?;
     launch_on_compute(&dev, &launch, gx.numel())?;
     Ok(gx)
 }
