@@ -165,10 +165,14 @@ pub fn reset_peak_memory(ordinal: usize) -> Result<()> {
     .map_err(driver_err("reset_peak_memory", dev.device()))
 }
 
-/// Returns the pool's cached memory to the driver (after the device has finished its work).
+/// Returns the pool's cached memory to the driver (after the device has finished its work),
+/// and frees the pinned host buffers that staged copies and are idle now. The one place the
+/// runtime frees pinned memory, which can synchronise the device: call it between phases of a
+/// program, not inside a training step.
 pub fn empty_cache(ordinal: usize) -> Result<()> {
     let dev = device(ordinal)?;
     dev.synchronize()?;
+    super::transfer::trim_staging();
     // SAFETY: trimming keeps every live allocation.
     unsafe { result::mem_pool::trim_to(dev.pool(), 0) }
         .map_err(driver_err("empty_cache", dev.device()))
