@@ -21,7 +21,8 @@ const GPU: Device = Device::Cuda(0);
 
 /// `[N, C, H, W]` values starting `offset` elements into a flat allocation (on `device`).
 fn batch_at(values: &Tensor, offset: usize, dims: [usize; 4], device: Device) -> Tensor {
-    let flat = values.to_device(device).unwrap();
+    // A fresh allocation per call (`to_device` to the CPU would share `values`).
+    let flat = values.copy_detached().unwrap().to_device(device).unwrap();
     let numel: usize = dims.iter().product();
     let layout = flat
         .layout()
@@ -66,7 +67,13 @@ fn run_at(offset: usize, values: &Tensor, w: &Tensor, gy_seed: u64, what: &str) 
         batch_at(values, offset, dims, GPU),
     );
     let wc = w.copy_detached().unwrap().with_requires_grad().unwrap();
-    let wg = w.to_device(GPU).unwrap().with_requires_grad().unwrap();
+    let wg = w
+        .copy_detached()
+        .unwrap()
+        .to_device(GPU)
+        .unwrap()
+        .with_requires_grad()
+        .unwrap();
     let yc = conv2d(&xc, &wc, None, &p).unwrap();
     let yg = conv2d(&xg, &wg, None, &p).unwrap_or_else(|e| panic!("{what}: forward: {e}"));
     assert_close(&yg, &yc, &format!("{what}: output"));
