@@ -258,7 +258,10 @@ impl State {
             |chosen| passes::run::<P>(dev, handle, descriptors, chosen, dtype, g, ops),
             |event| match event {
                 Event::Chose => stats.searches += 1,
-                Event::NotSupported => stats.not_supported += 1,
+                Event::NotSupported => {
+                    stats.not_supported += 1;
+                    notice_not_supported(P::NAME, g, dtype, key.alignments);
+                }
                 Event::Declined => stats.declined_calls += 1,
             },
         )?;
@@ -274,6 +277,19 @@ fn notice_declined(pass: &str, g: &Geometry, dtype: DType, why: &str) {
         eprintln!(
             "tandem: cuDNN declined the conv2d {pass} pass of {g:?} ({dtype}: {why}); it runs \
              through im2col + cuBLAS (later such cases are not reported)"
+        )
+    });
+}
+
+/// Prints, once per process, that cuDNN refused a chosen algorithm on the buffers at hand
+/// (later ones count in [`CudnnCacheStats::not_supported`] only).
+fn notice_not_supported(pass: &str, g: &Geometry, dtype: DType, alignments: Alignments) {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        eprintln!(
+            "tandem: cuDNN answered NOT_SUPPORTED for the algorithm chosen for the conv2d {pass} \
+             pass of {g:?} ({dtype}, buffers aligned to {alignments:?} bytes); choosing again, \
+             then im2col + cuBLAS (later such cases are not reported)"
         )
     });
 }
