@@ -326,3 +326,177 @@ fn copies_on_a_second_stream_are_ordered_by_their_event() {
         assert_eq!(doubled.to_vec::<f32>().unwrap(), want, "round {round}");
     }
 }
+
+/// A kernel that holds its stream: one thread spins until the flag (host memory mapped into the
+/// device) turns non-zero, or until `limit` clock cycles have passed, so that a test failing
+/// before it releases the gate cannot leave the device spinning.
+static GATE: tandem_core::cuda::launch::KernelSource = tandem_core::cuda::launch::KernelSource {
+    name: "cuda_runtime_test_gate",
+    source: r#"
+extern "C" __global__ void gate(const volatile unsigned int* flag, long long limit) {
+    long long start = clock64();
+    while (*flag == 0u && clock64() - start < limit) {
+    }
+}
+"#,
+    headers: &[],
+};
+
+/// About 30 s of spinning at 2 GHz: far longer than the test waits, far shorter than forever.
+const GATE_LIMIT_CYCLES: i64 = 60_000_000_000;
+
+/// A gate kernel running on a stream, released by writing its flag from the host (through
+/// pinned memory mapped into the device, so no stream has to run for the release). Dropping it
+/// releases the gate and waits for the stream, so a failing assertion cannot leave it closed.
+struct Gate {
+    host: *mut u32,
+    stream: std::sync::Arc<cudarc::driver::CudaStream>,
+}
+
+impl Gate {
+    fn close(dev: &cuda::CudaDevice, stream: &std::sync::Arc<cudarc::driver::CudaStream>) -> Gate {
+        use cudarc::driver::{result, sys};
+        use tandem_core::cuda::launch::{KernelArg, Launch, LaunchConfig};
+        dev.bind("test").unwrap();
+        // SAFETY: a plain 4-byte allocation of pinned, device-mapped host memory.
+        let host = unsafe {
+            result::malloc_host(
+                4,
+                sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP,
+            )
+        }
+        .unwrap()
+        .cast::<u32>();
+        // SAFETY: `host` points at 4 writable bytes no kernel uses yet.
+        unsafe { host.write_volatile(0) };
+        let mut device_ptr: sys::CUdeviceptr = 0;
+        // SAFETY: `host` was allocated with DEVICEMAP; the out-pointer is valid.
+        unsafe { sys::cuMemHostGetDevicePointer_v2(&mut device_ptr, host.cast(), 0) }
+            .result()
+            .unwrap();
+        let launch = Launch {
+            source: &GATE,
+            kernel: "gate".into(),
+            config: LaunchConfig::new("gate", [1, 1, 1], [1, 1, 1], 0).unwrap(),
+            args: vec![
+                KernelArg::Ptr(device_ptr),
+                KernelArg::I64(GATE_LIMIT_CYCLES),
+            ],
+        };
+        let gate = Gate {
+            host,
+            stream: stream.clone(),
+        };
+        dev.launch(&launch, stream).unwrap();
+        gate
+    }
+
+    fn open(&self) {
+        // SAFETY: the flag lives until drop; the kernel only reads it.
+        unsafe { self.host.write_volatile(1) };
+    }
+}
+
+impl Drop for Gate {
+    fn drop(&mut self) {
+        self.open();
+        let _ = self.stream.synchronize();
+        // SAFETY: the kernel reading the flag has finished (the stream is synchronised).
+        let _ = unsafe { cudarc::driver::result::free_host(self.host.cast()) };
+    }
+}
+
+#[test]
+fn gate_kernel_compiles_with_nvrtc() {
+    // Runs wherever NVRTC is found (CI installs it), so the GPU test below cannot fail on its
+    // kernel's source.
+    use tandem_core::cuda::nvrtc::{compile, nvrtc_version, Arch, CompileOptions};
+    if nvrtc_version(Device::Cuda(0)).is_err() {
+        println!("skipped: NVRTC not found");
+        return;
+    }
+    let cubin = compile(&GATE, Arch::new(9, 0), &CompileOptions::default()).unwrap();
+    assert!(!cubin.image.is_empty());
+}
+
+#[test]
+fn a_compute_allocation_after_a_comm_stream_free_does_not_wait_for_the_comm_stream() {
+    if !gpu() {
+        return;
+    }
+    use cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING;
+    use tandem_core::cuda::runtime_kernels::{fill_launch, DeviceView};
+    let dev = cuda::device(0).unwrap();
+    let compute = dev.compute_stream().clone();
+    let comm = dev.new_stream().unwrap();
+    // Start from an empty pool: the block freed on the comm stream below is then the only
+    // cached memory that fits, the one a pool with internal dependencies would hand over.
+    cuda::empty_cache(0).unwrap();
+    const BYTES: usize = 64 << 20;
+    let gate = Gate::close(&dev, &comm);
+    let gate_passed = comm.record_event(Some(CU_EVENT_DISABLE_TIMING)).unwrap();
+    // Comm-stream memory (an NCCL temporary, say), freed behind the still-running gate.
+    drop(cuda::DeviceBuffer::alloc("test", &dev, BYTES, &comm).unwrap());
+    // The compute stream allocates the same size and runs a kernel on it.
+    let fresh = cuda::DeviceBuffer::alloc("test", &dev, BYTES, &compute).unwrap();
+    let layout = Layout::contiguous(&[BYTES / 4]);
+    let view = DeviceView {
+        ptr: fresh.ptr(),
+        dtype: DType::F32,
+        layout: &layout,
+    };
+    dev.launch(&fill_launch(view, 1.0).unwrap(), &compute)
+        .unwrap();
+    let done = compute.record_event(Some(CU_EVENT_DISABLE_TIMING)).unwrap();
+    // A bounded host wait: the compute work needs microseconds, the gate holds for ~30 s.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let mut finished = false;
+    while std::time::Instant::now() < deadline {
+        if done.try_is_complete().unwrap() {
+            finished = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let gate_held = !gate_passed.try_is_complete().unwrap();
+    drop(gate);
+    compute.synchronize().unwrap();
+    assert!(
+        gate_held,
+        "the gate kernel stopped holding the comm stream early; the test proves nothing"
+    );
+    assert!(
+        finished,
+        "a compute-stream allocation after a comm-stream free waited for the comm stream"
+    );
+    drop(fresh);
+}
+
+#[test]
+fn concurrent_transfers_beyond_the_pinned_cache_cap_arrive_whole() {
+    if !gpu() {
+        return;
+    }
+    // Four threads each moving 40 MiB (five 8 MiB chunks) both ways, three times: far more
+    // staging than the pinned cache's 64 MiB cap, so copies wait for busy buffers or go through
+    // pageable memory. Every byte must still arrive.
+    let threads: Vec<_> = (0..4u64)
+        .map(|t| {
+            std::thread::spawn(move || {
+                for round in 0..3 {
+                    let host = sample(&[10 << 20], DType::F32, 1000 + 10 * t + round);
+                    let back = host.to_device(GPU).unwrap().to_device(Device::Cpu).unwrap();
+                    assert_same(&format!("thread {t} round {round}"), &back, &host, 0.0);
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    // The trim point frees what is idle; transfers keep working after it.
+    cuda::empty_cache(0).unwrap();
+    let host = sample(&[1000], DType::F64, 7);
+    let back = host.to_device(GPU).unwrap().to_device(Device::Cpu).unwrap();
+    assert_same("after the trim", &back, &host, 0.0);
+}

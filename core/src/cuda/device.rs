@@ -148,18 +148,9 @@ impl CudaDevice {
         // device's default pool, owned by the driver.
         let pool =
             unsafe { result::device::get_default_mem_pool(ctx.cu_device()) }.map_err(&err)?;
-        // Keep freed memory in the pool instead of returning it to the driver at every
-        // synchronisation (the default release threshold is 0).
-        let mut threshold: u64 = u64::MAX;
-        // SAFETY: the attribute takes a u64, which `threshold` is.
-        unsafe {
-            result::mem_pool::set_attribute(
-                pool,
-                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-                (&mut threshold as *mut u64).cast(),
-            )
-        }
-        .map_err(&err)?;
+        // Keep freed memory cached, and never let the pool tie one stream to another's frees
+        // (see `POOL_SETTINGS` for each attribute and why).
+        super::memory::configure_pool(pool).map_err(&err)?;
         Ok(CudaDevice {
             ordinal,
             ctx,

@@ -53,6 +53,79 @@ pub struct MemoryStats {
     pub peak_reserved: usize,
 }
 
+/// A value the runtime gives a memory-pool attribute: the reuse policies are C `int` flags, the
+/// release threshold a `cuuint64_t`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum PoolValue {
+    /// An `int` flag (0 or 1).
+    Flag(bool),
+    /// A byte count (`cuuint64_t`).
+    Bytes(u64),
+}
+
+/// The attributes tandem sets on a device's memory pool when it opens the device, in order.
+///
+/// - **Release threshold: the maximum.** The default (0) returns freed memory to the driver at
+///   every synchronisation; tandem's steps allocate the same sizes again and again.
+/// - **Internal dependencies: off.** With it on (the driver's default), an allocation may be
+///   given memory whose free on *another* stream has not run yet, and the driver makes the
+///   allocating stream wait for the freeing stream to get there. Memory freed on the
+///   communication stream (NCCL temporaries, SyncBatchNorm sums, compression buffers) would then
+///   tie a later compute-stream allocation to every all-reduce queued before that free: backward
+///   would wait for communication, the very thing tandem exists to avoid. Off, such memory is
+///   reused only under the two rules below, which add no wait.
+/// - **Event dependencies: on.** Reuse of memory freed on another stream once the allocating
+///   stream is already ordered after the free by an event wait that tandem issued itself (the
+///   compute stream waiting on a bucket's all-reduce, say): the dependency exists anyway, so
+///   reuse costs nothing.
+/// - **Opportunistic reuse: on.** Reuse of memory whose free the device has already executed,
+///   with no ordering at all: nothing is pending, so nothing can be waited for. (Which blocks
+///   this finds depends on timing, so addresses can differ between runs; values cannot.)
+pub(crate) const POOL_SETTINGS: [(sys::CUmemPool_attribute, PoolValue); 4] = {
+    use sys::CUmemPool_attribute::*;
+    [
+        (
+            CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            PoolValue::Bytes(u64::MAX),
+        ),
+        (
+            CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES,
+            PoolValue::Flag(false),
+        ),
+        (
+            CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES,
+            PoolValue::Flag(true),
+        ),
+        (
+            CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC,
+            PoolValue::Flag(true),
+        ),
+    ]
+};
+
+/// Applies [`POOL_SETTINGS`] to `pool` (the context owning it is current).
+pub(crate) fn configure_pool(pool: sys::CUmemoryPool) -> std::result::Result<(), DriverError> {
+    for (attr, value) in POOL_SETTINGS {
+        match value {
+            PoolValue::Flag(on) => {
+                let mut flag: std::ffi::c_int = on.into();
+                // SAFETY: the reuse-policy attributes take a C int, which `flag` is.
+                unsafe {
+                    result::mem_pool::set_attribute(pool, attr, (&mut flag as *mut i32).cast())
+                }?;
+            }
+            PoolValue::Bytes(bytes) => {
+                let mut bytes = bytes;
+                // SAFETY: the threshold attribute takes a cuuint64_t, which `bytes` is.
+                unsafe {
+                    result::mem_pool::set_attribute(pool, attr, (&mut bytes as *mut u64).cast())
+                }?;
+            }
+        }
+    }
+    Ok(())
+}
+
 fn pool_attribute(dev: &CudaDevice, attr: sys::CUmemPool_attribute) -> Result<usize> {
     let mut value: u64 = 0;
     dev.bind("memory_stats")?;
@@ -92,10 +165,14 @@ pub fn reset_peak_memory(ordinal: usize) -> Result<()> {
     .map_err(driver_err("reset_peak_memory", dev.device()))
 }
 
-/// Returns the pool's cached memory to the driver (after the device has finished its work).
+/// Returns the pool's cached memory to the driver (after the device has finished its work),
+/// and frees the pinned host buffers that staged copies and are idle now. The one place the
+/// runtime frees pinned memory, which can synchronise the device: call it between phases of a
+/// program, not inside a training step.
 pub fn empty_cache(ordinal: usize) -> Result<()> {
     let dev = device(ordinal)?;
     dev.synchronize()?;
+    super::transfer::trim_staging();
     // SAFETY: trimming keeps every live allocation.
     unsafe { result::mem_pool::trim_to(dev.pool(), 0) }
         .map_err(driver_err("empty_cache", dev.device()))
@@ -219,5 +296,50 @@ impl Drop for DeviceBuffer {
             }
         }
         self.device.memory.sub(self.bytes);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sys::CUmemPool_attribute::*;
+
+    fn setting(attr: sys::CUmemPool_attribute) -> Option<PoolValue> {
+        POOL_SETTINGS
+            .iter()
+            .find(|(a, _)| *a == attr)
+            .map(|&(_, value)| value)
+    }
+
+    #[test]
+    fn the_pool_never_makes_one_stream_wait_for_another_to_reuse_memory() {
+        assert_eq!(
+            setting(CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES),
+            Some(PoolValue::Flag(false)),
+            "memory freed on the comm stream must not tie compute-stream allocations to it"
+        );
+        // The reuse that adds no wait stays on.
+        assert_eq!(
+            setting(CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES),
+            Some(PoolValue::Flag(true))
+        );
+        assert_eq!(
+            setting(CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC),
+            Some(PoolValue::Flag(true))
+        );
+    }
+
+    #[test]
+    fn the_pool_keeps_freed_memory_and_sets_each_attribute_once() {
+        assert_eq!(
+            setting(CU_MEMPOOL_ATTR_RELEASE_THRESHOLD),
+            Some(PoolValue::Bytes(u64::MAX))
+        );
+        for (i, (a, _)) in POOL_SETTINGS.iter().enumerate() {
+            assert!(
+                POOL_SETTINGS[i + 1..].iter().all(|(b, _)| b != a),
+                "{a:?} is set twice"
+            );
+        }
     }
 }

@@ -16,6 +16,7 @@ pub mod launch;
 pub mod libs;
 pub mod memory;
 pub mod nvrtc;
+mod pinned_cache;
 pub(crate) mod runtime;
 pub mod runtime_kernels;
 mod storage;

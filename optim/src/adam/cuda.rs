@@ -57,13 +57,18 @@ pub(super) fn update(
         let Some(dev) = device.filter(|_| !table.is_empty()) else {
             continue;
         };
-        let address = tables.address(ordinal, &table, |t| {
+        let lease = tables.lease(ordinal, &table, |t| {
             check_disjoint(name, t, |position| {
                 let index = group[position].index;
                 (index, &params[index])
             })
         })?;
-        run(&dev, &adam_launch(&table, address, cfg, decoupled, step)?)?;
+        run(
+            &dev,
+            &adam_launch(&table, lease.address(), cfg, decoupled, step)?,
+        )?;
+        // The launch is queued: the table may go now (its free is ordered after the launch).
+        drop(lease);
     }
     Ok(())
 }

@@ -84,29 +84,32 @@ pub(super) fn clip(ordinal: usize, grads: &[Tensor], max_norm: f64, norm_type: f
     let slot = |i: u64| base + 8 * i;
     let (reduced, norm) = (slot(total_chunks), slot(total_chunks + 1));
 
-    let mut addresses = Vec::with_capacity(tables.len());
+    // Leases on the tables, held until the last launch reading them (the scaling) is queued:
+    // another thread may evict from the shared cache as soon as the lock goes.
+    let mut leases = Vec::with_capacity(tables.len());
     {
         let mut cache = shared_cache();
         for (table, members, _) in &tables {
-            addresses.push(cache.address(ordinal, table, |t| disjoint(t, grads, members))?);
+            leases.push(cache.lease(ordinal, table, |t| disjoint(t, grads, members))?);
         }
     }
-    for ((table, _, first_partial), &address) in tables.iter().zip(&addresses) {
+    for ((table, _, first_partial), lease) in tables.iter().zip(&leases) {
         run(
             &dev,
-            &grad_norm_partial_launch(table, address, kind, slot(*first_partial))?,
+            &grad_norm_partial_launch(table, lease.address(), kind, slot(*first_partial))?,
         )?;
     }
     let count = usize::try_from(total_chunks)
         .map_err(|_| TensorError::invalid(OP, "too many chunks for one norm"))?;
     run(&dev, &norm_finish_launch(base, count, kind, reduced)?)?;
-    for (i, ((table, _, _), &address)) in tables.iter().zip(&addresses).enumerate() {
+    for (i, ((table, _, _), lease)) in tables.iter().zip(&leases).enumerate() {
         let norm_out = if i == 0 { norm } else { 0 };
         run(
             &dev,
-            &grad_clip_scale_launch(table, address, reduced, kind, max_norm, norm_out)?,
+            &grad_clip_scale_launch(table, lease.address(), reduced, kind, max_norm, norm_out)?,
         )?;
     }
+    drop(leases);
     for (g, d) in grads.iter().zip(&dense) {
         if !d.same_tensor(g) && !d.storage().same_buffer(g.storage()) {
             g.copy_(d)?;

@@ -9,13 +9,13 @@
 //! are, so after the first step every step finds its table and uploads nothing.
 
 use std::cell::Cell;
-use std::collections::VecDeque;
 use std::sync::{Mutex, MutexGuard};
 
 use tandem_core::cuda::device::CudaDevice;
 use tandem_core::cuda::launch::Launch;
 use tandem_core::{Device, Error as TensorError, Tensor};
 
+use super::cache::{TableCache, TableLease};
 use super::table::TensorTable;
 use crate::Result;
 
@@ -83,73 +83,35 @@ pub(crate) fn element_address(
     Ok((dev, offset))
 }
 
-/// A table on a device.
-struct Cached {
-    ordinal: usize,
-    table: TensorTable,
-    /// The words in device memory (an i64 tensor, freed in stream order when dropped).
-    uploaded: Tensor,
-}
-
-/// Tables uploaded to devices, the most recently used first, at most `capacity` of them.
-pub(crate) struct TableCache {
-    capacity: usize,
-    tables: VecDeque<Cached>,
-}
-
-impl TableCache {
-    /// An empty cache keeping up to `capacity` tables.
-    pub(crate) const fn new(capacity: usize) -> Self {
-        TableCache {
-            capacity,
-            tables: VecDeque::new(),
-        }
-    }
-
-    /// The device address of `table` on `cuda:ordinal`: the cached copy when one with the same
-    /// words exists, otherwise a new upload (after `validate` accepts the table; a table that
-    /// passed once is not checked again). The upload is ordered on the compute stream before
-    /// any later kernel.
-    pub(crate) fn address(
+impl TableCache<Tensor> {
+    /// A lease on `table` on `cuda:ordinal` (see [`TableCache::lease_with`]): the cached copy
+    /// when one with the same words exists, otherwise a new upload after `validate` accepts the
+    /// table. The upload is ordered on the compute stream before any later kernel. Keep the
+    /// lease until the launch that reads the table is queued.
+    pub(crate) fn lease(
         &mut self,
         ordinal: usize,
         table: &TensorTable,
         validate: impl FnOnce(&TensorTable) -> Result<()>,
-    ) -> Result<u64> {
-        let found = self.tables.iter().position(|c| {
-            c.ordinal == ordinal
-                && c.table.dtype() == table.dtype()
-                && c.table.chunk_size() == table.chunk_size()
-                && c.table.words() == table.words()
-        });
-        if let Some(i) = found {
-            let hit = self.tables.remove(i).expect("index from position");
-            let (_, address) = element_address("multi-tensor table", &hit.uploaded)?;
-            self.tables.push_front(hit);
-            return Ok(address);
-        }
-        validate(table)?;
-        let words: Vec<i64> = table.words().iter().map(|&w| w as i64).collect();
-        let len = words.len();
-        let uploaded = Tensor::from_vec(words, &[len], Device::Cuda(ordinal))?;
-        let (_, address) = element_address("multi-tensor table", &uploaded)?;
-        count(|c| c.table_uploads += 1);
-        self.tables.push_front(Cached {
-            ordinal,
-            table: table.clone(),
-            uploaded,
-        });
-        self.tables.truncate(self.capacity.max(1));
-        Ok(address)
+    ) -> Result<TableLease<Tensor>> {
+        self.lease_with(ordinal, table, validate, |table| {
+            let words: Vec<i64> = table.words().iter().map(|&w| w as i64).collect();
+            let len = words.len();
+            let uploaded = Tensor::from_vec(words, &[len], Device::Cuda(ordinal))?;
+            let (_, address) = element_address("multi-tensor table", &uploaded)?;
+            count(|c| c.table_uploads += 1);
+            Ok((uploaded, address))
+        })
     }
 }
 
 /// Tables of the functions without an owner to keep them (`clip_grad_norm`, the default
 /// `zero_grad`), shared by every thread. Large enough for several models or ranks per process.
-static SHARED: Mutex<TableCache> = Mutex::new(TableCache::new(32));
+static SHARED: Mutex<TableCache<Tensor>> = Mutex::new(TableCache::new(32));
 
-/// The shared cache, locked.
-pub(crate) fn shared_cache() -> MutexGuard<'static, TableCache> {
+/// The shared cache, locked. Take a lease and let the guard go before launching: the lease, not
+/// the lock, keeps the table alive until the launch is queued.
+pub(crate) fn shared_cache() -> MutexGuard<'static, TableCache<Tensor>> {
     // A panic while holding the lock leaves the cache consistent (entries are whole).
     SHARED
         .lock()

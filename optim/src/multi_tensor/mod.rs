@@ -5,7 +5,8 @@
 //! per non-empty tensor with the addresses of element 0 of the parameter, its gradient and up
 //! to three state tensors, its element count, and the number of chunks of all tensors before
 //! it. The table is uploaded to device memory once and reused while the same addresses come
-//! back (cached by content), so a steady-state step uploads nothing.
+//! back (cached by content), so a steady-state step uploads nothing. A launch holds a lease on
+//! its table until it is queued, so no other thread can evict and free it first (`cache`).
 //!
 //! **Chunks.** Every tensor is cut into chunks of [`CHUNK_ELEMENTS`] elements (the last one
 //! shorter), numbered across all tensors. A launch has one block of [`THREADS_PER_BLOCK`]
@@ -20,11 +21,13 @@
 //!
 //! [`plans`] builds the launches (pure, run by the host harness too); `device` runs them.
 
+mod cache;
 mod device;
 pub mod plans;
 mod table;
 
-pub(crate) use device::{count_host_read, element_address, run, shared_cache, TableCache};
+pub(crate) use cache::TableCache;
+pub(crate) use device::{count_host_read, element_address, run, shared_cache};
 pub use device::{launch_counts, LaunchCounts};
 pub use plans::{
     adam_launch, grad_clip_scale_launch, grad_norm_partial_launch, grad_zero_launch, sgd_launch,

@@ -51,13 +51,15 @@ pub(super) fn update(
         let Some(dev) = device.filter(|_| !table.is_empty()) else {
             continue;
         };
-        let address = tables.address(ordinal, &table, |t| {
+        let lease = tables.lease(ordinal, &table, |t| {
             check_disjoint(NAME, t, |position| {
                 let index = group[position].index;
                 (index, &params[index])
             })
         })?;
-        run(&dev, &sgd_launch(&table, address, cfg, first)?)?;
+        run(&dev, &sgd_launch(&table, lease.address(), cfg, first)?)?;
+        // The launch is queued: the table may go now (its free is ordered after the launch).
+        drop(lease);
     }
     Ok(())
 }

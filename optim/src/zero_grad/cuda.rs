@@ -32,8 +32,11 @@ pub(super) fn zero(ordinal: usize, grads: &[&Tensor]) -> Result<()> {
             continue;
         };
         // Overlapping gradients are harmless here (every write is a zero): no check.
-        let address = shared_cache().address(ordinal, &table, |_| Ok(()))?;
-        run(&dev, &grad_zero_launch(&table, address)?)?;
+        // The lease (not the lock, released at the end of this statement) keeps the table from
+        // being evicted and freed by another thread before the launch that reads it is queued.
+        let lease = shared_cache().lease(ordinal, &table, |_| Ok(()))?;
+        run(&dev, &grad_zero_launch(&table, lease.address())?)?;
+        drop(lease);
     }
     for g in grads {
         if !(g.is_contiguous() && matches!(g.dtype(), DType::F32 | DType::F64)) {

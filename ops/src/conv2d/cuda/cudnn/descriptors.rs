@@ -1,5 +1,5 @@
 //! cuDNN descriptors, owned: each wraps one descriptor, created and set in one call, destroyed
-//! when dropped. A [`Plan`] holds those of one geometry, created once and cached with the
+//! when dropped. A [`Plan`] holds those of one plan key, created once and cached with the
 //! algorithm chosen for each pass.
 
 use std::ffi::c_int;
@@ -8,6 +8,7 @@ use cudarc::cudnn::result::{self as cudnn, CudnnResult};
 use cudarc::cudnn::sys;
 use tandem_core::DType;
 
+use super::choice::Choice;
 use crate::conv2d::Geometry;
 
 /// cuDNN's name for a dtype (the CPU op, and so this path, has f32 and f64).
@@ -141,44 +142,54 @@ impl Drop for ConvDesc {
     }
 }
 
-/// What runs one pass of one geometry.
-pub(super) enum Choice<A> {
-    /// cuDNN's algorithm `algo` with its own convolution descriptor (whose math type is the one
-    /// the algorithm was chosen with) and workspace size.
-    Cudnn {
-        conv: ConvDesc,
-        algo: A,
-        workspace: usize,
-    },
-    /// cuDNN declined this pass (no algorithm honours the TF32 setting, or it failed to
-    /// choose); im2col + cuBLAS runs it.
-    Im2col,
+/// A cuDNN algorithm chosen for one pass of one plan: the algorithm with its own convolution
+/// descriptor (whose math type is the one the algorithm was chosen with) and workspace size.
+pub(super) struct Algorithm<A> {
+    pub conv: ConvDesc,
+    pub algo: A,
+    pub workspace: usize,
 }
 
-/// The descriptors of one geometry and dtype, and the choice made for each pass (on first use
-/// of that pass).
-pub(super) struct Plan {
+impl<A: std::fmt::Debug> std::fmt::Debug for Algorithm<A> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:?} ({} bytes of workspace)", self.algo, self.workspace)
+    }
+}
+
+/// What runs one pass of a plan, once chosen.
+pub(super) type PassChoice<A> = Option<Choice<Algorithm<A>>>;
+
+/// The descriptors of one geometry and dtype.
+pub(super) struct Descriptors {
     /// The input `[N, C, H, W]` (and its gradient).
     pub x: TensorDesc,
     /// The output `[N, O, OH, OW]` (and its gradient).
     pub y: TensorDesc,
     /// The weights `[O, C, kh, kw]` (and their gradient).
     pub w: FilterDesc,
-    pub forward: Option<Choice<sys::cudnnConvolutionFwdAlgo_t>>,
-    pub data: Option<Choice<sys::cudnnConvolutionBwdDataAlgo_t>>,
-    pub filter: Option<Choice<sys::cudnnConvolutionBwdFilterAlgo_t>>,
+}
+
+/// The descriptors of one plan key, and the choice made for each pass (on first use of that
+/// pass, remade when cuDNN refuses it: see `choice.rs`).
+pub(super) struct Plan {
+    pub descriptors: Descriptors,
+    pub forward: PassChoice<sys::cudnnConvolutionFwdAlgo_t>,
+    pub data: PassChoice<sys::cudnnConvolutionBwdDataAlgo_t>,
+    pub filter: PassChoice<sys::cudnnConvolutionBwdFilterAlgo_t>,
 }
 
 impl Plan {
     /// The descriptors of `g` in `dtype` (which [`fits`] cuDNN), no pass chosen yet.
     pub fn new(g: &Geometry, dtype: DType) -> CudnnResult<Self> {
         Ok(Plan {
-            x: TensorDesc::nchw([g.batch, g.in_channels, g.in_h, g.in_w], dtype)?,
-            y: TensorDesc::nchw(g.out_shape(), dtype)?,
-            w: FilterDesc::nchw(
-                [g.out_channels, g.in_channels, g.kernel.0, g.kernel.1],
-                dtype,
-            )?,
+            descriptors: Descriptors {
+                x: TensorDesc::nchw([g.batch, g.in_channels, g.in_h, g.in_w], dtype)?,
+                y: TensorDesc::nchw(g.out_shape(), dtype)?,
+                w: FilterDesc::nchw(
+                    [g.out_channels, g.in_channels, g.kernel.0, g.kernel.1],
+                    dtype,
+                )?,
+            },
             forward: None,
             data: None,
             filter: None,

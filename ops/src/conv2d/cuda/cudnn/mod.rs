@@ -1,6 +1,7 @@
 //! conv2d through cuDNN's legacy convolution API: one handle per device and thread, bound to the
 //! device's compute stream, and a cache of plans — descriptors plus the algorithm chosen for
-//! each pass — keyed by geometry, dtype, TF32 setting and search.
+//! each pass — keyed by geometry, dtype, TF32 setting, search and the alignment of the buffers
+//! (`choice.rs`, which also says what runs when cuDNN refuses a chosen algorithm).
 //!
 //! **Handles.** A cuDNN handle must not be used by two threads at once (cudarc's `Cudnn` is not
 //! `Send` for that reason), so each thread keeps its own per device, in a thread-local, together
@@ -20,6 +21,7 @@
 //! bindings are for 9.1's ABI). When it is missing, or no handle can be created, conv2d runs
 //! through im2col + cuBLAS and a one-line notice says why.
 
+mod choice;
 mod descriptors;
 mod passes;
 
@@ -32,16 +34,17 @@ use tandem_core::cuda::libs::{self, CudaLibrary};
 use tandem_core::cuda::CudaDevice;
 use tandem_core::{DType, Device, Error, Result};
 
-use super::{cudnn_algorithm_search, notice_cudnn_unavailable, tf32, CudnnAlgorithmSearch};
+use super::{cudnn_algorithm_search, notice_cudnn_unavailable, tf32};
 use crate::conv2d::Geometry;
-use descriptors::{fits, Choice, Plan};
+use choice::{run_pass as run_choice, Alignments, Engine, Event, PlanKey};
+use descriptors::{fits, Plan};
 use passes::{BackwardData, BackwardFilter, Forward, Operands, Pass};
 
 /// What the calling thread's cuDNN state for one device has done (see
 /// [`cudnn_cache_stats`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CudnnCacheStats {
-    /// Plans (geometry, dtype, TF32 setting, search) cached now.
+    /// Plans (geometry, dtype, TF32 setting, search, buffer alignments) cached now.
     pub plans: usize,
     /// Calls that found their plan in the cache.
     pub plan_hits: u64,
@@ -49,6 +52,9 @@ pub struct CudnnCacheStats {
     pub searches: u64,
     /// Pass calls that cuDNN declined and im2col + cuBLAS ran instead.
     pub declined_calls: u64,
+    /// Runs of a chosen algorithm that cuDNN refused with NOT_SUPPORTED on the buffers at hand
+    /// (each followed by a fresh choice, or im2col after the second).
+    pub not_supported: u64,
 }
 
 /// The cache statistics of the calling thread's cuDNN handle for `device` (None before that
@@ -69,15 +75,6 @@ pub fn cudnn_cache_stats(device: Device) -> Option<CudnnCacheStats> {
         })
         .ok()
         .flatten()
-}
-
-/// The key of a plan.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-struct PlanKey {
-    geometry: Geometry,
-    dtype: DType,
-    tf32: bool,
-    search: CudnnAlgorithmSearch,
 }
 
 /// One cuDNN handle (bound to the compute stream of device `ordinal`) and its plans.
@@ -206,7 +203,8 @@ fn with_state<R>(dev: &CudaDevice, f: impl FnOnce(&mut State) -> Result<R>) -> R
 
 impl State {
     /// Runs pass `P` of `g` on `ops`, creating the plan and choosing the algorithm on first
-    /// use. `Ok(false)` when cuDNN declines the pass (the caller runs it by im2col).
+    /// use, choosing again when cuDNN refuses the choice on these buffers (`choice.rs`).
+    /// `Ok(false)` when cuDNN declines the pass (the caller runs it by im2col).
     fn pass<P: Pass>(
         &mut self,
         dev: &Arc<CudaDevice>,
@@ -219,6 +217,7 @@ impl State {
             dtype,
             tf32: tf32(dtype),
             search: cudnn_algorithm_search(),
+            alignments: Alignments::of(ops.a, ops.b, ops.out),
         };
         let handle = self.handle;
         let plan = match self.plans.entry(key) {
@@ -235,33 +234,38 @@ impl State {
                 e.insert(plan)
             }
         };
-        if P::choice(plan).is_none() {
-            self.stats.searches += 1;
-            let choice = match passes::select::<P>(
-                dev, handle, plan, dtype, key.tf32, key.search, g, ops,
-            )? {
-                Ok(choice) => choice,
-                Err(why) => {
-                    notice_declined(P::NAME, g, dtype, &why);
-                    Choice::Im2col
+        let (descriptors, slot) = P::split(plan);
+        let stats = &mut self.stats;
+        let engine = run_choice(
+            slot,
+            |refused| {
+                let refused = refused.map(|r| r.algo);
+                let chosen = passes::select::<P>(
+                    dev,
+                    handle,
+                    descriptors,
+                    dtype,
+                    key.tf32,
+                    key.search,
+                    g,
+                    ops,
+                    refused,
+                )?;
+                Ok(chosen
+                    .map_err(|why| notice_declined(P::NAME, g, dtype, &why))
+                    .ok())
+            },
+            |chosen| passes::run::<P>(dev, handle, descriptors, chosen, dtype, g, ops),
+            |event| match event {
+                Event::Chose => stats.searches += 1,
+                Event::NotSupported => {
+                    stats.not_supported += 1;
+                    notice_not_supported(P::NAME, g, dtype, key.alignments);
                 }
-            };
-            *P::choice_mut(plan) = Some(choice);
-        }
-        match P::choice(plan) {
-            Some(Choice::Cudnn {
-                conv,
-                algo,
-                workspace,
-            }) => {
-                passes::run::<P>(dev, handle, plan, conv, *algo, *workspace, dtype, g, ops)?;
-                Ok(true)
-            }
-            _ => {
-                self.stats.declined_calls += 1;
-                Ok(false)
-            }
-        }
+                Event::Declined => stats.declined_calls += 1,
+            },
+        )?;
+        Ok(engine == Engine::Cudnn)
     }
 }
 
@@ -273,6 +277,19 @@ fn notice_declined(pass: &str, g: &Geometry, dtype: DType, why: &str) {
         eprintln!(
             "tandem: cuDNN declined the conv2d {pass} pass of {g:?} ({dtype}: {why}); it runs \
              through im2col + cuBLAS (later such cases are not reported)"
+        )
+    });
+}
+
+/// Prints, once per process, that cuDNN refused a chosen algorithm on the buffers at hand
+/// (later ones count in [`CudnnCacheStats::not_supported`] only).
+fn notice_not_supported(pass: &str, g: &Geometry, dtype: DType, alignments: Alignments) {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        eprintln!(
+            "tandem: cuDNN answered NOT_SUPPORTED for the algorithm chosen for the conv2d {pass} \
+             pass of {g:?} ({dtype}, buffers aligned to {alignments:?} bytes); choosing again, \
+             then im2col + cuBLAS (later such cases are not reported)"
         )
     });
 }

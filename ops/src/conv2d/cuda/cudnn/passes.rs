@@ -24,7 +24,8 @@ use cudarc::cudnn::sys;
 use tandem_core::cuda::{CudaDevice, DeviceBuffer};
 use tandem_core::{DType, Error, Result};
 
-use super::descriptors::{Choice, ConvDesc, Plan};
+use super::choice::{is_not_supported, Ran};
+use super::descriptors::{Algorithm, ConvDesc, Descriptors, PassChoice, Plan};
 use crate::conv2d::cuda::CudnnAlgorithmSearch;
 use crate::conv2d::Geometry;
 
@@ -85,7 +86,7 @@ fn output(address: u64) -> *mut c_void {
 /// One pass of a convolution in cuDNN.
 pub(super) trait Pass {
     /// cuDNN's algorithm enum for this pass.
-    type Algo: Copy + std::fmt::Debug;
+    type Algo: Copy + std::fmt::Debug + PartialEq;
     /// The pass in messages.
     const NAME: &'static str;
     /// How many algorithms cuDNN has for this pass (the size of a full ranking).
@@ -94,11 +95,8 @@ pub(super) trait Pass {
     /// The algorithm numbered `v`, if it is one this build knows.
     fn algo(v: u32) -> Option<Self::Algo>;
 
-    /// The plan's choice for this pass.
-    fn choice(plan: &Plan) -> &Option<Choice<Self::Algo>>;
-
-    /// The plan's choice for this pass, to fill in.
-    fn choice_mut(plan: &mut Plan) -> &mut Option<Choice<Self::Algo>>;
+    /// The plan's descriptors, and its choice for this pass to read and fill in.
+    fn split(plan: &mut Plan) -> (&Descriptors, &mut PassChoice<Self::Algo>);
 
     /// The workspace `algo` needs.
     ///
@@ -106,7 +104,7 @@ pub(super) trait Pass {
     /// `handle`, the plan's descriptors and `conv` are live.
     unsafe fn workspace(
         handle: sys::cudnnHandle_t,
-        plan: &Plan,
+        plan: &Descriptors,
         conv: &ConvDesc,
         algo: Self::Algo,
     ) -> CudnnResult<usize>;
@@ -119,7 +117,7 @@ pub(super) trait Pass {
     #[allow(clippy::too_many_arguments)] // cuDNN's own call takes thirteen
     unsafe fn find(
         handle: sys::cudnnHandle_t,
-        plan: &Plan,
+        plan: &Descriptors,
         conv: &ConvDesc,
         ops: Operands,
         results: &mut [RawPerf],
@@ -134,7 +132,7 @@ pub(super) trait Pass {
     /// As for [`Pass::workspace`].
     unsafe fn heuristic(
         handle: sys::cudnnHandle_t,
-        plan: &Plan,
+        plan: &Descriptors,
         conv: &ConvDesc,
         results: &mut [RawPerf],
         returned: &mut c_int,
@@ -148,7 +146,7 @@ pub(super) trait Pass {
     #[allow(clippy::too_many_arguments)]
     unsafe fn run(
         handle: sys::cudnnHandle_t,
-        plan: &Plan,
+        plan: &Descriptors,
         conv: &ConvDesc,
         algo: Self::Algo,
         ops: Operands,
@@ -182,17 +180,13 @@ impl Pass for Forward {
         })
     }
 
-    fn choice(plan: &Plan) -> &Option<Choice<Self::Algo>> {
-        &plan.forward
-    }
-
-    fn choice_mut(plan: &mut Plan) -> &mut Option<Choice<Self::Algo>> {
-        &mut plan.forward
+    fn split(plan: &mut Plan) -> (&Descriptors, &mut PassChoice<Self::Algo>) {
+        (&plan.descriptors, &mut plan.forward)
     }
 
     unsafe fn workspace(
         handle: sys::cudnnHandle_t,
-        plan: &Plan,
+        plan: &Descriptors,
         conv: &ConvDesc,
         algo: Self::Algo,
     ) -> CudnnResult<usize> {
@@ -206,7 +200,7 @@ impl Pass for Forward {
 
     unsafe fn find(
         handle: sys::cudnnHandle_t,
-        plan: &Plan,
+        plan: &Descriptors,
         conv: &ConvDesc,
         ops: Operands,
         results: &mut [RawPerf],
@@ -237,7 +231,7 @@ impl Pass for Forward {
 
     unsafe fn heuristic(
         handle: sys::cudnnHandle_t,
-        plan: &Plan,
+        plan: &Descriptors,
         conv: &ConvDesc,
         results: &mut [RawPerf],
         returned: &mut c_int,
@@ -259,7 +253,7 @@ impl Pass for Forward {
 
     unsafe fn run(
         handle: sys::cudnnHandle_t,
-        plan: &Plan,
+        plan: &Descriptors,
         conv: &ConvDesc,
         algo: Self::Algo,
         ops: Operands,
@@ -310,17 +304,13 @@ impl Pass for BackwardData {
         })
     }
 
-    fn choice(plan: &Plan) -> &Option<Choice<Self::Algo>> {
-        &plan.data
-    }
-
-    fn choice_mut(plan: &mut Plan) -> &mut Option<Choice<Self::Algo>> {
-        &mut plan.data
+    fn split(plan: &mut Plan) -> (&Descriptors, &mut PassChoice<Self::Algo>) {
+        (&plan.descriptors, &mut plan.data)
     }
 
     unsafe fn workspace(
         handle: sys::cudnnHandle_t,
-        plan: &Plan,
+        plan: &Descriptors,
         conv: &ConvDesc,
         algo: Self::Algo,
     ) -> CudnnResult<usize> {
@@ -334,7 +324,7 @@ impl Pass for BackwardData {
 
     unsafe fn find(
         handle: sys::cudnnHandle_t,
-        plan: &Plan,
+        plan: &Descriptors,
         conv: &ConvDesc,
         ops: Operands,
         results: &mut [RawPerf],
@@ -365,7 +355,7 @@ impl Pass for BackwardData {
 
     unsafe fn heuristic(
         handle: sys::cudnnHandle_t,
-        plan: &Plan,
+        plan: &Descriptors,
         conv: &ConvDesc,
         results: &mut [RawPerf],
         returned: &mut c_int,
@@ -387,7 +377,7 @@ impl Pass for BackwardData {
 
     unsafe fn run(
         handle: sys::cudnnHandle_t,
-        plan: &Plan,
+        plan: &Descriptors,
         conv: &ConvDesc,
         algo: Self::Algo,
         ops: Operands,
@@ -439,17 +429,13 @@ impl Pass for BackwardFilter {
         })
     }
 
-    fn choice(plan: &Plan) -> &Option<Choice<Self::Algo>> {
-        &plan.filter
-    }
-
-    fn choice_mut(plan: &mut Plan) -> &mut Option<Choice<Self::Algo>> {
-        &mut plan.filter
+    fn split(plan: &mut Plan) -> (&Descriptors, &mut PassChoice<Self::Algo>) {
+        (&plan.descriptors, &mut plan.filter)
     }
 
     unsafe fn workspace(
         handle: sys::cudnnHandle_t,
-        plan: &Plan,
+        plan: &Descriptors,
         conv: &ConvDesc,
         algo: Self::Algo,
     ) -> CudnnResult<usize> {
@@ -463,7 +449,7 @@ impl Pass for BackwardFilter {
 
     unsafe fn find(
         handle: sys::cudnnHandle_t,
-        plan: &Plan,
+        plan: &Descriptors,
         conv: &ConvDesc,
         ops: Operands,
         results: &mut [RawPerf],
@@ -494,7 +480,7 @@ impl Pass for BackwardFilter {
 
     unsafe fn heuristic(
         handle: sys::cudnnHandle_t,
-        plan: &Plan,
+        plan: &Descriptors,
         conv: &ConvDesc,
         results: &mut [RawPerf],
         returned: &mut c_int,
@@ -516,7 +502,7 @@ impl Pass for BackwardFilter {
 
     unsafe fn run(
         handle: sys::cudnnHandle_t,
-        plan: &Plan,
+        plan: &Descriptors,
         conv: &ConvDesc,
         algo: Self::Algo,
         ops: Operands,
@@ -574,20 +560,22 @@ fn allowed_math(v: u32, dtype: DType, tf32: bool) -> Option<sys::cudnnMathType_t
 /// Why cuDNN could not choose, for the notice: the call and cuDNN's status.
 pub(super) type Declined = String;
 
-/// Chooses the algorithm of pass `P` for `plan` (see the module comment). `Ok(Err(why))`
-/// when cuDNN fails or has no acceptable algorithm, so the caller runs the pass by im2col;
-/// `Err` for tandem's own failures (binding the device, allocating), which propagate.
+/// Chooses the algorithm of pass `P` for `plan` (see the module comment), never `refused` (an
+/// algorithm cuDNN just declined to run on these buffers). `Ok(Err(why))` when cuDNN fails or
+/// has no acceptable algorithm, so the caller runs the pass by im2col; `Err` for tandem's own
+/// failures (binding the device, allocating), which propagate.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn select<P: Pass>(
     dev: &std::sync::Arc<CudaDevice>,
     handle: sys::cudnnHandle_t,
-    plan: &Plan,
+    plan: &Descriptors,
     dtype: DType,
     tf32: bool,
     search: CudnnAlgorithmSearch,
     g: &Geometry,
     ops: Operands,
-) -> Result<std::result::Result<Choice<P::Algo>, Declined>> {
+    refused: Option<P::Algo>,
+) -> Result<std::result::Result<Algorithm<P::Algo>, Declined>> {
     const OP: &str = "conv2d (cuDNN algorithm search)";
     let declined = |call: &str, e: cudnn::CudnnError| format!("{call}: {:?}", e.0);
     let conv = match ConvDesc::new(g, dtype, search_math(dtype, tf32)) {
@@ -656,13 +644,17 @@ pub(super) fn select<P: Pass>(
         else {
             continue;
         };
-        if r.status != 0 || r.memory > limit || conv.set_math(math).is_err() {
+        if r.status != 0
+            || r.memory > limit
+            || refused == Some(algo)
+            || conv.set_math(math).is_err()
+        {
             continue;
         }
         // SAFETY: live handle and descriptors; `algo` came from cuDNN's ranking for them.
         match unsafe { P::workspace(handle, plan, &conv, algo) } {
             Ok(bytes) if bytes <= limit => {
-                return Ok(Ok(Choice::Cudnn {
+                return Ok(Ok(Algorithm {
                     conv,
                     algo,
                     workspace: bytes.max(r.memory),
@@ -672,26 +664,35 @@ pub(super) fn select<P: Pass>(
         }
     }
     Ok(Err(format!(
-        "none of the {returned} ranked algorithms ran with the math allowed for {dtype} (TF32 \
+        "none of the {returned} ranked algorithms{} ran with the math allowed for {dtype} (TF32 \
          {}) within the workspace limit of {limit} bytes",
+        match refused {
+            Some(a) => format!(" other than {a:?}, which these buffers do not support,"),
+            None => String::new(),
+        },
         if tf32 { "allowed" } else { "off" }
     )))
 }
 
 /// Runs pass `P` with the chosen algorithm on the compute stream (the handle's stream), with a
-/// workspace from tandem's allocator.
+/// workspace from tandem's allocator. [`Ran::NotSupported`] when cuDNN refuses to run it on
+/// these buffers (it then queues nothing, and the caller chooses again or runs im2col).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn run<P: Pass>(
     dev: &std::sync::Arc<CudaDevice>,
     handle: sys::cudnnHandle_t,
-    plan: &Plan,
-    conv: &ConvDesc,
-    algo: P::Algo,
-    bytes: usize,
+    plan: &Descriptors,
+    chosen: &Algorithm<P::Algo>,
     dtype: DType,
     g: &Geometry,
     ops: Operands,
-) -> Result<()> {
+) -> Result<Ran> {
+    let Algorithm {
+        conv,
+        algo,
+        workspace: bytes,
+    } = chosen;
+    let (algo, bytes) = (*algo, *bytes);
     const OP: &str = "conv2d (cuDNN)";
     let workspace = DeviceBuffer::alloc(OP, dev, bytes, dev.compute_stream())?;
     let (one32, zero32, one64, zero64) = (1.0f32, 0.0f32, 1.0f64, 0.0f64);
@@ -711,7 +712,7 @@ pub(super) fn run<P: Pass>(
     // (stream-ordered frees); the workspace holds `bytes` bytes; `one` and `zero` point at
     // values of the compute type (double for f64, float for f32), which cuDNN reads before
     // returning.
-    unsafe {
+    let ran = unsafe {
         P::run(
             handle,
             plan,
@@ -723,8 +724,13 @@ pub(super) fn run<P: Pass>(
             one,
             zero,
         )
-    }
-    .map_err(|e| Error::Cuda {
+    };
+    let e = match ran {
+        Ok(()) => return Ok(Ran::Done),
+        Err(e) if is_not_supported(e.0 as u32) => return Ok(Ran::NotSupported),
+        Err(e) => e,
+    };
+    Err(Error::Cuda {
         op: "conv2d",
         device: dev.device(),
         detail: format!(
