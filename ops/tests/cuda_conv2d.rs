@@ -644,6 +644,44 @@ fn empty_batches_give_empty_outputs_and_zero_parameter_gradients() {
     }
 }
 
+/// Every dimension that can be 0, forward and backward against the CPU on both engines: no
+/// samples, no input channels (outputs are the bias; a weight without elements), no output
+/// channels (an empty output, a weight and a bias without elements). None reaches cuDNN or
+/// cuBLAS with a zero size.
+#[test]
+fn empty_geometries_match_the_cpu_forward_and_backward_on_both_engines() {
+    if !gpu() {
+        return;
+    }
+    let cases = [
+        case("no samples", [0, 3, 5, 5], [2, 3, 3, 3], PLAIN, true),
+        case("no input channels", [2, 0, 5, 5], [4, 0, 3, 3], PLAIN, true),
+        case(
+            "no output channels",
+            [2, 3, 5, 5],
+            [0, 3, 3, 3],
+            PLAIN,
+            true,
+        ),
+        case(
+            "no samples, padded and strided",
+            [0, 2, 6, 7],
+            [3, 2, 3, 3],
+            ((2, 2), (1, 1), (1, 1)),
+            false,
+        ),
+    ];
+    for backend in BACKENDS {
+        with_settings(backend, false, CudnnAlgorithmSearch::Measured, || {
+            for c in &cases {
+                for dtype in [DType::F32, DType::F64] {
+                    compare(c, dtype, Tolerance::Exact, false, &engine(backend), 950);
+                }
+            }
+        });
+    }
+}
+
 #[test]
 fn cudnn_chooses_each_algorithm_once_per_geometry_and_then_reuses_its_plan() {
     if !gpu() {
