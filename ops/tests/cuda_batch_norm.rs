@@ -13,24 +13,17 @@
 //! (|pre-activation| < 1e-4) are left out of the gradient comparisons and counted in the
 //! message. Failures name the op, shape, dtype, mode, tensor and element.
 
+mod common;
+
+use common::{gpu, GPU};
+
 use tandem_autograd::{gradcheck, no_grad, BackwardOptions, GradcheckOptions, TensorBackward};
-use tandem_core::{cuda, DType, Device, Generator, Tensor};
+use tandem_core::{DType, Device, Generator, Tensor};
 use tandem_ops::batch_norm::phases::{
     self, ApplyArgs, BackwardApplyArgs, BackwardReduceArgs, GradMask, NormalizationArgs,
     RunningUpdate, Statistics,
 };
 use tandem_ops::batch_norm::{batch_norm_fused, BatchNormArgs, Epilogue};
-
-const GPU: Device = Device::Cuda(0);
-
-fn gpu() -> bool {
-    if cuda::is_available() {
-        true
-    } else {
-        println!("skipped: no CUDA device");
-        false
-    }
-}
 
 /// Random values on the CPU.
 fn randn(shape: &[usize], mean: f64, std: f64, dtype: DType, seed: u64) -> Tensor {

@@ -20,27 +20,20 @@
 //! rounding, `3e-3·scale`. A failure names the geometry, engine, dtype, tensor, element (as
 //! coordinates) and both values.
 
+mod common;
+
+use common::{gpu, GPU};
+
 use std::sync::Mutex;
 
 use tandem_autograd::{backward, gradcheck, BackwardOptions, GradcheckOptions};
 use tandem_core::cuda::blas::{allow_tf32_conv, set_allow_tf32_conv};
-use tandem_core::{cuda, DType, Device, Generator, Tensor};
+use tandem_core::{DType, Device, Generator, Tensor};
 use tandem_ops::conv2d::{
     cuda_conv_backend, cudnn_available, cudnn_cache_stats, set_cuda_conv_backend,
     set_cudnn_algorithm_search, CudaConvBackend, CudnnAlgorithmSearch,
 };
 use tandem_ops::{conv2d, Conv2dParams};
-
-const GPU: Device = Device::Cuda(0);
-
-fn gpu() -> bool {
-    if cuda::is_available() {
-        true
-    } else {
-        println!("skipped: no CUDA device");
-        false
-    }
-}
 
 /// Held by every test while it sets and uses the process-wide settings.
 static SETTINGS: Mutex<()> = Mutex::new(());

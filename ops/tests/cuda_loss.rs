@@ -7,21 +7,15 @@
 //! Each test prints `skipped: no CUDA device` without a GPU. Failure messages name the loss,
 //! the reduction, the sizes, the dtype and the first differing element.
 
+mod common;
+
+use common::{gpu, GPU};
+
 use tandem_autograd::{gradcheck, BackwardOptions, GradcheckOptions, TensorBackward};
 use tandem_core::{cuda, DType, Device, Generator, Tensor};
 use tandem_ops::Reduction;
 
-const GPU: Device = Device::Cuda(0);
 const REDUCTIONS: [Reduction; 3] = [Reduction::None, Reduction::Sum, Reduction::Mean];
-
-fn gpu() -> bool {
-    if cuda::is_available() {
-        true
-    } else {
-        println!("skipped: no CUDA device");
-        false
-    }
-}
 
 fn randn(shape: &[usize], dtype: DType, seed: u64, scale: f64) -> Tensor {
     let mut g = Generator::new(seed);

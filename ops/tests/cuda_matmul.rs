@@ -9,26 +9,19 @@
 //! grows with the magnitude of the result; a failure names the op, shapes, dtype and element.
 //! Every test holds one lock, because the TF32 test changes a process-wide setting.
 
+mod common;
+
+use common::{gpu, GPU};
+
 use std::sync::Mutex;
 
 use tandem_autograd::{backward, gradcheck, GradcheckOptions};
 use tandem_core::cuda::blas;
-use tandem_core::{cuda, DType, Device, Generator, Layout, Shape, Tensor};
+use tandem_core::{DType, Device, Generator, Layout, Shape, Tensor};
 use tandem_ops::{linear, matmul};
-
-const GPU: Device = Device::Cuda(0);
 
 /// Held by every test: the TF32 setting is global.
 static SETTINGS: Mutex<()> = Mutex::new(());
-
-fn gpu() -> bool {
-    if cuda::is_available() {
-        true
-    } else {
-        println!("skipped: no CUDA device");
-        false
-    }
-}
 
 /// How an operand is laid out on the GPU.
 #[derive(Clone, Copy, Debug)]

@@ -8,20 +8,13 @@
 //! values are expected to agree to the last bit; the comparison allows f32 rounding so that a
 //! failure message shows how far apart the two are, and names the pool, shape, dtype and element.
 
+mod common;
+
+use common::{gpu, GPU};
+
 use tandem_autograd::{backward, gradcheck, GradcheckOptions};
-use tandem_core::{cuda, DType, Device, Generator, Tensor};
+use tandem_core::{DType, Device, Generator, Tensor};
 use tandem_ops::{adaptive_avg_pool2d, avg_pool2d, max_pool2d};
-
-const GPU: Device = Device::Cuda(0);
-
-fn gpu() -> bool {
-    if cuda::is_available() {
-        true
-    } else {
-        println!("skipped: no CUDA device");
-        false
-    }
-}
 
 type Pair = (usize, usize);
 
