@@ -152,13 +152,23 @@ fn sum_and_mean_match_the_cpu_forward_and_backward() {
                     compare(&what, shape, transpose, sum, |x| {
                         tandem_ops::sum(x, dims, keepdim)
                     });
-                    if shape.iter().product::<usize>() > 0 {
-                        let what = format!("mean over {dims:?} keepdim {keepdim}");
-                        let scale = 1.0 / reduced_count(shape, transpose, dims) as f64;
+                    let what = format!("mean over {dims:?} keepdim {keepdim}");
+                    let count = reduced_count(shape, transpose, dims);
+                    if count > 0 {
+                        // Of an empty input too when each group has elements: an empty output.
+                        let scale = 1.0 / count as f64;
                         let mean = Tolerance::Sum { dims, scale };
                         compare(&what, shape, transpose, mean, |x| {
                             tandem_ops::mean(x, dims, keepdim)
                         });
+                    } else {
+                        // A mean over no elements is the CPU's error on both devices.
+                        let (c, g) = pair(shape, DType::F32, 5, transpose);
+                        assert_eq!(
+                            tandem_ops::mean(&g, dims, keepdim).unwrap_err().to_string(),
+                            tandem_ops::mean(&c, dims, keepdim).unwrap_err().to_string(),
+                            "{what} {shape:?} transposed {transpose}"
+                        );
                     }
                 }
             }
