@@ -129,6 +129,73 @@ fn runtime_ops_on_the_device_match_the_cpu() {
     }
 }
 
+/// Empty tensors (zero-byte allocations at address 0, and zero-length views into a real
+/// allocation) go through every runtime operation as on the CPU: nothing is launched, copied or
+/// refused as overlapping.
+#[test]
+fn runtime_ops_on_empty_tensors_match_the_cpu() {
+    if !gpu() {
+        return;
+    }
+    for dtype in DTYPES {
+        for shape in [&[0][..], &[3, 0], &[0, 5], &[2, 0, 4]] {
+            let what = format!("{dtype} {shape:?}");
+            let host = sample(shape, dtype, 7);
+            let dev = host.to_device(GPU).unwrap();
+            assert_eq!(dev.dims(), shape, "{what}: upload");
+            assert_same(
+                &format!("{what}: round trip"),
+                &dev.to_device(Device::Cpu).unwrap(),
+                &host,
+                0.0,
+            );
+            for t in [&dev, &host] {
+                t.fill_(3.0).unwrap();
+                t.copy_(&t.clone()).unwrap();
+                let other = Tensor::zeros(shape, dtype, t.device()).unwrap();
+                t.copy_(&other).unwrap();
+            }
+            assert_same(&format!("{what}: fill_ and copy_"), &dev, &host, 0.0);
+            for to in DTYPES {
+                assert_same(
+                    &format!("{what}: cast to {to}"),
+                    &dev.to_dtype(to).unwrap(),
+                    &host.to_dtype(to).unwrap(),
+                    0.0,
+                );
+            }
+            if matches!(dtype, DType::F32 | DType::F64) {
+                dev.scale_(0.5).unwrap();
+                dev.add_scaled_(&dev.clone(), 2.0).unwrap();
+                dev.add_(&Tensor::ones(shape, dtype, GPU).unwrap()).unwrap();
+                assert_eq!(dev.to_vec_f64().unwrap(), Vec::<f64>::new(), "{what}");
+            }
+        }
+        // A zero-length window of a real allocation (its address is not 0), transposed.
+        let host = sample(&[4, 6], dtype, 8);
+        let dev = host.to_device(GPU).unwrap();
+        let window = |t: &Tensor| {
+            let n = t
+                .view_detached(t.layout().narrow("n", 1, 3, 0).unwrap())
+                .unwrap();
+            n.view_detached(n.layout().transpose("t", 0, 1).unwrap())
+                .unwrap()
+        };
+        let (hw, dw) = (window(&host), window(&dev));
+        assert_eq!(dw.dims(), [0, 4]);
+        dw.fill_(1.0).unwrap();
+        dw.copy_(&Tensor::zeros(&[0, 4], dtype, GPU).unwrap())
+            .unwrap();
+        assert_same(
+            &format!("{dtype}: window"),
+            &dw.copy_detached().unwrap(),
+            &hw.copy_detached().unwrap(),
+            0.0,
+        );
+        assert_same(&format!("{dtype}: around the window"), &dev, &host, 0.0);
+    }
+}
+
 #[test]
 fn creation_and_broadcast_views_on_the_device() {
     if !gpu() {

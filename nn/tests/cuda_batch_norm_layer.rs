@@ -134,4 +134,60 @@ fn batch_norm_2d_on_cuda_matches_the_cpu_layer() {
         vec![3],
         "evaluation must not count a batch"
     );
+
+    // An empty batch in evaluation: an empty output and input gradient, zero parameter
+    // gradients, as on the CPU.
+    let empty = [0, c, 9, 12];
+    for p in cpu.parameters().iter().chain(&gpu.parameters()) {
+        p.set_grad(None).unwrap();
+    }
+    let x = randn(&empty, 2.0, 50);
+    let (xc, xg) = (
+        x.copy_detached().unwrap().with_requires_grad().unwrap(),
+        on(&x, GPU).with_requires_grad().unwrap(),
+    );
+    let want = cpu.forward_relu(&xc).unwrap();
+    let got = gpu.forward_relu(&xg).unwrap();
+    assert_eq!(got.device(), GPU);
+    assert_close(&got, &want, 0.0, &[], "empty batch in evaluation: output");
+    let g = randn(&empty, 0.0, 51);
+    want.backward_with(Some(&g), &BackwardOptions::default())
+        .unwrap();
+    got.backward_with(Some(&on(&g, GPU)), &BackwardOptions::default())
+        .unwrap();
+    assert_close(
+        &xg.grad().unwrap(),
+        &xc.grad().unwrap(),
+        0.0,
+        &[],
+        "empty batch in evaluation: input gradient",
+    );
+    for (name, a, b) in [
+        ("weight", gpu.weight().unwrap(), cpu.weight().unwrap()),
+        ("bias", gpu.bias().unwrap(), cpu.bias().unwrap()),
+    ] {
+        let what = format!("empty batch in evaluation: grad {name}");
+        match (a.grad(), b.grad()) {
+            (Some(ga), Some(gb)) => assert_close(&ga, &gb, 0.0, &[], &what),
+            (None, None) => {}
+            (ga, gb) => panic!(
+                "{what}: a gradient on the GPU: {}, on the CPU: {}",
+                ga.is_some(),
+                gb.is_some()
+            ),
+        }
+    }
+    // In training, the CPU's answer for a batch without samples (an error or not) on both.
+    cpu.train();
+    gpu.train();
+    let (cpu_result, gpu_result) = (cpu.forward(&x), gpu.forward(&on(&x, GPU)));
+    match (cpu_result, gpu_result) {
+        (Ok(want), Ok(got)) => assert_close(&got, &want, 0.0, &[], "empty batch in training"),
+        (Err(c), Err(g)) => assert_eq!(g.to_string(), c.to_string(), "empty batch in training"),
+        (c, g) => panic!(
+            "empty batch in training: on the CPU {:?}, on the GPU {:?}",
+            c.err(),
+            g.err()
+        ),
+    }
 }

@@ -13,24 +13,17 @@
 //! (|pre-activation| < 1e-4) are left out of the gradient comparisons and counted in the
 //! message. Failures name the op, shape, dtype, mode, tensor and element.
 
+mod common;
+
+use common::{gpu, GPU};
+
 use tandem_autograd::{gradcheck, no_grad, BackwardOptions, GradcheckOptions, TensorBackward};
-use tandem_core::{cuda, DType, Device, Generator, Tensor};
+use tandem_core::{DType, Device, Generator, Tensor};
 use tandem_ops::batch_norm::phases::{
     self, ApplyArgs, BackwardApplyArgs, BackwardReduceArgs, GradMask, NormalizationArgs,
     RunningUpdate, Statistics,
 };
 use tandem_ops::batch_norm::{batch_norm_fused, BatchNormArgs, Epilogue};
-
-const GPU: Device = Device::Cuda(0);
-
-fn gpu() -> bool {
-    if cuda::is_available() {
-        true
-    } else {
-        println!("skipped: no CUDA device");
-        false
-    }
-}
 
 /// Random values on the CPU.
 fn randn(shape: &[usize], mean: f64, std: f64, dtype: DType, seed: u64) -> Tensor {
@@ -419,21 +412,52 @@ fn an_empty_batch_in_evaluation_gives_an_empty_output_and_gradient() {
     if !gpu() {
         return;
     }
-    let host = host_side(&[0, 3, 4, 4], DType::F32, 1);
-    let gpu_side = Side::new(&host, GPU, false);
-    let y = gpu_side.run(Kind::Relu, false, true);
-    assert_eq!(y.dims(), &[0, 3, 4, 4]);
-    let g = Tensor::zeros(&[0, 3, 4, 4], DType::F32, GPU).unwrap();
-    y.backward_with(Some(&g), &BackwardOptions::default())
-        .unwrap();
-    let gx = gpu_side.x.grad().expect("a gradient for x");
-    assert_eq!(gx.dims(), &[0, 3, 4, 4]);
-    let gw = gpu_side.weight.grad().expect("a gradient for the weight");
-    assert_eq!(
-        values(&gw),
-        vec![0.0; 3],
-        "weight gradient of an empty batch"
-    );
+    // Every epilogue, with and without affine parameters, in f32 and f64, against the CPU:
+    // empty outputs and input gradients, parameter gradients of zeros (or none on both).
+    for dtype in [DType::F32, DType::F64] {
+        for kind in [Kind::Plain, Kind::Relu, Kind::AddRelu] {
+            for affine in [true, false] {
+                let what = format!("empty batch {kind:?} affine {affine} {dtype}");
+                let host = host_side(&[0, 3, 4, 4], dtype, 1);
+                let (cpu, dev) = (
+                    Side::new(&host, Device::Cpu, false),
+                    Side::new(&host, GPU, false),
+                );
+                let (want, got) = (cpu.run(kind, false, affine), dev.run(kind, false, affine));
+                assert_eq!(got.device(), GPU, "{what}");
+                assert_close(&got, &want, 0.0, &format!("{what}: output"));
+                let g = randn(&[0, 3, 4, 4], 0.0, 1.0, dtype, 2);
+                want.backward_with(Some(&g), &BackwardOptions::default())
+                    .unwrap();
+                got.backward_with(Some(&on(&g, GPU)), &BackwardOptions::default())
+                    .unwrap();
+                for (name, d, c) in [
+                    ("x", &dev.x, &cpu.x),
+                    ("residual", &dev.residual, &cpu.residual),
+                    ("weight", &dev.weight, &cpu.weight),
+                    ("bias", &dev.bias, &cpu.bias),
+                ] {
+                    match (d.grad(), c.grad()) {
+                        (Some(gd), Some(gc)) => {
+                            assert_close(&gd, &gc, 0.0, &format!("{what}: grad {name}"))
+                        }
+                        (None, None) => {}
+                        (gd, gc) => panic!(
+                            "{what}: a gradient of {name} on the GPU: {}, on the CPU: {}",
+                            gd.is_some(),
+                            gc.is_some()
+                        ),
+                    }
+                }
+                assert_close(
+                    &dev.running_mean,
+                    &cpu.running_mean,
+                    0.0,
+                    &format!("{what}: running mean"),
+                );
+            }
+        }
+    }
 }
 
 // ---- phases ----------------------------------------------------------------------------

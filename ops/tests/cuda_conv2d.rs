@@ -20,27 +20,20 @@
 //! rounding, `3e-3·scale`. A failure names the geometry, engine, dtype, tensor, element (as
 //! coordinates) and both values.
 
+mod common;
+
+use common::{gpu, GPU};
+
 use std::sync::Mutex;
 
 use tandem_autograd::{backward, gradcheck, BackwardOptions, GradcheckOptions};
 use tandem_core::cuda::blas::{allow_tf32_conv, set_allow_tf32_conv};
-use tandem_core::{cuda, DType, Device, Generator, Tensor};
+use tandem_core::{DType, Device, Generator, Tensor};
 use tandem_ops::conv2d::{
     cuda_conv_backend, cudnn_available, cudnn_cache_stats, set_cuda_conv_backend,
     set_cudnn_algorithm_search, CudaConvBackend, CudnnAlgorithmSearch,
 };
 use tandem_ops::{conv2d, Conv2dParams};
-
-const GPU: Device = Device::Cuda(0);
-
-fn gpu() -> bool {
-    if cuda::is_available() {
-        true
-    } else {
-        println!("skipped: no CUDA device");
-        false
-    }
-}
 
 /// Held by every test while it sets and uses the process-wide settings.
 static SETTINGS: Mutex<()> = Mutex::new(());
@@ -640,6 +633,44 @@ fn empty_batches_give_empty_outputs_and_zero_parameter_gradients() {
                 zeros(&b),
                 "{what}: bias gradient of an empty batch is not zero"
             );
+        });
+    }
+}
+
+/// Every dimension that can be 0, forward and backward against the CPU on both engines: no
+/// samples, no input channels (outputs are the bias; a weight without elements), no output
+/// channels (an empty output, a weight and a bias without elements). None reaches cuDNN or
+/// cuBLAS with a zero size.
+#[test]
+fn empty_geometries_match_the_cpu_forward_and_backward_on_both_engines() {
+    if !gpu() {
+        return;
+    }
+    let cases = [
+        case("no samples", [0, 3, 5, 5], [2, 3, 3, 3], PLAIN, true),
+        case("no input channels", [2, 0, 5, 5], [4, 0, 3, 3], PLAIN, true),
+        case(
+            "no output channels",
+            [2, 3, 5, 5],
+            [0, 3, 3, 3],
+            PLAIN,
+            true,
+        ),
+        case(
+            "no samples, padded and strided",
+            [0, 2, 6, 7],
+            [3, 2, 3, 3],
+            ((2, 2), (1, 1), (1, 1)),
+            false,
+        ),
+    ];
+    for backend in BACKENDS {
+        with_settings(backend, false, CudnnAlgorithmSearch::Measured, || {
+            for c in &cases {
+                for dtype in [DType::F32, DType::F64] {
+                    compare(c, dtype, Tolerance::Exact, false, &engine(backend), 950);
+                }
+            }
         });
     }
 }

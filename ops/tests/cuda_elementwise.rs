@@ -6,24 +6,20 @@
 //!
 //! Each test runs when a CUDA device is present and prints `skipped: no CUDA device` otherwise.
 //! Add, sub, mul, div, neg, relu, sqrt, integer powers, cat, the views and dropout compute the
-//! CPU's IEEE operations and agree to the last bit; exp, log, sigmoid, tanh and fractional powers
-//! use CUDA's math library and agree within a few ulp. Failure messages name the op, the shapes,
-//! the dtype and the first differing elements.
+//! CPU's IEEE operations and agree to the last bit. What does not (see `common/tolerance.rs`):
+//! the gradient of a broadcast input is a sum, added in another order on each device (within a
+//! bound from the number of terms and Σ|x|); exp, log, sigmoid, tanh and fractional powers use
+//! CUDA's math library and agree within a few ulp, and the backward of sigmoid and tanh within a
+//! bound relative to the gradient and the saved output (cancellation near saturation). Failure
+//! messages name the op, the shapes, the dtype and the first differing elements.
 
+mod common;
+
+use common::tolerance::{sigmoid_backward_bound, sum_order_bound, tanh_backward_bound};
+use common::{assert_ulps, assert_within, broadcast_sums, epsilon, gpu, values, GPU};
 use tandem_autograd::{gradcheck, GradcheckOptions};
-use tandem_core::{cuda, DType, Device, Generator, Result, Tensor};
+use tandem_core::{DType, Device, Generator, Result, Tensor};
 use tandem_ops as ops;
-
-const GPU: Device = Device::Cuda(0);
-
-fn gpu() -> bool {
-    if cuda::is_available() {
-        true
-    } else {
-        println!("skipped: no CUDA device");
-        false
-    }
-}
 
 /// Normal values of `shape` and `dtype` on the CPU.
 fn randn(shape: &[usize], dtype: DType, seed: u64) -> Tensor {
@@ -82,54 +78,6 @@ fn leaf(t: &Tensor, device: Device) -> Tensor {
     on(t, device).with_requires_grad().unwrap()
 }
 
-/// Asserts that `got` (any device) equals `want` (CPU) within `ulps` units in the last place of
-/// `want`'s dtype (0 = bit for bit, NaN matching NaN), naming `what` and the first bad elements.
-fn assert_close(got: &Tensor, want: &Tensor, ulps: f64, what: &str) {
-    assert_eq!(
-        got.dims(),
-        want.dims(),
-        "{what}: shape {:?} on {}, {:?} on the CPU",
-        got.dims(),
-        got.device(),
-        want.dims()
-    );
-    assert_eq!(got.dtype(), want.dtype(), "{what}: dtype");
-    let eps = match want.dtype() {
-        DType::F32 => f32::EPSILON as f64,
-        _ => f64::EPSILON,
-    };
-    let tiny = match want.dtype() {
-        DType::F32 => f32::MIN_POSITIVE as f64,
-        _ => f64::MIN_POSITIVE,
-    };
-    let g = got.to_dtype(DType::F64).unwrap().to_vec::<f64>().unwrap();
-    let w = want.to_dtype(DType::F64).unwrap().to_vec::<f64>().unwrap();
-    let bad: Vec<String> = g
-        .iter()
-        .zip(&w)
-        .enumerate()
-        .filter(|&(_, (&g, &w))| {
-            let same = (g.is_nan() && w.is_nan()) || g == w;
-            let within = (g - w).abs() <= ulps * eps * w.abs().max(tiny);
-            !same && !within
-        })
-        .take(5)
-        .map(|(i, (g, w))| format!("element {i}: got {g:e}, want {w:e}"))
-        .collect();
-    assert!(
-        bad.is_empty(),
-        "{what} ({}, shape {:?}): {} of {} elements differ beyond {ulps} ulp; {}",
-        want.dtype(),
-        want.dims(),
-        g.iter()
-            .zip(&w)
-            .filter(|(g, w)| !((g.is_nan() && w.is_nan()) || g == w))
-            .count(),
-        w.len(),
-        bad.join("; ")
-    );
-}
-
 /// Runs backward from `y` with the output gradient `g` (moved to `y`'s device).
 fn backward(y: &Tensor, g: &Tensor) {
     let g = on(g, y.device());
@@ -156,7 +104,10 @@ const BINARY: [(&str, Binary); 5] = [
 ];
 
 /// Runs `f` on both devices with leaves holding `a` and `b`, compares the outputs and, after a
-/// backward with the same output gradient, both gradients.
+/// backward with the same output gradient, both gradients. The gradient of an input that was
+/// broadcast is a sum over the broadcast dims, which the devices add in different orders: it
+/// is compared within [`sum_order_bound`] of its terms (see [`broadcast_gradient_bounds`]);
+/// everything else bit for bit.
 fn compare_binary(name: &str, f: Binary, a: &Tensor, b: &Tensor, seed: u64) {
     let what = format!("{name} a {:?} b {:?}", a.dims(), b.dims());
     let (ca, cb) = (leaf(a, Device::Cpu), leaf(b, Device::Cpu));
@@ -164,22 +115,50 @@ fn compare_binary(name: &str, f: Binary, a: &Tensor, b: &Tensor, seed: u64) {
     let want = f(&ca, &cb).unwrap();
     let got = f(&ga, &gb).unwrap_or_else(|e| panic!("{what} on {GPU}: {e}"));
     assert_eq!(got.device(), GPU, "{what}: output device");
-    assert_close(&got, &want, 0.0, &format!("{what} forward"));
+    assert_ulps(&got, &want, 0.0, &format!("{what} forward"));
     let g = randn(want.dims(), want.dtype(), seed);
     backward(&want, &g);
     backward(&got, &g);
-    assert_close(
+    let [bound_a, bound_b] = broadcast_gradient_bounds(f, a, b, &g);
+    assert_within(
         &grad(&ga, &what),
         &grad(&ca, &what),
-        0.0,
+        &bound_a,
         &format!("{what} grad a"),
     );
-    assert_close(
+    assert_within(
         &grad(&gb, &what),
         &grad(&cb, &what),
-        0.0,
+        &bound_b,
         &format!("{what} grad b"),
     );
+}
+
+/// For each input of `f(a, b)` with output gradient `g`: per element of the input, how far the
+/// devices' gradients may be apart. The terms each gradient element sums are the gradient of
+/// that input expanded to the output's shape (computed on the CPU with both inputs expanded
+/// and made contiguous, so that nothing is summed); an input that was not broadcast has one
+/// term per element and a bound of 0.
+fn broadcast_gradient_bounds(f: Binary, a: &Tensor, b: &Tensor, g: &Tensor) -> [Vec<f64>; 2] {
+    let shape = g.dims();
+    let expanded = |t: &Tensor| {
+        t.view_detached(t.layout().expand("test", shape).unwrap())
+            .unwrap()
+            .copy_detached()
+            .unwrap()
+            .with_requires_grad()
+            .unwrap()
+    };
+    let (ea, eb) = (expanded(a), expanded(b));
+    backward(&f(&ea, &eb).unwrap(), g);
+    let eps = epsilon(g.dtype());
+    [(a, &ea), (b, &eb)].map(|(input, full)| {
+        let (len, abs_sums) = broadcast_sums(&grad(full, "expanded input"), input.dims());
+        abs_sums
+            .iter()
+            .map(|&s| sum_order_bound(len, s, eps))
+            .collect()
+    })
 }
 
 #[test]
@@ -220,6 +199,9 @@ fn binary_ops_match_the_cpu_forward_and_backward_with_broadcasting() {
             (&[7, 1], &[1, 9]),
             (&[33], &[1]),
             (&[2, 3], &[]),
+            // Empty outputs: the broadcast input's gradient sums no terms, zeros on both.
+            (&[0, 3], &[3]),
+            (&[2, 0], &[2, 1]),
         ]
         .iter()
         .enumerate()
@@ -254,7 +236,8 @@ fn scalar_ops_match_the_cpu_forward_and_backward() {
     }
     for dtype in DTYPES {
         let x = randn(&[129, 3], dtype, 70);
-        for input in [x.clone(), strided(&x)] {
+        let empty = randn(&[0, 3], dtype, 72);
+        for input in [x.clone(), strided(&x), empty.clone(), strided(&empty)] {
             for c in [0.3, -2.5, 1e10] {
                 for (name, f) in [
                     (
@@ -267,11 +250,11 @@ fn scalar_ops_match_the_cpu_forward_and_backward() {
                     let (cx, gx) = (leaf(&input, Device::Cpu), leaf(&input, GPU));
                     let want = f(&cx, c).unwrap();
                     let got = f(&gx, c).unwrap_or_else(|e| panic!("{what}: {e}"));
-                    assert_close(&got, &want, 0.0, &what);
+                    assert_ulps(&got, &want, 0.0, &what);
                     let g = randn(want.dims(), dtype, 71);
                     backward(&want, &g);
                     backward(&got, &g);
-                    assert_close(&grad(&gx, &what), &grad(&cx, &what), 0.0, &what);
+                    assert_ulps(&grad(&gx, &what), &grad(&cx, &what), 0.0, &what);
                 }
             }
         }
@@ -282,32 +265,106 @@ fn scalar_ops_match_the_cpu_forward_and_backward() {
 
 type Unary = Box<dyn Fn(&Tensor) -> Result<Tensor>>;
 
-/// Every unary op, its ulp tolerance (forward; backward from the same saved values), and whether
-/// it needs positive inputs.
-fn unary_ops() -> Vec<(String, Unary, f64, bool)> {
-    let mut v: Vec<(String, Unary, f64, bool)> = vec![
-        ("neg".into(), Box::new(ops::neg), 0.0, false),
-        ("exp".into(), Box::new(ops::exp), 4.0, false),
-        ("log".into(), Box::new(ops::log), 4.0, true),
-        ("sqrt".into(), Box::new(ops::sqrt), 0.0, true),
-        ("relu".into(), Box::new(ops::relu), 0.0, false),
-        ("sigmoid".into(), Box::new(ops::sigmoid), 4.0, false),
-        ("tanh".into(), Box::new(ops::tanh), 4.0, false),
+/// How a unary op's input gradient on the device may differ from the CPU's.
+#[derive(Clone, Copy, Debug)]
+enum BackwardBound {
+    /// The same IEEE operations on the same values: bit for bit.
+    Exact,
+    /// Within this many ulp of the CPU's result.
+    Ulps(f64),
+    /// [`sigmoid_backward_bound`] of the gradient and the saved output.
+    Sigmoid,
+    /// [`tanh_backward_bound`] of the gradient and the saved output.
+    Tanh,
+}
+
+/// A unary op under test.
+struct UnaryCase {
+    name: String,
+    f: Unary,
+    /// How far the forward may be from the CPU's, in ulp of the result (0: bit for bit).
+    forward_ulps: f64,
+    backward: BackwardBound,
+    needs_positive: bool,
+}
+
+fn unary(
+    name: &str,
+    f: Unary,
+    forward_ulps: f64,
+    backward: BackwardBound,
+    needs_positive: bool,
+) -> UnaryCase {
+    UnaryCase {
+        name: name.into(),
+        f,
+        forward_ulps,
+        backward,
+        needs_positive,
+    }
+}
+
+/// Every unary op with its tolerances. The math library's bounds (CUDA Math API appendix:
+/// expf 2 ulp, logf 1, tanhf 2, powf 4; exp 1, log 1, tanh 2, pow 2 in f64; tandem's CPU f32
+/// exp 2 ulp, the C library's under 1 ulp for log and pow and 2 for tanh) add up to at most 4
+/// ulp between the devices for exp, log and tanh and 5 for pow. sigmoid is `1 / (1 + e^−x)`: the
+/// 4 ulp of e^−x, then one rounding each of the sum and the quotient on each side: 6. The
+/// backward reads the saved output for exp, sqrt, relu, sigmoid and tanh and the input for log
+/// and pow: exp's `g·y` inherits the forward's ulps plus one rounding; log's `g / x`, sqrt's
+/// `(½·g) / y` (sqrt is correctly rounded on both devices), relu's and integer powers' are the
+/// same IEEE operations on the same values; a fractional power's `(g·p)·x^(p−1)` calls pow
+/// (5 ulp) and rounds once more (8 with headroom) — pow_scalar(0.5) included, whose forward is
+/// an exact sqrt but whose backward is `x^−½`.
+fn unary_ops() -> Vec<UnaryCase> {
+    use BackwardBound::{Exact, Sigmoid, Tanh, Ulps};
+    let mut v = vec![
+        unary("neg", Box::new(ops::neg), 0.0, Exact, false),
+        unary("exp", Box::new(ops::exp), 4.0, Ulps(5.0), false),
+        unary("log", Box::new(ops::log), 4.0, Exact, true),
+        unary("sqrt", Box::new(ops::sqrt), 0.0, Exact, true),
+        unary("relu", Box::new(ops::relu), 0.0, Exact, false),
+        unary("sigmoid", Box::new(ops::sigmoid), 6.0, Sigmoid, false),
+        unary("tanh", Box::new(ops::tanh), 4.0, Tanh, false),
     ];
     for p in [2.0, 0.5, 3.0, -2.0, 0.0, 1.0, 1.7, -0.3] {
-        let ulps = if p == 0.5 || p == 2.0 || f64::fract(p) == 0.0 {
+        // The forward is exact for squares, square roots and integer powers; the backward for
+        // p ∈ {0, 1, 2} and an integer p − 1.
+        let forward_ulps = if p == 0.5 || f64::fract(p) == 0.0 {
             0.0
         } else {
             8.0
         };
-        v.push((
-            format!("pow_scalar({p})"),
+        let backward = if f64::fract(p) == 0.0 {
+            Exact
+        } else {
+            Ulps(8.0)
+        };
+        v.push(unary(
+            &format!("pow_scalar({p})"),
             Box::new(move |x| ops::pow_scalar(x, p)),
-            ulps,
+            forward_ulps,
+            backward,
             f64::fract(p) != 0.0,
         ));
     }
     v
+}
+
+/// The bound of each element of a unary op's input gradient, from the output gradient `g` and
+/// the CPU's forward output `y` (logical order, like the gradients).
+fn unary_backward_bounds(case: &UnaryCase, g: &Tensor, y: &Tensor) -> Vec<f64> {
+    let eps = epsilon(y.dtype());
+    let (g, y) = (values(g), values(y));
+    let f = case.forward_ulps;
+    g.iter()
+        .zip(&y)
+        .map(|(&g, &y)| match case.backward {
+            BackwardBound::Sigmoid => sigmoid_backward_bound(g, y, f, eps),
+            BackwardBound::Tanh => tanh_backward_bound(g, y, f, eps),
+            // assert_ulps covers these.
+            BackwardBound::Exact | BackwardBound::Ulps(_) => 0.0,
+        })
+        .collect()
 }
 
 #[test]
@@ -316,21 +373,27 @@ fn unary_ops_match_the_cpu_forward_and_backward() {
         return;
     }
     for dtype in DTYPES {
-        for (i, shape) in [&[37][..], &[64, 65], &[3, 5, 130], &[0]]
+        for (i, shape) in [&[37][..], &[64, 65], &[3, 5, 130], &[0], &[4, 0, 3]]
             .iter()
             .enumerate()
         {
+            // Normal values reach |x| ≈ 4, where tanh and sigmoid saturate in f32.
             let signed = randn(shape, dtype, 80 + i as u64);
             let positive = uniform(shape, 0.1, 3.0, dtype, 90 + i as u64);
-            for (name, f, ulps, needs_positive) in unary_ops() {
-                let x = if needs_positive { &positive } else { &signed };
+            for case in unary_ops() {
+                let x = if case.needs_positive {
+                    &positive
+                } else {
+                    &signed
+                };
                 let mut inputs = vec![x.clone()];
                 if shape.len() >= 2 {
                     inputs.push(strided(x));
                 }
                 for input in inputs {
                     let what = format!(
-                        "{name} x {:?}{}",
+                        "{} x {:?}{}",
+                        case.name,
                         input.dims(),
                         if input.is_contiguous() {
                             ""
@@ -339,20 +402,22 @@ fn unary_ops_match_the_cpu_forward_and_backward() {
                         }
                     );
                     let (cx, gx) = (leaf(&input, Device::Cpu), leaf(&input, GPU));
-                    let want = f(&cx).unwrap();
-                    let got = f(&gx).unwrap_or_else(|e| panic!("{what} on {GPU}: {e}"));
-                    assert_close(&got, &want, ulps, &format!("{what} forward"));
+                    let want = (case.f)(&cx).unwrap();
+                    let got = (case.f)(&gx).unwrap_or_else(|e| panic!("{what} on {GPU}: {e}"));
+                    assert_ulps(&got, &want, case.forward_ulps, &format!("{what} forward"));
                     let g = randn(want.dims(), dtype, 100);
                     backward(&want, &g);
                     backward(&got, &g);
-                    // The backward reads the saved output, which may differ by the forward's ulps.
-                    let grad_ulps = if ulps > 0.0 { 4.0 * ulps + 8.0 } else { 0.0 };
-                    assert_close(
-                        &grad(&gx, &what),
-                        &grad(&cx, &what),
-                        grad_ulps,
-                        &format!("{what} backward"),
-                    );
+                    let (got_grad, want_grad) = (grad(&gx, &what), grad(&cx, &what));
+                    let what = format!("{what} backward");
+                    match case.backward {
+                        BackwardBound::Exact => assert_ulps(&got_grad, &want_grad, 0.0, &what),
+                        BackwardBound::Ulps(u) => assert_ulps(&got_grad, &want_grad, u, &what),
+                        BackwardBound::Sigmoid | BackwardBound::Tanh => {
+                            let bounds = unary_backward_bounds(&case, &g, &want);
+                            assert_within(&got_grad, &want_grad, &bounds, &what)
+                        }
+                    }
                 }
             }
         }
@@ -414,7 +479,13 @@ fn gradcheck_every_op_in_f64_on_the_device() {
         std::slice::from_ref(&a),
     );
     let positive = uniform(&[3, 4], 0.3, 2.0, DType::F64, 114);
-    for (name, f, _, needs_positive) in unary_ops() {
+    for UnaryCase {
+        name,
+        f,
+        needs_positive,
+        ..
+    } in unary_ops()
+    {
         let x = if needs_positive || name == "relu" {
             // relu: away from its kink
             positive.clone()
@@ -464,6 +535,15 @@ fn cat_matches_the_cpu_forward_and_backward() {
                 vec![randn(&[4, 3], dtype, 125), randn(&[4, 0], dtype, 126)],
                 -1,
             ),
+            // Nothing but empty parts: an empty output and empty gradients.
+            (
+                vec![randn(&[0, 3], dtype, 130), randn(&[0, 2], dtype, 131)],
+                1,
+            ),
+            (
+                vec![randn(&[0, 3], dtype, 132), randn(&[0, 3], dtype, 133)],
+                0,
+            ),
             (
                 vec![
                     strided(&randn(&[6, 5], dtype, 127)),
@@ -480,13 +560,13 @@ fn cat_matches_the_cpu_forward_and_backward() {
             let want = ops::cat(&cpu.iter().collect::<Vec<_>>(), dim).unwrap();
             let got = ops::cat(&dev.iter().collect::<Vec<_>>(), dim)
                 .unwrap_or_else(|e| panic!("{what} on {GPU}: {e}"));
-            assert_close(&got, &want, 0.0, &format!("{what} forward"));
+            assert_ulps(&got, &want, 0.0, &format!("{what} forward"));
             let g = randn(want.dims(), dtype, 129);
             backward(&want, &g);
             backward(&got, &g);
             for (i, (d, c)) in dev.iter().zip(&cpu).enumerate() {
                 let what = format!("{what} grad of part {i}");
-                assert_close(&grad(d, &what), &grad(c, &what), 0.0, &what);
+                assert_ulps(&grad(d, &what), &grad(c, &what), 0.0, &what);
             }
         }
     }
@@ -530,8 +610,14 @@ fn views_match_the_cpu_forward_and_backward() {
     ];
     for dtype in DTYPES {
         let x = randn(&[2, 3, 5], dtype, 130);
-        for input in [x.clone(), strided(&x)] {
-            for (name, f) in &views {
+        // An empty input of the same rank, through the views that need no element of dim 1.
+        let empty = randn(&[6, 0, 5], dtype, 132);
+        let for_empty = ["transpose", "permute", "unsqueeze", "flatten", "contiguous"];
+        for input in [x.clone(), strided(&x), empty.clone(), strided(&empty)] {
+            for (name, f) in views
+                .iter()
+                .filter(|(name, _)| input.numel() > 0 || for_empty.contains(name))
+            {
                 let what = format!(
                     "{name} of {:?}{}",
                     input.dims(),
@@ -544,11 +630,11 @@ fn views_match_the_cpu_forward_and_backward() {
                 let (cx, gx) = (leaf(&input, Device::Cpu), leaf(&input, GPU));
                 let want = f(&cx).unwrap();
                 let got = f(&gx).unwrap_or_else(|e| panic!("{what} on {GPU}: {e}"));
-                assert_close(&got, &want, 0.0, &format!("{what} forward"));
+                assert_ulps(&got, &want, 0.0, &format!("{what} forward"));
                 let g = randn(want.dims(), dtype, 131);
                 backward(&want, &g);
                 backward(&got, &g);
-                assert_close(
+                assert_ulps(
                     &grad(&gx, &what),
                     &grad(&cx, &what),
                     0.0,
@@ -569,18 +655,26 @@ fn dropout_draws_the_cpu_mask_for_the_same_seed_forward_and_backward() {
     for dtype in DTYPES {
         // No zeros in the input, so the output is zero exactly where an element was dropped.
         let x = uniform(&[257, 129], 1.0, 2.0, dtype, 140);
-        for input in [x.clone(), strided(&x)] {
+        let empty = uniform(&[0, 129], 1.0, 2.0, dtype, 145);
+        let empty_middle = uniform(&[3, 0, 2], 1.0, 2.0, dtype, 146);
+        for input in [
+            x.clone(),
+            strided(&x),
+            empty.clone(),
+            strided(&empty),
+            empty_middle,
+        ] {
             for p in [0.1, 0.5, 0.9] {
                 let what = format!("dropout p {p} x {:?} {dtype}", input.dims());
                 let (cx, gx) = (leaf(&input, Device::Cpu), leaf(&input, GPU));
                 let want = ops::dropout(&cx, p, true, &mut Generator::new(141)).unwrap();
                 let got = ops::dropout(&gx, p, true, &mut Generator::new(141))
                     .unwrap_or_else(|e| panic!("{what} on {GPU}: {e}"));
-                assert_close(&got, &want, 0.0, &format!("{what} forward (the mask)"));
+                assert_ulps(&got, &want, 0.0, &format!("{what} forward (the mask)"));
                 let g = randn(want.dims(), dtype, 142);
                 backward(&want, &g);
                 backward(&got, &g);
-                assert_close(
+                assert_ulps(
                     &grad(&gx, &what),
                     &grad(&cx, &what),
                     0.0,

@@ -7,21 +7,15 @@
 //! Each test prints `skipped: no CUDA device` without a GPU. Failure messages name the loss,
 //! the reduction, the sizes, the dtype and the first differing element.
 
+mod common;
+
+use common::{gpu, GPU};
+
 use tandem_autograd::{gradcheck, BackwardOptions, GradcheckOptions, TensorBackward};
 use tandem_core::{cuda, DType, Device, Generator, Tensor};
 use tandem_ops::Reduction;
 
-const GPU: Device = Device::Cuda(0);
 const REDUCTIONS: [Reduction; 3] = [Reduction::None, Reduction::Sum, Reduction::Mean];
-
-fn gpu() -> bool {
-    if cuda::is_available() {
-        true
-    } else {
-        println!("skipped: no CUDA device");
-        false
-    }
-}
 
 fn randn(shape: &[usize], dtype: DType, seed: u64, scale: f64) -> Tensor {
     let mut g = Generator::new(seed);
@@ -164,6 +158,92 @@ fn mse_loss_matches_the_cpu_for_every_reduction() {
                     &BackwardOptions::default(),
                 )
                 .unwrap();
+                assert_close(
+                    &pg.grad().unwrap(),
+                    &pc.grad().unwrap(),
+                    &format!("{what}: pred"),
+                );
+                assert_close(
+                    &tg.grad().unwrap(),
+                    &tc.grad().unwrap(),
+                    &format!("{what}: target"),
+                );
+            }
+        }
+    }
+}
+
+/// Losses of no samples (and of no classes for an empty batch): `None` and `Sum` give the
+/// CPU's empty tensor or zero and empty gradients; `Mean` is the CPU's error on both devices.
+#[test]
+fn empty_batches_match_the_cpu_for_every_reduction() {
+    if !gpu() {
+        return;
+    }
+    type ClassLoss = fn(&Tensor, &Tensor, Reduction) -> tandem_core::Result<Tensor>;
+    let class_losses: [(&str, ClassLoss); 2] = [
+        ("cross_entropy", tandem_ops::cross_entropy),
+        ("nll_loss", tandem_ops::nll_loss),
+    ];
+    let backward_both = |lc: &Tensor, lg: &Tensor, dtype: DType| {
+        let grad = randn(lc.dims(), dtype, 3, 1.0);
+        lc.backward_with(Some(&grad), &BackwardOptions::default())
+            .unwrap();
+        lg.backward_with(
+            Some(&grad.to_device(GPU).unwrap()),
+            &BackwardOptions::default(),
+        )
+        .unwrap();
+    };
+    for dtype in [DType::F32, DType::F64] {
+        for (name, f) in class_losses {
+            for c in [10, 0] {
+                for reduction in REDUCTIONS {
+                    let what = format!("{name} {reduction:?} [0, {c}] {dtype}");
+                    let x = randn(&[0, c], dtype, 1, 1.0);
+                    let (xc, xg) = (leaf(&x, Device::Cpu), leaf(&x, GPU));
+                    let t = labels(0, c, 2);
+                    let (lc, lg) = (
+                        f(&xc, &t, reduction),
+                        f(&xg, &t.to_device(GPU).unwrap(), reduction),
+                    );
+                    let (lc, lg) = match (lc, lg) {
+                        (Ok(lc), Ok(lg)) => (lc, lg),
+                        (Err(c), Err(g)) => {
+                            assert_eq!(g.to_string(), c.to_string(), "{what}: the error");
+                            continue;
+                        }
+                        (c, g) => panic!("{what}: CPU {:?}, GPU {:?}", c.err(), g.err()),
+                    };
+                    assert_close(&lg, &lc, &what);
+                    backward_both(&lc, &lg, dtype);
+                    assert_close(
+                        &xg.grad().unwrap(),
+                        &xc.grad().unwrap(),
+                        &format!("{what}: gradient"),
+                    );
+                }
+            }
+        }
+        for shape in [&[0][..], &[0, 3], &[4, 0, 2]] {
+            for reduction in REDUCTIONS {
+                let what = format!("mse_loss {reduction:?} {shape:?} {dtype}");
+                let (p, t) = (randn(shape, dtype, 4, 2.0), randn(shape, dtype, 5, 2.0));
+                let (pc, tc) = (leaf(&p, Device::Cpu), leaf(&t, Device::Cpu));
+                let (pg, tg) = (leaf(&p, GPU), leaf(&t, GPU));
+                let (lc, lg) = match (
+                    tandem_ops::mse_loss(&pc, &tc, reduction),
+                    tandem_ops::mse_loss(&pg, &tg, reduction),
+                ) {
+                    (Ok(lc), Ok(lg)) => (lc, lg),
+                    (Err(c), Err(g)) => {
+                        assert_eq!(g.to_string(), c.to_string(), "{what}: the error");
+                        continue;
+                    }
+                    (c, g) => panic!("{what}: CPU {:?}, GPU {:?}", c.err(), g.err()),
+                };
+                assert_close(&lg, &lc, &what);
+                backward_both(&lc, &lg, dtype);
                 assert_close(
                     &pg.grad().unwrap(),
                     &pc.grad().unwrap(),

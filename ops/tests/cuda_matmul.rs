@@ -9,26 +9,19 @@
 //! grows with the magnitude of the result; a failure names the op, shapes, dtype and element.
 //! Every test holds one lock, because the TF32 test changes a process-wide setting.
 
+mod common;
+
+use common::{gpu, GPU};
+
 use std::sync::Mutex;
 
 use tandem_autograd::{backward, gradcheck, GradcheckOptions};
 use tandem_core::cuda::blas;
-use tandem_core::{cuda, DType, Device, Generator, Layout, Shape, Tensor};
+use tandem_core::{DType, Device, Generator, Layout, Shape, Tensor};
 use tandem_ops::{linear, matmul};
-
-const GPU: Device = Device::Cuda(0);
 
 /// Held by every test: the TF32 setting is global.
 static SETTINGS: Mutex<()> = Mutex::new(());
-
-fn gpu() -> bool {
-    if cuda::is_available() {
-        true
-    } else {
-        println!("skipped: no CUDA device");
-        false
-    }
-}
 
 /// How an operand is laid out on the GPU.
 #[derive(Clone, Copy, Debug)]
@@ -343,21 +336,28 @@ fn empty_products_on_cuda_match_the_cpu() {
     if !gpu() {
         return;
     }
-    let cases: [(&[usize], &[usize]); 4] = [
+    // Forward and backward: zero products (k = 0), empty outputs (m, n or a batch of 0) and
+    // gradients that sum over an empty batch.
+    let cases: [(&[usize], &[usize]); 7] = [
         (&[2, 0], &[0, 3]),
         (&[0, 4, 3], &[3, 5]),
         (&[3, 4], &[4, 0]),
         (&[2, 0, 4], &[2, 4, 3]),
+        (&[0, 4], &[4, 3]),
+        (&[0], &[0]),
+        (&[2, 0, 4, 3], &[3, 2]),
     ];
-    for (a, b) in cases {
-        let (ha, hb) = (
-            Tensor::ones(a, DType::F32, Device::Cpu).unwrap(),
-            Tensor::ones(b, DType::F32, Device::Cpu).unwrap(),
-        );
-        let want = matmul(&ha, &hb).unwrap();
-        let got = matmul(&ha.to_device(GPU).unwrap(), &hb.to_device(GPU).unwrap())
-            .unwrap_or_else(|e| panic!("matmul {a:?}·{b:?} on CUDA: {e}"));
-        assert_close(&got, &want, &format!("matmul {a:?}·{b:?}"), None);
+    for dtype in [DType::F32, DType::F64] {
+        for (a, b) in cases {
+            compare(
+                &format!("matmul {a:?}·{b:?}"),
+                &[a, b],
+                &[Layouts::Dense; 2],
+                dtype,
+                4000,
+                |t| matmul(&t[0], &t[1]),
+            );
+        }
     }
     // No input features: every output row is the bias, and its gradient the column sums.
     compare(
@@ -366,6 +366,24 @@ fn empty_products_on_cuda_match_the_cpu() {
         &[Layouts::Dense; 3],
         DType::F32,
         5000,
+        |t| linear(&t[0], &t[1], Some(&t[2])),
+    );
+    // No samples: an empty output, zero weight and bias gradients.
+    compare(
+        "linear of an empty batch",
+        &[&[0, 5], &[4, 5], &[4]],
+        &[Layouts::Dense; 3],
+        DType::F32,
+        5001,
+        |t| linear(&t[0], &t[1], Some(&t[2])),
+    );
+    // No output features.
+    compare(
+        "linear without output features",
+        &[&[3, 5], &[0, 5], &[0]],
+        &[Layouts::Dense; 3],
+        DType::F32,
+        5002,
         |t| linear(&t[0], &t[1], Some(&t[2])),
     );
 }

@@ -8,20 +8,13 @@
 //! values are expected to agree to the last bit; the comparison allows f32 rounding so that a
 //! failure message shows how far apart the two are, and names the pool, shape, dtype and element.
 
+mod common;
+
+use common::{gpu, GPU};
+
 use tandem_autograd::{backward, gradcheck, GradcheckOptions};
-use tandem_core::{cuda, DType, Device, Generator, Tensor};
+use tandem_core::{DType, Device, Generator, Tensor};
 use tandem_ops::{adaptive_avg_pool2d, avg_pool2d, max_pool2d};
-
-const GPU: Device = Device::Cuda(0);
-
-fn gpu() -> bool {
-    if cuda::is_available() {
-        true
-    } else {
-        println!("skipped: no CUDA device");
-        false
-    }
-}
 
 type Pair = (usize, usize);
 
@@ -241,19 +234,13 @@ fn pools_on_cuda_without_gradients_and_on_empty_batches() {
         let got = pool.run(&x.to_device(GPU).unwrap()).unwrap();
         assert!(!got.requires_grad(), "{pool:?}: output requires grad");
         assert_close(&got, &want, &format!("{pool:?} without gradients"));
-        // An empty batch: an empty output of the CPU's shape, and an empty gradient.
-        let e = Tensor::zeros(&[0, 4, 10, 9], DType::F32, GPU)
-            .unwrap()
-            .with_requires_grad()
-            .unwrap();
-        let want = pool.run(&Tensor::zeros(&[0, 4, 10, 9], DType::F32, Device::Cpu).unwrap());
-        let y = pool
-            .run(&e)
-            .unwrap_or_else(|err| panic!("{pool:?} on an empty batch: {err}"));
-        assert_eq!(y.dims(), want.unwrap().dims(), "{pool:?} on an empty batch");
-        let g = Tensor::zeros(y.dims(), DType::F32, GPU).unwrap();
-        backward(&y, Some(&g), &Default::default()).unwrap();
-        assert_eq!(e.grad().map(|g| g.dims().to_vec()), Some(vec![0, 4, 10, 9]));
+        // An empty batch, no channels, no planes of a 3-D input: an empty output of the CPU's
+        // shape, and an empty gradient.
+        for shape in [&[0, 4, 10, 9][..], &[2, 0, 10, 9], &[0, 10, 9]] {
+            for dtype in [DType::F32, DType::F64] {
+                compare(shape, pool, dtype, 6, false);
+            }
+        }
     }
 }
 

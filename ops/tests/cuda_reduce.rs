@@ -6,20 +6,21 @@
 //!
 //! Each test prints `skipped: no CUDA device` without a GPU. Failure messages name the op, the
 //! case, the dtype and the first differing element.
+//!
+//! Tolerances (see `common/tolerance.rs`): a sum (and a mean) adds its terms in another order on
+//! each device, so it is compared within the bound for two orders of its number of terms and
+//! their Σ|x|; its backward broadcasts the output gradient times the scale (exact for a sum, two
+//! ulp for a mean: the GPU multiplies by the scale rounded to the dtype, the CPU rounds the f64
+//! product once); the maximum and its backward select and copy values and agree bit for bit;
+//! softmax and log_softmax go through exp, a sum and log, and are compared within 1e-4 relative
+//! (at least 1e-4 absolute), far above the few ulp of each step for these sizes.
 
+mod common;
+
+use common::tolerance::scaled_sum_bound;
+use common::{assert_ulps, assert_within, epsilon, gpu, values, GPU};
 use tandem_autograd::{gradcheck, BackwardOptions, GradcheckOptions, TensorBackward};
-use tandem_core::{cuda, DType, Device, Generator, Tensor};
-
-const GPU: Device = Device::Cuda(0);
-
-fn gpu() -> bool {
-    if cuda::is_available() {
-        true
-    } else {
-        println!("skipped: no CUDA device");
-        false
-    }
-}
+use tandem_core::{DType, Device, Generator, Tensor};
 
 fn randn(shape: &[usize], dtype: DType, seed: u64) -> Tensor {
     let mut g = Generator::new(seed);
@@ -45,34 +46,64 @@ fn pair(shape: &[usize], dtype: DType, seed: u64, transpose: bool) -> (Tensor, T
     (view(cpu), view(gpu))
 }
 
-fn assert_close(got: &Tensor, want: &Tensor, what: &str) {
+/// How a case's results may differ between the devices.
+#[derive(Clone, Copy)]
+enum Tolerance<'a> {
+    /// Selection and copies: bit for bit.
+    Exact,
+    /// `scale ·` a sum over `dims`.
+    Sum { dims: &'a [isize], scale: f64 },
+    /// exp, sums and log: 1e-4 relative, at least 1e-4 absolute.
+    Loose,
+}
+
+fn assert_loose(got: &Tensor, want: &Tensor, what: &str) {
     assert_eq!(got.device(), GPU, "{what}: the result stays on the GPU");
-    assert_eq!(got.dims(), want.dims(), "{what}: shape");
-    let g = got.to_vec_f64().unwrap();
-    let w = want.to_vec_f64().unwrap();
-    for (i, (a, b)) in g.iter().zip(&w).enumerate() {
-        let ok = (a.is_nan() && b.is_nan()) || (a - b).abs() <= 1e-4 * b.abs().max(1.0);
-        assert!(
-            ok,
-            "{what}: element {i} is {a} on the GPU, {b} on the CPU (shape {:?})",
-            want.dims()
-        );
-    }
+    let bounds: Vec<f64> = values(want)
+        .iter()
+        .map(|b| 1e-4 * b.abs().max(1.0))
+        .collect();
+    assert_within(got, want, &bounds, what);
+}
+
+/// The bound of each output of `scale · sum(x, dims, keepdim)` (`x` the CPU input, `y` the
+/// CPU's output): the terms' Σ|x| comes from the same sum over |x| in f64.
+fn sum_bounds(x: &Tensor, dims: &[isize], scale: f64, y: &Tensor) -> Vec<f64> {
+    let eps = epsilon(x.dtype());
+    // A fresh copy: the input is a leaf the test still uses.
+    let abs = x.copy_detached().unwrap().to_dtype(DType::F64).unwrap();
+    abs.map_inplace_f64("test", f64::abs).unwrap();
+    let keepdim = y.rank() == x.rank();
+    let abs_sums = values(&tandem_ops::sum(&abs, dims, keepdim).unwrap());
+    let len = x.numel().checked_div(y.numel()).unwrap_or(0);
+    abs_sums
+        .iter()
+        .zip(values(y))
+        .map(|(&s, r)| scaled_sum_bound(len, s, scale, r, eps))
+        .collect()
 }
 
 /// Runs `f` on both devices, compares outputs, then backward with the same output gradient
-/// and compares the input gradients.
+/// and compares the input gradients, within `tolerance`.
 fn compare(
     what: &str,
     shape: &[usize],
     transpose: bool,
+    tolerance: Tolerance,
     f: impl Fn(&Tensor) -> tandem_core::Result<Tensor>,
 ) {
     for dtype in [DType::F32, DType::F64] {
         let what = format!("{what} {dtype} {shape:?} transposed {transpose}");
         let (c, g) = pair(shape, dtype, 5, transpose);
         let (yc, yg) = (f(&c).unwrap(), f(&g).unwrap());
-        assert_close(&yg, &yc, &what);
+        assert_eq!(yg.device(), GPU, "{what}: the result stays on the GPU");
+        match tolerance {
+            Tolerance::Exact => assert_ulps(&yg, &yc, 0.0, &what),
+            Tolerance::Sum { dims, scale } => {
+                assert_within(&yg, &yc, &sum_bounds(&c, dims, scale, &yc), &what)
+            }
+            Tolerance::Loose => assert_loose(&yg, &yc, &what),
+        }
         let grad = randn(yc.dims(), dtype, 9);
         yc.backward_with(Some(&grad), &BackwardOptions::default())
             .unwrap();
@@ -81,11 +112,15 @@ fn compare(
             &BackwardOptions::default(),
         )
         .unwrap();
-        assert_close(
-            &g.grad().unwrap(),
-            &c.grad().unwrap(),
-            &format!("{what}: input gradient"),
-        );
+        let (gg, gc) = (g.grad().unwrap(), c.grad().unwrap());
+        let what = format!("{what}: input gradient");
+        match tolerance {
+            Tolerance::Exact => assert_ulps(&gg, &gc, 0.0, &what),
+            Tolerance::Sum { scale, .. } => {
+                assert_ulps(&gg, &gc, if scale == 1.0 { 0.0 } else { 2.0 }, &what)
+            }
+            Tolerance::Loose => assert_loose(&gg, &gc, &what),
+        }
     }
 }
 
@@ -113,27 +148,71 @@ fn sum_and_mean_match_the_cpu_forward_and_backward() {
             for keepdim in [false, true] {
                 for transpose in [false, true] {
                     let what = format!("sum over {dims:?} keepdim {keepdim}");
-                    compare(&what, shape, transpose, |x| {
+                    let sum = Tolerance::Sum { dims, scale: 1.0 };
+                    compare(&what, shape, transpose, sum, |x| {
                         tandem_ops::sum(x, dims, keepdim)
                     });
-                    if shape.iter().product::<usize>() > 0 {
-                        let what = format!("mean over {dims:?} keepdim {keepdim}");
-                        compare(&what, shape, transpose, |x| {
+                    let what = format!("mean over {dims:?} keepdim {keepdim}");
+                    let count = reduced_count(shape, transpose, dims);
+                    if count > 0 {
+                        // Of an empty input too when each group has elements: an empty output.
+                        let scale = 1.0 / count as f64;
+                        let mean = Tolerance::Sum { dims, scale };
+                        compare(&what, shape, transpose, mean, |x| {
                             tandem_ops::mean(x, dims, keepdim)
                         });
+                    } else {
+                        // A mean over no elements is the CPU's error on both devices.
+                        let (c, g) = pair(shape, DType::F32, 5, transpose);
+                        assert_eq!(
+                            tandem_ops::mean(&g, dims, keepdim).unwrap_err().to_string(),
+                            tandem_ops::mean(&c, dims, keepdim).unwrap_err().to_string(),
+                            "{what} {shape:?} transposed {transpose}"
+                        );
                     }
                 }
             }
         }
     }
     // One long row: the two-pass sum.
-    compare("sum of everything", &[300, 700], false, tandem_ops::sum_all);
+    let all = Tolerance::Sum {
+        dims: &[],
+        scale: 1.0,
+    };
+    compare(
+        "sum of everything",
+        &[300, 700],
+        false,
+        all,
+        tandem_ops::sum_all,
+    );
+    let mean_all = Tolerance::Sum {
+        dims: &[],
+        scale: 1.0 / 210_000.0,
+    };
     compare(
         "mean of everything",
         &[300, 700],
         true,
+        mean_all,
         tandem_ops::mean_all,
     );
+}
+
+/// The number of elements each group of a reduction over `dims` holds, for the input `pair`
+/// makes of `shape` (its first and last dims swapped when `transpose`).
+fn reduced_count(shape: &[usize], transpose: bool, dims: &[isize]) -> usize {
+    let mut seen = shape.to_vec();
+    if transpose && seen.len() >= 2 {
+        let r = seen.len();
+        seen.swap(0, r - 1);
+    }
+    if dims.is_empty() {
+        return seen.iter().product();
+    }
+    dims.iter()
+        .map(|&d| seen[d.rem_euclid(seen.len() as isize) as usize])
+        .product()
 }
 
 #[test]
@@ -145,7 +224,7 @@ fn max_and_argmax_match_the_cpu() {
         for dims in [vec![0isize], vec![-1], vec![]] {
             for transpose in [false, true] {
                 let what = format!("max over {dims:?}");
-                compare(&what, shape, transpose, |x| {
+                compare(&what, shape, transpose, Tolerance::Exact, |x| {
                     tandem_ops::max(x, &dims, false)
                 });
             }
@@ -161,6 +240,25 @@ fn max_and_argmax_match_the_cpu() {
                 .unwrap(),
             "argmax {shape:?}"
         );
+    }
+    // No groups: empty outputs and gradients, an empty argmax.
+    for (shape, dim) in [(&[0, 5][..], -1isize), (&[3, 0], 0)] {
+        for transpose in [false, true] {
+            let what = format!("max over [{dim}] (no groups)");
+            let shape: Vec<usize> = if transpose {
+                shape.iter().rev().copied().collect()
+            } else {
+                shape.to_vec()
+            };
+            compare(&what, &shape, transpose, Tolerance::Exact, |x| {
+                tandem_ops::max(x, &[dim], false)
+            });
+        }
+        let (c, g) = pair(shape, DType::F32, 4, false);
+        let a = tandem_ops::argmax(&g, dim, false).unwrap();
+        let want = tandem_ops::argmax(&c, dim, false).unwrap();
+        assert_eq!(a.dims(), want.dims(), "argmax of {shape:?} over {dim}");
+        assert_eq!(a.to_vec::<i64>().unwrap(), Vec::<i64>::new());
     }
     // Ties go to the first maximum, NaN wins, on both devices.
     let x = Tensor::from_vec(
@@ -188,13 +286,22 @@ fn softmax_and_log_softmax_match_the_cpu() {
     if !gpu() {
         return;
     }
-    for shape in [&[4, 10][..], &[3, 1500], &[3, 4, 5], &[64, 10], &[0, 3]] {
+    for shape in [
+        &[4, 10][..],
+        &[3, 1500],
+        &[3, 4, 5],
+        &[64, 10],
+        &[0, 3],
+        &[2, 0, 3],
+    ] {
         for dim in [0isize, -1] {
             for transpose in [false, true] {
-                compare(&format!("softmax dim {dim}"), shape, transpose, |x| {
+                let what = format!("softmax dim {dim}");
+                compare(&what, shape, transpose, Tolerance::Loose, |x| {
                     tandem_ops::softmax(x, dim)
                 });
-                compare(&format!("log_softmax dim {dim}"), shape, transpose, |x| {
+                let what = format!("log_softmax dim {dim}");
+                compare(&what, shape, transpose, Tolerance::Loose, |x| {
                     tandem_ops::log_softmax(x, dim)
                 });
             }

@@ -173,10 +173,25 @@ fn check_destination(op: &'static str, dst: &DeviceView) -> Result<(u64, u64)> {
 /// read and write element `i` in the same thread handle. Callers copy the source first when
 /// this is true; the builders refuse such pairs.
 pub fn overlaps_other_than_same_view(dst: &DeviceView, src: &DeviceView) -> Result<bool> {
-    let (d0, d1) = dst.byte_range("overlap check")?;
-    let (s0, s1) = src.byte_range("overlap check")?;
     let same_view = dst.ptr == src.ptr && dst.dtype == src.dtype && dst.layout == src.layout;
-    Ok(d0 < s1 && s0 < d1 && !same_view)
+    Ok(views_share_memory(dst, src)? && !same_view)
+}
+
+/// Whether `a` and `b` touch a common byte, the very same view included (for kernels that must
+/// not read what they write at all). Views of no elements share nothing, wherever they point:
+/// every zero-byte allocation sits at address 0, so two empty tensors have the same pointer
+/// and, for one shape, the same layout.
+pub fn views_share_memory(a: &DeviceView, b: &DeviceView) -> Result<bool> {
+    Ok(byte_ranges_overlap(
+        a.byte_range("overlap check")?,
+        b.byte_range("overlap check")?,
+    ))
+}
+
+/// Whether the byte ranges `[a0, a1)` and `[b0, b1)` share a byte. An empty range shares none,
+/// even one that starts inside the other.
+pub fn byte_ranges_overlap((a0, a1): (u64, u64), (b0, b1): (u64, u64)) -> bool {
+    a0 < a1 && b0 < b1 && a0 < b1 && b0 < a1
 }
 
 fn check_pair(op: &'static str, dst: &DeviceView, src: &DeviceView) -> Result<()> {
@@ -498,6 +513,23 @@ mod tests {
         // Adjacent, not overlapping: 16 f32 end at 0x1040.
         assert!(copy_launch(view(0x1000, DType::F32, &l), view(0x1040, DType::F32, &l)).is_ok());
         assert!(copy_launch(view(0x1000, DType::F32, &l), view(0x103c, DType::F32, &l)).is_err());
+    }
+
+    #[test]
+    fn empty_views_share_no_memory_even_at_the_same_address() {
+        assert!(!byte_ranges_overlap((0, 0), (0, 0)));
+        assert!(!byte_ranges_overlap((0x1000, 0x1000), (0x0f00, 0x1100)));
+        assert!(byte_ranges_overlap((0x1000, 0x1001), (0x0f00, 0x1100)));
+        assert!(!byte_ranges_overlap((0x1000, 0x1040), (0x1040, 0x1080)));
+        let empty = Layout::contiguous(&[2, 0, 3]);
+        let a = view(0, DType::F32, &empty);
+        assert!(!views_share_memory(&a, &a).unwrap());
+        assert!(!overlaps_other_than_same_view(&a, &a).unwrap());
+        let full = Layout::contiguous(&[4]);
+        let b = view(0x1000, DType::F32, &full);
+        assert!(views_share_memory(&b, &b).unwrap());
+        assert!(!overlaps_other_than_same_view(&b, &b).unwrap());
+        assert!(!views_share_memory(&b, &view(0x1000, DType::F32, &empty)).unwrap());
     }
 
     #[test]

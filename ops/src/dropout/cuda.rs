@@ -6,7 +6,7 @@
 //! the host harness (`tandem-cuda-harness`) runs the very plans the op runs on a GPU.
 
 use tandem_core::cuda::launch::{KernelArg, KernelSource, Launch, LaunchConfig, StridedLayout};
-use tandem_core::cuda::runtime_kernels::{overlaps_other_than_same_view, DeviceView};
+use tandem_core::cuda::runtime_kernels::{views_share_memory, DeviceView};
 use tandem_core::cuda::{device_pointer, device_view, launch_on_compute};
 use tandem_core::{DType, Error, Result, Tensor};
 
@@ -63,10 +63,10 @@ fn check_dense(
     Ok(())
 }
 
-/// Errors when `a` and `b` share any memory.
+/// Errors when `a` and `b` share any memory (empty views share none: see
+/// [`views_share_memory`]).
 fn check_disjoint(op: &'static str, a: (&str, &DeviceView), b: (&str, &DeviceView)) -> Result<()> {
-    let same = a.1.ptr == b.1.ptr && a.1.dtype == b.1.dtype && a.1.layout == b.1.layout;
-    if same || overlaps_other_than_same_view(a.1, b.1)? {
+    if views_share_memory(a.1, b.1)? {
         return Err(Error::invalid(
             op,
             format!("the {} overlaps the {}", a.0, b.0),
@@ -180,6 +180,10 @@ pub(crate) fn forward(
     const OP: &str = "dropout";
     let out = Tensor::empty(x.dims(), x.dtype(), x.device())?;
     let mask = Tensor::empty(x.dims(), DType::U8, x.device())?;
+    if x.numel() == 0 {
+        // Nothing to draw or write; the builder below accepts empty views too.
+        return Ok((out, mask));
+    }
     let (dev, _) = device_pointer(OP, &out)?;
     let launch = dropout_forward_launch(
         view(OP, &out)?,
@@ -198,8 +202,74 @@ pub(crate) fn apply_mask(g: &Tensor, mask: &Tensor, scale: f64) -> Result<Tensor
     const OP: &str = "dropout backward";
     g.device().same_as(mask.device(), OP)?;
     let out = Tensor::empty(g.dims(), g.dtype(), g.device())?;
+    if g.numel() == 0 {
+        return Ok(out);
+    }
     let (dev, _) = device_pointer(OP, &out)?;
     let launch = dropout_backward_launch(view(OP, &out)?, view(OP, g)?, view(OP, mask)?, scale)?;
     launch_on_compute(&dev, &launch, g.numel())?;
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tandem_core::Layout;
+
+    fn view(ptr: u64, dtype: DType, layout: &Layout) -> DeviceView<'_> {
+        DeviceView { ptr, dtype, layout }
+    }
+
+    /// Zero-byte allocations all sit at address 0: three empty views with equal pointers and
+    /// layouts overlap nothing.
+    #[test]
+    fn empty_views_at_address_zero_do_not_overlap() {
+        let empty = Layout::contiguous(&[0, 3]);
+        let launch = dropout_forward_launch(
+            view(0, DType::F32, &empty),
+            view(0, DType::U8, &empty),
+            view(0, DType::F32, &empty),
+            7,
+            1 << 31,
+            2.0,
+        )
+        .unwrap();
+        assert_eq!(launch.kernel, "dropout_forward_f32");
+        let launch = dropout_backward_launch(
+            view(0, DType::F64, &empty),
+            view(0, DType::F64, &empty),
+            view(0, DType::U8, &empty),
+            2.0,
+        )
+        .unwrap();
+        assert_eq!(launch.kernel, "dropout_backward_f64");
+    }
+
+    #[test]
+    fn an_output_sharing_memory_with_the_input_is_refused_even_as_the_same_view() {
+        let l = Layout::contiguous(&[4, 3]);
+        let mask = view(0x9000, DType::U8, &l);
+        let err = dropout_forward_launch(
+            view(0x1000, DType::F32, &l),
+            mask,
+            view(0x1000, DType::F32, &l),
+            7,
+            1 << 31,
+            2.0,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("output overlaps the input"), "{err}");
+        let err = dropout_forward_launch(
+            view(0x1000, DType::F32, &l),
+            view(0x1020, DType::U8, &l),
+            view(0x5000, DType::F32, &l),
+            7,
+            1 << 31,
+            2.0,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("mask overlaps the output"), "{err}");
+    }
 }

@@ -10,7 +10,7 @@
 use tandem_core::cuda::launch::{
     index_u32, KernelArg, KernelPod, KernelSource, Launch, LaunchConfig,
 };
-use tandem_core::cuda::runtime_kernels::DeviceView;
+use tandem_core::cuda::runtime_kernels::{byte_ranges_overlap, DeviceView};
 use tandem_core::{DType, Error, Result};
 
 /// `pool.cu`, embedded.
@@ -246,7 +246,7 @@ fn byte_range(
 fn disjoint(op: &'static str, ranges: &[(&str, (u64, u64))]) -> Result<()> {
     for (i, (a, (a0, a1))) in ranges.iter().enumerate() {
         for (b, (b0, b1)) in &ranges[i + 1..] {
-            if a0 < a1 && b0 < b1 && a0 < b1 && b0 < a1 {
+            if byte_ranges_overlap((*a0, *a1), (*b0, *b1)) {
                 return Err(Error::invalid(
                     op,
                     format!("{a} and {b} overlap in memory ({a0:#x}..{a1:#x}, {b0:#x}..{b1:#x})"),
