@@ -38,6 +38,9 @@ use crate::{DistError, Result};
 const REPLY_GRACE: Duration = Duration::from_secs(10);
 /// Longest time a client waits for the store's handshake answer.
 const HANDSHAKE_WAIT: Duration = Duration::from_secs(10);
+/// How often a client still trying to reach the store says so on stderr, unless told otherwise
+/// ([`TcpStore::connect_logging`]).
+const CONNECT_LOG_INTERVAL: Duration = Duration::from_secs(30);
 
 // ---- client -------------------------------------------------------------------------------
 
@@ -66,15 +69,31 @@ impl TcpStore {
 
     /// Connects to the store at `addr`, proving knowledge of `secret` and requiring the store to
     /// prove it too (`None`: a store without authentication). Retries until `timeout` while
-    /// nothing listens or the store refuses connections for now; fails at once when `addr`
-    /// cannot be resolved, when the program listening there is not a tandem store, or when the
-    /// secrets do not match.
+    /// nothing listens or the store refuses connections for now, saying so on stderr every 30 s;
+    /// fails at once when `addr` cannot be resolved, when the program listening there is not a
+    /// tandem store, or when the secrets do not match.
     pub fn connect_with_secret(
         addr: &str,
         timeout: Duration,
         secret: Option<JobSecret>,
     ) -> Result<Self> {
-        let deadline = Instant::now() + timeout;
+        Self::connect_logging(addr, timeout, secret, "this process", CONNECT_LOG_INTERVAL)
+    }
+
+    /// [`TcpStore::connect_with_secret`], saying on stderr every `log_interval` while the store
+    /// does not answer yet: `tandem: <who>: still waiting for the rendezvous store at <addr>
+    /// (<why the last try failed>; <time> so far, timeout <timeout>)`. `who` names the waiting
+    /// process, e.g. `rank 3`.
+    pub fn connect_logging(
+        addr: &str,
+        timeout: Duration,
+        secret: Option<JobSecret>,
+        who: &str,
+        log_interval: Duration,
+    ) -> Result<Self> {
+        let started = Instant::now();
+        let deadline = started + timeout;
+        let mut next_log = started + log_interval;
         let fail = |detail: String| DistError::Store {
             addr: addr.to_string(),
             op: "connect".into(),
@@ -123,11 +142,21 @@ impl TcpStore {
                     Err(ClientFailure::Retry(detail)) => last_error = detail,
                 }
             }
-            if Instant::now() >= deadline {
+            let now = Instant::now();
+            if now >= deadline {
                 return Err(fail(format!(
                     "no store answered within {timeout:?} ({last_error}); is rank 0 (or \
                      tandem-run) running, and are MASTER_ADDR/MASTER_PORT right?"
                 )));
+            }
+            if now >= next_log {
+                eprintln!(
+                    "tandem: {who}: still waiting for the rendezvous store at {addr} \
+                     ({last_error}; {:.0?} so far, timeout {timeout:?}); is rank 0 (or \
+                     tandem-run) running, and are MASTER_ADDR/MASTER_PORT right?",
+                    now.duration_since(started)
+                );
+                next_log = now + log_interval;
             }
             std::thread::sleep(Duration::from_millis(50));
         }
