@@ -412,3 +412,37 @@ fn a_rank_whose_handshake_is_closed_connects_again() {
     assert!(connected.is_ok(), "{:?}", connected.err());
     assert_eq!(acceptor.join().unwrap(), Ok(1));
 }
+
+#[test]
+fn a_flood_of_idle_connections_on_a_same_host_socket_does_not_keep_a_rank_out() {
+    use std::os::unix::net::{SocketAddr as UnixAddr, UnixListener};
+    let name = format!("tandem-flood-test-{}", std::process::id());
+    let addr = UnixAddr::from_abstract_name(name.as_bytes()).unwrap();
+    let listener = UnixListener::bind_addr(&addr).unwrap();
+    let rank0 = std::thread::spawn(move || {
+        let config = GroupConfig {
+            connect_timeout: Duration::from_secs(20),
+            ..GroupConfig::default()
+        };
+        let me = me(0, Some(SECRET), Channel::SameHost);
+        super::mesh::accept_peers(&listener, &me, &config, Instant::now())
+            .map(|got| got.into_iter().map(|(q, _)| q).collect::<Vec<_>>())
+    });
+    // 200 idle connections (more than rank 0's 128 handshake slots), held during the join.
+    let idle: Vec<UnixStream> = (0..200)
+        .filter_map(|_| UnixStream::connect_addr(&addr).ok())
+        .collect();
+    std::thread::sleep(Duration::from_millis(200));
+    let mut s = UnixStream::connect_addr(&addr).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let joined = connect_side(
+        &mut s,
+        &me(1, Some(SECRET), Channel::SameHost),
+        0,
+        "rank 0's same-host socket",
+        deadline,
+    );
+    assert!(joined.is_ok(), "{joined:?}");
+    assert_eq!(rank0.join().unwrap().unwrap(), vec![1]);
+    drop(idle);
+}
