@@ -10,11 +10,12 @@
 //! match on an `io::ErrorKind` or a tensor error's variant.
 //!
 //! The variants fall into groups: rendezvous and launching (`Env`, `Store`, `StoreTimeout`,
-//! `Connect`, `Launch`, `Io`), collectives (`InvalidArgument` … `GroupBroken`), configuration
-//! mistakes a user fixes in their code (`Config`), and failures of what DDP wraps: the user's
-//! model (`Model`), the tensor layer under dist's own bookkeeping (`Tensor`), the ranks holding
-//! different models (`ModelMismatch`), and gradients that did not arrive as expected
-//! (`UnusedParameters`, `GradientReadyTwice`). `Internal` is a bug in tandem.
+//! `Connect`, `SetupTimeout`, `Launch`, `Io`), collectives (`InvalidArgument` …
+//! `GroupBroken`), configuration mistakes a user fixes in their code (`Config`), and failures
+//! of what DDP wraps: the user's model (`Model`), the tensor layer under dist's own
+//! bookkeeping (`Tensor`), the ranks holding different models (`ModelMismatch`), and gradients
+//! that did not arrive as expected (`UnusedParameters`, `GradientReadyTwice`). `Internal` is a
+//! bug in tandem.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -66,6 +67,18 @@ pub enum DistError {
         /// The rank that was connecting.
         rank: usize,
         /// What failed.
+        detail: String,
+    },
+
+    /// Setting up a process group timed out waiting for other ranks: they did not publish
+    /// their addresses, connect, or finish their handshakes in time.
+    #[error("rank {rank}: setting up the process group failed: {detail}")]
+    SetupTimeout {
+        /// The rank that was waiting.
+        rank: usize,
+        /// The ranks it was still waiting for.
+        waiting_for: Vec<usize>,
+        /// What it waited for, and since when.
         detail: String,
     },
 
@@ -370,7 +383,8 @@ impl DistError {
             | DistError::PeerAborted { peer, .. }
             | DistError::Protocol { peer, .. } => vec![*peer],
             DistError::PeerLost { peers, .. } => peers.clone(),
-            DistError::Timeout { waiting_for, .. } => waiting_for.clone(),
+            DistError::Timeout { waiting_for, .. }
+            | DistError::SetupTimeout { waiting_for, .. } => waiting_for.clone(),
             DistError::GroupBroken { cause, .. } => cause.blamed_ranks(),
             _ => Vec::new(),
         }

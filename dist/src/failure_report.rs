@@ -3,17 +3,23 @@
 //! When a rank stops responding without exiting (stopped by a signal, hung, deadlocked), the
 //! others time out one after another and exit with an error naming it; the first rank to exit
 //! is one of the waiting ones, not the culprit. So a rank whose collective fails blaming other
-//! ranks leaves a short report in the rendezvous store (key `tandem/failure/<rank>`: the
-//! blamed ranks, a newline, its error message) before it returns the error, and a launcher that
-//! serves the store follows the reports from the rank that failed first — rank 0 was waiting
-//! for rank 1, which was waiting for rank 2, which left no report — to the rank everyone was
-//! waiting for.
+//! ranks, or whose setup of the group timed out waiting for other ranks, leaves a short report
+//! in the rendezvous store (key `tandem/failure/<rank>`: the blamed ranks, a newline, its error
+//! message) before it returns the error — on a connection of its own when its usual one is busy
+//! — and a launcher that serves the store follows the reports from the rank that failed first
+//! (rank 0 was waiting for rank 1, which was waiting for rank 2, which left no report) to the
+//! rank everyone was waiting for, and names that rank in its summary.
+
+use std::time::Duration;
 
 use crate::store::{StoreServer, TcpStore};
 use crate::DistError;
 
 /// Longest error message kept in a report.
 const MAX_MESSAGE: usize = 2048;
+/// Longest time a rank spends connecting to the store anew to leave its report when its own
+/// connection is busy.
+const OWN_CONNECTION_WAIT: Duration = Duration::from_secs(2);
 
 /// The store key of rank `rank`'s report.
 pub(crate) fn key(rank: usize) -> String {
@@ -42,7 +48,17 @@ pub(crate) fn post(store: &TcpStore, rank: usize, err: &DistError) {
         message.truncate(cut);
     }
     let value = format!("{}\n{message}", blamed.join(","));
-    let _ = store.try_set(&key(rank), value.as_bytes());
+    if let Ok(false) = store.try_set(&key(rank), value.as_bytes()) {
+        // The connection is busy (another thread waits on it): a short-lived one of its own,
+        // bounded in time, so that the report is not lost.
+        if let Ok(own) = TcpStore::connect_with_secret(
+            store.addr(),
+            OWN_CONNECTION_WAIT,
+            store.secret().cloned(),
+        ) {
+            let _ = own.set(&key(rank), value.as_bytes());
+        }
+    }
 }
 
 /// What a failed rank reported: the rank that the failed ranks were waiting for.
@@ -92,7 +108,6 @@ pub fn explain(server: &StoreServer, failed: usize, world: usize) -> Option<Fail
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::time::Duration;
 
     #[test]
     fn the_launcher_follows_reports_to_the_rank_everyone_waited_for() {

@@ -302,7 +302,10 @@ impl LaunchReport {
 
     /// What ended an unsuccessful launch, for people (`None` after a success): `rank 2 failed
     /// with exit status 3 (after 1 restart)`, or `received signal 15; forwarded it to the
-    /// ranks`. A rank failure that came first is named rather than a later signal.
+    /// ranks`. A rank failure that came first is named rather than a later signal. When the
+    /// failed rank reported that it was waiting for another rank ([`LaunchReport::report`]),
+    /// that rank is named first: `rank 1 did not respond (stopped or hung?); rank 0, which was
+    /// waiting for it, failed with exit status 1`.
     pub fn failure_message(&self) -> Option<String> {
         let after = match self.restarts {
             0 => String::new(),
@@ -311,9 +314,8 @@ impl LaunchReport {
         };
         if let Some(f) = &self.failed {
             return Some(format!(
-                "rank {} failed with {}; stopped the other ranks{after}",
-                f.rank,
-                f.describe()
+                "{}; stopped the other ranks{after}",
+                describe_failure(f, self.report.as_ref())
             ));
         }
         self.interrupted
@@ -335,6 +337,21 @@ impl LaunchReport {
         } else {
             code.clamp(1, 255) as u8
         }
+    }
+}
+
+/// `rank 2 failed with exit status 3`, or, when it reported waiting for another rank, that rank
+/// first: the one to look at (it may be stopped or hung), not the first one to exit.
+fn describe_failure(failed: &RankFailure, report: Option<&FailureReport>) -> String {
+    match report.filter(|r| r.waiting_for != failed.rank) {
+        Some(r) => format!(
+            "rank {} did not respond (stopped or hung?); rank {}, which was waiting for it, \
+             failed with {}",
+            r.waiting_for,
+            failed.rank,
+            failed.describe()
+        ),
+        None => format!("rank {} failed with {}", failed.rank, failed.describe()),
     }
 }
 
@@ -394,10 +411,8 @@ pub fn launch(opts: &LaunchOptions) -> Result<LaunchReport> {
         }
         restarts += 1;
         relay::note(&format!(
-            "rank {} failed with {}; stopped the other ranks and restarting the job (restart \
-             {restarts} of {})",
-            failure.rank,
-            failure.describe(),
+            "{}; stopped the other ranks and restarting the job (restart {restarts} of {})",
+            describe_failure(failure, report.report.as_ref()),
             opts.max_restarts
         ));
     }

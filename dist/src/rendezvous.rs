@@ -528,10 +528,12 @@ fn join_store(
     } else {
         None
     };
-    let store = Arc::new(TcpStore::connect_with_secret(
+    let store = Arc::new(TcpStore::connect_logging(
         &addr,
         config.connect_timeout,
         env.secret.clone(),
+        &format!("rank {}", env.rank),
+        config.wait_log_interval,
     )?);
     Ok((server, store))
 }

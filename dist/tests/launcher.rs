@@ -145,6 +145,46 @@ fn launcher_names_the_rank_the_others_were_waiting_for() {
     assert!(elapsed < Duration::from_secs(60), "{elapsed:?}");
 }
 
+/// The launcher's summary line (`tandem-run: rank …; stopped the other ranks`).
+fn summary(stderr: &str) -> &str {
+    stderr
+        .lines()
+        .find(|l| l.starts_with("tandem-run: ") && l.contains("stopped the other ranks"))
+        .unwrap_or_default()
+}
+
+/// Runs a 2-rank job of worker `mode`, in which rank 1 stops itself (SIGSTOP) for good, and
+/// checks that the summary names rank 1, not rank 0 (which fails first, waiting for it).
+fn the_summary_names_the_stopped_rank(mode: &str) {
+    let exe = std::env::current_exe().unwrap();
+    let mut args = vec!["--nproc-per-node", "2", "--kill-grace", "1", "--"];
+    args.push(exe.to_str().unwrap());
+    let worker_args = common::worker_args();
+    args.extend(worker_args.iter().map(String::as_str));
+    let (out, elapsed) = tandem_run(&args, &[(common::WORKER_VAR, mode)]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    let summary = summary(&stderr);
+    assert!(
+        summary.starts_with(
+            "tandem-run: rank 1 did not respond (stopped or hung?); rank 0, which \
+             was waiting for it, failed with exit status 1"
+        ),
+        "{stderr}"
+    );
+    assert!(elapsed < Duration::from_secs(60), "{elapsed:?}");
+}
+
+#[test]
+fn the_summary_names_a_rank_stopped_during_a_collective() {
+    the_summary_names_the_stopped_rank("stall");
+}
+
+#[test]
+fn the_summary_names_a_rank_stopped_before_it_joined_the_group() {
+    the_summary_names_the_stopped_rank("stall-setup");
+}
+
 #[test]
 fn a_single_node_job_gets_a_secret_and_a_loopback_store() {
     let script = "test ${#TANDEM_JOB_SECRET} -ge 32 && echo secret ok; echo addr $MASTER_ADDR";

@@ -76,3 +76,23 @@ fn an_unresolvable_master_addr_fails_at_once_naming_it() {
     // The connect timeout of this mode is 4 s; resolution failure must not wait for it.
     assert!(started.elapsed() < Duration::from_secs(30), "{output}");
 }
+
+#[test]
+fn a_rank_whose_store_never_answers_says_what_it_waits_for_and_where() {
+    // TANDEM_STORE_HOSTED=1 but nothing listens at MASTER_PORT: the rank logs while it retries
+    // (every 500 ms in this mode), then fails after its 4 s connect timeout.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string();
+    let job = Job::start_ranks(2, "rendezvous", &[1], |_| env(&[("MASTER_PORT", &port)]));
+    let results = job.wait(Duration::from_secs(60));
+    let (status, output) = &results[0];
+    assert!(!status.success(), "{output}");
+    let progress =
+        format!("tandem: rank 1: still waiting for the rendezvous store at 127.0.0.1:{port}");
+    assert!(output.matches(&progress).count() >= 2, "{output}");
+    assert!(output.contains("timeout 4s"), "{output}");
+}

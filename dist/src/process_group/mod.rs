@@ -180,8 +180,8 @@ pub struct GroupConfig {
     /// Name of the group; groups sharing a rendezvous store need distinct names.
     /// Default: `"default"`.
     pub name: String,
-    /// While connecting, a rank that is still waiting for other ranks says so on stderr, naming
-    /// them, this often. Default: 30 s.
+    /// While connecting, a rank that is still waiting for other ranks, or for the rendezvous
+    /// store to answer, says so on stderr, naming them, this often. Default: 30 s.
     pub wait_log_interval: Duration,
 }
 

@@ -15,9 +15,10 @@
 //! program on the port that is not a tandem store is recognised by its first answer, and in
 //! which both sides prove that they know the job secret ([`JobSecret`]) when the server has
 //! one; until then nothing the client sends is read as a request. Lengths are capped (keys 4
-//! KiB, values 64 MiB, 4096 keys per request) and checked before anything is allocated; a
-//! request over the caps, or malformed, closes the connection. The server bounds connections,
-//! request time and stored bytes ([`StoreConfig`]).
+//! KiB, values 64 MiB, 4096 keys and [`MAX_REQUEST_KEY_BYTES`] of keys per request) and checked
+//! before anything is allocated; a request over the caps, or malformed, closes the connection
+//! or is answered with an error. The server bounds connections, request time, how long one
+//! request waits, and the memory clients can make it hold ([`StoreConfig`]).
 
 mod server;
 mod wire;
@@ -29,6 +30,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 pub use server::{StoreConfig, StoreServer};
+pub use wire::MAX_REQUEST_KEY_BYTES;
 use wire::*;
 
 use crate::auth::JobSecret;
@@ -38,6 +40,9 @@ use crate::{DistError, Result};
 const REPLY_GRACE: Duration = Duration::from_secs(10);
 /// Longest time a client waits for the store's handshake answer.
 const HANDSHAKE_WAIT: Duration = Duration::from_secs(10);
+/// How often a client still trying to reach the store says so on stderr, unless told otherwise
+/// ([`TcpStore::connect_logging`]).
+const CONNECT_LOG_INTERVAL: Duration = Duration::from_secs(30);
 
 // ---- client -------------------------------------------------------------------------------
 
@@ -66,15 +71,31 @@ impl TcpStore {
 
     /// Connects to the store at `addr`, proving knowledge of `secret` and requiring the store to
     /// prove it too (`None`: a store without authentication). Retries until `timeout` while
-    /// nothing listens or the store refuses connections for now; fails at once when `addr`
-    /// cannot be resolved, when the program listening there is not a tandem store, or when the
-    /// secrets do not match.
+    /// nothing listens or the store refuses connections for now, saying so on stderr every 30 s;
+    /// fails at once when `addr` cannot be resolved, when the program listening there is not a
+    /// tandem store, or when the secrets do not match.
     pub fn connect_with_secret(
         addr: &str,
         timeout: Duration,
         secret: Option<JobSecret>,
     ) -> Result<Self> {
-        let deadline = Instant::now() + timeout;
+        Self::connect_logging(addr, timeout, secret, "this process", CONNECT_LOG_INTERVAL)
+    }
+
+    /// [`TcpStore::connect_with_secret`], saying on stderr every `log_interval` while the store
+    /// does not answer yet: `tandem: <who>: still waiting for the rendezvous store at <addr>
+    /// (<why the last try failed>; <time> so far, timeout <timeout>)`. `who` names the waiting
+    /// process, e.g. `rank 3`.
+    pub fn connect_logging(
+        addr: &str,
+        timeout: Duration,
+        secret: Option<JobSecret>,
+        who: &str,
+        log_interval: Duration,
+    ) -> Result<Self> {
+        let started = Instant::now();
+        let deadline = started + timeout;
+        let mut next_log = started + log_interval;
         let fail = |detail: String| DistError::Store {
             addr: addr.to_string(),
             op: "connect".into(),
@@ -123,11 +144,21 @@ impl TcpStore {
                     Err(ClientFailure::Retry(detail)) => last_error = detail,
                 }
             }
-            if Instant::now() >= deadline {
+            let now = Instant::now();
+            if now >= deadline {
                 return Err(fail(format!(
                     "no store answered within {timeout:?} ({last_error}); is rank 0 (or \
                      tandem-run) running, and are MASTER_ADDR/MASTER_PORT right?"
                 )));
+            }
+            if now >= next_log {
+                eprintln!(
+                    "tandem: {who}: still waiting for the rendezvous store at {addr} \
+                     ({last_error}; {:.0?} so far, timeout {timeout:?}); is rank 0 (or \
+                     tandem-run) running, and are MASTER_ADDR/MASTER_PORT right?",
+                    now.duration_since(started)
+                );
+                next_log = now + log_interval;
             }
             std::thread::sleep(Duration::from_millis(50));
         }
@@ -264,24 +295,35 @@ impl TcpStore {
     /// The value of `key`, waiting for it up to `timeout`.
     pub fn get_timeout(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
         self.check_key(key)?;
-        let mut req = vec![OP_GET];
-        req.extend_from_slice(&(timeout.as_millis() as u64).to_le_bytes());
-        put_bytes(&mut req, key.as_bytes());
-        let value = self.call(
-            || format!("get {key:?}"),
-            &req,
-            timeout,
-            |status, conn| {
-                (status == STATUS_OK)
-                    .then(|| read_bytes(conn, MAX_VALUE))
-                    .transpose()
-            },
-        )?;
-        value.ok_or_else(|| DistError::StoreTimeout {
-            addr: self.addr.clone(),
-            keys: vec![key.to_string()],
-            timeout,
-        })
+        let deadline = Instant::now() + timeout;
+        loop {
+            // The server bounds one wait (by its request timeout): ask again for the rest.
+            let wait = deadline.saturating_duration_since(Instant::now());
+            let mut req = vec![OP_GET];
+            req.extend_from_slice(&(wait.as_millis() as u64).to_le_bytes());
+            put_bytes(&mut req, key.as_bytes());
+            let value = self.call(
+                || format!("get {key:?}"),
+                &req,
+                wait,
+                |status, conn| {
+                    (status == STATUS_OK)
+                        .then(|| read_bytes(conn, MAX_VALUE))
+                        .transpose()
+                },
+            )?;
+            match value {
+                Some(value) => return Ok(value),
+                None if Instant::now() < deadline => continue,
+                None => {
+                    return Err(DistError::StoreTimeout {
+                        addr: self.addr.clone(),
+                        keys: vec![key.to_string()],
+                        timeout,
+                    })
+                }
+            }
+        }
     }
 
     /// Adds `delta` to the integer at `key` (missing counts as 0) and returns the new value.
@@ -305,15 +347,23 @@ impl TcpStore {
 
     /// Waits until all `keys` exist, up to `timeout`.
     pub fn wait_timeout(&self, keys: &[&str], timeout: Duration) -> Result<()> {
-        let req = self.keys_request(OP_WAIT, Some(timeout), keys)?;
-        let ok = self.call(
-            || format!("wait {keys:?}"),
-            &req,
-            timeout,
-            |status, _| Ok(status == STATUS_OK),
-        )?;
-        if ok {
-            return Ok(());
+        let deadline = Instant::now() + timeout;
+        loop {
+            // The server bounds one wait (by its request timeout): ask again for the rest.
+            let wait = deadline.saturating_duration_since(Instant::now());
+            let req = self.keys_request(OP_WAIT, Some(wait), keys)?;
+            let ok = self.call(
+                || format!("wait {keys:?}"),
+                &req,
+                wait,
+                |status, _| Ok(status == STATUS_OK),
+            )?;
+            if ok {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                break;
+            }
         }
         let missing = keys
             .iter()
@@ -420,6 +470,15 @@ impl TcpStore {
             return Err(self.error(
                 "request".into(),
                 format!("{} keys in one request (at most {MAX_KEYS})", keys.len()),
+            ));
+        }
+        let key_bytes: usize = keys.iter().map(|k| k.len()).sum();
+        if key_bytes > MAX_REQUEST_KEY_BYTES {
+            return Err(self.error(
+                "request".into(),
+                format!(
+                    "{key_bytes} bytes of keys in one request (at most {MAX_REQUEST_KEY_BYTES})"
+                ),
             ));
         }
         let mut req = vec![op];
@@ -829,6 +888,161 @@ mod tests {
             member.get("tandem/default/addr/0").unwrap(),
             b"127.0.0.1:1234"
         );
+    }
+
+    /// A raw connection of an insider: it has completed the handshake with the job secret.
+    fn insider(addr: &str, secret: &JobSecret) -> TcpStream {
+        let raw = TcpStream::connect(addr).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        assert!(client_handshake(&raw, addr, Some(secret), deadline).is_ok());
+        raw
+    }
+
+    /// This process's anonymous resident memory (the heap), from `/proc`.
+    fn heap_bytes() -> usize {
+        let status = std::fs::read_to_string("/proc/self/status").unwrap();
+        let line = status.lines().find(|l| l.starts_with("RssAnon:")).unwrap();
+        let kib: usize = line.split_whitespace().nth(1).unwrap().parse().unwrap();
+        kib << 10
+    }
+
+    fn keys_request(op: u8, wait: Option<Duration>, keys: &[String]) -> Vec<u8> {
+        let mut req = vec![op];
+        if let Some(w) = wait {
+            req.extend_from_slice(&(w.as_millis() as u64).to_le_bytes());
+        }
+        req.extend_from_slice(&(keys.len() as u32).to_le_bytes());
+        for k in keys {
+            put_bytes(&mut req, k.as_bytes());
+        }
+        req
+    }
+
+    /// The status byte of the reply on `raw`, if one comes within `wait`.
+    fn reply_status(raw: &mut TcpStream, wait: Duration) -> Option<u8> {
+        raw.set_read_timeout(Some(wait)).unwrap();
+        read_u8(raw).ok()
+    }
+
+    #[test]
+    fn insiders_cannot_make_get_many_replies_hold_copies_of_a_value() {
+        let good = secret("the-insiders-secret-0123456789");
+        let config = StoreConfig {
+            secret: Some(good.clone()),
+            max_stored_bytes: 8 << 20,
+            request_timeout: Duration::from_secs(5),
+            ..StoreConfig::default()
+        };
+        let server = StoreServer::bind_with("127.0.0.1:0", config).unwrap();
+        let addr = server.local_addr().to_string();
+        let honest =
+            TcpStore::connect_with_secret(&addr, Duration::from_secs(5), Some(good.clone()))
+                .unwrap();
+        honest.set("v", &[7u8; 16 << 10]).unwrap();
+        let before = heap_bytes();
+        // 8 insiders each ask for the 16 KiB value 4096 times in one GET_MANY (64 MiB if the
+        // reply were a copy) and never read the reply.
+        let keys = vec!["v".to_string(); MAX_KEYS];
+        let req = keys_request(OP_GET_MANY, None, &keys);
+        let insiders: Vec<TcpStream> = (0..8)
+            .map(|_| {
+                let mut raw = insider(&addr, &good);
+                raw.write_all(&req).unwrap();
+                raw
+            })
+            .collect();
+        std::thread::sleep(Duration::from_secs(1));
+        let grown = heap_bytes().saturating_sub(before);
+        // The honest client is still served.
+        honest.set("k", b"x").unwrap();
+        assert_eq!(honest.get("k").unwrap(), b"x");
+        eprintln!(
+            "heap grew by {:.1} MiB with 8 pending GET_MANY replies of 64 MiB each",
+            grown as f64 / (1 << 20) as f64
+        );
+        assert!(grown < 64 << 20, "the heap grew by {grown} bytes");
+        drop(insiders);
+    }
+
+    #[test]
+    fn insiders_cannot_make_waits_hold_more_key_bytes_than_the_caps_allow() {
+        let good = secret("the-insiders-secret-0123456789");
+        let config = StoreConfig {
+            secret: Some(good.clone()),
+            max_stored_bytes: 4 << 20,
+            ..StoreConfig::default()
+        };
+        let server = StoreServer::bind_with("127.0.0.1:0", config).unwrap();
+        let addr = server.local_addr().to_string();
+        let honest =
+            TcpStore::connect_with_secret(&addr, Duration::from_secs(5), Some(good.clone()))
+                .unwrap();
+        let day = Duration::from_secs(24 * 3600);
+        // 16 MiB of keys in one WAIT: over the per-request cap, answered with an error.
+        let huge: Vec<String> = (0..MAX_KEYS).map(|i| format!("{i:04000}")).collect();
+        let mut raw = insider(&addr, &good);
+        raw.write_all(&keys_request(OP_WAIT, Some(day), &huge))
+            .unwrap();
+        assert_eq!(
+            reply_status(&mut raw, Duration::from_secs(10)),
+            Some(STATUS_ERROR),
+            "a WAIT with 16 MiB of keys was not refused"
+        );
+        // 8 WAITs of about 1 MiB of keys each on keys that never come: the 4 MiB budget takes 3
+        // (1.3 MiB each, with the per-key charge); the others are refused at once.
+        let mut waiting = Vec::new();
+        let mut refused = 0;
+        for c in 0..8 {
+            let keys: Vec<String> = (0..MAX_KEYS).map(|i| format!("{c}-{i:0248}")).collect();
+            let mut raw = insider(&addr, &good);
+            raw.write_all(&keys_request(OP_WAIT, Some(day), &keys))
+                .unwrap();
+            match reply_status(&mut raw, Duration::from_millis(500)) {
+                Some(STATUS_ERROR) => refused += 1,
+                None => waiting.push(raw),
+                Some(other) => panic!("status {other} for a WAIT on missing keys"),
+            }
+        }
+        assert!(refused >= 5, "only {refused} of 8 WAITs were refused");
+        // The honest client is still served.
+        honest.set("k", b"x").unwrap();
+        assert_eq!(honest.get("k").unwrap(), b"x");
+        drop(waiting);
+    }
+
+    #[test]
+    fn one_wait_is_bounded_by_the_request_timeout_and_clients_ask_again() {
+        let config = StoreConfig {
+            request_timeout: Duration::from_millis(300),
+            ..StoreConfig::default()
+        };
+        let server = StoreServer::bind_with("127.0.0.1:0", config).unwrap();
+        let addr = server.local_addr().to_string();
+        // A WAIT asking for a day is answered "timed out" after the request timeout.
+        let mut raw = handshaken(&addr);
+        let day = Duration::from_secs(24 * 3600);
+        raw.write_all(&keys_request(OP_WAIT, Some(day), &["never".to_string()]))
+            .unwrap();
+        assert_eq!(
+            reply_status(&mut raw, Duration::from_secs(10)),
+            Some(STATUS_TIMEOUT)
+        );
+        // A client waiting longer than that asks again until its own timeout.
+        let waiter = TcpStore::connect(&addr, Duration::from_secs(5)).unwrap();
+        let setter = TcpStore::connect(&addr, Duration::from_secs(5)).unwrap();
+        let t = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_secs(1));
+            setter.set("late", b"1").unwrap();
+        });
+        waiter
+            .wait_timeout(&["late"], Duration::from_secs(10))
+            .unwrap();
+        let err = waiter
+            .get_timeout("later", Duration::from_millis(700))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("timed out"), "{err}");
+        t.join().unwrap();
     }
 
     #[test]

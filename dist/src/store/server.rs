@@ -4,16 +4,23 @@
 //! (over the limit, the oldest connection still in its handshake is dropped to admit the new
 //! one, so a flood of strangers cannot lock out the job's ranks; if every connection is
 //! authenticated the new one is refused with a message), the time a handshake or one request
-//! may take once it has started, the bytes stored plus the bytes of requests being read, and
-//! how long a request may wait for keys. A connection that fails the handshake or sends a
-//! malformed request is closed (and logged, naming the peer address); a connection the client
-//! closes is closed here too, and forgotten, so that file descriptors never accumulate.
+//! may take once it has started, and how long one request may wait for keys (the request
+//! timeout; clients ask again). Memory is bounded by one budget,
+//! [`StoreConfig::max_stored_bytes`], charged with every byte a client can make the server
+//! hold: stored keys and values, values being received, wills, and the keys of a request (at
+//! most [`MAX_REQUEST_KEY_BYTES`] a request) for as long as it waits and its reply is sent.
+//! Replies are never copies: they hold the stored values themselves, and a value replaced or
+//! deleted while a reply still holds it stays charged until that reply is sent. A request the
+//! budget cannot take is answered with an error, not queued. A connection that fails the
+//! handshake or sends a malformed request is closed (and logged, naming the peer address); a
+//! connection the client closes is closed here too, and forgotten, so that file descriptors
+//! never accumulate.
 
 use std::collections::HashMap;
-use std::io::{self, Read, Write};
+use std::io::{self, BufWriter, Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::{AsRawFd, RawFd};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -24,10 +31,9 @@ use super::wire::*;
 use crate::auth::JobSecret;
 use crate::{DistError, Result};
 
-/// Bytes charged per stored key on top of its key and value (the map's own bookkeeping).
+/// Bytes charged per stored key on top of its key and value (the map's own bookkeeping), and
+/// per key of a request (the key's and its reply's bookkeeping).
 const KEY_OVERHEAD: usize = 64;
-/// Longest wait a `get` or `wait` request may ask for.
-const MAX_WAIT: Duration = Duration::from_secs(24 * 3600);
 /// Rejections logged one by one; after these, only every power of two.
 const LOGGED_REJECTIONS: u64 = 16;
 
@@ -43,12 +49,17 @@ pub struct StoreConfig {
     pub max_connections: usize,
     /// Longest time a new connection may take to complete the handshake. Default: 10 s.
     pub handshake_timeout: Duration,
-    /// Longest time the bytes of one request may take to arrive once its first byte has, and
-    /// a reply to be taken by the client. Default: 30 s.
+    /// Longest time the bytes of one request may take to arrive once its first byte has, a
+    /// reply to be taken by the client, and one `get` or `wait` request to wait on the server
+    /// for its keys (it then answers "timed out"; [`super::TcpStore`] asks again until its own
+    /// timeout, so this bounds how long one request holds the server's resources, not how long
+    /// a client may wait). Default: 30 s.
     pub request_timeout: Duration,
-    /// Most bytes the store holds: keys, values and 64 bytes per key, plus the values of
-    /// `set` requests being received. A `set` that would exceed it fails with an error.
-    /// Default: 256 MiB.
+    /// The store's memory budget: most bytes it holds for its clients. Charged: stored keys and
+    /// values plus 64 bytes per key (values replaced or deleted stay charged while a reply
+    /// still holds them), the values of `set` requests being received, wills, and the keys of
+    /// requests being served plus 64 bytes per key (a `wait` holds them while it waits). A
+    /// request that would exceed it is answered with an error. Default: 256 MiB.
     pub max_stored_bytes: usize,
 }
 
@@ -76,13 +87,92 @@ fn default_max_connections() -> usize {
 }
 
 struct Data {
-    map: HashMap<String, Arc<[u8]>>,
-    /// Bytes charged for the stored keys.
-    stored: usize,
-    /// Bytes reserved for `set` values being received.
-    in_flight: usize,
+    map: HashMap<String, Arc<Value>>,
     /// Bytes reserved for the wills of open connections (set when their connection closes).
     wills: usize,
+}
+
+/// A stored value. Its bytes (with its key's and [`KEY_OVERHEAD`]) stay charged to the
+/// store's budget until the last reference to it — the map's, or a reply's being sent — is
+/// gone, so replies can send it without a copy.
+struct Value {
+    bytes: Box<[u8]>,
+    charged: usize,
+    meter: Arc<AtomicUsize>,
+}
+
+impl Drop for Value {
+    fn drop(&mut self) {
+        self.meter.fetch_sub(self.charged, Ordering::SeqCst);
+    }
+}
+
+/// Bytes of the budget reserved for a request (the value of a `set` being received, the keys
+/// of a request and its reply's bookkeeping); given back when dropped.
+struct Reservation {
+    bytes: usize,
+    meter: Arc<AtomicUsize>,
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        self.meter.fetch_sub(self.bytes, Ordering::SeqCst);
+    }
+}
+
+/// The store's budget: what is charged now, and the limit.
+struct Budget {
+    /// Bytes of the values alive (stored, or held by replies), with their keys' charges.
+    values: Arc<AtomicUsize>,
+    /// Bytes reserved by requests being served.
+    requests: Arc<AtomicUsize>,
+    limit: usize,
+}
+
+impl Budget {
+    /// Bytes charged now. Charges grow only under the data lock (which the caller holds, as
+    /// `data`); they may shrink at any time, so the answer is never too small.
+    fn used(&self, data: &Data) -> usize {
+        self.values.load(Ordering::SeqCst) + self.requests.load(Ordering::SeqCst) + data.wills
+    }
+
+    /// Whether `bytes` more fit, given that `freed` bytes will be given back by the change.
+    fn fits(&self, data: &Data, bytes: usize, freed: usize) -> bool {
+        self.used(data) + bytes <= self.limit + freed
+    }
+
+    /// Reserves `bytes` for a request if they fit.
+    fn reserve(&self, data: &Data, bytes: usize) -> Option<Reservation> {
+        if !self.fits(data, bytes, 0) {
+            return None;
+        }
+        self.requests.fetch_add(bytes, Ordering::SeqCst);
+        Some(Reservation {
+            bytes,
+            meter: self.requests.clone(),
+        })
+    }
+
+    /// Grows `reservation` by `bytes` if they fit.
+    fn grow(&self, data: &Data, reservation: &mut Reservation, bytes: usize) -> bool {
+        if !self.fits(data, bytes, 0) {
+            return false;
+        }
+        self.requests.fetch_add(bytes, Ordering::SeqCst);
+        reservation.bytes += bytes;
+        true
+    }
+
+    /// A value to store under `key`, charged from now on.
+    fn value(&self, key: &str, bytes: Box<[u8]>) -> Arc<Value> {
+        let charged = charge(key, &bytes);
+        self.values.fetch_add(charged, Ordering::SeqCst);
+        Arc::new(Value {
+            bytes,
+            charged,
+            meter: self.values.clone(),
+        })
+    }
 }
 
 /// A key and value a connection leaves to be set when it closes (see `OP_SET_WILL`).
@@ -112,6 +202,7 @@ struct Conns {
 struct Shared {
     config: StoreConfig,
     addr: SocketAddr,
+    budget: Budget,
     data: Mutex<Data>,
     changed: Condvar,
     stop: AtomicBool,
@@ -151,13 +242,17 @@ impl StoreServer {
         let addr = listener
             .local_addr()
             .map_err(|e| DistError::io("store: local address", e))?;
+        let budget = Budget {
+            values: Arc::default(),
+            requests: Arc::default(),
+            limit: config.max_stored_bytes,
+        };
         let shared = Arc::new(Shared {
             config,
             addr,
+            budget,
             data: Mutex::new(Data {
                 map: HashMap::new(),
-                stored: 0,
-                in_flight: 0,
                 wills: 0,
             }),
             changed: Condvar::new(),
@@ -184,7 +279,12 @@ impl StoreServer {
 
     /// The value of `key` as stored now, read directly (no connection, no waiting).
     pub fn value(&self, key: &str) -> Option<Vec<u8>> {
-        self.shared.data.lock().map.get(key).map(|v| v.to_vec())
+        self.shared
+            .data
+            .lock()
+            .map
+            .get(key)
+            .map(|v| v.bytes.to_vec())
     }
 
     /// How many connections the server holds open now.
@@ -391,12 +491,9 @@ fn serve_requests(served: &Served, wills: &mut Vec<Will>) {
             }
         };
         let _ = stream.set_write_timeout(Some(shared.config.request_timeout));
-        let sent = (&*stream)
-            .write_all(&reply.head)
-            .and_then(|()| match &reply.value {
-                Some(v) => (&*stream).write_all(v),
-                None => Ok(()),
-            });
+        let sent = send(stream, &reply);
+        // The reply's values and reservation are given back only now that it is sent.
+        drop(reply);
         if sent.is_err() || shared.stop.load(Ordering::SeqCst) {
             return;
         }
@@ -412,31 +509,31 @@ fn fire_wills(shared: &Shared, wills: Vec<Will>) {
     let stopping = shared.stop.load(Ordering::SeqCst);
     let mut data = shared.data.lock();
     for will in wills {
-        let charged = charge(&will.key, &will.value);
-        data.wills -= charged;
+        data.wills -= charge(&will.key, &will.value);
         if stopping {
             continue;
         }
-        if let Some(old) = data.map.insert(will.key.clone(), will.value) {
-            data.stored -= charge(&will.key, &old);
-        }
-        data.stored += charged;
+        let value = shared.budget.value(&will.key, will.value.as_ref().into());
+        data.map.insert(will.key, value);
     }
     drop(data);
     shared.changed.notify_all();
 }
 
-/// A reply: its head, then (for `get`) the stored value, sent without a copy.
+/// A reply: its head, then each stored value it carries (sent without a copy) followed by the
+/// bytes that come after that value. It keeps its request's reservation until it is sent.
 struct Reply {
     head: Vec<u8>,
-    value: Option<Arc<[u8]>>,
+    values: Vec<(Arc<Value>, Vec<u8>)>,
+    _reserved: Option<Reservation>,
 }
 
 impl Reply {
     fn status(status: u8) -> Self {
         Reply {
             head: vec![status],
-            value: None,
+            values: Vec::new(),
+            _reserved: None,
         }
     }
 
@@ -446,12 +543,90 @@ impl Reply {
             &mut head,
             &message.as_bytes()[..message.len().min(MAX_MESSAGE)],
         );
-        Reply { head, value: None }
+        Reply {
+            head,
+            values: Vec::new(),
+            _reserved: None,
+        }
     }
 }
 
-fn read_wait(r: &mut impl Read) -> io::Result<Duration> {
-    Ok(Duration::from_millis(read_u64(r)?).min(MAX_WAIT))
+/// Writes `reply` (many small pieces go out through a buffer; large values straight from
+/// the store).
+fn send(stream: &TcpStream, reply: &Reply) -> io::Result<()> {
+    if reply.values.is_empty() {
+        return (&*stream).write_all(&reply.head);
+    }
+    let mut w = BufWriter::with_capacity(64 << 10, stream);
+    w.write_all(&reply.head)?;
+    for (value, after) in &reply.values {
+        w.write_all(&value.bytes)?;
+        w.write_all(after)?;
+    }
+    w.flush()
+}
+
+/// A request's wait, bounded by the request timeout (the client asks again for the rest).
+fn read_wait(r: &mut impl Read, shared: &Shared) -> io::Result<Duration> {
+    Ok(Duration::from_millis(read_u64(r)?).min(shared.config.request_timeout))
+}
+
+/// Reads the keys of a request, reserving their bytes (and [`KEY_OVERHEAD`] each) in the
+/// budget before reading them. When they exceed [`MAX_REQUEST_KEY_BYTES`] or the budget, the
+/// rest of the request is read and dropped and the error to answer is returned, so that the
+/// client reads an error rather than a reset connection.
+fn read_keys_reserved(
+    r: &mut impl Read,
+    shared: &Shared,
+) -> io::Result<std::result::Result<(Vec<String>, Reservation), String>> {
+    let n = read_u32(r)? as usize;
+    if n > MAX_KEYS {
+        return Err(invalid(format!("{n} keys in one request")));
+    }
+    let mut reservation = shared.budget.reserve(&shared.data.lock(), 0);
+    let mut keys = Vec::new();
+    let mut key_bytes = 0usize;
+    let mut refusal = None;
+    for _ in 0..n {
+        let len = read_len(r, MAX_KEY)?;
+        key_bytes += len;
+        if refusal.is_none() && key_bytes > MAX_REQUEST_KEY_BYTES {
+            refusal = Some(format!(
+                "the keys of this request exceed {MAX_REQUEST_KEY_BYTES} bytes together; ask                  for fewer at a time"
+            ));
+        }
+        if refusal.is_none() {
+            let fits = match reservation.as_mut() {
+                Some(res) => shared
+                    .budget
+                    .grow(&shared.data.lock(), res, len + KEY_OVERHEAD),
+                None => false,
+            };
+            if !fits {
+                refusal = Some(format!(
+                    "the store is full: the keys of this {n}-key request would exceed its limit                      of {} bytes (StoreConfig::max_stored_bytes)",
+                    shared.budget.limit
+                ));
+            }
+        }
+        if refusal.is_some() {
+            reservation = None;
+            keys = Vec::new();
+            discard(r, len)?;
+            continue;
+        }
+        let mut bytes = vec![0u8; len];
+        r.read_exact(&mut bytes)?;
+        keys.push(String::from_utf8(bytes).map_err(|_| invalid("key is not UTF-8"))?);
+    }
+    Ok(match (refusal, reservation) {
+        (None, Some(reservation)) => Ok((keys, reservation)),
+        (Some(message), _) => Err(message),
+        (None, None) => Err(format!(
+            "the store is full (its limit is {} bytes, StoreConfig::max_stored_bytes)",
+            shared.budget.limit
+        )),
+    })
 }
 
 /// Reads and discards `len` bytes (the value of a refused `set`), so that the client can
@@ -472,53 +647,52 @@ fn handle(
     shared: &Shared,
     wills: &mut Vec<Will>,
 ) -> io::Result<Reply> {
-    let limit = shared.config.max_stored_bytes;
+    let budget = &shared.budget;
+    let limit = budget.limit;
     match op {
         OP_SET => {
             let key = read_key(r)?;
             let len = read_len(r, MAX_VALUE)?;
             let need = key.len() + len + KEY_OVERHEAD;
-            {
-                let mut data = shared.data.lock();
-                if data.stored + data.in_flight + data.wills + need > limit {
-                    drop(data);
-                    discard(r, len)?;
-                    return Ok(Reply::error(&format!(
-                        "the store is full: setting {key:?} ({len} bytes) would exceed its limit \
-                         of {limit} bytes (StoreConfig::max_stored_bytes)"
-                    )));
-                }
-                data.in_flight += need;
-            }
+            let reserved = budget.reserve(&shared.data.lock(), need);
+            let Some(reserved) = reserved else {
+                discard(r, len)?;
+                return Ok(Reply::error(&format!(
+                    "the store is full: setting {key:?} ({len} bytes) would exceed its limit of \
+                     {limit} bytes (StoreConfig::max_stored_bytes)"
+                )));
+            };
             let mut value = vec![0u8; len];
             let read = r.read_exact(&mut value);
+            // The value's own charge replaces the reservation (under the lock, so that no
+            // other request sees the bytes charged twice or not at all).
             let mut data = shared.data.lock();
-            data.in_flight -= need;
+            drop(reserved);
             read?;
-            let value: Arc<[u8]> = value.into();
-            let added = charge(&key, &value);
-            if let Some(old) = data.map.insert(key.clone(), value) {
-                data.stored -= charge(&key, &old);
-            }
-            data.stored += added;
+            let value = budget.value(&key, value.into());
+            let old = data.map.insert(key, value);
             drop(data);
+            drop(old);
             shared.changed.notify_all();
             Ok(Reply::status(STATUS_OK))
         }
         OP_GET => {
-            let timeout = read_wait(r)?;
+            let timeout = read_wait(r, shared)?;
             let key = read_key(r)?;
             Ok(
                 match wait_for(shared, std::slice::from_ref(&key), timeout) {
-                    Some(mut values) => {
-                        let value = values.pop().unwrap_or_else(|| Arc::from(&[][..]));
-                        let mut head = vec![STATUS_OK];
-                        head.extend_from_slice(&(value.len() as u32).to_le_bytes());
-                        Reply {
-                            head,
-                            value: Some(value),
+                    Some(mut values) => match values.pop() {
+                        Some(value) => {
+                            let mut head = vec![STATUS_OK];
+                            head.extend_from_slice(&(value.bytes.len() as u32).to_le_bytes());
+                            Reply {
+                                head,
+                                values: vec![(value, Vec::new())],
+                                _reserved: None,
+                            }
                         }
-                    }
+                        None => Reply::status(STATUS_TIMEOUT),
+                    },
                     None => Reply::status(STATUS_TIMEOUT),
                 },
             )
@@ -529,7 +703,7 @@ fn handle(
             let mut data = shared.data.lock();
             let current = match data.map.get(&key) {
                 None => Some(0i64),
-                Some(v) => std::str::from_utf8(v)
+                Some(v) => std::str::from_utf8(&v.bytes)
                     .ok()
                     .and_then(|s| s.parse::<i64>().ok()),
             };
@@ -537,77 +711,98 @@ fn handle(
                 return Ok(Reply::error(&format!("value of {key:?} is not an integer")));
             };
             let new = c.wrapping_add(delta);
-            let value: Arc<[u8]> = new.to_string().into_bytes().into();
-            let added = charge(&key, &value);
-            let old = data.map.get(&key).map_or(0, |v| charge(&key, v));
-            if data.stored + data.in_flight + data.wills + added > limit + old {
+            let bytes = new.to_string().into_bytes();
+            let old = data.map.get(&key).map_or(0, |v| v.charged);
+            if !budget.fits(&data, charge(&key, &bytes), old) {
                 return Ok(Reply::error(&format!(
                     "the store is full: adding to {key:?} would exceed its limit of {limit} bytes"
                 )));
             }
-            data.map.insert(key, value);
-            data.stored = data.stored + added - old;
+            let value = budget.value(&key, bytes.into());
+            let old = data.map.insert(key, value);
             drop(data);
+            drop(old);
             shared.changed.notify_all();
             let mut reply = Reply::status(STATUS_OK);
             reply.head.extend_from_slice(&new.to_le_bytes());
             Ok(reply)
         }
         OP_WAIT => {
-            let timeout = read_wait(r)?;
-            let keys = read_keys(r)?;
-            Ok(Reply::status(
-                if wait_for(shared, &keys, timeout).is_some() {
-                    STATUS_OK
-                } else {
-                    STATUS_TIMEOUT
-                },
-            ))
+            let timeout = read_wait(r, shared)?;
+            let (keys, reserved) = match read_keys_reserved(r, shared)? {
+                Ok(k) => k,
+                Err(message) => return Ok(Reply::error(&message)),
+            };
+            let status = if wait_for(shared, &keys, timeout).is_some() {
+                STATUS_OK
+            } else {
+                STATUS_TIMEOUT
+            };
+            drop((keys, reserved));
+            Ok(Reply::status(status))
         }
         OP_CHECK => {
-            let keys = read_keys(r)?;
-            let data = shared.data.lock();
+            let (keys, reserved) = match read_keys_reserved(r, shared)? {
+                Ok(k) => k,
+                Err(message) => return Ok(Reply::error(&message)),
+            };
+            let all = {
+                let data = shared.data.lock();
+                keys.iter().all(|k| data.map.contains_key(k))
+            };
+            drop((keys, reserved));
             let mut reply = Reply::status(STATUS_OK);
-            reply
-                .head
-                .push(keys.iter().all(|k| data.map.contains_key(k)) as u8);
+            reply.head.push(all as u8);
             Ok(reply)
         }
         OP_DELETE => {
             let key = read_key(r)?;
-            let mut data = shared.data.lock();
-            let old = data.map.remove(&key);
-            if let Some(old) = &old {
-                data.stored -= charge(&key, old);
-            }
+            let old = shared.data.lock().map.remove(&key);
             let mut reply = Reply::status(STATUS_OK);
             reply.head.push(old.is_some() as u8);
             Ok(reply)
         }
         OP_GET_MANY => {
-            let keys = read_keys(r)?;
-            let data = shared.data.lock();
+            let (keys, reserved) = match read_keys_reserved(r, shared)? {
+                Ok(k) => k,
+                Err(message) => return Ok(Reply::error(&message)),
+            };
+            // The reply holds the values themselves and keeps the keys' reservation (which
+            // covers its bookkeeping) until it is sent.
             let mut head = vec![STATUS_OK];
             head.extend_from_slice(&(keys.len() as u32).to_le_bytes());
+            let mut values: Vec<(Arc<Value>, Vec<u8>)> = Vec::new();
             let mut total = 0usize;
+            let data = shared.data.lock();
             for key in &keys {
+                let tail = match values.last_mut() {
+                    Some((_, after)) => after,
+                    None => &mut head,
+                };
                 match data.map.get(key) {
-                    None => head.push(0),
+                    None => tail.push(0),
                     Some(value) => {
-                        total += value.len();
+                        total += value.bytes.len();
                         if total > MAX_VALUE {
+                            drop(data);
                             return Ok(Reply::error(&format!(
                                 "the values of these {} keys exceed {MAX_VALUE} bytes together; \
                                  ask for fewer at a time",
                                 keys.len()
                             )));
                         }
-                        head.push(1);
-                        put_bytes(&mut head, value);
+                        tail.push(1);
+                        tail.extend_from_slice(&(value.bytes.len() as u32).to_le_bytes());
+                        values.push((value.clone(), Vec::new()));
                     }
                 }
             }
-            Ok(Reply { head, value: None })
+            drop(data);
+            Ok(Reply {
+                head,
+                values,
+                _reserved: Some(reserved),
+            })
         }
         OP_SET_WILL => {
             let key = read_key(r)?;
@@ -621,7 +816,7 @@ fn handle(
             }
             let mut data = shared.data.lock();
             let old = replaced.map_or(0, |i| charge(&wills[i].key, &wills[i].value));
-            if data.stored + data.in_flight + data.wills + need > limit + old {
+            if !budget.fits(&data, need, old) {
                 return Ok(Reply::error(&format!(
                     "the store is full: a will for {key:?} would exceed its limit of {limit} bytes"
                 )));
@@ -641,7 +836,7 @@ fn handle(
 
 /// Waits until all `keys` exist; returns their values in order, or `None` on timeout or
 /// shutdown.
-fn wait_for(shared: &Shared, keys: &[String], timeout: Duration) -> Option<Vec<Arc<[u8]>>> {
+fn wait_for(shared: &Shared, keys: &[String], timeout: Duration) -> Option<Vec<Arc<Value>>> {
     let deadline = Instant::now() + timeout;
     let mut data = shared.data.lock();
     loop {

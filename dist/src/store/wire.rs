@@ -30,6 +30,9 @@ pub(crate) const MAX_KEY: usize = 4 << 10;
 pub(crate) const MAX_VALUE: usize = 64 << 20;
 /// Most keys in one request.
 pub(crate) const MAX_KEYS: usize = 4096;
+/// Most bytes of keys in one request (`wait`, `check`, `get_many`): what one waiting
+/// connection can make the store hold.
+pub const MAX_REQUEST_KEY_BYTES: usize = 1 << 20;
 /// Longest message in a refusal or error reply.
 pub(crate) const MAX_MESSAGE: usize = 4 << 10;
 
@@ -107,14 +110,6 @@ pub(crate) fn read_bytes(r: &mut impl Read, cap: usize) -> io::Result<Vec<u8>> {
 
 pub(crate) fn read_key(r: &mut impl Read) -> io::Result<String> {
     String::from_utf8(read_bytes(r, MAX_KEY)?).map_err(|_| invalid("key is not UTF-8"))
-}
-
-pub(crate) fn read_keys(r: &mut impl Read) -> io::Result<Vec<String>> {
-    let n = read_u32(r)? as usize;
-    if n > MAX_KEYS {
-        return Err(invalid(format!("{n} keys in one request")));
-    }
-    (0..n).map(|_| read_key(r)).collect()
 }
 
 /// Reads from a socket with every read bounded by one overall deadline, so that a peer

@@ -69,6 +69,20 @@ fn run_worker(mode: &str) -> Result<(), String> {
             timeout: Duration::from_secs(3),
             ..GroupConfig::default()
         },
+        // The last rank stops before it joins: the others give up setting up quickly.
+        "stall-setup" => {
+            if env.rank == env.world_size - 1 {
+                // SAFETY: raise(2) has no memory-safety preconditions; the process stops here
+                // until the launcher kills it.
+                unsafe {
+                    libc::raise(libc::SIGSTOP);
+                }
+            }
+            GroupConfig {
+                connect_timeout: Duration::from_secs(3),
+                ..GroupConfig::default()
+            }
+        }
         _ => GroupConfig {
             timeout: Duration::from_secs(60),
             ..GroupConfig::default()
@@ -109,7 +123,7 @@ fn run_worker(mode: &str) -> Result<(), String> {
             }
             Ok(())
         }
-        "rendezvous" => {
+        "rendezvous" | "stall-setup" => {
             pg.barrier()
                 .and_then(|w| w.wait())
                 .map_err(|e| e.to_string())?;

@@ -44,7 +44,7 @@ use super::record::{
 };
 use crate::error::{fmt_left_after, fmt_ranks};
 use crate::process_group::CollectiveDesc;
-use crate::store::TcpStore;
+use crate::store::{TcpStore, MAX_REQUEST_KEY_BYTES};
 use crate::{DistError, Result};
 
 /// How many of its own collectives a rank remembers for comparison with its neighbour's.
@@ -629,12 +629,24 @@ fn find_divergence(
     None
 }
 
-/// Reads `keys` in requests of at most the store's key limit.
+/// Reads `keys` in requests within the store's limits on keys and key bytes per request.
 fn get_all(store: &TcpStore, keys: &[String], max_value: usize) -> Result<Vec<Option<Vec<u8>>>> {
     let mut out = Vec::with_capacity(keys.len());
-    for chunk in keys.chunks(KEYS_PER_REQUEST) {
-        let refs: Vec<&str> = chunk.iter().map(String::as_str).collect();
+    let mut rest = keys;
+    while !rest.is_empty() {
+        let mut bytes = 0;
+        let n = rest
+            .iter()
+            .take(KEYS_PER_REQUEST)
+            .take_while(|k| {
+                bytes += k.len();
+                bytes <= MAX_REQUEST_KEY_BYTES
+            })
+            .count()
+            .max(1);
+        let refs: Vec<&str> = rest[..n].iter().map(String::as_str).collect();
         out.extend(store.get_many(&refs, max_value)?);
+        rest = &rest[n..];
     }
     Ok(out)
 }

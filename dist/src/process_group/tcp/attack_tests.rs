@@ -345,3 +345,104 @@ fn a_member_sending_another_collective_on_the_same_host_path_is_named() {
     });
     assert!(matches!(err, DistError::Mismatch { peer: 1, .. }), "{err}");
 }
+
+#[test]
+fn a_flood_of_idle_connections_during_rendezvous_does_not_keep_a_rank_out() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    const FLOOD: usize = 300;
+    let (_server, addr, view) = store();
+    let rank0 = real_rank(&addr, 0, config());
+    let target = rank0_addr(&view);
+    // A stranger opens 300 idle connections: 200 at once (more than rank 0's 128 handshake
+    // slots), then one every 10 ms while rank 1 joins; it holds them all until it is done.
+    let opened = Arc::new(AtomicUsize::new(0));
+    let flood = {
+        let opened = opened.clone();
+        std::thread::spawn(move || {
+            let mut idle = Vec::new();
+            for i in 0..FLOOD {
+                if let Ok(s) = TcpStream::connect_timeout(&target, Duration::from_secs(2)) {
+                    idle.push(s);
+                }
+                opened.store(i + 1, Ordering::SeqCst);
+                if i >= 200 {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+            }
+            idle
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while opened.load(Ordering::SeqCst) < 200 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // Let rank 0 accept them and fill its handshake slots.
+    std::thread::sleep(Duration::from_millis(200));
+    let rank1 = real_rank(&addr, 1, config());
+    for handle in [rank0, rank1] {
+        assert_eq!(handle.join().unwrap().unwrap(), vec![3.0f32; 1000]);
+    }
+    drop(flood.join().unwrap());
+}
+
+#[test]
+fn a_rank_whose_handshake_is_closed_connects_again() {
+    use super::mesh::connect_to_peer;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let target = listener.local_addr().unwrap();
+    // Rank 0 (this test) closes the first three connections during their handshake, then
+    // completes the fourth.
+    let acceptor = std::thread::spawn(move || {
+        for _ in 0..3 {
+            let (s, _) = listener.accept().unwrap();
+            drop(s);
+        }
+        let (mut s, _) = listener.accept().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        super::handshake::accept_side(
+            &mut s,
+            &me(0, Some(SECRET), Channel::Link),
+            "rank 1",
+            deadline,
+        )
+        .map_err(|f| format!("{f:?}"))
+    });
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let connected = connect_to_peer(&me(1, Some(SECRET), Channel::Link), 0, target, deadline);
+    assert!(connected.is_ok(), "{:?}", connected.err());
+    assert_eq!(acceptor.join().unwrap(), Ok(1));
+}
+
+#[test]
+fn a_flood_of_idle_connections_on_a_same_host_socket_does_not_keep_a_rank_out() {
+    use std::os::unix::net::{SocketAddr as UnixAddr, UnixListener};
+    let name = format!("tandem-flood-test-{}", std::process::id());
+    let addr = UnixAddr::from_abstract_name(name.as_bytes()).unwrap();
+    let listener = UnixListener::bind_addr(&addr).unwrap();
+    let rank0 = std::thread::spawn(move || {
+        let config = GroupConfig {
+            connect_timeout: Duration::from_secs(20),
+            ..GroupConfig::default()
+        };
+        let me = me(0, Some(SECRET), Channel::SameHost);
+        super::mesh::accept_peers(&listener, &me, &config, Instant::now())
+            .map(|got| got.into_iter().map(|(q, _)| q).collect::<Vec<_>>())
+    });
+    // 200 idle connections (more than rank 0's 128 handshake slots), held during the join.
+    let idle: Vec<UnixStream> = (0..200)
+        .filter_map(|_| UnixStream::connect_addr(&addr).ok())
+        .collect();
+    std::thread::sleep(Duration::from_millis(200));
+    let mut s = UnixStream::connect_addr(&addr).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let joined = connect_side(
+        &mut s,
+        &me(1, Some(SECRET), Channel::SameHost),
+        0,
+        "rank 0's same-host socket",
+        deadline,
+    );
+    assert!(joined.is_ok(), "{joined:?}");
+    assert_eq!(rank0.join().unwrap().unwrap(), vec![1]);
+    drop(idle);
+}

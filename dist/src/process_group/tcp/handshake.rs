@@ -177,6 +177,26 @@ fn disagreement(me: &Me, peer: &Hello, peer_desc: &str) -> Option<String> {
     None
 }
 
+/// How the connecting side's handshake failed.
+#[derive(Debug)]
+pub(crate) enum ConnectFailure {
+    /// The acceptor closed or reset the connection before the handshake finished (it may have
+    /// dropped it to admit a newer connection during a flood): connecting again may succeed.
+    Closed(String),
+    /// Anything else: the deadline passed, or the other end is not the expected rank of this
+    /// job. Trying again will not help.
+    Fatal(String),
+}
+
+impl ConnectFailure {
+    /// The message, whatever the kind of failure.
+    pub(crate) fn into_message(self) -> String {
+        match self {
+            ConnectFailure::Closed(m) | ConnectFailure::Fatal(m) => m,
+        }
+    }
+}
+
 /// The connecting side: runs the handshake with the rank `expected` reached at `peer_desc`.
 pub(crate) fn connect_side(
     s: &mut impl HandshakeStream,
@@ -185,11 +205,30 @@ pub(crate) fn connect_side(
     peer_desc: &str,
     deadline: Instant,
 ) -> Result<(), String> {
+    try_connect_side(s, me, expected, peer_desc, deadline).map_err(ConnectFailure::into_message)
+}
+
+/// [`connect_side`], telling a connection the acceptor closed (worth another try) from the
+/// other failures.
+pub(crate) fn try_connect_side(
+    s: &mut impl HandshakeStream,
+    me: &Me,
+    expected: usize,
+    peer_desc: &str,
+    deadline: Instant,
+) -> Result<(), ConnectFailure> {
     let fail = |e: io::Error| {
-        format!(
+        let message = format!(
             "handshake with rank {expected} at {peer_desc}: {}",
             io_text(&e)
-        )
+        );
+        match e.kind() {
+            io::ErrorKind::UnexpectedEof
+            | io::ErrorKind::ConnectionReset
+            | io::ErrorKind::ConnectionAborted
+            | io::ErrorKind::BrokenPipe => ConnectFailure::Closed(message),
+            _ => ConnectFailure::Fatal(message),
+        }
     };
     s.set_timeouts(deadline.saturating_duration_since(Instant::now()))
         .map_err(fail)?;
@@ -198,50 +237,50 @@ pub(crate) fn connect_side(
     s.write_all(&mine).map_err(fail)?;
     let theirs = read_hello(s).map_err(fail)?;
     if theirs.channel != me.channel as u8 {
-        return Err(format!(
+        return Err(ConnectFailure::Fatal(format!(
             "{peer_desc} answered on another channel ({}) than this one ({:?})",
             theirs.channel, me.channel
-        ));
+        )));
     }
     let parts: [&[u8]; 2] = [&mine, &theirs.bytes];
     match (&me.secret, theirs.has_secret) {
         (Some(_), false) => {
-            return Err(format!(
+            return Err(ConnectFailure::Fatal(format!(
                 "rank {expected} at {peer_desc} runs without a job secret and rank {} with one: \
                  give every rank the same {}",
                 me.rank,
                 auth::SECRET_VAR
-            ))
+            )))
         }
         (None, true) => {
-            return Err(format!(
+            return Err(ConnectFailure::Fatal(format!(
                 "rank {expected} at {peer_desc} requires the job secret and rank {} has none: \
                  set {} to the job's secret",
                 me.rank,
                 auth::SECRET_VAR
-            ))
+            )))
         }
         (None, false) => {}
         (Some(secret), true) => {
             let proof = read_auth(s).map_err(fail)?;
             if !secret.verify(ACCEPTOR_ROLE, &parts, &proof) {
-                return Err(format!(
+                return Err(ConnectFailure::Fatal(format!(
                     "{peer_desc}, published as rank {expected}'s address, could not prove that \
                      it knows the job secret (another job, or a different {})",
                     auth::SECRET_VAR
-                ));
+                )));
             }
             write_auth(s, &secret.prove(CONNECTOR_ROLE, &parts)).map_err(fail)?;
         }
     }
     if let Some(problem) = disagreement(me, &theirs, peer_desc) {
-        return Err(problem);
+        return Err(ConnectFailure::Fatal(problem));
     }
     if theirs.rank != expected {
-        return Err(format!(
+        return Err(ConnectFailure::Fatal(format!(
             "{peer_desc} answered as rank {}, expected rank {expected}",
             theirs.rank
-        ));
+        )));
     }
     Ok(())
 }

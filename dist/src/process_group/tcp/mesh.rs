@@ -8,17 +8,25 @@
 //! proof of the job secret, then rank, world size and group); the accepting side runs the
 //! handshakes of all incoming connections in parallel, each bounded by a short
 //! [`HELLO_TIMEOUT`], so idle or hostile connections (a port scanner, another job) are closed
-//! and logged without delaying the real ranks. A rank that waits for others says so on stderr
-//! every [`GroupConfig::wait_log_interval`], naming them.
+//! and logged without delaying the real ranks. At most [`MAX_PENDING_HANDSHAKES`] handshakes
+//! run at once; a new connection beyond that drops the oldest one still in its handshake (as the
+//! store does), so a flood of idle connections cannot fill the slots and keep a real rank out,
+//! and a connecting rank whose handshake the other side closed connects again, pausing 10 ms,
+//! then twice as long each time up to 1 s, until the setup deadline. A rank that waits for
+//! others says so on stderr every [`GroupConfig::wait_log_interval`], naming them.
 
+use std::collections::BTreeMap;
 use std::io;
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::sync::mpsc;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
-use super::handshake::{accept_side, connect_side, Channel, Failure, HandshakeStream, Me};
+use super::handshake::{
+    accept_side, try_connect_side, Channel, ConnectFailure, Failure, HandshakeStream, Me,
+};
 use super::link::{self, Link};
 use crate::error::fmt_ranks;
 use crate::process_group::GroupConfig;
@@ -27,8 +35,14 @@ use crate::{DistError, Result};
 
 /// How long an accepted connection may take to send its hello and proof.
 pub(crate) const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
-/// Most handshakes of incoming connections in progress at once; more are closed at once.
-const MAX_PENDING_HANDSHAKES: usize = 128;
+/// Most handshakes of incoming connections in progress at once; a new connection beyond them
+/// drops the oldest.
+pub(crate) const MAX_PENDING_HANDSHAKES: usize = 128;
+/// First pause before a rank connects again after its handshake was closed; it doubles up to
+/// [`MAX_RETRY_PAUSE`].
+const FIRST_RETRY_PAUSE: Duration = Duration::from_millis(10);
+/// Longest pause between two attempts to connect to a rank.
+const MAX_RETRY_PAUSE: Duration = Duration::from_secs(1);
 /// Rejected connections logged one by one; after these, only every power of two.
 const LOGGED_REJECTIONS: u64 = 16;
 
@@ -42,6 +56,15 @@ fn connect_error(rank: usize, detail: impl Into<String>) -> DistError {
     DistError::Connect {
         rank,
         detail: detail.into(),
+    }
+}
+
+/// Setup timed out waiting for `waiting_for` (named in the launcher's failure report).
+fn setup_timeout(rank: usize, waiting_for: Vec<usize>, detail: String) -> DistError {
+    DistError::SetupTimeout {
+        rank,
+        waiting_for,
+        detail,
     }
 }
 
@@ -101,10 +124,7 @@ pub(crate) fn connect_mesh(
                 format!("rank {peer} published an unusable address {text:?}"),
             )
         })?;
-        let mut stream = connect_retry(peer_addr, deadline)
-            .map_err(|e| setup_io(rank, format!("connecting to rank {peer} at {peer_addr}"), e))?;
-        connect_side(&mut stream, &me, peer, &peer_addr.to_string(), deadline)
-            .map_err(|m| connect_error(rank, m))?;
+        let stream = connect_to_peer(&me, peer, peer_addr, deadline)?;
         *slot = Some(
             Link::new(peer, stream, config.socket_buffer_bytes)
                 .map_err(|e| setup_io(rank, format!("configuring the link to rank {peer}"), e))?,
@@ -145,8 +165,9 @@ fn wait_for_key(
             Err(DistError::StoreTimeout {
                 addr, timeout: _, ..
             }) => {
-                return Err(connect_error(
+                return Err(setup_timeout(
                     rank,
+                    vec![peer],
                     format!(
                         "timed out after {:?} waiting for rank {peer} to join through the store \
                          at {addr}; is it started, with the same MASTER_ADDR, MASTER_PORT and \
@@ -166,6 +187,49 @@ fn log_waiting(rank: usize, what: &str, started: Instant, config: &GroupConfig) 
         started.elapsed(),
         config.connect_timeout
     );
+}
+
+/// Connects to rank `peer` at `addr` and runs the handshake. When the handshake is closed from
+/// the other side (rank `peer` drops its oldest handshakes when flooded with connections),
+/// connects again after a pause that doubles from 10 ms up to 1 s, until `deadline`.
+pub(crate) fn connect_to_peer(
+    me: &Me,
+    peer: usize,
+    addr: SocketAddr,
+    deadline: Instant,
+) -> Result<TcpStream> {
+    let rank = me.rank;
+    let mut pause = FIRST_RETRY_PAUSE;
+    let mut closed = 0u64;
+    loop {
+        let mut stream = connect_retry(addr, deadline)
+            .map_err(|e| setup_io(rank, format!("connecting to rank {peer} at {addr}"), e))?;
+        match try_connect_side(&mut stream, me, peer, &addr.to_string(), deadline) {
+            Ok(()) => return Ok(stream),
+            Err(ConnectFailure::Closed(message)) if Instant::now() + pause < deadline => {
+                closed += 1;
+                if closed <= LOGGED_REJECTIONS || closed.is_power_of_two() {
+                    eprintln!(
+                        "tandem: rank {rank}: {message} (a flood of connections at rank                          {peer}?); connecting again in {pause:?} (attempt {})",
+                        closed + 1
+                    );
+                }
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(MAX_RETRY_PAUSE);
+            }
+            Err(ConnectFailure::Closed(message)) => {
+                return Err(setup_timeout(
+                    rank,
+                    vec![peer],
+                    format!(
+                        "{message}, {} times until the setup deadline ({closed} retries); is                          something flooding rank {peer}'s port with connections?",
+                        closed + 1
+                    ),
+                ))
+            }
+            Err(ConnectFailure::Fatal(message)) => return Err(connect_error(rank, message)),
+        }
+    }
 }
 
 fn connect_retry(addr: SocketAddr, deadline: Instant) -> io::Result<TcpStream> {
@@ -192,6 +256,10 @@ pub(crate) trait PeerListener: AsRawFd {
     fn set_listener_nonblocking(&self) -> io::Result<()>;
     /// Makes an accepted socket blocking again (for the handshake's timed reads).
     fn make_blocking(s: &Self::Stream) -> io::Result<()>;
+    /// A second handle on an accepted socket, through which its handshake can be cut off.
+    fn second_handle(s: &Self::Stream) -> io::Result<Self::Stream>;
+    /// Shuts the socket down both ways, which ends a handshake blocked on it.
+    fn cut_off(s: &Self::Stream);
 }
 
 impl PeerListener for TcpListener {
@@ -204,6 +272,12 @@ impl PeerListener for TcpListener {
     }
     fn make_blocking(s: &TcpStream) -> io::Result<()> {
         s.set_nonblocking(false)
+    }
+    fn second_handle(s: &TcpStream) -> io::Result<TcpStream> {
+        s.try_clone()
+    }
+    fn cut_off(s: &TcpStream) {
+        let _ = s.shutdown(Shutdown::Both);
     }
 }
 
@@ -222,6 +296,12 @@ impl PeerListener for UnixListener {
     }
     fn make_blocking(s: &UnixStream) -> io::Result<()> {
         s.set_nonblocking(false)
+    }
+    fn second_handle(s: &UnixStream) -> io::Result<UnixStream> {
+        s.try_clone()
+    }
+    fn cut_off(s: &UnixStream) {
+        let _ = s.shutdown(Shutdown::Both);
     }
 }
 
@@ -275,6 +355,33 @@ impl RejectionLog {
     }
 }
 
+/// A handshake still running on an accepted connection.
+struct Pending<S> {
+    /// A second handle on the socket, to cut the handshake off.
+    handle: S,
+    /// [`RUNNING`], then [`FINISHED`] (set by the handshake's thread) or [`EVICTED`] (set by
+    /// the accepting loop), whichever comes first.
+    state: Arc<AtomicU8>,
+}
+
+const RUNNING: u8 = 0;
+const FINISHED: u8 = 1;
+const EVICTED: u8 = 2;
+
+/// Cuts off the oldest handshake still running in `pending` (to make room for a new
+/// connection). A handshake that has just finished is left alone: its rank counts on it.
+fn evict_oldest<S, L: PeerListener<Stream = S>>(pending: &mut BTreeMap<u64, Pending<S>>) {
+    let victim = pending.iter().find_map(|(&id, p)| {
+        p.state
+            .compare_exchange(RUNNING, EVICTED, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+            .then_some(id)
+    });
+    if let Some(p) = victim.and_then(|id| pending.remove(&id)) {
+        L::cut_off(&p.handle);
+    }
+}
+
 /// Accepts the connections of every rank above `me.rank` on `listener`, running their
 /// handshakes in parallel. Returns `(peer rank, stream)` for each of them.
 pub(crate) fn accept_peers<L: PeerListener>(
@@ -292,14 +399,23 @@ pub(crate) fn accept_peers<L: PeerListener>(
     listener
         .set_listener_nonblocking()
         .map_err(|e| setup_io(rank, "making the listener non-blocking", e))?;
-    type Outcome<S> = (String, S, std::result::Result<usize, Failure>);
+    type Outcome<S> = (u64, String, S, std::result::Result<usize, Failure>);
     let (tx, rx) = mpsc::channel::<Outcome<L::Stream>>();
-    let mut pending = 0usize;
+    // Handshakes in progress, by arrival (the smallest id is the oldest).
+    let mut pending: BTreeMap<u64, Pending<L::Stream>> = BTreeMap::new();
+    let mut next_id = 0u64;
     let mut log = RejectionLog::new(rank);
     let mut last_log = Instant::now();
     loop {
-        for (peer, stream, outcome) in rx.try_iter() {
-            pending -= 1;
+        for (id, peer, stream, outcome) in rx.try_iter() {
+            if pending.remove(&id).is_none() {
+                // Evicted: its socket is shut down, whatever the handshake made of it.
+                log.note(
+                    &peer,
+                    "dropped to admit a newer connection while it was still in its handshake",
+                );
+                continue;
+            }
             match outcome {
                 Ok(q) if q > rank && q < world && got[q].is_none() => got[q] = Some(stream),
                 Ok(q) if q < world && q > rank => {
@@ -335,8 +451,9 @@ pub(crate) fn accept_peers<L: PeerListener>(
         }
         let now = Instant::now();
         if now >= deadline {
-            return Err(connect_error(
+            return Err(setup_timeout(
                 rank,
+                waiting.clone(),
                 format!(
                     "timed out after {:?} waiting for {} to connect; are they started, with the \
                      same MASTER_ADDR, MASTER_PORT and WORLD_SIZE?",
@@ -374,21 +491,37 @@ pub(crate) fn accept_peers<L: PeerListener>(
                 // Out of descriptors and the like: try again at the next round.
                 Err(_) => break,
             };
-            if pending >= MAX_PENDING_HANDSHAKES || L::make_blocking(&stream).is_err() {
-                log.note(&peer, "too many connections in their handshake at once");
-                continue;
+            let handle = match L::make_blocking(&stream).and_then(|()| L::second_handle(&stream)) {
+                Ok(handle) => handle,
+                Err(e) => {
+                    log.note(&peer, &format!("could not set up its handshake: {e}"));
+                    continue;
+                }
+            };
+            if pending.len() >= MAX_PENDING_HANDSHAKES {
+                evict_oldest::<L::Stream, L>(&mut pending);
             }
-            let (tx, me) = (tx.clone(), me.clone());
+            next_id += 1;
+            let id = next_id;
+            let state = Arc::new(AtomicU8::new(RUNNING));
+            let (tx, me, thread_state) = (tx.clone(), me.clone(), state.clone());
             let mut stream = stream;
             let spawned = std::thread::Builder::new()
                 .name("tandem-handshake".into())
                 .spawn(move || {
                     let hello_deadline = Instant::now() + HELLO_TIMEOUT;
                     let outcome = accept_side(&mut stream, &me, &peer, hello_deadline);
-                    let _ = tx.send((peer, stream, outcome));
+                    // Claim the connection before the accepting loop can evict it.
+                    let _ = thread_state.compare_exchange(
+                        RUNNING,
+                        FINISHED,
+                        Ordering::AcqRel,
+                        Ordering::Acquire,
+                    );
+                    let _ = tx.send((id, peer, stream, outcome));
                 });
             if spawned.is_ok() {
-                pending += 1;
+                pending.insert(id, Pending { handle, state });
             }
         }
     }

@@ -125,8 +125,13 @@ impl TcpProcessGroup {
             ));
         }
         let started = Instant::now();
-        let links = connect_mesh(&store, rank, world_size, &config)?;
-        let same_host = same_host::agree(&store, rank, world_size, &config, started)?;
+        let setup = connect_mesh(&store, rank, world_size, &config).and_then(|links| {
+            let same_host = same_host::agree(&store, rank, world_size, &config, started)?;
+            Ok((links, same_host))
+        });
+        // A rank that timed out waiting for others tells the launcher whom it waited for.
+        let (links, same_host) =
+            setup.inspect_err(|err| failure_report::post(&store, rank, err))?;
         let queue = CommQueue::new("tcp", rank)?;
         let state = TcpState {
             links,
