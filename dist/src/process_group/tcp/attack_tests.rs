@@ -2,11 +2,12 @@
 //! a member of the job that tries to make a rank read or write memory it chooses. Every test
 //! talks to loopback only and ends by itself (bounded waits, timeouts).
 
-use std::io::Write;
+use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::UnixStream;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -15,7 +16,8 @@ use tandem_core::{DType, Device, Tensor};
 
 use super::frame::{Algorithm, FrameHeader};
 use super::handshake::{connect_side, Channel, Me};
-use super::segment::{create_segment, send_fd, GROW_MESSAGE};
+use super::same_host::{abstract_address, agree};
+use super::segment::{create_segment, mark, recv_fd, send_fd, Counter, GROW_MESSAGE, HEADER};
 use super::TcpProcessGroup;
 use crate::auth::JobSecret;
 use crate::process_group::{
@@ -175,6 +177,19 @@ fn three_idle_connections_do_not_delay_rendezvous() {
 /// Rank 0 is real; rank 1 is this test, a member of the job (it has the secret) that joins the
 /// mesh honestly and then misbehaves. Returns rank 0's error for a 4 MiB all-reduce.
 fn with_insider_rank_1(misbehave: impl FnOnce(&TcpStore, &mut TcpStream)) -> DistError {
+    let (err, _) = insider_against_rank_0(config(), |store, link| {
+        misbehave(store, link);
+        Instant::now()
+    });
+    err
+}
+
+/// Like [`with_insider_rank_1`] with rank 0 under `config`; `misbehave` returns when it
+/// stopped. Returns rank 0's error and how long its all-reduce took.
+fn insider_against_rank_0(
+    config: GroupConfig,
+    misbehave: impl FnOnce(&TcpStore, &mut TcpStream) -> Instant,
+) -> (DistError, Duration) {
     let (_server, addr, view) = store();
     let rank0 = {
         let addr = addr.clone();
@@ -183,14 +198,13 @@ fn with_insider_rank_1(misbehave: impl FnOnce(&TcpStore, &mut TcpStream)) -> Dis
                 TcpStore::connect_with_secret(&addr, Duration::from_secs(10), Some(secret()))
                     .unwrap(),
             );
-            let pg = TcpProcessGroup::connect(store, 0, 2, config()).unwrap();
+            let pg = TcpProcessGroup::connect(store, 0, 2, config).unwrap();
             let t = Tensor::ones(&[1 << 20], DType::F32, Device::Cpu).unwrap();
-            let err = pg
-                .all_reduce(&t, ReduceOp::Sum)
-                .unwrap()
-                .wait()
-                .unwrap_err();
-            (err, t.to_vec::<f32>().unwrap())
+            let started = Instant::now();
+            let result = pg.all_reduce(&t, ReduceOp::Sum).unwrap().wait();
+            let took = started.elapsed();
+            let err = result.map(|()| format!("rank 0's all-reduce succeeded after {took:?}"));
+            (err.unwrap_err(), took)
         })
     };
     let target = rank0_addr(&view);
@@ -204,14 +218,13 @@ fn with_insider_rank_1(misbehave: impl FnOnce(&TcpStore, &mut TcpStream)) -> Dis
         deadline,
     )
     .unwrap();
-    misbehave(&view, &mut link);
-    let started = Instant::now();
-    let (err, _) = rank0.join().unwrap();
+    let started = misbehave(&view, &mut link);
+    let (err, took) = rank0.join().unwrap();
     assert!(
         started.elapsed() < Duration::from_secs(8),
         "failed promptly: {err}"
     );
-    err
+    (err, took)
 }
 
 /// The frame that ends phase `phase` of a same-host collective on 2^20 f32.
@@ -445,4 +458,297 @@ fn a_flood_of_idle_connections_on_a_same_host_socket_does_not_keep_a_rank_out() 
     assert!(joined.is_ok(), "{joined:?}");
     assert_eq!(rank0.join().unwrap().unwrap(), vec![1]);
     drop(idle);
+}
+
+/// Bytes of the data area two ranks with the default 256 KiB chunks agree on: 4 slots × 2
+/// pieces.
+const CAPACITY: usize = 4 * 2 * (256 << 10);
+
+/// A new Unix-domain socket (non-blocking unless `blocking`), owned.
+fn unix_socket(blocking: bool) -> OwnedFd {
+    let nonblock = if blocking { 0 } else { libc::SOCK_NONBLOCK };
+    // SAFETY: socket(2) takes plain integers and returns a new descriptor.
+    let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | nonblock, 0) };
+    assert!(fd >= 0, "socket: {}", io::Error::last_os_error());
+    // SAFETY: `fd` is fresh and owned by nothing else.
+    unsafe { OwnedFd::from_raw_fd(fd) }
+}
+
+#[test]
+fn a_peer_that_never_accepts_on_its_same_host_socket_is_named_by_the_setup_deadline() {
+    let (_server, addr, view) = store();
+    // Rank 0 (this test) listens with a backlog of one pending connection, fills it, and never
+    // accepts: a blocking connect to it waits for ever.
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    let name = format!("tandem-test-full-{}-{nanos}", std::process::id());
+    let (sockaddr, len) = abstract_address(name.as_bytes()).unwrap();
+    let as_sockaddr = (&sockaddr as *const libc::sockaddr_un).cast::<libc::sockaddr>();
+    let listener = unix_socket(true);
+    // SAFETY: `sockaddr` is a live, initialised address of `len` bytes; bind and listen only
+    // read it and take plain integers.
+    unsafe {
+        assert_eq!(libc::bind(listener.as_raw_fd(), as_sockaddr, len), 0);
+        assert_eq!(libc::listen(listener.as_raw_fd(), 0), 0);
+    }
+    let mut pending = Vec::new();
+    let full = (0..64).any(|_| {
+        let s = unix_socket(false);
+        // SAFETY: as above; connect only reads the address.
+        if unsafe { libc::connect(s.as_raw_fd(), as_sockaddr, len) } == 0 {
+            pending.push(s);
+            return false;
+        }
+        let err = io::Error::last_os_error();
+        assert_eq!(err.raw_os_error(), Some(libc::EAGAIN), "{err}");
+        true
+    });
+    assert!(full, "the backlog never filled");
+    view.set("tandem/default/same_host/socket/0", name.as_bytes())
+        .unwrap();
+
+    // Rank 1 connects to it during setup, with a 2 s connect timeout.
+    let connect_timeout = Duration::from_secs(2);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let store =
+            TcpStore::connect_with_secret(&addr, Duration::from_secs(10), Some(secret())).unwrap();
+        let config = GroupConfig {
+            connect_timeout,
+            ..config()
+        };
+        let started = Instant::now();
+        let result = agree(&store, 1, 2, &config, started).map(|sh| sh.is_some());
+        let _ = tx.send((result, started.elapsed()));
+    });
+    let (result, took) = rx.recv_timeout(Duration::from_secs(10)).unwrap_or_else(|_| {
+        panic!("rank 1 is still connecting to rank 0's full socket after 10 s ({connect_timeout:?} connect timeout)")
+    });
+    let err = result.expect_err("rank 1 connected to a socket that accepts nothing");
+    assert!(matches!(err, DistError::Connect { rank: 1, .. }), "{err}");
+    let message = err.to_string();
+    assert!(message.contains("rank 0's same-host socket"), "{message}");
+    assert!(message.contains(&name), "{message}");
+    assert!(took < Duration::from_secs(5), "took {took:?}: {message}");
+    drop(pending);
+}
+
+/// Rank 1 as an insider on the same-host path, late at every step: before each thing rank 0
+/// waits for (its progress counters; with `late_setup` also its phase frame and its segment)
+/// it sleeps `late`, less than rank 0's timeout, so that each wait of rank 0 on its own would
+/// succeed. Stops when rank 0 writes anything after its phase frame (its abort or goodbye).
+fn late_at_every_step(
+    store: &TcpStore,
+    link: &mut TcpStream,
+    late: Duration,
+    late_setup: bool,
+) -> Instant {
+    let channel = join_same_host(store);
+    link.set_read_timeout(Some(Duration::from_millis(10)))
+        .unwrap();
+    let mut heard = 0usize;
+    // Sleeps `late`, watching the link; false once rank 0 has finished its collective.
+    let mut nap = |link: &mut TcpStream| {
+        let until = Instant::now() + late;
+        let mut buf = [0u8; 256];
+        while Instant::now() < until {
+            match link.read(&mut buf) {
+                Ok(0) => return false,
+                Ok(n) => heard += n,
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                    ) => {}
+                Err(_) => return false,
+            }
+            // More than rank 0's phase frame: it has aborted or said goodbye.
+            if heard > phase_frame(0).len() {
+                return false;
+            }
+        }
+        true
+    };
+    if late_setup && !nap(link) {
+        return Instant::now();
+    }
+    link.write_all(&phase_frame(0)).unwrap();
+    if late_setup && !nap(link) {
+        return Instant::now();
+    }
+    let (fd, own) = create_segment(HEADER + CAPACITY).unwrap();
+    send_fd(&channel, fd.as_raw_fd(), &segment_message(CAPACITY)).unwrap();
+    // 8 pieces of rank 0's 2 MiB share; a few more steps than needed, in case.
+    for step in 1..=12 {
+        if !nap(link) {
+            break;
+        }
+        for counter in [Counter::Staged, Counter::Reduced, Counter::Consumed] {
+            own.counter(counter).store(mark(1, step), Ordering::Release);
+        }
+    }
+    Instant::now()
+}
+
+#[test]
+fn a_peer_late_at_every_step_cannot_stretch_a_same_host_collective_past_the_timeout() {
+    let timeout = Duration::from_secs(1);
+    let config = GroupConfig {
+        timeout,
+        ..config()
+    };
+    for late_setup in [false, true] {
+        let (err, took) = insider_against_rank_0(config.clone(), |store, link| {
+            late_at_every_step(store, link, timeout * 7 / 10, late_setup)
+        });
+        assert!(
+            matches!(&err, DistError::Timeout { rank: 0, seq: 1, waiting_for, .. } if waiting_for == &[1]),
+            "late setup {late_setup}: {err}"
+        );
+        assert!(err.to_string().contains("all_reduce"), "{err}");
+        // Each wait alone ends within the timeout; the collective as a whole must too.
+        assert!(
+            took < Duration::from_secs(3),
+            "late setup {late_setup}: the all-reduce failed only after {took:?} with a timeout \
+             of {timeout:?}: {err}"
+        );
+    }
+}
+
+/// The error `op` returned, or a panic naming `what` if it succeeded.
+fn refused(rc: libc::c_int, what: &str) -> io::Error {
+    assert!(rc < 0, "a peer could {what} rank 0's segment");
+    io::Error::last_os_error()
+}
+
+/// Tries to write into a received segment `fd` of `len` bytes every way a peer could.
+fn try_to_write_through(fd: RawFd, len: usize) {
+    let rw = libc::PROT_READ | libc::PROT_WRITE;
+    // SAFETY: a new mapping with a null hint touches no existing memory; unmapped at once if
+    // it were created.
+    let ptr = unsafe { libc::mmap(std::ptr::null_mut(), len, rw, libc::MAP_SHARED, fd, 0) };
+    if ptr != libc::MAP_FAILED {
+        // SAFETY: `ptr`/`len` is the mapping just created.
+        unsafe { libc::munmap(ptr, len) };
+        panic!("a peer mapped rank 0's segment writable (PROT_WRITE, MAP_SHARED)");
+    }
+    let err = io::Error::last_os_error();
+    assert!(
+        matches!(err.raw_os_error(), Some(libc::EPERM | libc::EACCES)),
+        "{err}"
+    );
+    let byte = [0xEEu8];
+    // SAFETY: `byte` is live for the call; pwrite only reads it.
+    let rc = unsafe { libc::pwrite(fd, byte.as_ptr().cast(), 1, HEADER as libc::off_t) };
+    let _ = refused(rc as libc::c_int, "write(2) into");
+    // A read-only mapping cannot be made writable afterwards.
+    // SAFETY: as above, read-only.
+    let ro = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ,
+            libc::MAP_SHARED,
+            fd,
+            0,
+        )
+    };
+    assert_ne!(ro, libc::MAP_FAILED, "{}", io::Error::last_os_error());
+    // SAFETY: `ro`/`len` is the mapping just created; mprotect changes only its protection.
+    let rc = unsafe { libc::mprotect(ro, len, rw) };
+    // SAFETY: as above.
+    unsafe { libc::munmap(ro, len) };
+    let _ = refused(rc, "mprotect a read-only mapping of");
+    // Nor does a new, read-write open of the same file.
+    let path = std::ffi::CString::new(format!("/proc/self/fd/{fd}")).unwrap();
+    // SAFETY: `path` is a valid NUL-terminated string.
+    let reopened = unsafe { libc::open(path.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
+    if reopened >= 0 {
+        // SAFETY: `reopened` is fresh and owned by nothing else.
+        let reopened = unsafe { OwnedFd::from_raw_fd(reopened) };
+        // SAFETY: as for the first mapping.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                rw,
+                libc::MAP_SHARED,
+                reopened.as_raw_fd(),
+                0,
+            )
+        };
+        assert_eq!(
+            ptr,
+            libc::MAP_FAILED,
+            "a peer mapped a reopened segment writable"
+        );
+        // SAFETY: `byte` is live for the call.
+        let rc = unsafe { libc::pwrite(reopened.as_raw_fd(), byte.as_ptr().cast(), 1, 0) };
+        let _ = refused(rc as libc::c_int, "write(2) through a reopened");
+    }
+}
+
+#[test]
+fn a_peer_cannot_write_into_a_segment_it_received() {
+    let err = with_insider_rank_1(|store, link| {
+        let channel = join_same_host(store);
+        link.write_all(&phase_frame(0)).unwrap();
+        let (fd, message) = recv_fd(&channel, Instant::now() + Duration::from_secs(5)).unwrap();
+        let fd = fd.expect("rank 0 sent its segment");
+        let mut word = [0u8; 8];
+        word.copy_from_slice(&message[..8]);
+        assert_eq!(u64::from_le_bytes(word), CAPACITY as u64);
+        try_to_write_through(fd.as_raw_fd(), HEADER + CAPACITY);
+        // Rank 1 leaves without sending a segment: rank 0 names it.
+    });
+    assert_eq!(err.blamed_ranks(), vec![1], "{err}");
+}
+
+#[test]
+fn a_segment_others_could_write_or_that_is_not_the_peers_own_is_refused() {
+    // A memory file sealed as segments were before: against shrinking, growing and more
+    // seals, but not against writing.
+    let writable = || {
+        // SAFETY: a valid name; a fresh descriptor is returned.
+        let fd = unsafe {
+            libc::memfd_create(
+                c"writable".as_ptr(),
+                libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+            )
+        };
+        assert!(fd >= 0);
+        let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+        // SAFETY: `fd` is fresh; ftruncate and fcntl take plain integers.
+        unsafe {
+            assert_eq!(libc::ftruncate(fd, (HEADER + CAPACITY) as libc::off_t), 0);
+            assert_eq!(libc::fcntl(fd, libc::F_ADD_SEALS, seals), 0);
+            OwnedFd::from_raw_fd(fd)
+        }
+    };
+    for own_back in [false, true] {
+        let err = with_insider_rank_1(|store, link| {
+            let channel = join_same_host(store);
+            link.write_all(&phase_frame(0)).unwrap();
+            let fd = if own_back {
+                // Rank 0's own segment, handed back as rank 1's.
+                let (fd, _) = recv_fd(&channel, Instant::now() + Duration::from_secs(5)).unwrap();
+                fd.expect("rank 0 sent its segment")
+            } else {
+                writable()
+            };
+            send_fd(&channel, fd.as_raw_fd(), &segment_message(CAPACITY)).unwrap();
+            // Keep the channel open until rank 0 has judged the segment.
+            std::thread::sleep(Duration::from_millis(300));
+            drop(channel);
+        });
+        assert!(matches!(err, DistError::Protocol { peer: 1, .. }), "{err}");
+        let want = if own_back {
+            "not its own"
+        } else {
+            "not sealed against writing"
+        };
+        assert!(err.to_string().contains(want), "{err}");
+    }
 }

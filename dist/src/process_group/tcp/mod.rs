@@ -179,6 +179,7 @@ impl TcpProcessGroup {
                 seq,
                 desc: &desc,
                 timeout: shared.config.timeout,
+                deadline: deadline_after(shared.config.timeout),
                 history: &history,
             };
             // A panic (a bug) must still tell the peers, or they would wait for the timeout.
@@ -211,6 +212,15 @@ impl TcpProcessGroup {
             result
         })
     }
+}
+
+/// Now plus `timeout`; a timeout too large to add (`Duration::MAX` for "never") means a
+/// deadline a century away rather than a panic on the comm thread.
+fn deadline_after(timeout: std::time::Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(timeout)
+        .or_else(|| now.checked_add(std::time::Duration::from_secs(100 * 365 * 86_400)))
+        .unwrap_or(now)
 }
 
 /// Runs collective `ctx` on `main` by the algorithm every rank picks for it.

@@ -2,21 +2,26 @@
 //! large collectives move through shared-memory segments instead of through the TCP stack, and
 //! use the TCP connections only to synchronise.
 //!
-//! **Trust.** Each rank owns one segment: an anonymous memory file (`memfd_create`) sealed so
-//! that it can never shrink, mapped read-write by its owner only. The owner hands the file
-//! itself — not a name, not an address — to each peer over an authenticated Unix-domain socket
-//! (`SCM_RIGHTS`); a peer checks the seal and the size and maps it read-only. So a rank writes
-//! only into memory it allocated for the purpose, reads only from mappings whose bounds it
-//! checked itself, at offsets it computes from the collective (which every rank agrees on), and
-//! no byte a peer sends is ever used as an address. A misbehaving peer can at worst put wrong
-//! numbers in its own segment; it cannot make a rank touch any other memory, and the seal means
-//! it cannot make a rank fault by truncating its file. The `segment` module holds these
-//! mechanics.
+//! **Trust.** Each rank owns one segment: an anonymous memory file (`memfd_create`) mapped
+//! read-write by its owner, then sealed so that it can never shrink and nobody can write to it
+//! any other way (`F_SEAL_FUTURE_WRITE`: the kernel refuses every later writable mapping and
+//! every `write(2)`, whoever holds the file). The owner hands the file itself — not a name, not
+//! an address — to each peer over an authenticated Unix-domain socket (`SCM_RIGHTS`); a peer
+//! checks the seals, the size and that the file is not its own segment or another peer's, and
+//! maps it read-only (it cannot do otherwise). So a rank writes only into memory it allocated
+//! for the purpose, reads only from mappings whose bounds it checked itself, at offsets it
+//! computes from the collective (which every rank agrees on), and no byte a peer sends is ever
+//! used as an address. A misbehaving peer can at worst put wrong numbers in its own segment; it
+//! cannot make a rank touch any other memory, cannot change another rank's segment, and the
+//! seals mean it cannot make a rank fault by truncating its file. The `segment` module holds
+//! these mechanics.
 //!
 //! **Setup.** Each rank listens on an abstract Unix-domain socket with a random name and
-//! publishes the name in the store. Every rank connects to the sockets of the lower ranks; only
-//! if every rank reached every lower rank (so all share one host and one network namespace) do
-//! all ranks enable the path — they agree through the store, so all ranks always pick the same
+//! publishes the name in the store. Every rank connects to the sockets of the lower ranks (a
+//! connect that the peer never takes — its backlog full, nothing accepted — fails at the setup
+//! deadline, naming the peer and its socket, instead of blocking for ever); only if every rank
+//! reached every lower rank (so all share one host and one network namespace) do all ranks
+//! enable the path — they agree through the store, so all ranks always pick the same
 //! algorithm. The channels then run the same handshake as the TCP links (job secret, rank,
 //! world size), and a stranger on a socket is closed and logged.
 //!
@@ -33,12 +38,15 @@
 //! later. A gather or broadcast just copies. A rank advances `Consumed` when it has read
 //! everything of a step, and reuses a slot only when every peer has consumed it. A rank waiting
 //! on a counter spins briefly, then yields, then sleeps in short naps, and checks its TCP
-//! connections for a peer that died, failed or left, so such a peer is named at once; every
-//! wait is bounded by the group's timeout. The segments are created at the first same-host
-//! collective, after its exchange of frames.
+//! connections for a peer that died, failed or left, so such a peer is named at once. The
+//! group's timeout bounds the whole collective, not each wait: its deadline is set when the
+//! collective starts, and every wait of it — the exchange of frames, the segments, each
+//! counter — ends by then. The segments are created at the first same-host collective, after
+//! its exchange of frames.
 
+use std::io;
 use std::ops::Range;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
 use std::sync::atomic::Ordering;
@@ -50,7 +58,8 @@ use super::link::{drain_farewell, poll, Gone, Link};
 use super::mesh::{accept_peers, me};
 use super::plan::same_host_phase;
 use super::segment::{
-    adopt_segment, create_segment, mark, recv_fd, send_fd, Counter, Mapping, GROW_MESSAGE, HEADER,
+    adopt_segment, create_segment, mark, recv_fd, sealing_supported, send_fd, Counter, FileId,
+    Mapping, GROW_MESSAGE, HEADER,
 };
 use super::transport::{self, Ctx};
 use crate::error::{fmt_left_after, fmt_ranks};
@@ -94,8 +103,11 @@ pub(crate) fn agree(
     let deadline = started + config.connect_timeout;
     let left = || deadline.saturating_duration_since(Instant::now());
     let prefix = format!("tandem/{}/same_host", config.name);
+    // A rank whose kernel cannot seal segments read-only for its peers publishes no socket,
+    // so that no rank enables the path.
     let listener = crate::auth::nonce()
         .ok()
+        .filter(|_| sealing_supported())
         .map(|n| {
             let hex: String = n[..16].iter().map(|b| format!("{b:02x}")).collect();
             format!("tandem-{hex}")
@@ -113,13 +125,26 @@ pub(crate) fn agree(
             break;
         }
         let name = store.get_timeout(&format!("{prefix}/socket/{q}"), left())?;
-        let stream = SocketAddr::from_abstract_name(&name)
-            .ok()
-            .filter(|_| !name.is_empty())
-            .and_then(|addr| UnixStream::connect_addr(&addr).ok());
-        match stream {
-            Some(s) => outgoing.push((q, s)),
-            None => reachable = false,
+        if name.is_empty() {
+            reachable = false;
+            continue;
+        }
+        match connect_by(&name, deadline) {
+            Ok(s) => outgoing.push((q, s)),
+            // The peer's socket is there but never took the connection: waiting on would hang.
+            Err(e) if e.kind() == io::ErrorKind::TimedOut => {
+                return Err(DistError::Connect {
+                    rank,
+                    detail: format!(
+                        "rank {q}'s same-host socket @{} did not accept this rank's connection \
+                         within the connect timeout ({:?}): {e}",
+                        String::from_utf8_lossy(&name),
+                        config.connect_timeout
+                    ),
+                });
+            }
+            // Not there (another host or network namespace): the ranks use TCP only.
+            Err(_) => reachable = false,
         }
     }
     store.set(
@@ -153,6 +178,82 @@ pub(crate) fn agree(
     }))
 }
 
+/// The address of the abstract Unix-domain socket `name`, and its length.
+pub(super) fn abstract_address(name: &[u8]) -> io::Result<(libc::sockaddr_un, libc::socklen_t)> {
+    // SAFETY: `sockaddr_un` is a plain C struct, valid when zeroed.
+    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    // An abstract name: a NUL byte, then the name (not NUL-terminated).
+    if name.len() + 1 > addr.sun_path.len() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "socket name too long",
+        ));
+    }
+    for (to, &from) in addr.sun_path[1..].iter_mut().zip(name) {
+        *to = from as libc::c_char;
+    }
+    let len = std::mem::offset_of!(libc::sockaddr_un, sun_path) + 1 + name.len();
+    Ok((addr, len as libc::socklen_t))
+}
+
+/// Connects to the abstract Unix-domain socket `name` by `deadline`. A blocking connect to a
+/// socket whose backlog is full waits until its owner accepts — for ever, if it never does — so
+/// the socket is non-blocking and a full backlog (`EAGAIN`) is retried in short naps until the
+/// deadline, then reported as `TimedOut`. Other failures (nothing listening) return at once.
+fn connect_by(name: &[u8], deadline: Instant) -> io::Result<UnixStream> {
+    let (addr, len) = abstract_address(name)?;
+    // SAFETY: socket(2) takes plain integers and returns a new descriptor.
+    let raw = unsafe {
+        libc::socket(
+            libc::AF_UNIX,
+            libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
+            0,
+        )
+    };
+    if raw < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `raw` is a fresh descriptor that nothing else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+    let mut nap = Duration::from_millis(1);
+    loop {
+        // SAFETY: `addr` is a live, initialised `sockaddr_un` of at least `len` bytes; connect
+        // only reads it.
+        let rc = unsafe {
+            libc::connect(
+                fd.as_raw_fd(),
+                (&addr as *const libc::sockaddr_un).cast::<libc::sockaddr>(),
+                len,
+            )
+        };
+        if rc == 0 {
+            break;
+        }
+        let err = io::Error::last_os_error();
+        match err.raw_os_error() {
+            Some(libc::EINTR) => continue,
+            Some(libc::EISCONN) => break,
+            // Backlog full (or, on other socket kinds, still in progress): wait and retry.
+            Some(libc::EAGAIN | libc::EINPROGRESS | libc::EALREADY) => {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        "its backlog stayed full (it accepts no connection)",
+                    ));
+                }
+                std::thread::sleep(nap.min(left));
+                nap = (nap * 2).min(Duration::from_millis(50));
+            }
+            _ => return Err(err),
+        }
+    }
+    let stream = UnixStream::from(fd);
+    stream.set_nonblocking(false)?;
+    Ok(stream)
+}
+
 impl SameHost {
     /// Makes this rank's segment hold at least `needed` bytes, sending a new one to every peer
     /// if it must grow. Returns whether it grew (then the peers' new segments are to be
@@ -173,13 +274,20 @@ impl SameHost {
         message[8..].copy_from_slice(&ctx.seq.to_le_bytes());
         for (q, channel) in self.channels.iter().enumerate() {
             if let Some(channel) = channel {
-                send_fd(channel, fd.as_raw_fd(), &message).map_err(|e| {
-                    lost(
-                        ctx,
-                        q,
-                        format!("sending rank {q} this rank's segment failed: {e}"),
-                    )
-                })?;
+                // A peer that stopped reading its channel must not hold this rank past the
+                // collective's deadline either.
+                let left = ctx.deadline.saturating_duration_since(Instant::now());
+                channel
+                    .set_write_timeout(Some(left.max(Duration::from_millis(1))))
+                    .and_then(|()| send_fd(channel, fd.as_raw_fd(), &message))
+                    .map_err(|e| match e.kind() {
+                        io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock => timed_out(ctx, q),
+                        _ => lost(
+                            ctx,
+                            q,
+                            format!("sending rank {q} this rank's segment failed: {e}"),
+                        ),
+                    })?;
             }
         }
         self.own = Some(mapping);
@@ -187,15 +295,18 @@ impl SameHost {
         Ok(true)
     }
 
-    /// Receives every peer's new segment (sent when the ranks grew theirs at this collective).
+    /// Receives every peer's new segment (sent when the ranks grew theirs at this collective),
+    /// by the collective's deadline.
     fn receive_segments(&mut self, ctx: &Ctx<'_>) -> Result<()> {
-        let deadline = Instant::now() + ctx.timeout;
+        let mut received = Vec::new();
         for q in 0..self.channels.len() {
             let Some(channel) = &self.channels[q] else {
                 continue;
             };
-            let (fd, message) = recv_fd(channel, deadline)
-                .map_err(|e| lost(ctx, q, format!("receiving rank {q}'s segment failed: {e}")))?;
+            let (fd, message) = recv_fd(channel, ctx.deadline).map_err(|e| match e.kind() {
+                io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock => timed_out(ctx, q),
+                _ => lost(ctx, q, format!("receiving rank {q}'s segment failed: {e}")),
+            })?;
             let fd = fd.ok_or_else(|| protocol(ctx, q, "its segment message carried no file"))?;
             let mut word = [0u8; 8];
             word.copy_from_slice(&message[..8]);
@@ -213,8 +324,15 @@ impl SameHost {
                     ),
                 ));
             }
-            let mapping =
-                adopt_segment(&fd, HEADER + self.capacity).map_err(|m| protocol(ctx, q, m))?;
+            // Every segment must be a different file: a peer handing this rank its own segment
+            // (or another peer's) back would have it read what it wrote as the peer's data.
+            let mut taken: Vec<FileId> = self.own.iter().map(Mapping::file).collect();
+            taken.extend(received.iter().map(|(_, m): &(usize, Mapping)| m.file()));
+            let mapping = adopt_segment(&fd, HEADER + self.capacity, &taken)
+                .map_err(|m| protocol(ctx, q, m))?;
+            received.push((q, mapping));
+        }
+        for (q, mapping) in received {
             self.peers[q] = Some(mapping);
         }
         Ok(())
@@ -239,8 +357,9 @@ impl SameHost {
     }
 
     /// Waits until every rank in `from` has published at least `target` in counter `which`.
-    /// Bounded by the collective's timeout; a peer that closes its connection (it died, failed
-    /// or left) ends the wait at once with the reason.
+    /// Ends at the collective's deadline (not a fresh timeout per wait, so a peer that publishes
+    /// each step just in time cannot stretch the collective); a peer that closes its connection
+    /// (it died, failed or left) ends the wait at once with the reason.
     fn wait(
         &self,
         links: &mut [Option<Link>],
@@ -250,7 +369,6 @@ impl SameHost {
         target: u64,
     ) -> Result<()> {
         let mut spins = 0u64;
-        let mut deadline = None;
         loop {
             let mut behind = None;
             for q in from.clone() {
@@ -274,16 +392,9 @@ impl SameHost {
                 std::thread::sleep(Duration::from_micros(20));
             }
             if spins & 255 == 0 {
-                let deadline = *deadline.get_or_insert_with(|| Instant::now() + ctx.timeout);
                 check_links(links, ctx)?;
-                if Instant::now() >= deadline {
-                    return Err(DistError::Timeout {
-                        rank: ctx.rank,
-                        collective: ctx.desc.to_string(),
-                        seq: ctx.seq,
-                        timeout: ctx.timeout,
-                        waiting_for: vec![q],
-                    });
+                if Instant::now() >= ctx.deadline {
+                    return Err(timed_out(ctx, q));
                 }
             }
         }
@@ -635,6 +746,17 @@ fn explain(links: &mut [Option<Link>], ctx: &Ctx<'_>, err: DistError) -> DistErr
         collective: ctx.desc.to_string(),
         seq: ctx.seq,
         cause,
+    }
+}
+
+/// The collective's deadline passed while this rank waited for `peer`.
+fn timed_out(ctx: &Ctx<'_>, peer: usize) -> DistError {
+    DistError::Timeout {
+        rank: ctx.rank,
+        collective: ctx.desc.to_string(),
+        seq: ctx.seq,
+        timeout: ctx.timeout,
+        waiting_for: vec![peer],
     }
 }
 

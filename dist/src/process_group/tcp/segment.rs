@@ -1,11 +1,24 @@
 //! Shared-memory segments for the same-host path: how a rank creates one (an anonymous memory
-//! file sealed against shrinking and growing), hands it to a peer (the file itself, over a
-//! Unix-domain socket with `SCM_RIGHTS`), and how the peer checks and maps it read-only.
+//! file sealed against shrinking, growing and any new way of writing to it), hands it to a peer
+//! (the file itself, over a Unix-domain socket with `SCM_RIGHTS`), and how the peer checks and
+//! maps it read-only.
 //!
 //! Layout: a header page of progress counters ([`Counter`]), each 64 bytes apart and written by
-//! the owner only, then the data area. The receiving side trusts nothing it is sent: the file
-//! must carry the shrink seal (so no page it maps can vanish and fault), must be at least the
-//! size both sides agreed on, and is mapped read-only at that size; descriptors that arrive
+//! the owner only, then the data area.
+//!
+//! **Only the owner can write.** The owner maps its file read-write first and then adds
+//! `F_SEAL_FUTURE_WRITE` (Linux 5.1 or later): the kernel keeps that one mapping writable but
+//! refuses every later way to write through the file, to anyone holding it — a writable shared
+//! mapping (`EPERM`), `mprotect` of a read-only one to writable (`EACCES`), `write(2)`, punching
+//! holes — and reopening it through `/proc/<pid>/fd` does not help, since seals belong to the
+//! file, not to a descriptor. So a peer cannot change a rank's published data while a third rank
+//! copies it. (A read-only reopen of the descriptor would add nothing: a peer could reopen it
+//! read-write through `/proc`.)
+//!
+//! **The receiving side trusts nothing it is sent**: the file must carry the shrink seal (so no
+//! page it maps can vanish and fault) and a write seal (so no rank but its owner can change it),
+//! must be at least the size both sides agreed on, must be neither this rank's own segment nor
+//! one another peer already sent, and is mapped read-only at that size; descriptors that arrive
 //! unasked are closed. No address or length a peer sends is ever used to reach memory.
 
 use std::io::{self, Read};
@@ -39,11 +52,34 @@ pub(super) fn mark(seq: u64, step: usize) -> u64 {
 /// Bytes of the message that accompanies a segment: its size and the collective's number.
 pub(super) const GROW_MESSAGE: usize = 16;
 
+/// Which file a descriptor refers to (`st_dev`, `st_ino`): tells segments apart whatever
+/// descriptor they came through.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct FileId {
+    dev: u64,
+    ino: u64,
+}
+
+/// The identity of the file behind `fd`, and its size.
+fn identify(fd: RawFd) -> io::Result<(FileId, u64)> {
+    // SAFETY: `stat` is a plain C struct, valid when zeroed; fstat fills it.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: `st` is live and exclusively borrowed for the call.
+    check(unsafe { libc::fstat(fd, &mut st) })?;
+    let id = FileId {
+        dev: st.st_dev,
+        ino: st.st_ino,
+    };
+    Ok((id, st.st_size.max(0) as u64))
+}
+
 /// A shared mapping of a memory file; unmapped on drop.
 pub(super) struct Mapping {
     ptr: *mut u8,
     len: usize,
     writable: bool,
+    /// The file mapped.
+    id: FileId,
 }
 
 // SAFETY: the mapping is plain memory owned by this value; moving it to another thread moves
@@ -51,7 +87,7 @@ pub(super) struct Mapping {
 unsafe impl Send for Mapping {}
 
 impl Mapping {
-    fn map(fd: RawFd, len: usize, writable: bool) -> io::Result<Self> {
+    fn map(fd: RawFd, len: usize, writable: bool, id: FileId) -> io::Result<Self> {
         let prot = if writable {
             libc::PROT_READ | libc::PROT_WRITE
         } else {
@@ -68,7 +104,13 @@ impl Mapping {
             ptr: ptr.cast(),
             len,
             writable,
+            id,
         })
+    }
+
+    /// The file this maps.
+    pub(super) fn file(&self) -> FileId {
+        self.id
     }
 
     /// The data area (after the header page).
@@ -84,7 +126,8 @@ impl Mapping {
     pub(super) fn data_mut(&mut self) -> &mut [u8] {
         debug_assert!(self.writable);
         // SAFETY: as in `data`; the mapping is writable, and `&mut self` makes this the only
-        // reference into the data area in this process (peers map it read-only).
+        // reference into the data area in this process (peers can only map it read-only: the
+        // file is sealed against new writable mappings).
         unsafe { std::slice::from_raw_parts_mut(self.ptr.add(HEADER), self.len - HEADER) }
     }
 
@@ -117,7 +160,13 @@ fn check(rc: libc::c_int) -> io::Result<libc::c_int> {
     }
 }
 
-/// A new segment of `len` bytes: a sealed memory file and its read-write mapping.
+/// The seals of a segment: it can never shrink (no mapped page can vanish), grow, or be
+/// written through any mapping or descriptor made after the owner's own mapping.
+const SEALS: libc::c_int =
+    libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_FUTURE_WRITE | libc::F_SEAL_SEAL;
+
+/// A new segment of `len` bytes: a sealed memory file and the owner's read-write mapping of it,
+/// the only writable one there will ever be.
 pub(super) fn create_segment(len: usize) -> io::Result<(OwnedFd, Mapping)> {
     // SAFETY: the name is a valid NUL-terminated string; memfd_create returns a new descriptor.
     let raw = check(unsafe {
@@ -129,39 +178,56 @@ pub(super) fn create_segment(len: usize) -> io::Result<(OwnedFd, Mapping)> {
     // SAFETY: `raw` is a fresh descriptor that nothing else owns.
     let fd = unsafe { OwnedFd::from_raw_fd(raw) };
     let size = libc::off_t::try_from(len).map_err(io::Error::other)?;
-    // SAFETY: ftruncate and fcntl take plain integers; `fd` is open.
+    // SAFETY: ftruncate takes plain integers; `fd` is open.
     check(unsafe { libc::ftruncate(fd.as_raw_fd(), size) })?;
-    let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
-    // SAFETY: as above.
-    check(unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) })?;
-    let mapping = Mapping::map(fd.as_raw_fd(), len, true)?;
+    let (id, _) = identify(fd.as_raw_fd())?;
+    // Map before sealing: F_SEAL_FUTURE_WRITE keeps existing writable mappings, refuses new ones.
+    let mapping = Mapping::map(fd.as_raw_fd(), len, true, id)?;
+    // SAFETY: fcntl takes plain integers; `fd` is open.
+    check(unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, SEALS) })?;
     Ok((fd, mapping))
 }
 
+/// Whether this kernel can seal segments as [`create_segment`] does (F_SEAL_FUTURE_WRITE needs
+/// Linux 5.1). Without it the same-host path is not used.
+pub(super) fn sealing_supported() -> bool {
+    create_segment(HEADER + 4096).is_ok()
+}
+
 /// Maps a peer's segment read-only, after checking that it is a memory file sealed against
-/// shrinking and holds at least `len` bytes (so reading any of them can never fault).
-pub(super) fn adopt_segment(fd: &OwnedFd, len: usize) -> std::result::Result<Mapping, String> {
+/// shrinking (so reading any of its pages can never fault) and against writing by anyone but
+/// its owner, that it holds at least `len` bytes, and that it is none of the files in `taken`
+/// (this rank's own segment and those other peers sent).
+pub(super) fn adopt_segment(
+    fd: &OwnedFd,
+    len: usize,
+    taken: &[FileId],
+) -> std::result::Result<Mapping, String> {
     // SAFETY: fcntl takes plain integers; `fd` is open.
     let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
     if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
         return Err("it sent a file that is not a memory file sealed against shrinking".into());
     }
-    // SAFETY: `stat` is a plain C struct, valid when zeroed; fstat fills it.
-    let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    // SAFETY: `st` is live and exclusively borrowed for the call.
-    if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
-        return Err(format!(
-            "fstat of its segment failed: {}",
-            io::Error::last_os_error()
-        ));
+    if seals & (libc::F_SEAL_FUTURE_WRITE | libc::F_SEAL_WRITE) == 0 {
+        return Err(
+            "it sent a segment that is not sealed against writing (F_SEAL_FUTURE_WRITE), so \
+             any rank holding it could change it"
+                .into(),
+        );
     }
-    if (st.st_size as u64) < len as u64 {
-        return Err(format!(
-            "its segment has {} bytes, {len} were agreed",
-            st.st_size
-        ));
+    let (id, size) =
+        identify(fd.as_raw_fd()).map_err(|e| format!("fstat of its segment failed: {e}"))?;
+    if taken.contains(&id) {
+        return Err(
+            "it sent a segment that is not its own (this rank's own segment or one another \
+             rank sent)"
+                .into(),
+        );
     }
-    Mapping::map(fd.as_raw_fd(), len, false).map_err(|e| format!("mapping its segment: {e}"))
+    if size < len as u64 {
+        return Err(format!("its segment has {size} bytes, {len} were agreed"));
+    }
+    Mapping::map(fd.as_raw_fd(), len, false, id).map_err(|e| format!("mapping its segment: {e}"))
 }
 
 /// Sends `fd` with `message` over a Unix-domain socket.
@@ -306,4 +372,45 @@ pub(super) fn recv_fd(
         Some(received.swap_remove(0))
     };
     Ok((first, message))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::Ordering;
+
+    use super::*;
+
+    #[test]
+    fn the_owner_writes_after_sealing_and_a_peer_sees_it_but_cannot_write() {
+        let len = HEADER + 4096;
+        let (fd, mut own) = create_segment(len).unwrap();
+        // SAFETY: fcntl takes plain integers; `fd` is open.
+        let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+        assert_eq!(seals, SEALS);
+        let peer = adopt_segment(&fd, len, &[]).unwrap();
+        own.data_mut()[..4].copy_from_slice(&[1, 2, 3, 4]);
+        own.counter(Counter::Staged).store(7, Ordering::Release);
+        assert_eq!(&peer.data()[..4], &[1, 2, 3, 4]);
+        assert_eq!(peer.counter(Counter::Staged).load(Ordering::Acquire), 7);
+        let rw = libc::PROT_READ | libc::PROT_WRITE;
+        // SAFETY: a new mapping with a null hint touches no existing memory.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                rw,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        assert_eq!(ptr, libc::MAP_FAILED, "a second writable mapping was made");
+        assert_eq!(io::Error::last_os_error().raw_os_error(), Some(libc::EPERM));
+        // SAFETY: the byte is live for the call; write only reads it.
+        let rc = unsafe { libc::write(fd.as_raw_fd(), [9u8].as_ptr().cast(), 1) };
+        assert!(rc < 0, "write(2) into a sealed segment succeeded");
+        // A rank's own segment handed back to it is refused.
+        let err = adopt_segment(&fd, len, &[own.file()]).err().unwrap();
+        assert!(err.contains("not its own"), "{err}");
+    }
 }

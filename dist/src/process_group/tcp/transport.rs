@@ -13,8 +13,8 @@
 //! died) is noted at once and fails the collective as soon as the collective needs it; a peer
 //! that fails sends an *abort* frame (finishing any half-sent frame with padding first) so that
 //! everyone it talks to fails too and learns the original cause. Every header is judged against
-//! what the plan expects before its payload is read, and the wait is bounded by the group's
-//! timeout.
+//! what the plan expects before its payload is read, and the wait ends at the collective's
+//! deadline (its start plus the group's timeout).
 
 use std::io::{self, Read};
 use std::time::{Duration, Instant};
@@ -34,7 +34,11 @@ pub(crate) struct Ctx<'a> {
     pub rank: usize,
     pub seq: u64,
     pub desc: &'a CollectiveDesc,
+    /// The group's timeout: the longest the whole collective may take.
     pub timeout: Duration,
+    /// When the collective started plus `timeout`: every wait of the collective, however many
+    /// it has, ends by then, so a peer that is late at every step cannot stretch it.
+    pub deadline: Instant,
     /// The most recent earlier collectives `(seq, desc)`, to explain a peer whose frame belongs
     /// to one of them.
     pub history: &'a [(u64, CollectiveDesc)],
@@ -157,7 +161,7 @@ pub(crate) fn execute(
         sends: (0..world).map(|_| SendState::new()).collect(),
         recvs: (0..world).map(|_| RecvState::new()).collect(),
         recvs_done: 0,
-        deadline: Instant::now() + ctx.timeout,
+        deadline: ctx.deadline,
     };
     let mut result = exec.run(main, scratch);
     if result.is_ok() {
