@@ -752,3 +752,53 @@ fn a_segment_others_could_write_or_that_is_not_the_peers_own_is_refused() {
         assert!(err.to_string().contains(want), "{err}");
     }
 }
+
+#[test]
+fn a_rank_whose_same_host_handshake_is_dropped_connects_again() {
+    use std::os::unix::net::{SocketAddr as UnixAddr, UnixListener};
+    let (_server, addr, view) = store();
+    // Rank 0 (this test) drops rank 1's first three connections during their handshake, as a
+    // listener under a flood drops its oldest pending handshakes, then completes the fourth.
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    let name = format!("tandem-test-dropped-{}-{nanos}", std::process::id());
+    let listener =
+        UnixListener::bind_addr(&UnixAddr::from_abstract_name(name.as_bytes()).unwrap()).unwrap();
+    view.set("tandem/default/same_host/socket/0", name.as_bytes())
+        .unwrap();
+    view.set("tandem/default/same_host/reachable/0", b"1")
+        .unwrap();
+    let acceptor = std::thread::spawn(move || {
+        for _ in 0..3 {
+            let (s, _) = listener.accept().unwrap();
+            drop(s);
+        }
+        let (mut s, _) = listener.accept().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        super::handshake::accept_side(
+            &mut s,
+            &me(0, Some(SECRET), Channel::SameHost),
+            "rank 1",
+            deadline,
+        )
+        .map_err(|f| format!("{f:?}"))
+    });
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let store =
+            TcpStore::connect_with_secret(&addr, Duration::from_secs(10), Some(secret())).unwrap();
+        let config = GroupConfig {
+            connect_timeout: Duration::from_secs(10),
+            ..config()
+        };
+        let result = agree(&store, 1, 2, &config, Instant::now()).map(|sh| sh.is_some());
+        let _ = tx.send(result);
+    });
+    let result = rx
+        .recv_timeout(Duration::from_secs(15))
+        .expect("rank 1 is still setting up its same-host channel after 15 s");
+    assert!(matches!(result, Ok(true)), "{result:?}");
+    assert_eq!(acceptor.join().unwrap(), Ok(1));
+}

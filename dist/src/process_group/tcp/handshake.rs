@@ -188,6 +188,7 @@ pub(crate) enum ConnectFailure {
     Fatal(String),
 }
 
+#[cfg(test)]
 impl ConnectFailure {
     /// The message, whatever the kind of failure.
     pub(crate) fn into_message(self) -> String {
@@ -198,6 +199,9 @@ impl ConnectFailure {
 }
 
 /// The connecting side: runs the handshake with the rank `expected` reached at `peer_desc`.
+/// (The group's setup uses [`try_connect_side`] through `mesh::handshake_with_retry`; tests
+/// drive single handshakes with this.)
+#[cfg(test)]
 pub(crate) fn connect_side(
     s: &mut impl HandshakeStream,
     me: &Me,

@@ -199,18 +199,38 @@ pub(crate) fn connect_to_peer(
     deadline: Instant,
 ) -> Result<TcpStream> {
     let rank = me.rank;
+    handshake_with_retry(me, peer, &addr.to_string(), deadline, || {
+        connect_retry(addr, deadline)
+            .map_err(|e| setup_io(rank, format!("connecting to rank {peer} at {addr}"), e))
+    })
+}
+
+/// Connects with `connect` and runs the connecting side of the handshake with rank `peer`
+/// (described as `peer_desc`), connecting again with a growing pause (10 ms, doubling up to
+/// 1 s) whenever the other side closed or reset the connection before the handshake finished
+/// — a listener under a flood of connections drops its oldest pending handshake to admit new
+/// ones, and that may be ours. Gives up at `deadline` with a setup timeout naming the peer.
+/// Used by the TCP mesh and the same-host Unix channels alike.
+pub(crate) fn handshake_with_retry<S: HandshakeStream>(
+    me: &Me,
+    peer: usize,
+    peer_desc: &str,
+    deadline: Instant,
+    mut connect: impl FnMut() -> Result<S>,
+) -> Result<S> {
+    let rank = me.rank;
     let mut pause = FIRST_RETRY_PAUSE;
     let mut closed = 0u64;
     loop {
-        let mut stream = connect_retry(addr, deadline)
-            .map_err(|e| setup_io(rank, format!("connecting to rank {peer} at {addr}"), e))?;
-        match try_connect_side(&mut stream, me, peer, &addr.to_string(), deadline) {
+        let mut stream = connect()?;
+        match try_connect_side(&mut stream, me, peer, peer_desc, deadline) {
             Ok(()) => return Ok(stream),
             Err(ConnectFailure::Closed(message)) if Instant::now() + pause < deadline => {
                 closed += 1;
                 if closed <= LOGGED_REJECTIONS || closed.is_power_of_two() {
                     eprintln!(
-                        "tandem: rank {rank}: {message} (a flood of connections at rank                          {peer}?); connecting again in {pause:?} (attempt {})",
+                        "tandem: rank {rank}: {message} (a flood of connections at rank \
+                         {peer}?); connecting again in {pause:?} (attempt {})",
                         closed + 1
                     );
                 }
@@ -222,7 +242,8 @@ pub(crate) fn connect_to_peer(
                     rank,
                     vec![peer],
                     format!(
-                        "{message}, {} times until the setup deadline ({closed} retries); is                          something flooding rank {peer}'s port with connections?",
+                        "{message}, {} times until the setup deadline ({closed} retries); is \
+                         something flooding rank {peer}'s listener with connections?",
                         closed + 1
                     ),
                 ))

@@ -53,8 +53,9 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use super::frame::Farewell;
-use super::handshake::{connect_side, Channel};
+use super::handshake::Channel;
 use super::link::{drain_farewell, poll, Gone, Link};
+use super::mesh::handshake_with_retry;
 use super::mesh::{accept_peers, me};
 use super::plan::same_host_phase;
 use super::segment::{
@@ -130,7 +131,7 @@ pub(crate) fn agree(
             continue;
         }
         match connect_by(&name, deadline) {
-            Ok(s) => outgoing.push((q, s)),
+            Ok(s) => outgoing.push((q, name, s)),
             // The peer's socket is there but never took the connection: waiting on would hang.
             Err(e) if e.kind() == io::ErrorKind::TimedOut => {
                 return Err(DistError::Connect {
@@ -160,10 +161,21 @@ pub(crate) fn agree(
     };
     let me = me(store, rank, world, config, Channel::SameHost);
     let mut channels: Vec<Option<UnixStream>> = (0..world).map(|_| None).collect();
-    for (q, mut stream) in outgoing {
+    for (q, name, first) in outgoing {
         let desc = format!("rank {q}'s same-host channel");
-        connect_side(&mut stream, &me, q, &desc, deadline)
-            .map_err(|detail| DistError::Connect { rank, detail })?;
+        // The connection made above is tried first; if rank q's listener drops it during the
+        // handshake (a flood of connections evicts the oldest pending one), connect again.
+        let mut first = Some(first);
+        let stream = handshake_with_retry(&me, q, &desc, deadline, || match first.take() {
+            Some(stream) => Ok(stream),
+            None => connect_by(&name, deadline).map_err(|e| DistError::Connect {
+                rank,
+                detail: format!(
+                    "connecting again to rank {q}'s same-host socket @{}: {e}",
+                    String::from_utf8_lossy(&name)
+                ),
+            }),
+        })?;
         channels[q] = Some(stream);
     }
     for (q, stream) in accept_peers(&listener, &me, config, started)? {
