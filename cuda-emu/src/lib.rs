@@ -79,7 +79,9 @@
 //! # Emulator-only entry points
 //!
 //! `tandem_cuda_emu_last_fault(buf, len)` copies the last fault reported (guard corruption, use
-//! after free, a kernel fault) into `buf` and returns its length, so tests can assert on it.
+//! after free, a kernel fault, a bad copy range) into `buf` and returns its length, so tests can
+//! assert on it. `tandem_cuda_emu_check_quarantine()` checks every freed block in quarantine
+//! now (otherwise each is checked when it leaves quarantine) and returns the sticky fault.
 
 #![allow(non_snake_case)]
 #![allow(clippy::missing_safety_doc)]

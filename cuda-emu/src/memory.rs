@@ -258,24 +258,8 @@ fn finish_free(ptr: u64, freed_by: String) {
 /// Returns a quarantined block to the host allocator, after checking it was not written since
 /// its free.
 fn release(block: Block) {
-    let user = block.bytes(GUARD, block.size);
-    if let Some(offset) = user.iter().position(|&b| b != POISON) {
-        fault(
-            E::CUDA_ERROR_ILLEGAL_ADDRESS,
-            format!(
-                "use after free: {} was written after {} freed it (the first changed byte at \
-                 offset {offset})",
-                block.describe(),
-                block.freed_by
-            ),
-            true,
-        );
-    } else if let Some(damage) = block.check_guards() {
-        fault(
-            E::CUDA_ERROR_ILLEGAL_ADDRESS,
-            format!("guard bytes damaged after the free by {}: {damage}", block.freed_by),
-            true,
-        );
+    if let Some(message) = quarantine_damage(&block) {
+        fault(E::CUDA_ERROR_ILLEGAL_ADDRESS, message, true);
     }
     // SAFETY: `base` came from std::alloc::alloc with this layout and is freed once.
     unsafe { std::alloc::dealloc(block.base as *mut u8, block.layout) };
@@ -819,5 +803,34 @@ pub unsafe extern "C" fn cuMemHostGetDevicePointer_v2(out: *mut u64, host: *mut 
         // Unified addressing: the device sees pinned memory at its host address.
         // SAFETY: out-parameter.
         unsafe { put(out, host as u64) }
+    })
+}
+
+/// Describes the first change to a freed block since its free, if any.
+fn quarantine_damage(block: &Block) -> Option<String> {
+    let user = block.bytes(GUARD, block.size);
+    if let Some(offset) = user.iter().position(|&b| b != POISON) {
+        return Some(format!(
+            "use after free: {} was written after {} freed it (the first changed byte at \
+             offset {offset})",
+            block.describe(),
+            block.freed_by
+        ));
+    }
+    block
+        .check_guards()
+        .map(|damage| format!("guard bytes damaged after the free by {}: {damage}", block.freed_by))
+}
+
+/// Checks every quarantined block now (tests call it; blocks are otherwise checked when they
+/// leave quarantine). Returns the sticky fault's code, or `CUDA_SUCCESS`.
+#[no_mangle]
+pub extern "C" fn tandem_cuda_emu_check_quarantine() -> CUresult {
+    entry("tandem_cuda_emu_check_quarantine", || {
+        let found: Vec<String> = with_heap(|h| h.quarantine.iter().filter_map(quarantine_damage).collect());
+        for message in found {
+            fault(E::CUDA_ERROR_ILLEGAL_ADDRESS, message, true);
+        }
+        sticky()
     })
 }
