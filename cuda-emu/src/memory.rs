@@ -43,6 +43,8 @@ struct Block {
     freeing: bool,
     /// Who freed it, once freed.
     freed_by: String,
+    /// Damage to its guards was reported already (once is enough).
+    reported: bool,
 }
 
 // SAFETY: a Block owns its host memory; the raw address is only dereferenced under the
@@ -88,6 +90,19 @@ impl Block {
             ));
         }
         Some(format!("{}: {}", self.describe(), what.join("; ")))
+    }
+
+    fn repair_guards(&self) {
+        let tail_start = GUARD + self.size;
+        // SAFETY: the guards are the block's own bytes outside [GUARD, GUARD + size).
+        unsafe {
+            std::ptr::write_bytes(self.base as *mut u8, GUARD_BYTE, GUARD);
+            std::ptr::write_bytes(
+                (self.base + tail_start) as *mut u8,
+                GUARD_BYTE,
+                self.layout.size() - tail_start,
+            );
+        }
     }
 
     fn fill(&self, value: u8) {
@@ -172,6 +187,7 @@ fn allocate(size: usize, origin: String, pooled: bool) -> Result<u64, CUresult> 
         pooled,
         freeing: false,
         freed_by: String::new(),
+        reported: false,
     };
     with_heap(|h| {
         h.live_bytes += size;
@@ -224,13 +240,16 @@ fn finish_free(ptr: u64, freed_by: String) {
         let Some(mut block) = h.live.remove(&ptr) else {
             return Vec::new();
         };
-        if let Some(damage) = block.check_guards() {
-            fault(
+        match block.check_guards() {
+            Some(damage) if !block.reported => fault(
                 E::CUDA_ERROR_ILLEGAL_ADDRESS,
                 format!("guard bytes damaged, found when {freed_by} freed it: {damage}"),
                 true,
-            );
+            ),
+            // Reported once; repaired so that the quarantine check does not report it again.
+            _ => {}
         }
+        block.repair_guards();
         block.fill(POISON);
         block.freed_by = freed_by;
         h.live_bytes -= block.size;
@@ -267,7 +286,17 @@ fn release(block: Block) {
 
 /// Checks the guards of every live allocation (at synchronisations).
 pub fn check_all_guards() {
-    let damaged: Vec<String> = with_heap(|h| h.live.values().filter_map(Block::check_guards).collect());
+    let damaged: Vec<String> = with_heap(|h| {
+        h.live
+            .values_mut()
+            .filter(|b| !b.reported)
+            .filter_map(|b| {
+                let damage = b.check_guards()?;
+                b.reported = true;
+                Some(damage)
+            })
+            .collect()
+    });
     for damage in damaged {
         fault(
             E::CUDA_ERROR_ILLEGAL_ADDRESS,

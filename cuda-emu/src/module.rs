@@ -92,7 +92,7 @@ unsafe fn parse_image<'a>(image: *const u8) -> Result<(u32, &'a [u8]), CUresult>
 
 /// Loads a host library from memory (through a memfd; nothing is written to disk).
 fn load_library(bytes: &[u8]) -> Result<libloading::Library, String> {
-    // SAFETY: memfd_create with a static name; the fd is closed below.
+    // SAFETY: memfd_create with a static name.
     let fd = unsafe { libc::memfd_create(c"tandem-cuda-emu-module".as_ptr(), libc::MFD_CLOEXEC) };
     if fd < 0 {
         return Err(format!("memfd_create: {}", std::io::Error::last_os_error()));
@@ -111,13 +111,17 @@ fn load_library(bytes: &[u8]) -> Result<libloading::Library, String> {
         }
         written += n as usize;
     }
+    // The fd stays open for the life of the process: the loader knows a library by the path
+    // it was opened by, so a closed fd's number, reused for the next module, would make
+    // `dlopen` hand back the earlier module instead of loading the new one.
     let path = format!("/proc/self/fd/{fd}");
     // SAFETY: the library was compiled by the emulated NVRTC from tandem's kernels; its
     // initialisers only set up the execution model's statics.
-    let library = unsafe { libloading::Library::new(&path) }.map_err(|e| format!("{e}"));
-    // SAFETY: our fd; the loader keeps its own mapping.
-    unsafe { libc::close(fd) };
-    library
+    unsafe { libloading::Library::new(&path) }.map_err(|e| {
+        // SAFETY: our fd, unused on failure.
+        unsafe { libc::close(fd) };
+        format!("{e}")
+    })
 }
 
 #[no_mangle]
