@@ -158,7 +158,11 @@ fn allocate(size: usize, origin: String, pooled: bool) -> Result<u64, CUresult> 
     if size == 0 {
         return Err(E::CUDA_ERROR_INVALID_VALUE);
     }
-    let rounded = size.checked_add(GUARD - 1).ok_or(E::CUDA_ERROR_OUT_OF_MEMORY)? / GUARD * GUARD;
+    let rounded = size
+        .checked_add(GUARD - 1)
+        .ok_or(E::CUDA_ERROR_OUT_OF_MEMORY)?
+        / GUARD
+        * GUARD;
     let total = rounded
         .checked_add(2 * GUARD)
         .ok_or(E::CUDA_ERROR_OUT_OF_MEMORY)?;
@@ -222,7 +226,13 @@ fn begin_free(ptr: u64, what: &str) -> Res {
                 .quarantine
                 .iter()
                 .find(|b| b.ptr == ptr)
-                .map(|b| format!(": double free of {} (freed by {})", b.describe(), b.freed_by))
+                .map(|b| {
+                    format!(
+                        ": double free of {} (freed by {})",
+                        b.describe(),
+                        b.freed_by
+                    )
+                })
                 .unwrap_or_else(|| ": not the start of a live allocation".to_string());
             fault(
                 E::CUDA_ERROR_INVALID_VALUE,
@@ -398,12 +408,20 @@ pub extern "C" fn cuMemFree_v2(ptr: u64) -> CUresult {
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cuMemAllocAsync(out: *mut u64, size: usize, stream: sys::CUstream) -> CUresult {
+pub unsafe extern "C" fn cuMemAllocAsync(
+    out: *mut u64,
+    size: usize,
+    stream: sys::CUstream,
+) -> CUresult {
     entry("cuMemAllocAsync", || {
         current()?;
         let stream = lookup(stream)?;
         sticky()?;
-        let ptr = allocate(size, format!("cuMemAllocAsync on {}", stream_name(&stream)), true)?;
+        let ptr = allocate(
+            size,
+            format!("cuMemAllocAsync on {}", stream_name(&stream)),
+            true,
+        )?;
         // SAFETY: out-parameter.
         unsafe { put(out, ptr) }
     })
@@ -460,7 +478,10 @@ fn default_pool() -> sys::CUmemoryPool {
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cuDeviceGetDefaultMemPool(out: *mut sys::CUmemoryPool, dev: i32) -> CUresult {
+pub unsafe extern "C" fn cuDeviceGetDefaultMemPool(
+    out: *mut sys::CUmemoryPool,
+    dev: i32,
+) -> CUresult {
     entry("cuDeviceGetDefaultMemPool", || {
         initialised()?;
         if dev != 0 {
@@ -511,7 +532,9 @@ pub unsafe extern "C" fn cuMemPoolGetAttribute(
                 unsafe { put(value.cast::<i32>(), 1) }
             }
             None => {
-                say(&format!("cuMemPoolGetAttribute: attribute {attr} is not emulated"));
+                say(&format!(
+                    "cuMemPoolGetAttribute: attribute {attr} is not emulated"
+                ));
                 Err(E::CUDA_ERROR_NOT_SUPPORTED)
             }
         }
@@ -557,7 +580,9 @@ pub unsafe extern "C" fn cuMemPoolSetAttribute(
             // Accepted: the emulator never reuses a block early, whatever the policy.
             return Ok(());
         }
-        say(&format!("cuMemPoolSetAttribute: attribute {attr} is not emulated"));
+        say(&format!(
+            "cuMemPoolSetAttribute: attribute {attr} is not emulated"
+        ));
         Err(E::CUDA_ERROR_NOT_SUPPORTED)
     })
 }
@@ -590,7 +615,13 @@ fn enqueue_copy(stream: &Arc<Stream>, dst: Addr, src: Addr, len: usize) -> u64 {
     }))
 }
 
-fn htod(dst: u64, src: *const c_void, len: usize, stream: &Arc<Stream>, what: &str) -> Result<u64, CUresult> {
+fn htod(
+    dst: u64,
+    src: *const c_void,
+    len: usize,
+    stream: &Arc<Stream>,
+    what: &str,
+) -> Result<u64, CUresult> {
     current()?;
     sticky()?;
     device_range(dst, len, what)?;
@@ -611,12 +642,20 @@ fn htod(dst: u64, src: *const c_void, len: usize, stream: &Arc<Stream>, what: &s
         Ok(stream.enqueue(Box::new(move || {
             let dst = dst;
             // SAFETY: the destination range was checked at the call.
-            unsafe { std::ptr::copy_nonoverlapping(staged.as_ptr(), dst.0 as *mut u8, staged.len()) }
+            unsafe {
+                std::ptr::copy_nonoverlapping(staged.as_ptr(), dst.0 as *mut u8, staged.len())
+            }
         })))
     }
 }
 
-fn dtoh(dst: *mut c_void, src: u64, len: usize, stream: &Arc<Stream>, what: &str) -> Result<bool, CUresult> {
+fn dtoh(
+    dst: *mut c_void,
+    src: u64,
+    len: usize,
+    stream: &Arc<Stream>,
+    what: &str,
+) -> Result<bool, CUresult> {
     current()?;
     sticky()?;
     device_range(src, len, what)?;
@@ -636,7 +675,12 @@ fn dtoh(dst: *mut c_void, src: u64, len: usize, stream: &Arc<Stream>, what: &str
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cuMemcpyHtoDAsync_v2(dst: u64, src: *const c_void, len: usize, stream: sys::CUstream) -> CUresult {
+pub unsafe extern "C" fn cuMemcpyHtoDAsync_v2(
+    dst: u64,
+    src: *const c_void,
+    len: usize,
+    stream: sys::CUstream,
+) -> CUresult {
     entry("cuMemcpyHtoDAsync_v2", || {
         htod(dst, src, len, &lookup(stream)?, "cuMemcpyHtoDAsync").map(|_| ())
     })
@@ -653,7 +697,12 @@ pub unsafe extern "C" fn cuMemcpyHtoD_v2(dst: u64, src: *const c_void, len: usiz
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cuMemcpyDtoHAsync_v2(dst: *mut c_void, src: u64, len: usize, stream: sys::CUstream) -> CUresult {
+pub unsafe extern "C" fn cuMemcpyDtoHAsync_v2(
+    dst: *mut c_void,
+    src: u64,
+    len: usize,
+    stream: sys::CUstream,
+) -> CUresult {
     entry("cuMemcpyDtoHAsync_v2", || {
         if dtoh(dst, src, len, &lookup(stream)?, "cuMemcpyDtoHAsync")? {
             sticky()?;
@@ -681,7 +730,12 @@ fn dtod(dst: u64, src: u64, len: usize, stream: &Arc<Stream>, what: &str) -> Res
 }
 
 #[no_mangle]
-pub extern "C" fn cuMemcpyDtoDAsync_v2(dst: u64, src: u64, len: usize, stream: sys::CUstream) -> CUresult {
+pub extern "C" fn cuMemcpyDtoDAsync_v2(
+    dst: u64,
+    src: u64,
+    len: usize,
+    stream: sys::CUstream,
+) -> CUresult {
     entry("cuMemcpyDtoDAsync_v2", || {
         dtod(dst, src, len, &lookup(stream)?, "cuMemcpyDtoDAsync").map(|_| ())
     })
@@ -698,14 +752,23 @@ pub extern "C" fn cuMemcpyDtoD_v2(dst: u64, src: u64, len: usize) -> CUresult {
 }
 
 /// Enqueues a memset of `count` elements of `width` bytes each, all `value`.
-fn memset(dst: u64, value: u32, width: usize, count: usize, stream: &Arc<Stream>, what: &str) -> Result<u64, CUresult> {
+fn memset(
+    dst: u64,
+    value: u32,
+    width: usize,
+    count: usize,
+    stream: &Arc<Stream>,
+    what: &str,
+) -> Result<u64, CUresult> {
     current()?;
     sticky()?;
-    if dst % width as u64 != 0 {
+    if !dst.is_multiple_of(width as u64) {
         say(&format!("{what}: {dst:#x} is not aligned to {width} bytes"));
         return Err(E::CUDA_ERROR_INVALID_VALUE);
     }
-    let len = count.checked_mul(width).ok_or(E::CUDA_ERROR_INVALID_VALUE)?;
+    let len = count
+        .checked_mul(width)
+        .ok_or(E::CUDA_ERROR_INVALID_VALUE)?;
     device_range(dst, len, what)?;
     let dst = Addr(dst);
     Ok(stream.enqueue(Box::new(move || {
@@ -720,21 +783,52 @@ fn memset(dst: u64, value: u32, width: usize, count: usize, stream: &Arc<Stream>
 }
 
 #[no_mangle]
-pub extern "C" fn cuMemsetD8Async(dst: u64, value: u8, count: usize, stream: sys::CUstream) -> CUresult {
+pub extern "C" fn cuMemsetD8Async(
+    dst: u64,
+    value: u8,
+    count: usize,
+    stream: sys::CUstream,
+) -> CUresult {
     entry("cuMemsetD8Async", || {
-        memset(dst, value as u32, 1, count, &lookup(stream)?, "cuMemsetD8Async").map(|_| ())
+        memset(
+            dst,
+            value as u32,
+            1,
+            count,
+            &lookup(stream)?,
+            "cuMemsetD8Async",
+        )
+        .map(|_| ())
     })
 }
 
 #[no_mangle]
-pub extern "C" fn cuMemsetD16Async(dst: u64, value: u16, count: usize, stream: sys::CUstream) -> CUresult {
+pub extern "C" fn cuMemsetD16Async(
+    dst: u64,
+    value: u16,
+    count: usize,
+    stream: sys::CUstream,
+) -> CUresult {
     entry("cuMemsetD16Async", || {
-        memset(dst, value as u32, 2, count, &lookup(stream)?, "cuMemsetD16Async").map(|_| ())
+        memset(
+            dst,
+            value as u32,
+            2,
+            count,
+            &lookup(stream)?,
+            "cuMemsetD16Async",
+        )
+        .map(|_| ())
     })
 }
 
 #[no_mangle]
-pub extern "C" fn cuMemsetD32Async(dst: u64, value: u32, count: usize, stream: sys::CUstream) -> CUresult {
+pub extern "C" fn cuMemsetD32Async(
+    dst: u64,
+    value: u32,
+    count: usize,
+    stream: sys::CUstream,
+) -> CUresult {
     entry("cuMemsetD32Async", || {
         memset(dst, value, 4, count, &lookup(stream)?, "cuMemsetD32Async").map(|_| ())
     })
@@ -749,17 +843,23 @@ fn memset_sync(dst: u64, value: u32, width: usize, count: usize, what: &str) -> 
 
 #[no_mangle]
 pub extern "C" fn cuMemsetD8_v2(dst: u64, value: u8, count: usize) -> CUresult {
-    entry("cuMemsetD8_v2", || memset_sync(dst, value as u32, 1, count, "cuMemsetD8"))
+    entry("cuMemsetD8_v2", || {
+        memset_sync(dst, value as u32, 1, count, "cuMemsetD8")
+    })
 }
 
 #[no_mangle]
 pub extern "C" fn cuMemsetD16_v2(dst: u64, value: u16, count: usize) -> CUresult {
-    entry("cuMemsetD16_v2", || memset_sync(dst, value as u32, 2, count, "cuMemsetD16"))
+    entry("cuMemsetD16_v2", || {
+        memset_sync(dst, value as u32, 2, count, "cuMemsetD16")
+    })
 }
 
 #[no_mangle]
 pub extern "C" fn cuMemsetD32_v2(dst: u64, value: u32, count: usize) -> CUresult {
-    entry("cuMemsetD32_v2", || memset_sync(dst, value, 4, count, "cuMemsetD32"))
+    entry("cuMemsetD32_v2", || {
+        memset_sync(dst, value, 4, count, "cuMemsetD32")
+    })
 }
 
 // ---- Pinned host memory ------------------------------------------------------------------
@@ -785,7 +885,11 @@ fn host_alloc(out: *mut *mut c_void, size: usize) -> Res {
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cuMemHostAlloc(out: *mut *mut c_void, size: usize, flags: u32) -> CUresult {
+pub unsafe extern "C" fn cuMemHostAlloc(
+    out: *mut *mut c_void,
+    size: usize,
+    flags: u32,
+) -> CUresult {
     entry("cuMemHostAlloc", || {
         if flags & !0x7 != 0 {
             return Err(E::CUDA_ERROR_INVALID_VALUE);
@@ -806,7 +910,10 @@ pub extern "C" fn cuMemFreeHost(ptr: *mut c_void) -> CUresult {
         let size = PINNED.lock().remove(&(ptr as u64)).ok_or_else(|| {
             fault(
                 E::CUDA_ERROR_INVALID_VALUE,
-                format!("cuMemFreeHost({:#x}): not pinned memory from cuMemHostAlloc", ptr as u64),
+                format!(
+                    "cuMemFreeHost({:#x}): not pinned memory from cuMemHostAlloc",
+                    ptr as u64
+                ),
                 false,
             );
             E::CUDA_ERROR_INVALID_VALUE
@@ -823,7 +930,11 @@ pub extern "C" fn cuMemFreeHost(ptr: *mut c_void) -> CUresult {
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cuMemHostGetDevicePointer_v2(out: *mut u64, host: *mut c_void, flags: u32) -> CUresult {
+pub unsafe extern "C" fn cuMemHostGetDevicePointer_v2(
+    out: *mut u64,
+    host: *mut c_void,
+    flags: u32,
+) -> CUresult {
     entry("cuMemHostGetDevicePointer_v2", || {
         current()?;
         if flags != 0 || !pinned(host as u64, 1) {
@@ -846,9 +957,12 @@ fn quarantine_damage(block: &Block) -> Option<String> {
             block.freed_by
         ));
     }
-    block
-        .check_guards()
-        .map(|damage| format!("guard bytes damaged after the free by {}: {damage}", block.freed_by))
+    block.check_guards().map(|damage| {
+        format!(
+            "guard bytes damaged after the free by {}: {damage}",
+            block.freed_by
+        )
+    })
 }
 
 /// Checks every quarantined block now (tests call it; blocks are otherwise checked when they
@@ -856,7 +970,8 @@ fn quarantine_damage(block: &Block) -> Option<String> {
 #[no_mangle]
 pub extern "C" fn tandem_cuda_emu_check_quarantine() -> CUresult {
     entry("tandem_cuda_emu_check_quarantine", || {
-        let found: Vec<String> = with_heap(|h| h.quarantine.iter().filter_map(quarantine_damage).collect());
+        let found: Vec<String> =
+            with_heap(|h| h.quarantine.iter().filter_map(quarantine_damage).collect());
         for message in found {
             fault(E::CUDA_ERROR_ILLEGAL_ADDRESS, message, true);
         }

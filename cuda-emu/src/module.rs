@@ -68,17 +68,21 @@ unsafe fn parse_image<'a>(image: *const u8) -> Result<(u32, &'a [u8]), CUresult>
     // SAFETY: every image, real or emulated, has at least 4 bytes.
     let head = unsafe { std::slice::from_raw_parts(image, 4) };
     if head == b"\x7fELF" {
-        say("cuModuleLoadData: this is a real CUBIN (from NVIDIA's NVRTC); the emulated driver \
+        say(
+            "cuModuleLoadData: this is a real CUBIN (from NVIDIA's NVRTC); the emulated driver \
              runs only modules from tandem-cuda-emu's NVRTC. Put the emulated libnvrtc in \
-             TANDEM_CUDA_LIBS before the real one");
+             TANDEM_CUDA_LIBS before the real one",
+        );
         return Err(E::CUDA_ERROR_INVALID_IMAGE);
     }
     // SAFETY: an image without the ELF magic is either ours (40-byte header) or text PTX
     // (NUL-terminated, so the first 24 bytes are readable unless it is shorter; PTX is longer).
     let magic = unsafe { std::slice::from_raw_parts(image, MODULE_MAGIC.len()) };
     if magic != MODULE_MAGIC {
-        say("cuModuleLoadData: the image is not a module of tandem-cuda-emu's NVRTC (PTX and \
-             fatbins are not emulated)");
+        say(
+            "cuModuleLoadData: the image is not a module of tandem-cuda-emu's NVRTC (PTX and \
+             fatbins are not emulated)",
+        );
         return Err(E::CUDA_ERROR_INVALID_IMAGE);
     }
     // SAFETY: our header is 40 bytes: magic, arch (u32), reserved (u32), length (u64).
@@ -100,9 +104,7 @@ fn load_library(bytes: &[u8]) -> Result<libloading::Library, String> {
     let mut written = 0;
     while written < bytes.len() {
         // SAFETY: writes from a live slice to our fd.
-        let n = unsafe {
-            libc::write(fd, bytes[written..].as_ptr().cast(), bytes.len() - written)
-        };
+        let n = unsafe { libc::write(fd, bytes[written..].as_ptr().cast(), bytes.len() - written) };
         if n <= 0 {
             let e = std::io::Error::last_os_error();
             // SAFETY: our fd.
@@ -125,7 +127,10 @@ fn load_library(bytes: &[u8]) -> Result<libloading::Library, String> {
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cuModuleLoadData(out: *mut sys::CUmodule, image: *const c_void) -> CUresult {
+pub unsafe extern "C" fn cuModuleLoadData(
+    out: *mut sys::CUmodule,
+    image: *const c_void,
+) -> CUresult {
     entry("cuModuleLoadData", || {
         current()?;
         if image.is_null() || out.is_null() {
@@ -142,7 +147,9 @@ pub unsafe extern "C" fn cuModuleLoadData(out: *mut sys::CUmodule, image: *const
             return Err(E::CUDA_ERROR_NO_BINARY_FOR_GPU);
         }
         let library = load_library(bytes).map_err(|e| {
-            say(&format!("cuModuleLoadData: loading the module's host library failed: {e}"));
+            say(&format!(
+                "cuModuleLoadData: loading the module's host library failed: {e}"
+            ));
             E::CUDA_ERROR_INVALID_IMAGE
         })?;
         // Kept for the life of the process: launches in flight use its code.
@@ -186,7 +193,9 @@ pub unsafe extern "C" fn cuModuleGetFunction(
             return Err(E::CUDA_ERROR_INVALID_VALUE);
         }
         // SAFETY: NUL-terminated per the driver's contract.
-        let name = unsafe { CStr::from_ptr(name) }.to_string_lossy().into_owned();
+        let name = unsafe { CStr::from_ptr(name) }
+            .to_string_lossy()
+            .into_owned();
         let symbol = |prefix: &str| format!("{prefix}{name}");
         // SAFETY: the symbols are defined by tandem_emu.h's TANDEM_HOST_EXPORT with these types.
         let (entry_fn, sizes_fn) = unsafe {
@@ -211,7 +220,9 @@ pub unsafe extern "C" fn cuModuleGetFunction(
         // SAFETY: writes at most MAX_PARAMS sizes.
         let count = unsafe { sizes_fn(sizes.as_mut_ptr(), MAX_PARAMS as c_int) };
         if count < 0 || count as usize > MAX_PARAMS {
-            say(&format!("cuModuleGetFunction: kernel {name} has {count} parameters"));
+            say(&format!(
+                "cuModuleGetFunction: kernel {name} has {count} parameters"
+            ));
             return Err(E::CUDA_ERROR_INVALID_IMAGE);
         }
         sizes.truncate(count as usize);
@@ -239,7 +250,11 @@ fn function(f: sys::CUfunction) -> Result<Arc<Function>, CUresult> {
 use sys::CUfunction_attribute as FA;
 
 #[no_mangle]
-pub unsafe extern "C" fn cuFuncGetAttribute(out: *mut i32, attrib: u32, f: sys::CUfunction) -> CUresult {
+pub unsafe extern "C" fn cuFuncGetAttribute(
+    out: *mut i32,
+    attrib: u32,
+    f: sys::CUfunction,
+) -> CUresult {
     entry("cuFuncGetAttribute", || {
         current()?;
         let f = function(f)?;
@@ -255,7 +270,9 @@ pub unsafe extern "C" fn cuFuncGetAttribute(out: *mut i32, attrib: u32, f: sys::
                 f.max_dynamic_shared.load(Ordering::Acquire)
             }
             _ => {
-                say(&format!("cuFuncGetAttribute: attribute {attrib} is not emulated"));
+                say(&format!(
+                    "cuFuncGetAttribute: attribute {attrib} is not emulated"
+                ));
                 return Err(E::CUDA_ERROR_NOT_SUPPORTED);
             }
         };
@@ -279,7 +296,9 @@ pub extern "C" fn cuFuncSetAttribute(f: sys::CUfunction, attrib: u32, value: i32
         if attrib == FA::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT as u32 {
             return Ok(());
         }
-        say(&format!("cuFuncSetAttribute: attribute {attrib} is not emulated"));
+        say(&format!(
+            "cuFuncSetAttribute: attribute {attrib} is not emulated"
+        ));
         Err(E::CUDA_ERROR_NOT_SUPPORTED)
     })
 }
@@ -331,10 +350,14 @@ pub unsafe extern "C" fn cuLaunchKernel(
         }
         let threads = block.iter().map(|&b| b as u64).product::<u64>();
         if threads > 1024 || block_x > 1024 || block_y > 1024 || block_z > 64 {
-            return Err(invalid("at most 1024 threads per block, (1024, 1024, 64) per dimension".into()));
+            return Err(invalid(
+                "at most 1024 threads per block, (1024, 1024, 64) per dimension".into(),
+            ));
         }
         if grid_x > i32::MAX as u32 || grid_y > 65535 || grid_z > 65535 {
-            return Err(invalid("the grid is larger than (2^31 - 1, 65535, 65535)".into()));
+            return Err(invalid(
+                "the grid is larger than (2^31 - 1, 65535, 65535)".into(),
+            ));
         }
         let allowed = f.max_dynamic_shared.load(Ordering::Acquire);
         if shared_bytes as i64 > allowed as i64 {
@@ -348,7 +371,10 @@ pub unsafe extern "C" fn cuLaunchKernel(
             return Err(E::CUDA_ERROR_NOT_SUPPORTED);
         }
         if params.is_null() && !f.params.is_empty() {
-            return Err(invalid(format!("no arguments for {} parameters", f.params.len())));
+            return Err(invalid(format!(
+                "no arguments for {} parameters",
+                f.params.len()
+            )));
         }
         // Copy the arguments now: the caller may reuse its storage once the call returns.
         let mut offsets = Vec::with_capacity(f.params.len());
@@ -394,10 +420,18 @@ pub unsafe extern "C" fn cuLaunchKernel(
             // SAFETY: the entry reads the config and one value per parameter; the kernel's
             // memory accesses are to device memory the caller passed (host memory here).
             let status = unsafe {
-                (f.entry)(&config, pointers.as_mut_ptr(), message.as_mut_ptr().cast(), message.len())
+                (f.entry)(
+                    &config,
+                    pointers.as_mut_ptr(),
+                    message.as_mut_ptr().cast(),
+                    message.len(),
+                )
             };
             if status != 0 {
-                let end = message.iter().position(|&b| b == 0).unwrap_or(message.len());
+                let end = message
+                    .iter()
+                    .position(|&b| b == 0)
+                    .unwrap_or(message.len());
                 fault(
                     E::CUDA_ERROR_LAUNCH_FAILED,
                     format!(

@@ -292,7 +292,10 @@ pub unsafe extern "C" fn cuStreamGetFlags(handle: sys::CUstream, flags: *mut u32
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cuStreamGetPriority(handle: sys::CUstream, priority: *mut i32) -> CUresult {
+pub unsafe extern "C" fn cuStreamGetPriority(
+    handle: sys::CUstream,
+    priority: *mut i32,
+) -> CUresult {
     entry("cuStreamGetPriority", || {
         current()?;
         lookup(handle)?;
@@ -351,7 +354,10 @@ fn event(handle: sys::CUevent) -> Result<Arc<Event>, CUresult> {
         .get(&(handle as usize))
         .cloned()
         .ok_or_else(|| {
-            crate::say(&format!("event handle {:#x} is not a live event", handle as usize));
+            crate::say(&format!(
+                "event handle {:#x} is not a live event",
+                handle as usize
+            ));
             E::CUDA_ERROR_INVALID_HANDLE
         })
 }
@@ -485,7 +491,11 @@ fn elapsed(ms: *mut f32, start: sys::CUevent, end: sys::CUevent) -> Res {
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cuEventElapsedTime(ms: *mut f32, start: sys::CUevent, end: sys::CUevent) -> CUresult {
+pub unsafe extern "C" fn cuEventElapsedTime(
+    ms: *mut f32,
+    start: sys::CUevent,
+    end: sys::CUevent,
+) -> CUresult {
     entry("cuEventElapsedTime", || elapsed(ms, start, end))
 }
 
@@ -499,7 +509,11 @@ pub unsafe extern "C" fn cuEventElapsedTime_v2(
 }
 
 #[no_mangle]
-pub extern "C" fn cuStreamWaitEvent(stream: sys::CUstream, handle: sys::CUevent, flags: u32) -> CUresult {
+pub extern "C" fn cuStreamWaitEvent(
+    stream: sys::CUstream,
+    handle: sys::CUevent,
+    flags: u32,
+) -> CUresult {
     entry("cuStreamWaitEvent", || {
         current()?;
         let stream = lookup(stream)?;

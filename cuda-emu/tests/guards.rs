@@ -27,7 +27,10 @@ fn a_write_past_the_end_of_an_allocation_is_reported_at_the_next_synchronisation
     let fault = common::last_fault();
     assert!(fault.contains("guard bytes damaged"), "{fault}");
     assert!(fault.contains("of 40 bytes"), "{fault}");
-    assert!(fault.contains("after its end") && fault.contains("offset +40"), "{fault}");
+    assert!(
+        fault.contains("after its end") && fault.contains("offset +40"),
+        "{fault}"
+    );
     // Sticky, as on a GPU.
     assert!(dev.synchronize().is_err());
 }

@@ -23,7 +23,10 @@ fn the_emulated_device_comes_up_through_tandems_library_search() {
     setup();
     let folder = common::use_emulator();
     let driver = libs::locate(libs::CudaLibrary::Driver, GPU).unwrap();
-    assert!(driver.starts_with(folder), "{driver:?} is not the emulator in {folder:?}");
+    assert!(
+        driver.starts_with(folder),
+        "{driver:?} is not the emulator in {folder:?}"
+    );
     let nvrtc = libs::locate(libs::CudaLibrary::Nvrtc, GPU).unwrap();
     assert!(nvrtc.starts_with(folder), "{nvrtc:?}");
     assert_eq!(cuda::device_count(), 1);
@@ -92,9 +95,17 @@ fn runtime_kernels_fill_copy_and_cast_run_on_the_emulated_device() {
     }
 
     // Casts to and from half precision.
-    let h = m.to_dtype(DType::F16).unwrap().to_dtype(DType::F64).unwrap();
+    let h = m
+        .to_dtype(DType::F16)
+        .unwrap()
+        .to_dtype(DType::F64)
+        .unwrap();
     assert_eq!(h.to_vec::<f64>().unwrap(), values);
-    let b = m.to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap();
+    let b = m
+        .to_dtype(DType::BF16)
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap();
     let expected: Vec<f32> = values.iter().map(|&v| v as f32).collect();
     assert_eq!(b.to_vec::<f32>().unwrap(), expected);
 
@@ -252,7 +263,10 @@ fn a_copy_past_the_end_of_an_allocation_is_refused_naming_it() {
     assert_eq!(status, sys::CUresult::CUDA_ERROR_INVALID_VALUE);
     let fault = common::last_fault();
     assert!(fault.contains("run past the end of allocation"), "{fault}");
-    assert!(fault.contains("of 32 bytes") && fault.contains("by 32 bytes"), "{fault}");
+    assert!(
+        fault.contains("of 32 bytes") && fault.contains("by 32 bytes"),
+        "{fault}"
+    );
     // Not sticky: the device goes on.
     dev.synchronize().unwrap();
 }

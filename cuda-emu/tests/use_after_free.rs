@@ -22,10 +22,17 @@ fn a_write_after_a_stream_ordered_free_is_reported() {
     dev.launch(&kernels::write_one(ptr, 3, 5.0), dev.compute_stream())
         .unwrap();
     dev.synchronize().unwrap();
-    assert_eq!(common::check_quarantine(), 700, "CUDA_ERROR_ILLEGAL_ADDRESS");
+    assert_eq!(
+        common::check_quarantine(),
+        700,
+        "CUDA_ERROR_ILLEGAL_ADDRESS"
+    );
     let fault = common::last_fault();
     assert!(fault.contains("use after free"), "{fault}");
-    assert!(fault.contains("of 64 bytes") && fault.contains("offset 12"), "{fault}");
+    assert!(
+        fault.contains("of 64 bytes") && fault.contains("offset 12"),
+        "{fault}"
+    );
     assert!(fault.contains("cuMemFreeAsync on stream"), "{fault}");
     assert!(dev.synchronize().is_err(), "the fault is sticky");
 }

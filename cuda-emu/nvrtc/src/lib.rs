@@ -102,7 +102,11 @@ fn not_emulated(name: &str) -> c_int {
 
 /// Runs `f` on the program behind `prog`, or fails with `NVRTC_ERROR_INVALID_PROGRAM`.
 unsafe fn with_program(prog: *mut Program, f: impl FnOnce(&mut Program) -> c_int) -> c_int {
-    if prog.is_null() || !programs().as_ref().is_some_and(|s| s.contains(&(prog as usize))) {
+    if prog.is_null()
+        || !programs()
+            .as_ref()
+            .is_some_and(|s| s.contains(&(prog as usize)))
+    {
         return NVRTC_ERROR_INVALID_PROGRAM;
     }
     // SAFETY: the handle is live (in the registry); NVRTC programs are not used from two
@@ -274,7 +278,11 @@ pub unsafe extern "C" fn nvrtcCompileProgram(
 }
 
 /// Reads a sized buffer of the program: its size, or its bytes.
-unsafe fn size_of_output(prog: *mut Program, size: *mut usize, pick: fn(&Program) -> Option<&[u8]>) -> c_int {
+unsafe fn size_of_output(
+    prog: *mut Program,
+    size: *mut usize,
+    pick: fn(&Program) -> Option<&[u8]>,
+) -> c_int {
     if size.is_null() {
         return NVRTC_ERROR_INVALID_INPUT;
     }
@@ -290,7 +298,11 @@ unsafe fn size_of_output(prog: *mut Program, size: *mut usize, pick: fn(&Program
     }
 }
 
-unsafe fn copy_output(prog: *mut Program, out: *mut c_char, pick: fn(&Program) -> Option<&[u8]>) -> c_int {
+unsafe fn copy_output(
+    prog: *mut Program,
+    out: *mut c_char,
+    pick: fn(&Program) -> Option<&[u8]>,
+) -> c_int {
     if out.is_null() {
         return NVRTC_ERROR_INVALID_INPUT;
     }
@@ -530,14 +542,35 @@ fn compile(program: &Program, options: &[String]) -> Result<(Vec<u8>, String), (
         .collect();
 
     let cache = cache_dir();
-    let internal = |what: String| (NVRTC_ERROR_INTERNAL_ERROR, format!("tandem-cuda-emu: {what}"));
-    std::fs::create_dir_all(&cache)
-        .map_err(|e| internal(format!("creating the cache folder {}: {e}", cache.display())))?;
+    let internal = |what: String| {
+        (
+            NVRTC_ERROR_INTERNAL_ERROR,
+            format!("tandem-cuda-emu: {what}"),
+        )
+    };
+    std::fs::create_dir_all(&cache).map_err(|e| {
+        internal(format!(
+            "creating the cache folder {}: {e}",
+            cache.display()
+        ))
+    })?;
     let library = cache.join(format!("{key}.so"));
     let log_file = cache.join(format!("{key}.log"));
     let (bytes, log) = match std::fs::read(&library) {
-        Ok(bytes) => (bytes, std::fs::read_to_string(&log_file).unwrap_or_default()),
-        Err(_) => build(program, &program_file, &parsed, &cxx, &cache, &key, &library, &log_file)?,
+        Ok(bytes) => (
+            bytes,
+            std::fs::read_to_string(&log_file).unwrap_or_default(),
+        ),
+        Err(_) => build(
+            program,
+            &program_file,
+            &parsed,
+            &cxx,
+            &cache,
+            &key,
+            &library,
+            &log_file,
+        )?,
     };
 
     let mut image = Vec::with_capacity(bytes.len() + 40);
@@ -561,7 +594,12 @@ fn build(
     library: &Path,
     log_file: &Path,
 ) -> Result<(Vec<u8>, String), (c_int, String)> {
-    let internal = |what: String| (NVRTC_ERROR_INTERNAL_ERROR, format!("tandem-cuda-emu: {what}"));
+    let internal = |what: String| {
+        (
+            NVRTC_ERROR_INTERNAL_ERROR,
+            format!("tandem-cuda-emu: {what}"),
+        )
+    };
     static SCRATCH: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let scratch = cache.join(format!(
         "build-{key}-{}-{}",
@@ -611,7 +649,9 @@ fn build(
         }
         command.arg("-o").arg(&output_tmp).arg(&wrapper);
         let output = command.output().map_err(|e| {
-            internal(format!("running the host C++ compiler {cxx:?} (set CXX or TANDEM_CUDA_EMU_CXX): {e}"))
+            internal(format!(
+                "running the host C++ compiler {cxx:?} (set CXX or TANDEM_CUDA_EMU_CXX): {e}"
+            ))
         })?;
         let log = String::from_utf8_lossy(&output.stderr).into_owned();
         if !output.status.success() {
@@ -638,10 +678,15 @@ mod tests {
 
     #[test]
     fn options_tandem_passes_are_accepted_and_the_architecture_is_read() {
-        let o: Vec<String> = ["-std=c++17", "--gpu-architecture=sm_90", "--ptxas-options=-v", "--use_fast_math"]
-            .iter()
-            .map(|s| s.to_string())
-            .collect();
+        let o: Vec<String> = [
+            "-std=c++17",
+            "--gpu-architecture=sm_90",
+            "--ptxas-options=-v",
+            "--use_fast_math",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
         assert_eq!(parse_options(&o).unwrap().arch, 90);
         let bad = vec!["--frobnicate".to_string()];
         assert!(parse_options(&bad).unwrap_err().contains("--frobnicate"));

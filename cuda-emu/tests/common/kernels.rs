@@ -25,6 +25,10 @@ pub fn write_one(ptr: u64, index: i64, value: f32) -> Launch {
         source: &FAULTS,
         kernel: "write_one".to_string(),
         config: LaunchConfig::new("test", [1, 1, 1], [32, 1, 1], 0).unwrap(),
-        args: vec![KernelArg::Ptr(ptr), KernelArg::I64(index), KernelArg::F32(value)],
+        args: vec![
+            KernelArg::Ptr(ptr),
+            KernelArg::I64(index),
+            KernelArg::F32(value),
+        ],
     }
 }
