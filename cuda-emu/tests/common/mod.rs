@@ -8,10 +8,12 @@
 //! `TANDEM_CUDA_LIBS`, before any CUDA call. Everything is found at run time, relative to the
 //! test binary, so a copied test bundle works on another machine too.
 //!
-//! CI can do the same by hand: build `-p tandem-cuda-emu -p tandem-cuda-emu-nvrtc`, copy
+//! CI can do the same by hand: `cargo build -p tandem-cuda-emu -p tandem-cuda-emu-nvrtc`, copy
 //! `target/debug/libtandem_cuda_emu.so` to `<dir>/libcuda.so` and
 //! `target/debug/libtandem_cuda_emu_nvrtc.so` to `<dir>/libnvrtc.so`, link
 //! `<dir>/libnvrtc-builtins.so.13.99` to the latter, and export `TANDEM_CUDA_LIBS=<dir>:…`.
+//! (Take them right after that `cargo build`: a `cargo test` refreshes only the copies in
+//! `target/debug/deps`, which is why [`use_emulator`] looks there first.)
 
 #![allow(dead_code)]
 
