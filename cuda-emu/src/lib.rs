@@ -76,6 +76,12 @@
 //! parts of issue 20), graphs, several devices, peer copies, managed memory, and anything about
 //! speed. Timestamps are the host's clock.
 //!
+//! Speed: a launch runs its blocks one after the other, each as OS threads meeting at barriers
+//! (the harness's execution model), so a grid-stride launch over millions of elements (16384
+//! blocks of 256 threads) takes seconds. Tests written for a GPU that launch hundreds of those
+//! (core's `events_order_streams_and_measure_time`, `memory_used_on_a_second_stream_…`) are too
+//! slow here until blocks run in parallel.
+//!
 //! # Emulator-only entry points
 //!
 //! `tandem_cuda_emu_last_fault(buf, len)` copies the last fault reported (guard corruption, use
