@@ -1,0 +1,102 @@
+//! Points tandem's library search at the emulated driver and NVRTC.
+//!
+//! cargo builds the two shared libraries before these tests (the driver is this package's
+//! library; the NVRTC is a dev-dependency) into the folder of the test binary
+//! (`target/<profile>/deps`) and its parent. [`use_emulator`] copies them, once per process,
+//! into a fresh folder under the names tandem's search looks for (`libcuda.so`, `libnvrtc.so`
+//! and NVRTC's builtins companion `libnvrtc-builtins.so.13.99`), and puts that folder first in
+//! `TANDEM_CUDA_LIBS`, before any CUDA call. Everything is found at run time, relative to the
+//! test binary, so a copied test bundle works on another machine too.
+//!
+//! CI can do the same by hand: `cargo build -p tandem-cuda-emu -p tandem-cuda-emu-nvrtc`, copy
+//! `target/debug/libtandem_cuda_emu.so` to `<dir>/libcuda.so` and
+//! `target/debug/libtandem_cuda_emu_nvrtc.so` to `<dir>/libnvrtc.so`, link
+//! `<dir>/libnvrtc-builtins.so.13.99` to the latter, and export `TANDEM_CUDA_LIBS=<dir>:…`.
+//! (Take them right after that `cargo build`: a `cargo test` refreshes only the copies in
+//! `target/debug/deps`, which is why [`use_emulator`] looks there first.)
+
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+/// The file names cargo gives the two libraries.
+const DRIVER: &str = "libtandem_cuda_emu.so";
+const NVRTC: &str = "libtandem_cuda_emu_nvrtc.so";
+
+fn built(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let deps = exe.parent().expect("the test binary's folder");
+    let candidates = [deps.join(name), deps.parent().unwrap_or(deps).join(name)];
+    candidates
+        .iter()
+        .find(|p| p.exists())
+        .cloned()
+        .unwrap_or_else(|| {
+            panic!(
+                "the emulator library {name} was not built beside the test binary (looked at \
+                 {candidates:?}); run the tests through cargo"
+            )
+        })
+}
+
+/// The folder holding the emulator under CUDA's names, set up and put first in
+/// `TANDEM_CUDA_LIBS` on the first call.
+pub fn use_emulator() -> &'static Path {
+    static FOLDER: OnceLock<PathBuf> = OnceLock::new();
+    FOLDER.get_or_init(|| {
+        let dir = tempfile::Builder::new()
+            .prefix("tandem-cuda-emu-libs")
+            .tempdir()
+            .expect("a temporary folder")
+            .keep();
+        // Copies, not links: tandem resolves the library it loaded to its real path and looks
+        // for NVRTC's builtins beside it.
+        std::fs::copy(built(DRIVER), dir.join("libcuda.so")).expect("copy the driver");
+        std::fs::copy(built(NVRTC), dir.join("libnvrtc.so")).expect("copy NVRTC");
+        std::os::unix::fs::symlink("libnvrtc.so", dir.join("libnvrtc-builtins.so.13.99"))
+            .expect("link NVRTC's builtins");
+        let mut folders = vec![dir.clone()];
+        if let Some(old) = std::env::var_os("TANDEM_CUDA_LIBS") {
+            folders.extend(std::env::split_paths(&old));
+        }
+        std::env::set_var(
+            "TANDEM_CUDA_LIBS",
+            std::env::join_paths(folders).expect("paths without ':'"),
+        );
+        dir
+    })
+}
+
+/// The emulator's last reported fault (`tandem_cuda_emu_last_fault`).
+pub fn last_fault() -> String {
+    let library = tandem_core::cuda::libs::library(
+        tandem_core::cuda::libs::CudaLibrary::Driver,
+        tandem_core::Device::Cuda(0),
+    )
+    .expect("the emulated driver is loaded");
+    type LastFault = unsafe extern "C" fn(*mut std::ffi::c_char, usize) -> usize;
+    // SAFETY: the emulator exports this function with this signature.
+    let f = unsafe { library.get::<LastFault>(b"tandem_cuda_emu_last_fault") }
+        .expect("the emulator's fault query");
+    let mut buf = vec![0u8; 4096];
+    // SAFETY: the buffer holds 4096 bytes.
+    let n = unsafe { f(buf.as_mut_ptr().cast(), buf.len()) }.min(buf.len() - 1);
+    String::from_utf8_lossy(&buf[..n]).into_owned()
+}
+
+/// Runs the emulator's check of quarantined (freed) memory now (`tandem_cuda_emu_check_quarantine`):
+/// the code a later synchronisation returns.
+pub fn check_quarantine() -> u32 {
+    let library = tandem_core::cuda::libs::library(
+        tandem_core::cuda::libs::CudaLibrary::Driver,
+        tandem_core::Device::Cuda(0),
+    )
+    .expect("the emulated driver is loaded");
+    type Check = unsafe extern "C" fn() -> u32;
+    // SAFETY: the emulator exports this function with this signature.
+    let f = unsafe { library.get::<Check>(b"tandem_cuda_emu_check_quarantine") }
+        .expect("the emulator's quarantine check");
+    // SAFETY: no arguments.
+    unsafe { f() }
+}
