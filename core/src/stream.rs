@@ -289,6 +289,15 @@ impl Event {
         }
     }
 
+    /// The CUDA event behind a device event (`None` for a host event), for the runtime's own
+    /// ordering (a buffer's free waits for it).
+    pub(crate) fn cuda_event(&self) -> Option<&CudaEvent> {
+        match &self.kind {
+            EventKind::Cuda(e) => Some(&e.event),
+            EventKind::Host(_) => None,
+        }
+    }
+
     /// The time from this event to `end`, both complete and of one device: how long the work
     /// issued between them took on the stream(s) they were recorded on. Device events are
     /// waited for.

@@ -11,6 +11,7 @@
 pub mod blas;
 pub mod deferred;
 pub mod device;
+mod free_order;
 pub mod kernel_cache;
 pub mod launch;
 pub mod libs;
