@@ -131,6 +131,7 @@ pub(crate) fn download(
     dst: &mut [u8],
     stream: &CudaStream,
 ) -> Result<()> {
+    super::host_reads::note_copy();
     let err = driver_err(op, device.device());
     for (i, chunk) in dst.chunks_mut(CHUNK_BYTES).enumerate() {
         let pinned = take(device, op, chunk.len())?;
