@@ -49,7 +49,10 @@ impl Count {
     pub fn read(&self) -> Result<usize> {
         match self {
             Count::Host(n) => Ok(*n),
-            Count::Device(t) => Ok(t.to_vec_f64()?.first().copied().unwrap_or(0.0) as usize),
+            Count::Device(t) => {
+                let on_host = Count::Device(t.to_device(Device::Cpu)?);
+                Ok(cpu::count_value("Count::read", &on_host)? as usize)
+            }
         }
     }
 

@@ -48,7 +48,7 @@ pub(crate) fn statistics(op: &'static str, x: &Tensor) -> Result<Statistics> {
 }
 
 /// The count as f64: a host count as it is, a count held in a (CPU) tensor read from it.
-fn count_value(op: &'static str, count: &Count) -> Result<f64> {
+pub(crate) fn count_value(op: &'static str, count: &Count) -> Result<f64> {
     match count {
         Count::Host(n) => Ok(*n as f64),
         Count::Device(t) => f64_values(op, t)?.first().copied().ok_or_else(|| {
