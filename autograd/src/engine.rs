@@ -9,7 +9,9 @@
 //!
 //! When the last contribution to a leaf has arrived it is accumulated into the leaf's `.grad`
 //! and the leaf's gradient-ready hooks run; after the walk, each backward-finished hook of the
-//! reached leaves runs once.
+//! reached leaves runs once. The event a gradient-ready hook receives is recorded only for a
+//! leaf that has such a hook, into an event object the stream module reuses across backwards
+//! ([`tandem_core::stream::events_created`] counts new ones).
 
 use std::collections::{BTreeMap, BinaryHeap, HashMap, HashSet};
 use std::sync::Arc;
@@ -284,7 +286,6 @@ fn finalize_leaf(leaf: &Tensor, grad: Tensor, compute: &Stream) -> Result<()> {
             owned
         }
     };
-    let event = compute.record_event()?;
     let hooks: Vec<_> = leaf
         .hooks()
         .lock()
@@ -293,8 +294,13 @@ fn finalize_leaf(leaf: &Tensor, grad: Tensor, compute: &Stream) -> Result<()> {
         .map(|(_, h)| h.clone())
         .collect();
     if hooks.is_empty() {
+        // Nobody asks for the event: recording one per parameter per backward costs host time
+        // (a CUDA event each) for nothing.
         return Ok(());
     }
+    // The stream's event objects are pooled: a backward reuses those of the last one once its
+    // hooks have let go of them.
+    let event = compute.record_event()?;
     let ready = GradReady {
         param: leaf.clone(),
         grad: total,

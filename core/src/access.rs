@@ -138,7 +138,10 @@ impl Tensor {
     /// device other than its compute stream, so that the copy overlaps computation (a data
     /// loader's prefetch, say) — and the event after which the copy is complete. Make the
     /// compute stream wait for the event (`Stream::wait_event`, which does not block the host)
-    /// before using the copy. For a CPU `device` this is `to_device` and a completed event.
+    /// before using the copy. Dropping the copy frees its memory on the compute stream after the
+    /// compute stream's uses and after this event — not after later work on `stream`, such as
+    /// the copies of batches prefetched since. For a CPU `device` this is `to_device` and a
+    /// completed event.
     pub fn to_device_on(
         &self,
         device: Device,
@@ -147,11 +150,7 @@ impl Tensor {
         match (self.device(), device) {
             (Device::Cpu, Device::Cuda(n)) => {
                 device.same_as(stream.device(), "to_device_on")?;
-                let cuda_stream = stream.cuda_stream().ok_or_else(|| {
-                    Error::invalid("to_device_on", format!("{stream:?} is not a CUDA stream"))
-                })?;
-                let copy = cuda::upload_on(self, n, cuda_stream)?;
-                Ok((copy, stream.record_event()?))
+                cuda::upload_on(self, n, stream)
             }
             _ => Ok((self.to_device(device)?, crate::Event::completed())),
         }

@@ -11,7 +11,17 @@
 //! Waiting across kinds works too: a CUDA stream told to wait for a host event blocks the
 //! calling thread until the host event completes (the device cannot wait for a host flag); a
 //! host worker told to wait for a CUDA event waits on the device event before its next job.
+//!
+//! **Event objects are reused.** Creating and destroying a CUDA event costs host time on every
+//! call (a backward records one per parameter that has a hook), so the object behind an
+//! [`Event`] goes back to a small pool (one per device, and one for host events) when its last
+//! handle is dropped, and [`Stream::record_event`] records into a pooled object before it
+//! creates one. Nothing can observe the reuse: an object is only recorded again once no handle
+//! to its earlier recording is left, and a CUDA stream that waited for an event keeps waiting
+//! for the recording it was told about. [`events_created`] counts the objects made.
 
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -23,11 +33,101 @@ use parking_lot::{Condvar, Mutex};
 use crate::cuda::device::{device as cuda_device, driver_err};
 use crate::{Device, Error, Result};
 
+/// Idle event objects kept per pool: more than a ResNet-50's 161 parameters, so a backward
+/// whose hooks hold every parameter's event until the end still reuses all of them.
+const KEPT_PER_POOL: usize = 512;
+
+/// Event objects (host flags and CUDA events) created since the process started.
+static EVENTS_CREATED: AtomicU64 = AtomicU64::new(0);
+
+/// How many event objects (host completion flags and CUDA events) this process has created.
+/// Reused objects are not counted, so the number stays flat over training steps that record
+/// the same events: a diagnostic for tests and benchmarks.
+pub fn events_created() -> u64 {
+    EVENTS_CREATED.load(Ordering::Relaxed)
+}
+
+/// An event object that goes back to its pool when the last handle to it is dropped.
+struct Pooled<T> {
+    /// Always `Some` until the drop hands it back.
+    item: Option<T>,
+    release: fn(T),
+}
+
+impl<T> Pooled<T> {
+    fn new(item: T, release: fn(T)) -> Self {
+        Pooled {
+            item: Some(item),
+            release,
+        }
+    }
+}
+
+impl<T> std::ops::Deref for Pooled<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        self.item
+            .as_ref()
+            .expect("a pooled event is present until it is dropped")
+    }
+}
+
+impl<T> Drop for Pooled<T> {
+    fn drop(&mut self) {
+        if let Some(item) = self.item.take() {
+            (self.release)(item);
+        }
+    }
+}
+
+/// Idle host events.
+static HOST_EVENTS: Mutex<Vec<HostEvent>> = Mutex::new(Vec::new());
+
+/// Idle CUDA events (with timing), per device ordinal.
+static CUDA_EVENTS: Mutex<BTreeMap<usize, Vec<CudaEvent>>> = Mutex::new(BTreeMap::new());
+
+fn release_host(event: HostEvent) {
+    let mut free = HOST_EVENTS.lock();
+    if free.len() < KEPT_PER_POOL {
+        free.push(event);
+    }
+}
+
+fn release_cuda(event: DeviceEvent) {
+    let Device::Cuda(ordinal) = event.device else {
+        return;
+    };
+    let mut pools = CUDA_EVENTS.lock();
+    let free = pools.entry(ordinal).or_default();
+    if free.len() < KEPT_PER_POOL {
+        free.push(event.event);
+    }
+}
+
 /// A host event: the instant it completed, once it has.
 #[derive(Debug, Default)]
 struct HostEvent {
     completed_at: Mutex<Option<Instant>>,
     cv: Condvar,
+}
+
+impl HostEvent {
+    /// A pending host event, from the pool when it holds one.
+    fn take() -> Pooled<HostEvent> {
+        let reused = HOST_EVENTS.lock().pop();
+        let event = match reused {
+            Some(event) => {
+                // No handle to its last use is left: nobody waits on it.
+                *event.completed_at.lock() = None;
+                event
+            }
+            None => {
+                EVENTS_CREATED.fetch_add(1, Ordering::Relaxed);
+                HostEvent::default()
+            }
+        };
+        Pooled::new(event, release_host)
+    }
 }
 
 /// A CUDA event recorded on a stream of `device`.
@@ -40,12 +140,38 @@ impl DeviceEvent {
     fn err(&self, op: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
         driver_err(op, self.device)
     }
+
+    /// `stream`'s current point, in a pooled event of `device` (created when none is idle).
+    fn record(device: Device, stream: &CudaStream) -> Result<Pooled<DeviceEvent>> {
+        const OP: &str = "Stream::record_event";
+        let err = driver_err(OP, device);
+        let reused = match device {
+            Device::Cuda(n) => CUDA_EVENTS.lock().get_mut(&n).and_then(Vec::pop),
+            Device::Cpu => None,
+        };
+        let event = match reused {
+            Some(event) => event,
+            None => {
+                let event = stream
+                    .context()
+                    .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+                    .map_err(&err)?;
+                EVENTS_CREATED.fetch_add(1, Ordering::Relaxed);
+                event
+            }
+        };
+        let pooled = Pooled::new(DeviceEvent { device, event }, release_cuda);
+        // Recording again moves the event to the new point; a stream that waited for it
+        // earlier waits for the earlier point (CUDA takes the recording at the wait).
+        pooled.event.record(stream).map_err(&err)?;
+        Ok(pooled)
+    }
 }
 
 #[derive(Clone)]
 enum EventKind {
-    Host(Arc<HostEvent>),
-    Cuda(Arc<DeviceEvent>),
+    Host(Arc<Pooled<HostEvent>>),
+    Cuda(Arc<Pooled<DeviceEvent>>),
 }
 
 /// A point on a stream; complete once all work issued before it has finished.
@@ -72,7 +198,7 @@ impl Event {
     /// A host event that is not complete yet; [`Event::complete`] completes it.
     pub fn pending() -> Self {
         Event {
-            kind: EventKind::Host(Arc::new(HostEvent::default())),
+            kind: EventKind::Host(Arc::new(HostEvent::take())),
         }
     }
 
@@ -160,6 +286,15 @@ impl Event {
         match &self.kind {
             EventKind::Host(h) => *h.completed_at.lock(),
             EventKind::Cuda(_) => None,
+        }
+    }
+
+    /// The CUDA event behind a device event (`None` for a host event), for the runtime's own
+    /// ordering (a buffer's free waits for it).
+    pub(crate) fn cuda_event(&self) -> Option<&CudaEvent> {
+        match &self.kind {
+            EventKind::Cuda(e) => Some(&e.event),
+            EventKind::Host(_) => None,
         }
     }
 
@@ -352,21 +487,9 @@ impl Stream {
                 self.enqueue(move || marker.complete())?;
                 Ok(event)
             }
-            StreamKind::Cuda(stream) => {
-                const OP: &str = "Stream::record_event";
-                let err = driver_err(OP, self.inner.device);
-                let event = stream
-                    .context()
-                    .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
-                    .map_err(&err)?;
-                event.record(stream).map_err(&err)?;
-                Ok(Event {
-                    kind: EventKind::Cuda(Arc::new(DeviceEvent {
-                        device: self.inner.device,
-                        event,
-                    })),
-                })
-            }
+            StreamKind::Cuda(stream) => Ok(Event {
+                kind: EventKind::Cuda(Arc::new(DeviceEvent::record(self.inner.device, stream)?)),
+            }),
         }
     }
 
@@ -456,6 +579,37 @@ mod tests {
             .unwrap()
             .wait_timeout(Duration::from_secs(5))
             .unwrap());
+    }
+
+    #[test]
+    fn a_reused_event_object_starts_over_and_an_event_held_elsewhere_is_not_reused() {
+        let stream = Stream::worker("reuse").unwrap();
+        for _ in 0..50 {
+            // Pending events from the pool are pending, whatever their last use was.
+            let pending = Event::pending();
+            assert!(!pending.is_complete());
+            assert_eq!(pending.completed_at(), None);
+            drop(pending);
+            let done = Stream::compute(Device::Cpu)
+                .unwrap()
+                .record_event()
+                .unwrap();
+            assert!(done.is_complete());
+            // A clone keeps the object: recording more events never completes or resets it.
+            let gate = Event::pending();
+            let held = gate.clone();
+            drop(gate);
+            stream.wait_event(&held).unwrap();
+            let after = stream.record_event().unwrap();
+            for _ in 0..4 {
+                let other = Event::pending();
+                other.complete();
+            }
+            assert!(!held.is_complete(), "a held event was handed out again");
+            assert!(!after.wait_timeout(Duration::from_millis(1)).unwrap());
+            held.complete();
+            after.synchronize().unwrap();
+        }
     }
 
     #[test]

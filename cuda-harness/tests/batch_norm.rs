@@ -17,16 +17,17 @@ mod common;
 
 use common::{assert_same, poison, small_grid, HostBuffer};
 use rand::{Rng, SeedableRng};
+use tandem_core::cuda::deferred::DeferredSlot;
 use tandem_core::cuda::launch::Launch;
 use tandem_core::{DType, Device, Element, Layout, Tensor};
 use tandem_ops::batch_norm::kernels::{
     apply_launch, backward_apply_launches, backward_reduce_launches, count_batch_launch,
     from_sums_launch, normalization_launch, parameter_gradients_launch, statistics_launches,
-    to_sums_launch, update_running_launch, ApplyEpilogue, ChannelArg, Dims, ReduceMask, Split,
-    SumsArg,
+    to_sums_launch, update_running_launch, ApplyEpilogue, ChannelArg, CountArg, Dims, ReduceMask,
+    Split, SumsArg,
 };
 use tandem_ops::batch_norm::phases::{
-    self, ApplyArgs, BackwardApplyArgs, BackwardReduceArgs, GradMask, Normalization,
+    self, ApplyArgs, BackwardApplyArgs, BackwardReduceArgs, Count, GradMask, Normalization,
     NormalizationArgs, RunningUpdate, Statistics,
 };
 use tandem_ops::batch_norm::Epilogue;
@@ -262,6 +263,38 @@ fn statistics_of_data_far_from_zero_keep_their_variance() {
     }
 }
 
+/// The deferred-error record in host memory (claim word and four record words), as the
+/// device's record is laid out (`tandem_core::cuda::deferred`).
+struct Record {
+    claim: Vec<u32>,
+    words: Vec<i64>,
+}
+
+impl Record {
+    fn new() -> Self {
+        Record {
+            claim: vec![0],
+            words: vec![0; 4],
+        }
+    }
+
+    fn slot(&mut self) -> DeferredSlot {
+        DeferredSlot {
+            claim: self.claim.as_mut_ptr() as u64,
+            record: self.words.as_mut_ptr() as u64,
+            code: 5,
+        }
+    }
+}
+
+/// A count both ways the kernels take it: from the host, and from "device" memory (`buf`).
+fn count_args(n: usize, buf: &mut Buf<f64>) -> [(&'static str, CountArg); 2] {
+    [
+        ("host count", CountArg::Host(n)),
+        ("device count", CountArg::Device(buf.at())),
+    ]
+}
+
 // ---- per-channel formulas ----------------------------------------------------------------
 
 fn cpu_stats(c: usize, count: usize, seed: u64) -> Statistics {
@@ -271,7 +304,7 @@ fn cpu_stats(c: usize, count: usize, seed: u64) -> Statistics {
         .map(|v| v.abs())
         .collect();
     Statistics {
-        count,
+        count: Count::Host(count),
         mean: cpu(&mean, &[c]),
         var: cpu(&var, &[c]),
     }
@@ -285,11 +318,17 @@ fn sums_round_trip_like_the_cpu_bit_for_bit() {
         let what = format!("to_sums of {c} channels");
         let mut mean = Buf::new(&host::<f64>(&stats.mean), false);
         let mut var = Buf::new(&host::<f64>(&stats.var), false);
-        let mut sums = Buf::<f64>::poisoned(1 + 2 * c);
-        let launch = to_sums_launch(OP, mean.channel(1), var.channel(1), c, 77, sums.at()).unwrap();
-        run_all(&[launch], c + 1, false, &what);
-        let got = sums.values(&what);
-        assert_same(&got, &want, &what);
+        let mut count = Buf::new(&[77.0f64], false);
+        let mut got = Vec::new();
+        for (how, count) in count_args(77, &mut count) {
+            let what = format!("{what}, {how}");
+            let mut sums = Buf::<f64>::poisoned(1 + 2 * c);
+            let launch =
+                to_sums_launch(OP, mean.channel(1), var.channel(1), c, count, sums.at()).unwrap();
+            run_all(&[launch], c + 1, false, &what);
+            got = sums.values(&what);
+            assert_same(&got, &want, &what);
+        }
 
         // Summed over three "processes", then back.
         let summed: Vec<f64> = got.iter().map(|v| 3.0 * v).collect();
@@ -298,11 +337,66 @@ fn sums_round_trip_like_the_cpu_bit_for_bit() {
         let mut sums = Buf::new(&summed, false);
         let mut mean = Buf::<f64>::poisoned(c);
         let mut var = Buf::<f64>::poisoned(c);
-        let launch = from_sums_launch(OP, sums.channel(1), c, mean.at(), var.at()).unwrap();
+        let mut record = Record::new();
+        let launch =
+            from_sums_launch(OP, sums.channel(1), c, mean.at(), var.at(), record.slot()).unwrap();
         for small in [false, true] {
-            run_all(std::slice::from_ref(&launch), c, small, &what);
+            run_all(std::slice::from_ref(&launch), c + 1, small, &what);
             assert_same(&mean.values(&what), &host::<f64>(&back.mean), &what);
             assert_same(&var.values(&what), &host::<f64>(&back.var), &what);
+        }
+        assert_eq!(record.claim[0], 0, "{what}: a good count recorded an error");
+        assert_eq!(record.words, vec![0; 4], "{what}");
+    }
+}
+
+#[test]
+fn from_sums_checks_the_count_on_the_device_as_the_cpu_does() {
+    // The CPU's verdict on each count against the kernel's record (the count stays on the
+    // device on a GPU, so the kernel is where a bad one is found).
+    let counts = [
+        2.0,
+        3.0,
+        1e15,
+        1.0,
+        0.0,
+        -4.0,
+        2.5,
+        f64::NAN,
+        f64::INFINITY,
+        2f64.powi(53),
+    ];
+    for c in [0usize, 3] {
+        for count in counts {
+            let what = format!("from_sums of {c} channels with a count of {count}");
+            let mut values = vec![count];
+            values.extend((0..2 * c).map(|i| 1.0 + i as f64));
+            let cpu_ok = Statistics::from_sums(&cpu(&values, &[1 + 2 * c])).is_ok();
+            assert_eq!(cpu_ok, phases::check_count(count).is_ok(), "{what}");
+            let mut sums = Buf::new(&values, false);
+            let mut mean = Buf::<f64>::poisoned(c);
+            let mut var = Buf::<f64>::poisoned(c);
+            let mut record = Record::new();
+            let launch =
+                from_sums_launch(OP, sums.channel(1), c, mean.at(), var.at(), record.slot())
+                    .unwrap();
+            run_all(&[launch], c + 1, false, &what);
+            mean.values(&what);
+            var.values(&what);
+            if cpu_ok {
+                assert_eq!(record.claim[0], 0, "{what}: recorded");
+                assert_eq!(record.words, vec![0; 4], "{what}");
+            } else {
+                assert_eq!(record.claim[0], 1, "{what}: not recorded");
+                assert_eq!(record.words[0], 5, "{what}: code");
+                assert_eq!(record.words[1], 0, "{what}: position");
+                assert_eq!(
+                    f64::from_bits(record.words[2] as u64).to_bits(),
+                    count.to_bits(),
+                    "{what}: the count's bits"
+                );
+                assert_eq!(record.words[3], 2, "{what}: bound");
+            }
         }
     }
 }
@@ -332,30 +426,38 @@ fn check_update_running<R: Element>(c: usize, stride: usize, with_var: bool) {
             .flat_map(|&e| std::iter::once(e).chain(std::iter::repeat_n(poison::<R>(), stride - 1)))
             .collect()
     };
-    let mut running_mean = Buf::new(&spread(&start_mean), false);
-    let mut running_var = Buf::new(&spread(&start_var), false);
     let mut mean = Buf::new(&host::<f64>(&stats.mean), false);
     let mut var = Buf::new(&host::<f64>(&stats.var), false);
-    let rv_arg = if with_var {
-        running_var.channel(stride)
-    } else {
-        ChannelArg::absent()
-    };
-    let launch = update_running_launch(
-        OP,
-        running_mean.channel(stride),
-        rv_arg,
-        mean.channel(1),
-        var.channel(1),
-        c,
-        0.1,
-        9.0 / 8.0,
-    )
-    .unwrap();
-    run_all(&[launch], c, false, &what);
-    assert_same(&running_mean.values(&what), &spread(&host::<R>(&rm)), &what);
-    let want_var = if with_var { host::<R>(&rv) } else { start_var };
-    assert_same(&running_var.values(&what), &spread(&want_var), &what);
+    let mut count = Buf::new(&[9.0f64], false);
+    for (how, count) in count_args(9, &mut count) {
+        let what = format!("{what}, {how}");
+        let mut running_mean = Buf::new(&spread(&start_mean), false);
+        let mut running_var = Buf::new(&spread(&start_var), false);
+        let rv_arg = if with_var {
+            running_var.channel(stride)
+        } else {
+            ChannelArg::absent()
+        };
+        let launch = update_running_launch(
+            OP,
+            running_mean.channel(stride),
+            rv_arg,
+            mean.channel(1),
+            var.channel(1),
+            c,
+            0.1,
+            count,
+        )
+        .unwrap();
+        run_all(&[launch], c, false, &what);
+        assert_same(&running_mean.values(&what), &spread(&host::<R>(&rm)), &what);
+        let want_var = if with_var {
+            host::<R>(&rv)
+        } else {
+            start_var.clone()
+        };
+        assert_same(&running_var.values(&what), &spread(&want_var), &what);
+    }
 }
 
 #[test]
@@ -626,15 +728,19 @@ fn check_backward<T: Element>(shape: [usize; 3], misaligned: bool, seed: u64) {
                     x: &xt,
                     norm: &norm,
                     sums: &want.sums,
-                    count,
+                    count: &Count::Host(count),
                     training,
                     relu_mask,
                 })
                 .unwrap(),
             );
-            for small in [false, true] {
+            let mut count_buf = Buf::new(&[count as f64], false);
+            for (small, (how, count)) in [false, true]
+                .into_iter()
+                .flat_map(|small| count_args(count, &mut count_buf).map(|c| (small, c)))
+            {
                 let what = format!(
-                    "backward_apply {} training {training} {} {shape:?}{}{}",
+                    "backward_apply {} training {training} {} {shape:?}{}{}, {how}",
                     mask_name(mask),
                     T::DTYPE,
                     if small { ", small grid" } else { "" },

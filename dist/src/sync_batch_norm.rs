@@ -70,17 +70,29 @@ impl SyncBatchNorm {
         }
         // Contiguous once: every phase, forward and backward, reads the input.
         let xc = x.contiguous_detached()?;
-        let sums = phases::statistics(&xc)?.to_sums()?;
-        self.group
-            .all_reduce(&sums, ReduceOp::Sum)
-            .and_then(|w| w.wait())
-            .map_err(|e| core_err("forward statistics", e))?;
-        let stats = Statistics::from_sums(&sums).map_err(|e| {
+        let statistics_error = |e: tandem_core::Error| {
             self.input_error(format!(
                 "batch statistics over the group failed for input {:?}: {e}",
                 x.dims()
             ))
-        })?;
+        };
+        let local = phases::statistics(&xc)?;
+        // The group's count is the sum of the ranks' counts. The host knows only its own: on
+        // one process that is the group's, checked here at once; otherwise `from_sums` checks
+        // the reduced count — on the CPU as it reads it, on a GPU on the device (reported at
+        // the next host read), because reading it would block the host on the all-reduce in
+        // every layer of every forward. PyTorch likewise checks only the local size, and only
+        // for a group of one.
+        if let (1, Some(count)) = (self.group.world_size(), local.count.on_host()) {
+            phases::check_count(count as f64).map_err(statistics_error)?;
+        }
+        let sums = local.to_sums()?;
+        self.group
+            .all_reduce(&sums, ReduceOp::Sum)
+            .and_then(|w| w.wait())
+            .map_err(|e| core_err("forward statistics", e))?;
+        // On a GPU the count stays on the device: nothing here waits for the all-reduce.
+        let stats = Statistics::from_sums(&sums).map_err(statistics_error)?;
         if let (Some(running_mean), Some(running_var)) = (bn.running_mean(), bn.running_var()) {
             phases::update_running(&RunningUpdate {
                 running_mean: Some(running_mean),
@@ -116,7 +128,7 @@ impl SyncBatchNorm {
         inputs.extend(bn.bias());
         let (has_w, has_b) = (bn.weight().is_some(), bn.bias().is_some());
         let group = self.group.clone();
-        let count = stats.count;
+        let count = stats.count.clone();
         Ok(record_fn(out, &inputs, "sync_batch_norm", move || {
             move |g: &Tensor| {
                 let mask = match (&saved_out, relu) {
@@ -144,7 +156,7 @@ impl SyncBatchNorm {
                     x: &xc,
                     norm: &norm,
                     sums: &sums,
-                    count,
+                    count: &count,
                     training: true,
                     relu_mask: relu,
                 })?;

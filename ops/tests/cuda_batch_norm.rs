@@ -481,7 +481,12 @@ fn every_phase_matches_the_cpu() {
             phases::statistics(&xc).unwrap(),
             phases::statistics(&xg).unwrap(),
         );
-        assert_eq!(sc.count, sg.count, "{}", what("statistics count"));
+        assert_eq!(
+            sc.count.on_host(),
+            sg.count.on_host(),
+            "{}",
+            what("statistics count")
+        );
         assert_eq!(
             sg.mean.device(),
             GPU,
@@ -502,7 +507,18 @@ fn every_phase_matches_the_cpu() {
             Statistics::from_sums(&dc).unwrap(),
             Statistics::from_sums(&dg).unwrap(),
         );
-        assert_eq!(back_g.count, 2 * sg.count, "{}", what("from_sums count"));
+        // The reduced count stays on the device; read here only to check it.
+        assert!(
+            back_g.count.on_host().is_none(),
+            "{}",
+            what("from_sums count")
+        );
+        assert_eq!(
+            back_g.count.read().unwrap(),
+            2 * sg.count.read().unwrap(),
+            "{}",
+            what("from_sums count")
+        );
         assert_close(&back_g.mean, &back_c.mean, 1e-6, &what("from_sums mean"));
         assert_close(&back_g.var, &back_c.var, 1e-5, &what("from_sums var"));
 
@@ -517,7 +533,7 @@ fn every_phase_matches_the_cpu() {
             on(&rv, GPU),
         );
         let stats_on_cpu = Statistics {
-            count: sg.count,
+            count: sg.count.clone(),
             mean: on(&sg.mean, Device::Cpu),
             var: on(&sg.var, Device::Cpu),
         };
@@ -645,7 +661,7 @@ fn every_phase_matches_the_cpu() {
                     x,
                     norm,
                     sums,
-                    count: sc.count,
+                    count: &sc.count,
                     training,
                     relu_mask: name == "relu",
                 };
@@ -933,9 +949,8 @@ fn mixing_devices_is_an_error_naming_both() {
     let cpu = Statistics::from_sums(&one)
         .expect_err("a count of 1 on the cpu")
         .to_string();
-    let gpu = Statistics::from_sums(&on(&one, GPU))
-        .expect_err("a count of 1 on cuda")
-        .to_string();
-    assert_eq!(gpu, cpu, "from_sums with a count of 1");
+    // On the GPU the count stays on the device and the kernel checks it, reporting at the next
+    // read of the device: `cuda_batch_norm_count.rs` checks that alone in its binary, since
+    // any test's read here could report it.
     assert!(cpu.contains("batch_norm_statistics"), "{cpu}");
 }

@@ -8,7 +8,10 @@
 //! they are ordered after the free. A buffer that another stream used as well (a gradient
 //! bucket read by the communication stream, say) must not be reused before that stream is done
 //! with it: [`DeviceBuffer::record_stream`] notes such a stream (PyTorch's `recordStream`), and
-//! the drop orders the free after the current work of every stream that used the buffer.
+//! the drop orders the free after the current work of every stream that used the buffer —
+//! except the allocating stream when [`DeviceBuffer::allocating_stream_done`] said where its
+//! use ended (a data loader's copy): then after that point only, so that freeing a batch does
+//! not wait for the copies of later batches (see `free_order.rs`).
 //!
 //! [`memory_stats`] reports the bytes in use by tensors now and at most since the last reset,
 //! and what the pool holds from the driver.
@@ -20,7 +23,8 @@ use cudarc::driver::{result, sys, CudaStream, DriverError};
 use parking_lot::Mutex;
 
 use super::device::{device, driver_err, CudaDevice};
-use crate::{Error, Result};
+use super::free_order::{plan_free, Wait};
+use crate::{Error, Event, Result};
 
 /// Bytes in use by tensors on one device, now and at the most.
 #[derive(Debug, Default)]
@@ -187,6 +191,8 @@ pub struct DeviceBuffer {
     stream: Arc<CudaStream>,
     /// Other streams that used the memory.
     used_on: Mutex<Vec<Arc<CudaStream>>>,
+    /// Where the allocating stream's use of the memory ended, when known.
+    allocation_done: Mutex<Option<Event>>,
 }
 
 impl std::fmt::Debug for DeviceBuffer {
@@ -234,6 +240,7 @@ impl DeviceBuffer {
             device: device.clone(),
             stream: stream.clone(),
             used_on: Mutex::new(Vec::new()),
+            allocation_done: Mutex::new(None),
         })
     }
 
@@ -253,9 +260,11 @@ impl DeviceBuffer {
     }
 
     /// Notes that work on `stream` uses this memory, so that its free waits for that work
-    /// (`recordStream`). The allocating stream needs no note.
+    /// (`recordStream`). The allocating stream needs no note, but a note for it withdraws
+    /// [`DeviceBuffer::allocating_stream_done`]: it uses the memory again.
     pub fn record_stream(&self, stream: &Arc<CudaStream>) {
         if Arc::ptr_eq(stream, &self.stream) || stream.cu_stream() == self.stream.cu_stream() {
+            self.allocation_done.lock().take();
             return;
         }
         let mut used = self.used_on.lock();
@@ -264,25 +273,42 @@ impl DeviceBuffer {
         }
     }
 
+    /// Says that the allocating stream's use of the memory ends at `done`, an event recorded
+    /// on it right after its last use (the copy that filled a batch, say), so that the free,
+    /// issued on another stream that used the memory, waits for that point only and not for
+    /// whatever the allocating stream runs by then. Ignored for an event of another device and
+    /// for a host event.
+    pub fn allocating_stream_done(&self, done: Event) {
+        if done.device() == self.device.device() && done.cuda_event().is_some() {
+            *self.allocation_done.lock() = Some(done);
+        }
+    }
+
     fn free(&mut self) -> std::result::Result<(), DriverError> {
         self.device.context().bind_to_thread()?;
         let used = std::mem::take(&mut *self.used_on.lock());
-        let Some((last, others)) = used.split_last() else {
-            // SAFETY: the memory was allocated on this stream and nothing else used it.
-            return unsafe { result::free_async(self.ptr, self.stream.cu_stream()) };
-        };
-        // Free on the last stream that used the memory, after it has waited for the current
-        // work of the allocating stream and of every other user.
-        for other in others.iter().chain(std::iter::once(&self.stream)) {
-            let event = self
-                .device
-                .context()
-                .new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))?;
-            event.record(other)?;
-            last.wait(&event)?;
+        let done = self.allocation_done.lock().take();
+        let plan = plan_free(&self.stream, done.as_ref(), &used);
+        for wait in &plan.waits {
+            match wait {
+                Wait::Tail(other) => {
+                    let event = self
+                        .device
+                        .context()
+                        .new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))?;
+                    event.record(other)?;
+                    plan.free_on.wait(&event)?;
+                }
+                Wait::Event(done) => {
+                    if let Some(event) = done.cuda_event() {
+                        plan.free_on.wait(event)?;
+                    }
+                }
+            }
         }
-        // SAFETY: `last` is ordered after every use of the memory.
-        unsafe { result::free_async(self.ptr, last.cu_stream()) }
+        // SAFETY: `free_on` is ordered after every use of the memory: its own by stream order,
+        // every other stream's through the waits above.
+        unsafe { result::free_async(self.ptr, plan.free_on.cu_stream()) }
     }
 }
 

@@ -11,6 +11,8 @@
 pub mod blas;
 pub mod deferred;
 pub mod device;
+mod free_order;
+pub mod host_reads;
 pub mod kernel_cache;
 pub mod launch;
 pub mod libs;
@@ -23,6 +25,7 @@ mod storage;
 mod transfer;
 
 pub use device::{device, device_count, is_available, CudaDevice};
+pub use host_reads::device_to_host_copies;
 pub use memory::{empty_cache, memory_stats, reset_peak_memory, DeviceBuffer, MemoryStats};
 pub use runtime::{device_pointer, device_view, launch_on_compute};
 pub use storage::CudaStorage;

@@ -5,14 +5,15 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::CudaStream;
-
 use super::device::{device, CudaDevice};
 use super::launch::Launch;
 use super::runtime_kernels::{self as kernels, DeviceView};
 use super::storage::CudaStorage;
 use super::transfer;
-use crate::{with_element_type, DType, Device, Element, Layout, Result, Storage, Tensor};
+use crate::{
+    with_element_type, DType, Device, Element, Error, Event, Layout, Result, Storage, Stream,
+    Tensor,
+};
 
 /// The open device of a CUDA tensor and the device address of its storage's first element
 /// (the tensor's layout offset counts from there). For ops' CUDA code building launches.
@@ -151,22 +152,28 @@ pub(crate) fn upload(t: &Tensor, ordinal: usize) -> Result<Tensor> {
 
 /// `t` (a CPU tensor) as a contiguous tensor on `cuda:ordinal`, allocated and copied in order on
 /// `stream` (a stream of that device other than the compute stream, typically a copy stream),
-/// so that the copy overlaps the compute stream's work. The memory is noted as used on the
-/// compute stream, where the caller uses it after waiting for `stream`.
-pub(crate) fn upload_on(t: &Tensor, ordinal: usize, stream: &Arc<CudaStream>) -> Result<Tensor> {
+/// so that the copy overlaps the compute stream's work, and the event right after the copy.
+/// The memory is noted as used on the compute stream, where the caller uses it after waiting
+/// for the event, and as done with on `stream` at the event: dropping the copy frees it on the
+/// compute stream after the event, not after later work on `stream` (later batches' copies).
+pub(crate) fn upload_on(t: &Tensor, ordinal: usize, stream: &Stream) -> Result<(Tensor, Event)> {
     const OP: &str = "to_device_on";
+    let cuda_stream = stream
+        .cuda_stream()
+        .ok_or_else(|| Error::invalid(OP, format!("{stream:?} is not a CUDA stream")))?;
     let host = t.contiguous_detached()?;
     let dev = device(ordinal)?;
-    let storage = CudaStorage::uninit_on(OP, &dev, t.dtype(), t.numel(), stream)?;
+    let storage = CudaStorage::uninit_on(OP, &dev, t.dtype(), t.numel(), cuda_stream)?;
     storage.buffer().record_stream(dev.compute_stream());
-    let ptr = storage.ptr();
-    let out = Tensor::from_storage(Storage::cuda(storage), Layout::contiguous(t.dims()))?;
     let guard = host.storage().read_host(OP)?;
     let size = t.dtype().size_in_bytes();
     let offset = host.layout().offset() * size;
     let bytes = &guard.as_bytes()[offset..offset + t.numel() * size];
-    transfer::upload(&dev, OP, bytes, ptr, stream)?;
-    Ok(out)
+    transfer::upload(&dev, OP, bytes, storage.ptr(), cuda_stream)?;
+    let copied = stream.record_event()?;
+    storage.buffer().allocating_stream_done(copied.clone());
+    let out = Tensor::from_storage(Storage::cuda(storage), Layout::contiguous(t.dims()))?;
+    Ok((out, copied))
 }
 
 /// `t` (on a CUDA device) as a CPU tensor.

@@ -165,6 +165,7 @@ pub(crate) fn download(
     dst: &mut [u8],
     stream: &CudaStream,
 ) -> Result<()> {
+    super::host_reads::note_copy();
     let err = driver_err(op, device.device());
     for (i, chunk) in dst.chunks_mut(CHUNK_BYTES).enumerate() {
         let at = src + (i * CHUNK_BYTES) as u64;

@@ -218,6 +218,11 @@ struct Loaded {
 }
 
 /// Copies a CPU batch to `device` on the `copy` stream (nothing to do for the CPU).
+///
+/// Each copy's memory remembers the event right after that copy: when the caller drops the
+/// batch, it is freed on the compute stream after the caller's uses and after that event only,
+/// so a dropped batch never makes the compute stream wait for the copies of the batches
+/// prefetched behind it (`Tensor::to_device_on`).
 fn deliver(batch: Batch, device: Device, copy: Option<&Stream>) -> Result<Loaded> {
     let Some(copy) = copy else {
         return Ok(Loaded { batch, ready: None });

@@ -423,9 +423,17 @@ TANDEM_FN void bn_backward_apply(const T* g, const T* x, T* out, const T* coeffi
 // Per-channel constants: one thread per channel, in f64 with the CPU's formulas.
 // ---------------------------------------------------------------------------------------------
 
+// The count a kernel divides by: the host's value, or an f64 in device memory (`at`, the first
+// element of all-reduced statistic sums) that the host has not read (`CountArg` in kernels.rs).
+TANDEM_FN double bn_count(double host, const bn_channel& at) {
+    return at.present ? bn_get(at, 0, host) : host;
+}
+
 // sums = [count, count·mean…, count·(var + mean²)…] (`Statistics::to_sums`).
 extern "C" __global__ void batch_norm_to_sums(bn_channel mean, bn_channel var, tandem_u64 channels,
-                                              double count, double* sums) {
+                                              double count_host, bn_channel count_at,
+                                              double* sums) {
+    double count = bn_count(count_host, count_at);
     // The count is written also when there are no channels.
     if (blockIdx.x == 0 && threadIdx.x == 0) {
         sums[0] = count;
@@ -439,11 +447,35 @@ extern "C" __global__ void batch_norm_to_sums(bn_channel mean, bn_channel var, t
 }
 TANDEM_HOST_EXPORT(batch_norm_to_sums)
 
-// The inverse (`Statistics::from_sums`): mean = Σx/n, var = max(Σx²/n − mean², 0).
+// Whether a count of values is one the statistics can be taken of: a whole number above 1 that
+// f64 holds exactly (the CPU's check in `Statistics::from_sums`; NaN and infinities fail).
+TANDEM_FN bool bn_count_ok(double n) {
+    return n >= 2.0 && n < 9007199254740992.0 && n == floor(n);
+}
+
+// The inverse (`Statistics::from_sums`): mean = Σx/n, var = max(Σx²/n − mean², 0). The count
+// stays on the device, so it is checked here: a bad one is recorded in the deferred-error record
+// (core/src/cuda/deferred.rs; position 0, value the count's f64 bits, bound 2), which the host
+// reports at its next read, worded as the CPU's error. Thread 0 checks, also for no channels.
 extern "C" __global__ void batch_norm_from_sums(bn_channel sums, tandem_u64 channels,
-                                                double* mean, double* var) {
+                                                double* mean, double* var, tandem_u32* claim,
+                                                tandem_i64* record, tandem_u32 code) {
+    double n = bn_get(sums, 0, 0.0);
+    if (blockIdx.x == 0 && threadIdx.x == 0 && !bn_count_ok(n)) {
+        if (atomicCAS(claim, 0u, 1u) == 0u) {
+            volatile tandem_i64* words = record;
+            words[1] = 0;
+            words[2] = __double_as_longlong(n);
+            words[3] = 2;
+#ifdef __CUDA_ARCH__
+            __threadfence_system();
+#else
+            __threadfence();
+#endif
+            words[0] = (tandem_i64)code;
+        }
+    }
     TANDEM_GRID_STRIDE_LOOP(c, channels) {
-        double n = bn_get(sums, 0, 0.0);
         double m = bn_get(sums, 1 + c, 0.0) / n;
         mean[c] = m;
         // f64::max: the non-NaN operand wins, as fmax's does.
@@ -453,11 +485,17 @@ extern "C" __global__ void batch_norm_from_sums(bn_channel sums, tandem_u64 chan
 TANDEM_HOST_EXPORT(batch_norm_from_sums)
 
 // running = (1 − momentum)·running + momentum·factor·stat, for the mean (factor 1) and the
-// variance (factor count/(count − 1), the unbiased variance).
+// variance (factor count/(count − 1), the unbiased variance: `factor` from the host, or from the
+// count in device memory at `count_at`, with the host's formula).
 extern "C" __global__ void batch_norm_update_running(bn_channel running_mean,
                                                      bn_channel running_var, bn_channel mean,
                                                      bn_channel var, tandem_u64 channels,
-                                                     double momentum, double factor) {
+                                                     double momentum, double factor,
+                                                     bn_channel count_at) {
+    if (count_at.present) {
+        double n = bn_get(count_at, 0, 0.0);
+        factor = n / (n - 1.0);
+    }
     double keep = 1.0 - momentum;
     double weight = tandem_mul_rn(momentum, factor);
     TANDEM_GRID_STRIDE_LOOP(c, channels) {
@@ -499,7 +537,9 @@ TANDEM_HOST_EXPORT(batch_norm_normalization)
 template <typename T>
 TANDEM_FN void bn_backward_coefficients(const double* table, bn_channel sum_g,
                                         bn_channel sum_centered, tandem_u64 channels,
-                                        double count, int training, T* coefficients) {
+                                        double count_host, bn_channel count_at, int training,
+                                        T* coefficients) {
+    double count = bn_count(count_host, count_at);
     TANDEM_GRID_STRIDE_LOOP(c, channels) {
         double mean = table[c];
         double invstd = table[channels + c];
@@ -580,9 +620,9 @@ TANDEM_HOST_EXPORT(batch_norm_count_batch)
                                                                                                \
     extern "C" __global__ void batch_norm_backward_coefficients_##NAME(                        \
         const double* table, bn_channel sum_g, bn_channel sum_centered, tandem_u64 channels,   \
-        double count, int training, T* coefficients) {                                         \
-        bn_backward_coefficients<T>(table, sum_g, sum_centered, channels, count, training,     \
-                                    coefficients);                                             \
+        double count_host, bn_channel count_at, int training, T* coefficients) {               \
+        bn_backward_coefficients<T>(table, sum_g, sum_centered, channels, count_host,          \
+                                    count_at, training, coefficients);                         \
     }                                                                                          \
     TANDEM_HOST_EXPORT(batch_norm_backward_coefficients_##NAME)                                \
                                                                                                \

@@ -1,21 +1,45 @@
 //! CUDA kernels of the batch-norm phases (see `phases.rs`): each makes its inputs contiguous
 //! where a kernel needs them so (the fused ops pass contiguous inputs already), allocates its
 //! outputs on the device, builds the launches of `kernels.rs` and runs them on the device's
-//! compute stream. Nothing waits for the device, except [`from_sums`], whose contract returns
-//! the count as a host value.
+//! compute stream. Nothing waits for the device: the count of all-reduced statistic sums stays
+//! on the device, where [`from_sums`]'s kernel checks it (reporting a bad one through the
+//! deferred-error record) and the kernels that divide by it read it.
 
 use std::sync::Arc;
 
+use tandem_core::cuda::deferred::{self, DeferredCheck, Finding};
 use tandem_core::cuda::launch::Launch;
 use tandem_core::cuda::{device_pointer, launch_on_compute, CudaDevice};
 use tandem_core::{DType, Layout, Result, Shape, Tensor};
 
-use super::kernels::{self, ApplyEpilogue, ChannelArg, Dims, ReduceMask, Split, SumsArg};
+use super::kernels::{self, ApplyEpilogue, ChannelArg, CountArg, Dims, ReduceMask, Split, SumsArg};
 use super::phases::{
-    ApplyArgs, BackwardApplyArgs, BackwardReduceArgs, GradMask, GradSums, Normalization,
-    NormalizationArgs, RunningUpdate, Statistics,
+    bad_count, ApplyArgs, BackwardApplyArgs, BackwardReduceArgs, Count, GradMask, GradSums,
+    Normalization, NormalizationArgs, RunningUpdate, Statistics,
 };
-use super::{cpu, Epilogue};
+use super::Epilogue;
+
+/// A count of all-reduced statistic sums that is not a whole number above 1, found by
+/// `batch_norm_from_sums` (the finding's value holds the count's f64 bits).
+pub(crate) static STATISTICS_COUNT: DeferredCheck =
+    DeferredCheck::new("batch_norm_statistics", describe_count);
+
+fn describe_count(finding: &Finding) -> String {
+    let count = f64::from_bits(finding.value as u64);
+    // The CPU's message, without its `op: ` prefix (the deferred error adds it).
+    let message = bad_count("batch_norm_statistics", count).to_string();
+    message
+        .strip_prefix("batch_norm_statistics: ")
+        .map_or(message.clone(), str::to_string)
+}
+
+/// The count as the kernels take it: a host value, or the address of the f64 on the device.
+fn count_arg(op: &'static str, count: &Count) -> Result<CountArg> {
+    Ok(match count {
+        Count::Host(n) => CountArg::Host(*n),
+        Count::Device(t) => CountArg::Device(ptr(op, t)?),
+    })
+}
 
 /// The device of a CUDA tensor and the address of its first element (the storage's base
 /// plus the layout offset).
@@ -106,7 +130,7 @@ pub(crate) fn statistics(op: &'static str, x: &Tensor) -> Result<Statistics> {
     // Every channel gets a value, also for an input without elements (NaN).
     run(&dev, &launches, dims.c)?;
     Ok(Statistics {
-        count: dims.per_channel(),
+        count: Count::Host(dims.per_channel()),
         mean,
         var,
     })
@@ -122,16 +146,16 @@ pub(crate) fn to_sums(op: &'static str, stats: &Statistics) -> Result<Tensor> {
         channel(op, "mean", Some(&stats.mean))?,
         channel(op, "var", Some(&stats.var))?,
         c,
-        stats.count,
+        count_arg(op, &stats.count)?,
         ptr(op, &sums)?,
     )?;
     run(&dev, &[launch], c + 1)?;
     Ok(sums)
 }
 
-/// The count (a host value: the caller validates it) and the per-channel mean and biased
-/// variance of `[1 + 2C]` f64 sums.
-pub(crate) fn from_sums(op: &'static str, sums: &Tensor) -> Result<(f64, Tensor, Tensor)> {
+/// The count (a view of `sums[0]`, left on the device and checked there) and the per-channel
+/// mean and biased variance of `[1 + 2C]` f64 sums.
+pub(crate) fn from_sums(op: &'static str, sums: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
     let c = sums.dims()[0] / 2;
     let (dev, _) = device_pointer(op, sums)?;
     let mean = f64_like(sums, &[c])?;
@@ -143,17 +167,15 @@ pub(crate) fn from_sums(op: &'static str, sums: &Tensor) -> Result<(f64, Tensor,
         c,
         ptr(op, &mean)?,
         ptr(op, &var)?,
+        deferred::slot(&dev, &STATISTICS_COUNT)?,
     )?;
-    run(&dev, &[launch], c)?;
-    // The contract returns the count on the host (it is checked there and sizes later
-    // phases): the one host synchronisation of the batch-norm phases, after the launch above so
-    // the device has that work queued. The value is read by the CPU kernel's helper.
-    let first = sums.view_detached(Layout::from_parts(
+    // Also for no channels: the kernel checks the count.
+    run(&dev, &[launch], c + 1)?;
+    let count = sums.view_detached(Layout::from_parts(
         Shape::new(),
         Shape::new(),
         sums.layout().offset(),
     ))?;
-    let count = cpu::host_value(op, &first.to_device(tandem_core::Device::Cpu)?)?;
     Ok((count, mean, var))
 }
 
@@ -165,7 +187,6 @@ pub(crate) fn update_running(op: &'static str, args: &RunningUpdate<'_>) -> Resu
         return Ok(());
     }
     let (dev, _) = device_pointer(op, &stats.mean)?;
-    let count = stats.count as f64;
     let launch = kernels::update_running_launch(
         op,
         channel(op, "running_mean", args.running_mean)?,
@@ -174,7 +195,7 @@ pub(crate) fn update_running(op: &'static str, args: &RunningUpdate<'_>) -> Resu
         channel(op, "var", Some(&stats.var))?,
         c,
         args.momentum,
-        count / (count - 1.0),
+        count_arg(op, &stats.count)?,
     )?;
     run(&dev, &[launch], c)
 }
@@ -285,7 +306,7 @@ pub(crate) fn backward_apply(op: &'static str, args: &BackwardApplyArgs<'_>) -> 
         dims,
         ptr(op, args.norm.table())?,
         sums_arg(op, args.sums)?,
-        args.count,
+        count_arg(op, args.count)?,
         args.training,
         args.relu_mask,
         ptr(op, &coefficients)?,

@@ -11,6 +11,7 @@
 //! elements into [`Split::splits`] ranges of [`Split::chunk`] elements, one block each; the split
 //! depends on the dims only, so results are deterministic for a shape.
 
+use tandem_core::cuda::deferred::DeferredSlot;
 use tandem_core::cuda::launch::{
     KernelArg, KernelPod, KernelSource, Launch, LaunchConfig, WARP_SIZE,
 };
@@ -252,6 +253,45 @@ fn check_dtype(op: &'static str, dtype: DType) -> Result<()> {
 }
 
 /// Errors when `address` is null though the kernel reads or writes through it.
+/// The count a kernel divides by (`count_host` and `count_at` in `batch_norm.cu`): a value the
+/// host knows, or an f64 at a device address that the host has not read — the first element
+/// of statistic sums all-reduced across processes, so that SyncBatchNorm never waits for the
+/// reduction.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CountArg {
+    /// The count, known on the host.
+    Host(usize),
+    /// The device address of the count, an f64.
+    Device(u64),
+}
+
+impl CountArg {
+    /// The kernel's two arguments: the host value (0 when on the device) and the device
+    /// location (absent when on the host).
+    fn kernel_args(self, op: &'static str) -> Result<[KernelArg; 2]> {
+        Ok(match self {
+            CountArg::Host(n) => [
+                KernelArg::F64(n as f64),
+                KernelArg::pod(&ChannelArg::absent()),
+            ],
+            CountArg::Device(at) => [
+                KernelArg::F64(0.0),
+                KernelArg::pod(&ChannelArg::new(op, "the count", at, 0, DType::F64)?),
+            ],
+        })
+    }
+}
+
+/// The deferred-error record a kernel reports a bad value in (see
+/// [`tandem_core::cuda::deferred`]): its three kernel arguments.
+fn deferred_args(slot: DeferredSlot) -> [KernelArg; 3] {
+    [
+        KernelArg::Ptr(slot.claim),
+        KernelArg::Ptr(slot.record),
+        KernelArg::U32(slot.code),
+    ]
+}
+
 fn check_address(op: &'static str, name: &str, address: u64, used: bool) -> Result<()> {
     if used && address == 0 {
         return Err(Error::invalid(
@@ -401,9 +441,10 @@ pub fn to_sums_launch(
     mean: ChannelArg,
     var: ChannelArg,
     channels: usize,
-    count: usize,
+    count: CountArg,
     sums: u64,
 ) -> Result<Launch> {
+    let [count_host, count_at] = count.kernel_args(op)?;
     check_address(op, "the sums", sums, true)?;
     if channels > 0 && !(mean.is_present() && var.is_present()) {
         return Err(Error::invalid(op, "the mean and variance are needed"));
@@ -415,41 +456,53 @@ pub fn to_sums_launch(
             KernelArg::pod(&mean),
             KernelArg::pod(&var),
             KernelArg::U64(channels as u64),
-            KernelArg::F64(count as f64),
+            count_host,
+            count_at,
             KernelArg::Ptr(sums),
         ],
     ))
 }
 
 /// [`Statistics::from_sums`](super::phases::Statistics::from_sums): the f64 `[c]` mean and
-/// biased variance at `mean`, `var` from the `[1 + 2c]` f64 sums.
+/// biased variance at `mean`, `var` from the `[1 + 2c]` f64 sums, whose count (element 0) is
+/// checked on the device: one that is not a whole number above 1 is recorded in `check`'s
+/// deferred-error record (position 0, value the count's f64 bits, bound 2). Covers `c + 1`
+/// items (run it even for no channels: it checks the count).
 pub fn from_sums_launch(
     op: &'static str,
     sums: ChannelArg,
     channels: usize,
     mean: u64,
     var: u64,
+    check: DeferredSlot,
 ) -> Result<Launch> {
     check_address(op, "the mean", mean, channels > 0)?;
     check_address(op, "the variance", var, channels > 0)?;
+    check_address(op, "the deferred-error claim", check.claim, true)?;
+    check_address(op, "the deferred-error record", check.record, true)?;
     if !sums.is_present() || sums.is_f64 == 0 {
         return Err(Error::invalid(op, "the sums must be an f64 vector"));
     }
+    let [claim, record, code] = deferred_args(check);
     Ok(launch(
         "batch_norm_from_sums".to_string(),
-        per_channel(op, channels)?,
+        per_channel(op, channels + 1)?,
         vec![
             KernelArg::pod(&sums),
             KernelArg::U64(channels as u64),
             KernelArg::Ptr(mean),
             KernelArg::Ptr(var),
+            claim,
+            record,
+            code,
         ],
     ))
 }
 
 /// The running-statistics update, in place: `running = (1 − momentum)·running +
-/// momentum·factor·stat` with factor 1 for the mean and `factor` (count/(count − 1)) for the
-/// variance, in f64, rounded to each running vector's dtype.
+/// momentum·factor·stat` with factor 1 for the mean and count/(count − 1) for the variance
+/// (computed on the host for a host count, by the kernel with the same formula for a count in
+/// device memory), in f64, rounded to each running vector's dtype.
 #[allow(clippy::too_many_arguments)]
 pub fn update_running_launch(
     op: &'static str,
@@ -459,8 +512,12 @@ pub fn update_running_launch(
     var: ChannelArg,
     channels: usize,
     momentum: f64,
-    factor: f64,
+    count: CountArg,
 ) -> Result<Launch> {
+    let (factor, count_at) = match count {
+        CountArg::Host(n) => (n as f64 / (n as f64 - 1.0), ChannelArg::absent()),
+        CountArg::Device(at) => (0.0, ChannelArg::new(op, "the count", at, 0, DType::F64)?),
+    };
     for (name, running, stat) in [
         ("running_mean", running_mean, mean),
         ("running_var", running_var, var),
@@ -492,6 +549,7 @@ pub fn update_running_launch(
             KernelArg::U64(channels as u64),
             KernelArg::F64(momentum),
             KernelArg::F64(factor),
+            KernelArg::pod(&count_at),
         ],
     ))
 }
@@ -704,11 +762,12 @@ pub fn backward_apply_launches(
     dims: Dims,
     table: u64,
     sums: SumsArg,
-    count: usize,
+    count: CountArg,
     training: bool,
     relu_mask: bool,
     coefficients: u64,
 ) -> Result<[Launch; 2]> {
+    let [count_host, count_at] = count.kernel_args(op)?;
     check_dtype(op, dtype)?;
     let any = dims.numel() > 0;
     check_address(op, "the gradient", grad, any)?;
@@ -728,7 +787,8 @@ pub fn backward_apply_launches(
             KernelArg::pod(&sums.sum_g),
             KernelArg::pod(&sums.sum_centered),
             KernelArg::U64(dims.c as u64),
-            KernelArg::F64(count as f64),
+            count_host,
+            count_at,
             KernelArg::I32(i32::from(training)),
             KernelArg::Ptr(coefficients),
         ],
@@ -928,7 +988,7 @@ mod tests {
             stat,
             3,
             0.1,
-            1.5,
+            CountArg::Host(3),
         )
         .unwrap_err()
         .to_string();
@@ -937,6 +997,46 @@ mod tests {
             "{err}"
         );
         assert!(ChannelArg::new("t", "weight", 0x100, 1, DType::I64).is_err());
+    }
+
+    #[test]
+    fn a_count_reaches_the_kernels_from_the_host_or_from_device_memory() {
+        let [host, absent] = CountArg::Host(6).kernel_args("t").unwrap();
+        assert_eq!(format!("{host:?}"), format!("{:?}", KernelArg::F64(6.0)));
+        assert_eq!(
+            format!("{absent:?}"),
+            format!("{:?}", KernelArg::pod(&ChannelArg::absent()))
+        );
+        let [zero, at] = CountArg::Device(0x40).kernel_args("t").unwrap();
+        assert_eq!(format!("{zero:?}"), format!("{:?}", KernelArg::F64(0.0)));
+        let want = ChannelArg::new("t", "the count", 0x40, 0, DType::F64).unwrap();
+        assert_eq!(format!("{at:?}"), format!("{:?}", KernelArg::pod(&want)));
+        assert!(CountArg::Device(0).kernel_args("t").is_err());
+    }
+
+    #[test]
+    fn from_sums_checks_its_count_on_the_device_so_it_needs_the_deferred_record() {
+        let sums = ChannelArg::new("t", "sums", 0x100, 1, DType::F64).unwrap();
+        let slot = DeferredSlot {
+            claim: 0x200,
+            record: 0x300,
+            code: 1,
+        };
+        // Also for no channels: thread 0 checks the count.
+        let launch = from_sums_launch("t", sums, 0, 0, 0, slot).unwrap();
+        assert!(launch.config.grid[0] >= 1);
+        assert_eq!(launch.args.len(), 7);
+        let err = from_sums_launch(
+            "t",
+            sums,
+            2,
+            0x400,
+            0x500,
+            DeferredSlot { claim: 0, ..slot },
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("claim"), "{err}");
     }
 
     #[test]

@@ -36,7 +36,7 @@ use tandem_core::{Error, Result, Tensor};
 
 use crate::checks::{float_dtype, same_dtype_device};
 use phases::{
-    ApplyArgs, BackwardApplyArgs, BackwardReduceArgs, GradMask, GradSums, NormalizationArgs,
+    ApplyArgs, BackwardApplyArgs, BackwardReduceArgs, Count, GradMask, GradSums, NormalizationArgs,
     RunningUpdate,
 };
 
@@ -319,7 +319,7 @@ pub fn batch_norm_fused(
                     x: &xc,
                     norm: &norm,
                     sums: &sums,
-                    count,
+                    count: &Count::Host(count),
                     training,
                     relu_mask: relu,
                 })?)

@@ -13,19 +13,79 @@
 //! phases are not recorded by autograd: a caller records its own backward, as the fused ops
 //! do. Per-channel values (statistics, the normalization table, gradient sums) are f64 tensors
 //! on the input's device; every phase checks its arguments and dispatches once on that device.
-//! On a CUDA device nothing waits for the device except [`Statistics::from_sums`], which
-//! returns the count as a host value. [`count_batch`] advances `num_batches_tracked`.
+//! On a CUDA device no phase waits for the device: the count of all-reduced statistics stays
+//! in device memory ([`Count::Device`]) and is checked there (see [`Statistics::from_sums`]),
+//! so that a SyncBatchNorm forward never blocks the host on the all-reduce. [`count_batch`]
+//! advances `num_batches_tracked`.
 
 use tandem_core::{DType, Device, Error, Result, Tensor};
 
 use super::{cpu, cuda, Epilogue};
 use crate::checks::{float_dtype, same_dtype_device};
 
+/// How many values each channel's statistics cover (`N·H·W…`, summed over processes for
+/// all-reduced statistics).
+#[derive(Clone, Debug)]
+pub enum Count {
+    /// A number the host knows: one process's batch, or sums read on the CPU.
+    Host(usize),
+    /// A one-element f64 tensor on the statistics' device that the host has not read: the
+    /// first element of statistic sums all-reduced on a GPU ([`Statistics::from_sums`]). The
+    /// kernels that need the count read it from there; it was checked on the device.
+    Device(Tensor),
+}
+
+impl Count {
+    /// The count when the host knows it.
+    pub fn on_host(&self) -> Option<usize> {
+        match self {
+            Count::Host(n) => Some(*n),
+            Count::Device(_) => None,
+        }
+    }
+
+    /// The count's value, read from the device when it lives there. That read waits for the
+    /// device: for tests and diagnostics, never inside a training step.
+    pub fn read(&self) -> Result<usize> {
+        match self {
+            Count::Host(n) => Ok(*n),
+            Count::Device(t) => {
+                let on_host = Count::Device(t.to_device(Device::Cpu)?);
+                Ok(cpu::count_value("Count::read", &on_host)? as usize)
+            }
+        }
+    }
+
+    /// Checks that a device count is a one-element f64 tensor on `device`.
+    fn check(&self, op: &'static str, device: Device) -> Result<()> {
+        if let Count::Device(t) = self {
+            device.same_as(t.device(), op)?;
+            if t.dtype() != DType::F64 || t.numel() != 1 {
+                return Err(Error::shape(
+                    op,
+                    format!(
+                        "a count on the device is one f64 value, got {} {:?}",
+                        t.dtype(),
+                        t.dims()
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl From<usize> for Count {
+    fn from(n: usize) -> Self {
+        Count::Host(n)
+    }
+}
+
 /// Per-channel statistics of a batch: what batch norm normalises with.
 #[derive(Clone, Debug)]
 pub struct Statistics {
     /// How many values each channel's statistics cover (`N·H·W…`).
-    pub count: usize,
+    pub count: Count,
     /// The mean of each channel, `[C]` f64.
     pub mean: Tensor,
     /// The biased variance of each channel, `[C]` f64.
@@ -43,6 +103,7 @@ impl Statistics {
         let c = self.mean.numel();
         check_channel_tensor(OP, "mean", &self.mean, c, self.mean.device())?;
         check_channel_tensor(OP, "var", &self.var, c, self.mean.device())?;
+        self.count.check(OP, self.mean.device())?;
         match self.mean.device() {
             Device::Cpu => cpu::to_sums(OP, self),
             Device::Cuda(_) => cuda::to_sums(OP, self),
@@ -52,6 +113,14 @@ impl Statistics {
     /// The statistics whose [`Statistics::to_sums`] are `sums` (`[1 + 2C]` f64, as summed
     /// over processes). Errors when the tensor has the wrong shape or dtype, or when its count
     /// is not a whole number above 1 (no variance can be taken of fewer values).
+    ///
+    /// On the CPU the count is read and checked here, and the result holds it as
+    /// [`Count::Host`]. On a GPU the host does not read it — that would wait for the
+    /// all-reduce that produced the sums, once per layer and forward — so the result holds it
+    /// as [`Count::Device`] (a view of `sums[0]`, read by the kernels that need the count),
+    /// and the kernel checks it: a bad count is reported, with the CPU's message, at the host's
+    /// next read of the device (`to_vec`, `item`, `synchronize`). A caller that knows the
+    /// count is bad without reading it (SyncBatchNorm on one process) says so at once.
     pub fn from_sums(sums: &Tensor) -> Result<Statistics> {
         const OP: &str = "batch_norm_statistics";
         if sums.dtype() != DType::F64 || sums.rank() != 1 || sums.dims()[0] % 2 != 1 {
@@ -64,27 +133,53 @@ impl Statistics {
                 ),
             ));
         }
-        let (count, mean, var) = match sums.device() {
-            Device::Cpu => cpu::from_sums(OP, sums)?,
-            Device::Cuda(_) => cuda::from_sums(OP, sums)?,
-        };
-        // Counts are exact in f64 up to 2⁵³, far beyond any batch.
-        let whole = count.is_finite() && count.fract() == 0.0 && count < 2f64.powi(53);
-        if !whole || count < 2.0 {
-            return Err(Error::invalid(
-                OP,
-                format!(
-                    "batch statistics need more than one value per channel, got a count of \
-                     {count}"
-                ),
-            ));
+        match sums.device() {
+            Device::Cpu => {
+                let (count, mean, var) = cpu::from_sums(OP, sums)?;
+                if !count_ok(count) {
+                    return Err(bad_count(OP, count));
+                }
+                Ok(Statistics {
+                    count: Count::Host(count as usize),
+                    mean,
+                    var,
+                })
+            }
+            Device::Cuda(_) => {
+                let (count, mean, var) = cuda::from_sums(OP, sums)?;
+                Ok(Statistics {
+                    count: Count::Device(count),
+                    mean,
+                    var,
+                })
+            }
         }
-        Ok(Statistics {
-            count: count as usize,
-            mean,
-            var,
-        })
     }
+}
+
+/// Whether statistics can be taken of `count` values: a whole number above 1, exact in f64
+/// (counts are exact up to 2⁵³, far beyond any batch). The CUDA kernel's `bn_count_ok` is the
+/// same test.
+fn count_ok(count: f64) -> bool {
+    count.is_finite() && count.fract() == 0.0 && count < 2f64.powi(53) && count >= 2.0
+}
+
+/// Errors, as [`Statistics::from_sums`] does, when statistics cannot be taken of `count`
+/// values: for a caller that knows the count on the host (SyncBatchNorm on one process).
+pub fn check_count(count: f64) -> Result<()> {
+    if count_ok(count) {
+        Ok(())
+    } else {
+        Err(bad_count("batch_norm_statistics", count))
+    }
+}
+
+/// The error for statistics of `count` values (also how the GPU's deferred check words it).
+pub(crate) fn bad_count(op: &'static str, count: f64) -> Error {
+    Error::invalid(
+        op,
+        format!("batch statistics need more than one value per channel, got a count of {count}"),
+    )
 }
 
 /// Checks that `x` is a float `[N, C, …]` tensor; returns `C`.
@@ -158,10 +253,12 @@ pub fn update_running(args: &RunningUpdate<'_>) -> Result<()> {
             check_channel_tensor(OP, name, t, c, args.stats.mean.device())?;
         }
     }
-    if args.stats.count < 2 {
+    args.stats.count.check(OP, args.stats.mean.device())?;
+    // A count on the device was checked there (`Statistics::from_sums`).
+    if let Some(count) = args.stats.count.on_host().filter(|&n| n < 2) {
         return Err(Error::invalid(
             OP,
-            format!("need a count above 1, got {}", args.stats.count),
+            format!("need a count above 1, got {count}"),
         ));
     }
     match args.stats.mean.device() {
@@ -362,8 +459,8 @@ pub struct BackwardApplyArgs<'a> {
     /// [`GradSums::sums`] (all-reduced where the statistics were).
     pub sums: &'a Tensor,
     /// How many values the statistics covered (the global batch's count where they were
-    /// all-reduced).
-    pub count: usize,
+    /// all-reduced: [`Statistics::count`] of [`Statistics::from_sums`]).
+    pub count: &'a Count,
     /// Whether the forward normalised with batch statistics (whose dependence on `x` the
     /// gradient then includes) or with running ones.
     pub training: bool,
@@ -378,7 +475,8 @@ pub fn backward_apply(args: &BackwardApplyArgs<'_>) -> Result<Tensor> {
     check_input(OP, args.x, args.norm)?;
     check_like(OP, "gradient", args.x, args.grad)?;
     check_sums(OP, args.sums, args.norm)?;
-    if args.training && args.count == 0 {
+    args.count.check(OP, args.x.device())?;
+    if args.training && args.count.on_host() == Some(0) {
         return Err(Error::invalid(OP, "training needs a count above 0"));
     }
     match args.x.device() {

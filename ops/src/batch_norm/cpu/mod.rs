@@ -7,7 +7,7 @@ mod passes;
 use tandem_core::{with_float_type, DType, Element, Result, Tensor};
 
 use super::phases::{
-    ApplyArgs, BackwardApplyArgs, BackwardReduceArgs, GradMask, GradSums, Normalization,
+    ApplyArgs, BackwardApplyArgs, BackwardReduceArgs, Count, GradMask, GradSums, Normalization,
     NormalizationArgs, RunningUpdate, Statistics,
 };
 use super::Epilogue;
@@ -41,18 +41,20 @@ pub(crate) fn statistics(op: &'static str, x: &Tensor) -> Result<Statistics> {
     let (mean, var) =
         with_float_type!(op, x.dtype(), T => Ok(passes::moments::<T>(&xc.read_slice::<T>()?, d)))?;
     Ok(Statistics {
-        count: d.n * d.l,
+        count: Count::Host(d.n * d.l),
         mean: f64_tensor(mean)?,
         var: f64_tensor(var)?,
     })
 }
 
-/// The value of a one-element CPU tensor as f64: how the CUDA path reads the count of
-/// all-reduced statistic sums once it has copied it to the host (`from_sums` returns it).
-pub(crate) fn host_value(op: &'static str, t: &Tensor) -> Result<f64> {
-    f64_values(op, t)?.first().copied().ok_or_else(|| {
-        tandem_core::Error::invalid(op, format!("need one value, got a tensor {:?}", t.dims()))
-    })
+/// The count as f64: a host count as it is, a count held in a (CPU) tensor read from it.
+pub(crate) fn count_value(op: &'static str, count: &Count) -> Result<f64> {
+    match count {
+        Count::Host(n) => Ok(*n as f64),
+        Count::Device(t) => f64_values(op, t)?.first().copied().ok_or_else(|| {
+            tandem_core::Error::invalid(op, format!("need one value, got a tensor {:?}", t.dims()))
+        }),
+    }
 }
 
 /// `counter += 1` for a one-element i64 tensor (`num_batches_tracked`).
@@ -65,7 +67,7 @@ pub(crate) fn count_batch(counter: &Tensor) -> Result<()> {
 /// `[count, count·mean…, count·(var + mean²)…]`.
 pub(crate) fn to_sums(op: &'static str, stats: &Statistics) -> Result<Tensor> {
     let (mean, var) = (f64_values(op, &stats.mean)?, f64_values(op, &stats.var)?);
-    let n = stats.count as f64;
+    let n = count_value(op, &stats.count)?;
     let mut sums = Vec::with_capacity(1 + 2 * mean.len());
     sums.push(n);
     sums.extend(mean.iter().map(|m| n * m));
@@ -113,7 +115,7 @@ fn update_one(
 
 /// The running-statistics update (the unbiased variance for `running_var`).
 pub(crate) fn update_running(op: &'static str, args: &RunningUpdate<'_>) -> Result<()> {
-    let count = args.stats.count as f64;
+    let count = count_value(op, &args.stats.count)?;
     if let Some(r) = args.running_mean {
         update_one(op, r, &args.stats.mean, args.momentum, 1.0)?;
     }
@@ -230,7 +232,7 @@ pub(crate) fn backward_apply(op: &'static str, args: &BackwardApplyArgs<'_>) -> 
     // w/σ per channel: the forward's scale
     let a = scale;
     let (slope, offset): (Vec<f64>, Vec<f64>) = if args.training {
-        let m = args.count as f64;
+        let m = count_value(op, args.count)?;
         (0..d.c)
             .map(|c| {
                 // Σ g·x̂
