@@ -3,10 +3,12 @@
 # mode, stripped, with a runner script, in one folder (default: gpu-bundle/ in the repository).
 #
 # A GPU host may have CUDA and Python but no Rust toolchain. Build the bundle here, copy the
-# repository (the tests read data/ and the benchmarks benches/peers/) with the bundle inside it to
-# the GPU host, and run `gpu-bundle/run.sh` there from the repository root. The runner finds the
-# CUDA libraries, runs the GPU conformance suite and prints a summary; see README.md
-# ("Development: GPU checks without a Rust toolchain").
+# repository (the examples read data/ and the benchmarks benches/peers/) with the bundle inside it
+# to the GPU host, at any path, and run `gpu-bundle/run.sh all` there: the runner finds the CUDA
+# libraries, runs the GPU conformance suite, the training checks, a 2-rank timeline and the
+# benchmarks within a time budget, and writes one report ($OUT/report.md when OUT is set); see
+# README.md ("Development: CUDA without a GPU, and GPU checks without a Rust toolchain").
+# Nothing in the bundle depends on the folder it was built in.
 #
 # Usage: scripts/gpu-bundle.sh [--tests-only] [OUT_DIR]
 # With TANDEM_BUNDLE_PACK=1 the folder ends up holding only bundle.tar.xz (the whole bundle,
@@ -78,6 +80,13 @@ cp target/release/tandem-run target/release/tandem-project "$out/bin/"
 strip "$out"/bin/*
 fi
 
+# What the report names as the bundle's origin.
+{
+  printf 'built %s from %s' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" \
+    "$(git rev-parse --short HEAD 2>/dev/null || echo 'an unknown commit')"
+  git diff --quiet HEAD 2>/dev/null || printf ' (with uncommitted changes)'
+  printf ', %s\n' "$(rustc --version 2>/dev/null || echo 'rustc ?')"
+} >"$out/BUILD_INFO"
 cp scripts/gpu-run.sh "$out/run.sh"
 cp scripts/gpu-checks.sh "$out/checks.sh"
 chmod +x "$out/run.sh" "$out/checks.sh"

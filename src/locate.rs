@@ -109,7 +109,7 @@ impl Shipped<'_> {
     }
 
     fn not_found(&self, source: Source, looked: Vec<PathBuf>) -> NotFound {
-        NotFound {
+        NotFound(Box::new(Missing {
             what: self.what.to_string(),
             relative: Path::new(self.folder).join(self.name),
             name: self.name.to_string(),
@@ -117,7 +117,7 @@ impl Shipped<'_> {
             flag: self.flag.map(str::to_string),
             source,
             looked,
-        }
+        }))
     }
 }
 
@@ -136,7 +136,11 @@ enum Source {
 /// A shipped file or folder that is not where it was looked for; the message lists every
 /// place looked at and how to name it.
 #[derive(Clone, Debug)]
-pub struct NotFound {
+pub struct NotFound(Box<Missing>);
+
+/// What [`NotFound`] says (boxed: errors stay small).
+#[derive(Clone, Debug)]
+struct Missing {
     what: String,
     relative: PathBuf,
     name: String,
@@ -149,46 +153,43 @@ pub struct NotFound {
 impl NotFound {
     /// Every path looked at, in order.
     pub fn looked(&self) -> &[PathBuf] {
-        &self.looked
+        &self.0.looked
     }
 }
 
 impl fmt::Display for NotFound {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let list = self
+        let m = &self.0;
+        let list = m
             .looked
             .iter()
             .map(|p| p.display().to_string())
             .collect::<Vec<_>>()
             .join(", ");
-        match self.source {
+        match m.source {
             Source::Flag => write!(
                 f,
                 "cannot find {}: {list} (given with {}) does not exist",
-                self.what,
-                self.flag.as_deref().unwrap_or("a flag")
+                m.what,
+                m.flag.as_deref().unwrap_or("a flag")
             ),
             Source::EnvVar => write!(
                 f,
                 "cannot find {}: {list} does not exist ({} names its folder)",
-                self.what, self.env_var
+                m.what, m.env_var
             ),
             Source::Search => {
                 write!(
                     f,
                     "cannot find {} ({}) in the current folder, the executable's folder or any \
                      folder above them; looked at {list}; ",
-                    self.what,
-                    self.relative.display()
+                    m.what,
+                    m.relative.display()
                 )?;
-                if let Some(flag) = &self.flag {
+                if let Some(flag) = &m.flag {
                     write!(f, "pass {flag}, or ")?;
                 }
-                write!(
-                    f,
-                    "set {} to the folder holding {}",
-                    self.env_var, self.name
-                )
+                write!(f, "set {} to the folder holding {}", m.env_var, m.name)
             }
         }
     }
@@ -239,10 +240,7 @@ pub fn scratch_dir(name: &str) -> std::io::Result<PathBuf> {
 fn scratch_dir_in(base: &Path, name: &str) -> std::io::Result<PathBuf> {
     let dir = base.join(format!("tandem-{name}-{}", std::process::id()));
     let context = |e: std::io::Error| {
-        std::io::Error::new(
-            e.kind(),
-            format!("scratch folder {}: {e}", dir.display()),
-        )
+        std::io::Error::new(e.kind(), format!("scratch folder {}: {e}", dir.display()))
     };
     if dir.exists() {
         std::fs::remove_dir_all(&dir).map_err(context)?;
@@ -260,10 +258,8 @@ mod tests {
 
     impl Tree {
         fn new(test: &str) -> Tree {
-            let root = std::env::temp_dir().join(format!(
-                "tandem-locate-{test}-{}",
-                std::process::id()
-            ));
+            let root =
+                std::env::temp_dir().join(format!("tandem-locate-{test}-{}", std::process::id()));
             let _ = std::fs::remove_dir_all(&root);
             std::fs::create_dir_all(&root).unwrap();
             Tree(root)
