@@ -282,7 +282,14 @@ step() {
       local why="exit status $rc"
       [ "$rc" -gt 128 ] && why="$why (signal $((rc - 128)))"
       # The check's view adds to a failed run only for tests (their counts).
-      if [ "$part" = tests ]; then note="$why; $note"; else note=$why; fi
+      if [ "$part" = tests ]; then
+        note="$why; $note"
+      else
+        # The program's own last word on why, when it gave one.
+        local said
+        said=$(grep -h -E '^error|panicked' "$log" | tail -1 | cut -c1-300)
+        note=$why${said:+; $said}
+      fi
     elif [ "$chk_rc" -eq 0 ]; then
       status=PASS
     else

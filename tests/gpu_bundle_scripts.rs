@@ -131,6 +131,7 @@ fn a_crashed_training_run_fails_the_run_and_is_in_the_report() {
     assert_eq!(code, 1, "{report}");
     assert!(row(&report, "mnist_1rank").contains("| FAIL |"), "{report}");
     assert!(row(&report, "mnist_1rank").contains("exit status 101"));
+    assert!(row(&report, "mnist_1rank").contains("panicked at the loss"));
     // One crashed rank fails the 2-rank job.
     assert!(
         row(&report, "mnist_2ranks").contains("| FAIL |"),
