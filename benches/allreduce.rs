@@ -4,7 +4,7 @@
 //! ```text
 //! cargo bench --bench allreduce -- --nproc 2 [--peer-python python3] [--json FILE]
 //!     [--min-bytes 4096] [--max-bytes 67108864] [--iters 30] [--no-gloo] [--no-tcp-ring]
-//!     [--peer-script PATH]
+//!     [--peer-script PATH] [--require-peer]
 //! ```
 //!
 //! For f32 all-reduces (sum) of 4 KiB … 64 MiB (powers of 4), the bench starts `--nproc` local
@@ -18,7 +18,10 @@
 //! about 2 s per size), each preceded by a one-element broadcast from rank 0 that keeps the
 //! ranks in step and tells them whether to go on. The table reports the median time, the
 //! algorithm bandwidth (bytes / time) and the bus bandwidth (algbw · 2(N−1)/N, what each rank's
-//! link carries in a bandwidth-optimal all-reduce), and gloo's time over tandem's.
+//! link carries in a bandwidth-optimal all-reduce), and gloo's time over tandem's. The gloo
+//! script is `--peer-script`, else found at run time (`$TANDEM_PEERS_DIR`, else `benches/peers/`
+//! above the current folder or the executable's); with `--require-peer` (or
+//! `TANDEM_REQUIRE_PEER=1`) a gloo side that gave no results fails the benchmark.
 //!
 //! `--json FILE` writes the rows as
 //! `[{"bytes", "tandem_us", "tandem_busbw_gbps", "gloo_us", "gloo_busbw_gbps",
@@ -31,9 +34,15 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use tandem::locate::{Shipped, PEERS_DIR_VAR};
 use tandem_core::{DType, Device, Tensor};
 use tandem_dist::launch::{launch, LaunchOptions};
 use tandem_dist::{init_from_env_with, GroupConfig, ReduceOp};
+
+// Only `required` and `missing_error` are used here.
+#[allow(dead_code)]
+#[path = "common/peer.rs"]
+mod peer;
 
 /// Settings shared by the coordinator and its workers.
 struct Settings {
@@ -44,7 +53,9 @@ struct Settings {
     max_bytes: usize,
     iters: usize,
     gloo: bool,
-    peer_script: PathBuf,
+    /// `--peer-script`; without it the script is found at run time (`tandem::locate`).
+    peer_script: Option<PathBuf>,
+    require_peer: bool,
     worker_out: Option<PathBuf>,
     tcp_only: bool,
     compare_tcp: bool,
@@ -57,7 +68,7 @@ fn usage() -> ! {
     eprintln!(
         "usage: cargo bench --bench allreduce -- [--nproc N] [--peer-python PY] [--json FILE] \
          [--min-bytes B] [--max-bytes B] [--iters K] [--no-gloo] [--no-tcp-ring] \
-         [--peer-script PATH]"
+         [--peer-script PATH] [--require-peer]"
     );
     std::process::exit(2);
 }
@@ -71,7 +82,8 @@ fn parse_args() -> (Settings, bool) {
         max_bytes: 64 << 20,
         iters: 30,
         gloo: true,
-        peer_script: Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/peers/allreduce_gloo.py"),
+        peer_script: None,
+        require_peer: false,
         worker_out: None,
         tcp_only: false,
         compare_tcp: true,
@@ -90,7 +102,8 @@ fn parse_args() -> (Settings, bool) {
             "--max-bytes" => s.max_bytes = num(args.next()),
             "--iters" => s.iters = num(args.next()).max(3),
             "--no-gloo" => s.gloo = false,
-            "--peer-script" => s.peer_script = args.next().unwrap_or_else(|| usage()).into(),
+            "--peer-script" => s.peer_script = Some(args.next().unwrap_or_else(|| usage()).into()),
+            "--require-peer" => s.require_peer = true,
             "--worker" => worker = true,
             "--tcp-only" => s.tcp_only = true,
             "--no-tcp-ring" => s.compare_tcp = false,
@@ -237,13 +250,28 @@ fn run_tandem(s: &Settings, label: &str, extra: &[&str]) -> Results {
     results
 }
 
-/// Runs the gloo side, if PyTorch can be imported.
+/// Runs the gloo side, if its script is found and PyTorch can be imported.
 fn run_gloo(s: &Settings, sizes: &[usize]) -> Results {
     if !s.gloo {
         return BTreeMap::new();
     }
+    let script = Shipped {
+        what: "the gloo peer script",
+        folder: "benches/peers",
+        name: "allreduce_gloo.py",
+        env_var: PEERS_DIR_VAR,
+        flag: Some("--peer-script"),
+    }
+    .locate(s.peer_script.as_deref());
+    let script = match script {
+        Ok(script) => script,
+        Err(e) => {
+            eprintln!("gloo: not run: {e}");
+            return BTreeMap::new();
+        }
+    };
     if !torch_available(&s.python) {
-        eprintln!("gloo: skipped ({} cannot import torch)", s.python);
+        eprintln!("gloo: not run: {} cannot import torch", s.python);
         return BTreeMap::new();
     }
     eprintln!(
@@ -252,7 +280,7 @@ fn run_gloo(s: &Settings, sizes: &[usize]) -> Results {
     );
     let out = std::env::temp_dir().join(format!("gloo-allreduce-{}.jsonl", std::process::id()));
     let size_list: Vec<String> = sizes.iter().map(|b| b.to_string()).collect();
-    let mut args: Vec<OsString> = vec![s.peer_script.clone().into()];
+    let mut args: Vec<OsString> = vec![script.into()];
     for (flag, v) in [
         ("--sizes", size_list.join(",")),
         ("--iters", s.iters.to_string()),
@@ -341,5 +369,12 @@ fn main() {
         if let Err(e) = std::fs::write(path, text) {
             eprintln!("cannot write {}: {e}", path.display());
         }
+    }
+    if s.gloo && gloo.is_empty() && peer::required(s.require_peer) {
+        eprintln!(
+            "error: {}",
+            peer::missing_error("gloo gave no results (see above)")
+        );
+        std::process::exit(1);
     }
 }

@@ -9,9 +9,11 @@
 //! `--warmup` untimed calls, and the median is reported with TFLOP/s (`2·size³` per product) or
 //! GB/s (12 bytes per element: two f32 reads and one write). When `--peer-python` (default
 //! `python3`) can import torch with CUDA, `benches/peers/cuda_kernels_torch.py` times the same
-//! ops on the same device and the table shows the ratio tandem/PyTorch of median times. Without
-//! a CUDA device the benchmark says so and exits successfully. Unknown flags that `cargo bench`
-//! adds (`--bench`) are ignored.
+//! ops on the same device and the table shows the ratio tandem/PyTorch of median times. The
+//! script is found at run time (`$TANDEM_PEERS_DIR`, else `benches/peers/` above the current
+//! folder or the executable's); with `--require-peer` (or `TANDEM_REQUIRE_PEER=1`) a peer that
+//! did not run fails the benchmark. Without a CUDA device the benchmark says so and exits
+//! successfully. Unknown flags that `cargo bench` adds (`--bench`) are ignored.
 
 use std::process::{Command, ExitCode};
 use std::time::Duration;
@@ -49,6 +51,10 @@ struct Args {
     /// Skip the PyTorch side.
     #[arg(long)]
     no_peer: bool,
+    /// Fail (exit non-zero, after printing tandem's results) when the PyTorch side did not
+    /// run, unless --no-peer skipped it; also with TANDEM_REQUIRE_PEER=1.
+    #[arg(long)]
+    require_peer: bool,
     /// Benchmark-name filters passed by `cargo bench` (ignored).
     #[arg(hide = true)]
     filters: Vec<String>,
@@ -156,15 +162,12 @@ fn time_tandem(args: &Args) -> Result<Times, AnyError> {
 
 /// Runs the PyTorch peer; `Err` says why it could not run.
 fn time_torch(args: &Args) -> Result<(Times, String), String> {
+    let script = peer::script("cuda_kernels_torch.py")?;
     peer::probe(
         &args.peer_python,
         "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)",
         "import torch with CUDA",
     )?;
-    let script = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/benches/peers/cuda_kernels_torch.py"
-    );
     let mut command = Command::new(&args.peer_python);
     command
         .arg(script)
@@ -259,7 +262,12 @@ fn run(args: &Args) -> Result<(), AnyError> {
     }
     match &torch {
         Ok((_, version)) => println!("ratio = tandem/pytorch median time ({version})"),
-        Err(why) => println!("pytorch: not run: {why}"),
+        Err(why) => {
+            println!("pytorch: not run: {why}");
+            if !args.no_peer && peer::required(args.require_peer) {
+                return Err(peer::missing_error(why).into());
+            }
+        }
     }
     Ok(())
 }

@@ -19,7 +19,10 @@
 //!   exposed after backward.
 //!
 //! When `--peer-python` can import torch, `benches/peers/ddp_step_torch.py` times PyTorch DDP
-//! (gloo) on the same model, batch and number of ranks, each rank with cores/N threads.
+//! (gloo) on the same model, batch and number of ranks, each rank with cores/N threads. The
+//! script is found at run time (`$TANDEM_PEERS_DIR`, else `benches/peers/` above the current
+//! folder or the executable's); with `--require-peer` (or `TANDEM_REQUIRE_PEER=1`) a peer that
+//! did not run fails the benchmark.
 //!
 //! `--record FILE` writes rank 0's per-bucket ready times and sizes (DDP's telemetry over the
 //! timed steps) for `tandem-project`, which projects the step onto more devices.
@@ -54,6 +57,11 @@ use tandem::nn::{
 use tandem::optim::{Optimizer, Sgd, SgdConfig};
 
 type AnyError = Box<dyn std::error::Error>;
+
+// Not `run_json` and `field`: the peer runs on several ranks, whose output is read here.
+#[allow(dead_code)]
+#[path = "common/peer.rs"]
+mod peer;
 
 /// Selects the worker mode of a re-executed benchmark binary (`no_comm`,
 /// `allreduce_after_backward` or `ddp`).
@@ -171,6 +179,10 @@ struct Args {
     /// Skip the PyTorch side.
     #[arg(long)]
     no_peer: bool,
+    /// Fail (exit non-zero, after printing tandem's results) when the PyTorch side did not
+    /// run, unless --no-peer skipped it; also with TANDEM_REQUIRE_PEER=1.
+    #[arg(long)]
+    require_peer: bool,
     /// Also write the results as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -575,7 +587,12 @@ fn run(args: &Args) -> Result<(), AnyError> {
         std::fs::write(path, serde_json::to_string_pretty(&json)? + "\n")
             .map_err(|e| format!("{}: {e}", path.display()))?;
     }
-    Ok(())
+    match torch {
+        Err(why) if !args.no_peer && peer::required(args.require_peer) => {
+            Err(peer::missing_error(&why).into())
+        }
+        _ => Ok(()),
+    }
 }
 
 /// Runs one tandem mode on `args.nproc` ranks and parses rank 0's result line.
@@ -783,20 +800,8 @@ fn run_torch(
     threads: usize,
     network: Option<&ShapedNetwork>,
 ) -> Result<TorchResult, String> {
-    let probe = Command::new(&args.peer_python)
-        .args(["-c", "import torch"])
-        .output()
-        .map_err(|e| format!("cannot run `{}`: {e}", args.peer_python))?;
-    if !probe.status.success() {
-        return Err(format!(
-            "`{}` cannot import torch (install it, or pass --peer-python)",
-            args.peer_python
-        ));
-    }
-    let script = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/benches/peers/ddp_step_torch.py"
-    );
+    let script = peer::script("ddp_step_torch.py")?;
+    peer::probe(&args.peer_python, "import torch", "import torch")?;
     let (master, port, ifname) = match network {
         Some(n) => (n.rank_addr(0), 29500, ShapedNetwork::RANK_IFNAME),
         None => {
@@ -815,7 +820,7 @@ fn run_torch(
             Some(n) => n.command_in(rank, &python),
             None => Command::new(&python),
         };
-        cmd.arg(script)
+        cmd.arg(&script)
             .args(["--model", args.model.name()])
             .args(["--batch-size", &args.batch_size.to_string()])
             .args(["--threads", &threads.to_string()])

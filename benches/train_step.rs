@@ -11,8 +11,11 @@
 //! random batch, and reports the median step time, images/s and peak RSS. When
 //! `--peer-python` (default `python3`) can import torch, the same model and step are timed by
 //! `benches/peers/train_step_torch.py` with the same batch size and thread count, and the
-//! ratio tandem/PyTorch of median step times is printed. Unknown flags that `cargo bench`
-//! adds (`--bench`) are ignored.
+//! ratio tandem/PyTorch of median step times is printed. The script is found at run time
+//! (`$TANDEM_PEERS_DIR`, else `benches/peers/` above the current folder or the executable's);
+//! a peer that did not run is a "pytorch: not run: why" line, and with `--require-peer` (or
+//! `TANDEM_REQUIRE_PEER=1`) also a failure. Unknown flags that `cargo bench` adds (`--bench`)
+//! are ignored.
 //!
 //! **On a GPU** (`--device cuda` or `cuda:N`) the model, batch and optimizer state live on the
 //! device; each timed step ends with a device synchronisation, and the host time — how long the
@@ -135,6 +138,10 @@ struct Args {
     /// Skip the PyTorch side.
     #[arg(long)]
     no_peer: bool,
+    /// Fail (exit non-zero, after printing tandem's results) when the PyTorch side did not
+    /// run, unless --no-peer skipped it; also with TANDEM_REQUIRE_PEER=1.
+    #[arg(long)]
+    require_peer: bool,
     /// Also write the results as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -277,7 +284,12 @@ fn run(args: Args) -> Result<(), AnyError> {
         std::fs::write(path, serde_json::to_string_pretty(&json)? + "\n")
             .map_err(|e| format!("{}: {e}", path.display()))?;
     }
-    Ok(())
+    match torch {
+        Err(why) if !args.no_peer && peer::required(args.require_peer) => {
+            Err(peer::missing_error(&why).into())
+        }
+        _ => Ok(()),
+    }
 }
 
 fn time_tandem(args: &Args) -> Result<Timing, AnyError> {
@@ -417,11 +429,8 @@ fn peak_rss_mib() -> Option<f64> {
 
 /// Runs the PyTorch peer; `Err` says why it could not run.
 fn time_torch(args: &Args, threads: usize) -> Result<(Timing, String), String> {
+    let script = peer::script("train_step_torch.py")?;
     peer::probe(&args.peer_python, "import torch", "import torch")?;
-    let script = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/benches/peers/train_step_torch.py"
-    );
     let mut command = Command::new(&args.peer_python);
     command
         .arg(script)

@@ -11,7 +11,9 @@
 //! `data_batch_1.bin` … `test_batch.bin`) as `--data-dir`. Training images are augmented with
 //! random 4-pixel-padded crops and horizontal flips, seeded per epoch and sample.
 //! `--dataset mnist32` instead trains on the MNIST files shipped in `data/mnist`, each digit
-//! padded to 32×32 and repeated into 3 channels (no augmentation).
+//! padded to 32×32 and repeated into 3 channels (no augmentation); that folder is found at run
+//! time (`--data-dir`, else `$TANDEM_DATA_DIR/mnist`, else `data/mnist` in the current folder,
+//! the executable's folder or a folder above either; see `tandem::locate`).
 //!
 //! Optimisation: SGD with momentum 0.9 and weight decay 5e-4, cross entropy, batch 128. The
 //! learning rate rises linearly from 0 to `--lr` (0.1) over the first `--warmup-frac` of all
@@ -27,7 +29,8 @@
 //! `checkpoints/`) as `resnet{depth}-epoch{E}.safetensors` (kept) or
 //! `resnet{depth}-step{G}.safetensors` (replaced by the next). A run finding checkpoints of
 //! the same settings there resumes from the newest complete one, exactly where it stopped;
-//! `--resume FILE` names one explicitly. `--max-restarts N` makes the built-in launcher restart
+//! `--resume FILE` names one explicitly. `--train-limit` / `--test-limit` train and test on the
+//! first samples only, for quick runs. `--max-restarts N` makes the built-in launcher restart
 //! the ranks after a failure (as `tandem-run --max-restarts N` does), resuming that way.
 //!
 //! **Data-parallel.** `--nproc-per-node N` trains with DistributedDataParallel on N local
@@ -76,7 +79,9 @@ enum DatasetKind {
 #[derive(Parser, Debug)]
 #[command(about)]
 struct Args {
-    /// Directory of the CIFAR-10 binary files (implies --dataset cifar10).
+    /// Directory of the CIFAR-10 binary files (implies --dataset cifar10); with --dataset
+    /// mnist32 the MNIST folder [default: $TANDEM_DATA_DIR/mnist, else data/mnist in the
+    /// current folder or one above it, else above the executable's folder].
     #[arg(long)]
     data_dir: Option<PathBuf>,
     /// The data set [default: cifar10 with --data-dir].
@@ -136,6 +141,12 @@ struct Args {
     /// resume from the newest checkpoint in --checkpoint-dir).
     #[arg(long, default_value_t = 0)]
     max_restarts: usize,
+    /// Train on the first this many training images only (for quick runs).
+    #[arg(long)]
+    train_limit: Option<usize>,
+    /// Evaluate on the first this many test images only.
+    #[arg(long)]
+    test_limit: Option<usize>,
 }
 
 /// The training data: CIFAR-10 needs its epoch set for the augmentation.
@@ -173,7 +184,8 @@ mod common;
 use common::checkpoints::{Checkpoints, Progress};
 use common::output::say;
 use common::{
-    evaluate, exit_with_error, join_or_launch, train_epoch, write_metrics, AnyError, Role, Trainer,
+    evaluate, exit_with_error, join_or_launch, train_epoch, write_metrics, AnyError, Limited, Role,
+    Trainer,
 };
 
 fn main() -> ExitCode {
@@ -225,16 +237,14 @@ fn run(args: Args) -> Result<(), AnyError> {
             (TrainData::Cifar(Arc::new(train)), Arc::new(test))
         }
         DatasetKind::Mnist32 => {
-            let dir = args
-                .data_dir
-                .clone()
-                .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/mnist"));
+            let dir = tandem::locate::mnist_dir(args.data_dir.as_deref())?;
             let train = Mnist32::load(&dir, Split::Train)?;
             let test = Mnist32::load(&dir, Split::Test)?;
             (TrainData::Mnist(Arc::new(train)), Arc::new(test))
         }
     };
-    let train_set = train_data.dataset();
+    let train_set = Limited::first(train_data.dataset(), args.train_limit);
+    let test_set = Limited::first(test_set, args.test_limit);
     let train = match &group {
         // Each rank its own disjoint shard, reshuffled every epoch from the shared seed.
         Some(_) => {
@@ -288,6 +298,7 @@ fn run(args: Args) -> Result<(), AnyError> {
             ("weight_decay", args.weight_decay.to_string()),
             ("seed", args.seed.to_string()),
             ("world_size", world.to_string()),
+            ("train_limit", format!("{:?}", args.train_limit)),
         ]
         .map(|(k, v)| (k.to_string(), v)),
     );

@@ -3,14 +3,18 @@
 # mode, stripped, with a runner script, in one folder (default: gpu-bundle/ in the repository).
 #
 # A GPU host may have CUDA and Python but no Rust toolchain. Build the bundle here, copy the
-# repository (the tests read data/ and the benchmarks benches/peers/) with the bundle inside it to
-# the GPU host, and run `gpu-bundle/run.sh` there from the repository root. The runner finds the
-# CUDA libraries, runs the GPU conformance suite and prints a summary; see README.md
-# ("Development: GPU checks without a Rust toolchain").
+# repository (the examples read data/ and the benchmarks benches/peers/) with the bundle inside it
+# to the GPU host, at any path, and run `gpu-bundle/run.sh all` there: the runner finds the CUDA
+# libraries, runs the GPU conformance suite, the training checks, a 2-rank timeline and the
+# benchmarks within a time budget, and writes one report ($OUT/report.md when OUT is set); see
+# README.md ("Development: CUDA without a GPU, and GPU checks without a Rust toolchain").
+# Nothing in the bundle depends on the folder it was built in.
 #
 # Usage: scripts/gpu-bundle.sh [--tests-only] [OUT_DIR]
-# With TANDEM_BUNDLE_PACK=1 the folder ends up holding only bundle.tar.xz (the whole bundle,
-# compressed); unpack it with `tar -xJf OUT_DIR/bundle.tar.xz` from the repository root.
+# The binaries (about 80 MiB, much of it the same code linked into each) are packed into
+# OUT_DIR/bundle.tar.xz (about 7 MiB), beside run.sh, checks.sh and BUILD_INFO: small enough to
+# travel with a working tree whose transfer is size-limited. run.sh unpacks it by itself on its
+# first run (into OUT_DIR/bin and OUT_DIR/tests). TANDEM_BUNDLE_PACK=0 leaves them unpacked.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tests_only=0
@@ -78,18 +82,24 @@ cp target/release/tandem-run target/release/tandem-project "$out/bin/"
 strip "$out"/bin/*
 fi
 
+# What the report names as the bundle's origin.
+{
+  printf 'built %s from %s' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" \
+    "$(git rev-parse --short HEAD 2>/dev/null || echo 'an unknown commit')"
+  git diff --quiet HEAD 2>/dev/null || printf ' (with uncommitted changes)'
+  printf ', %s\n' "$(rustc --version 2>/dev/null || echo 'rustc ?')"
+} >"$out/BUILD_INFO"
 cp scripts/gpu-run.sh "$out/run.sh"
 cp scripts/gpu-checks.sh "$out/checks.sh"
 chmod +x "$out/run.sh" "$out/checks.sh"
-du -sh "$out"
 ls -l "$out/tests" "$out/bin"
+du -sh "$out"
 
-# A compressed copy for hosts reached through a size-limited transfer: unpack with
-# `tar -xJf bundle.tar.xz` in the repository root (it recreates this folder).
-if [ "${TANDEM_BUNDLE_PACK:-0}" = 1 ]; then
-  tar -cJf "$out.tar.xz" "$out"
-  rm -rf "$out"
-  mkdir -p "$out"
-  mv "$out.tar.xz" "$out/bundle.tar.xz"
-  du -sh "$out/bundle.tar.xz"
+# xz's large window finds the code the binaries share.
+if [ "${TANDEM_BUNDLE_PACK:-1}" = 1 ]; then
+  tar -cf - -C "$out" bin tests | xz -9 -T1 >"$out/bundle.tar.xz.partial"
+  mv "$out/bundle.tar.xz.partial" "$out/bundle.tar.xz"
+  rm -rf "$out/bin" "$out/tests"
+  ls -l "$out"
+  du -sh "$out"
 fi

@@ -9,6 +9,8 @@ pub use tandem_optim as optim;
 
 pub use tandem_ops::TensorOps;
 
+pub mod locate;
+
 /// What a training program usually needs, in one import: `use tandem::prelude::*;`.
 pub mod prelude {
     pub use tandem_autograd::{no_grad, TensorBackward};

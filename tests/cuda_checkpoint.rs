@@ -23,10 +23,13 @@ fn gpu_present() -> bool {
     false
 }
 
+/// A file in this process's scratch folder, found at run time (`TANDEM_SCRATCH_DIR`, else the
+/// system's temporary folder): the test binary runs in the GPU bundle, away from the folder
+/// it was built in.
 fn scratch(name: &str) -> PathBuf {
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("cuda_checkpoint");
-    std::fs::create_dir_all(&dir).unwrap();
-    dir.join(name)
+    static DIR: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    DIR.get_or_init(|| tandem::locate::scratch_dir("cuda_checkpoint").unwrap())
+        .join(name)
 }
 
 fn small_model() -> Sequential {
@@ -124,6 +127,7 @@ fn round_trip(from: Device, to: Device, name: &str) {
     let target = small_model();
     target.to_device(to).unwrap();
     let checkpoint = load_checkpoint(&path).unwrap();
+    std::fs::remove_file(&path).unwrap();
     let report = load_state_dict(&target, &checkpoint, true).unwrap();
     assert!(report.missing_keys.is_empty() && report.unexpected_keys.is_empty());
     let mut target_optimizer = optimizer(&target);

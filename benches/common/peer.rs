@@ -1,8 +1,35 @@
-//! Running a benchmark's PyTorch peer: checking that the interpreter can import torch, running
-//! the peer script, and reading the JSON object it prints on its last line. Shared by the
-//! benchmarks through `#[path = "common/peer.rs"] mod peer;`.
+//! Running a benchmark's PyTorch peer: finding its script, checking that the interpreter can
+//! import torch, running the script, reading the JSON object it prints on its last line, and
+//! failing the benchmark when a required peer did not run. Shared by the benchmarks through
+//! `#[path = "common/peer.rs"] mod peer;`.
 
+use std::path::PathBuf;
 use std::process::Command;
+
+/// The environment variable that makes a peer that did not run an error (value `1`), as
+/// `--require-peer` does; the GPU bundle sets it.
+pub const REQUIRE_PEER_VAR: &str = "TANDEM_REQUIRE_PEER";
+
+/// The peer script `name`, found at run time (`$TANDEM_PEERS_DIR/name`, else
+/// `benches/peers/name` above the current folder or the executable's; see `tandem::locate`).
+pub fn script(name: &str) -> Result<PathBuf, String> {
+    tandem::locate::peer_script(name).map_err(|e| e.to_string())
+}
+
+/// Whether a peer that did not run fails the benchmark: `--require-peer`, or
+/// `TANDEM_REQUIRE_PEER=1`.
+pub fn required(flag: bool) -> bool {
+    flag || std::env::var(REQUIRE_PEER_VAR).is_ok_and(|v| v == "1")
+}
+
+/// The benchmark's error when the peer was required (see [`required`]) but did not run, with
+/// why (`why`, as printed on the "not run" line).
+pub fn missing_error(why: &str) -> String {
+    format!(
+        "the PyTorch peer was required (--require-peer or {REQUIRE_PEER_VAR}=1) but did not \
+         run: {why}"
+    )
+}
 
 /// Checks that `python` runs and can execute `check` (Python source that exits non-zero when
 /// what the peer needs is missing); `Err` says why not, for the benchmark's "not run" line.
