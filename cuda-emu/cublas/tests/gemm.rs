@@ -431,7 +431,8 @@ fn arguments_cublas_refuses_give_invalid_value() {
     let p = ptr(&buf) as *mut f32;
     let one = 1.0f32;
     // (transa, transb, m, n, k, lda, ldb, ldc) and the status cuBLAS gives.
-    let cases: [((i32, i32, i32, i32, i32, i32, i32, i32), u32, &str); 9] = [
+    type Args = (i32, i32, i32, i32, i32, i32, i32, i32);
+    let cases: [(Args, u32, &str); 9] = [
         ((0, 0, 2, 2, 2, 2, 2, 2), 0, "valid"),
         ((7, 0, 2, 2, 2, 2, 2, 2), 7, "transa not an operation"),
         ((0, -1, 2, 2, 2, 2, 2, 2), 7, "transb not an operation"),
@@ -517,7 +518,7 @@ fn an_operand_running_past_its_buffer_is_refused_naming_it() {
     // past the end (a leading dimension cuBLAS accepts, 5 ≥ 4, but the buffer does not hold).
     let a = upload(&values(12, 1), |x| x as f32);
     let b = upload(&values(6, 2), |x| x as f32);
-    let c = upload(&vec![7.0; 8], |x| x as f32);
+    let c = upload(&[7.0; 8], |x| x as f32);
     let (pa, pb, pc) = (ptr(&a), ptr(&b), ptr(&c));
     let one = 1.0f32;
     cuda::blas::with_blas("test", &dev, dev.compute_stream(), false, |h| {
