@@ -50,7 +50,11 @@ fn assert_close(got: &Tensor, want: &Tensor, what: &str) {
 #[test]
 fn matmul_on_the_emulator_matches_the_cpu() {
     common::use_emulator();
-    let shapes: [(&[usize], &[usize]); 9] = [
+    // Square products first: there a wrong transpose flag or a swapped leading dimension stays
+    // inside the buffers and cuBLAS's argument checks, and only the values tell.
+    let shapes: [(&[usize], &[usize]); 11] = [
+        (&[5, 5], &[5, 5]),
+        (&[2, 6, 6], &[2, 6, 6]),
         (&[3, 4], &[4, 5]),
         (&[17, 9], &[9, 13]),
         (&[4], &[4]),
