@@ -585,13 +585,25 @@ fn an_operand_running_past_its_buffer_is_refused_naming_it() {
     assert_eq!(download(&c), vec![7.0; 8]);
 }
 
-/// A host function that blocks its stream until `RELEASE` is set (at most 20 s).
-static RELEASE: AtomicBool = AtomicBool::new(false);
-unsafe extern "C" fn hold(_: *mut c_void) {
+/// A host function that blocks its stream until the `AtomicBool` it is given is set (at most
+/// 20 s, so a failing test cannot hang).
+unsafe extern "C" fn hold(flag: *mut c_void) {
+    // SAFETY: the tests pass a pointer to a static AtomicBool.
+    let flag = unsafe { &*(flag as *const AtomicBool) };
     let start = Instant::now();
-    while !RELEASE.load(Ordering::Acquire) && start.elapsed() < Duration::from_secs(20) {
+    while !flag.load(Ordering::Acquire) && start.elapsed() < Duration::from_secs(20) {
         std::thread::sleep(Duration::from_millis(1));
     }
+}
+
+/// Blocks `stream` until `flag` is set.
+fn hold_stream(stream: cudarc::driver::sys::CUstream, flag: &'static AtomicBool) {
+    // SAFETY: a live stream of the current context; the flag outlives the host function.
+    unsafe {
+        cudarc::driver::sys::cuLaunchHostFunc(stream, Some(hold), flag as *const _ as *mut c_void)
+    }
+    .result()
+    .unwrap();
 }
 
 #[test]
@@ -605,16 +617,8 @@ fn products_run_in_stream_order_on_the_handles_stream() {
     // Finish the uploads, then hold the compute stream.
     dev.compute_stream().synchronize().unwrap();
     dev.bind("test").unwrap();
-    // SAFETY: a live stream of the current context; `hold` takes no data.
-    unsafe {
-        cudarc::driver::sys::cuLaunchHostFunc(
-            dev.compute_stream().cu_stream(),
-            Some(hold),
-            std::ptr::null_mut(),
-        )
-    }
-    .result()
-    .unwrap();
+    static RELEASE: AtomicBool = AtomicBool::new(false);
+    hold_stream(dev.compute_stream().cu_stream(), &RELEASE);
     cuda::blas::with_blas("test", &dev, dev.compute_stream(), false, |h| unsafe {
         // SAFETY: 2 × 2 matrices in 4-element buffers.
         cublas::sgemm(
@@ -655,5 +659,163 @@ fn products_run_in_stream_order_on_the_handles_stream() {
         &[0.0; 4],
         2,
     );
+    assert_eq!(download(&gc), want);
+}
+
+/// Sets `n` f32 at `dst` from `values` in stream order on `stream` (pageable source: staged at
+/// the call, written when the stream gets there).
+fn upload_on(stream: cudarc::driver::sys::CUstream, dst: u64, values: &[f32]) {
+    // SAFETY: `dst` holds `values.len()` f32 (checked by the emulator too).
+    unsafe {
+        cudarc::driver::sys::cuMemcpyHtoDAsync_v2(
+            dst,
+            values.as_ptr().cast(),
+            std::mem::size_of_val(values),
+            stream,
+        )
+    }
+    .result()
+    .unwrap();
+}
+
+#[test]
+fn a_product_missing_its_event_wait_reads_the_old_operand() {
+    use cudarc::driver::sys as drv;
+    let dev = setup();
+    dev.bind("test").unwrap();
+    let compute = dev.compute_stream().cu_stream();
+    let mut side: drv::CUstream = std::ptr::null_mut();
+    // SAFETY: an out-parameter; the context is current.
+    unsafe { drv::cuStreamCreate(&mut side, 1) }
+        .result()
+        .unwrap();
+    let a = upload(&[1.0, 2.0, 3.0, 4.0], |x| x as f32);
+    let (pa, b_values) = (ptr(&a), [5.0f32, 6.0, 7.0, 8.0]);
+    let right = naive(
+        (2, 2, 2),
+        (&[1.0, 2.0, 3.0, 4.0], 2, false),
+        (&[5.0, 6.0, 7.0, 8.0], 2, false),
+        1.0,
+        0.0,
+        &[0.0; 4],
+        2,
+    );
+    static RELEASE_RACE: AtomicBool = AtomicBool::new(false);
+    static RELEASE_WAIT: AtomicBool = AtomicBool::new(false);
+    for (waits, release) in [(false, &RELEASE_RACE), (true, &RELEASE_WAIT)] {
+        // B starts as zeros; the side stream writes its values once released.
+        let b = upload(&[0.0; 4], |x| x as f32);
+        let c = upload(&[0.0; 4], |x| x as f32);
+        let (pb, pc) = (ptr(&b), ptr(&c));
+        dev.compute_stream().synchronize().unwrap();
+        hold_stream(side, release);
+        upload_on(side, pb, &b_values);
+        if waits {
+            let mut written: drv::CUevent = std::ptr::null_mut();
+            // SAFETY: out-parameter; live streams of the current context.
+            unsafe {
+                drv::cuEventCreate(&mut written, 0).result().unwrap();
+                drv::cuEventRecord(written, side).result().unwrap();
+                drv::cuStreamWaitEvent(compute, written, 0)
+                    .result()
+                    .unwrap();
+            }
+        }
+        cuda::blas::with_blas("test", &dev, dev.compute_stream(), false, |h| unsafe {
+            // SAFETY: 2 × 2 matrices in 4-element buffers.
+            cublas::sgemm(
+                h,
+                CUBLAS_OP_N,
+                CUBLAS_OP_N,
+                2,
+                2,
+                2,
+                &1.0,
+                pa as *const f32,
+                2,
+                pb as *const f32,
+                2,
+                &0.0,
+                pc as *mut f32,
+                2,
+            )
+        })
+        .unwrap();
+        if !waits {
+            // Without the wait the product runs now, on the zeros, while the side stream is
+            // still held: the race a GPU would have, made certain.
+            dev.compute_stream().synchronize().unwrap();
+        }
+        release.store(true, Ordering::Release);
+        // SAFETY: a live stream.
+        unsafe { drv::cuStreamSynchronize(side) }.result().unwrap();
+        dev.compute_stream().synchronize().unwrap();
+        let got = download(&c);
+        if waits {
+            assert_eq!(got, right, "with the event wait");
+        } else {
+            assert_eq!(
+                got,
+                vec![0.0; 4],
+                "without the wait the product saw the old B"
+            );
+        }
+    }
+    dev.bind("test").unwrap();
+    // SAFETY: the stream is idle and no longer used.
+    unsafe { drv::cuStreamDestroy_v2(side) }.result().unwrap();
+}
+
+#[test]
+fn device_pointer_mode_reads_the_scalars_in_stream_order() {
+    use sys::cublasPointerMode_t::{CUBLAS_POINTER_MODE_DEVICE, CUBLAS_POINTER_MODE_HOST};
+    let dev = setup();
+    let (a, b, c) = (values(4, 1), values(4, 2), values(4, 3));
+    let (ga, gb, gc) = (upload(&a, |x| x), upload(&b, |x| x), upload(&c, |x| x));
+    let scalars = upload(&[0.0, 0.0], |x| x);
+    let ps = ptr(&scalars);
+    // Hold the stream so that the scalars are still zeros when the product is called: read at
+    // the call, the product would be 0·AᵀB + 0·C.
+    dev.compute_stream().synchronize().unwrap();
+    dev.bind("test").unwrap();
+    static RELEASE: AtomicBool = AtomicBool::new(false);
+    hold_stream(dev.compute_stream().cu_stream(), &RELEASE);
+    // SAFETY: 2 f64 at `ps`, written in stream order (pageable source staged at the call).
+    unsafe {
+        cudarc::driver::sys::cuMemcpyHtoDAsync_v2(
+            ps,
+            [3.0f64, -2.0].as_ptr().cast(),
+            16,
+            dev.compute_stream().cu_stream(),
+        )
+    }
+    .result()
+    .unwrap();
+    cuda::blas::with_blas("test", &dev, dev.compute_stream(), false, |h| unsafe {
+        // SAFETY: the handle is locked by with_blas; the mode is restored before it returns.
+        sys::cublasSetPointerMode_v2(h, CUBLAS_POINTER_MODE_DEVICE).result()?;
+        // SAFETY: 2 × 2 matrices; alpha and beta are device f64.
+        let status = cublas::dgemm(
+            h,
+            CUBLAS_OP_T,
+            CUBLAS_OP_N,
+            2,
+            2,
+            2,
+            ps as *const f64,
+            ptr(&ga) as *const f64,
+            2,
+            ptr(&gb) as *const f64,
+            2,
+            (ps + 8) as *const f64,
+            ptr(&gc) as *mut f64,
+            2,
+        );
+        sys::cublasSetPointerMode_v2(h, CUBLAS_POINTER_MODE_HOST).result()?;
+        status
+    })
+    .unwrap();
+    RELEASE.store(true, Ordering::Release);
+    let want = naive((2, 2, 2), (&a, 2, true), (&b, 2, false), 3.0, -2.0, &c, 2);
     assert_eq!(download(&gc), want);
 }
