@@ -73,8 +73,8 @@
 //!
 //! Reads outside an allocation from a kernel (guards catch writes only), races between two
 //! kernels (launches are serialised), cuDNN and NCCL (separate libraries, later parts of issue
-//! 20; cuBLAS and cuBLASLt are emulated by `cublas/` and `cublaslt/`), graphs, several devices, peer copies, managed memory, and anything about
-//! speed. Timestamps are the host's clock.
+//! 20; cuBLAS and cuBLASLt are emulated by `cublas/` and `cublaslt/`), graphs, several devices,
+//! peer copies, managed memory, and anything about speed. Timestamps are the host's clock.
 //!
 //! Speed: a launch runs its blocks one after the other, each as OS threads meeting at barriers
 //! (the harness's execution model), so a grid-stride launch over millions of elements (16384
