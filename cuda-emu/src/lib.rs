@@ -72,9 +72,9 @@
 //! # What it does not check (yet)
 //!
 //! Reads outside an allocation from a kernel (guards catch writes only), races between two
-//! kernels (launches are serialised), cuBLAS/cuBLASLt, cuDNN and NCCL (separate libraries, later
-//! parts of issue 20), graphs, several devices, peer copies, managed memory, and anything about
-//! speed. Timestamps are the host's clock.
+//! kernels (launches are serialised), cuDNN and NCCL (separate libraries, later parts of issue
+//! 20; cuBLAS and cuBLASLt are emulated by `cublas/` and `cublaslt/`), graphs, several devices,
+//! peer copies, managed memory, and anything about speed. Timestamps are the host's clock.
 //!
 //! Speed: a launch runs its blocks one after the other, each as OS threads meeting at barriers
 //! (the harness's execution model), so a grid-stride launch over millions of elements (16384
@@ -88,6 +88,9 @@
 //! after free, a kernel fault, a bad copy range) into `buf` and returns its length, so tests can
 //! assert on it. `tandem_cuda_emu_check_quarantine()` checks every freed block in quarantine
 //! now (otherwise each is checked when it leaves quarantine) and returns the sticky fault.
+//! `tandem_cuda_emu_check_device_range(ptr, len, what)` checks that a range lies inside one live
+//! allocation, as copies do (`CUDA_ERROR_INVALID_VALUE` and a fault starting with `what`
+//! otherwise): the emulated cuBLAS checks its operands with it.
 
 #![allow(non_snake_case)]
 #![allow(clippy::missing_safety_doc)]

@@ -978,3 +978,26 @@ pub extern "C" fn tandem_cuda_emu_check_quarantine() -> CUresult {
         sticky()
     })
 }
+
+/// Checks that `[ptr, ptr + len)` lies inside one live device allocation, as copies do, for
+/// the emulated libraries beside the driver (cuBLAS checks its GEMM operands with it): fails
+/// with `CUDA_ERROR_INVALID_VALUE` and reports a fault whose message starts with `what` (a
+/// NUL-terminated string naming the call and the operand) otherwise.
+#[no_mangle]
+pub unsafe extern "C" fn tandem_cuda_emu_check_device_range(
+    ptr: u64,
+    len: usize,
+    what: *const std::ffi::c_char,
+) -> CUresult {
+    entry("tandem_cuda_emu_check_device_range", || {
+        let what = if what.is_null() {
+            "a device range".to_string()
+        } else {
+            // SAFETY: the caller passes a NUL-terminated string.
+            unsafe { std::ffi::CStr::from_ptr(what) }
+                .to_string_lossy()
+                .into_owned()
+        };
+        device_range(ptr, len, &what)
+    })
+}
