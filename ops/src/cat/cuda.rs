@@ -30,6 +30,11 @@ pub(crate) fn slice_back(
     start: usize,
     input_shape: &[usize],
 ) -> Result<Tensor> {
+    // An empty window may start past the end of an empty gradient's storage (a zero-row batch
+    // narrowed at a column offset), which no view may do: it is a fresh empty tensor instead.
+    if input_shape.contains(&0) {
+        return Tensor::empty(input_shape, g.dtype(), g.device());
+    }
     let window =
         g.view_detached(
             g.layout()
