@@ -138,7 +138,9 @@ pub struct DeferredSlot {
 }
 
 /// How many records a device has; record [`SHARED`] is for threads that find the others leased.
-pub const RECORDS_PER_DEVICE: usize = 128;
+/// Enough that only a program with a thousand threads issuing checked ops on one device at once
+/// shares one: 32 KiB of page-locked host memory and 4 KiB of device memory per device.
+pub const RECORDS_PER_DEVICE: usize = 1024;
 
 /// The record shared by threads that arrive while every other record is leased.
 const SHARED: usize = 0;
