@@ -3,9 +3,10 @@
 //! `mse_loss`, forward and backward.
 //!
 //! Class labels are never read on the host (that would stall the stream every step): the
-//! kernels check them and record the first bad one in the device's deferred-error record
-//! ([`tandem_core::cuda::deferred`]), and the host reports it, worded as the CPU op's error,
-//! at its next read of the device (`loss.item()`, `to_vec`, `synchronize`). Per-sample losses
+//! kernels check them and record the first bad one in the calling thread's deferred-error record
+//! on the device ([`tandem_core::cuda::deferred`]), and the host reports it, worded as the CPU
+//! op's error, at that thread's next read of the device (`loss.item()`, `to_vec`,
+//! `synchronize`); other threads on the device never see it. Per-sample losses
 //! are reduced (Sum, Mean) by `reduce.cu`'s deterministic sums. Nothing here waits for the
 //! device.
 

@@ -6,8 +6,8 @@
 //
 // Class labels are checked here, on the device: a label outside 0..C is never used as an
 // index. Its row's loss (or gradient) becomes NaN and the first such label is recorded in the
-// device's deferred-error record (core/src/cuda/deferred.rs), which the host reports as the CPU
-// op's error at its next read (`to_vec`, `item`, `synchronize`).
+// launching thread's deferred-error record (core/src/cuda/deferred.rs), which the host reports
+// as the CPU op's error at that thread's next read (`to_vec`, `item`, `synchronize`).
 //
 // Cross entropy keeps, per row, the maximum m and ls = ln sum e^(x - m): the loss is
 // ls - (x_t - m) and the gradient e^((x - m) - ls) - onehot(t), free of overflow for any logits.
