@@ -57,6 +57,8 @@
 #![allow(clippy::missing_safety_doc)]
 #![allow(clippy::too_many_arguments)]
 
+mod status_name;
+
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_longlong, c_void, CStr};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -402,20 +404,7 @@ pub extern "C" fn cublasGetCudartVersion() -> usize {
 
 #[no_mangle]
 pub extern "C" fn cublasGetStatusName(status: u32) -> *const c_char {
-    let name: &'static CStr = match status {
-        0 => c"CUBLAS_STATUS_SUCCESS",
-        1 => c"CUBLAS_STATUS_NOT_INITIALIZED",
-        3 => c"CUBLAS_STATUS_ALLOC_FAILED",
-        7 => c"CUBLAS_STATUS_INVALID_VALUE",
-        8 => c"CUBLAS_STATUS_ARCH_MISMATCH",
-        11 => c"CUBLAS_STATUS_MAPPING_ERROR",
-        13 => c"CUBLAS_STATUS_EXECUTION_FAILED",
-        14 => c"CUBLAS_STATUS_INTERNAL_ERROR",
-        15 => c"CUBLAS_STATUS_NOT_SUPPORTED",
-        16 => c"CUBLAS_STATUS_LICENSE_ERROR",
-        _ => c"CUBLAS_STATUS_UNKNOWN",
-    };
-    name.as_ptr()
+    status_name::status_name(status).as_ptr()
 }
 
 #[no_mangle]

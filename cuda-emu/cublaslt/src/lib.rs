@@ -10,8 +10,11 @@
 #![allow(non_snake_case)]
 #![allow(clippy::missing_safety_doc)]
 
+#[path = "../../cublas/src/status_name.rs"]
+mod status_name;
+
 use std::collections::HashSet;
-use std::ffi::{c_char, c_int, CStr};
+use std::ffi::{c_char, c_int};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use cudarc::cublaslt::sys;
@@ -84,20 +87,7 @@ pub unsafe extern "C" fn cublasLtGetProperty(kind: u32, value: *mut c_int) -> St
 
 #[no_mangle]
 pub extern "C" fn cublasLtGetStatusName(status: u32) -> *const c_char {
-    let name: &'static CStr = match status {
-        0 => c"CUBLAS_STATUS_SUCCESS",
-        1 => c"CUBLAS_STATUS_NOT_INITIALIZED",
-        3 => c"CUBLAS_STATUS_ALLOC_FAILED",
-        7 => c"CUBLAS_STATUS_INVALID_VALUE",
-        8 => c"CUBLAS_STATUS_ARCH_MISMATCH",
-        11 => c"CUBLAS_STATUS_MAPPING_ERROR",
-        13 => c"CUBLAS_STATUS_EXECUTION_FAILED",
-        14 => c"CUBLAS_STATUS_INTERNAL_ERROR",
-        15 => c"CUBLAS_STATUS_NOT_SUPPORTED",
-        16 => c"CUBLAS_STATUS_LICENSE_ERROR",
-        _ => c"CUBLAS_STATUS_UNKNOWN",
-    };
-    name.as_ptr()
+    status_name::status_name(status).as_ptr()
 }
 
 #[no_mangle]

@@ -20,9 +20,18 @@
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
-/// The file names cargo gives the two libraries.
-const DRIVER: &str = "libtandem_cuda_emu.so";
-const NVRTC: &str = "libtandem_cuda_emu_nvrtc.so";
+/// The file names cargo gives the driver and NVRTC, and the names tandem's search looks for.
+const DRIVER_AND_NVRTC: [(&str, &str); 2] = [
+    ("libtandem_cuda_emu.so", "libcuda.so"),
+    ("libtandem_cuda_emu_nvrtc.so", "libnvrtc.so"),
+];
+
+/// The same for cuBLAS and cuBLASLt, for the tests of the emulated cuBLAS (which has them as
+/// its package and a dev-dependency, so cargo builds them beside its test binaries).
+pub const CUBLAS: [(&str, &str); 2] = [
+    ("libtandem_cuda_emu_cublas.so", "libcublas.so"),
+    ("libtandem_cuda_emu_cublaslt.so", "libcublasLt.so"),
+];
 
 fn built(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("the test binary's path");
@@ -40,9 +49,15 @@ fn built(name: &str) -> PathBuf {
         })
 }
 
-/// The folder holding the emulator under CUDA's names, set up and put first in
+/// The folder holding the emulated driver and NVRTC under CUDA's names, set up and put first in
 /// `TANDEM_CUDA_LIBS` on the first call.
 pub fn use_emulator() -> &'static Path {
+    use_emulator_with(&[])
+}
+
+/// [`use_emulator`] with `extra` libraries (pairs of cargo's file name and CUDA's name, such as
+/// [`CUBLAS`]) copied beside them. The first call in a process sets the folder up.
+pub fn use_emulator_with(extra: &[(&str, &str)]) -> &'static Path {
     static FOLDER: OnceLock<PathBuf> = OnceLock::new();
     FOLDER.get_or_init(|| {
         let dir = tempfile::Builder::new()
@@ -52,8 +67,10 @@ pub fn use_emulator() -> &'static Path {
             .keep();
         // Copies, not links: tandem resolves the library it loaded to its real path and looks
         // for NVRTC's builtins beside it.
-        std::fs::copy(built(DRIVER), dir.join("libcuda.so")).expect("copy the driver");
-        std::fs::copy(built(NVRTC), dir.join("libnvrtc.so")).expect("copy NVRTC");
+        for (built_name, cuda_name) in DRIVER_AND_NVRTC.iter().chain(extra) {
+            std::fs::copy(built(built_name), dir.join(cuda_name))
+                .unwrap_or_else(|e| panic!("copy {built_name}: {e}"));
+        }
         std::os::unix::fs::symlink("libnvrtc.so", dir.join("libnvrtc-builtins.so.13.99"))
             .expect("link NVRTC's builtins");
         let mut folders = vec![dir.clone()];
