@@ -17,6 +17,8 @@
 # Usage: scripts/emulated-gpu-tests.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/test-binary.sh
+. scripts/test-binary.sh
 
 tests=(
   "tandem-ops cuda_elementwise"
@@ -50,14 +52,7 @@ ran=0
 for entry in "${tests[@]}"; do
   read -r pkg target <<<"$entry"
   # The binary and its package's folder (tests run in their package's folder, as under cargo).
-  read -r exe dir < <(cargo test -q -p "$pkg" --test "$target" --no-run --message-format=json 2>/dev/null |
-    python3 -c "
-import json, os, sys
-for line in sys.stdin:
-    try: m = json.loads(line)
-    except ValueError: continue
-    if m.get('reason') == 'compiler-artifact' and m.get('executable') and m['target']['name'] == '$target':
-        print(m['executable'], os.path.dirname(m['manifest_path']))")
+  read -r exe dir < <(test_binary "$pkg" "$target") || true
   if [ -z "${exe:-}" ]; then
     echo "emulated-gpu-tests: $pkg/$target did not build" >&2
     failed+=("$pkg/$target (no binary)")

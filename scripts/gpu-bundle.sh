@@ -17,6 +17,8 @@
 # first run (into OUT_DIR/bin and OUT_DIR/tests). TANDEM_BUNDLE_PACK=0 leaves them unpacked.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/test-binary.sh
+. scripts/test-binary.sh
 tests_only=0
 if [ "${1:-}" = --tests-only ]; then
   tests_only=1
@@ -46,14 +48,7 @@ for entry in "${gpu_tests[@]}"; do
   [ -n "$dir" ] || continue
   dir=$(dirname "$dir")
   [ -f "$dir/tests/$target.rs" ] || continue
-  exe=$(cargo test --release -p "$pkg" --test "$target" --no-run --message-format=json 2>/dev/null |
-    python3 -c "
-import json, sys
-for line in sys.stdin:
-    try: m = json.loads(line)
-    except ValueError: continue
-    if m.get('reason') == 'compiler-artifact' and m.get('executable') and m['target']['name'] == '$target':
-        print(m['executable'])")
+  read -r exe _ < <(test_binary "$pkg" "$target" --release) || true
   [ -n "$exe" ] || { echo "gpu-bundle: $pkg/$target did not build" >&2; exit 1; }
   if [ -e "$out/tests/$target" ]; then
     echo "gpu-bundle: two packages have a GPU test named $target; rename one" >&2
