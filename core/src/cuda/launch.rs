@@ -298,8 +298,14 @@ unsafe impl KernelPod for StridedLayout {}
 /// One kernel argument, by value, as `cuLaunchKernel` copies it into the kernel's parameters.
 #[derive(Clone, Debug, PartialEq)]
 pub enum KernelArg {
-    /// A device pointer (`T*` in the kernel).
+    /// A device pointer whose use is not declared (`T*` in the kernel). The stream sanitizer
+    /// treats it as read and written; launch plans declare [`KernelArg::In`] or
+    /// [`KernelArg::Out`] instead.
     Ptr(u64),
+    /// A device pointer the kernel only reads (`const T*` in the kernel).
+    In(u64),
+    /// A device pointer the kernel writes, and may also read (`T*` in the kernel).
+    Out(u64),
     /// `int`.
     I32(i32),
     /// `unsigned int`.
@@ -354,7 +360,12 @@ impl KernelArg {
     /// Size of the argument in bytes, as the kernel sees it.
     pub fn size_in_bytes(&self) -> usize {
         match self {
-            KernelArg::Ptr(_) | KernelArg::I64(_) | KernelArg::U64(_) | KernelArg::F64(_) => 8,
+            KernelArg::Ptr(_)
+            | KernelArg::In(_)
+            | KernelArg::Out(_)
+            | KernelArg::I64(_)
+            | KernelArg::U64(_)
+            | KernelArg::F64(_) => 8,
             KernelArg::I32(_) | KernelArg::U32(_) | KernelArg::F32(_) => 4,
             KernelArg::U16(_) => 2,
             KernelArg::U8(_) => 1,
@@ -365,7 +376,9 @@ impl KernelArg {
     /// Address of the value (what `cuLaunchKernel`'s `kernelParams[i]` points at).
     fn address(&self) -> *mut c_void {
         let p: *const c_void = match self {
-            KernelArg::Ptr(v) | KernelArg::U64(v) => (v as *const u64).cast(),
+            KernelArg::Ptr(v) | KernelArg::In(v) | KernelArg::Out(v) | KernelArg::U64(v) => {
+                (v as *const u64).cast()
+            }
             KernelArg::I32(v) => (v as *const i32).cast(),
             KernelArg::U32(v) => (v as *const u32).cast(),
             KernelArg::I64(v) => (v as *const i64).cast(),
