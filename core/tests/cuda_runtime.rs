@@ -445,10 +445,7 @@ impl Gate {
             source: &GATE,
             kernel: "gate".into(),
             config: LaunchConfig::new("gate", [1, 1, 1], [1, 1, 1], 0).unwrap(),
-            args: vec![
-                KernelArg::Ptr(device_ptr),
-                KernelArg::I64(GATE_LIMIT_CYCLES),
-            ],
+            args: vec![KernelArg::In(device_ptr), KernelArg::I64(GATE_LIMIT_CYCLES)],
         };
         let gate = Gate {
             host,

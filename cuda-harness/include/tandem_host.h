@@ -592,13 +592,57 @@ int launch(void (*kernel)(Params...), const tandem_host_launch_config* config, v
 
 }  // namespace tandem_host
 
+// ---- Parameter kinds: begin ------------------------------------------------------------------
+// What each kernel parameter is, so that the harness can check a launch plan's declarations
+// against the kernel's signature (cuda-harness/src/lib.rs, `check_declarations`): a
+// `KernelArg::In` must be a pointer to const (`const T*`: the kernel only reads it), a
+// `KernelArg::Out` a pointer to non-const (`T*`: the kernel writes it), any other argument a
+// value of the parameter's size. The stream sanitizer trusts these declarations, so a kernel
+// that only reads a buffer says so with `const`, and the plan with `In`.
+namespace tandem_host {
+
+// 'i' for a pointer to const, 'o' for a pointer to non-const, 'v' for a value.
+template <typename P>
+constexpr char param_kind() {
+    typedef typename std::decay<P>::type T;
+    return !std::is_pointer<T>::value                                      ? 'v'
+           : std::is_const<typename std::remove_pointer<T>::type>::value ? 'i'
+                                                                          : 'o';
+}
+
+// Writes the kind and the size of each parameter of `kernel` (at most `capacity` of them) and
+// returns how many parameters it has.
+template <typename... Params>
+int param_kinds(void (*)(Params...), char* kinds, unsigned long long* sizes, int capacity) {
+    const char all_kinds[] = {param_kind<Params>()..., 0};
+    const unsigned long long all_sizes[] = {sizeof(typename std::decay<Params>::type)..., 0ull};
+    const int count = (int)sizeof...(Params);
+    for (int i = 0; i < count && i < capacity; ++i) {
+        kinds[i] = all_kinds[i];
+        sizes[i] = all_sizes[i];
+    }
+    return count;
+}
+
+}  // namespace tandem_host
+
+// `tandem_param_kinds_<name>(kinds, sizes, capacity)`: the table above for one kernel. Part of
+// every TANDEM_HOST_EXPORT (also of cuda-emu/nvrtc's redefinition of it).
+#define TANDEM_HOST_EXPORT_PARAM_KINDS(name)                                                   \
+    extern "C" int tandem_param_kinds_##name(char* kinds, unsigned long long* sizes,          \
+                                             int capacity) {                                   \
+        return ::tandem_host::param_kinds(name, kinds, sizes, capacity);                       \
+    }
+// ---- Parameter kinds: end --------------------------------------------------------------------
+
 // The host entry point of a kernel: `tandem_host_<name>(config, args, error, error_len)`,
-// returning 0, or 1 with a message in `error`.
+// returning 0, or 1 with a message in `error`; and its parameter kinds (above).
 #define TANDEM_HOST_EXPORT(name)                                                               \
     extern "C" int tandem_host_##name(const tandem_host_launch_config* config, void** args,   \
                                       char* error, std::size_t error_len) {                    \
         return ::tandem_host::launch(name, config, args, error, error_len);                    \
-    }
+    }                                                                                          \
+    TANDEM_HOST_EXPORT_PARAM_KINDS(name)
 
 #define TANDEM_DYNAMIC_SHARED(type, name)                                                      \
     type* name = reinterpret_cast<type*>(::tandem_host::dynamic_shared())

@@ -6,7 +6,10 @@
 //!   host C++ compiler against `include/tandem_host.h`, an emulation of the CUDA execution model
 //!   (blocks of OS threads meeting at barriers, shared memory, atomics, warp shuffles and
 //!   votes), into one shared library per file. [`run`] executes a [`Launch`] — the same plan
-//!   the CUDA runtime executes on a device — with host pointers. Tests run every kernel against
+//!   the CUDA runtime executes on a device — with host pointers, after checking the plan's
+//!   arguments against the kernel's parameters ([`check_declarations`]: every `KernelArg::In`
+//!   a `const T*`, every `KernelArg::Out` a `T*`, values of the right size), so each test also
+//!   checks what the plans it runs declare to the stream sanitizer. Tests run every kernel against
 //!   tandem's CPU ops (`tests/runtime_kernels.rs`) and check the emulation itself
 //!   (`tests/emulator.rs`).
 //! - **NVRTC.** `tests/nvrtc.rs` compiles every `.cu` with tandem's own NVRTC path for sm_80 and
@@ -22,7 +25,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
-use tandem_core::cuda::launch::{KernelHeader, KernelSource, Launch};
+use tandem_core::cuda::launch::{KernelArg, KernelHeader, KernelSource, Launch};
 use tandem_core::{Error, Result};
 
 mod discover;
@@ -66,12 +69,174 @@ struct HostLaunchConfig {
 type HostEntry =
     unsafe extern "C" fn(*const HostLaunchConfig, *mut *mut c_void, *mut c_char, usize) -> i32;
 
+/// `tandem_param_kinds_<kernel>` (TANDEM_HOST_EXPORT_PARAM_KINDS in tandem_host.h): writes each
+/// parameter's kind and size, returns the parameter count.
+type ParamKinds = unsafe extern "C" fn(*mut c_char, *mut u64, i32) -> i32;
+
+/// The most parameters a kernel's table is read for; no tandem kernel comes close.
+const MAX_PARAMS: usize = 64;
+
+/// What a kernel parameter is, as the kernel's C++ signature says (`param_kind` in
+/// tandem_host.h).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ParamKind {
+    /// `const T*`: the kernel only reads through it; the plan declares [`KernelArg::In`].
+    PointerToConst,
+    /// `T*`: the kernel may write through it; the plan declares [`KernelArg::Out`].
+    PointerToMut,
+    /// Anything else, passed by value: the plan passes a value of the same size.
+    Value,
+}
+
+impl ParamKind {
+    fn describe(self) -> &'static str {
+        match self {
+            ParamKind::PointerToConst => "a pointer to const (`const T*`)",
+            ParamKind::PointerToMut => "a pointer to non-const (`T*`)",
+            ParamKind::Value => "a value",
+        }
+    }
+}
+
+/// One parameter of a kernel: its kind and its size in bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KernelParam {
+    /// Pointer to const, pointer to non-const, or value.
+    pub kind: ParamKind,
+    /// `sizeof` the parameter.
+    pub size: usize,
+}
+
+/// Checks a launch plan's arguments against its kernel's parameters: as many arguments as
+/// parameters; [`KernelArg::In`] for each pointer to const, [`KernelArg::Out`] for each pointer
+/// to non-const, and a value of the parameter's size for every other parameter. The stream
+/// sanitizer trusts the `In`/`Out` declarations, so a wrong one would hide a race (an `In` the
+/// kernel writes) or report a false one; the harness checks every launch it runs with this.
+///
+/// Errors name the kernel, the argument's index and the mismatch.
+pub fn check_declarations(
+    kernel: &str,
+    args: &[KernelArg],
+    params: &[KernelParam],
+) -> std::result::Result<(), String> {
+    if args.len() != params.len() {
+        return Err(format!(
+            "kernel {kernel} takes {} parameters; the launch plan passes {} arguments",
+            params.len(),
+            args.len()
+        ));
+    }
+    for (index, (arg, param)) in args.iter().zip(params).enumerate() {
+        let mismatch = |fix: &str| {
+            Err(format!(
+                "argument {index} of kernel {kernel} is declared {} but parameter {index} is {} \
+                 ({fix})",
+                declared(arg),
+                param.kind.describe()
+            ))
+        };
+        match (arg, param.kind) {
+            (KernelArg::In(_), ParamKind::PointerToConst)
+            | (KernelArg::Out(_), ParamKind::PointerToMut) => {}
+            (KernelArg::In(_), ParamKind::PointerToMut) => {
+                return mismatch(
+                    "the kernel may write through it: declare Out, or make the parameter \
+                     `const T*` if the kernel only reads it",
+                )
+            }
+            (KernelArg::Out(_), ParamKind::PointerToConst) => {
+                return mismatch("the kernel only reads through it: declare In")
+            }
+            (KernelArg::In(_) | KernelArg::Out(_), ParamKind::Value) => {
+                return mismatch("pass the value itself, not a device pointer")
+            }
+            (_, ParamKind::PointerToConst | ParamKind::PointerToMut) => {
+                return mismatch("declare the device pointer as In or Out")
+            }
+            (_, ParamKind::Value) if arg.size_in_bytes() != param.size => {
+                return Err(format!(
+                    "argument {index} of kernel {kernel} is {} of {} bytes but parameter \
+                     {index} has {} bytes",
+                    declared(arg),
+                    arg.size_in_bytes(),
+                    param.size
+                ))
+            }
+            (_, ParamKind::Value) => {}
+        }
+    }
+    Ok(())
+}
+
+/// An argument's declaration, for messages: `In`, `Out`, `U64`, ...
+fn declared(arg: &KernelArg) -> &'static str {
+    match arg {
+        KernelArg::In(_) => "In",
+        KernelArg::Out(_) => "Out",
+        KernelArg::I32(_) => "an I32",
+        KernelArg::U32(_) => "a U32",
+        KernelArg::I64(_) => "an I64",
+        KernelArg::U64(_) => "a U64",
+        KernelArg::F32(_) => "an F32",
+        KernelArg::F64(_) => "an F64",
+        KernelArg::U16(_) => "a U16",
+        KernelArg::U8(_) => "a U8",
+        KernelArg::Pod(_) => "a struct",
+    }
+}
+
+/// The parameters of `kernel` in `library`, from its `tandem_param_kinds_<kernel>` table.
+fn kernel_params(
+    library: &libloading::Library,
+    kernel: &str,
+) -> std::result::Result<Vec<KernelParam>, String> {
+    let symbol = format!("tandem_param_kinds_{kernel}");
+    // SAFETY: every `tandem_param_kinds_*` symbol is defined by TANDEM_HOST_EXPORT_PARAM_KINDS
+    // with this type.
+    let table: ParamKinds =
+        *unsafe { library.get::<ParamKinds>(symbol.as_bytes()) }.map_err(|e| {
+            format!(
+                "no parameter table {symbol} ({e}); is the kernel followed by TANDEM_HOST_EXPORT?"
+            )
+        })?;
+    let mut kinds: Vec<c_char> = vec![0; MAX_PARAMS];
+    let mut sizes = vec![0u64; MAX_PARAMS];
+    // SAFETY: the table writes at most MAX_PARAMS entries into each buffer.
+    let count = unsafe { table(kinds.as_mut_ptr(), sizes.as_mut_ptr(), MAX_PARAMS as i32) };
+    let count = usize::try_from(count).unwrap_or(usize::MAX);
+    if count > MAX_PARAMS {
+        return Err(format!(
+            "kernel {kernel} has {count} parameters; the harness reads at most {MAX_PARAMS}"
+        ));
+    }
+    kinds
+        .iter()
+        .zip(&sizes)
+        .take(count)
+        .map(|(&kind, &size)| {
+            let kind = match kind as u8 {
+                b'i' => ParamKind::PointerToConst,
+                b'o' => ParamKind::PointerToMut,
+                b'v' => ParamKind::Value,
+                other => return Err(format!("{symbol}: unknown parameter kind {other}")),
+            };
+            Ok(KernelParam {
+                kind,
+                size: size as usize,
+            })
+        })
+        .collect()
+}
+
 /// Runs `launch` on the CPU: its kernel, from the host library of its source file, over its
 /// grid, with its arguments. Launches are serialised (the emulation keeps shared memory and the
 /// launch's state in statics).
 ///
-/// Errors when the kernel's file or its host entry point is missing, or the emulation detected
-/// a fault (a barrier not reached by every thread, a partial-warp intrinsic, threads stuck).
+/// Before running, checks the plan's arguments against the kernel's parameters
+/// ([`check_declarations`]: count, `In`/`Out` against `const`, value sizes).
+///
+/// Errors when the kernel's file or its host entry point is missing, an argument does not match
+/// its parameter, or the emulation detected a fault (a barrier not reached by every thread, a partial-warp intrinsic, threads stuck).
 ///
 /// # Safety
 /// Every pointer argument of the launch must point to host memory valid for everything the
@@ -105,6 +270,10 @@ pub unsafe fn run_with_timeout(launch: &Launch, barrier_timeout: Duration) -> Re
                 ),
             )
         })?;
+    let params =
+        kernel_params(library, &launch.kernel).map_err(|e| Error::external(context(), e))?;
+    check_declarations(&launch.kernel, &launch.args, &params)
+        .map_err(|e| Error::external(context(), e))?;
     let config = HostLaunchConfig {
         grid: launch.config.grid,
         block: launch.config.block,

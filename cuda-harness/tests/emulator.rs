@@ -29,21 +29,27 @@ fn launch(
     }
 }
 
-fn ptr<T>(data: &mut [T]) -> KernelArg {
-    KernelArg::Ptr(data.as_mut_ptr() as u64)
+/// A buffer the kernel only reads (`const T*`).
+fn input<T>(data: &[T]) -> KernelArg {
+    KernelArg::In(data.as_ptr() as u64)
+}
+
+/// A buffer the kernel writes (`T*`).
+fn output<T>(data: &mut [T]) -> KernelArg {
+    KernelArg::Out(data.as_mut_ptr() as u64)
 }
 
 #[test]
 fn shared_memory_tree_reduction_with_barriers_and_shuffles_sums_every_block() {
     // 1000 elements over 3 blocks of 128 threads: the grid-stride loop wraps around.
-    let mut x: Vec<f32> = (0..1000).map(|i| (i % 7) as f32).collect();
+    let x: Vec<f32> = (0..1000).map(|i| (i % 7) as f32).collect();
     let mut sums = vec![f32::NAN; 3];
     let l = launch(
         "block_sum_tree_f32",
         [3, 1, 1],
         [128, 1, 1],
         0,
-        vec![ptr(&mut x), KernelArg::U64(1000), ptr(&mut sums)],
+        vec![input(&x), KernelArg::U64(1000), output(&mut sums)],
     );
     // SAFETY: the pointers cover what the kernel touches (1000 inputs, 3 sums).
     unsafe { run(&l) }.unwrap();
@@ -69,7 +75,7 @@ fn block_reduce_helper_gives_sum_and_max_with_nan_winning() {
             [2, 1, 1],
             [64, 1, 1],
             0,
-            vec![ptr(x), KernelArg::U64(n as u64), ptr(out)],
+            vec![input(x), KernelArg::U64(n as u64), output(out)],
         );
         // SAFETY: n inputs, 2 blocks × 2 outputs.
         unsafe { run(&l) }.unwrap();
@@ -100,10 +106,10 @@ fn atomics_count_every_element_exactly() {
         0,
         vec![
             KernelArg::U64(n),
-            ptr(&mut count),
-            ptr(&mut wide),
-            ptr(&mut fsum),
-            ptr(&mut dsum),
+            output(&mut count),
+            output(&mut wide),
+            output(&mut fsum),
+            output(&mut dsum),
         ],
     );
     // SAFETY: one element per counter.
@@ -117,7 +123,7 @@ fn atomics_count_every_element_exactly() {
 #[test]
 fn atomic_max_min_cas_and_exchange_agree_with_a_serial_run() {
     let n = 513u64;
-    let mut x: Vec<i32> = (0..n as i32).map(|i| (i * 7919) % 1009 - 500).collect();
+    let x: Vec<i32> = (0..n as i32).map(|i| (i * 7919) % 1009 - 500).collect();
     let (mut max, mut min, mut winner, mut last) = (
         vec![i32::MIN],
         vec![i32::MAX],
@@ -130,12 +136,12 @@ fn atomic_max_min_cas_and_exchange_agree_with_a_serial_run() {
         [128, 1, 1],
         0,
         vec![
-            ptr(&mut x),
+            input(&x),
             KernelArg::U64(n),
-            ptr(&mut max),
-            ptr(&mut min),
-            ptr(&mut winner),
-            ptr(&mut last),
+            output(&mut max),
+            output(&mut min),
+            output(&mut winner),
+            output(&mut last),
         ],
     );
     // SAFETY: n inputs, one element per result.
@@ -159,7 +165,7 @@ fn warp_shuffles_and_votes_follow_cuda_semantics() {
         [1, 1, 1],
         [threads as u32, 1, 1],
         0,
-        vec![ptr(&mut out)],
+        vec![output(&mut out)],
     );
     // SAFETY: nine results per thread.
     unsafe { run(&l) }.unwrap();
@@ -187,7 +193,7 @@ fn warp_shuffles_and_votes_follow_cuda_semantics() {
 #[test]
 fn dynamic_shared_memory_reverses_each_chunk() {
     let n = 100usize;
-    let mut input: Vec<f32> = (0..n).map(|i| i as f32).collect();
+    let data: Vec<f32> = (0..n).map(|i| i as f32).collect();
     let mut out = vec![f32::NAN; n];
     let block = 32u32;
     let l = launch(
@@ -195,11 +201,11 @@ fn dynamic_shared_memory_reverses_each_chunk() {
         [n.div_ceil(32) as u32, 1, 1],
         [block, 1, 1],
         block * 4,
-        vec![ptr(&mut input), ptr(&mut out), KernelArg::U64(n as u64)],
+        vec![input(&data), output(&mut out), KernelArg::U64(n as u64)],
     );
     // SAFETY: n inputs and outputs; the kernel checks bounds.
     unsafe { run(&l) }.unwrap();
-    let want: Vec<f32> = input
+    let want: Vec<f32> = data
         .chunks(32)
         .flat_map(|c| c.iter().rev().copied())
         .collect();
@@ -211,7 +217,7 @@ fn three_dimensional_blocks_and_grids_get_cuda_indices() {
     let (block, grid) = ([4u32, 2, 2], [2u32, 3, 2]);
     let threads = 16usize;
     let mut out = vec![u32::MAX; threads * 12];
-    let l = launch("indices_3d", grid, block, 0, vec![ptr(&mut out)]);
+    let l = launch("indices_3d", grid, block, 0, vec![output(&mut out)]);
     // SAFETY: one element per thread of the grid.
     unsafe { run(&l) }.unwrap();
     let mut k = 0;
@@ -240,7 +246,7 @@ fn a_barrier_after_an_early_return_is_reported() {
         [1, 1, 1],
         [64, 1, 1],
         0,
-        vec![ptr(&mut out)],
+        vec![output(&mut out)],
     );
     // SAFETY: one element per thread.
     let err = unsafe { run(&l) }.unwrap_err().to_string();
@@ -258,7 +264,7 @@ fn threads_stuck_at_different_barriers_are_reported_not_hung() {
         [1, 1, 1],
         [64, 1, 1],
         0,
-        vec![ptr(&mut out)],
+        vec![output(&mut out)],
     );
     let start = Instant::now();
     // SAFETY: one element per thread.
@@ -277,7 +283,7 @@ fn a_shuffle_over_part_of_a_warp_is_reported() {
         [1, 1, 1],
         [32, 1, 1],
         0,
-        vec![ptr(&mut out)],
+        vec![output(&mut out)],
     );
     // SAFETY: one element per thread.
     let err = unsafe { run(&l) }.unwrap_err().to_string();
@@ -291,6 +297,95 @@ fn a_kernel_without_a_host_entry_is_a_clear_error() {
     let err = unsafe { run(&l) }.unwrap_err().to_string();
     assert!(
         err.contains("tandem_host_no_such_kernel") && err.contains("TANDEM_HOST_EXPORT"),
+        "{err}"
+    );
+}
+
+/// `block_sum_tree_f32(const float* x, tandem_u64 n, float* block_sums)` with `args`: the
+/// harness's error, after checking that the kernel did not run (`block_sums` untouched).
+fn declaration_error(args: impl FnOnce(&[f32], &mut [f32]) -> Vec<KernelArg>) -> String {
+    let x = vec![1.0f32; 64];
+    let mut sums = vec![f32::NAN; 1];
+    let l = launch(
+        "block_sum_tree_f32",
+        [1, 1, 1],
+        [32, 1, 1],
+        0,
+        args(&x, &mut sums),
+    );
+    // SAFETY: the arguments are refused before the kernel runs; were they not, the pointers
+    // still cover 64 inputs and one sum.
+    let err = unsafe { run(&l) }.unwrap_err().to_string();
+    assert!(sums[0].is_nan(), "the kernel ran despite: {err}");
+    err
+}
+
+#[test]
+fn a_written_pointer_declared_in_is_refused_before_the_kernel_runs() {
+    let err = declaration_error(|x, sums| {
+        vec![
+            input(x),
+            KernelArg::U64(64),
+            KernelArg::In(sums.as_ptr() as u64),
+        ]
+    });
+    assert!(
+        err.contains("block_sum_tree_f32")
+            && err.contains("argument 2")
+            && err.contains("declared In")
+            && err.contains("pointer to non-const"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_const_pointer_declared_out_is_refused() {
+    let err = declaration_error(|x, sums| {
+        vec![
+            KernelArg::Out(x.as_ptr() as u64),
+            KernelArg::U64(64),
+            output(sums),
+        ]
+    });
+    assert!(
+        err.contains("block_sum_tree_f32")
+            && err.contains("argument 0")
+            && err.contains("declared Out")
+            && err.contains("pointer to const"),
+        "{err}"
+    );
+}
+
+#[test]
+fn values_pointers_counts_and_sizes_must_match_the_parameters() {
+    // A device pointer passed as a plain integer: undeclared.
+    let err = declaration_error(|x, sums| {
+        vec![
+            KernelArg::U64(x.as_ptr() as u64),
+            KernelArg::U64(64),
+            output(sums),
+        ]
+    });
+    assert!(
+        err.contains("argument 0") && err.contains("declare the device pointer as In or Out"),
+        "{err}"
+    );
+    // A pointer where the kernel takes a value.
+    let err = declaration_error(|x, sums| vec![input(x), input(x), output(sums)]);
+    assert!(
+        err.contains("argument 1") && err.contains("is a value"),
+        "{err}"
+    );
+    // A value of the wrong size.
+    let err = declaration_error(|x, sums| vec![input(x), KernelArg::U32(64), output(sums)]);
+    assert!(
+        err.contains("argument 1") && err.contains("4 bytes") && err.contains("8 bytes"),
+        "{err}"
+    );
+    // An argument missing.
+    let err = declaration_error(|x, _| vec![input(x), KernelArg::U64(64)]);
+    assert!(
+        err.contains("takes 3 parameters") && err.contains("passes 2 arguments"),
         "{err}"
     );
 }

@@ -74,7 +74,8 @@ fn check<T: Element>(shape: &[usize], dim: usize, log: bool) {
         let launch = softmax_launch(
             "softmax",
             T::DTYPE,
-            &[xb.view(&d).ptr, yb.view(&d).ptr],
+            &[xb.view(&d).ptr],
+            yb.view(&d).ptr,
             split,
             log,
             false,
@@ -96,7 +97,8 @@ fn check<T: Element>(shape: &[usize], dim: usize, log: bool) {
         let launch = softmax_launch(
             "softmax",
             T::DTYPE,
-            &[gb.view(&d).ptr, ys.view(&d).ptr, dx.view(&d).ptr],
+            &[gb.view(&d).ptr, ys.view(&d).ptr],
+            dx.view(&d).ptr,
             split,
             log,
             true,
@@ -157,7 +159,8 @@ fn rows_of_infinities_and_nan_give_the_cpu_nans() {
             let launch = softmax_launch(
                 "softmax",
                 tandem_core::DType::F32,
-                &[xb.view(&d).ptr, yb.view(&d).ptr],
+                &[xb.view(&d).ptr],
+                yb.view(&d).ptr,
                 (1, 3, 1),
                 log,
                 false,

@@ -41,7 +41,7 @@ fn launches_of_changing_sizes_from_several_threads_run_each_kernel_thread_exactl
                             0,
                         )
                         .unwrap(),
-                        args: vec![KernelArg::Ptr(hits.as_mut_ptr() as u64)],
+                        args: vec![KernelArg::Out(hits.as_mut_ptr() as u64)],
                     };
                     // SAFETY: one slot per thread of the grid, alive until the launch returns.
                     unsafe { run(&launch) }.unwrap();

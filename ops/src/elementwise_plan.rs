@@ -101,10 +101,10 @@ pub(crate) fn elementwise_launch(
         .collect::<Result<_>>()?;
     let dense = layouts.iter().all(StridedLayout::is_contiguous);
     let mut args = Vec::with_capacity(2 + 2 * inputs.len() + scalars.len());
-    args.push(KernelArg::Ptr(first_element(op, &out)?));
+    args.push(KernelArg::Out(first_element(op, &out)?));
     let (kernel, config) = if dense {
         for x in inputs {
-            args.push(KernelArg::Ptr(first_element(op, x)?));
+            args.push(KernelArg::In(first_element(op, x)?));
         }
         let width = PACK_BYTES / out.dtype.size_in_bytes();
         (
@@ -113,7 +113,7 @@ pub(crate) fn elementwise_launch(
         )
     } else {
         for (x, layout) in inputs.iter().zip(&layouts) {
-            args.push(KernelArg::Ptr(x.ptr));
+            args.push(KernelArg::In(x.ptr));
             args.push(KernelArg::pod(layout));
         }
         (

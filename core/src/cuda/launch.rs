@@ -296,12 +296,15 @@ pub unsafe trait KernelPod: Copy + 'static {}
 unsafe impl KernelPod for StridedLayout {}
 
 /// One kernel argument, by value, as `cuLaunchKernel` copies it into the kernel's parameters.
+///
+/// A device pointer is declared by what the kernel does with it, [`KernelArg::In`] or
+/// [`KernelArg::Out`], and the stream sanitizer trusts that declaration. The host harness
+/// (`tandem-cuda-harness`) checks it against the kernel's signature at every launch it runs: `In`
+/// for each `const T*` parameter, `Out` for each `T*`, a value of the parameter's size for the
+/// rest. Buffers a kernel reaches through addresses stored elsewhere (inside a [`KernelArg::Pod`]
+/// or a table in device memory) are not covered by the declarations.
 #[derive(Clone, Debug, PartialEq)]
 pub enum KernelArg {
-    /// A device pointer whose use is not declared (`T*` in the kernel). The stream sanitizer
-    /// treats it as read and written; launch plans declare [`KernelArg::In`] or
-    /// [`KernelArg::Out`] instead.
-    Ptr(u64),
     /// A device pointer the kernel only reads (`const T*` in the kernel).
     In(u64),
     /// A device pointer the kernel writes, and may also read (`T*` in the kernel).
@@ -360,8 +363,7 @@ impl KernelArg {
     /// Size of the argument in bytes, as the kernel sees it.
     pub fn size_in_bytes(&self) -> usize {
         match self {
-            KernelArg::Ptr(_)
-            | KernelArg::In(_)
+            KernelArg::In(_)
             | KernelArg::Out(_)
             | KernelArg::I64(_)
             | KernelArg::U64(_)
@@ -376,9 +378,7 @@ impl KernelArg {
     /// Address of the value (what `cuLaunchKernel`'s `kernelParams[i]` points at).
     fn address(&self) -> *mut c_void {
         let p: *const c_void = match self {
-            KernelArg::Ptr(v) | KernelArg::In(v) | KernelArg::Out(v) | KernelArg::U64(v) => {
-                (v as *const u64).cast()
-            }
+            KernelArg::In(v) | KernelArg::Out(v) | KernelArg::U64(v) => (v as *const u64).cast(),
             KernelArg::I32(v) => (v as *const i32).cast(),
             KernelArg::U32(v) => (v as *const u32).cast(),
             KernelArg::I64(v) => (v as *const i64).cast(),
@@ -553,7 +553,7 @@ mod tests {
             kernel: "k".into(),
             config: LaunchConfig::for_elements("t", 7, 32).unwrap(),
             args: vec![
-                KernelArg::Ptr(0xdead_beef),
+                KernelArg::In(0xdead_beef),
                 KernelArg::F32(1.5),
                 KernelArg::U16(0x3c00),
                 KernelArg::pod(&layout),

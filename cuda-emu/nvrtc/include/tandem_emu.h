@@ -4,7 +4,9 @@
 // Included after tandem_host.h and before the kernel source. It redefines TANDEM_HOST_EXPORT so
 // that each kernel exports, besides its host entry `tandem_host_<name>`, the sizes of its
 // parameters, `tandem_emu_params_<name>`: the emulated `cuLaunchKernel` copies the arguments at
-// the launch, as the driver does, and needs their sizes for that.
+// the launch, as the driver does, and needs their sizes for that. It keeps tandem_host.h's
+// parameter-kind table (`tandem_param_kinds_<name>`, TANDEM_HOST_EXPORT_PARAM_KINDS), so a
+// module built here describes its kernels as the harness's libraries do.
 
 #ifndef TANDEM_EMU_H
 #define TANDEM_EMU_H
@@ -36,6 +38,7 @@ int param_sizes(void (*)(Params...), unsigned long long* sizes, int capacity) {
     }                                                                                          \
     extern "C" int tandem_emu_params_##name(unsigned long long* sizes, int capacity) {         \
         return ::tandem_emu::param_sizes(name, sizes, capacity);                               \
-    }
+    }                                                                                          \
+    TANDEM_HOST_EXPORT_PARAM_KINDS(name)
 
 #endif  // TANDEM_EMU_H

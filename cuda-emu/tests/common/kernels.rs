@@ -26,7 +26,7 @@ pub fn write_one(ptr: u64, index: i64, value: f32) -> Launch {
         kernel: "write_one".to_string(),
         config: LaunchConfig::new("test", [1, 1, 1], [32, 1, 1], 0).unwrap(),
         args: vec![
-            KernelArg::Ptr(ptr),
+            KernelArg::Out(ptr),
             KernelArg::I64(index),
             KernelArg::F32(value),
         ],

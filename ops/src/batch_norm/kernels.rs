@@ -286,8 +286,8 @@ impl CountArg {
 /// [`tandem_core::cuda::deferred`]): its three kernel arguments.
 fn deferred_args(slot: DeferredSlot) -> [KernelArg; 3] {
     [
-        KernelArg::Ptr(slot.claim),
-        KernelArg::Ptr(slot.record),
+        KernelArg::Out(slot.claim),
+        KernelArg::Out(slot.record),
         KernelArg::U32(slot.code),
     ]
 }
@@ -396,16 +396,16 @@ pub fn statistics_launches(
         format!("batch_norm_statistics_{dtype}"),
         config,
         vec![
-            KernelArg::Ptr(x),
+            KernelArg::In(x),
             KernelArg::U64(dims.c as u64),
             KernelArg::U64(vectors),
             KernelArg::pod(&run_divider(op, dims, vector)?),
             KernelArg::I32(vector as i32),
             KernelArg::U32(splits),
             KernelArg::U64((split.chunk / vector) as u64),
-            KernelArg::Ptr(partials),
-            KernelArg::Ptr(mean),
-            KernelArg::Ptr(var),
+            KernelArg::Out(partials),
+            KernelArg::Out(mean),
+            KernelArg::Out(var),
         ],
     )];
     if split.splits > 1 {
@@ -413,15 +413,15 @@ pub fn statistics_launches(
             format!("batch_norm_statistics_finish_{dtype}"),
             per_channel_warps(op, dims.c)?,
             vec![
-                KernelArg::Ptr(x),
+                KernelArg::In(x),
                 KernelArg::U64(dims.c as u64),
                 KernelArg::U64(vectors),
                 KernelArg::U64(dims.l as u64),
                 KernelArg::U32(splits),
-                KernelArg::Ptr(partials),
+                KernelArg::In(partials),
                 KernelArg::F64(dims.per_channel() as f64),
-                KernelArg::Ptr(mean),
-                KernelArg::Ptr(var),
+                KernelArg::Out(mean),
+                KernelArg::Out(var),
             ],
         ));
     }
@@ -458,7 +458,7 @@ pub fn to_sums_launch(
             KernelArg::U64(channels as u64),
             count_host,
             count_at,
-            KernelArg::Ptr(sums),
+            KernelArg::Out(sums),
         ],
     ))
 }
@@ -490,8 +490,8 @@ pub fn from_sums_launch(
         vec![
             KernelArg::pod(&sums),
             KernelArg::U64(channels as u64),
-            KernelArg::Ptr(mean),
-            KernelArg::Ptr(var),
+            KernelArg::Out(mean),
+            KernelArg::Out(var),
             claim,
             record,
             code,
@@ -581,7 +581,7 @@ pub fn normalization_launch(
             KernelArg::pod(&bias),
             KernelArg::U64(channels as u64),
             KernelArg::F64(eps),
-            KernelArg::Ptr(table),
+            KernelArg::Out(table),
         ],
     ))
 }
@@ -636,10 +636,10 @@ pub fn apply_launch(
         format!("batch_norm_apply_{dtype}"),
         LaunchConfig::for_elements(op, vectors, THREADS_PER_BLOCK)?,
         vec![
-            KernelArg::Ptr(x),
-            KernelArg::Ptr(residual),
-            KernelArg::Ptr(out),
-            KernelArg::Ptr(table),
+            KernelArg::In(x),
+            KernelArg::In(residual),
+            KernelArg::Out(out),
+            KernelArg::In(table),
             KernelArg::U64(vectors as u64),
             rows,
             channels,
@@ -706,20 +706,20 @@ pub fn backward_reduce_launches(
         format!("batch_norm_backward_reduce_{dtype}"),
         config,
         vec![
-            KernelArg::Ptr(grad),
-            KernelArg::Ptr(x),
-            KernelArg::Ptr(output),
-            KernelArg::Ptr(masked),
+            KernelArg::In(grad),
+            KernelArg::In(x),
+            KernelArg::In(output),
+            KernelArg::Out(masked),
             KernelArg::I32(code),
-            KernelArg::Ptr(table),
+            KernelArg::In(table),
             KernelArg::U64(dims.c as u64),
             KernelArg::U64((dims.per_channel() / vector) as u64),
             KernelArg::pod(&run_divider(op, dims, vector)?),
             KernelArg::I32(vector as i32),
             KernelArg::U32(splits),
             KernelArg::U64((split.chunk / vector) as u64),
-            KernelArg::Ptr(partials),
-            KernelArg::Ptr(sums),
+            KernelArg::Out(partials),
+            KernelArg::Out(sums),
         ],
     )];
     if split.splits > 1 {
@@ -729,8 +729,8 @@ pub fn backward_reduce_launches(
             vec![
                 KernelArg::U64(dims.c as u64),
                 KernelArg::U32(splits),
-                KernelArg::Ptr(partials),
-                KernelArg::Ptr(sums),
+                KernelArg::In(partials),
+                KernelArg::Out(sums),
             ],
         ));
     }
@@ -783,14 +783,14 @@ pub fn backward_apply_launches(
         format!("batch_norm_backward_coefficients_{dtype}"),
         per_channel(op, dims.c)?,
         vec![
-            KernelArg::Ptr(table),
+            KernelArg::In(table),
             KernelArg::pod(&sums.sum_g),
             KernelArg::pod(&sums.sum_centered),
             KernelArg::U64(dims.c as u64),
             count_host,
             count_at,
             KernelArg::I32(i32::from(training)),
-            KernelArg::Ptr(coefficients),
+            KernelArg::Out(coefficients),
         ],
     );
     let vector = vector_width(dtype, dims.l, &[grad, x, out]);
@@ -800,10 +800,10 @@ pub fn backward_apply_launches(
         format!("batch_norm_backward_apply_{dtype}"),
         LaunchConfig::for_elements(op, vectors, THREADS_PER_BLOCK)?,
         vec![
-            KernelArg::Ptr(grad),
-            KernelArg::Ptr(x),
-            KernelArg::Ptr(out),
-            KernelArg::Ptr(coefficients),
+            KernelArg::In(grad),
+            KernelArg::In(x),
+            KernelArg::Out(out),
+            KernelArg::In(coefficients),
             KernelArg::U64(vectors as u64),
             rows,
             channels,
@@ -839,10 +839,10 @@ pub fn parameter_gradients_launch(
         vec![
             KernelArg::pod(&sums.sum_g),
             KernelArg::pod(&sums.sum_centered),
-            KernelArg::Ptr(table),
+            KernelArg::In(table),
             KernelArg::U64(channels as u64),
-            KernelArg::Ptr(grad_weight),
-            KernelArg::Ptr(grad_bias),
+            KernelArg::Out(grad_weight),
+            KernelArg::Out(grad_bias),
         ],
     ))
 }
@@ -853,7 +853,7 @@ pub fn count_batch_launch(op: &'static str, counter: u64) -> Result<Launch> {
     Ok(launch(
         "batch_norm_count_batch".to_string(),
         LaunchConfig::for_elements(op, 1, WARP_SIZE)?,
-        vec![KernelArg::Ptr(counter)],
+        vec![KernelArg::Out(counter)],
     ))
 }
 

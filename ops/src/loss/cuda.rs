@@ -66,8 +66,8 @@ pub struct Scales {
 
 fn slot_args(slot: DeferredSlot) -> [KernelArg; 3] {
     [
-        KernelArg::Ptr(slot.claim),
-        KernelArg::Ptr(slot.record),
+        KernelArg::Out(slot.claim),
+        KernelArg::Out(slot.record),
         KernelArg::U32(slot.code),
     ]
 }
@@ -102,12 +102,12 @@ pub fn cross_entropy_rows_launch(
     }
     let (config, warp_per_row) = rows_config(op, rows, classes)?;
     let mut args = vec![
-        KernelArg::Ptr(logits),
-        KernelArg::Ptr(labels.ptr),
+        KernelArg::In(logits),
+        KernelArg::In(labels.ptr),
         u64_arg(labels.stride),
-        KernelArg::Ptr(losses),
-        KernelArg::Ptr(row_max),
-        KernelArg::Ptr(row_log_sum),
+        KernelArg::Out(losses),
+        KernelArg::Out(row_max),
+        KernelArg::Out(row_log_sum),
         u64_arg(rows),
         u64_arg(classes),
         KernelArg::I32(warp_per_row as i32),
@@ -138,15 +138,15 @@ pub fn cross_entropy_backward_launch(
     check_dtype(op, dtype)?;
     let cells = checked_cells(op, rows, classes)?;
     let mut args = vec![
-        KernelArg::Ptr(logits),
-        KernelArg::Ptr(labels.ptr),
+        KernelArg::In(logits),
+        KernelArg::In(labels.ptr),
         u64_arg(labels.stride),
-        KernelArg::Ptr(row_max),
-        KernelArg::Ptr(row_log_sum),
-        KernelArg::Ptr(g.ptr),
+        KernelArg::In(row_max),
+        KernelArg::In(row_log_sum),
+        KernelArg::In(g.ptr),
         u64_arg(g.stride),
         compute_arg(dtype, g.scale),
-        KernelArg::Ptr(grad),
+        KernelArg::Out(grad),
         u64_arg(rows),
         u64_arg(classes),
     ];
@@ -174,12 +174,12 @@ pub fn nll_forward_launch(
 ) -> Result<Launch> {
     check_dtype(op, dtype)?;
     let mut args = vec![
-        KernelArg::Ptr(log_probs),
+        KernelArg::In(log_probs),
         u64_arg(strides.0),
         u64_arg(strides.1),
-        KernelArg::Ptr(labels.ptr),
+        KernelArg::In(labels.ptr),
         u64_arg(labels.stride),
-        KernelArg::Ptr(losses),
+        KernelArg::Out(losses),
         u64_arg(rows),
         u64_arg(classes),
     ];
@@ -205,12 +205,12 @@ pub fn nll_backward_launch(
     check_dtype(op, dtype)?;
     let cells = checked_cells(op, rows, classes)?;
     let mut args = vec![
-        KernelArg::Ptr(labels.ptr),
+        KernelArg::In(labels.ptr),
         u64_arg(labels.stride),
-        KernelArg::Ptr(g.ptr),
+        KernelArg::In(g.ptr),
         u64_arg(g.stride),
         compute_arg(dtype, g.scale),
-        KernelArg::Ptr(grad),
+        KernelArg::Out(grad),
         u64_arg(rows),
         u64_arg(classes),
     ];
@@ -249,11 +249,11 @@ pub fn mse_forward_launch(
         kernel: format!("mse_forward_{dtype}"),
         config: LaunchConfig::for_elements(op, n, THREADS_PER_BLOCK)?,
         args: vec![
-            KernelArg::Ptr(a),
+            KernelArg::In(a),
             KernelArg::pod(&StridedLayout::new(op, a_layout)?),
-            KernelArg::Ptr(b),
+            KernelArg::In(b),
             KernelArg::pod(&StridedLayout::new(op, b_layout)?),
-            KernelArg::Ptr(out),
+            KernelArg::Out(out),
             u64_arg(n),
         ],
     })
@@ -281,15 +281,15 @@ pub fn mse_backward_launch(
         kernel: format!("mse_backward_{dtype}"),
         config: LaunchConfig::for_elements(op, n, THREADS_PER_BLOCK)?,
         args: vec![
-            KernelArg::Ptr(a),
+            KernelArg::In(a),
             KernelArg::pod(&StridedLayout::new(op, a_layout)?),
-            KernelArg::Ptr(b),
+            KernelArg::In(b),
             KernelArg::pod(&StridedLayout::new(op, b_layout)?),
-            KernelArg::Ptr(g),
+            KernelArg::In(g),
             KernelArg::pod(&StridedLayout::new(op, g_layout)?),
             compute_arg(dtype, scale),
-            KernelArg::Ptr(grad_pred),
-            KernelArg::Ptr(grad_target.unwrap_or(0)),
+            KernelArg::Out(grad_pred),
+            KernelArg::Out(grad_target.unwrap_or(0)),
             u64_arg(n),
         ],
     })

@@ -305,9 +305,9 @@ pub fn max_pool2d_launch(
         kernel,
         n,
         vec![
-            KernelArg::Ptr(xr.0),
-            KernelArg::Ptr(or.0),
-            KernelArg::Ptr(indices),
+            KernelArg::In(xr.0),
+            KernelArg::Out(or.0),
+            KernelArg::Out(indices),
             KernelArg::pod(geometry),
         ],
     )
@@ -346,9 +346,9 @@ pub fn max_pool2d_backward_launch(
         kernel,
         n,
         vec![
-            KernelArg::Ptr(gr.0),
-            KernelArg::Ptr(ir.0),
-            KernelArg::Ptr(xr.0),
+            KernelArg::In(gr.0),
+            KernelArg::In(ir.0),
+            KernelArg::Out(xr.0),
             KernelArg::pod(geometry),
         ],
     )
@@ -373,8 +373,8 @@ pub fn avg_pool2d_launch(
         kernel,
         n,
         vec![
-            KernelArg::Ptr(xr.0),
-            KernelArg::Ptr(or.0),
+            KernelArg::In(xr.0),
+            KernelArg::Out(or.0),
             KernelArg::pod(geometry),
         ],
     )
@@ -405,8 +405,8 @@ pub fn avg_pool2d_backward_launch(
         kernel,
         n,
         vec![
-            KernelArg::Ptr(gr.0),
-            KernelArg::Ptr(xr.0),
+            KernelArg::In(gr.0),
+            KernelArg::Out(xr.0),
             KernelArg::pod(geometry),
         ],
     )

@@ -101,9 +101,9 @@ pub fn sum_rows_launch(
         kernel: format!("sum_rows_{dtype}"),
         config,
         args: vec![
-            KernelArg::Ptr(x),
+            KernelArg::In(x),
             layout_arg(op, layout)?,
-            KernelArg::Ptr(out),
+            KernelArg::Out(out),
             usize_arg(rows),
             usize_arg(len),
             KernelArg::I32(warp_per_row as i32),
@@ -150,8 +150,8 @@ pub fn sum_columns_launch(
         kernel: format!("sum_columns_{dtype}"),
         config: LaunchConfig::for_rows(op, tiles, THREADS_PER_BLOCK, 0)?,
         args: vec![
-            KernelArg::Ptr(x),
-            KernelArg::Ptr(out),
+            KernelArg::In(x),
+            KernelArg::Out(out),
             usize_arg(outer),
             usize_arg(len),
             usize_arg(inner),
@@ -181,7 +181,7 @@ pub fn sum_partial_launch(
         source: &REDUCE,
         kernel: format!("sum_partial_{dtype}"),
         config: LaunchConfig::new(op, [blocks as u32, 1, 1], [THREADS_PER_BLOCK, 1, 1], 0)?,
-        args: vec![KernelArg::Ptr(x), usize_arg(n), KernelArg::Ptr(partials)],
+        args: vec![KernelArg::In(x), usize_arg(n), KernelArg::Out(partials)],
     })
 }
 
@@ -209,10 +209,10 @@ pub fn max_rows_launch(
         kernel: format!("max_rows_{dtype}"),
         config,
         args: vec![
-            KernelArg::Ptr(x),
+            KernelArg::In(x),
             layout_arg(op, layout)?,
-            KernelArg::Ptr(values),
-            KernelArg::Ptr(positions),
+            KernelArg::Out(values),
+            KernelArg::Out(positions),
             usize_arg(rows),
             usize_arg(len),
             KernelArg::I32(warp_per_row as i32),
@@ -237,9 +237,9 @@ pub fn broadcast_scaled_launch(
         kernel: format!("broadcast_scaled_{dtype}"),
         config: LaunchConfig::for_elements(op, n, THREADS_PER_BLOCK)?,
         args: vec![
-            KernelArg::Ptr(out),
+            KernelArg::Out(out),
             usize_arg(n),
-            KernelArg::Ptr(g),
+            KernelArg::In(g),
             layout_arg(op, g_layout)?,
             compute_arg(dtype, scale),
         ],
@@ -276,10 +276,10 @@ pub fn max_scatter_launch(
         kernel: format!("max_scatter_{dtype}"),
         config: LaunchConfig::for_elements(op, rows, THREADS_PER_BLOCK)?,
         args: vec![
-            KernelArg::Ptr(grad),
-            KernelArg::Ptr(g),
+            KernelArg::Out(grad),
+            KernelArg::In(g),
             layout_arg(op, g_layout)?,
-            KernelArg::Ptr(positions),
+            KernelArg::In(positions),
             layout_arg(op, kept)?,
             layout_arg(op, reduced)?,
             usize_arg(rows),

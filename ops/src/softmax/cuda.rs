@@ -27,12 +27,14 @@ fn checked_numel(op: &'static str, (outer, n, inner): (usize, usize, usize)) -> 
 }
 
 /// The launch of a softmax kernel (`backward` selects the backward kernel) over dense
-/// `[outer, n, inner]` tensors (`split`), normalised along `n`; `pointers` are the inputs then the output (`x, y` forward,
-/// `g, y, dx` backward), each the address of its first element.
+/// `[outer, n, inner]` tensors (`split`), normalised along `n`. `inputs` are the tensors the
+/// kernel reads (`[x]` forward, `[g, y]` backward) and `output` the one it writes (`y` forward,
+/// `dx` backward), each the address of its first element.
 pub fn softmax_launch(
     op: &'static str,
     dtype: DType,
-    pointers: &[u64],
+    inputs: &[u64],
+    output: u64,
     split: (usize, usize, usize),
     log: bool,
     backward: bool,
@@ -44,11 +46,14 @@ pub fn softmax_launch(
         n: split.1,
         inner: split.2,
     };
-    let want = if backward { 3 } else { 2 };
-    if pointers.len() != want {
+    let want = if backward { 2 } else { 1 };
+    if inputs.len() != want {
         return Err(Error::invalid(
             op,
-            format!("{} pointers for a kernel that takes {want}", pointers.len()),
+            format!(
+                "{} input pointers for a kernel that reads {want}",
+                inputs.len()
+            ),
         ));
     }
     let pass = if backward {
@@ -56,7 +61,9 @@ pub fn softmax_launch(
     } else {
         "softmax"
     };
-    let mut args: Vec<KernelArg> = pointers.iter().map(|&p| KernelArg::Ptr(p)).collect();
+    // The kernels take the inputs, then the output.
+    let mut args: Vec<KernelArg> = inputs.iter().map(|&p| KernelArg::In(p)).collect();
+    args.push(KernelArg::Out(output));
     let (kernel, config) = if split.inner == 1 {
         let rows = split.outer;
         let (config, warp_per_row) = rows_config(op, rows, split.n)?;
@@ -102,11 +109,11 @@ pub(crate) fn forward(op: &'static str, x: &Tensor, split: Split, log: bool) -> 
     }
     let x = x.contiguous_detached()?;
     let (dev, _) = device_pointer(op, &x)?;
-    let pointers = [element_address(op, &x)?, element_address(op, &y)?];
     let launch = softmax_launch(
         op,
         x.dtype(),
-        &pointers,
+        &[element_address(op, &x)?],
+        element_address(op, &y)?,
         (split.outer, split.n, split.inner),
         log,
         false,
@@ -129,15 +136,11 @@ pub(crate) fn backward(
     }
     let (g, y) = (g.contiguous_detached()?, y.contiguous_detached()?);
     let (dev, _) = device_pointer(op, &g)?;
-    let pointers = [
-        element_address(op, &g)?,
-        element_address(op, &y)?,
-        element_address(op, &dx)?,
-    ];
     let launch = softmax_launch(
         op,
         g.dtype(),
-        &pointers,
+        &[element_address(op, &g)?, element_address(op, &y)?],
+        element_address(op, &dx)?,
         (split.outer, split.n, split.inner),
         log,
         true,

@@ -99,7 +99,10 @@ fn launch(
     let chunks = usize::try_from(table.chunks())
         .map_err(|_| TensorError::invalid(op, "more chunks than this machine can count"))?;
     let mut args = vec![
-        KernelArg::Ptr(table_ptr),
+        // The kernels only read the table. The tensors its entries point at (parameters,
+        // gradients, optimizer state) are read and written through it, out of sight of this
+        // declaration.
+        KernelArg::In(table_ptr),
         KernelArg::U32(table.tensors()),
         KernelArg::U64(table.chunks()),
         KernelArg::U64(table.chunk_size()),
@@ -249,7 +252,7 @@ pub fn grad_norm_partial_launch(
         "grad_norm_partial",
         table,
         table_ptr,
-        vec![kind, p, KernelArg::Ptr(partials)],
+        vec![kind, p, KernelArg::Out(partials)],
     )
 }
 
@@ -285,11 +288,11 @@ pub fn grad_clip_scale_launch(
         table,
         table_ptr,
         vec![
-            KernelArg::Ptr(reduced),
+            KernelArg::In(reduced),
             kind,
             p,
             KernelArg::F64(max_norm),
-            KernelArg::Ptr(norm_out),
+            KernelArg::Out(norm_out),
         ],
     )
 }

@@ -169,7 +169,8 @@ pub fn reduce_ranks_launch(
         kernel: format!("reduce_ranks_{dtype}"),
         config: LaunchConfig::for_elements(OP, out.len, THREADS_PER_BLOCK)?,
         args: vec![
-            KernelArg::Ptr(out.ptr),
+            KernelArg::Out(out.ptr),
+            // The sources, read by the kernel, travel as addresses inside this struct.
             KernelArg::pod(&table),
             KernelArg::U32(count),
             KernelArg::U64(offset as u64),
@@ -200,7 +201,8 @@ pub fn gather_ranks_launch(dtype: DType, out: Span, sources: &[Span]) -> Result<
         kernel: format!("gather_ranks_{dtype}"),
         config: LaunchConfig::for_elements(OP, out.len, THREADS_PER_BLOCK)?,
         args: vec![
-            KernelArg::Ptr(out.ptr),
+            KernelArg::Out(out.ptr),
+            // The sources, read by the kernel, travel as addresses inside this struct.
             KernelArg::pod(&table),
             KernelArg::U32(count),
             KernelArg::U64(n as u64),
