@@ -19,6 +19,7 @@ pub mod libs;
 pub mod memory;
 pub mod nvrtc;
 mod pinned_cache;
+pub mod sanitizer;
 pub(crate) mod runtime;
 pub mod runtime_kernels;
 mod storage;
