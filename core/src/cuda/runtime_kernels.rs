@@ -264,7 +264,7 @@ pub fn fill_launch(dst: DeviceView, value: f64) -> Result<Launch> {
         format!("fill_{}", dst.dtype),
         n,
         vec![
-            KernelArg::Ptr(dst.ptr),
+            KernelArg::Out(dst.ptr),
             layout_arg(op, dst.layout)?,
             KernelArg::U64(n as u64),
             value_arg(dst.dtype, value),
@@ -289,9 +289,9 @@ pub fn copy_launch(dst: DeviceView, src: DeviceView) -> Result<Launch> {
         format!("copy_{}", dst.dtype),
         n,
         vec![
-            KernelArg::Ptr(dst.ptr),
+            KernelArg::Out(dst.ptr),
             layout_arg(op, dst.layout)?,
-            KernelArg::Ptr(src.ptr),
+            KernelArg::In(src.ptr),
             layout_arg(op, src.layout)?,
             KernelArg::U64(n as u64),
         ],
@@ -313,9 +313,9 @@ pub fn cast_launch(dst: DeviceView, src: DeviceView) -> Result<Launch> {
         format!("cast_{}_{}", src.dtype, dst.dtype),
         n,
         vec![
-            KernelArg::Ptr(dst.ptr),
+            KernelArg::Out(dst.ptr),
             layout_arg(op, dst.layout)?,
-            KernelArg::Ptr(src.ptr),
+            KernelArg::In(src.ptr),
             layout_arg(op, src.layout)?,
             KernelArg::U64(n as u64),
         ],
@@ -333,7 +333,7 @@ pub fn scale_launch(dst: DeviceView, factor: f64) -> Result<Launch> {
         format!("scale_{}", dst.dtype),
         n,
         vec![
-            KernelArg::Ptr(dst.ptr),
+            KernelArg::Out(dst.ptr),
             layout_arg(op, dst.layout)?,
             KernelArg::U64(n as u64),
             compute_arg(dst.dtype, factor),
@@ -360,9 +360,9 @@ pub fn add_scaled_launch(dst: DeviceView, src: DeviceView, alpha: f64) -> Result
         format!("add_scaled_{}", dst.dtype),
         n,
         vec![
-            KernelArg::Ptr(dst.ptr),
+            KernelArg::Out(dst.ptr),
             layout_arg(op, dst.layout)?,
-            KernelArg::Ptr(src.ptr),
+            KernelArg::In(src.ptr),
             layout_arg(op, src.layout)?,
             KernelArg::U64(n as u64),
             compute_arg(dst.dtype, alpha),
@@ -398,12 +398,12 @@ pub fn norm_partial_launch(src: DeviceView, kind: NormKind, partials: u64) -> Re
         format!("norm_partial_{}", src.dtype),
         n,
         vec![
-            KernelArg::Ptr(src.ptr),
+            KernelArg::In(src.ptr),
             layout_arg(op, src.layout)?,
             KernelArg::U64(n as u64),
             KernelArg::I32(kind),
             KernelArg::F64(p),
-            KernelArg::Ptr(partials),
+            KernelArg::Out(partials),
         ],
     )
 }
@@ -424,10 +424,10 @@ pub fn norm_finish_launch(partials: u64, count: usize, kind: NormKind, out: u64)
         kernel: "norm_finish".to_string(),
         config: LaunchConfig::for_rows(op, 1, THREADS_PER_BLOCK, 0)?,
         args: vec![
-            KernelArg::Ptr(partials),
+            KernelArg::In(partials),
             KernelArg::U32(count),
             KernelArg::I32(kind.kernel_args().0),
-            KernelArg::Ptr(out),
+            KernelArg::Out(out),
         ],
     })
 }

@@ -445,7 +445,7 @@ impl Tracker {
         stream: u64,
         op: &str,
         uses: &[(u64, Use)],
-    ) -> Result<(), Finding> {
+    ) -> Result<(), Box<Finding>> {
         let i = self.stream(stream);
         self.enqueue(i);
         let clock = &self.streams[i].clock;
@@ -454,13 +454,13 @@ impl Tracker {
         for &(address, use_) in uses {
             let Some(start) = self.live_at(address) else {
                 if let Some(start) = self.freed_at(address) {
-                    return Err(Finding::UseAfterFree {
+                    return Err(Box::new(Finding::UseAfterFree {
                         op: op.to_string(),
                         stream: self.name(i),
                         address,
                         freed_on: self.name(self.freed[&start].freed_on),
                         memory: self.memory(start),
-                    });
+                    }));
                 }
                 continue;
             };
@@ -474,7 +474,7 @@ impl Tracker {
                 .map(|w| (w, Use::Write))
                 .or(read.map(|r| (r, Use::Read)))
             {
-                return Err(Finding::Race {
+                return Err(Box::new(Finding::Race {
                     op: op.to_string(),
                     access: use_,
                     stream: self.name(i),
@@ -482,7 +482,7 @@ impl Tracker {
                     other_access,
                     other_stream: self.name(other.stream),
                     memory: self.memory(start),
-                });
+                }));
             }
             found.push((start, use_));
         }
@@ -596,8 +596,8 @@ mod tests {
         t
     }
 
-    fn race(r: Result<(), Finding>) -> Finding {
-        match r {
+    fn race(r: Result<(), Box<Finding>>) -> Finding {
+        match r.map_err(|f| *f) {
             Err(f @ Finding::Race { .. }) => f,
             other => panic!("expected a race, got {other:?}"),
         }
@@ -774,7 +774,10 @@ mod tests {
         let mut t = tracker();
         t.access(COMPUTE, "fill_f32", &[(BUF, Use::Write)]).unwrap();
         assert_eq!(t.free(BUF, COMPUTE), vec![]);
-        match t.access(COMPUTE, "relu_f32", &[(BUF + 4, Use::Read)]) {
+        match t
+            .access(COMPUTE, "relu_f32", &[(BUF + 4, Use::Read)])
+            .map_err(|f| *f)
+        {
             Err(f @ Finding::UseAfterFree { .. }) => {
                 let text = f.to_string();
                 assert!(text.contains("which was freed on stream 'compute'"), "{text}");

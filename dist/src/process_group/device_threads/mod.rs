@@ -460,7 +460,7 @@ impl DeviceThreadGroup {
     ) -> tandem_core::Result<()> {
         out.record_stream(&self.comm)?;
         let (dev, _) = device_pointer("device group", out)?;
-        if numel > 0 {
+        if numel > 0 && sanitizer::enabled() {
             // The kernel reaches the snapshots through a table, not through declared arguments:
             // declare the reads for the stream sanitizer.
             if let Some(cuda) = self.comm.cuda_stream() {
