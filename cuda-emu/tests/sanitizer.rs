@@ -112,8 +112,13 @@ fn a_read_on_another_stream_without_a_wait_for_the_write_is_an_error_naming_both
         assert!(text.contains(part), "{part:?} missing from: {text}");
     }
     // The racing launch was not issued; ordering it makes it run.
-    side.wait_event(&Stream::compute(Device::Cuda(0)).unwrap().record_event().unwrap())
-        .unwrap();
+    side.wait_event(
+        &Stream::compute(Device::Cuda(0))
+            .unwrap()
+            .record_event()
+            .unwrap(),
+    )
+    .unwrap();
     dev.launch(&read(&x, &out), side_cuda).unwrap();
     side.synchronize().unwrap();
     dev.synchronize().unwrap();
@@ -136,7 +141,9 @@ fn a_read_after_a_wait_for_an_event_recorded_after_the_write_is_fine() {
     side.wait_event(&written).unwrap();
     dev.launch(&read(&x, &out), side_cuda).unwrap();
     // The compute stream overwrites x only after the side stream's read.
-    let e = dev.launch(&write(&x, 3.0), dev.compute_stream()).unwrap_err();
+    let e = dev
+        .launch(&write(&x, 3.0), dev.compute_stream())
+        .unwrap_err();
     assert!(
         race_text(e).contains("`sanitizer_read` (read on stream 'side (cuda:0)')"),
         "write after read"

@@ -19,9 +19,9 @@ pub mod libs;
 pub mod memory;
 pub mod nvrtc;
 mod pinned_cache;
-pub mod sanitizer;
 pub(crate) mod runtime;
 pub mod runtime_kernels;
+pub mod sanitizer;
 mod storage;
 mod transfer;
 

@@ -54,8 +54,8 @@ use std::thread::ThreadId;
 use cudarc::driver::{CudaEvent, CudaStream};
 use parking_lot::Mutex;
 
-pub use model::{Finding, Memory, Use};
 use model::{Clock, Tracker};
+pub use model::{Finding, Memory, Use};
 
 use super::launch::{KernelArg, Launch};
 use crate::{DType, Device, Error, Result};

@@ -684,7 +684,8 @@ mod tests {
         t.wait(COPY, EVENT);
         t.wait(COMM, EVENT);
         t.access(COPY, "memcpy DtoH", &[(BUF, Use::Read)]).unwrap();
-        t.access(COMM, "ncclBroadcast", &[(BUF, Use::Read)]).unwrap();
+        t.access(COMM, "ncclBroadcast", &[(BUF, Use::Read)])
+            .unwrap();
         t.access(COMPUTE, "sum_f32", &[(BUF, Use::Read)]).unwrap();
         // The compute stream writes while copy and comm may still read: read-write races.
         let f = race(t.access(COMPUTE, "scale_f32", &[(BUF, Use::Write)]));
@@ -695,7 +696,8 @@ mod tests {
         t.record(EVENT + 2, COMM);
         t.wait(COMPUTE, EVENT + 1);
         t.wait(COMPUTE, EVENT + 2);
-        t.access(COMPUTE, "scale_f32", &[(BUF, Use::Write)]).unwrap();
+        t.access(COMPUTE, "scale_f32", &[(BUF, Use::Write)])
+            .unwrap();
     }
 
     #[test]
@@ -728,7 +730,8 @@ mod tests {
         t.host_saw(&point);
         // Had the copy stream's read of 0x9000 been recorded, this compute write would have
         // been ordered after it anyway (host sync); check instead that the state is clean.
-        t.access(COMPUTE, "fill_f32", &[(0x9000, Use::Write)]).unwrap();
+        t.access(COMPUTE, "fill_f32", &[(0x9000, Use::Write)])
+            .unwrap();
     }
 
     #[test]
@@ -780,7 +783,10 @@ mod tests {
         {
             Err(f @ Finding::UseAfterFree { .. }) => {
                 let text = f.to_string();
-                assert!(text.contains("which was freed on stream 'compute'"), "{text}");
+                assert!(
+                    text.contains("which was freed on stream 'compute'"),
+                    "{text}"
+                );
                 assert!(text.contains("allocated by `to_device`"), "{text}");
             }
             other => panic!("expected a use after free, got {other:?}"),

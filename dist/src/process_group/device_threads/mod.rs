@@ -406,7 +406,8 @@ impl DeviceThreadGroup {
                     op,
                 )
                 .map_err(err)?;
-                self.launch(&launch, &out, &sources, t.numel()).map_err(err)?;
+                self.launch(&launch, &out, &sources, t.numel())
+                    .map_err(err)?;
             }
             (Target::ReduceScatter(output), Some(dtype)) => {
                 let out = flat(output).map_err(err)?;
@@ -429,7 +430,8 @@ impl DeviceThreadGroup {
                 let sources = spans(true)?;
                 let launch =
                     gather_ranks_launch(dtype, span(&out).map_err(err)?, &sources).map_err(err)?;
-                self.launch(&launch, &out, &sources, output.numel()).map_err(err)?;
+                self.launch(&launch, &out, &sources, output.numel())
+                    .map_err(err)?;
             }
             (Target::Broadcast { tensor, root }, _) if rank != *root => {
                 let Some(source) = snaps.get(*root).copied().flatten() else {

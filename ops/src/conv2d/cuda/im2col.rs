@@ -22,8 +22,8 @@ use std::sync::Arc;
 
 use cudarc::cublas::{result as cublas, sys as cublas_sys};
 use tandem_core::cuda::blas::with_blas;
-use tandem_core::cuda::sanitizer::{self, Use};
 use tandem_core::cuda::launch::index_u32;
+use tandem_core::cuda::sanitizer::{self, Use};
 use tandem_core::cuda::{launch_on_compute, CudaDevice, DeviceBuffer};
 use tandem_core::{DType, Error, Layout, Result, Shape, Tensor};
 
