@@ -61,6 +61,12 @@ pub enum Error {
         detail: String,
     },
 
+    /// Device memory used by two CUDA streams with nothing ordering the uses, or freed while
+    /// another stream may still use it, as the stream sanitizer found it
+    /// (`TANDEM_CUDA_SANITIZER=1`; see `cuda::sanitizer`).
+    #[error("stream sanitizer on {device}: {detail}")]
+    StreamRace { device: Device, detail: String },
+
     /// An argument outside what the operation accepts (a dim, a size, a label, a probability).
     #[error("{op}: {msg}")]
     InvalidArgument { op: &'static str, msg: String },

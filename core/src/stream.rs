@@ -31,6 +31,7 @@ use cudarc::driver::{sys, CudaEvent, CudaStream};
 use parking_lot::{Condvar, Mutex};
 
 use crate::cuda::device::{device as cuda_device, driver_err};
+use crate::cuda::sanitizer;
 use crate::{Device, Error, Result};
 
 /// Idle event objects kept per pool: more than a ResNet-50's 161 parameters, so a backward
@@ -164,6 +165,7 @@ impl DeviceEvent {
         // Recording again moves the event to the new point; a stream that waited for it
         // earlier waits for the earlier point (CUDA takes the recording at the wait).
         pooled.event.record(stream).map_err(&err)?;
+        crate::cuda::sanitizer::event_recorded(&pooled.event, stream);
         Ok(pooled)
     }
 }
@@ -234,7 +236,13 @@ impl Event {
     pub fn is_complete(&self) -> bool {
         match &self.kind {
             EventKind::Host(h) => h.completed_at.lock().is_some(),
-            EventKind::Cuda(e) => e.event.try_is_complete().unwrap_or(true),
+            EventKind::Cuda(e) => {
+                let done = e.event.try_is_complete();
+                if let Ok(true) = done {
+                    sanitizer::event_completed(&e.event);
+                }
+                done.unwrap_or(true)
+            }
         }
     }
 
@@ -248,7 +256,11 @@ impl Event {
                 }
                 Ok(())
             }
-            EventKind::Cuda(e) => e.event.synchronize().map_err(e.err("Event::synchronize")),
+            EventKind::Cuda(e) => {
+                e.event.synchronize().map_err(e.err("Event::synchronize"))?;
+                sanitizer::event_completed(&e.event);
+                Ok(())
+            }
         }
     }
 
@@ -270,6 +282,7 @@ impl Event {
                     .try_is_complete()
                     .map_err(e.err("Event::wait_timeout"))?
                 {
+                    sanitizer::event_completed(&e.event);
                     return Ok(true);
                 }
                 if Instant::now() >= deadline {
@@ -390,13 +403,17 @@ impl Stream {
             Device::Cpu => Stream::worker(name).map_err(|e| {
                 Error::invalid("Stream::new_on", format!("cannot start thread {name}: {e}"))
             }),
-            Device::Cuda(n) => Ok(Stream {
-                inner: Arc::new(StreamInner {
-                    device,
-                    name: name.to_string(),
-                    kind: StreamKind::Cuda(cuda_device(n)?.new_stream()?),
-                }),
-            }),
+            Device::Cuda(n) => {
+                let stream = cuda_device(n)?.new_stream()?;
+                sanitizer::name_stream(&stream, &format!("{name} ({device})"));
+                Ok(Stream {
+                    inner: Arc::new(StreamInner {
+                        device,
+                        name: name.to_string(),
+                        kind: StreamKind::Cuda(stream),
+                    }),
+                })
+            }
         }
     }
 
@@ -509,7 +526,9 @@ impl Stream {
                 }
                 stream
                     .wait(&e.event)
-                    .map_err(driver_err("Stream::wait_event", self.inner.device))
+                    .map_err(driver_err("Stream::wait_event", self.inner.device))?;
+                sanitizer::stream_waited(stream, &e.event);
+                Ok(())
             }
             (StreamKind::Compute, _) | (StreamKind::Cuda(_), EventKind::Host(_)) => {
                 event.synchronize()
@@ -526,8 +545,7 @@ impl Stream {
     /// Blocks until all work issued so far has finished.
     pub fn synchronize(&self) -> Result<()> {
         match &self.inner.kind {
-            StreamKind::Cuda(stream) => stream
-                .synchronize()
+            StreamKind::Cuda(stream) => sanitizer::synchronized(stream, || stream.synchronize())
                 .map_err(driver_err("Stream::synchronize", self.inner.device)),
             _ => self.record_event()?.synchronize(),
         }

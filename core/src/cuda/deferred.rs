@@ -197,6 +197,12 @@ impl DeviceRecords {
         let claim_bytes = RECORDS_PER_DEVICE * std::mem::size_of::<u32>();
         let claims = DeviceBuffer::alloc(OP, dev, claim_bytes, stream)?;
         dev.bind(OP)?;
+        super::sanitizer::access(
+            dev.device(),
+            stream,
+            "memset (deferred-error claims)",
+            &[(claims.ptr(), super::sanitizer::Use::Write)],
+        )?;
         // SAFETY: `claims` holds `claim_bytes` bytes on this device, allocated on `stream`.
         unsafe { result::memset_d8_async(claims.ptr(), 0, claim_bytes, stream.cu_stream()) }
             .map_err(&err)?;
@@ -293,6 +299,12 @@ impl DeviceRecords {
         }
         dev.bind(read_point)?;
         let claim = self.slot(r, 0).claim;
+        super::sanitizer::access(
+            dev.device(),
+            dev.compute_stream(),
+            "memset (deferred-error claim)",
+            &[(claim, super::sanitizer::Use::Write)],
+        )?;
         // SAFETY: the claim word is 4 bytes of this device's memory, inside `claims`, which was
         // allocated on this stream.
         unsafe { result::memset_d8_async(claim, 0, 4, dev.compute_stream().cu_stream()) }
@@ -440,6 +452,8 @@ pub fn slot(dev: &Arc<CudaDevice>, check: &'static DeferredCheck) -> Result<Defe
 /// compute stream; `read_point` names that place (`"to_vec"`) in the message. Costs two loads
 /// from host memory when nothing was recorded.
 pub fn check(dev: &CudaDevice, read_point: &'static str) -> Result<()> {
+    // Frees the stream sanitizer found unordered, made by this thread (one load when none).
+    super::sanitizer::take_reported(dev.device())?;
     let Some(records) = RECORDS[dev.ordinal()].get() else {
         return Ok(());
     };

@@ -144,6 +144,7 @@ impl CudaDevice {
         let name = ctx.name().map_err(&err)?;
         let total_memory = ctx.total_mem().map_err(&err)?;
         let compute = ctx.new_stream().map_err(&err)?;
+        super::sanitizer::stream_created(&compute, &format!("compute ({dev})"));
         // SAFETY: the context is current (CudaContext::new binds it); the pool handle is the
         // device's default pool, owned by the driver.
         let pool =
@@ -197,9 +198,12 @@ impl CudaDevice {
 
     /// A new stream on this device (a communication stream, say).
     pub fn new_stream(&self) -> Result<Arc<CudaStream>> {
-        self.ctx
+        let stream = self
+            .ctx
             .new_stream()
-            .map_err(driver_err("new stream", self.device()))
+            .map_err(driver_err("new stream", self.device()))?;
+        super::sanitizer::stream_created(&stream, &format!("stream on {}", self.device()));
+        Ok(stream)
     }
 
     /// The retained primary context.
@@ -222,8 +226,7 @@ impl CudaDevice {
     /// kernel raised asynchronously, or one it recorded ([`deferred`](super::deferred)).
     pub fn synchronize(&self) -> Result<()> {
         self.bind("synchronize")?;
-        self.compute
-            .synchronize()
+        super::sanitizer::synchronized(&self.compute, || self.compute.synchronize())
             .map_err(driver_err("synchronize", self.device()))?;
         super::deferred::check(self, "synchronize")
     }
@@ -287,6 +290,8 @@ impl CudaDevice {
     /// running surface at the next synchronisation.
     pub fn launch(&self, launch: &Launch, stream: &CudaStream) -> Result<()> {
         let function = self.function(launch.source, &launch.kernel)?;
+        // Before the launch: a launch racing with another stream's work is not issued.
+        super::sanitizer::launch(self.device(), stream, launch)?;
         self.bind("launch")?;
         let c = launch.config;
         let mut params = launch.params();

@@ -234,6 +234,7 @@ impl DeviceBuffer {
             })?
         };
         device.memory.add(bytes);
+        super::sanitizer::allocated(ptr, bytes, op, stream);
         Ok(DeviceBuffer {
             ptr,
             bytes,
@@ -298,14 +299,17 @@ impl DeviceBuffer {
                         .new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))?;
                     event.record(other)?;
                     plan.free_on.wait(&event)?;
+                    super::sanitizer::stream_waited_for_stream(&plan.free_on, other);
                 }
                 Wait::Event(done) => {
                     if let Some(event) = done.cuda_event() {
                         plan.free_on.wait(event)?;
+                        super::sanitizer::stream_waited(&plan.free_on, event);
                     }
                 }
             }
         }
+        super::sanitizer::freed(self.device.device(), self.ptr, &plan.free_on);
         // SAFETY: `free_on` is ordered after every use of the memory: its own by stream order,
         // every other stream's through the waits above.
         unsafe { result::free_async(self.ptr, plan.free_on.cu_stream()) }

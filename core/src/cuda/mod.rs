@@ -21,6 +21,7 @@ pub mod nvrtc;
 mod pinned_cache;
 pub(crate) mod runtime;
 pub mod runtime_kernels;
+pub mod sanitizer;
 mod storage;
 mod transfer;
 

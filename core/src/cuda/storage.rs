@@ -45,6 +45,7 @@ impl CudaStorage {
                 bytes: usize::MAX,
             })?;
         let buffer = DeviceBuffer::alloc(op, device, bytes, stream)?;
+        super::sanitizer::described(buffer.ptr(), dtype, len);
         Ok(CudaStorage { buffer, dtype, len })
     }
 

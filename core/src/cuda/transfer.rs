@@ -118,6 +118,14 @@ pub(crate) fn upload(
     stream: &CudaStream,
 ) -> Result<()> {
     let err = driver_err(op, device.device());
+    if !src.is_empty() {
+        super::sanitizer::access(
+            device.device(),
+            stream,
+            "memcpy HtoD",
+            &[(dst, super::sanitizer::Use::Write)],
+        )?;
+    }
     for (i, chunk) in src.chunks(CHUNK_BYTES).enumerate() {
         let at = dst + (i * CHUNK_BYTES) as u64;
         let Some(pinned) = take(device, op, chunk.len())? else {
@@ -167,6 +175,14 @@ pub(crate) fn download(
 ) -> Result<()> {
     super::host_reads::note_copy();
     let err = driver_err(op, device.device());
+    if !dst.is_empty() {
+        super::sanitizer::access(
+            device.device(),
+            stream,
+            "memcpy DtoH",
+            &[(src, super::sanitizer::Use::Read)],
+        )?;
+    }
     for (i, chunk) in dst.chunks_mut(CHUNK_BYTES).enumerate() {
         let at = src + (i * CHUNK_BYTES) as u64;
         let Some(pinned) = take(device, op, chunk.len())? else {
@@ -174,7 +190,7 @@ pub(crate) fn download(
             // SAFETY: `at` lies inside the source allocation (the caller reads at most its
             // size); the stream is synchronised before `chunk` is released.
             unsafe { result::memcpy_dtoh_async(chunk, at, stream.cu_stream()) }.map_err(&err)?;
-            stream.synchronize().map_err(&err)?;
+            super::sanitizer::synchronized(stream, || stream.synchronize()).map_err(&err)?;
             continue;
         };
         // SAFETY: the pinned buffer holds at least `chunk.len()` bytes and is not in use.
@@ -183,7 +199,7 @@ pub(crate) fn download(
             // SAFETY: `at` lies inside the source allocation (the caller reads at most its
             // size); the stream is synchronised before the staging buffer is read.
             unsafe { result::memcpy_dtoh_async(staging, at, stream.cu_stream()) }.map_err(&err)?;
-            stream.synchronize().map_err(&err)
+            super::sanitizer::synchronized(stream, || stream.synchronize()).map_err(&err)
         });
         if let Err(e) = copied {
             leak(pinned);

@@ -11,6 +11,7 @@
 
 use cudarc::cublas::result as cublas;
 use cudarc::cublas::sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
+use tandem_core::cuda::sanitizer::{self, Use};
 use tandem_core::cuda::{blas, device_pointer};
 use tandem_core::{checked_numel, DType, Error, Result, Tensor};
 
@@ -188,6 +189,22 @@ fn gemms(op: &'static str, x: &Tensor, y: &Tensor, out: &Tensor, calls: &[GemmCa
     let size = out.dtype().size_in_bytes() as u64;
     let at = |base: u64, offset: usize| base + offset as u64 * size;
     let trans = |t: bool| if t { CUBLAS_OP_T } else { CUBLAS_OP_N };
+    if sanitizer::enabled() {
+        let call = match (out.dtype(), calls.iter().any(|c| c.batch > 1)) {
+            (DType::F64, false) => "cublasDgemm",
+            (DType::F64, true) => "cublasDgemmStridedBatched",
+            (_, false) => "cublasSgemm",
+            (_, true) => "cublasSgemmStridedBatched",
+        };
+        // A and B are read; C is written (and read too when a call accumulates, beta = 1,
+        // which a write's check covers).
+        sanitizer::access(
+            dev.device(),
+            dev.compute_stream(),
+            call,
+            &[(yp, Use::Read), (xp, Use::Read), (cp, Use::Write)],
+        )?;
+    }
     match out.dtype() {
         DType::F32 => {
             let tf32 = blas::allow_tf32_matmul();
@@ -352,6 +369,17 @@ pub(crate) fn sum_rows_into(
         tp + t.layout().offset() as u64 * size,
         yp + out.layout().offset() as u64 * size,
     );
+    let call = if t.dtype() == DType::F64 {
+        "cublasDgemv"
+    } else {
+        "cublasSgemv"
+    };
+    sanitizer::access(
+        dev.device(),
+        dev.compute_stream(),
+        call,
+        &[(tp, Use::Read), (onesp, Use::Read), (yp, Use::Write)],
+    )?;
     match t.dtype() {
         DType::F32 => blas::with_blas(op, &dev, dev.compute_stream(), false, |h| {
             let beta = if accumulate { 1.0f32 } else { 0.0 };

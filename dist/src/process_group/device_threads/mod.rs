@@ -42,6 +42,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 use tandem_core::cuda::device_pointer;
+use tandem_core::cuda::sanitizer::{self, Use};
 use tandem_core::layout::contiguous_strides;
 use tandem_core::{Device, Event, Layout, Shape, Stream, Tensor};
 
@@ -405,7 +406,8 @@ impl DeviceThreadGroup {
                     op,
                 )
                 .map_err(err)?;
-                self.launch(&launch, &out, t.numel()).map_err(err)?;
+                self.launch(&launch, &out, &sources, t.numel())
+                    .map_err(err)?;
             }
             (Target::ReduceScatter(output), Some(dtype)) => {
                 let out = flat(output).map_err(err)?;
@@ -421,14 +423,15 @@ impl DeviceThreadGroup {
                     op,
                 )
                 .map_err(err)?;
-                self.launch(&launch, &out, n).map_err(err)?;
+                self.launch(&launch, &out, &sources, n).map_err(err)?;
             }
             (Target::AllGather(output), Some(dtype)) => {
                 let out = flat(output).map_err(err)?;
                 let sources = spans(true)?;
                 let launch =
                     gather_ranks_launch(dtype, span(&out).map_err(err)?, &sources).map_err(err)?;
-                self.launch(&launch, &out, output.numel()).map_err(err)?;
+                self.launch(&launch, &out, &sources, output.numel())
+                    .map_err(err)?;
             }
             (Target::Broadcast { tensor, root }, _) if rank != *root => {
                 let Some(source) = snaps.get(*root).copied().flatten() else {
@@ -448,15 +451,29 @@ impl DeviceThreadGroup {
         Ok(Some(comm.record_event().map_err(err)?))
     }
 
-    /// Runs `launch` on the comm stream, writing `out` (marked as used there).
+    /// Runs `launch` on the comm stream, writing `out` (marked as used there) from the ranks'
+    /// snapshots `sources`.
     fn launch(
         &self,
         launch: &tandem_core::cuda::launch::Launch,
         out: &Tensor,
+        sources: &[Span],
         numel: usize,
     ) -> tandem_core::Result<()> {
         out.record_stream(&self.comm)?;
         let (dev, _) = device_pointer("device group", out)?;
+        if numel > 0 && sanitizer::enabled() {
+            // The kernel reaches the snapshots through a table, not through declared arguments:
+            // declare the reads for the stream sanitizer.
+            if let Some(cuda) = self.comm.cuda_stream() {
+                let reads: Vec<(u64, Use)> = sources
+                    .iter()
+                    .filter(|s| s.len > 0)
+                    .map(|s| (s.ptr, Use::Read))
+                    .collect();
+                sanitizer::access(dev.device(), cuda, &launch.kernel, &reads)?;
+            }
+        }
         launch_on(&dev, &self.comm, launch, numel)
     }
 }

@@ -61,6 +61,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
+use tandem_core::cuda::sanitizer::{self, Use};
 use tandem_core::cuda::CudaDevice;
 use tandem_core::{DType, Device, Event, Stream, Tensor};
 
@@ -468,11 +469,13 @@ impl NcclProcessGroup {
 
     /// Issues one collective: orders the comm stream after the compute stream, has NCCL
     /// enqueue it (`call`, skipped for an empty collective), records its end, and hands back
-    /// the work. `tensors` are held by the work and marked as used on the comm stream.
+    /// the work. `tensors` are held by the work and marked as used on the comm stream; `uses`
+    /// says which device addresses NCCL reads and writes (for the stream sanitizer).
     fn issue(
         &self,
         desc: CollectiveDesc,
         tensors: Vec<Tensor>,
+        uses: &[(u64, Use)],
         blocks_host: bool,
         call: impl FnOnce(&'static Api, RawComm, RawStream) -> NcclStatus,
     ) -> Result<Work> {
@@ -487,7 +490,7 @@ impl NcclProcessGroup {
             desc,
             since: Instant::now(),
         });
-        let issued = self.issue_locked(seq, desc, &tensors, call);
+        let issued = self.issue_locked(seq, desc, &tensors, uses, call);
         *s.issuing.lock() = None;
         let (start, end) = match issued {
             Ok(events) => events,
@@ -535,6 +538,7 @@ impl NcclProcessGroup {
         seq: u64,
         desc: CollectiveDesc,
         tensors: &[Tensor],
+        uses: &[(u64, Use)],
         call: impl FnOnce(&'static Api, RawComm, RawStream) -> NcclStatus,
     ) -> std::result::Result<(Event, Event), Failure> {
         let s = &*self.shared;
@@ -581,6 +585,11 @@ impl NcclProcessGroup {
                     })
                 })
             };
+            // The collective's buffers, declared once the comm stream is ordered after compute.
+            if let Some(cuda) = s.comm_stream.cuda_stream() {
+                sanitizer::access(s.comm_stream.device(), cuda, nccl_name(desc.kind), uses)
+                    .map_err(|e| fatal("the stream sanitizer", e))?;
+            }
             let raw_stream = s.raw_stream;
             s.comm
                 .enqueue(&label, &interrupt, |api, comm| call(api, comm, raw_stream))
@@ -728,6 +737,7 @@ impl ProcessGroup for NcclProcessGroup {
         self.issue(
             desc,
             vec![tensor.clone()],
+            &[(buf.ptr, Use::Write)],
             false,
             move |api, comm, stream| {
                 let ptr = buf.ptr as *mut std::ffi::c_void;
@@ -757,9 +767,12 @@ impl ProcessGroup for NcclProcessGroup {
             Some(root),
         );
         let (count, dtype) = (tensor.numel(), args::nccl_type(tensor.dtype()));
+        // The root sends its tensor, every other rank receives into its own.
+        let use_ = if rank == root { Use::Read } else { Use::Write };
         self.issue(
             desc,
             vec![tensor.clone()],
+            &[(buf.ptr, use_)],
             false,
             move |api, comm, stream| {
                 let ptr = buf.ptr as *mut std::ffi::c_void;
@@ -803,7 +816,8 @@ impl ProcessGroup for NcclProcessGroup {
             held.push(copy);
         }
         let (count, dtype) = (input.numel(), args::nccl_type(input.dtype()));
-        self.issue(desc, held, false, move |api, comm, stream| {
+        let uses = [(inp.ptr, Use::Read), (out.ptr, Use::Write)];
+        self.issue(desc, held, &uses, false, move |api, comm, stream| {
             // SAFETY: `inp` holds `count` elements and `out` `world × count`, of `dtype`, on this
             // group's device, alive until the collective is done, and disjoint or in place.
             unsafe {
@@ -847,7 +861,8 @@ impl ProcessGroup for NcclProcessGroup {
             args::nccl_type(output.dtype()),
             args::nccl_op(op, world),
         );
-        self.issue(desc, held, false, move |api, comm, stream| {
+        let uses = [(inp.ptr, Use::Read), (out.ptr, Use::Write)];
+        self.issue(desc, held, &uses, false, move |api, comm, stream| {
             // SAFETY: `inp` holds `world × count` elements and `out` `count`, of `dtype`, on this
             // group's device, alive until the collective is done, and disjoint.
             unsafe {
@@ -870,6 +885,7 @@ impl ProcessGroup for NcclProcessGroup {
         self.issue(
             desc,
             vec![self.barrier.clone()],
+            &[(buf.ptr, Use::Write)],
             true,
             move |api, comm, stream| {
                 let ptr = buf.ptr as *mut std::ffi::c_void;
@@ -887,6 +903,16 @@ impl ProcessGroup for NcclProcessGroup {
                 }
             },
         )
+    }
+}
+
+/// The NCCL function a collective calls, as the stream sanitizer names it.
+fn nccl_name(kind: CollectiveKind) -> &'static str {
+    match kind {
+        CollectiveKind::AllReduce | CollectiveKind::Barrier => "ncclAllReduce",
+        CollectiveKind::Broadcast => "ncclBroadcast",
+        CollectiveKind::AllGather => "ncclAllGather",
+        CollectiveKind::ReduceScatter => "ncclReduceScatter",
     }
 }
 

@@ -23,6 +23,7 @@ use std::sync::Arc;
 use cudarc::cublas::{result as cublas, sys as cublas_sys};
 use tandem_core::cuda::blas::with_blas;
 use tandem_core::cuda::launch::index_u32;
+use tandem_core::cuda::sanitizer::{self, Use};
 use tandem_core::cuda::{launch_on_compute, CudaDevice, DeviceBuffer};
 use tandem_core::{DType, Error, Layout, Result, Shape, Tensor};
 
@@ -100,6 +101,18 @@ fn gemm(dev: &CudaDevice, dtype: DType, p: &Gemm) -> Result<()> {
         false => cublas_sys::cublasOperation_t::CUBLAS_OP_N,
     };
     let (ta, tb) = (op(p.trans_a), op(p.trans_b));
+    let call = match dtype {
+        DType::F64 => "cublasDgemmStridedBatched",
+        _ => "cublasSgemmStridedBatched",
+    };
+    // A and B are read; C is written (read too when beta is not 0, which a write's check
+    // covers).
+    sanitizer::access(
+        dev.device(),
+        dev.compute_stream(),
+        call,
+        &[(p.a, Use::Read), (p.b, Use::Read), (p.c, Use::Write)],
+    )?;
     with_blas(OP, dev, dev.compute_stream(), tf32(dtype), |handle| {
         // SAFETY: the handle is bound to the compute stream; A, B and C are live device
         // buffers (the caller's tensors and column buffers, freed in stream order after this

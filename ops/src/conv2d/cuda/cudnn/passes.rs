@@ -21,6 +21,7 @@ use std::ffi::{c_int, c_void};
 
 use cudarc::cudnn::result::{self as cudnn, CudnnResult};
 use cudarc::cudnn::sys;
+use tandem_core::cuda::sanitizer::{self, Use};
 use tandem_core::cuda::{CudaDevice, DeviceBuffer};
 use tandem_core::{DType, Error, Result};
 
@@ -610,6 +611,7 @@ pub(super) fn select<P: Pass>(
                 }
                 Err(e) => return Err(e),
             };
+            declare::<P>("Find", dev, ops, &workspace)?;
             dev.bind(OP)?;
             // SAFETY: live handle and descriptors; `ops` are the caller's live buffers of the
             // plan's shapes; the workspace holds `bytes` bytes and outlives the call (its free
@@ -674,6 +676,37 @@ pub(super) fn select<P: Pass>(
     )))
 }
 
+/// Declares pass `P`'s accesses on the compute stream to the stream sanitizer: the two operands
+/// read, the output and the workspace written (tandem's passes run with beta = 0). `search` is
+/// `"Find"` for the measured algorithm search (which runs the pass), empty for the pass itself.
+fn declare<P: Pass>(
+    search: &str,
+    dev: &CudaDevice,
+    ops: Operands,
+    workspace: &DeviceBuffer,
+) -> Result<()> {
+    if !sanitizer::enabled() {
+        return Ok(());
+    }
+    let pass = match P::NAME {
+        "forward" => "Forward",
+        "backward-data" => "BackwardData",
+        _ => "BackwardFilter",
+    };
+    let call = format!("cudnn{search}Convolution{pass}");
+    sanitizer::access(
+        dev.device(),
+        dev.compute_stream(),
+        &call,
+        &[
+            (ops.a, Use::Read),
+            (ops.b, Use::Read),
+            (ops.out, Use::Write),
+            (workspace.ptr(), Use::Write),
+        ],
+    )
+}
+
 /// Runs pass `P` with the chosen algorithm on the compute stream (the handle's stream), with a
 /// workspace from tandem's allocator. [`Ran::NotSupported`] when cuDNN refuses to run it on
 /// these buffers (it then queues nothing, and the caller chooses again or runs im2col).
@@ -706,6 +739,7 @@ pub(super) fn run<P: Pass>(
             (&zero32 as *const f32).cast(),
         ),
     };
+    declare::<P>("", dev, ops, &workspace)?;
     dev.bind(OP)?;
     // SAFETY: live handle, descriptors and chosen algorithm; `ops` are the caller's live
     // buffers of the plan's shapes, kept alive until the compute stream has run the kernels
