@@ -17,8 +17,8 @@
 //!   [`CudaStorage`](super::CudaStorage) adds its dtype and element count. Per allocation the
 //!   registry keeps the last write (op, stream, epoch) and the last read of each stream since.
 //! - **Declared accesses**: a kernel launch reads its [`KernelArg::In`] pointers and writes its
-//!   [`KernelArg::Out`] pointers ([`KernelArg::Ptr`], undeclared, counts as a write, which
-//!   includes every check a read makes); copies and memsets of the runtime declare themselves;
+//!   [`KernelArg::Out`] pointers (every plan declares one or the other; the host harness checks
+//!   the declarations against the kernels' `const`); copies and memsets of the runtime declare themselves;
 //!   libraries' calls (cuBLAS, cuDNN, NCCL) and kernels that reach memory through a table
 //!   (the device-thread group's peer snapshots) declare through [`access`]. A pointer
 //!   anywhere inside an allocation stands for the whole allocation.
@@ -116,8 +116,6 @@ pub(crate) fn launch(device: Device, stream: &CudaStream, launch: &Launch) -> Re
         .filter_map(|arg| match *arg {
             KernelArg::In(p) => Some((p, Use::Read)),
             KernelArg::Out(p) => Some((p, Use::Write)),
-            // Undeclared: read and written (a write is checked against reads and writes both).
-            KernelArg::Ptr(p) => Some((p, Use::Write)),
             _ => None,
         })
         .collect();
