@@ -46,6 +46,10 @@ cp target/debug/libtandem_cuda_emu_cublaslt.so "$libs/libcublasLt.so"
 ln -s libnvrtc.so "$libs/libnvrtc-builtins.so.13.99"
 # Only the test processes see it: cargo keeps its own environment, so nothing is rebuilt.
 emulated_libs="$libs${TANDEM_CUDA_LIBS:+:$TANDEM_CUDA_LIBS}"
+# tandem's kernel cache keys images by the NVRTC version, which does not change with the
+# emulation's headers: a fresh folder, so no image compiled against an older tandem_host.h is
+# loaded (the emulated NVRTC's own cache, keyed by the headers, keeps compiles cheap).
+mkdir "$libs/kernel-cache"
 
 failed=()
 ran=0
@@ -61,7 +65,7 @@ for entry in "${tests[@]}"; do
   echo "== $pkg/$target on the emulator"
   start=$SECONDS
   log=$(mktemp)
-  if (cd "$dir" && TANDEM_CUDA_LIBS="$emulated_libs" "$exe") >"$log" 2>&1; then status=0; else status=$?; fi
+  if (cd "$dir" && TANDEM_CUDA_LIBS="$emulated_libs" TANDEM_KERNEL_CACHE="$libs/kernel-cache" "$exe") >"$log" 2>&1; then status=0; else status=$?; fi
   grep -E "^test result|^test .*FAILED" "$log" || true
   if [ "$status" -ne 0 ]; then
     tail -n 60 "$log"

@@ -294,3 +294,75 @@ fn a_kernel_without_a_host_entry_is_a_clear_error() {
         "{err}"
     );
 }
+
+#[test]
+fn clock64_counts_cycles_of_a_2_ghz_clock() {
+    // 2 ms of the emulated clock.
+    const CYCLES: i64 = 4_000_000;
+    let mut out = vec![-1i64; 3];
+    let l = launch(
+        "clock_spin",
+        [1, 1, 1],
+        [1, 1, 1],
+        0,
+        vec![KernelArg::I64(CYCLES), ptr(&mut out)],
+    );
+    let started = Instant::now();
+    // SAFETY: three outputs.
+    unsafe { run(&l) }.unwrap();
+    let wall = started.elapsed();
+    let counted = out[1] - out[0];
+    assert!(out[0] > 0 && counted >= CYCLES, "{out:?}");
+    // The cycles counted fit in the time the launch took, at 2 GHz: the unit is a 2 GHz cycle
+    // (not a nanosecond, which would take twice as long).
+    assert!(
+        counted as f64 / 2e9 <= wall.as_secs_f64(),
+        "{counted} cycles in {wall:?}"
+    );
+    assert!(wall >= Duration::from_millis(2), "{wall:?}");
+    // clock() is the low 32 bits of the counter.
+    assert!((0..1i64 << 32).contains(&out[2]), "{out:?}");
+}
+
+#[test]
+fn launches_of_different_kernels_from_two_threads_run_at_the_same_time() {
+    // One launch spins (for at most ~5 s) until the other, from another thread, raises its flag.
+    let mut flag = vec![0i32; 1];
+    let mut seen = vec![-1i32; 1];
+    let flag_ptr = flag.as_mut_ptr() as u64;
+    let waiter = launch(
+        "wait_for_flag",
+        [1, 1, 1],
+        [1, 1, 1],
+        0,
+        vec![
+            KernelArg::Ptr(flag_ptr),
+            KernelArg::I64(10_000_000_000),
+            ptr(&mut seen),
+        ],
+    );
+    let raiser = launch(
+        "raise_flag",
+        [1, 1, 1],
+        [64, 1, 1],
+        0,
+        vec![KernelArg::Ptr(flag_ptr)],
+    );
+    std::thread::scope(|scope| {
+        let waiting = scope.spawn(|| {
+            // SAFETY: the flag and the output outlive the scope.
+            unsafe { run(&waiter) }.unwrap()
+        });
+        // Give the waiter a head start, so that it is spinning when the flag is raised (if it is
+        // not, the test passes without proving anything, never fails wrongly).
+        std::thread::sleep(Duration::from_millis(50));
+        // SAFETY: as above.
+        unsafe { run(&raiser) }.unwrap();
+        waiting.join().unwrap();
+    });
+    assert_eq!(
+        seen[0], 1,
+        "the spinning launch gave up: the other thread's launch did not run beside it"
+    );
+    assert_eq!(flag[0], 1);
+}

@@ -4,7 +4,8 @@
 // Included after tandem_host.h and before the kernel source. It redefines TANDEM_HOST_EXPORT so
 // that each kernel exports, besides its host entry `tandem_host_<name>`, the sizes of its
 // parameters, `tandem_emu_params_<name>`: the emulated `cuLaunchKernel` copies the arguments at
-// the launch, as the driver does, and needs their sizes for that.
+// the launch, as the driver does, and needs their sizes for that. It also defines
+// `tandem_emu_set_worker_hook` (see below).
 
 #ifndef TANDEM_EMU_H
 #define TANDEM_EMU_H
@@ -27,6 +28,14 @@ int param_sizes(void (*)(Params...), unsigned long long* sizes, int capacity) {
 }
 
 }  // namespace tandem_emu
+
+// Sets the execution model's worker hook (tandem_host.h's `worker_hook`): the emulated driver
+// calls it once per module it loads, so that its SIGSEGV handler knows which kernel a faulting
+// worker was running. Defined here, once per module (the generated wrapper includes this header
+// once).
+extern "C" void tandem_emu_set_worker_hook(::tandem_host::WorkerHook hook) {
+    ::tandem_host::worker_hook().store(hook, std::memory_order_release);
+}
 
 #undef TANDEM_HOST_EXPORT
 #define TANDEM_HOST_EXPORT(name)                                                               \
