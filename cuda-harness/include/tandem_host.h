@@ -93,7 +93,14 @@
 #define __noinline__ __attribute__((noinline))
 #define __launch_bounds__(...)
 #define __align__(n) __attribute__((aligned(n)))
-#define __shared__ static
+// `__shared__` storage is `static`, preceded by a claim that records which launch uses it (see
+// "Shared memory claims" below). Inside functions only (as everywhere in tandem's kernels).
+#define TANDEM_HOST_SHARED_(n)                                                                 \
+    static ::tandem_host::SharedOwner tandem_host_shared_owner_##n;                            \
+    ::tandem_host::claim_shared(tandem_host_shared_owner_##n, __FILE__, __LINE__);             \
+    static
+#define TANDEM_HOST_SHARED(n) TANDEM_HOST_SHARED_(n)
+#define __shared__ TANDEM_HOST_SHARED(__COUNTER__)
 
 // ---------------------------------------------------------------------------------------------
 // Thread and block indices.
@@ -293,12 +300,50 @@ struct LaunchState {
     std::vector<std::unique_ptr<Warp>> warps;
     std::vector<unsigned char> dynamic_shared;
     unsigned int dynamic_shared_bytes = 0;
+    // The `__shared__` variables this launch claimed, released when it ends.
+    std::mutex claims_mutex;
+    std::vector<std::atomic<LaunchState*>*> claims;
 };
 
 // The launch the calling worker runs (set at the start of its share of the launch).
 inline thread_local LaunchState* this_launch = nullptr;
 
 inline LaunchState* current_launch() { return this_launch; }
+
+// ---------------------------------------------------------------------------------------------
+// Shared memory claims.
+//
+// A `__shared__` variable is one static copy per declaring function (per template instance),
+// correct only while one launch uses it at a time. The launchers keep two launches of one kernel
+// apart; a `__device__` function declaring `__shared__` storage called by two kernels running at
+// once would still share it. Each thread passing the declaration claims the variable for its
+// launch (an atomic load when it already holds it); a variable held by another running launch is
+// a fault of the launch ("used by two launches at once") instead of a silent race.
+// ---------------------------------------------------------------------------------------------
+
+struct SharedOwner {
+    std::atomic<LaunchState*> launch{nullptr};
+};
+
+inline void claim_shared(SharedOwner& owner, const char* file, int line) {
+    LaunchState* me = this_launch;
+    LaunchState* holder = owner.launch.load(std::memory_order_acquire);
+    if (holder == me || me == nullptr) {
+        return;
+    }
+    if (holder == nullptr &&
+        owner.launch.compare_exchange_strong(holder, me, std::memory_order_acq_rel)) {
+        std::lock_guard<std::mutex> lock(me->claims_mutex);
+        me->claims.push_back(&owner.launch);
+        return;
+    }
+    if (holder != me) {
+        fault("the __shared__ variable declared at %s:%d is used by another launch running at "
+              "the same time (static storage on the host: a __device__ function declaring "
+              "__shared__ storage must not be called by kernels that run concurrently)",
+              file, line);
+    }
+}
 
 inline thread_local unsigned int this_lane;
 inline thread_local unsigned int this_warp;
@@ -663,6 +708,9 @@ int launch(void (*kernel)(Params...), const tandem_host_launch_config* config, v
     LaunchJob job{&thread_body<Params...>, &launch_state, reinterpret_cast<void*>(kernel),
                   &arguments};
     bool ran = worker_crews().run((unsigned int)threads, &run_job, &job);
+    for (std::atomic<LaunchState*>* claim : launch_state.claims) {
+        claim->store(nullptr, std::memory_order_release);
+    }
     if (!ran) {
         snprintf(error, error_len, "could not start %llu threads for the block", threads);
         return 1;

@@ -187,3 +187,32 @@ extern "C" __global__ void raise_flag(int* flag) {
     }
 }
 TANDEM_HOST_EXPORT(raise_flag)
+
+// Broken on purpose when two kernels calling it run at once: `__shared__` storage in a
+// `__device__` function is one static copy on the host. Raises *started once it holds the
+// storage, then spins until *release is non-zero (or `cycles` of clock64() pass).
+__device__ void shared_scratch_user(int* started, const volatile int* release, long long cycles,
+                                    int* out) {
+    __shared__ int scratch[32];
+    scratch[threadIdx.x % 32] = (int)threadIdx.x;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        atomicExch(started, 1);
+        long long start = clock64();
+        while (*release == 0 && clock64() - start < cycles) {
+        }
+        out[0] = scratch[1];
+    }
+}
+
+extern "C" __global__ void shared_scratch_first(int* started, const volatile int* release,
+                                                long long cycles, int* out) {
+    shared_scratch_user(started, release, cycles, out);
+}
+TANDEM_HOST_EXPORT(shared_scratch_first)
+
+extern "C" __global__ void shared_scratch_second(int* started, const volatile int* release,
+                                                 long long cycles, int* out) {
+    shared_scratch_user(started, release, cycles, out);
+}
+TANDEM_HOST_EXPORT(shared_scratch_second)

@@ -366,3 +366,63 @@ fn launches_of_different_kernels_from_two_threads_run_at_the_same_time() {
     );
     assert_eq!(flag[0], 1);
 }
+
+#[test]
+fn shared_storage_of_a_device_function_used_by_two_running_launches_is_reported() {
+    // Two kernels calling one `__device__` function that declares `__shared__` storage (one
+    // static copy on the host): the second, started while the first holds the storage, fails
+    // naming the declaration instead of racing with the first.
+    let mut started = vec![0i32; 2];
+    let mut release = vec![0i32; 2];
+    let mut out = vec![-1i32; 2];
+    let (started_ptr, release_ptr, out_ptr) = (
+        started.as_mut_ptr() as u64,
+        release.as_mut_ptr() as u64,
+        out.as_mut_ptr() as u64,
+    );
+    let user = |kernel: &str, i: u64| {
+        launch(
+            kernel,
+            [1, 1, 1],
+            [32, 1, 1],
+            0,
+            vec![
+                KernelArg::Ptr(started_ptr + 4 * i),
+                KernelArg::Ptr(release_ptr + 4 * i),
+                KernelArg::I64(10_000_000_000),
+                KernelArg::Ptr(out_ptr + 4 * i),
+            ],
+        )
+    };
+    let (first, second) = (
+        user("shared_scratch_first", 0),
+        user("shared_scratch_second", 1),
+    );
+    // The second launch is not held up.
+    release[1] = 1;
+    let second_result = std::thread::scope(|scope| {
+        let running = scope.spawn(|| {
+            // SAFETY: the flags and outputs outlive the scope.
+            unsafe { run(&first) }
+        });
+        // Wait (at most ~5 s) until the first holds the storage.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        // SAFETY: the kernel writes the flag atomically; read it as the atomic it is.
+        let flag = unsafe { &*(started_ptr as *const std::sync::atomic::AtomicI32) };
+        while flag.load(std::sync::atomic::Ordering::Acquire) == 0 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        // SAFETY: as above.
+        let second_result = unsafe { run(&second) };
+        // SAFETY: the first kernel polls this flag through a volatile read.
+        unsafe { (release_ptr as *mut i32).write_volatile(1) };
+        running.join().unwrap().unwrap();
+        second_result
+    });
+    let err = second_result.unwrap_err().to_string();
+    assert!(
+        err.contains("__shared__ variable declared at") && err.contains("another launch"),
+        "{err}"
+    );
+    assert_eq!(out[0], 1, "the first launch's scratch was overwritten");
+}
