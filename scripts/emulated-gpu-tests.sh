@@ -5,9 +5,9 @@
 # This is the first step of issue 20's "every GPU test runs in CI": the files listed below
 # pass on the emulator and run in every CI run (.ci/run calls this after the README's test
 # command). The others are not listed yet because they need an emulated cuDNN or NCCL (part 2),
-# or are too slow on the emulator (GPU-sized inputs), or wait on kernels the emulator cannot run
-# concurrently (the gate tests). A listed test that prints "skipped: no CUDA device" fails here:
-# on the emulator every GPU test must really run.
+# or are too slow on the emulator (GPU-sized inputs: core's cuda_runtime, whose gate tests now
+# run, as kernels of different streams run at the same time). A listed test that prints
+# "skipped: no CUDA device" fails here: on the emulator every GPU test must really run.
 #
 # The test binaries are the ones `cargo test --workspace` built (same profile and environment,
 # so nothing is rebuilt); only TANDEM_CUDA_LIBS changes, at run time, with the emulator's folder
