@@ -43,10 +43,11 @@
 // thread returned (every thread must reach every barrier; one of the two shows whichever
 // order the threads run in), a warp intrinsic with a partial mask or a returned lane, a shuffle from
 // a lane outside the warp, threads stuck at different barriers (after a timeout), an invalid
-// launch configuration. Out-of-bounds accesses are not caught by the emulation itself; the
-// harness's tests poison their buffers so that unwritten elements show, and the emulated driver
-// places every allocation's end against an inaccessible page and reports a kernel reading or
-// writing there (cuda-emu/src/memory.rs).
+// launch configuration, a `__shared__` variable used by two launches running at once.
+// Out-of-bounds accesses are not caught by the emulation itself; the harness's tests poison
+// their buffers so that unwritten elements show, and the emulated driver places every
+// allocation's end against an inaccessible page and reports a kernel reading or writing there
+// (cuda-emu/src/memory.rs).
 //
 // What it cannot check: memory ordering and races between threads that the GPU would expose
 // differently, timing, and anything of cuBLAS, cuDNN or NCCL. Not emulated (the host compile
