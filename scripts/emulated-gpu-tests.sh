@@ -5,9 +5,9 @@
 # This is the first step of issue 20's "every GPU test runs in CI": the files listed below
 # pass on the emulator and run in every CI run (.ci/run calls this after the README's test
 # command). The others are not listed yet because they need an emulated cuDNN or NCCL (part 2),
-# or are too slow on the emulator (GPU-sized inputs), or wait on kernels the emulator cannot run
-# concurrently (the gate tests). A listed test that prints "skipped: no CUDA device" fails here:
-# on the emulator every GPU test must really run.
+# or are too slow on the emulator (GPU-sized inputs: core's cuda_runtime, whose gate tests now
+# run, as kernels of different streams run at the same time). A listed test that prints
+# "skipped: no CUDA device" fails here: on the emulator every GPU test must really run.
 #
 # The test binaries are the ones `cargo test --workspace` built (same profile and environment,
 # so nothing is rebuilt); only TANDEM_CUDA_LIBS changes, at run time, with the emulator's folder
@@ -46,6 +46,10 @@ cp target/debug/libtandem_cuda_emu_cublaslt.so "$libs/libcublasLt.so"
 ln -s libnvrtc.so "$libs/libnvrtc-builtins.so.13.99"
 # Only the test processes see it: cargo keeps its own environment, so nothing is rebuilt.
 emulated_libs="$libs${TANDEM_CUDA_LIBS:+:$TANDEM_CUDA_LIBS}"
+# tandem's kernel cache keys images by the NVRTC version, which does not change with the
+# emulation's headers: a fresh folder, so no image compiled against an older tandem_host.h is
+# loaded (the emulated NVRTC's own cache, keyed by the headers, keeps compiles cheap).
+mkdir "$libs/kernel-cache"
 
 failed=()
 ran=0
@@ -61,7 +65,7 @@ for entry in "${tests[@]}"; do
   echo "== $pkg/$target on the emulator"
   start=$SECONDS
   log=$(mktemp)
-  if (cd "$dir" && TANDEM_CUDA_LIBS="$emulated_libs" "$exe") >"$log" 2>&1; then status=0; else status=$?; fi
+  if (cd "$dir" && TANDEM_CUDA_LIBS="$emulated_libs" TANDEM_KERNEL_CACHE="$libs/kernel-cache" "$exe") >"$log" 2>&1; then status=0; else status=$?; fi
   grep -E "^test result|^test .*FAILED" "$log" || true
   if [ "$status" -ne 0 ]; then
     tail -n 60 "$log"

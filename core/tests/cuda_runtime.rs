@@ -400,11 +400,14 @@ fn copies_on_a_second_stream_are_ordered_by_their_event() {
 static GATE: tandem_core::cuda::launch::KernelSource = tandem_core::cuda::launch::KernelSource {
     name: "cuda_runtime_test_gate",
     source: r#"
+#include "tandem.cuh"
+
 extern "C" __global__ void gate(const volatile unsigned int* flag, long long limit) {
     long long start = clock64();
     while (*flag == 0u && clock64() - start < limit) {
     }
 }
+TANDEM_HOST_EXPORT(gate)
 "#,
     headers: &[],
 };

@@ -27,7 +27,14 @@
 //! - **Events**: create, record (a marker in the stream's queue that takes a timestamp when the
 //!   worker reaches it), query, synchronize, elapsed time (`_v2` as well), destroy.
 //! - **Device memory is host memory with teeth** ([`memory`]): every allocation is 256-byte
-//!   aligned and surrounded by guard bytes; fresh allocations are filled with `0xFF` bytes (a NaN
+//!   aligned, its size rounded up to 256 bytes as the driver does, and its rounded end placed
+//!   against an inaccessible (`PROT_NONE`) page: a kernel reading or writing there is reported
+//!   by a SIGSEGV handler on stderr — the kernel (grid, block, stream), whether it read or wrote,
+//!   the address, and the allocation it overran (number, base, size, who allocated it) — and the
+//!   process aborts (a GPU would fail the launch with `CUDA_ERROR_ILLEGAL_ADDRESS`); other
+//!   faults go to the handler installed before. Guard bytes fill the 256 bytes before each
+//!   allocation and the slack of the rounding after it (up to 255 bytes; reads there go
+//!   unnoticed, as on a GPU); fresh allocations are filled with `0xFF` bytes (a NaN
 //!   for f16, bf16, f32 and f64; -1 for integers), so reading memory nobody wrote shows. Guards
 //!   are checked at every free and every synchronisation; a corrupt guard is reported on stderr
 //!   naming the allocation (size, address, who allocated it) and the synchronisation fails with
@@ -59,9 +66,12 @@
 //!   launch, as the driver does, and runs the kernel's host entry on the stream's worker. A fault
 //!   the execution model detects (a barrier not reached by every thread, …) is reported on
 //!   stderr and fails the next synchronisation with `CUDA_ERROR_LAUNCH_FAILED`, sticky.
-//!   Launches run one at a time across streams (the harness's execution model keeps a launch's
-//!   state in statics), so two kernels never overlap; copies, memsets and host functions overlap
-//!   with kernels and with each other.
+//!   Kernels of different streams run at the same time, as on a GPU (each launch has its own
+//!   state and its own crew of threads in the execution model), so a kernel spinning until
+//!   another stream's kernel or the host writes a flag finishes, and a missing wait between
+//!   streams is a real race between kernels too. Two launches of the same kernel (by name) do
+//!   not overlap: `__shared__` variables are one static copy per kernel on the host, so the
+//!   second waits for the first. `clock64()` and `clock()` count cycles of a 2 GHz clock.
 //! - **Errors**: `cuGetErrorName` and `cuGetErrorString` for every code.
 //!
 //! Every other entry point cudarc 0.19.10 may load is exported as a stub ([`stubs`]) that prints
@@ -71,10 +81,12 @@
 //!
 //! # What it does not check (yet)
 //!
-//! Reads outside an allocation from a kernel (guards catch writes only), races between two
-//! kernels (launches are serialised), cuDNN and NCCL (separate libraries, later parts of issue
-//! 20; cuBLAS and cuBLASLt are emulated by `cublas/` and `cublaslt/`), graphs, several devices,
-//! peer copies, managed memory, and anything about speed. Timestamps are the host's clock.
+//! Accesses inside the rounding slack of an allocation (reads there pass; writes are caught by
+//! the guard bytes at the next synchronisation), accesses that land inside another live
+//! allocation, two launches of the same kernel at once (serialised), cuDNN and NCCL (separate
+//! libraries, later parts of issue 20; cuBLAS and cuBLASLt are emulated by `cublas/` and
+//! `cublaslt/`), graphs, several devices, peer copies, managed memory, and anything about
+//! speed. Timestamps are the host's clock.
 //!
 //! Speed: a launch runs its blocks one after the other, each as OS threads meeting at barriers
 //! (the harness's execution model), so a grid-stride launch over millions of elements (16384

@@ -1,11 +1,40 @@
 //! Device memory as host memory with teeth: guards, poison, quarantine, range checks; the
 //! default memory pool; copies and memsets; pinned host memory.
+//!
+//! # Layout of a device allocation
+//!
+//! Each allocation is its own mapping: an inaccessible (`PROT_NONE`) page, the data pages, an
+//! inaccessible page. The allocation's size is rounded up to 256 bytes, as the driver rounds
+//! (its pointers are 256-byte aligned and its allocations come in multiples of that), and placed
+//! so that the rounded end touches the second inaccessible page:
+//!
+//! ```text
+//! | PROT_NONE page | (unused) | 256 guard bytes | size bytes | slack guard bytes | PROT_NONE page |
+//!                                               ^ ptr (256-aligned)              ^ ptr + rounded
+//! ```
+//!
+//! - A kernel reading or writing at or past `ptr + rounded` touches the inaccessible page: the
+//!   SIGSEGV handler ([`install_fault_handler`]) prints which kernel was running (its grid, block
+//!   and stream), the address, and the allocation it overran (number, base, size, who allocated
+//!   it), and aborts the process. A fault anywhere else goes to the handler installed before.
+//!   The page before the data catches reads far before the start the same way.
+//! - The slack, `rounded - size` bytes (0 to 255, none when the size is a multiple of 256), and
+//!   the 256 bytes before `ptr` hold guard bytes: a write there is found when the allocation is
+//!   freed or at the next synchronisation; a read there goes unnoticed, as on a GPU (whose
+//!   allocations have the same slack).
+//! - Cost: two pages (8 KiB) of address space per allocation that are never backed by memory,
+//!   and the data rounded up to whole pages: an allocation of n bytes keeps
+//!   `round_up(256 + round_up(n, 256), 4096)` bytes of host memory (4 KiB for anything up to
+//!   3840 bytes, where the guard bytes alone used to cost 512 bytes beside the rounded size),
+//!   plus three kernel mappings. Freed blocks keep theirs while in quarantine (at most 4096
+//!   blocks or 256 MiB).
 
 use std::alloc::Layout;
 use std::collections::{BTreeMap, VecDeque};
-use std::ffi::c_void;
+use std::ffi::{c_int, c_void};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
 
 use cudarc::driver::sys;
 use parking_lot::Mutex;
@@ -15,7 +44,8 @@ use crate::context::{current, TOTAL_MEMORY};
 use crate::stream::{lookup, Stream};
 use crate::{entry, fault, initialised, put, say, sticky, CUresult, Res};
 
-/// Bytes of guard before and after every allocation (also its alignment).
+/// Bytes of guard before every allocation; also its alignment and the granularity its size is
+/// rounded to (the rest of the last 256 bytes is guard bytes too).
 pub const GUARD: usize = 256;
 /// The guard bytes' value.
 pub const GUARD_BYTE: u8 = 0xFD;
@@ -26,13 +56,17 @@ const QUARANTINE_BYTES: usize = 256 << 20;
 /// … or more than this many blocks.
 const QUARANTINE_BLOCKS: usize = 4096;
 
-/// One device allocation.
+/// One device allocation (see the module docs for its layout).
 struct Block {
-    base: usize,
-    layout: Layout,
+    /// The whole mapping, inaccessible pages included.
+    map: usize,
+    map_len: usize,
     /// The address handed out.
     ptr: u64,
     size: usize,
+    /// `size` rounded up to [`GUARD`]: the data ends at `ptr + rounded`, against the
+    /// inaccessible page.
+    rounded: usize,
     /// A number naming the allocation in messages.
     id: u64,
     /// Who allocated it ("cuMemAllocAsync on stream 3").
@@ -59,16 +93,27 @@ impl Block {
         )
     }
 
-    fn bytes(&self, start: usize, len: usize) -> &[u8] {
-        // SAFETY: the block owns `layout.size()` bytes from `base`; callers stay inside.
-        unsafe { std::slice::from_raw_parts((self.base + start) as *const u8, len) }
+    /// `len` bytes from `offset` relative to `ptr` (negative: the guard bytes before it).
+    fn bytes(&self, offset: isize, len: usize) -> &[u8] {
+        // SAFETY: the block's accessible bytes are [ptr - GUARD, ptr + rounded); callers stay
+        // inside.
+        unsafe { std::slice::from_raw_parts((self.ptr as isize + offset) as *const u8, len) }
+    }
+
+    /// The inaccessible page after the data, and the one before the data pages.
+    fn tail_page(&self) -> (u64, u64) {
+        let start = self.ptr + self.rounded as u64;
+        (start, start + page() as u64)
+    }
+
+    fn head_page(&self) -> (u64, u64) {
+        (self.map as u64, (self.map + page()) as u64)
     }
 
     /// A description of the damage to the guards, if any.
     fn check_guards(&self) -> Option<String> {
-        let head = self.bytes(0, GUARD);
-        let tail_start = GUARD + self.size;
-        let tail = self.bytes(tail_start, self.layout.size() - tail_start);
+        let head = self.bytes(-(GUARD as isize), GUARD);
+        let tail = self.bytes(self.size as isize, self.rounded - self.size);
         let before = head.iter().filter(|&&b| b != GUARD_BYTE).count();
         let after = tail.iter().filter(|&&b| b != GUARD_BYTE).count();
         if before == 0 && after == 0 {
@@ -93,22 +138,69 @@ impl Block {
     }
 
     fn repair_guards(&self) {
-        let tail_start = GUARD + self.size;
-        // SAFETY: the guards are the block's own bytes outside [GUARD, GUARD + size).
+        // SAFETY: the guards are the block's own accessible bytes [ptr - GUARD, ptr) and
+        // [ptr + size, ptr + rounded).
         unsafe {
-            std::ptr::write_bytes(self.base as *mut u8, GUARD_BYTE, GUARD);
+            std::ptr::write_bytes((self.ptr as usize - GUARD) as *mut u8, GUARD_BYTE, GUARD);
             std::ptr::write_bytes(
-                (self.base + tail_start) as *mut u8,
+                (self.ptr as usize + self.size) as *mut u8,
                 GUARD_BYTE,
-                self.layout.size() - tail_start,
+                self.rounded - self.size,
             );
         }
     }
 
     fn fill(&self, value: u8) {
-        // SAFETY: the block's user bytes are [base + GUARD, base + GUARD + size).
-        unsafe { std::ptr::write_bytes((self.base + GUARD) as *mut u8, value, self.size) };
+        // SAFETY: the block's user bytes are [ptr, ptr + size).
+        unsafe { std::ptr::write_bytes(self.ptr as *mut u8, value, self.size) };
     }
+}
+
+/// The host's page size.
+fn page() -> usize {
+    static PAGE_SIZE: OnceLock<usize> = OnceLock::new();
+    // SAFETY: sysconf has no preconditions.
+    *PAGE_SIZE.get_or_init(|| match unsafe { libc::sysconf(libc::_SC_PAGESIZE) } {
+        n if n > 0 => n as usize,
+        _ => 4096,
+    })
+}
+
+/// Maps a block's memory (see the module docs): the mapping's start and length, and the
+/// address handed out. `None` when the system refuses.
+fn map_block(rounded: usize) -> Option<(usize, usize, usize)> {
+    let page = page();
+    let data = (GUARD + rounded).checked_next_multiple_of(page)?;
+    let map_len = data.checked_add(2 * page)?;
+    // SAFETY: a fresh anonymous mapping; nothing else refers to it.
+    let map = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            map_len,
+            libc::PROT_NONE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    if map == libc::MAP_FAILED {
+        return None;
+    }
+    let map = map as usize;
+    // SAFETY: the data pages lie inside the mapping just made.
+    if unsafe {
+        libc::mprotect(
+            (map + page) as *mut c_void,
+            data,
+            libc::PROT_READ | libc::PROT_WRITE,
+        )
+    } != 0
+    {
+        // SAFETY: our mapping, unused.
+        unsafe { libc::munmap(map as *mut c_void, map_len) };
+        return None;
+    }
+    Some((map, map_len, map + page + data - rounded))
 }
 
 #[derive(Default)]
@@ -159,33 +251,25 @@ fn allocate(size: usize, origin: String, pooled: bool) -> Result<u64, CUresult> 
         return Err(E::CUDA_ERROR_INVALID_VALUE);
     }
     let rounded = size
-        .checked_add(GUARD - 1)
-        .ok_or(E::CUDA_ERROR_OUT_OF_MEMORY)?
-        / GUARD
-        * GUARD;
-    let total = rounded
-        .checked_add(2 * GUARD)
+        .checked_next_multiple_of(GUARD)
         .ok_or(E::CUDA_ERROR_OUT_OF_MEMORY)?;
     if with_heap(|h| h.live_bytes + size > TOTAL_MEMORY) {
         return Err(E::CUDA_ERROR_OUT_OF_MEMORY);
     }
-    let layout = Layout::from_size_align(total, GUARD).map_err(|_| E::CUDA_ERROR_OUT_OF_MEMORY)?;
-    // SAFETY: the layout has a non-zero size.
-    let base = unsafe { std::alloc::alloc(layout) } as usize;
-    if base == 0 {
-        return Err(E::CUDA_ERROR_OUT_OF_MEMORY);
-    }
-    // SAFETY: `base` owns `total` bytes.
+    install_fault_handler();
+    let (map, map_len, ptr) = map_block(rounded).ok_or(E::CUDA_ERROR_OUT_OF_MEMORY)?;
+    // SAFETY: [ptr - GUARD, ptr + rounded) lies in the mapping's accessible pages.
     unsafe {
-        std::ptr::write_bytes(base as *mut u8, GUARD_BYTE, total);
-        std::ptr::write_bytes((base + GUARD) as *mut u8, POISON, size);
+        std::ptr::write_bytes((ptr - GUARD) as *mut u8, GUARD_BYTE, GUARD + rounded);
+        std::ptr::write_bytes(ptr as *mut u8, POISON, size);
     }
-    let ptr = (base + GUARD) as u64;
+    let ptr = ptr as u64;
     let block = Block {
-        base,
-        layout,
+        map,
+        map_len,
         ptr,
         size,
+        rounded,
         id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
         origin,
         pooled,
@@ -290,8 +374,8 @@ fn release(block: Block) {
     if let Some(message) = quarantine_damage(&block) {
         fault(E::CUDA_ERROR_ILLEGAL_ADDRESS, message, true);
     }
-    // SAFETY: `base` came from std::alloc::alloc with this layout and is freed once.
-    unsafe { std::alloc::dealloc(block.base as *mut u8, block.layout) };
+    // SAFETY: the block's mapping, unmapped once (the block is consumed).
+    unsafe { libc::munmap(block.map as *mut c_void, block.map_len) };
 }
 
 /// Checks the guards of every live allocation (at synchronisations).
@@ -948,7 +1032,7 @@ pub unsafe extern "C" fn cuMemHostGetDevicePointer_v2(
 
 /// Describes the first change to a freed block since its free, if any.
 fn quarantine_damage(block: &Block) -> Option<String> {
-    let user = block.bytes(GUARD, block.size);
+    let user = block.bytes(0, block.size);
     if let Some(offset) = user.iter().position(|&b| b != POISON) {
         return Some(format!(
             "use after free: {} was written after {} freed it (the first changed byte at \
@@ -1000,4 +1084,138 @@ pub unsafe extern "C" fn tandem_cuda_emu_check_device_range(
         };
         device_range(ptr, len, &what)
     })
+}
+
+/// What an access at `addr` inside an inaccessible page of a device allocation overran: "N
+/// bytes past the end of allocation #… of S bytes at 0x… (who allocated it), at offset +M"
+/// (live or freed blocks). `None` when
+/// `addr` is in no allocation's inaccessible page. Called from the SIGSEGV handler: it waits a
+/// bounded time for the heap (another thread may hold it; the faulting one does not, as no code
+/// holding it touches an inaccessible page).
+pub(crate) fn guard_page_report(addr: u64) -> Option<String> {
+    let guard = HEAP.try_lock_for(Duration::from_secs(2))?;
+    let heap = guard.as_ref()?;
+    let inside = |(start, end): (u64, u64)| (start..end).contains(&addr);
+    let report = |b: &Block, freed: bool| -> Option<String> {
+        let state = if freed {
+            format!(" (freed by {})", b.freed_by)
+        } else {
+            String::new()
+        };
+        if inside(b.tail_page()) {
+            return Some(format!(
+                "{} bytes past the end of {}{state}, at offset +{} (in the inaccessible page \
+                 after it)",
+                addr - (b.ptr + b.size as u64),
+                b.describe(),
+                addr - b.ptr
+            ));
+        }
+        if inside(b.head_page()) {
+            return Some(format!(
+                "{} bytes before the start of {}{state} (in the inaccessible page before it)",
+                b.ptr - addr,
+                b.describe(),
+            ));
+        }
+        None
+    };
+    let below = heap.live.range(..=addr).next_back().map(|(_, b)| b);
+    let above = heap.live.range(addr + 1..).next().map(|(_, b)| b);
+    below
+        .into_iter()
+        .chain(above)
+        .find_map(|b| report(b, false))
+        .or_else(|| heap.quarantine.iter().find_map(|b| report(b, true)))
+}
+
+/// The SIGSEGV disposition in place before the emulator's handler, to pass other faults on to.
+static PREVIOUS_SEGV: OnceLock<libc::sigaction> = OnceLock::new();
+
+/// Installs, once, the SIGSEGV handler that reports an access to an allocation's inaccessible
+/// page (see the module docs) and passes every other fault on to the handler installed before.
+fn install_fault_handler() {
+    PREVIOUS_SEGV.get_or_init(|| {
+        // SAFETY: sigaction with a zeroed (empty-mask) action and an out-parameter for the old
+        // one; the handler has the SA_SIGINFO signature. SA_ONSTACK keeps threads that have an
+        // alternate signal stack (Rust's, for its stack-overflow report) on it.
+        unsafe {
+            let mut action: libc::sigaction = std::mem::zeroed();
+            action.sa_sigaction = on_segv as *const () as usize;
+            action.sa_flags = libc::SA_SIGINFO | libc::SA_ONSTACK;
+            libc::sigemptyset(&mut action.sa_mask);
+            let mut previous: libc::sigaction = std::mem::zeroed();
+            if libc::sigaction(libc::SIGSEGV, &action, &mut previous) != 0 {
+                say(
+                    "could not install the SIGSEGV handler: kernel accesses past an allocation \
+                     will crash without a report",
+                );
+                previous.sa_sigaction = libc::SIG_DFL;
+            }
+            previous
+        }
+    });
+}
+
+/// Whether the faulting access was a write (x86-64 Linux: bit 1 of the page fault's error code).
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+fn access_kind(context: *mut c_void) -> &'static str {
+    if context.is_null() {
+        return "accessed";
+    }
+    // SAFETY: the kernel passes a ucontext_t to an SA_SIGINFO handler.
+    let error =
+        unsafe { (*context.cast::<libc::ucontext_t>()).uc_mcontext.gregs[libc::REG_ERR as usize] };
+    if error & 2 != 0 {
+        "wrote"
+    } else {
+        "read"
+    }
+}
+
+#[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+fn access_kind(_context: *mut c_void) -> &'static str {
+    "accessed"
+}
+
+extern "C" fn on_segv(signal: c_int, info: *mut libc::siginfo_t, context: *mut c_void) {
+    // SAFETY: the kernel passes a valid siginfo_t for SIGSEGV.
+    let addr = unsafe { (*info).si_addr() } as u64;
+    if let Some(overran) = guard_page_report(addr) {
+        let who = crate::module::running_on_this_thread()
+            .map(|r| r.describe())
+            .unwrap_or_else(|| "a host thread (no kernel)".to_string());
+        let message = format!(
+            "tandem-cuda-emu: out-of-range access: {who} {} address {addr:#x}, {overran}. \
+             On a GPU this is CUDA_ERROR_ILLEGAL_ADDRESS; the emulator aborts the process here.\n",
+            access_kind(context)
+        );
+        // SAFETY: write(2) of a live buffer; async-signal-safe.
+        unsafe { libc::write(2, message.as_ptr().cast(), message.len()) };
+        // SAFETY: ends the process; no return.
+        unsafe { libc::abort() };
+    }
+    let Some(previous) = PREVIOUS_SEGV.get() else {
+        return;
+    };
+    let handler = previous.sa_sigaction;
+    if handler == libc::SIG_DFL || handler == libc::SIG_IGN {
+        // The default action: restore it and return; the access faults again and kills the
+        // process as it would have without the emulator.
+        // SAFETY: a zeroed action is SIG_DFL with an empty mask.
+        unsafe {
+            let mut default: libc::sigaction = std::mem::zeroed();
+            default.sa_sigaction = libc::SIG_DFL;
+            libc::sigaction(libc::SIGSEGV, &default, std::ptr::null_mut());
+        }
+    } else if previous.sa_flags & libc::SA_SIGINFO != 0 {
+        // SAFETY: the previous handler was installed with SA_SIGINFO, so it has this signature.
+        let f: extern "C" fn(c_int, *mut libc::siginfo_t, *mut c_void) =
+            unsafe { std::mem::transmute(handler) };
+        f(signal, info, context);
+    } else {
+        // SAFETY: a plain handler takes the signal number.
+        let f: extern "C" fn(c_int) = unsafe { std::mem::transmute(handler) };
+        f(signal);
+    }
 }

@@ -1,4 +1,12 @@
 //! Modules from the emulated NVRTC, and kernel launches on the streams' workers.
+//!
+//! Launches of different streams run at the same time, as on a GPU: each runs on its stream's
+//! worker, with its own state and its own crew of threads in the execution model
+//! (cuda-harness/include/tandem_host.h). Launches of one stream stay in order (one worker).
+//! Two launches of the same kernel (by name) never overlap: its `__shared__` variables are
+//! `static` in the host build, one copy per kernel, so a launch of kernel K waits for the
+//! running launch of K on another stream ([`Function::running`]). A kernel that spins until
+//! another stream's kernel or the host writes a flag therefore finishes instead of deadlocking.
 
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void, CStr};
@@ -25,7 +33,7 @@ const MAX_PARAMS: usize = 256;
 
 /// `tandem_host_launch_config` in cuda-harness/include/tandem_host.h.
 #[repr(C)]
-struct HostLaunchConfig {
+pub(crate) struct HostLaunchConfig {
     grid: [u32; 3],
     block: [u32; 3],
     shared_mem_bytes: u32,
@@ -35,6 +43,52 @@ struct HostLaunchConfig {
 type HostEntry =
     unsafe extern "C" fn(*const HostLaunchConfig, *mut *mut c_void, *mut c_char, usize) -> c_int;
 type ParamSizes = unsafe extern "C" fn(*mut u64, c_int) -> c_int;
+/// `tandem_emu_set_worker_hook` (tandem_emu.h): sets the execution model's worker hook.
+type SetWorkerHook = unsafe extern "C" fn(Option<unsafe extern "C" fn(*const HostLaunchConfig)>);
+
+/// What a fault report says about a running launch: the config handed to the kernel's host entry
+/// is the first field, so the execution model's worker hook, which receives the config, finds
+/// the rest.
+#[repr(C)]
+pub(crate) struct RunningLaunch {
+    config: HostLaunchConfig,
+    kernel: String,
+    stream: u64,
+}
+
+impl RunningLaunch {
+    /// "kernel k (grid [..], block [..]) on stream 3".
+    pub(crate) fn describe(&self) -> String {
+        format!(
+            "kernel {} (grid {:?}, block {:?}) on stream {}",
+            self.kernel, self.config.grid, self.config.block, self.stream
+        )
+    }
+}
+
+thread_local! {
+    /// The launch the calling thread (a worker of the execution model) runs, or null.
+    static RUNNING: std::cell::Cell<*const RunningLaunch> =
+        const { std::cell::Cell::new(std::ptr::null()) };
+}
+
+/// The execution model's worker hook: every worker of a launch calls it with the launch's
+/// config when it starts its share, and with null when done.
+unsafe extern "C" fn worker_hook(config: *const HostLaunchConfig) {
+    // The config is the first field of a RunningLaunch (see cuLaunchKernel), which outlives
+    // every worker of the launch.
+    RUNNING.with(|r| r.set(config.cast()));
+}
+
+/// The launch the calling thread runs, if it is a worker of one (for the SIGSEGV report; the
+/// thread-local was set before the kernel ran, so reading it in a signal handler allocates
+/// nothing).
+pub(crate) fn running_on_this_thread() -> Option<&'static RunningLaunch> {
+    let p = RUNNING.with(|r| r.get());
+    // SAFETY: set by worker_hook to a RunningLaunch that lives until every worker of its launch
+    // called the hook with null; this thread has not yet (it is the one asking).
+    unsafe { p.as_ref() }
+}
 
 /// A loaded module: the host library of the kernels.
 pub struct Module {
@@ -47,6 +101,20 @@ pub struct Function {
     entry: HostEntry,
     params: Vec<usize>,
     max_dynamic_shared: AtomicI32,
+    /// Held while a launch of this kernel runs: shared by every function of the same name (its
+    /// `__shared__` variables are one static copy, see the module docs).
+    running: Arc<Mutex<()>>,
+}
+
+/// One lock per kernel name (see [`Function::running`]).
+fn kernel_lock(name: &str) -> Arc<Mutex<()>> {
+    static LOCKS: OnceLock<Mutex<HashMap<String, Arc<Mutex<()>>>>> = OnceLock::new();
+    LOCKS
+        .get_or_init(Default::default)
+        .lock()
+        .entry(name.to_string())
+        .or_default()
+        .clone()
 }
 
 fn modules() -> &'static Mutex<HashMap<usize, Arc<Module>>> {
@@ -152,6 +220,20 @@ pub unsafe extern "C" fn cuModuleLoadData(
             ));
             E::CUDA_ERROR_INVALID_IMAGE
         })?;
+        // SAFETY: tandem_emu.h defines the symbol with this type; the hook is a plain function.
+        match unsafe { library.get::<SetWorkerHook>(b"tandem_emu_set_worker_hook") } {
+            // SAFETY: as above.
+            Ok(set) => unsafe { set(Some(worker_hook)) },
+            Err(_) => {
+                say(
+                    "cuModuleLoadData: the module was compiled against an older tandem_host.h \
+                     (it has no tandem_emu_set_worker_hook), most likely a stale entry of \
+                     tandem's kernel cache: point TANDEM_KERNEL_CACHE at an empty folder (the \
+                     cache's key does not cover the emulation's headers)",
+                );
+                return Err(E::CUDA_ERROR_INVALID_IMAGE);
+            }
+        }
         // Kept for the life of the process: launches in flight use its code.
         let module = Arc::new(Module {
             library: Box::leak(Box::new(library)),
@@ -227,6 +309,7 @@ pub unsafe extern "C" fn cuModuleGetFunction(
         }
         sizes.truncate(count as usize);
         let function = Arc::new(Function {
+            running: kernel_lock(&name),
             name,
             entry: entry_fn,
             params: sizes.into_iter().map(|s| s as usize).collect(),
@@ -312,10 +395,6 @@ struct Arguments {
 // SAFETY: plain bytes.
 unsafe impl Send for Arguments {}
 
-/// Launches run one at a time: the execution model keeps a launch's state in statics that
-/// every loaded module shares.
-static LAUNCH: Mutex<()> = Mutex::new(());
-
 #[no_mangle]
 pub unsafe extern "C" fn cuLaunchKernel(
     f: sys::CUfunction,
@@ -399,14 +478,20 @@ pub unsafe extern "C" fn cuLaunchKernel(
                 std::ptr::copy_nonoverlapping(src.cast::<u8>(), base.add(args.offsets[i]), size);
             }
         }
-        let config = HostLaunchConfig {
-            grid,
-            block,
-            shared_mem_bytes: shared_bytes,
-            barrier_timeout_ms: BARRIER_TIMEOUT_MS,
+        let running = RunningLaunch {
+            config: HostLaunchConfig {
+                grid,
+                block,
+                shared_mem_bytes: shared_bytes,
+                barrier_timeout_ms: BARRIER_TIMEOUT_MS,
+            },
+            kernel: f.name.clone(),
+            stream: stream.id,
         };
         let stream_id = stream.id;
         stream.enqueue(Box::new(move || {
+            let running = running;
+            let config = &running.config;
             let mut args = args;
             let base = args.storage.as_mut_ptr().cast::<u8>();
             let mut pointers: Vec<*mut c_void> = args
@@ -416,12 +501,14 @@ pub unsafe extern "C" fn cuLaunchKernel(
                 .map(|&o| unsafe { base.add(o) }.cast())
                 .collect();
             let mut message = vec![0u8; 1024];
-            let _one_at_a_time = LAUNCH.lock();
+            // Other kernels run beside this one; another launch of this kernel does not.
+            let _kernel_alone = f.running.lock();
             // SAFETY: the entry reads the config and one value per parameter; the kernel's
-            // memory accesses are to device memory the caller passed (host memory here).
+            // memory accesses are to device memory the caller passed (host memory here). The
+            // config is the first field of `running` (the worker hook relies on it).
             let status = unsafe {
                 (f.entry)(
-                    &config,
+                    config,
                     pointers.as_mut_ptr(),
                     message.as_mut_ptr().cast(),
                     message.len(),

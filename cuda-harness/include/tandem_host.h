@@ -5,13 +5,26 @@
 // indexing, bounds, barriers and reduction logic:
 //
 // - A launch runs its blocks one at a time, in order (x fastest). The threads of a block are
-//   OS threads (one per CUDA thread, from a pool reused across launches) that really run
-//   concurrently and meet at barriers: `__syncthreads()` for the block, `__syncwarp()` and the
-//   warp intrinsics for each warp of 32 consecutive threads.
-// - `threadIdx`, `blockIdx` (per thread), `blockDim`, `gridDim` and `warpSize` are variables of
-//   the same names; kernels read them as on the device.
-// - `__shared__` variables become `static`: one copy per kernel, shared by the block's threads.
-//   That is correct because blocks run one at a time and the harness serialises launches.
+//   OS threads (one per CUDA thread, from a crew of workers reused across launches) that really
+//   run concurrently and meet at barriers: `__syncthreads()` for the block, `__syncwarp()` and
+//   the warp intrinsics for each warp of 32 consecutive threads.
+// - Several launches may run at the same time, each called from its own host thread (the
+//   emulated driver runs one launch per stream at a time, on the stream's worker, so kernels of
+//   different streams overlap as on a GPU). A launch's state (barriers, warps, dynamic shared
+//   memory, its first fault, `blockDim`, `gridDim`) is its own, on the launching thread's stack,
+//   reached by its workers through thread-locals; each running launch has its own crew of
+//   workers (`WorkerCrews`). A kernel that spins until another launch or the host writes a flag
+//   therefore finishes, as on a GPU.
+// - `threadIdx`, `blockIdx`, `blockDim`, `gridDim` (all per thread) and `warpSize` are
+//   variables of the same names; kernels read them as on the device.
+// - `__shared__` variables become `static`: one copy per function that declares them (per
+//   template instance), shared by the block's threads. That is correct because the blocks of a
+//   launch run one at a time and two launches of the same kernel never overlap: the harness
+//   runs one launch at a time, the emulated driver one launch of each kernel (by name) at a time
+//   (a launch of kernel K waits for the running launch of K on another stream). Launches of
+//   different kernels do overlap; their `__shared__` variables are distinct as long as no
+//   `__device__` function declaring `__shared__` storage is called by two kernels (tandem's
+//   kernels declare it in the kernel or in an `_impl` template used by one kernel).
 //   Dynamic shared memory (`TANDEM_DYNAMIC_SHARED`) is a per-launch buffer of the launch's size,
 //   filled with 0xA5 before every block so that reading it before writing shows.
 // - Warp shuffles (`__shfl_sync`, `__shfl_up_sync`, `__shfl_down_sync`, `__shfl_xor_sync`) and
@@ -22,14 +35,19 @@
 //   the compiler's atomic builtins; float and double addition are compare-and-swap loops.
 // - Bit casts, the `_rn` arithmetic intrinsics (the host build uses -ffp-contract=off, so no
 //   product is fused on the host either) and the usual math functions are provided.
+// - `clock64()` and `clock()` count cycles of a 2 GHz clock (the host's monotonic clock; see
+//   "Clocks" at the end).
 //
 // What the emulation detects, as an error of the launch (never a hang or a crash of the test
 // process): a thread that returns while others wait at a barrier, or a barrier reached after a
 // thread returned (every thread must reach every barrier; one of the two shows whichever
 // order the threads run in), a warp intrinsic with a partial mask or a returned lane, a shuffle from
 // a lane outside the warp, threads stuck at different barriers (after a timeout), an invalid
-// launch configuration. Out-of-bounds accesses are not caught by the emulation itself; the
-// tests poison their buffers so that unwritten elements show.
+// launch configuration, a `__shared__` variable used by two launches running at once.
+// Out-of-bounds accesses are not caught by the emulation itself; the harness's tests poison
+// their buffers so that unwritten elements show, and the emulated driver places every
+// allocation's end against an inaccessible page and reports a kernel reading or writing there
+// (cuda-emu/src/memory.rs).
 //
 // What it cannot check: memory ordering and races between threads that the GPU would expose
 // differently, timing, and anything of cuBLAS, cuDNN or NCCL. Not emulated (the host compile
@@ -76,7 +94,14 @@
 #define __noinline__ __attribute__((noinline))
 #define __launch_bounds__(...)
 #define __align__(n) __attribute__((aligned(n)))
-#define __shared__ static
+// `__shared__` storage is `static`, preceded by a claim that records which launch uses it (see
+// "Shared memory claims" below). Inside functions only (as everywhere in tandem's kernels).
+#define TANDEM_HOST_SHARED_(n)                                                                 \
+    static ::tandem_host::SharedOwner tandem_host_shared_owner_##n;                            \
+    ::tandem_host::claim_shared(tandem_host_shared_owner_##n, __FILE__, __LINE__);             \
+    static
+#define TANDEM_HOST_SHARED(n) TANDEM_HOST_SHARED_(n)
+#define __shared__ TANDEM_HOST_SHARED(__COUNTER__)
 
 // ---------------------------------------------------------------------------------------------
 // Thread and block indices.
@@ -89,8 +114,9 @@ typedef uint3 dim3;
 
 inline thread_local uint3 threadIdx;
 inline thread_local uint3 blockIdx;
-inline uint3 blockDim;
-inline uint3 gridDim;
+// Per thread too: launches of different streams run at the same time, each on its own workers.
+inline thread_local uint3 blockDim;
+inline thread_local uint3 gridDim;
 constexpr int warpSize = 32;
 
 // The launch configuration the harness passes (`HostLaunchConfig` in cuda-harness/src/lib.rs).
@@ -103,17 +129,23 @@ struct tandem_host_launch_config {
 
 namespace tandem_host {
 
-// The first fault of the current launch; once set, every barrier lets its threads through so
-// that the launch ends quickly.
+// The first fault of a launch, and how long its barriers wait; once a fault is set, every
+// barrier lets its threads through so that the launch ends quickly. One per launch (a member of
+// its LaunchState), reached by its workers through `this_fault`.
 struct FaultState {
     std::mutex mutex;
     std::string message;
     std::atomic<bool> broken{false};
+    unsigned int barrier_timeout_ms = 20000;
 };
 
+// The fault state of the launch the calling worker runs.
+inline thread_local FaultState* this_fault = nullptr;
+
 inline FaultState& fault_state() {
-    static FaultState state;
-    return state;
+    // Only workers of a launch fault; the fallback keeps a stray call from crashing.
+    static FaultState outside_launches;
+    return this_fault != nullptr ? *this_fault : outside_launches;
 }
 
 inline bool broken() { return fault_state().broken.load(std::memory_order_acquire); }
@@ -135,10 +167,7 @@ __attribute__((format(printf, 1, 2))) inline void fault(const char* format, ...)
     state.broken.store(true, std::memory_order_release);
 }
 
-inline unsigned int& barrier_timeout_ms() {
-    static unsigned int ms = 20000;
-    return ms;
-}
+inline unsigned int barrier_timeout_ms() { return fault_state().barrier_timeout_ms; }
 
 // Sleeps while `*word == expected`, for at most `timeout_ms` (a Linux futex: no mutex to
 // reacquire on wake-up, so releasing hundreds of threads does not convoy them).
@@ -260,19 +289,61 @@ struct Warp {
     unsigned long long slots[2][32];
 };
 
-// The state of the launch in progress (launches are serialised by the harness).
+// The state of one launch, on the stack of the thread that called `launch`; its workers reach it
+// through `this_launch`. Several launches (of different streams) may be in progress at once.
 struct LaunchState {
+    const tandem_host_launch_config* config = nullptr;
+    uint3 grid_dim{}, block_dim{};
+    FaultState fault;
     unsigned int threads = 0;
     Barrier block_barrier;  // __syncthreads
     Barrier block_end;      // all threads done with a block
     std::vector<std::unique_ptr<Warp>> warps;
     std::vector<unsigned char> dynamic_shared;
     unsigned int dynamic_shared_bytes = 0;
+    // The `__shared__` variables this launch claimed, released when it ends.
+    std::mutex claims_mutex;
+    std::vector<std::atomic<LaunchState*>*> claims;
 };
 
-inline LaunchState*& current_launch() {
-    static LaunchState* launch = nullptr;
-    return launch;
+// The launch the calling worker runs (set at the start of its share of the launch).
+inline thread_local LaunchState* this_launch = nullptr;
+
+inline LaunchState* current_launch() { return this_launch; }
+
+// ---------------------------------------------------------------------------------------------
+// Shared memory claims.
+//
+// A `__shared__` variable is one static copy per declaring function (per template instance),
+// correct only while one launch uses it at a time. The launchers keep two launches of one kernel
+// apart; a `__device__` function declaring `__shared__` storage called by two kernels running at
+// once would still share it. Each thread passing the declaration claims the variable for its
+// launch (an atomic load when it already holds it); a variable held by another running launch is
+// a fault of the launch ("used by two launches at once") instead of a silent race.
+// ---------------------------------------------------------------------------------------------
+
+struct SharedOwner {
+    std::atomic<LaunchState*> launch{nullptr};
+};
+
+inline void claim_shared(SharedOwner& owner, const char* file, int line) {
+    LaunchState* me = this_launch;
+    LaunchState* holder = owner.launch.load(std::memory_order_acquire);
+    if (holder == me || me == nullptr) {
+        return;
+    }
+    if (holder == nullptr &&
+        owner.launch.compare_exchange_strong(holder, me, std::memory_order_acq_rel)) {
+        std::lock_guard<std::mutex> lock(me->claims_mutex);
+        me->claims.push_back(&owner.launch);
+        return;
+    }
+    if (holder != me) {
+        fault("the __shared__ variable declared at %s:%d is used by another launch running at "
+              "the same time (static storage on the host: a __device__ function declaring "
+              "__shared__ storage must not be called by kernels that run concurrently)",
+              file, line);
+    }
 }
 
 inline thread_local unsigned int this_lane;
@@ -354,6 +425,7 @@ struct Kernel {
 // The kernel, its arguments and the per-thread body of one launch, as the workers see it.
 struct LaunchJob {
     void (*body)(const LaunchJob&, unsigned int);
+    LaunchState* launch;
     void* kernel;
     const void* arguments;
 };
@@ -370,15 +442,15 @@ inline unsigned int worker_delay_us() {
     return delay;
 }
 
-// Worker threads kept for the life of the process and reused by every launch: creating one OS
-// thread per CUDA thread per launch would dominate the run time of the tests. Workers sleep on
-// a futex until the next launch.
+// A crew of worker threads kept for the life of the process and reused by launch after launch:
+// creating one OS thread per CUDA thread per launch would dominate the run time of the tests.
+// Workers sleep on a futex until the crew's next launch. A crew runs one launch at a time;
+// launches that run at the same time (different streams) take different crews (WorkerCrews).
 class WorkerPool {
 public:
     // Runs job(context, t) for every t in [0, threads) on `threads` distinct workers and waits
     // for all of them. Returns false, running nothing, if the system refuses enough threads.
-    // Called by one launching thread at a time (the Rust side serialises launches). Every
-    // kernel library of a process shares one pool: `worker_pool`'s static is a unique symbol.
+    // Called by one launching thread at a time (the thread that took the crew from WorkerCrews).
     bool run(unsigned int threads, void (*job)(void*, unsigned int), void* context) {
         while (workers_ < threads) {
             if (!spawn(workers_)) {
@@ -408,6 +480,9 @@ public:
             futex_wait(&finished_, done, 1000);
         }
     }
+
+    // Workers started so far (read by WorkerCrews while the crew is idle).
+    unsigned int size() const { return workers_; }
 
 private:
     struct Start {
@@ -477,10 +552,59 @@ private:
     std::atomic<void*> context_{nullptr};
 };
 
-// Never destroyed: its workers sleep on its futexes until the process exits.
-inline WorkerPool& worker_pool() {
-    static WorkerPool* pool = new WorkerPool();
-    return *pool;
+// The crews of the process. A launch takes an idle crew (the smallest one with enough workers,
+// else the largest, which grows), runs on it and gives it back, so launches of different streams
+// run at the same time on different threads, while the number of threads stays that of the
+// widest launches that ever ran together. Every kernel library of a process shares one set:
+// `worker_crews`'s static is a unique symbol.
+class WorkerCrews {
+public:
+    bool run(unsigned int threads, void (*job)(void*, unsigned int), void* context) {
+        WorkerPool* crew = take(threads);
+        bool ran = crew->run(threads, job, context);
+        std::lock_guard<std::mutex> lock(mutex_);
+        idle_.push_back(crew);
+        return ran;
+    }
+
+private:
+    WorkerPool* take(unsigned int threads) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (idle_.empty()) {
+            // Never destroyed: its workers sleep on its futexes until the process exits.
+            return new WorkerPool();
+        }
+        std::size_t best = 0;
+        for (std::size_t i = 1; i < idle_.size(); ++i) {
+            unsigned int have = idle_[i]->size(), best_have = idle_[best]->size();
+            bool fits = have >= threads, best_fits = best_have >= threads;
+            bool better = fits ? (!best_fits || have < best_have) : (!best_fits && have > best_have);
+            if (better) {
+                best = i;
+            }
+        }
+        WorkerPool* crew = idle_[best];
+        idle_.erase(idle_.begin() + (std::ptrdiff_t)best);
+        return crew;
+    }
+
+    std::mutex mutex_;
+    std::vector<WorkerPool*> idle_;
+};
+
+inline WorkerCrews& worker_crews() {
+    static WorkerCrews* crews = new WorkerCrews();
+    return *crews;
+}
+
+// Called by every worker of a launch with the launch's configuration when it starts its share,
+// and with nullptr when it is done: the emulated driver (cuda-emu) sets it to know, in its
+// SIGSEGV handler, which kernel a faulting thread was running. Unset in the harness.
+typedef void (*WorkerHook)(const tandem_host_launch_config*);
+
+inline std::atomic<WorkerHook>& worker_hook() {
+    static std::atomic<WorkerHook> hook{nullptr};
+    return hook;
 }
 
 // Run by the last thread to finish a block, while the others wait: barriers and warps start
@@ -498,7 +622,11 @@ inline void reset_block(void* raw) {
 template <typename... Params>
 void thread_body(const LaunchJob& job, unsigned int linear) {
     typedef Kernel<Params...> K;
-    LaunchState* launch = current_launch();
+    LaunchState* launch = job.launch;
+    this_launch = launch;
+    this_fault = &launch->fault;
+    blockDim = launch->block_dim;
+    gridDim = launch->grid_dim;
     threadIdx.x = linear % blockDim.x;
     threadIdx.y = (linear / blockDim.x) % blockDim.y;
     threadIdx.z = linear / (blockDim.x * blockDim.y);
@@ -531,20 +659,22 @@ void thread_body(const LaunchJob& job, unsigned int linear) {
 
 inline void run_job(void* context, unsigned int linear) {
     const LaunchJob& job = *static_cast<const LaunchJob*>(context);
+    WorkerHook hook = worker_hook().load(std::memory_order_acquire);
+    if (hook != nullptr) {
+        hook(job.launch->config);
+    }
     job.body(job, linear);
+    this_launch = nullptr;
+    this_fault = nullptr;
+    if (hook != nullptr) {
+        hook(nullptr);
+    }
 }
 
 template <typename... Params>
 int launch(void (*kernel)(Params...), const tandem_host_launch_config* config, void** args,
            char* error, std::size_t error_len) {
     typedef Kernel<Params...> K;
-    FaultState& state = fault_state();
-    {
-        std::lock_guard<std::mutex> lock(state.mutex);
-        state.message.clear();
-        state.broken.store(false);
-    }
-    barrier_timeout_ms() = config->barrier_timeout_ms;
     unsigned long long threads = 1;
     for (int d = 0; d < 3; ++d) {
         threads *= config->block[d];
@@ -557,10 +687,12 @@ int launch(void (*kernel)(Params...), const tandem_host_launch_config* config, v
         snprintf(error, error_len, "invalid launch: %llu threads per block (at most 1024)", threads);
         return 1;
     }
-    blockDim = uint3{config->block[0], config->block[1], config->block[2]};
-    gridDim = uint3{config->grid[0], config->grid[1], config->grid[2]};
-
     LaunchState launch_state;
+    launch_state.config = config;
+    launch_state.block_dim = uint3{config->block[0], config->block[1], config->block[2]};
+    launch_state.grid_dim = uint3{config->grid[0], config->grid[1], config->grid[2]};
+    launch_state.fault.barrier_timeout_ms = config->barrier_timeout_ms;
+    FaultState& state = launch_state.fault;
     launch_state.threads = (unsigned int)threads;
     launch_state.block_barrier.reset(launch_state.threads, "__syncthreads()");
     launch_state.block_end.reset(launch_state.threads);
@@ -572,12 +704,14 @@ int launch(void (*kernel)(Params...), const tandem_host_launch_config* config, v
     }
     launch_state.dynamic_shared_bytes = config->shared_mem_bytes;
     launch_state.dynamic_shared.assign(config->shared_mem_bytes + 16, 0xa5);
-    current_launch() = &launch_state;
 
     typename K::Arguments arguments = K::unpack(args, std::index_sequence_for<Params...>{});
-    LaunchJob job{&thread_body<Params...>, reinterpret_cast<void*>(kernel), &arguments};
-    bool ran = worker_pool().run((unsigned int)threads, &run_job, &job);
-    current_launch() = nullptr;
+    LaunchJob job{&thread_body<Params...>, &launch_state, reinterpret_cast<void*>(kernel),
+                  &arguments};
+    bool ran = worker_crews().run((unsigned int)threads, &run_job, &job);
+    for (std::atomic<LaunchState*>* claim : launch_state.claims) {
+        claim->store(nullptr, std::memory_order_release);
+    }
     if (!ran) {
         snprintf(error, error_len, "could not start %llu threads for the block", threads);
         return 1;
@@ -854,5 +988,32 @@ TANDEM_HOST_MIN_MAX(unsigned long long)
 TANDEM_HOST_MIN_MAX(float)
 TANDEM_HOST_MIN_MAX(double)
 #undef TANDEM_HOST_MIN_MAX
+
+// ---------------------------------------------------------------------------------------------
+// Clocks.
+// ---------------------------------------------------------------------------------------------
+
+namespace tandem_host {
+// The emulated SM clock: 2 GHz, about an H100's boost clock, so cycle counts written for a GPU
+// ("spin for 60e9 cycles, about 30 s") mean about the same time here.
+constexpr long long clock_rate_hz = 2000000000LL;
+
+// Cycles of the emulated clock: the host's monotonic clock (CLOCK_MONOTONIC) in nanoseconds,
+// times 2. Monotonic and shared by every thread (a GPU's counter is per SM; kernels only take
+// differences on one thread, which this keeps).
+inline long long device_clock64() {
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return ((long long)now.tv_sec * 1000000000LL + now.tv_nsec) * (clock_rate_hz / 1000000000LL);
+}
+}  // namespace tandem_host
+
+// `clock64()`: the 64-bit cycle counter (never wraps in practice).
+inline long long clock64() { return ::tandem_host::device_clock64(); }
+
+// `clock()`: the low 32 bits of the same counter, as the device's 32-bit `%clock` (it wraps
+// every 2.1 s at 2 GHz; use clock64 for longer spans). A macro, because the C library's
+// `clock()` (host CPU time) is already declared with the same signature; kernel code sees this one.
+#define clock() ((clock_t)(unsigned int)::tandem_host::device_clock64())
 
 #endif  // TANDEM_HOST_H

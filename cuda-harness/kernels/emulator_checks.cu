@@ -152,3 +152,67 @@ extern "C" __global__ void broken_partial_mask(int* out) {
     out[threadIdx.x] = __shfl_sync(0x0000ffffu, (int)threadIdx.x, 0);
 }
 TANDEM_HOST_EXPORT(broken_partial_mask)
+
+// One thread spins for `cycles` of clock64(): out[0] = the start, out[1] = the end, out[2] =
+// clock() at the start.
+extern "C" __global__ void clock_spin(long long cycles, long long* out) {
+    long long start = clock64();
+    long long start32 = (long long)clock();
+    long long now = start;
+    while (now - start < cycles) {
+        now = clock64();
+    }
+    out[0] = start;
+    out[1] = now;
+    out[2] = start32;
+}
+TANDEM_HOST_EXPORT(clock_spin)
+
+// Spins until *flag is non-zero or `cycles` of clock64() have passed; out[0] = the flag seen
+// last (0: it gave up).
+extern "C" __global__ void wait_for_flag(const volatile int* flag, long long cycles, int* out) {
+    long long start = clock64();
+    int seen = *flag;
+    while (seen == 0 && clock64() - start < cycles) {
+        seen = *flag;
+    }
+    out[0] = seen;
+}
+TANDEM_HOST_EXPORT(wait_for_flag)
+
+// *flag = 1 (one thread of a block of 64).
+extern "C" __global__ void raise_flag(int* flag) {
+    if (threadIdx.x == 0) {
+        atomicExch(flag, 1);
+    }
+}
+TANDEM_HOST_EXPORT(raise_flag)
+
+// Broken on purpose when two kernels calling it run at once: `__shared__` storage in a
+// `__device__` function is one static copy on the host. Raises *started once it holds the
+// storage, then spins until *release is non-zero (or `cycles` of clock64() pass).
+__device__ void shared_scratch_user(int* started, const volatile int* release, long long cycles,
+                                    int* out) {
+    __shared__ int scratch[32];
+    scratch[threadIdx.x % 32] = (int)threadIdx.x;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        atomicExch(started, 1);
+        long long start = clock64();
+        while (*release == 0 && clock64() - start < cycles) {
+        }
+        out[0] = scratch[1];
+    }
+}
+
+extern "C" __global__ void shared_scratch_first(int* started, const volatile int* release,
+                                                long long cycles, int* out) {
+    shared_scratch_user(started, release, cycles, out);
+}
+TANDEM_HOST_EXPORT(shared_scratch_first)
+
+extern "C" __global__ void shared_scratch_second(int* started, const volatile int* release,
+                                                 long long cycles, int* out) {
+    shared_scratch_user(started, release, cycles, out);
+}
+TANDEM_HOST_EXPORT(shared_scratch_second)

@@ -229,8 +229,9 @@ fn kernel_params(
 }
 
 /// Runs `launch` on the CPU: its kernel, from the host library of its source file, over its
-/// grid, with its arguments. Launches are serialised (the emulation keeps shared memory and the
-/// launch's state in statics).
+/// grid, with its arguments. Launches of different kernels from different threads run at the
+/// same time (each has its own state and threads in the emulation); two launches of the same
+/// kernel do not (its `__shared__` variables are one static copy): the second waits.
 ///
 /// Before running, checks the plan's arguments against the kernel's parameters
 /// ([`check_declarations`]: count, `In`/`Out` against `const`, value sizes).
@@ -251,7 +252,6 @@ pub unsafe fn run(launch: &Launch) -> Result<()> {
 /// # Safety
 /// As for [`run`].
 pub unsafe fn run_with_timeout(launch: &Launch, barrier_timeout: Duration) -> Result<()> {
-    static SERIAL: Mutex<()> = Mutex::new(());
     let context = || {
         format!(
             "host harness: {}.cu kernel {}",
@@ -282,7 +282,8 @@ pub unsafe fn run_with_timeout(launch: &Launch, barrier_timeout: Duration) -> Re
     };
     let mut params = launch.params();
     let mut message = vec![0u8; 1024];
-    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let running = kernel_lock(launch.source.name, &launch.kernel);
+    let _kernel_alone = running.lock().unwrap_or_else(|p| p.into_inner());
     // SAFETY: the entry reads the config, one value per parameter through `params` (which
     // borrow `launch`), and writes at most `message.len()` bytes; the kernel's own accesses are
     // the caller's promise.
@@ -308,6 +309,20 @@ pub unsafe fn run_with_timeout(launch: &Launch, barrier_timeout: Duration) -> Re
 }
 
 /// The host library built from the kernel file named `name`, opened once.
+/// The lock held while a kernel (of a source file, by name) runs: its `__shared__` variables are
+/// static in the host build, one copy per kernel, so two launches of it must not overlap.
+fn kernel_lock(source: &'static str, kernel: &str) -> std::sync::Arc<Mutex<()>> {
+    type Locks = Mutex<HashMap<(&'static str, String), std::sync::Arc<Mutex<()>>>>;
+    static LOCKS: OnceLock<Locks> = OnceLock::new();
+    LOCKS
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .entry((source, kernel.to_string()))
+        .or_default()
+        .clone()
+}
+
 fn host_library(name: &str) -> std::result::Result<&'static libloading::Library, String> {
     static OPEN: OnceLock<Mutex<HashMap<&'static str, &'static libloading::Library>>> =
         OnceLock::new();

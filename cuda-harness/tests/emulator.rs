@@ -389,3 +389,135 @@ fn values_pointers_counts_and_sizes_must_match_the_parameters() {
         "{err}"
     );
 }
+
+#[test]
+fn clock64_counts_cycles_of_a_2_ghz_clock() {
+    // 2 ms of the emulated clock.
+    const CYCLES: i64 = 4_000_000;
+    let mut out = vec![-1i64; 3];
+    let l = launch(
+        "clock_spin",
+        [1, 1, 1],
+        [1, 1, 1],
+        0,
+        vec![KernelArg::I64(CYCLES), output(&mut out)],
+    );
+    let started = Instant::now();
+    // SAFETY: three outputs.
+    unsafe { run(&l) }.unwrap();
+    let wall = started.elapsed();
+    let counted = out[1] - out[0];
+    assert!(out[0] > 0 && counted >= CYCLES, "{out:?}");
+    // The cycles counted fit in the time the launch took, at 2 GHz: the unit is a 2 GHz cycle
+    // (not a nanosecond, which would take twice as long).
+    assert!(
+        counted as f64 / 2e9 <= wall.as_secs_f64(),
+        "{counted} cycles in {wall:?}"
+    );
+    assert!(wall >= Duration::from_millis(2), "{wall:?}");
+    // clock() is the low 32 bits of the counter.
+    assert!((0..1i64 << 32).contains(&out[2]), "{out:?}");
+}
+
+#[test]
+fn launches_of_different_kernels_from_two_threads_run_at_the_same_time() {
+    // One launch spins (for at most ~5 s) until the other, from another thread, raises its flag.
+    let mut flag = vec![0i32; 1];
+    let mut seen = vec![-1i32; 1];
+    let flag_ptr = flag.as_mut_ptr() as u64;
+    let waiter = launch(
+        "wait_for_flag",
+        [1, 1, 1],
+        [1, 1, 1],
+        0,
+        vec![
+            KernelArg::In(flag_ptr),
+            KernelArg::I64(10_000_000_000),
+            output(&mut seen),
+        ],
+    );
+    let raiser = launch(
+        "raise_flag",
+        [1, 1, 1],
+        [64, 1, 1],
+        0,
+        vec![KernelArg::Out(flag_ptr)],
+    );
+    std::thread::scope(|scope| {
+        let waiting = scope.spawn(|| {
+            // SAFETY: the flag and the output outlive the scope.
+            unsafe { run(&waiter) }.unwrap()
+        });
+        // Give the waiter a head start, so that it is spinning when the flag is raised (if it is
+        // not, the test passes without proving anything, never fails wrongly).
+        std::thread::sleep(Duration::from_millis(50));
+        // SAFETY: as above.
+        unsafe { run(&raiser) }.unwrap();
+        waiting.join().unwrap();
+    });
+    assert_eq!(
+        seen[0], 1,
+        "the spinning launch gave up: the other thread's launch did not run beside it"
+    );
+    assert_eq!(flag[0], 1);
+}
+
+#[test]
+fn shared_storage_of_a_device_function_used_by_two_running_launches_is_reported() {
+    // Two kernels calling one `__device__` function that declares `__shared__` storage (one
+    // static copy on the host): the second, started while the first holds the storage, fails
+    // naming the declaration instead of racing with the first.
+    let mut started = vec![0i32; 2];
+    let mut release = vec![0i32; 2];
+    let mut out = vec![-1i32; 2];
+    let (started_ptr, release_ptr, out_ptr) = (
+        started.as_mut_ptr() as u64,
+        release.as_mut_ptr() as u64,
+        out.as_mut_ptr() as u64,
+    );
+    let user = |kernel: &str, i: u64| {
+        launch(
+            kernel,
+            [1, 1, 1],
+            [32, 1, 1],
+            0,
+            vec![
+                KernelArg::Out(started_ptr + 4 * i),
+                KernelArg::In(release_ptr + 4 * i),
+                KernelArg::I64(10_000_000_000),
+                KernelArg::Out(out_ptr + 4 * i),
+            ],
+        )
+    };
+    let (first, second) = (
+        user("shared_scratch_first", 0),
+        user("shared_scratch_second", 1),
+    );
+    // The second launch is not held up.
+    release[1] = 1;
+    let second_result = std::thread::scope(|scope| {
+        let running = scope.spawn(|| {
+            // SAFETY: the flags and outputs outlive the scope.
+            unsafe { run(&first) }
+        });
+        // Wait (at most ~5 s) until the first holds the storage.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        // SAFETY: the kernel writes the flag atomically; read it as the atomic it is.
+        let flag = unsafe { &*(started_ptr as *const std::sync::atomic::AtomicI32) };
+        while flag.load(std::sync::atomic::Ordering::Acquire) == 0 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        // SAFETY: as above.
+        let second_result = unsafe { run(&second) };
+        // SAFETY: the first kernel polls this flag through a volatile read.
+        unsafe { (release_ptr as *mut i32).write_volatile(1) };
+        running.join().unwrap().unwrap();
+        second_result
+    });
+    let err = second_result.unwrap_err().to_string();
+    assert!(
+        err.contains("__shared__ variable declared at") && err.contains("another launch"),
+        "{err}"
+    );
+    assert_eq!(out[0], 1, "the first launch's scratch was overwritten");
+}

@@ -6,7 +6,8 @@
 // parameters, `tandem_emu_params_<name>`: the emulated `cuLaunchKernel` copies the arguments at
 // the launch, as the driver does, and needs their sizes for that. It keeps tandem_host.h's
 // parameter-kind table (`tandem_param_kinds_<name>`, TANDEM_HOST_EXPORT_PARAM_KINDS), so a
-// module built here describes its kernels as the harness's libraries do.
+// module built here describes its kernels as the harness's libraries do. It also defines
+// `tandem_emu_set_worker_hook` (see below).
 
 #ifndef TANDEM_EMU_H
 #define TANDEM_EMU_H
@@ -29,6 +30,14 @@ int param_sizes(void (*)(Params...), unsigned long long* sizes, int capacity) {
 }
 
 }  // namespace tandem_emu
+
+// Sets the execution model's worker hook (tandem_host.h's `worker_hook`): the emulated driver
+// calls it once per module it loads, so that its SIGSEGV handler knows which kernel a faulting
+// worker was running. Defined here, once per module (the generated wrapper includes this header
+// once).
+extern "C" void tandem_emu_set_worker_hook(::tandem_host::WorkerHook hook) {
+    ::tandem_host::worker_hook().store(hook, std::memory_order_release);
+}
 
 #undef TANDEM_HOST_EXPORT
 #define TANDEM_HOST_EXPORT(name)                                                               \

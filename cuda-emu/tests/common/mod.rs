@@ -6,7 +6,11 @@
 //! into a fresh folder under the names tandem's search looks for (`libcuda.so`, `libnvrtc.so`
 //! and NVRTC's builtins companion `libnvrtc-builtins.so.13.99`), and puts that folder first in
 //! `TANDEM_CUDA_LIBS`, before any CUDA call. Everything is found at run time, relative to the
-//! test binary, so a copied test bundle works on another machine too.
+//! test binary, so a copied test bundle works on another machine too. It also points tandem's
+//! kernel cache (`TANDEM_KERNEL_CACHE`) at a fresh folder: that cache's key holds the NVRTC
+//! version but not the emulation's headers, so an image compiled against an older
+//! `tandem_host.h` would be loaded again (the emulated driver refuses it); the emulated NVRTC's
+//! own cache, keyed by the headers too, keeps compiles cheap.
 //!
 //! CI can do the same by hand: `cargo build -p tandem-cuda-emu -p tandem-cuda-emu-nvrtc`, copy
 //! `target/debug/libtandem_cuda_emu.so` to `<dir>/libcuda.so` and
@@ -77,6 +81,9 @@ pub fn use_emulator_with(extra: &[(&str, &str)]) -> &'static Path {
         if let Some(old) = std::env::var_os("TANDEM_CUDA_LIBS") {
             folders.extend(std::env::split_paths(&old));
         }
+        let kernels = dir.join("kernel-cache");
+        std::fs::create_dir_all(&kernels).expect("the kernel cache folder");
+        std::env::set_var("TANDEM_KERNEL_CACHE", &kernels);
         std::env::set_var(
             "TANDEM_CUDA_LIBS",
             std::env::join_paths(folders).expect("paths without ':'"),
