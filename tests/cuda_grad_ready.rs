@@ -9,8 +9,7 @@ mod support;
 
 #[test]
 fn grad_ready_contract_holds_on_cuda_and_the_gradients_match_the_cpu() {
-    if !tandem::core::cuda::is_available() {
-        println!("skipped: no CUDA device");
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     let gpu = support::check_contract(Device::Cuda(0));

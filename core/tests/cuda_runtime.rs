@@ -12,15 +12,6 @@ use tandem_core::{DType, Device, Generator, Layout, Stream, Tensor};
 
 const GPU: Device = Device::Cuda(0);
 
-fn gpu() -> bool {
-    if cuda::is_available() {
-        true
-    } else {
-        println!("skipped: no CUDA device");
-        false
-    }
-}
-
 const DTYPES: [DType; 6] = [
     DType::F32,
     DType::F64,
@@ -59,7 +50,7 @@ fn assert_same(what: &str, gpu: &Tensor, cpu: &Tensor, tol: f64) {
 
 #[test]
 fn every_dtype_round_trips_through_the_device_bit_for_bit() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     for dtype in DTYPES {
@@ -79,7 +70,7 @@ fn every_dtype_round_trips_through_the_device_bit_for_bit() {
 
 #[test]
 fn runtime_ops_on_the_device_match_the_cpu() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     for dtype in DTYPES {
@@ -134,7 +125,7 @@ fn runtime_ops_on_the_device_match_the_cpu() {
 /// refused as overlapping.
 #[test]
 fn runtime_ops_on_empty_tensors_match_the_cpu() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     for dtype in DTYPES {
@@ -198,7 +189,7 @@ fn runtime_ops_on_empty_tensors_match_the_cpu() {
 
 #[test]
 fn creation_and_broadcast_views_on_the_device() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     let z = Tensor::zeros(&[4, 5], DType::F32, GPU).unwrap();
@@ -226,7 +217,7 @@ fn creation_and_broadcast_views_on_the_device() {
 
 #[test]
 fn events_order_streams_and_measure_time() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     let compute = Stream::compute(GPU).unwrap();
@@ -259,7 +250,7 @@ fn events_order_streams_and_measure_time() {
 
 #[test]
 fn memory_used_on_a_second_stream_is_not_reused_before_that_stream_is_done() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     let dev = cuda::device(0).unwrap();
@@ -298,7 +289,7 @@ fn memory_used_on_a_second_stream_is_not_reused_before_that_stream_is_done() {
 
 #[test]
 fn asking_for_a_device_that_does_not_exist_names_the_count() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     let n = cuda::device_count();
@@ -313,7 +304,7 @@ fn asking_for_a_device_that_does_not_exist_names_the_count() {
 
 #[test]
 fn cublas_product_matches_the_cpu_with_and_without_tf32() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     use cudarc::cublas::{result as cublas, sys::cublasOperation_t::CUBLAS_OP_N};
@@ -372,7 +363,7 @@ fn cublas_product_matches_the_cpu_with_and_without_tf32() {
 
 #[test]
 fn copies_on_a_second_stream_are_ordered_by_their_event() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     let copy = Stream::new_on(GPU, "copy").unwrap();
@@ -473,6 +464,13 @@ impl Drop for Gate {
     }
 }
 
+/// The gate holds one stream with a spinning kernel (`clock64`) while another stream's kernel
+/// runs: the emulator has neither concurrent kernels nor `clock64` yet (being added to it), so
+/// these tests say so and skip there. Remove this once the emulator has both.
+fn needs_concurrent_kernels() -> bool {
+    tandem_test_support::skip_on_emulator("concurrent kernels and clock64 (not yet emulated)")
+}
+
 #[test]
 fn gate_kernel_compiles_with_nvrtc() {
     // Runs wherever NVRTC is found (CI installs it), so the GPU test below cannot fail on its
@@ -488,7 +486,7 @@ fn gate_kernel_compiles_with_nvrtc() {
 
 #[test]
 fn a_compute_allocation_after_a_comm_stream_free_does_not_wait_for_the_comm_stream() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() || needs_concurrent_kernels() {
         return;
     }
     use cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING;
@@ -541,7 +539,7 @@ fn a_compute_allocation_after_a_comm_stream_free_does_not_wait_for_the_comm_stre
 
 #[test]
 fn concurrent_transfers_beyond_the_pinned_cache_cap_arrive_whole() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     // Four threads each moving 40 MiB (five 8 MiB chunks) both ways, three times: far more

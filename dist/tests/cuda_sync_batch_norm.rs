@@ -15,8 +15,7 @@ const GPU: Device = Device::Cuda(0);
 
 #[test]
 fn a_sync_batch_norm_forward_copies_nothing_from_the_device_to_the_host() {
-    if !tandem_core::cuda::is_available() {
-        println!("skipped: no CUDA device");
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     let groups = DeviceThreadGroup::new_group(GPU, 2).unwrap();

@@ -10,8 +10,7 @@ const ELEMENTS: usize = 1 << 26;
 
 #[test]
 fn cuda_phase_lengths_are_device_time_and_steps_follow_each_other() {
-    if !tandem_core::cuda::is_available() {
-        println!("skipped: no CUDA device");
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     let device = Device::Cuda(0);

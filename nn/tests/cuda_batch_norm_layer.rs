@@ -45,8 +45,7 @@ fn assert_close(got: &Tensor, want: &Tensor, tol: f64, skip: &[bool], what: &str
 
 #[test]
 fn batch_norm_2d_on_cuda_matches_the_cpu_layer() {
-    if !cuda::is_available() {
-        println!("skipped: no CUDA device");
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     let c = 6;

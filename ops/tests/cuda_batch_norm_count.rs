@@ -86,8 +86,7 @@ fn assert_close(what: &str, got: &Tensor, want: &Tensor) {
 
 #[test]
 fn sync_batch_norm_phases_keep_the_count_on_the_device_and_check_it_there() {
-    if !cuda::is_available() {
-        println!("skipped: no CUDA device");
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     let (x, g) = (randn(&[4, 3, 5, 5], 1), randn(&[4, 3, 5, 5], 2));
