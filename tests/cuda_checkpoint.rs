@@ -1,4 +1,4 @@
-//! Checkpoints across devices (GPU test; prints `skipped: no CUDA device` without one): a
+//! Checkpoints across devices (GPU test; on the CUDA emulator without a GPU): a
 //! checkpoint written from a model and optimizer on a GPU loads on the CPU bit for bit, and the
 //! reverse, and training goes on from it on the other device.
 

@@ -1,4 +1,4 @@
-//! The gradient-ready contract on a GPU (prints `skipped: no CUDA device` without one): every
+//! The gradient-ready contract on a GPU (on the CUDA emulator without a GPU): every
 //! parameter's event fires once per backward, after its gradient is final, in reverse layer
 //! order, carrying an event of the GPU's compute stream; and the gradients equal the CPU's.
 

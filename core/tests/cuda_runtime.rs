@@ -2,8 +2,7 @@
 //! same operation on the CPU, host↔device round trips of every dtype, streams and events,
 //! memory reuse across streams, and a cuBLAS product against the CPU.
 //!
-//! Each test runs when a CUDA device is present and prints `skipped: no CUDA device` otherwise,
-//! so the suite passes (and says so) on machines without one.
+//! Each test runs on the GPU, or on the CUDA emulator without one (`tandem_test_support::select_cuda`).
 
 use std::time::Duration;
 

@@ -1,5 +1,5 @@
-//! GPU checks of two stream-ordering fixes of issue 19 (each prints `skipped: no CUDA device`
-//! without a GPU):
+//! GPU checks of two stream-ordering fixes of issue 19 (each runs on the GPU, or on the CUDA
+//! emulator without one):
 //!
 //! - defect 5: a batch copied on a copy stream and dropped after use on the compute stream is
 //!   freed without making the compute stream wait for later copies on the copy stream (a gate

@@ -5,8 +5,8 @@
 //! with B/N samples each against one process with the full batch B on the same GPU (which is
 //! itself first checked against the CPU, so that an op's kernel that is off is reported as
 //! such), plus SyncBatchNorm, no_sync, unused parameters, bucket rebuild, compression hooks,
-//! gradients as views into device buckets, and event-based telemetry. Every test is skipped,
-//! saying so, without a CUDA device.
+//! gradients as views into device buckets, and event-based telemetry. Every test runs on the
+//! CUDA emulator without a GPU.
 
 mod ddp_common;
 mod device_suite;

@@ -5,7 +5,7 @@
 //! and a rank on the CPU beside a rank on the GPU is named; and issuing a collective never waits
 //! for the device (the compute stream held by a host function). The suite is
 //! `device_suite/collectives.rs`, which `suites_cpu.rs` runs on the CPU group in every test
-//! run. Every test is skipped, saying so, without a CUDA device.
+//! run. Every test runs on the CUDA emulator without a GPU.
 
 mod ddp_common;
 mod device_suite;

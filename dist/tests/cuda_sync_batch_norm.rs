@@ -1,7 +1,7 @@
 //! A SyncBatchNorm forward on a GPU never blocks the host (issue 19, defect 7): the count of
 //! the all-reduced statistics stays on the device, so no layer copies anything from the device
 //! to the host. Two ranks as threads sharing `cuda:0` ([`DeviceThreadGroup`]); prints
-//! `skipped: no CUDA device` without a GPU.
+//! runs on the CUDA emulator without a GPU.
 
 use std::sync::Arc;
 

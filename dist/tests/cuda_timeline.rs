@@ -1,6 +1,6 @@
 //! The timeline on a CUDA device: phases are timed by CUDA events on the compute stream, so
-//! their lengths are the device's, not the host's (the host only issues the kernels). Needs a
-//! GPU; prints "skipped" without one.
+//! their lengths are the device's, not the host's (the host only issues the kernels). Runs on the
+//! CUDA emulator without a GPU.
 
 use tandem_core::{DType, Device, Tensor};
 use tandem_dist::{Phase, SpanKind, Timeline};

@@ -4,7 +4,7 @@
 //! agree on outputs, gradients, running statistics and `num_batches_tracked`; every tensor of
 //! the CUDA layer stays on the device.
 //!
-//! Runs when a CUDA device is present and prints `skipped: no CUDA device` otherwise.
+//! Runs on the GPU, or on the CUDA emulator without one (`tandem_test_support::select_cuda`).
 
 use tandem_autograd::{no_grad, BackwardOptions, TensorBackward};
 use tandem_core::{cuda, DType, Device, Generator, Tensor};

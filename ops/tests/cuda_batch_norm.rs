@@ -6,7 +6,7 @@
 //! own (what SyncBatchNorm runs); gradient checks in f64 on the GPU; and errors (device mixes,
 //! bad shapes) equal to the CPU's.
 //!
-//! Each test runs when a CUDA device is present and prints `skipped: no CUDA device` otherwise.
+//! Each test runs on the GPU, or on the CUDA emulator without one (`tandem_test_support::select_cuda`).
 //! The per-channel statistics are sums in a different order than the CPU's, so results agree
 //! within f32 rounding, not bit for bit. Behind a ReLU, an element whose pre-activation is
 //! within rounding of 0 may fall on either side of the kink on the two devices; such elements

@@ -1,5 +1,5 @@
 //! GPU checks of batch norm's count of all-reduced statistics staying on the device (issue 19,
-//! defect 7); each prints `skipped: no CUDA device` without a GPU.
+//! defect 7); each prints runs on the CUDA emulator without a GPU.
 //!
 //! SyncBatchNorm's phases — statistics, sums, (all-reduce), `from_sums`, running update,
 //! normalization, apply, and in backward the reduce and apply with the reduced count — must not

@@ -8,7 +8,7 @@
 //! f64 gradcheck on the GPU; only the requested gradients; empty batches; cuDNN's plan cache;
 //! heuristic algorithm choice; TF32; and bad arguments, which must give the CPU's errors.
 //!
-//! Each test runs when a CUDA device is present and prints `skipped: no CUDA device` otherwise.
+//! Each test runs on the GPU, or on the CUDA emulator without one (`tandem_test_support::select_cuda`).
 //! Where cuDNN does not load, the cuDNN arm runs im2col (conv2d prints a notice) and the tests
 //! say so. The engine, TF32 and algorithm-search settings are process-wide, so every test holds
 //! one lock while it sets and uses them.

@@ -5,7 +5,8 @@
 //! refuse with NOT_SUPPORTED); a refusal that still happens makes a fresh choice, then im2col.
 //! Results must match the CPU either way.
 //!
-//! Runs when a CUDA device with cuDNN is present and prints `skipped: …` otherwise. In its own
+//! Runs when a CUDA device with cuDNN is present and prints `skipped: …` otherwise (on the CUDA
+//! emulator: `needs cuDNN`, emulated in issue 21). In its own
 //! test binary, so the process-wide conv2d settings it changes touch no other test.
 
 use tandem_autograd::{backward, BackwardOptions};

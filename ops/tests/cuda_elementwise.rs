@@ -4,7 +4,7 @@
 //! device, dropout masks equal to the CPU's for the same seed, and the errors of mixed devices
 //! and bad shapes.
 //!
-//! Each test runs when a CUDA device is present and prints `skipped: no CUDA device` otherwise.
+//! Each test runs on the GPU, or on the CUDA emulator without one (`tandem_test_support::select_cuda`).
 //! Add, sub, mul, div, neg, relu, sqrt, integer powers, cat, the views and dropout compute the
 //! CPU's IEEE operations and agree to the last bit. What does not (see `common/tolerance.rs`):
 //! the gradient of a broadcast input is a sum, added in another order on each device (within a

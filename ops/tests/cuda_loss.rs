@@ -4,7 +4,7 @@
 //! the step, at the next read) as the CPU's error, never an illegal memory access, and the
 //! device usable afterwards; and the CPU's errors for bad shapes, dtypes and device mixes.
 //!
-//! Each test prints `skipped: no CUDA device` without a GPU. Failure messages name the loss,
+//! Each test prints runs on the CUDA emulator without a GPU. Failure messages name the loss,
 //! the reduction, the sizes, the dtype and the first differing element.
 
 mod common;

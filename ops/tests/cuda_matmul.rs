@@ -4,7 +4,7 @@
 //! expanded operands, empty sizes, TF32 on and off; gradcheck in f64 on the GPU; and errors
 //! (mixed devices, shapes, dtypes) that must match the CPU's.
 //!
-//! Each test runs when a CUDA device is present and prints `skipped: no CUDA device` otherwise.
+//! Each test runs on the GPU, or on the CUDA emulator without one (`tandem_test_support::select_cuda`).
 //! cuBLAS sums in another order than the CPU's gemm, so f32 results agree to a tolerance that
 //! grows with the magnitude of the result; a failure names the op, shapes, dtype and element.
 //! Every test holds one lock, because the TF32 test changes a process-wide setting.

@@ -3,7 +3,7 @@
 //! strided inputs and output gradients; gradcheck in f64 on the GPU; inputs without gradients;
 //! empty batches; and bad arguments, which must give the CPU's error.
 //!
-//! Each test runs when a CUDA device is present and prints `skipped: no CUDA device` otherwise.
+//! Each test runs on the GPU, or on the CUDA emulator without one (`tandem_test_support::select_cuda`).
 //! The kernels perform the CPU's operations in the CPU's order (IEEE division, no fast math), so
 //! values are expected to agree to the last bit; the comparison allows f32 rounding so that a
 //! failure message shows how far apart the two are, and names the pool, shape, dtype and element.

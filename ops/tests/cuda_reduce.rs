@@ -4,7 +4,7 @@
 //! block rows, column sums, the two-pass sum, softmax over rows and over columns) and strided
 //! inputs; `gradcheck` in f64 on the GPU; and the CPU's errors for bad arguments.
 //!
-//! Each test prints `skipped: no CUDA device` without a GPU. Failure messages name the op, the
+//! Each test prints runs on the CUDA emulator without a GPU. Failure messages name the op, the
 //! case, the dtype and the first differing element.
 //!
 //! Tolerances (see `common/tolerance.rs`): a sum (and a mean) adds its terms in another order on

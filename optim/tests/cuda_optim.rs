@@ -4,7 +4,7 @@
 //! that follows a moved parameter and checkpoints that move between devices; and the number of
 //! launches and uploads a step costs.
 //!
-//! Each test runs when a CUDA device is present and prints `skipped: no CUDA device` otherwise.
+//! Each test runs on the GPU, or on the CUDA emulator without one (`tandem_test_support::select_cuda`).
 //! The kernels compute the CPU's operations in the CPU's order (no fused multiply-adds, IEEE
 //! division and square root), so results are expected to agree to the last bit; the checks
 //! allow f32 rounding so that a failure message shows how far apart the two are.
