@@ -197,8 +197,14 @@ fn failed_tests_and_gpu_tests_that_saw_no_gpu_fail_on_a_gpu_run() {
     assert!(row(&report, "cuda_bad").contains("2 passed, 1 failed"));
     assert!(row(&report, "cuda_blind").contains("| FAIL |"), "{report}");
     assert!(row(&report, "cuda_blind").contains("no GPU was seen"));
-    assert!(row(&report, "cuda_emulated").contains("| FAIL |"), "{report}");
-    assert!(row(&report, "cuda_emulated").contains("needs NCCL"), "{report}");
+    assert!(
+        row(&report, "cuda_emulated").contains("| FAIL |"),
+        "{report}"
+    );
+    assert!(
+        row(&report, "cuda_emulated").contains("needs NCCL"),
+        "{report}"
+    );
     assert!(row(&report, "cuda_target").contains("| PASS |"), "{report}");
     assert!(report.contains("target gpu"), "{report}");
     // On the CPU, skipping for want of a GPU is what a GPU test does.

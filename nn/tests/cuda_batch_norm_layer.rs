@@ -7,7 +7,7 @@
 //! Runs on the GPU, or on the CUDA emulator without one (`tandem_test_support::select_cuda`).
 
 use tandem_autograd::{no_grad, BackwardOptions, TensorBackward};
-use tandem_core::{cuda, DType, Device, Generator, Tensor};
+use tandem_core::{DType, Device, Generator, Tensor};
 use tandem_nn::{BatchNorm2d, Module};
 
 const GPU: Device = Device::Cuda(0);

@@ -10,7 +10,7 @@
 //! One test in its own binary: the deferred-error record is per device, and another test's
 //! read of the device could report the bad count this test provokes.
 
-use tandem_core::cuda::{self, device_to_host_copies};
+use tandem_core::cuda::device_to_host_copies;
 use tandem_core::{DType, Device, Generator, Tensor};
 use tandem_ops::batch_norm::phases::{
     self, ApplyArgs, BackwardApplyArgs, BackwardReduceArgs, GradMask, NormalizationArgs,

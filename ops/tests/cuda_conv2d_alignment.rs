@@ -11,7 +11,7 @@
 
 use tandem_autograd::{backward, BackwardOptions};
 use tandem_core::cuda::blas::set_allow_tf32_conv;
-use tandem_core::{cuda, DType, Device, Generator, Tensor};
+use tandem_core::{DType, Device, Generator, Tensor};
 use tandem_ops::conv2d::{
     cudnn_available, cudnn_cache_stats, set_cuda_conv_backend, set_cudnn_algorithm_search,
     CudaConvBackend, CudnnAlgorithmSearch,

@@ -9,7 +9,7 @@
 //! division and square root), so results are expected to agree to the last bit; the checks
 //! allow f32 rounding so that a failure message shows how far apart the two are.
 
-use tandem_core::{cuda, DType, Device, Generator, Tensor};
+use tandem_core::{DType, Device, Generator, Tensor};
 use tandem_optim::multi_tensor::{launch_counts, LaunchCounts};
 use tandem_optim::{clip_grad_norm, Adam, AdamConfig, AdamW, Optimizer, Sgd, SgdConfig};
 
