@@ -13,15 +13,15 @@ fn cuda_phase_lengths_are_device_time_and_steps_follow_each_other() {
     if tandem_test_support::select_cuda().is_none() {
         return;
     }
+    // Even with 4 MiB instead of 256 MiB this ran past 5 minutes on the emulator (2 loaded
+    // cores, issue 20): the cause is not found yet, so it says so there instead of passing.
+    if tandem_test_support::skip_on_emulator(
+        "a faster emulator (over 5 minutes there; to investigate)",
+    ) {
+        return;
+    }
     let device = Device::Cuda(0);
-    // 256 MiB only so that a GPU's kernels take measurable time; the emulator's host kernels
-    // are slow enough at 4 MiB (256 MiB × 132 passes would take it minutes).
-    let elements = if tandem_test_support::on_emulator() {
-        1 << 20
-    } else {
-        ELEMENTS
-    };
-    let x = Tensor::zeros(&[elements], DType::F32, device).expect("a tensor on cuda:0");
+    let x = Tensor::zeros(&[ELEMENTS], DType::F32, device).expect("256 MiB on cuda:0");
     let mut timeline = Timeline::new(0, device).expect("a timeline on cuda:0");
     const STEPS: u64 = 3;
     for _ in 0..STEPS {
