@@ -29,7 +29,7 @@ rm -rf "$out"
 mkdir -p "$out/tests" "$out/bin"
 
 # The test targets whose tests need a GPU: every integration test file named `cuda_*.rs` in a
-# workspace package (each prints `skipped: no CUDA device` without one). The NVRTC compile test
+# workspace package (each runs on the GPU there: run.sh sets TANDEM_TEST_CUDA=gpu). The NVRTC compile test
 # stays in CI: it checks the kernels against the host harness's build, which is not bundled.
 gpu_tests=()
 while read -r pkg path; do

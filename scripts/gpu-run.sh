@@ -25,7 +25,7 @@
 #                      and the report says so.
 #   --device cpu|cuda  TANDEM_BUNDLE_DEVICE (default cuda). With cpu the training checks, the
 #                      timeline and the CPU benchmarks run on the CPU, short (the first few
-#                      thousand images), and the GPU tests may print "skipped: no CUDA device":
+#                      thousand images), and the GPU tests skip (TANDEM_TEST_CUDA=skip):
 #                      this checks the bundle itself (paths, reporting) on a machine without a
 #                      GPU. With cuda a GPU test or benchmark that skips for want of a GPU fails.
 #
@@ -118,6 +118,14 @@ what=${1:-all}
 [ $# -gt 0 ] && shift
 case "$device" in cpu | cuda) ;; *) echo "run.sh: --device must be cpu or cuda, not $device" >&2; exit 2 ;; esac
 case "$budget" in '' | *[!0-9]*) echo "run.sh: --budget must be whole seconds, not $budget" >&2; exit 2 ;; esac
+# Where the GPU tests run (tandem-test-support's select_cuda): on a cuda run the real GPU, so a
+# machine whose driver does not work fails them instead of emulating one; on a cpu run they skip,
+# saying so (the bundle carries no CUDA emulator).
+if [ "$device" = cuda ]; then
+  export TANDEM_TEST_CUDA=${TANDEM_TEST_CUDA:-gpu}
+else
+  export TANDEM_TEST_CUDA=${TANDEM_TEST_CUDA:-skip}
+fi
 
 if [ -z "${TANDEM_CUDA_LIBS:-}" ]; then
   dirs=()
@@ -297,9 +305,10 @@ step() {
     fi
   fi
   # Whatever the program said, a GPU check that did not see a GPU did not check anything.
-  if [ "$device" = cuda ] && [ "$status" = PASS ] && grep -q 'skipped: no CUDA device' "$log"; then
+  if [ "$device" = cuda ] && [ "$status" = PASS ] &&
+    seen=$(grep -m 1 -o -E 'skipped: no CUDA device|skipped: TANDEM_TEST_CUDA=skip|skipped on the CUDA emulator[^|]*' "$log"); then
     status=FAIL
-    note="$note; no GPU was seen (skipped: no CUDA device)"
+    note="$note; no GPU was seen ($seen)"
   fi
   if [ "$status" = PASS ]; then passed=$((passed + 1)); else failed=$((failed + 1)); fi
   note=$(echo "$note" | tr '\n|' ' /' | sed 's/^; //; s/[; ]*$//')

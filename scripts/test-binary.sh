@@ -1,4 +1,4 @@
-# Sourced by the scripts that run test binaries outside cargo (gpu-bundle.sh, emulated-gpu-tests.sh).
+# Sourced by the scripts that run test binaries outside cargo (gpu-bundle.sh).
 #
 # test_binary PKG TARGET [CARGO_TEST_FLAGS...]
 #   Builds (if needed) integration test TARGET of package PKG and prints "EXECUTABLE PACKAGE_DIR"

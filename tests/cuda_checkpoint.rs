@@ -1,4 +1,4 @@
-//! Checkpoints across devices (GPU test; prints `skipped: no CUDA device` without one): a
+//! Checkpoints across devices (GPU test; on the CUDA emulator without a GPU): a
 //! checkpoint written from a model and optimizer on a GPU loads on the CPU bit for bit, and the
 //! reverse, and training goes on from it on the other device.
 
@@ -14,14 +14,6 @@ use tandem::nn::{BatchNorm2d, Conv2d, Conv2dConfig, Flatten, Linear, Module, ReL
 use tandem::optim::{Optimizer, Sgd, SgdConfig};
 
 const GPU: Device = Device::Cuda(0);
-
-fn gpu_present() -> bool {
-    if tandem::core::cuda::is_available() {
-        return true;
-    }
-    println!("skipped: no CUDA device");
-    false
-}
 
 /// A file in this process's scratch folder, found at run time (`TANDEM_SCRATCH_DIR`, else the
 /// system's temporary folder): the test binary runs in the GPU bundle, away from the folder
@@ -166,14 +158,14 @@ fn round_trip(from: Device, to: Device, name: &str) {
 
 #[test]
 fn a_checkpoint_saved_on_the_gpu_resumes_on_the_cpu() {
-    if gpu_present() {
+    if tandem_test_support::select_cuda().is_some() {
         round_trip(GPU, Device::Cpu, "gpu_to_cpu.safetensors");
     }
 }
 
 #[test]
 fn a_checkpoint_saved_on_the_cpu_resumes_on_the_gpu() {
-    if gpu_present() {
+    if tandem_test_support::select_cuda().is_some() {
         round_trip(Device::Cpu, GPU, "cpu_to_gpu.safetensors");
     }
 }

@@ -1,4 +1,4 @@
-//! The gradient-ready contract on a GPU (prints `skipped: no CUDA device` without one): every
+//! The gradient-ready contract on a GPU (on the CUDA emulator without a GPU): every
 //! parameter's event fires once per backward, after its gradient is final, in reverse layer
 //! order, carrying an event of the GPU's compute stream; and the gradients equal the CPU's.
 
@@ -9,8 +9,7 @@ mod support;
 
 #[test]
 fn grad_ready_contract_holds_on_cuda_and_the_gradients_match_the_cpu() {
-    if !tandem::core::cuda::is_available() {
-        println!("skipped: no CUDA device");
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     let gpu = support::check_contract(Device::Cuda(0));

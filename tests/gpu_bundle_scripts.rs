@@ -69,6 +69,7 @@ impl FakeBundle {
             .env_remove("OUT")
             .env_remove("TANDEM_BUNDLE_BUDGET")
             .env_remove("TANDEM_BUNDLE_DEVICE")
+            .env_remove("TANDEM_TEST_CUDA")
             .output()
             .unwrap();
         let code = output.status.code().expect("the runner exited by itself");
@@ -177,6 +178,17 @@ fn failed_tests_and_gpu_tests_that_saw_no_gpu_fail_on_a_gpu_run() {
         "cuda_blind",
         "echo 'skipped: no CUDA device'; echo 'test result: ok. 1 passed; 0 failed'",
     );
+    // The runner tells the GPU tests to use the real GPU (never the emulator) on a GPU run, and
+    // to skip on a CPU run (the bundle has no emulator).
+    fake.test_binary(
+        "cuda_target",
+        "echo \"target $TANDEM_TEST_CUDA\"; [ \"$TANDEM_TEST_CUDA\" != emulator ] || exit 1; \
+         echo 'test result: ok. 1 passed; 0 failed'",
+    );
+    fake.test_binary(
+        "cuda_emulated",
+        "echo 'skipped on the CUDA emulator: needs NCCL'; echo 'test result: ok. 1 passed; 0 failed'",
+    );
     let (code, report) = fake.run("run.sh", &["tests"]);
     assert_eq!(code, 1, "{report}");
     assert!(row(&report, "cuda_good").contains("| PASS |"), "{report}");
@@ -185,9 +197,20 @@ fn failed_tests_and_gpu_tests_that_saw_no_gpu_fail_on_a_gpu_run() {
     assert!(row(&report, "cuda_bad").contains("2 passed, 1 failed"));
     assert!(row(&report, "cuda_blind").contains("| FAIL |"), "{report}");
     assert!(row(&report, "cuda_blind").contains("no GPU was seen"));
+    assert!(
+        row(&report, "cuda_emulated").contains("| FAIL |"),
+        "{report}"
+    );
+    assert!(
+        row(&report, "cuda_emulated").contains("needs NCCL"),
+        "{report}"
+    );
+    assert!(row(&report, "cuda_target").contains("| PASS |"), "{report}");
+    assert!(report.contains("target gpu"), "{report}");
     // On the CPU, skipping for want of a GPU is what a GPU test does.
     let (_, report) = fake.run("run.sh", &["--device", "cpu", "tests"]);
     assert!(row(&report, "cuda_blind").contains("| PASS |"), "{report}");
+    assert!(report.contains("target skip"), "{report}");
 }
 
 #[test]

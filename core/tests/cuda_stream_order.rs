@@ -1,5 +1,5 @@
-//! GPU checks of two stream-ordering fixes of issue 19 (each prints `skipped: no CUDA device`
-//! without a GPU):
+//! GPU checks of two stream-ordering fixes of issue 19 (each runs on the GPU, or on the CUDA
+//! emulator without one):
 //!
 //! - defect 5: a batch copied on a copy stream and dropped after use on the compute stream is
 //!   freed without making the compute stream wait for later copies on the copy stream (a gate
@@ -18,15 +18,6 @@ use tandem_core::stream::events_created;
 use tandem_core::{DType, Device, Stream, Tensor};
 
 const GPU: Device = Device::Cuda(0);
-
-fn gpu() -> bool {
-    if cuda::is_available() {
-        true
-    } else {
-        println!("skipped: no CUDA device");
-        false
-    }
-}
 
 /// Holds a CUDA stream: work issued on it after [`Gate::close`] waits until [`Gate::open`]
 /// (the stream waits for a word of mapped host memory to become 1). Dropping the gate opens it
@@ -103,7 +94,7 @@ fn batch(seed: u64) -> Tensor {
 
 #[test]
 fn dropping_a_loaded_batch_does_not_wait_for_later_copies() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     let copy = Stream::new_on(GPU, "copy").unwrap();
@@ -149,7 +140,7 @@ fn dropping_a_loaded_batch_does_not_wait_for_later_copies() {
 
 #[test]
 fn recorded_cuda_events_reuse_the_objects_of_dropped_ones() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     let compute = Stream::compute(GPU).unwrap();

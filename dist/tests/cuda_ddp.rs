@@ -5,8 +5,8 @@
 //! with B/N samples each against one process with the full batch B on the same GPU (which is
 //! itself first checked against the CPU, so that an op's kernel that is off is reported as
 //! such), plus SyncBatchNorm, no_sync, unused parameters, bucket rebuild, compression hooks,
-//! gradients as views into device buckets, and event-based telemetry. Every test is skipped,
-//! saying so, without a CUDA device.
+//! gradients as views into device buckets, and event-based telemetry. Every test runs on the
+//! CUDA emulator without a GPU.
 
 mod ddp_common;
 mod device_suite;
@@ -20,8 +20,7 @@ const BACKEND: Backend = Backend::DeviceThreads(Device::Cuda(0));
 /// Mlp equivalence, N = 1, 2, 4, 8.
 #[test]
 fn ddp_on_the_device_group_matches_one_process_on_the_full_batch_mlp() {
-    if !tandem_core::cuda::is_available() {
-        println!("skipped: no CUDA device");
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     ddp::equivalence(BACKEND, Model::Mlp, &WORLDS);
@@ -30,8 +29,7 @@ fn ddp_on_the_device_group_matches_one_process_on_the_full_batch_mlp() {
 /// Cnn equivalence, N = 1, 2, 4, 8.
 #[test]
 fn ddp_on_the_device_group_matches_one_process_on_the_full_batch_cnn() {
-    if !tandem_core::cuda::is_available() {
-        println!("skipped: no CUDA device");
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     ddp::equivalence(BACKEND, Model::Cnn, &WORLDS);
@@ -40,8 +38,7 @@ fn ddp_on_the_device_group_matches_one_process_on_the_full_batch_cnn() {
 /// SyncBatchNorm (per-channel statistics all-reduced on the device) equivalence, N = 1, 2, 4, 8.
 #[test]
 fn ddp_with_sync_batch_norm_on_the_device_group_matches_batch_norm_on_the_full_batch() {
-    if !tandem_core::cuda::is_available() {
-        println!("skipped: no CUDA device");
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     ddp::sync_batch_norm_matches_the_full_batch(BACKEND, &WORLDS);
@@ -50,8 +47,7 @@ fn ddp_with_sync_batch_norm_on_the_device_group_matches_batch_norm_on_the_full_b
 #[test]
 fn ddp_with_plain_batch_norm_on_the_device_group_matches_a_reference_normalising_each_chunk_apart()
 {
-    if !tandem_core::cuda::is_available() {
-        println!("skipped: no CUDA device");
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     ddp::plain_batch_norm_matches_the_chunked_reference(BACKEND);
@@ -59,8 +55,7 @@ fn ddp_with_plain_batch_norm_on_the_device_group_matches_a_reference_normalising
 
 #[test]
 fn ddp_sum_on_the_device_group_is_world_size_times_mean() {
-    if !tandem_core::cuda::is_available() {
-        println!("skipped: no CUDA device");
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     ddp::sum_is_world_size_times_mean(BACKEND);
@@ -68,8 +63,7 @@ fn ddp_sum_on_the_device_group_is_world_size_times_mean() {
 
 #[test]
 fn ddp_no_sync_on_the_device_group_accumulates_locally_and_launches_nothing() {
-    if !tandem_core::cuda::is_available() {
-        println!("skipped: no CUDA device");
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     ddp::no_sync_accumulates_locally(BACKEND);
@@ -78,8 +72,7 @@ fn ddp_no_sync_on_the_device_group_accumulates_locally_and_launches_nothing() {
 /// Bf16 and f16 casts on the comm stream.
 #[test]
 fn ddp_compression_hooks_on_the_device_group_agree_within_half_precision() {
-    if !tandem_core::cuda::is_available() {
-        println!("skipped: no CUDA device");
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     ddp::compression_hooks_agree_within_half_precision(BACKEND);
@@ -87,8 +80,7 @@ fn ddp_compression_hooks_on_the_device_group_agree_within_half_precision() {
 
 #[test]
 fn ddp_on_the_device_group_rebuilds_buckets_identically_and_still_matches() {
-    if !tandem_core::cuda::is_available() {
-        println!("skipped: no CUDA device");
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     ddp::buckets_rebuild_identically_and_training_still_matches(BACKEND);
@@ -96,8 +88,7 @@ fn ddp_on_the_device_group_rebuilds_buckets_identically_and_still_matches() {
 
 #[test]
 fn ddp_gradients_on_the_device_group_are_views_into_device_buckets() {
-    if !tandem_core::cuda::is_available() {
-        println!("skipped: no CUDA device");
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     ddp::gradients_are_views_into_device_buckets(BACKEND);
@@ -106,8 +97,7 @@ fn ddp_gradients_on_the_device_group_are_views_into_device_buckets() {
 /// Find_unused_parameters; without it the next forward names the parameter.
 #[test]
 fn ddp_on_the_device_group_leaves_a_parameter_no_rank_used_bit_unchanged() {
-    if !tandem_core::cuda::is_available() {
-        println!("skipped: no CUDA device");
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     ddp_unused::an_unused_parameter_is_left_untouched(BACKEND);
@@ -115,8 +105,7 @@ fn ddp_on_the_device_group_leaves_a_parameter_no_rank_used_bit_unchanged() {
 
 #[test]
 fn ddp_telemetry_on_the_device_group_times_every_bucket_from_device_events() {
-    if !tandem_core::cuda::is_available() {
-        println!("skipped: no CUDA device");
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     ddp::telemetry_times_every_bucket(BACKEND);

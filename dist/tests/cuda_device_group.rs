@@ -5,7 +5,7 @@
 //! and a rank on the CPU beside a rank on the GPU is named; and issuing a collective never waits
 //! for the device (the compute stream held by a host function). The suite is
 //! `device_suite/collectives.rs`, which `suites_cpu.rs` runs on the CPU group in every test
-//! run. Every test is skipped, saying so, without a CUDA device.
+//! run. Every test runs on the CUDA emulator without a GPU.
 
 mod ddp_common;
 mod device_suite;
@@ -17,8 +17,7 @@ const GPU: Device = Device::Cuda(0);
 
 #[test]
 fn device_group_collectives_on_the_gpu_match_the_threads_backend_bit_for_bit() {
-    if !tandem_core::cuda::is_available() {
-        println!("skipped: no CUDA device");
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     collectives::every_collective_matches_the_cpu_backend_bit_for_bit(GPU);
@@ -26,8 +25,7 @@ fn device_group_collectives_on_the_gpu_match_the_threads_backend_bit_for_bit() {
 
 #[test]
 fn device_group_collectives_in_flight_on_the_gpu_complete_in_issue_order() {
-    if !tandem_core::cuda::is_available() {
-        println!("skipped: no CUDA device");
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     collectives::collectives_in_flight_complete_in_issue_order(GPU);
@@ -35,8 +33,7 @@ fn device_group_collectives_in_flight_on_the_gpu_complete_in_issue_order() {
 
 #[test]
 fn device_group_mismatched_collectives_on_the_gpu_are_named_and_break_the_group() {
-    if !tandem_core::cuda::is_available() {
-        println!("skipped: no CUDA device");
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     collectives::mismatched_collectives_are_named_and_break_the_group(GPU);
@@ -44,8 +41,7 @@ fn device_group_mismatched_collectives_on_the_gpu_are_named_and_break_the_group(
 
 #[test]
 fn device_group_on_the_gpu_names_a_dropped_rank() {
-    if !tandem_core::cuda::is_available() {
-        println!("skipped: no CUDA device");
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     collectives::a_dropped_rank_is_named(GPU);
@@ -53,8 +49,7 @@ fn device_group_on_the_gpu_names_a_dropped_rank() {
 
 #[test]
 fn device_group_on_the_gpu_reduces_cpu_tensors_and_names_mixed_placements() {
-    if !tandem_core::cuda::is_available() {
-        println!("skipped: no CUDA device");
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     collectives::cpu_tensors_work_and_mixed_placements_are_named(GPU);
@@ -62,8 +57,7 @@ fn device_group_on_the_gpu_reduces_cpu_tensors_and_names_mixed_placements() {
 
 #[test]
 fn device_group_issues_a_collective_without_waiting_for_a_held_compute_stream() {
-    if !tandem_core::cuda::is_available() {
-        println!("skipped: no CUDA device");
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     collectives::issuing_does_not_wait_for_the_device(GPU);

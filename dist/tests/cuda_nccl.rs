@@ -12,8 +12,8 @@
 //! `LOCAL_WORLD_SIZE=1`, as one rank per "host" would have. Slow and unsupported for training;
 //! good enough to check correctness and failure handling with one GPU.
 //!
-//! Every test prints `skipped: no CUDA device` where there is none, and `skipped: NCCL not
-//! found (…)` where NCCL cannot be loaded (put the folder of `libnccl.so.2`, e.g.
+//! On the CUDA emulator (no GPU) every test prints `skipped on the CUDA emulator: needs NCCL`
+//! (emulated in issue 21); on a GPU, `skipped: NCCL not found (…)` where NCCL cannot be loaded (put the folder of `libnccl.so.2`, e.g.
 //! `<site-packages>/nvidia/nccl/lib`, in `TANDEM_CUDA_LIBS`); `TANDEM_REQUIRE_NCCL=1` makes
 //! the latter a failure, so that a GPU run cannot pass by skipping. Tests take a lock so that
 //! they use the GPU one at a time (timings are asserted).
@@ -38,8 +38,11 @@ static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 /// `None` (after printing why) when there is no GPU or no NCCL; else the GPU lock. Under
 /// `TANDEM_REQUIRE_NCCL=1` a GPU without NCCL fails instead, naming what to install.
 fn gpu() -> Option<MutexGuard<'static, ()>> {
-    if !tandem_core::cuda::is_available() {
-        println!("skipped: no CUDA device");
+    if tandem_test_support::select_cuda().is_none() {
+        return None;
+    }
+    // CI installs the real NCCL (for tests/nccl_id.rs); it cannot work on emulated memory.
+    if tandem_test_support::skip_on_emulator("NCCL (emulated in issue 21)") {
         return None;
     }
     if let Err(e) = nccl::version() {

@@ -1,7 +1,7 @@
 //! A SyncBatchNorm forward on a GPU never blocks the host (issue 19, defect 7): the count of
 //! the all-reduced statistics stays on the device, so no layer copies anything from the device
 //! to the host. Two ranks as threads sharing `cuda:0` ([`DeviceThreadGroup`]); prints
-//! `skipped: no CUDA device` without a GPU.
+//! runs on the CUDA emulator without a GPU.
 
 use std::sync::Arc;
 
@@ -15,8 +15,7 @@ const GPU: Device = Device::Cuda(0);
 
 #[test]
 fn a_sync_batch_norm_forward_copies_nothing_from_the_device_to_the_host() {
-    if !tandem_core::cuda::is_available() {
-        println!("skipped: no CUDA device");
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     let groups = DeviceThreadGroup::new_group(GPU, 2).unwrap();

@@ -4,10 +4,10 @@
 //! agree on outputs, gradients, running statistics and `num_batches_tracked`; every tensor of
 //! the CUDA layer stays on the device.
 //!
-//! Runs when a CUDA device is present and prints `skipped: no CUDA device` otherwise.
+//! Runs on the GPU, or on the CUDA emulator without one (`tandem_test_support::select_cuda`).
 
 use tandem_autograd::{no_grad, BackwardOptions, TensorBackward};
-use tandem_core::{cuda, DType, Device, Generator, Tensor};
+use tandem_core::{DType, Device, Generator, Tensor};
 use tandem_nn::{BatchNorm2d, Module};
 
 const GPU: Device = Device::Cuda(0);
@@ -45,8 +45,7 @@ fn assert_close(got: &Tensor, want: &Tensor, tol: f64, skip: &[bool], what: &str
 
 #[test]
 fn batch_norm_2d_on_cuda_matches_the_cpu_layer() {
-    if !cuda::is_available() {
-        println!("skipped: no CUDA device");
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     let c = 6;

@@ -6,7 +6,7 @@
 //! own (what SyncBatchNorm runs); gradient checks in f64 on the GPU; and errors (device mixes,
 //! bad shapes) equal to the CPU's.
 //!
-//! Each test runs when a CUDA device is present and prints `skipped: no CUDA device` otherwise.
+//! Each test runs on the GPU, or on the CUDA emulator without one (`tandem_test_support::select_cuda`).
 //! The per-channel statistics are sums in a different order than the CPU's, so results agree
 //! within f32 rounding, not bit for bit. Behind a ReLU, an element whose pre-activation is
 //! within rounding of 0 may fall on either side of the kink on the two devices; such elements
@@ -15,7 +15,7 @@
 
 mod common;
 
-use common::{gpu, GPU};
+use common::GPU;
 
 use tandem_autograd::{gradcheck, no_grad, BackwardOptions, GradcheckOptions, TensorBackward};
 use tandem_core::{DType, Device, Generator, Tensor};
@@ -328,7 +328,7 @@ fn check_against_cpu(
 
 #[test]
 fn fused_ops_match_the_cpu_forward_and_backward_in_training_and_eval() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     // Odd spatial sizes (scalar loads), whole 16-byte vectors, [N, C], rank 3.
@@ -348,7 +348,7 @@ fn fused_ops_match_the_cpu_forward_and_backward_in_training_and_eval() {
 
 #[test]
 fn strided_inputs_match_the_cpu() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     for kind in [Kind::Plain, Kind::Relu, Kind::AddRelu] {
@@ -361,7 +361,7 @@ fn strided_inputs_match_the_cpu() {
 
 #[test]
 fn resnet_layer_shapes_with_split_reductions_match_the_cpu() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     // ResNet-20 at batch 128: 16 channels of 32×32 (many blocks per channel), 32 of 16×16,
@@ -388,7 +388,7 @@ fn resnet_layer_shapes_with_split_reductions_match_the_cpu() {
 
 #[test]
 fn a_second_call_gives_the_same_bits() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     let host = host_side(&[64, 8, 32, 32], DType::F32, 5);
@@ -409,7 +409,7 @@ fn a_second_call_gives_the_same_bits() {
 
 #[test]
 fn an_empty_batch_in_evaluation_gives_an_empty_output_and_gradient() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     // Every epilogue, with and without affine parameters, in f32 and f64, against the CPU:
@@ -464,7 +464,7 @@ fn an_empty_batch_in_evaluation_gives_an_empty_output_and_gradient() {
 
 #[test]
 fn every_phase_matches_the_cpu() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     for (shape, dtype) in [
@@ -685,7 +685,7 @@ fn every_phase_matches_the_cpu() {
 
 #[test]
 fn count_batch_advances_the_counter_on_the_device() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     let counter = Tensor::scalar(41i64, GPU).unwrap();
@@ -744,7 +744,7 @@ fn epilogue_of(kind: Kind, t: &[Tensor]) -> Epilogue<'_> {
 
 #[test]
 fn gradcheck_in_f64_on_the_gpu() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     let inputs = || {
@@ -809,7 +809,7 @@ type Call<'a> = Box<dyn Fn(Device) -> tandem_core::Result<Tensor> + 'a>;
 
 #[test]
 fn bad_arguments_give_the_cpus_errors() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     let x = randn(&[2, 4, 3, 3], 0.0, 1.0, DType::F32, 1);
@@ -894,7 +894,7 @@ fn bad_arguments_give_the_cpus_errors() {
 
 #[test]
 fn mixing_devices_is_an_error_naming_both() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     let x = on(&randn(&[2, 3, 4], 0.0, 1.0, DType::F32, 1), GPU);

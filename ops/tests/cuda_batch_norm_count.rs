@@ -1,5 +1,5 @@
 //! GPU checks of batch norm's count of all-reduced statistics staying on the device (issue 19,
-//! defect 7); each prints `skipped: no CUDA device` without a GPU.
+//! defect 7); each prints runs on the CUDA emulator without a GPU.
 //!
 //! SyncBatchNorm's phases — statistics, sums, (all-reduce), `from_sums`, running update,
 //! normalization, apply, and in backward the reduce and apply with the reduced count — must not
@@ -10,7 +10,7 @@
 //! One test in its own binary: the deferred-error record is per device, and another test's
 //! read of the device could report the bad count this test provokes.
 
-use tandem_core::cuda::{self, device_to_host_copies};
+use tandem_core::cuda::device_to_host_copies;
 use tandem_core::{DType, Device, Generator, Tensor};
 use tandem_ops::batch_norm::phases::{
     self, ApplyArgs, BackwardApplyArgs, BackwardReduceArgs, GradMask, NormalizationArgs,
@@ -86,8 +86,7 @@ fn assert_close(what: &str, got: &Tensor, want: &Tensor) {
 
 #[test]
 fn sync_batch_norm_phases_keep_the_count_on_the_device_and_check_it_there() {
-    if !cuda::is_available() {
-        println!("skipped: no CUDA device");
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     let (x, g) = (randn(&[4, 3, 5, 5], 1), randn(&[4, 3, 5, 5], 2));

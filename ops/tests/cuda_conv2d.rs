@@ -8,7 +8,7 @@
 //! f64 gradcheck on the GPU; only the requested gradients; empty batches; cuDNN's plan cache;
 //! heuristic algorithm choice; TF32; and bad arguments, which must give the CPU's errors.
 //!
-//! Each test runs when a CUDA device is present and prints `skipped: no CUDA device` otherwise.
+//! Each test runs on the GPU, or on the CUDA emulator without one (`tandem_test_support::select_cuda`).
 //! Where cuDNN does not load, the cuDNN arm runs im2col (conv2d prints a notice) and the tests
 //! say so. The engine, TF32 and algorithm-search settings are process-wide, so every test holds
 //! one lock while it sets and uses them.
@@ -22,7 +22,7 @@
 
 mod common;
 
-use common::{gpu, GPU};
+use common::GPU;
 
 use std::sync::Mutex;
 
@@ -347,7 +347,7 @@ fn compare(c: &Case, dtype: DType, tolerance: Tolerance, strided: bool, what: &s
 
 #[test]
 fn forward_and_backward_match_the_cpu_in_f32_with_tf32_off_on_both_engines() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     for backend in BACKENDS {
@@ -370,7 +370,7 @@ fn forward_and_backward_match_the_cpu_in_f32_with_tf32_off_on_both_engines() {
 
 #[test]
 fn large_geometries_match_the_cpu_on_both_engines() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     for backend in BACKENDS {
@@ -392,7 +392,7 @@ fn large_geometries_match_the_cpu_on_both_engines() {
 
 #[test]
 fn forward_and_backward_match_the_cpu_in_f64_on_both_engines() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     for backend in BACKENDS {
@@ -414,7 +414,7 @@ fn forward_and_backward_match_the_cpu_in_f64_on_both_engines() {
 
 #[test]
 fn tf32_on_by_default_stays_within_tf32_rounding_of_the_cpu() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     {
@@ -440,7 +440,7 @@ fn tf32_on_by_default_stays_within_tf32_rounding_of_the_cpu() {
 
 #[test]
 fn strided_inputs_and_output_gradients_match_the_cpu() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     for backend in BACKENDS {
@@ -455,7 +455,7 @@ fn strided_inputs_and_output_gradients_match_the_cpu() {
 
 #[test]
 fn heuristic_algorithm_choice_matches_the_cpu() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     with_settings(
@@ -491,7 +491,7 @@ fn heuristic_algorithm_choice_matches_the_cpu() {
 
 #[test]
 fn gradcheck_in_f64_on_the_gpu_passes_on_both_engines() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     let geometries = [
@@ -540,7 +540,7 @@ fn gradcheck_in_f64_on_the_gpu_passes_on_both_engines() {
 
 #[test]
 fn only_the_gradients_asked_for_are_computed() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     for backend in BACKENDS {
@@ -587,7 +587,7 @@ fn only_the_gradients_asked_for_are_computed() {
 
 #[test]
 fn empty_batches_give_empty_outputs_and_zero_parameter_gradients() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     for backend in BACKENDS {
@@ -643,7 +643,7 @@ fn empty_batches_give_empty_outputs_and_zero_parameter_gradients() {
 /// cuBLAS with a zero size.
 #[test]
 fn empty_geometries_match_the_cpu_forward_and_backward_on_both_engines() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     let cases = [
@@ -677,7 +677,10 @@ fn empty_geometries_match_the_cpu_forward_and_backward_on_both_engines() {
 
 #[test]
 fn cudnn_chooses_each_algorithm_once_per_geometry_and_then_reuses_its_plan() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
+        return;
+    }
+    if tandem_test_support::skip_on_emulator("cuDNN (emulated in issue 21)") {
         return;
     }
     if !cudnn_available(GPU) {
@@ -739,7 +742,7 @@ fn error_of(r: tandem_core::Result<Tensor>) -> String {
 
 #[test]
 fn bad_arguments_give_the_cpus_errors() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     let p = Conv2dParams::default();

@@ -4,7 +4,7 @@
 //! device, dropout masks equal to the CPU's for the same seed, and the errors of mixed devices
 //! and bad shapes.
 //!
-//! Each test runs when a CUDA device is present and prints `skipped: no CUDA device` otherwise.
+//! Each test runs on the GPU, or on the CUDA emulator without one (`tandem_test_support::select_cuda`).
 //! Add, sub, mul, div, neg, relu, sqrt, integer powers, cat, the views and dropout compute the
 //! CPU's IEEE operations and agree to the last bit. What does not (see `common/tolerance.rs`):
 //! the gradient of a broadcast input is a sum, added in another order on each device (within a
@@ -16,7 +16,7 @@
 mod common;
 
 use common::tolerance::{sigmoid_backward_bound, sum_order_bound, tanh_backward_bound};
-use common::{assert_ulps, assert_within, broadcast_sums, epsilon, gpu, values, GPU};
+use common::{assert_ulps, assert_within, broadcast_sums, epsilon, values, GPU};
 use tandem_autograd::{gradcheck, GradcheckOptions};
 use tandem_core::{DType, Device, Generator, Result, Tensor};
 use tandem_ops as ops;
@@ -163,7 +163,7 @@ fn broadcast_gradient_bounds(f: Binary, a: &Tensor, b: &Tensor, g: &Tensor) -> [
 
 #[test]
 fn binary_ops_match_the_cpu_forward_and_backward_on_same_shape_inputs() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     for dtype in DTYPES {
@@ -189,7 +189,7 @@ fn binary_ops_match_the_cpu_forward_and_backward_on_same_shape_inputs() {
 /// device).
 #[test]
 fn binary_ops_match_the_cpu_forward_and_backward_with_broadcasting() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     for dtype in DTYPES {
@@ -231,7 +231,7 @@ impl AbsForTest for Tensor {
 
 #[test]
 fn scalar_ops_match_the_cpu_forward_and_backward() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     for dtype in DTYPES {
@@ -369,7 +369,7 @@ fn unary_backward_bounds(case: &UnaryCase, g: &Tensor, y: &Tensor) -> Vec<f64> {
 
 #[test]
 fn unary_ops_match_the_cpu_forward_and_backward() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     for dtype in DTYPES {
@@ -426,7 +426,7 @@ fn unary_ops_match_the_cpu_forward_and_backward() {
 
 #[test]
 fn relu_keeps_nan_and_zeroes_negatives_on_the_device() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     let x = Tensor::from_vec(vec![-2.0f32, -0.0, 0.5, f32::NAN, 0.0], &[5], GPU).unwrap();
@@ -445,7 +445,7 @@ fn gradcheck_gpu(what: &str, f: impl Fn(&[Tensor]) -> Result<Tensor>, inputs: &[
 
 #[test]
 fn gradcheck_every_op_in_f64_on_the_device() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     let a = randn(&[3, 4], DType::F64, 110);
@@ -514,7 +514,7 @@ fn gradcheck_every_op_in_f64_on_the_device() {
 
 #[test]
 fn cat_matches_the_cpu_forward_and_backward() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     for dtype in DTYPES {
@@ -584,7 +584,7 @@ fn cat_matches_the_cpu_forward_and_backward() {
 
 #[test]
 fn views_match_the_cpu_forward_and_backward() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     type View = Box<dyn Fn(&Tensor) -> Result<Tensor>>;
@@ -673,7 +673,7 @@ fn views_match_the_cpu_forward_and_backward() {
 
 #[test]
 fn dropout_draws_the_cpu_mask_for_the_same_seed_forward_and_backward() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     for dtype in DTYPES {
@@ -749,7 +749,7 @@ fn err(r: Result<Tensor>, what: &str) -> String {
 
 #[test]
 fn mixed_devices_and_bad_shapes_are_the_cpu_errors() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     let c = randn(&[2, 3], DType::F32, 150);

@@ -4,12 +4,12 @@
 //! the step, at the next read) as the CPU's error, never an illegal memory access, and the
 //! device usable afterwards; and the CPU's errors for bad shapes, dtypes and device mixes.
 //!
-//! Each test prints `skipped: no CUDA device` without a GPU. Failure messages name the loss,
+//! Each test prints runs on the CUDA emulator without a GPU. Failure messages name the loss,
 //! the reduction, the sizes, the dtype and the first differing element.
 
 mod common;
 
-use common::{gpu, GPU};
+use common::GPU;
 
 use tandem_autograd::{gradcheck, BackwardOptions, GradcheckOptions, TensorBackward};
 use tandem_core::{cuda, DType, Device, Generator, Tensor};
@@ -104,7 +104,7 @@ fn compare_class_loss(
 
 #[test]
 fn cross_entropy_matches_the_cpu_for_every_reduction() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     compare_class_loss("cross_entropy", tandem_ops::cross_entropy, false);
@@ -112,7 +112,7 @@ fn cross_entropy_matches_the_cpu_for_every_reduction() {
 
 #[test]
 fn nll_loss_matches_the_cpu_for_every_reduction() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     compare_class_loss("nll_loss", tandem_ops::nll_loss, true);
@@ -120,7 +120,7 @@ fn nll_loss_matches_the_cpu_for_every_reduction() {
 
 #[test]
 fn cross_entropy_is_stable_for_huge_logits() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     let x = Tensor::from_vec(vec![1000.0f32, 0.0, -1000.0, 5.0], &[2, 2], Device::Cpu).unwrap();
@@ -137,7 +137,7 @@ fn cross_entropy_is_stable_for_huge_logits() {
 
 #[test]
 fn mse_loss_matches_the_cpu_for_every_reduction() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     for shape in [&[37][..], &[64, 10], &[3, 4, 5], &[]] {
@@ -177,7 +177,7 @@ fn mse_loss_matches_the_cpu_for_every_reduction() {
 /// CPU's empty tensor or zero and empty gradients; `Mean` is the CPU's error on both devices.
 #[test]
 fn empty_batches_match_the_cpu_for_every_reduction() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     type ClassLoss = fn(&Tensor, &Tensor, Reduction) -> tandem_core::Result<Tensor>;
@@ -261,7 +261,7 @@ fn empty_batches_match_the_cpu_for_every_reduction() {
 
 #[test]
 fn gradcheck_in_f64_on_the_gpu() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     let opts = GradcheckOptions::default();
@@ -300,7 +300,7 @@ fn gradcheck_in_f64_on_the_gpu() {
 
 #[test]
 fn a_label_out_of_range_is_the_cpu_error_at_the_next_read() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     let x = randn(&[4, 3], DType::F32, 1, 1.0);
@@ -351,7 +351,7 @@ fn a_label_out_of_range_is_the_cpu_error_at_the_next_read() {
 
 #[test]
 fn bad_arguments_give_the_cpu_errors() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     let x = randn(&[4, 3], DType::F32, 1, 1.0);

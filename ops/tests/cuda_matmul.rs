@@ -4,14 +4,14 @@
 //! expanded operands, empty sizes, TF32 on and off; gradcheck in f64 on the GPU; and errors
 //! (mixed devices, shapes, dtypes) that must match the CPU's.
 //!
-//! Each test runs when a CUDA device is present and prints `skipped: no CUDA device` otherwise.
+//! Each test runs on the GPU, or on the CUDA emulator without one (`tandem_test_support::select_cuda`).
 //! cuBLAS sums in another order than the CPU's gemm, so f32 results agree to a tolerance that
 //! grows with the magnitude of the result; a failure names the op, shapes, dtype and element.
 //! Every test holds one lock, because the TF32 test changes a process-wide setting.
 
 mod common;
 
-use common::{gpu, GPU};
+use common::GPU;
 
 use std::sync::Mutex;
 
@@ -181,7 +181,7 @@ const MATMUL_SHAPES: [(&[usize], &[usize]); 14] = [
 #[test]
 fn matmul_on_cuda_matches_the_cpu_forward_and_backward() {
     let _settings = SETTINGS.lock().unwrap_or_else(|e| e.into_inner());
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     for (i, (a, b)) in MATMUL_SHAPES.iter().enumerate() {
@@ -201,7 +201,7 @@ fn matmul_on_cuda_matches_the_cpu_forward_and_backward() {
 #[test]
 fn matmul_on_cuda_reads_transposed_and_strided_operands() {
     let _settings = SETTINGS.lock().unwrap_or_else(|e| e.into_inner());
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     let layouts = [Layouts::Dense, Layouts::Transposed, Layouts::EveryOther];
@@ -245,7 +245,7 @@ fn matmul_on_cuda_reads_transposed_and_strided_operands() {
 #[test]
 fn matmul_on_cuda_with_tf32_stays_within_tf32_rounding_and_off_matches_f32() {
     let _settings = SETTINGS.lock().unwrap_or_else(|e| e.into_inner());
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     assert!(!blas::allow_tf32_matmul(), "TF32 must be off by default");
@@ -294,7 +294,7 @@ fn matmul_on_cuda_with_tf32_stays_within_tf32_rounding_and_off_matches_f32() {
 #[test]
 fn linear_on_cuda_matches_the_cpu_forward_and_backward() {
     let _settings = SETTINGS.lock().unwrap_or_else(|e| e.into_inner());
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     let cases: [(&[usize], &[usize], bool); 6] = [
@@ -333,7 +333,7 @@ fn linear_on_cuda_matches_the_cpu_forward_and_backward() {
 #[test]
 fn empty_products_on_cuda_match_the_cpu() {
     let _settings = SETTINGS.lock().unwrap_or_else(|e| e.into_inner());
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     // Forward and backward: zero products (k = 0), empty outputs (m, n or a batch of 0) and
@@ -391,7 +391,7 @@ fn empty_products_on_cuda_match_the_cpu() {
 #[test]
 fn gradcheck_matmul_and_linear_in_f64_on_cuda() {
     let _settings = SETTINGS.lock().unwrap_or_else(|e| e.into_inner());
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     let on_gpu =
@@ -442,7 +442,7 @@ fn gradcheck_matmul_and_linear_in_f64_on_cuda() {
 #[test]
 fn bad_products_give_the_cpu_errors_on_cuda() {
     let _settings = SETTINGS.lock().unwrap_or_else(|e| e.into_inner());
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     let z = |shape: &[usize], dtype: DType| Tensor::zeros(shape, dtype, Device::Cpu).unwrap();

@@ -3,14 +3,14 @@
 //! strided inputs and output gradients; gradcheck in f64 on the GPU; inputs without gradients;
 //! empty batches; and bad arguments, which must give the CPU's error.
 //!
-//! Each test runs when a CUDA device is present and prints `skipped: no CUDA device` otherwise.
+//! Each test runs on the GPU, or on the CUDA emulator without one (`tandem_test_support::select_cuda`).
 //! The kernels perform the CPU's operations in the CPU's order (IEEE division, no fast math), so
 //! values are expected to agree to the last bit; the comparison allows f32 rounding so that a
 //! failure message shows how far apart the two are, and names the pool, shape, dtype and element.
 
 mod common;
 
-use common::{gpu, GPU};
+use common::GPU;
 
 use tandem_autograd::{backward, gradcheck, GradcheckOptions};
 use tandem_core::{DType, Device, Generator, Tensor};
@@ -160,7 +160,7 @@ fn compare(shape: &[usize], pool: Pool, dtype: DType, seed: u64, strided: bool) 
 
 #[test]
 fn pools_on_cuda_match_the_cpu_forward_and_backward() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     for (i, (shape, pool)) in cases().into_iter().enumerate() {
@@ -172,7 +172,7 @@ fn pools_on_cuda_match_the_cpu_forward_and_backward() {
 
 #[test]
 fn pools_on_cuda_accept_strided_inputs_and_gradients() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     for (i, (shape, pool)) in cases().into_iter().enumerate() {
@@ -182,7 +182,7 @@ fn pools_on_cuda_accept_strided_inputs_and_gradients() {
 
 #[test]
 fn max_pool_on_cuda_routes_nan_and_infinities_like_the_cpu() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     let shape = [2, 3, 9, 8];
@@ -219,7 +219,7 @@ fn max_pool_on_cuda_routes_nan_and_infinities_like_the_cpu() {
 
 #[test]
 fn pools_on_cuda_without_gradients_and_on_empty_batches() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     let pools = [
@@ -246,7 +246,7 @@ fn pools_on_cuda_without_gradients_and_on_empty_batches() {
 
 #[test]
 fn gradcheck_pools_in_f64_on_cuda() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     let cases = [
@@ -273,7 +273,7 @@ fn gradcheck_pools_in_f64_on_cuda() {
 
 #[test]
 fn bad_pool_arguments_give_the_cpu_error_on_cuda() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     let cases: Vec<(Vec<usize>, DType, Pool)> = vec![

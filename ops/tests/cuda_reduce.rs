@@ -4,7 +4,7 @@
 //! block rows, column sums, the two-pass sum, softmax over rows and over columns) and strided
 //! inputs; `gradcheck` in f64 on the GPU; and the CPU's errors for bad arguments.
 //!
-//! Each test prints `skipped: no CUDA device` without a GPU. Failure messages name the op, the
+//! Each test prints runs on the CUDA emulator without a GPU. Failure messages name the op, the
 //! case, the dtype and the first differing element.
 //!
 //! Tolerances (see `common/tolerance.rs`): a sum (and a mean) adds its terms in another order on
@@ -18,7 +18,7 @@
 mod common;
 
 use common::tolerance::scaled_sum_bound;
-use common::{assert_ulps, assert_within, epsilon, gpu, values, GPU};
+use common::{assert_ulps, assert_within, epsilon, values, GPU};
 use tandem_autograd::{gradcheck, BackwardOptions, GradcheckOptions, TensorBackward};
 use tandem_core::{DType, Device, Generator, Tensor};
 
@@ -135,7 +135,7 @@ const SHAPES: [&[usize]; 6] = [
 
 #[test]
 fn sum_and_mean_match_the_cpu_forward_and_backward() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     for shape in SHAPES {
@@ -217,7 +217,7 @@ fn reduced_count(shape: &[usize], transpose: bool, dims: &[isize]) -> usize {
 
 #[test]
 fn max_and_argmax_match_the_cpu() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     for shape in [&[37][..], &[5, 1300], &[7, 33], &[3, 4, 5]] {
@@ -283,7 +283,7 @@ fn max_and_argmax_match_the_cpu() {
 
 #[test]
 fn softmax_and_log_softmax_match_the_cpu() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     for shape in [
@@ -328,7 +328,7 @@ type OpOfInputs = dyn Fn(&[Tensor]) -> tandem_core::Result<Tensor>;
 
 #[test]
 fn gradcheck_in_f64_on_the_gpu() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     let opts = GradcheckOptions::default();
@@ -367,7 +367,7 @@ fn gradcheck_in_f64_on_the_gpu() {
 
 #[test]
 fn bad_arguments_give_the_cpu_errors() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     let (c, g) = pair(&[2, 3], DType::F32, 1, false);

@@ -4,25 +4,16 @@
 //! that follows a moved parameter and checkpoints that move between devices; and the number of
 //! launches and uploads a step costs.
 //!
-//! Each test runs when a CUDA device is present and prints `skipped: no CUDA device` otherwise.
+//! Each test runs on the GPU, or on the CUDA emulator without one (`tandem_test_support::select_cuda`).
 //! The kernels compute the CPU's operations in the CPU's order (no fused multiply-adds, IEEE
 //! division and square root), so results are expected to agree to the last bit; the checks
 //! allow f32 rounding so that a failure message shows how far apart the two are.
 
-use tandem_core::{cuda, DType, Device, Generator, Tensor};
+use tandem_core::{DType, Device, Generator, Tensor};
 use tandem_optim::multi_tensor::{launch_counts, LaunchCounts};
 use tandem_optim::{clip_grad_norm, Adam, AdamConfig, AdamW, Optimizer, Sgd, SgdConfig};
 
 const GPU: Device = Device::Cuda(0);
-
-fn gpu() -> bool {
-    if cuda::is_available() {
-        true
-    } else {
-        println!("skipped: no CUDA device");
-        false
-    }
-}
 
 /// Parameter shapes: odd sizes, one element, empty, more than one 8192-element chunk, and a
 /// matrix that is also used transposed (a strided parameter).
@@ -213,7 +204,7 @@ fn some_skipped(step: usize, i: usize) -> bool {
 
 #[test]
 fn sgd_on_cuda_matches_the_cpu_for_every_option() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     for dtype in [DType::F32, DType::F64] {
@@ -234,7 +225,7 @@ fn sgd_on_cuda_matches_the_cpu_for_every_option() {
 
 #[test]
 fn adam_and_adamw_on_cuda_match_the_cpu_for_every_option() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     for dtype in [DType::F32, DType::F64] {
@@ -294,7 +285,7 @@ fn many_parameters(n: usize) -> Vec<Tensor> {
 
 #[test]
 fn a_steady_step_is_one_launch_per_dtype_and_uploads_nothing() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     let params = many_parameters(60);
@@ -356,7 +347,7 @@ fn a_steady_step_is_one_launch_per_dtype_and_uploads_nothing() {
 
 #[test]
 fn zero_grad_on_cuda_zeroes_every_gradient_in_place() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     let values = initial_values(DType::F32, 4);
@@ -407,7 +398,7 @@ fn zero_grad_on_cuda_zeroes_every_gradient_in_place() {
 
 #[test]
 fn gradients_that_are_views_into_one_bucket_are_updated_and_zeroed_in_place() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     // As DDP does: every gradient is a slice of one flat bucket.
@@ -496,7 +487,7 @@ fn clip_parameters(device: Device, seed: u64, scale: f64) -> Vec<Tensor> {
 
 #[test]
 fn clipping_on_cuda_matches_the_cpu_with_three_launches_and_one_read() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     for p in [2.0, 1.0, f64::INFINITY, 3.0] {
@@ -528,7 +519,7 @@ fn clipping_on_cuda_matches_the_cpu_with_three_launches_and_one_read() {
 
 #[test]
 fn clipping_on_cuda_reports_a_non_finite_norm_and_leaves_gradients_alone() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     for bad in [f32::NAN, f32::INFINITY] {
@@ -561,7 +552,7 @@ fn clipping_on_cuda_reports_a_non_finite_norm_and_leaves_gradients_alone() {
 
 #[test]
 fn clipping_gradients_on_two_devices_is_an_error() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     let mut params = clip_parameters(GPU, 15, 1.0);
@@ -656,7 +647,7 @@ fn resume_across_devices(name: &str, make: MakeOptimizer, from_device: Device, t
 
 #[test]
 fn a_checkpoint_written_on_the_gpu_resumes_on_the_cpu_and_back() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     let sgd = |p: Vec<Tensor>| -> Box<dyn Optimizer> {
@@ -680,7 +671,7 @@ fn a_checkpoint_written_on_the_gpu_resumes_on_the_cpu_and_back() {
 
 #[test]
 fn optimizer_state_follows_parameters_moved_to_the_gpu_and_back() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     let values = initial_values(DType::F32, 41);
@@ -730,7 +721,7 @@ fn optimizer_state_follows_parameters_moved_to_the_gpu_and_back() {
 
 #[test]
 fn bad_cuda_parameters_are_reported_by_index() {
-    if !gpu() {
+    if tandem_test_support::select_cuda().is_none() {
         return;
     }
     // A gradient moved to another device than its parameter.

@@ -1,96 +1,10 @@
-//! Points tandem's library search at the emulated driver and NVRTC.
-//!
-//! cargo builds the two shared libraries before these tests (the driver is this package's
-//! library; the NVRTC is a dev-dependency) into the folder of the test binary
-//! (`target/<profile>/deps`) and its parent. [`use_emulator`] copies them, once per process,
-//! into a fresh folder under the names tandem's search looks for (`libcuda.so`, `libnvrtc.so`
-//! and NVRTC's builtins companion `libnvrtc-builtins.so.13.99`), and puts that folder first in
-//! `TANDEM_CUDA_LIBS`, before any CUDA call. Everything is found at run time, relative to the
-//! test binary, so a copied test bundle works on another machine too. It also points tandem's
-//! kernel cache (`TANDEM_KERNEL_CACHE`) at a fresh folder: that cache's key holds the NVRTC
-//! version but not the emulation's headers, so an image compiled against an older
-//! `tandem_host.h` would be loaded again (the emulated driver refuses it); the emulated NVRTC's
-//! own cache, keyed by the headers too, keeps compiles cheap.
-//!
-//! CI can do the same by hand: `cargo build -p tandem-cuda-emu -p tandem-cuda-emu-nvrtc`, copy
-//! `target/debug/libtandem_cuda_emu.so` to `<dir>/libcuda.so` and
-//! `target/debug/libtandem_cuda_emu_nvrtc.so` to `<dir>/libnvrtc.so`, link
-//! `<dir>/libnvrtc-builtins.so.13.99` to the latter, and export `TANDEM_CUDA_LIBS=<dir>:…`.
-//! (Take them right after that `cargo build`: a `cargo test` refreshes only the copies in
-//! `target/debug/deps`, which is why [`use_emulator`] looks there first.)
+//! The emulator's own tests: its libraries are set up by `tandem-test-support`'s
+//! [`use_emulator`] (the one copy of that logic, which every GPU test uses through
+//! `select_cuda`), plus the emulator's queries (last fault, quarantine check).
 
 #![allow(dead_code)]
 
-use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
-
-/// The file names cargo gives the driver and NVRTC, and the names tandem's search looks for.
-const DRIVER_AND_NVRTC: [(&str, &str); 2] = [
-    ("libtandem_cuda_emu.so", "libcuda.so"),
-    ("libtandem_cuda_emu_nvrtc.so", "libnvrtc.so"),
-];
-
-/// The same for cuBLAS and cuBLASLt, for the tests of the emulated cuBLAS (which has them as
-/// its package and a dev-dependency, so cargo builds them beside its test binaries).
-pub const CUBLAS: [(&str, &str); 2] = [
-    ("libtandem_cuda_emu_cublas.so", "libcublas.so"),
-    ("libtandem_cuda_emu_cublaslt.so", "libcublasLt.so"),
-];
-
-fn built(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().expect("the test binary's path");
-    let deps = exe.parent().expect("the test binary's folder");
-    let candidates = [deps.join(name), deps.parent().unwrap_or(deps).join(name)];
-    candidates
-        .iter()
-        .find(|p| p.exists())
-        .cloned()
-        .unwrap_or_else(|| {
-            panic!(
-                "the emulator library {name} was not built beside the test binary (looked at \
-                 {candidates:?}); run the tests through cargo"
-            )
-        })
-}
-
-/// The folder holding the emulated driver and NVRTC under CUDA's names, set up and put first in
-/// `TANDEM_CUDA_LIBS` on the first call.
-pub fn use_emulator() -> &'static Path {
-    use_emulator_with(&[])
-}
-
-/// [`use_emulator`] with `extra` libraries (pairs of cargo's file name and CUDA's name, such as
-/// [`CUBLAS`]) copied beside them. The first call in a process sets the folder up.
-pub fn use_emulator_with(extra: &[(&str, &str)]) -> &'static Path {
-    static FOLDER: OnceLock<PathBuf> = OnceLock::new();
-    FOLDER.get_or_init(|| {
-        let dir = tempfile::Builder::new()
-            .prefix("tandem-cuda-emu-libs")
-            .tempdir()
-            .expect("a temporary folder")
-            .keep();
-        // Copies, not links: tandem resolves the library it loaded to its real path and looks
-        // for NVRTC's builtins beside it.
-        for (built_name, cuda_name) in DRIVER_AND_NVRTC.iter().chain(extra) {
-            std::fs::copy(built(built_name), dir.join(cuda_name))
-                .unwrap_or_else(|e| panic!("copy {built_name}: {e}"));
-        }
-        std::os::unix::fs::symlink("libnvrtc.so", dir.join("libnvrtc-builtins.so.13.99"))
-            .expect("link NVRTC's builtins");
-        let mut folders = vec![dir.clone()];
-        if let Some(old) = std::env::var_os("TANDEM_CUDA_LIBS") {
-            folders.extend(std::env::split_paths(&old));
-        }
-        let kernels = dir.join("kernel-cache");
-        std::fs::create_dir_all(&kernels).expect("the kernel cache folder");
-        std::env::set_var("TANDEM_KERNEL_CACHE", &kernels);
-        std::env::set_var(
-            "TANDEM_CUDA_LIBS",
-            std::env::join_paths(folders).expect("paths without ':'"),
-        );
-        dir
-    })
-}
+pub use tandem_test_support::use_emulator;
 
 /// The emulator's last reported fault (`tandem_cuda_emu_last_fault`).
 pub fn last_fault() -> String {

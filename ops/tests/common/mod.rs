@@ -1,5 +1,6 @@
-//! Shared by the ops' CUDA conformance tests (`ops/tests/cuda_*.rs`): the device they run on,
-//! the skip without one, and comparisons of a GPU result with the CPU's within the tolerances
+//! Shared by the ops' CUDA conformance tests (`ops/tests/cuda_*.rs`): the device they run on
+//! (each test first calls `tandem_test_support::select_cuda`: the GPU, else the CUDA emulator),
+//! and comparisons of a GPU result with the CPU's within the tolerances
 //! of [`tolerance`].
 
 // Each test binary uses a different part of this module.
@@ -7,20 +8,10 @@
 
 pub mod tolerance;
 
-use tandem_core::{cuda, DType, Device, Tensor};
+use tandem_core::{DType, Device, Tensor};
 
 /// The device every CUDA test runs on.
 pub const GPU: Device = Device::Cuda(0);
-
-/// Whether a CUDA device is present; prints the skip line when it is not.
-pub fn gpu() -> bool {
-    if cuda::is_available() {
-        true
-    } else {
-        println!("skipped: no CUDA device");
-        false
-    }
-}
 
 /// The machine epsilon of a float dtype (f32 or f64).
 pub fn epsilon(dtype: DType) -> f64 {
