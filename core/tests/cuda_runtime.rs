@@ -512,7 +512,11 @@ fn a_compute_allocation_after_a_comm_stream_free_does_not_wait_for_the_comm_stre
     cuda::empty_cache(0).unwrap();
     // 64 MiB on a GPU; 1 MiB on the emulator, whose fill must finish inside the bounded host
     // wait below while the gate holds (it fills at host speed, block by block).
-    let bytes: usize = if tandem_test_support::on_emulator() { 1 << 20 } else { 64 << 20 };
+    let bytes: usize = if tandem_test_support::on_emulator() {
+        1 << 20
+    } else {
+        64 << 20
+    };
     let gate = Gate::close(&dev, &comm);
     let gate_passed = comm.record_event(Some(CU_EVENT_DISABLE_TIMING)).unwrap();
     // Comm-stream memory (an NCCL temporary, say), freed behind the still-running gate.

@@ -38,9 +38,7 @@ static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 /// `None` (after printing why) when there is no GPU or no NCCL; else the GPU lock. Under
 /// `TANDEM_REQUIRE_NCCL=1` a GPU without NCCL fails instead, naming what to install.
 fn gpu() -> Option<MutexGuard<'static, ()>> {
-    if tandem_test_support::select_cuda().is_none() {
-        return None;
-    }
+    tandem_test_support::select_cuda()?;
     // CI installs the real NCCL (for tests/nccl_id.rs); it cannot work on emulated memory.
     if tandem_test_support::skip_on_emulator("NCCL (emulated in issue 21)") {
         return None;

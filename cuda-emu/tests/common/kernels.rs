@@ -85,9 +85,9 @@ pub fn read_one(ptr: u64, index: i64, out: u64) -> Launch {
         kernel: "read_one".to_string(),
         config: LaunchConfig::new("test", [1, 1, 1], [32, 1, 1], 0).unwrap(),
         args: vec![
-            KernelArg::Ptr(ptr),
+            KernelArg::In(ptr),
             KernelArg::I64(index),
-            KernelArg::Ptr(out),
+            KernelArg::Out(out),
         ],
     }
 }
@@ -100,9 +100,9 @@ pub fn wait_for_flag(flag: u64, limit: i64, out: u64) -> Launch {
         kernel: "wait_for_flag".to_string(),
         config: LaunchConfig::new("test", [1, 1, 1], [1, 1, 1], 0).unwrap(),
         args: vec![
-            KernelArg::Ptr(flag),
+            KernelArg::In(flag),
             KernelArg::I64(limit),
-            KernelArg::Ptr(out),
+            KernelArg::Out(out),
         ],
     }
 }
@@ -113,7 +113,7 @@ pub fn set_flag(flag: u64, value: u32) -> Launch {
         source: &FAULTS,
         kernel: "set_flag".to_string(),
         config: LaunchConfig::new("test", [1, 1, 1], [32, 1, 1], 0).unwrap(),
-        args: vec![KernelArg::Ptr(flag), KernelArg::U32(value)],
+        args: vec![KernelArg::Out(flag), KernelArg::U32(value)],
     }
 }
 
@@ -125,10 +125,10 @@ pub fn signal_then_wait(started: u64, flag: u64, limit: i64, out: u64) -> Launch
         kernel: "signal_then_wait".to_string(),
         config: LaunchConfig::new("test", [1, 1, 1], [1, 1, 1], 0).unwrap(),
         args: vec![
-            KernelArg::Ptr(started),
-            KernelArg::Ptr(flag),
+            KernelArg::Out(started),
+            KernelArg::In(flag),
             KernelArg::I64(limit),
-            KernelArg::Ptr(out),
+            KernelArg::Out(out),
         ],
     }
 }
