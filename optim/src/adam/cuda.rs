@@ -3,11 +3,13 @@
 //! the optimizer. The bias corrections of each count are launch arguments, computed on the host
 //! exactly as the CPU computes them.
 
+use tandem_core::cuda::sanitizer::Use;
 use tandem_core::{DType, Tensor};
 
 use super::{AdamConfig, AdamUpdate};
 use crate::multi_tensor::{
-    adam_launch, element_address, run, TableCache, TableEntry, TensorTable, CHUNK_ELEMENTS,
+    adam_launch, element_address, run_on_table, Roles, TableCache, TableEntry, TensorTable,
+    CHUNK_ELEMENTS,
 };
 use crate::optimizer::check_disjoint;
 use crate::Result;
@@ -63,9 +65,15 @@ pub(super) fn update(
                 (index, &params[index])
             })
         })?;
-        run(
+        run_on_table(
             &dev,
             &adam_launch(&table, lease.address(), cfg, decoupled, step)?,
+            &table,
+            Roles {
+                param: Some(Use::Write),
+                grad: Some(Use::Read),
+                state: Some(Use::Write),
+            },
         )?;
         // The launch is queued: the table may go now (its free is ordered after the launch).
         drop(lease);

@@ -14,12 +14,13 @@
 //! measured and scaled as a dense copy, which is then copied back into it.
 
 use tandem_core::cuda::runtime_kernels::{norm_finish_launch, NormKind};
+use tandem_core::cuda::sanitizer::Use;
 use tandem_core::{DType, Error as TensorError, Tensor};
 
 use super::non_finite;
 use crate::multi_tensor::{
     count_host_read, element_address, grad_clip_scale_launch, grad_norm_partial_launch, run,
-    shared_cache, TableEntry, TensorTable, CHUNK_ELEMENTS,
+    run_on_table, shared_cache, Roles, TableEntry, TensorTable, CHUNK_ELEMENTS,
 };
 use crate::{Error, Result};
 
@@ -94,9 +95,15 @@ pub(super) fn clip(ordinal: usize, grads: &[Tensor], max_norm: f64, norm_type: f
         }
     }
     for ((table, _, first_partial), lease) in tables.iter().zip(&leases) {
-        run(
+        run_on_table(
             &dev,
             &grad_norm_partial_launch(table, lease.address(), kind, slot(*first_partial))?,
+            table,
+            Roles {
+                param: None,
+                grad: Some(Use::Read),
+                state: None,
+            },
         )?;
     }
     let count = usize::try_from(total_chunks)
@@ -104,9 +111,15 @@ pub(super) fn clip(ordinal: usize, grads: &[Tensor], max_norm: f64, norm_type: f
     run(&dev, &norm_finish_launch(base, count, kind, reduced)?)?;
     for (i, ((table, _, _), lease)) in tables.iter().zip(&leases).enumerate() {
         let norm_out = if i == 0 { norm } else { 0 };
-        run(
+        run_on_table(
             &dev,
             &grad_clip_scale_launch(table, lease.address(), reduced, kind, max_norm, norm_out)?,
+            table,
+            Roles {
+                param: None,
+                grad: Some(Use::Write),
+                state: None,
+            },
         )?;
     }
     drop(leases);

@@ -13,6 +13,7 @@ use std::sync::{Mutex, MutexGuard};
 
 use tandem_core::cuda::device::CudaDevice;
 use tandem_core::cuda::launch::Launch;
+use tandem_core::cuda::sanitizer::{self, Use};
 use tandem_core::{Device, Error as TensorError, Tensor};
 
 use super::cache::{TableCache, TableLease};
@@ -50,6 +51,42 @@ pub fn launch_counts() -> LaunchCounts {
 /// Notes a value read back to the host.
 pub(crate) fn count_host_read() {
     count(|c| c.host_reads += 1);
+}
+
+/// What a multi-tensor kernel does with each role of its table's entries (`None`: unused).
+/// The table reaches the tensors through addresses the launch's arguments do not show, so the
+/// stream sanitizer learns of these accesses from here.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Roles {
+    pub param: Option<Use>,
+    pub grad: Option<Use>,
+    pub state: Option<Use>,
+}
+
+/// [`run`] for a kernel walking `table`, declaring to the stream sanitizer the tensors the
+/// table points at (by `roles`) before the launch is issued.
+pub(crate) fn run_on_table(
+    dev: &CudaDevice,
+    launch: &Launch,
+    table: &TensorTable,
+    roles: Roles,
+) -> Result<()> {
+    if sanitizer::enabled() {
+        let per_entry = [
+            roles.param,
+            roles.grad,
+            roles.state,
+            roles.state,
+            roles.state,
+        ];
+        let uses: Vec<(u64, Use)> = table
+            .entry_addresses()
+            .flat_map(|addresses| addresses.into_iter().zip(per_entry))
+            .filter_map(|(address, role)| Some((address, role?)).filter(|(a, _)| *a != 0))
+            .collect();
+        sanitizer::access(dev.device(), dev.compute_stream(), &launch.kernel, &uses)?;
+    }
+    run(dev, launch)
 }
 
 /// Runs `launch` on `dev`'s compute stream, in order with every op.

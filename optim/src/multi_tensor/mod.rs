@@ -27,7 +27,7 @@ pub mod plans;
 mod table;
 
 pub(crate) use cache::TableCache;
-pub(crate) use device::{count_host_read, element_address, run, shared_cache};
+pub(crate) use device::{count_host_read, element_address, run, run_on_table, shared_cache, Roles};
 pub use device::{launch_counts, LaunchCounts};
 pub use plans::{
     adam_launch, grad_clip_scale_launch, grad_norm_partial_launch, grad_zero_launch, sgd_launch,

@@ -133,6 +133,14 @@ impl TensorTable {
         self.positions.len() as u32
     }
 
+    /// The addresses of each entry's roles, in the order param, grad, state 0..3 (0 for a role
+    /// the kernel does not use).
+    pub fn entry_addresses(&self) -> impl Iterator<Item = [u64; 5]> + '_ {
+        self.words
+            .chunks_exact(ENTRY_WORDS)
+            .map(|w| [w[0], w[1], w[2], w[3], w[4]])
+    }
+
     /// Whether the table has no entries (nothing to launch).
     pub fn is_empty(&self) -> bool {
         self.positions.is_empty()

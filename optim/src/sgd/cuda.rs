@@ -2,11 +2,13 @@
 //! (and, in the step that creates momentum buffers for some parameters but not others, one
 //! more for those), through a table cached in the optimizer.
 
+use tandem_core::cuda::sanitizer::Use;
 use tandem_core::{DType, Tensor};
 
 use super::{SgdConfig, SgdUpdate, NAME};
 use crate::multi_tensor::{
-    element_address, run, sgd_launch, TableCache, TableEntry, TensorTable, CHUNK_ELEMENTS,
+    element_address, run_on_table, sgd_launch, Roles, TableCache, TableEntry, TensorTable,
+    CHUNK_ELEMENTS,
 };
 use crate::optimizer::check_disjoint;
 use crate::Result;
@@ -57,7 +59,16 @@ pub(super) fn update(
                 (index, &params[index])
             })
         })?;
-        run(&dev, &sgd_launch(&table, lease.address(), cfg, first)?)?;
+        run_on_table(
+            &dev,
+            &sgd_launch(&table, lease.address(), cfg, first)?,
+            &table,
+            Roles {
+                param: Some(Use::Write),
+                grad: Some(Use::Read),
+                state: Some(Use::Write),
+            },
+        )?;
         // The launch is queued: the table may go now (its free is ordered after the launch).
         drop(lease);
     }

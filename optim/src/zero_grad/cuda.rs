@@ -1,10 +1,12 @@
 //! `zero_grad` on a CUDA device: one `grad_zero` launch per dtype over every dense f32/f64
 //! gradient; any other gradient (strided, or another dtype) is filled by the runtime.
 
+use tandem_core::cuda::sanitizer::Use;
 use tandem_core::{DType, Tensor};
 
 use crate::multi_tensor::{
-    element_address, grad_zero_launch, run, shared_cache, TableEntry, TensorTable, CHUNK_ELEMENTS,
+    element_address, grad_zero_launch, run_on_table, shared_cache, Roles, TableEntry, TensorTable,
+    CHUNK_ELEMENTS,
 };
 use crate::Result;
 
@@ -35,7 +37,16 @@ pub(super) fn zero(ordinal: usize, grads: &[&Tensor]) -> Result<()> {
         // The lease (not the lock, released at the end of this statement) keeps the table from
         // being evicted and freed by another thread before the launch that reads it is queued.
         let lease = shared_cache().lease(ordinal, &table, |_| Ok(()))?;
-        run(&dev, &grad_zero_launch(&table, lease.address())?)?;
+        run_on_table(
+            &dev,
+            &grad_zero_launch(&table, lease.address())?,
+            &table,
+            Roles {
+                param: None,
+                grad: Some(Use::Write),
+                state: None,
+            },
+        )?;
         drop(lease);
     }
     for g in grads {
