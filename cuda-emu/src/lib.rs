@@ -102,6 +102,7 @@ use cudarc::driver::sys;
 use parking_lot::Mutex;
 
 pub mod context;
+pub mod counters;
 pub mod memory;
 pub mod module;
 pub mod stream;

@@ -406,6 +406,7 @@ pub unsafe extern "C" fn cuLaunchKernel(
             barrier_timeout_ms: BARRIER_TIMEOUT_MS,
         };
         let stream_id = stream.id;
+        crate::counters::count(crate::counters::Counter::launches);
         stream.enqueue(Box::new(move || {
             let mut args = args;
             let base = args.storage.as_mut_ptr().cast::<u8>();
