@@ -60,19 +60,7 @@ pub fn use_emulator() -> &'static Path {
 pub fn use_emulator_with(extra: &[(&str, &str)]) -> &'static Path {
     static FOLDER: OnceLock<PathBuf> = OnceLock::new();
     FOLDER.get_or_init(|| {
-        let dir = tempfile::Builder::new()
-            .prefix("tandem-cuda-emu-libs")
-            .tempdir()
-            .expect("a temporary folder")
-            .keep();
-        // Copies, not links: tandem resolves the library it loaded to its real path and looks
-        // for NVRTC's builtins beside it.
-        for (built_name, cuda_name) in DRIVER_AND_NVRTC.iter().chain(extra) {
-            std::fs::copy(built(built_name), dir.join(cuda_name))
-                .unwrap_or_else(|e| panic!("copy {built_name}: {e}"));
-        }
-        std::os::unix::fs::symlink("libnvrtc.so", dir.join("libnvrtc-builtins.so.13.99"))
-            .expect("link NVRTC's builtins");
+        let dir = emulator_folder(extra);
         let mut folders = vec![dir.clone()];
         if let Some(old) = std::env::var_os("TANDEM_CUDA_LIBS") {
             folders.extend(std::env::split_paths(&old));
@@ -83,6 +71,26 @@ pub fn use_emulator_with(extra: &[(&str, &str)]) -> &'static Path {
         );
         dir
     })
+}
+
+/// A fresh folder holding the emulated driver and NVRTC (and `extra`) under CUDA's names,
+/// without touching this process's environment: for a test that runs a program on the emulator
+/// by putting the folder in that child's `TANDEM_CUDA_LIBS` only.
+pub fn emulator_folder(extra: &[(&str, &str)]) -> PathBuf {
+    let dir = tempfile::Builder::new()
+        .prefix("tandem-cuda-emu-libs")
+        .tempdir()
+        .expect("a temporary folder")
+        .keep();
+    // Copies, not links: tandem resolves the library it loaded to its real path and looks
+    // for NVRTC's builtins beside it.
+    for (built_name, cuda_name) in DRIVER_AND_NVRTC.iter().chain(extra) {
+        std::fs::copy(built(built_name), dir.join(cuda_name))
+            .unwrap_or_else(|e| panic!("copy {built_name}: {e}"));
+    }
+    std::os::unix::fs::symlink("libnvrtc.so", dir.join("libnvrtc-builtins.so.13.99"))
+        .expect("link NVRTC's builtins");
+    dir
 }
 
 /// The emulator's last reported fault (`tandem_cuda_emu_last_fault`).
