@@ -12,15 +12,15 @@
 //! # Tolerance
 //!
 //! The two runs differ only in f32 rounding: cuBLAS's reference loops and the CUDA reductions
-//! sum in other orders than the CPU's `gemm` crate and kernels. One step's loss agrees to about
-//! 1e-6 relative; SGD then amplifies the differences, slowly at this learning rate, and the
-//! two trajectories drift apart step by step like two runs on different GPUs. What must agree
-//! is what training reached: the mean training loss over each epoch within 2% relative (the
-//! measured difference is printed; it was below 0.3% here), and the test accuracy within
-//! 1.5 points (a few of the 1000 test images may flip). A wrong gradient, a missed update or a
-//! race moves these by far more. (Only 60 steps fit CI's time on the emulator, see
-//! `EXAMPLE_ARGS`; the brief's few hundred steps take 10+ minutes there until the emulator runs
-//! a launch's blocks without a thread per GPU thread.)
+//! sum in other orders than the CPU's `gemm` crate and kernels, about 1e-7 relative per value.
+//! SGD amplifies such differences only slowly at this learning rate over 60 steps: measured,
+//! the epoch's mean training loss agreed to 1.2e-7 relative and the test accuracy exactly
+//! (2-core machine, 2026-11-25). The test allows 1e-3 relative on the loss — room for other
+//! summation orders (a different cuBLAS path, more steps) and still far below what a wrong
+//! gradient, a missed update or a race does (the loss falls from 2.30 to 1.75 in this run) —
+//! and 1 point of test accuracy (2 of the 200 test images flipping). Only 60 steps fit CI's
+//! time on the emulator (`EXAMPLE_ARGS`: about 3 minutes); a few hundred take 10+ minutes
+//! there until the emulator runs a launch's blocks without an OS thread per GPU thread.
 
 #[path = "../examples/mnist.rs"]
 #[allow(dead_code)]
@@ -165,14 +165,14 @@ fn mnist_on_the_emulated_gpu_reaches_the_cpu_loss() {
             100.0 * g.test_accuracy
         );
         assert!(
-            relative < 0.02,
+            relative < 1e-3,
             "epoch {}: the emulated GPU's training loss {} is not the CPU's {}",
             i + 1,
             g.train_loss,
             c.train_loss
         );
         assert!(
-            points < 1.5,
+            points <= 1.0,
             "epoch {}: test accuracy {} on the emulated GPU, {} on the CPU",
             i + 1,
             g.test_accuracy,
