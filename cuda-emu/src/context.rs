@@ -386,6 +386,7 @@ pub unsafe extern "C" fn cuCtxGetStreamPriorityRange(
 pub extern "C" fn cuCtxSynchronize() -> CUresult {
     entry("cuCtxSynchronize", || {
         current()?;
+        crate::counters::host_sync(crate::counters::Counter::context_syncs, "cuCtxSynchronize");
         crate::stream::synchronize_all()
     })
 }

@@ -103,6 +103,13 @@
 //! `tandem_cuda_emu_check_device_range(ptr, len, what)` checks that a range lies inside one live
 //! allocation, as copies do (`CUDA_ERROR_INVALID_VALUE` and a fault starting with `what`
 //! otherwise): the emulated cuBLAS checks its operands with it.
+//!
+//! [`counters`]: `tandem_cuda_emu_counters(out, capacity)` copies the counters of launches,
+//! copies and bytes per direction, memsets, host synchronisations, pool misses, allocations
+//! outside the pool and cuBLAS products into a versioned `repr(C)` struct;
+//! `tandem_cuda_emu_reset_counters()` zeroes them; `tandem_cuda_emu_count_blas(kind)` is how the
+//! emulated cuBLAS counts its products; `tandem_cuda_emu_trace_host_syncs(on)` prints the call
+//! stack of every host synchronisation. Tests read them through `tests/common`.
 
 #![allow(non_snake_case)]
 #![allow(clippy::missing_safety_doc)]
@@ -114,6 +121,7 @@ use cudarc::driver::sys;
 use parking_lot::Mutex;
 
 pub mod context;
+pub mod counters;
 pub mod memory;
 pub mod module;
 pub mod stream;

@@ -41,6 +41,7 @@ use parking_lot::Mutex;
 use sys::cudaError_enum as E;
 
 use crate::context::{current, TOTAL_MEMORY};
+use crate::counters::{count, count_bytes, host_sync, Counter};
 use crate::stream::{lookup, Stream};
 use crate::{entry, fault, initialised, put, say, sticky, CUresult, Res};
 
@@ -280,6 +281,9 @@ fn allocate(size: usize, origin: String, pooled: bool) -> Result<u64, CUresult> 
     with_heap(|h| {
         h.live_bytes += size;
         if pooled {
+            if h.pool.cached < size as u64 {
+                count(Counter::pool_misses); // the pool reserves more from the device
+            }
             h.pool.used += size as u64;
             // Reuse what the pool cached before asking for more.
             h.pool.cached = h.pool.cached.saturating_sub(size as u64);
@@ -474,6 +478,7 @@ pub unsafe extern "C" fn cuMemAlloc_v2(out: *mut u64, size: usize) -> CUresult {
     entry("cuMemAlloc_v2", || {
         current()?;
         let ptr = allocate(size, "cuMemAlloc".to_string(), false)?;
+        count(Counter::driver_allocations);
         // SAFETY: out-parameter.
         unsafe { put(out, ptr) }
     })
@@ -484,6 +489,7 @@ pub extern "C" fn cuMemFree_v2(ptr: u64) -> CUresult {
     entry("cuMemFree_v2", || {
         current()?;
         begin_free(ptr, "cuMemFree")?;
+        host_sync(Counter::blocking_frees, "cuMemFree");
         // cuMemFree synchronises with the device before it returns the memory.
         crate::stream::synchronize_all()?;
         finish_free(ptr, "cuMemFree".to_string());
@@ -501,6 +507,7 @@ pub unsafe extern "C" fn cuMemAllocAsync(
         current()?;
         let stream = lookup(stream)?;
         sticky()?;
+        count(Counter::pool_allocations);
         let ptr = allocate(
             size,
             format!("cuMemAllocAsync on {}", stream_name(&stream)),
@@ -532,6 +539,7 @@ pub extern "C" fn cuMemFreeAsync(ptr: u64, stream: sys::CUstream) -> CUresult {
         current()?;
         let stream = lookup(stream)?;
         begin_free(ptr, "cuMemFreeAsync")?;
+        count(Counter::pool_frees);
         let by = format!("cuMemFreeAsync on {}", stream_name(&stream));
         // The free takes effect when the stream gets there; until then the memory is in use.
         stream.enqueue(Box::new(move || finish_free(ptr, by)));
@@ -709,6 +717,7 @@ fn htod(
     current()?;
     sticky()?;
     device_range(dst, len, what)?;
+    count_bytes(Counter::copies_htod, Counter::bytes_htod, len);
     if len == 0 {
         return Ok(stream.tail());
     }
@@ -743,6 +752,7 @@ fn dtoh(
     current()?;
     sticky()?;
     device_range(src, len, what)?;
+    count_bytes(Counter::copies_dtoh, Counter::bytes_dtoh, len);
     if len == 0 {
         return Ok(false);
     }
@@ -753,6 +763,7 @@ fn dtoh(
     // To pageable memory the copy is complete when the call returns.
     let must_wait = !pinned(dst as u64, len);
     if must_wait {
+        host_sync(Counter::blocking_copies, what);
         stream.wait_for(seq);
     }
     Ok(must_wait)
@@ -775,6 +786,7 @@ pub unsafe extern "C" fn cuMemcpyHtoD_v2(dst: u64, src: *const c_void, len: usiz
     entry("cuMemcpyHtoD_v2", || {
         let legacy = crate::stream::legacy().clone();
         let seq = htod(dst, src, len, &legacy, "cuMemcpyHtoD")?;
+        host_sync(Counter::blocking_copies, "cuMemcpyHtoD");
         legacy.wait_for(seq);
         Ok(())
     })
@@ -799,7 +811,9 @@ pub unsafe extern "C" fn cuMemcpyDtoHAsync_v2(
 pub unsafe extern "C" fn cuMemcpyDtoH_v2(dst: *mut c_void, src: u64, len: usize) -> CUresult {
     entry("cuMemcpyDtoH_v2", || {
         let legacy = crate::stream::legacy().clone();
-        dtoh(dst, src, len, &legacy, "cuMemcpyDtoH")?;
+        if !dtoh(dst, src, len, &legacy, "cuMemcpyDtoH")? {
+            host_sync(Counter::blocking_copies, "cuMemcpyDtoH"); // into pinned memory
+        }
         legacy.drain();
         sticky()
     })
@@ -810,6 +824,7 @@ fn dtod(dst: u64, src: u64, len: usize, stream: &Arc<Stream>, what: &str) -> Res
     sticky()?;
     device_range(dst, len, what)?;
     device_range(src, len, what)?;
+    count_bytes(Counter::copies_dtod, Counter::bytes_dtod, len);
     Ok(enqueue_copy(stream, Addr(dst), Addr(src), len))
 }
 
@@ -830,6 +845,7 @@ pub extern "C" fn cuMemcpyDtoD_v2(dst: u64, src: u64, len: usize) -> CUresult {
     entry("cuMemcpyDtoD_v2", || {
         let legacy = crate::stream::legacy().clone();
         let seq = dtod(dst, src, len, &legacy, "cuMemcpyDtoD")?;
+        host_sync(Counter::blocking_copies, "cuMemcpyDtoD");
         legacy.wait_for(seq);
         sticky()
     })
@@ -854,6 +870,7 @@ fn memset(
         .checked_mul(width)
         .ok_or(E::CUDA_ERROR_INVALID_VALUE)?;
     device_range(dst, len, what)?;
+    count_bytes(Counter::memsets, Counter::bytes_memset, len);
     let dst = Addr(dst);
     Ok(stream.enqueue(Box::new(move || {
         let dst = dst;
@@ -921,6 +938,7 @@ pub extern "C" fn cuMemsetD32Async(
 fn memset_sync(dst: u64, value: u32, width: usize, count: usize, what: &str) -> Res {
     let legacy = crate::stream::legacy().clone();
     let seq = memset(dst, value, width, count, &legacy, what)?;
+    host_sync(Counter::blocking_copies, what);
     legacy.wait_for(seq);
     sticky()
 }
@@ -964,6 +982,7 @@ fn host_alloc(out: *mut *mut c_void, size: usize) -> Res {
     // SAFETY: `ptr` owns `size` bytes; poisoned so that reading before writing shows.
     unsafe { std::ptr::write_bytes(ptr, POISON, size) };
     PINNED.lock().insert(ptr as u64, size);
+    count(Counter::pinned_allocations);
     // SAFETY: out-parameter.
     unsafe { put(out, ptr.cast()) }
 }
@@ -1003,6 +1022,7 @@ pub extern "C" fn cuMemFreeHost(ptr: *mut c_void) -> CUresult {
             E::CUDA_ERROR_INVALID_VALUE
         })?;
         // Copies in flight may still use it: wait for the device, as the driver does.
+        host_sync(Counter::blocking_frees, "cuMemFreeHost");
         crate::stream::synchronize_all()?;
         // SAFETY: `ptr` came from host_alloc with this size and page alignment.
         unsafe {

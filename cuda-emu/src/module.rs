@@ -489,6 +489,7 @@ pub unsafe extern "C" fn cuLaunchKernel(
             stream: stream.id,
         };
         let stream_id = stream.id;
+        crate::counters::count(crate::counters::Counter::launches);
         stream.enqueue(Box::new(move || {
             let running = running;
             let config = &running.config;

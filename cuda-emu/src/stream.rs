@@ -18,6 +18,7 @@ use parking_lot::{Condvar, Mutex};
 use sys::cudaError_enum as E;
 
 use crate::context::current;
+use crate::counters::Counter;
 use crate::{entry, put, sticky, CUresult, Res};
 
 /// One unit of work on a stream's worker.
@@ -262,6 +263,7 @@ pub extern "C" fn cuStreamSynchronize(handle: sys::CUstream) -> CUresult {
     entry("cuStreamSynchronize", || {
         current()?;
         let stream = lookup(handle)?;
+        crate::counters::host_sync(Counter::stream_syncs, "cuStreamSynchronize");
         stream.drain();
         after_synchronisation()
     })
@@ -272,6 +274,7 @@ pub extern "C" fn cuStreamQuery(handle: sys::CUstream) -> CUresult {
     entry("cuStreamQuery", || {
         current()?;
         let stream = lookup(handle)?;
+        crate::counters::count(Counter::queries);
         sticky()?;
         if stream.passed(stream.tail()) {
             Ok(())
@@ -320,6 +323,7 @@ pub extern "C" fn cuLaunchHostFunc(
         let stream = lookup(handle)?;
         let function = function.ok_or(E::CUDA_ERROR_INVALID_VALUE)?;
         let data = UserData(data);
+        crate::counters::count(Counter::host_functions);
         stream.enqueue(Box::new(move || {
             let data = data;
             // SAFETY: the caller passed a function and the data it expects.
@@ -377,6 +381,7 @@ pub unsafe extern "C" fn cuEventCreate(out: *mut sys::CUevent, flags: u32) -> CU
             state: Mutex::new(EventState::default()),
         });
         let handle = Arc::as_ptr(&event) as usize;
+        crate::counters::count(Counter::events_created);
         events().lock().insert(handle, event);
         // SAFETY: out-parameter.
         unsafe { put(out, handle as sys::CUevent) }
@@ -406,6 +411,7 @@ fn record(handle: sys::CUevent, stream: sys::CUstream) -> Res {
     current()?;
     let event = event(handle)?;
     let stream = lookup(stream)?;
+    crate::counters::count(Counter::event_records);
     let mut state = event.state.lock();
     state.generation += 1;
     state.time = None;
@@ -445,6 +451,7 @@ pub extern "C" fn cuEventQuery(handle: sys::CUevent) -> CUresult {
     entry("cuEventQuery", || {
         current()?;
         let event = event(handle)?;
+        crate::counters::count(Counter::queries);
         sticky()?;
         match target(&event) {
             Some((stream, seq)) if !stream.passed(seq) => Err(E::CUDA_ERROR_NOT_READY),
@@ -458,6 +465,7 @@ pub extern "C" fn cuEventSynchronize(handle: sys::CUevent) -> CUresult {
     entry("cuEventSynchronize", || {
         current()?;
         let event = event(handle)?;
+        crate::counters::host_sync(Counter::event_syncs, "cuEventSynchronize");
         if let Some((stream, seq)) = target(&event) {
             stream.wait_for(seq);
         }
@@ -521,6 +529,7 @@ pub extern "C" fn cuStreamWaitEvent(
         if flags > 1 {
             return Err(E::CUDA_ERROR_INVALID_VALUE);
         }
+        crate::counters::count(Counter::stream_waits);
         // The wait is for the event's state now; a later record does not change it.
         if let Some((other, seq)) = target(&event) {
             if !Arc::ptr_eq(&other, &stream) {

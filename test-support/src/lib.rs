@@ -206,19 +206,7 @@ fn probe_driver() -> Probe {
 pub fn use_emulator() -> &'static Path {
     static FOLDER: OnceLock<PathBuf> = OnceLock::new();
     FOLDER.get_or_init(|| {
-        let dir = tempfile::Builder::new()
-            .prefix("tandem-cuda-emu-libs")
-            .tempdir()
-            .expect("a temporary folder")
-            .keep();
-        // Copies, not links: tandem resolves the library it loaded to its real path and looks
-        // for NVRTC's builtins beside it.
-        for (built_name, cuda_name) in EMULATOR_LIBRARIES {
-            std::fs::copy(built(built_name), dir.join(cuda_name))
-                .unwrap_or_else(|e| panic!("copy {built_name}: {e}"));
-        }
-        std::os::unix::fs::symlink("libnvrtc.so", dir.join("libnvrtc-builtins.so.13.99"))
-            .expect("link NVRTC's builtins");
+        let dir = emulator_folder();
         let mut folders = vec![dir.clone()];
         if let Some(old) = std::env::var_os(libs::TANDEM_CUDA_LIBS) {
             folders.extend(std::env::split_paths(&old));
@@ -238,6 +226,27 @@ pub fn use_emulator() -> &'static Path {
         );
         dir
     })
+}
+
+/// A fresh folder holding the emulator's four libraries under CUDA's names (as
+/// [`use_emulator`] sets up), without touching this process's environment: for a test that runs
+/// a program on the emulator by putting the folder in that child's `TANDEM_CUDA_LIBS` only. The
+/// caller removes it.
+pub fn emulator_folder() -> PathBuf {
+    let dir = tempfile::Builder::new()
+        .prefix("tandem-cuda-emu-libs")
+        .tempdir()
+        .expect("a temporary folder")
+        .keep();
+    // Copies, not links: tandem resolves the library it loaded to its real path and looks for
+    // NVRTC's builtins beside it.
+    for (built_name, cuda_name) in EMULATOR_LIBRARIES {
+        std::fs::copy(built(built_name), dir.join(cuda_name))
+            .unwrap_or_else(|e| panic!("copy {built_name}: {e}"));
+    }
+    std::os::unix::fs::symlink("libnvrtc.so", dir.join("libnvrtc-builtins.so.13.99"))
+        .expect("link NVRTC's builtins");
+    dir
 }
 
 /// An emulator library as cargo built it: in the test binary's folder (`target/<profile>/deps`,

@@ -126,11 +126,14 @@ type LaunchHostFunc = unsafe extern "C" fn(
     *mut c_void,
 ) -> u32;
 type CheckRange = unsafe extern "C" fn(u64, usize, *const c_char) -> u32;
+type CountBlas = unsafe extern "C" fn(u32);
 
-/// The two driver functions the products need, from the emulated driver already loaded.
+/// The driver functions the products need, from the emulated driver already loaded.
 struct Driver {
     launch_host_func: LaunchHostFunc,
     check_range: CheckRange,
+    /// The driver's counters of products (`tandem_cuda_emu_count_blas`: 0 a GEMM, 1 a GEMV).
+    count_blas: CountBlas,
 }
 
 fn driver() -> Result<&'static Driver, Status> {
@@ -161,12 +164,14 @@ fn driver() -> Result<&'static Driver, Status> {
         };
         let launch = symbol(c"cuLaunchHostFunc")?;
         let check = symbol(c"tandem_cuda_emu_check_device_range")?;
-        // SAFETY: the emulated driver exports both with these signatures (the stream handle
+        let count = symbol(c"tandem_cuda_emu_count_blas")?;
+        // SAFETY: the emulated driver exports these with these signatures (the stream handle
         // and CUresult as pointer and u32).
         Ok(unsafe {
             Driver {
                 launch_host_func: std::mem::transmute::<*mut c_void, LaunchHostFunc>(launch),
                 check_range: std::mem::transmute::<*mut c_void, CheckRange>(check),
+                count_blas: std::mem::transmute::<*mut c_void, CountBlas>(count),
             }
         })
     });
@@ -189,6 +194,13 @@ fn check_range(ptr: u64, len: usize, what: impl FnOnce() -> String) -> Res {
         0 => Ok(()),
         _ => Err(S::CUBLAS_STATUS_INVALID_VALUE),
     }
+}
+
+/// Counts a product in the driver's counters (`kind` 0: a GEMM, 1: a GEMV).
+fn count_product(kind: u32) -> Res {
+    // SAFETY: the driver's counter takes any kind.
+    unsafe { (driver()?.count_blas)(kind) };
+    Ok(())
 }
 
 /// Work for a stream's worker.
@@ -623,6 +635,7 @@ fn gemm_call(name: &str, h: sys::cublasHandle_t, g: GemmArgs) -> Res {
     }
     check_matrix(name, "C", &c, m, n, batch)?;
     let compute = g.compute;
+    count_product(0)?;
     enqueue(
         name,
         st.stream,
@@ -1084,6 +1097,7 @@ fn gemv_call(
     } else {
         Compute::F32
     };
+    count_product(1)?;
     enqueue(
         name,
         st.stream,

@@ -1,0 +1,180 @@
+//! `mnist --device cuda` trains on the CUDA emulator (`cuda-emu/`) to the loss it reaches on the
+//! CPU: the same subset of MNIST, seed, batch and schedule, once with `--device cpu` and once
+//! with `--device cuda` on the emulated driver, NVRTC and cuBLAS, and the two runs' training
+//! losses and test accuracies compared. The whole GPU path of a real training program runs:
+//! the data loader's pinned staging and copies, every op's kernels, cuBLAS convolutions (im2col;
+//! no cuDNN yet), SGD's fused update, the running loss sum read every few steps, evaluation.
+//!
+//! This test binary *is* the example when `TANDEM_MNIST_CUDA_WORKER` is set (it includes
+//! `examples/mnist.rs`, as `example_supervision.rs` does). Only the CUDA child gets the
+//! emulator's folder in its `TANDEM_CUDA_LIBS`: a program never picks the emulator by itself.
+//!
+//! # Tolerance
+//!
+//! The two runs differ only in f32 rounding: cuBLAS's reference loops and the CUDA reductions
+//! sum in other orders than the CPU's `gemm` crate and kernels, about 1e-7 relative per value.
+//! SGD amplifies such differences only slowly at this learning rate over 60 steps: measured,
+//! the epoch's mean training loss agreed to 1.2e-7 relative and the test accuracy exactly
+//! (2-core machine, 2026-11-25). The test allows 1e-3 relative on the loss — room for other
+//! summation orders (a different cuBLAS path, more steps) and still far below what a wrong
+//! gradient, a missed update or a race does (the loss falls from 2.30 to 1.75 in this run) —
+//! and 1 point of test accuracy (2 of the 200 test images flipping). Only 60 steps fit CI's
+//! time on the emulator (`EXAMPLE_ARGS`: about 3 minutes); a few hundred take 10+ minutes
+//! there until the emulator runs a launch's blocks without an OS thread per GPU thread.
+
+#[path = "../examples/mnist.rs"]
+#[allow(dead_code)]
+mod mnist;
+
+use std::path::Path;
+use std::process::{Command, ExitCode, Stdio};
+use std::time::{Duration, Instant};
+
+/// Set in the environment of a re-executed binary: run the example instead of the test.
+const WORKER: &str = "TANDEM_MNIST_CUDA_WORKER";
+
+/// The run: as many steps as fit CI on the emulator, whose launches cost milliseconds each (a
+/// block's threads are OS threads), about 1.5–3 s per LeNet-5 step on a loaded 2-core machine.
+const EXAMPLE_ARGS: [&str; 14] = [
+    "--epochs",
+    "1",
+    "--batch-size",
+    "16",
+    "--train-limit",
+    "960",
+    "--test-limit",
+    "200",
+    "--seed",
+    "3",
+    "--lr",
+    "0.05",
+    "--threads",
+    "2",
+];
+
+fn main() -> ExitCode {
+    if std::env::var_os(WORKER).is_some() {
+        return mnist::main();
+    }
+    println!("test mnist_on_the_emulated_gpu_reaches_the_cpu_loss ...");
+    match std::panic::catch_unwind(mnist_on_the_emulated_gpu_reaches_the_cpu_loss) {
+        Ok(()) => {
+            println!("test mnist_on_the_emulated_gpu_reaches_the_cpu_loss ... ok");
+            println!("test result: ok");
+            ExitCode::SUCCESS
+        }
+        Err(_) => {
+            println!("test mnist_on_the_emulated_gpu_reaches_the_cpu_loss ... FAILED");
+            println!("test result: FAILED");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// One epoch's results from the metrics file.
+#[derive(Debug)]
+struct Epoch {
+    train_loss: f64,
+    test_accuracy: f64,
+}
+
+/// Runs the example on `device`, with `cuda_libs` as the child's `TANDEM_CUDA_LIBS` when set;
+/// returns its epochs and how long it took.
+fn run(device: &str, cuda_libs: Option<&Path>, dir: &Path) -> (Vec<Epoch>, f64) {
+    let metrics = dir.join(format!("metrics-{device}.json"));
+    let mut command = Command::new(std::env::current_exe().expect("the test binary"));
+    command
+        .env(WORKER, "1")
+        .args(EXAMPLE_ARGS)
+        .args(["--device", device, "--metrics-out"])
+        .arg(&metrics)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    match cuda_libs {
+        Some(folder) => command.env("TANDEM_CUDA_LIBS", folder),
+        None => command.env_remove("TANDEM_CUDA_LIBS"),
+    };
+    let started = Instant::now();
+    let mut child = command.spawn().expect("start the example");
+    // Bounded: a hang on the emulator must fail the test, not CI's clock.
+    let limit = Duration::from_secs(600);
+    loop {
+        if child.try_wait().expect("wait for the example").is_some() {
+            break;
+        }
+        if started.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("mnist --device {device} did not finish within {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let output = child.wait_with_output().expect("the example's output");
+    let seconds = started.elapsed().as_secs_f64();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(
+        output.status.success(),
+        "mnist --device {device} failed ({}):\n{text}",
+        output.status
+    );
+    println!(
+        "--- mnist --device {device} ({seconds:.1} s):\n{}",
+        text.trim_end()
+    );
+    let json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&metrics).expect("the metrics file"))
+            .expect("metrics JSON");
+    let epochs = json["history"]
+        .as_array()
+        .expect("a history of epochs")
+        .iter()
+        .map(|e| Epoch {
+            train_loss: e["train_loss"].as_f64().expect("train_loss"),
+            test_accuracy: e["test_accuracy"].as_f64().expect("test_accuracy"),
+        })
+        .collect();
+    (epochs, seconds)
+}
+
+fn mnist_on_the_emulated_gpu_reaches_the_cpu_loss() {
+    let dir = tempfile::tempdir().expect("a scratch folder");
+    let libs = tandem_test_support::emulator_folder();
+    let (cpu, cpu_seconds) = run("cpu", None, dir.path());
+    let (gpu, gpu_seconds) = run("cuda", Some(&libs), dir.path());
+    let _ = std::fs::remove_dir_all(&libs);
+    println!("cpu {cpu_seconds:.1} s, emulated cuda {gpu_seconds:.1} s");
+    assert_eq!(cpu.len(), gpu.len(), "epochs: cpu {cpu:?}, cuda {gpu:?}");
+    for (i, (c, g)) in cpu.iter().zip(&gpu).enumerate() {
+        let relative = (g.train_loss - c.train_loss).abs() / c.train_loss;
+        let points = 100.0 * (g.test_accuracy - c.test_accuracy).abs();
+        println!(
+            "epoch {}: train loss cpu {:.6}, cuda {:.6} (relative difference {relative:.2e}); \
+             test accuracy cpu {:.2}%, cuda {:.2}% ({points:.2} points)",
+            i + 1,
+            c.train_loss,
+            g.train_loss,
+            100.0 * c.test_accuracy,
+            100.0 * g.test_accuracy
+        );
+        assert!(
+            relative < 1e-3,
+            "epoch {}: the emulated GPU's training loss {} is not the CPU's {}",
+            i + 1,
+            g.train_loss,
+            c.train_loss
+        );
+        assert!(
+            points <= 1.0,
+            "epoch {}: test accuracy {} on the emulated GPU, {} on the CPU",
+            i + 1,
+            g.test_accuracy,
+            c.test_accuracy
+        );
+    }
+    // Training happened: the epoch's loss is below chance (ln 10 ≈ 2.30).
+    assert!(cpu[0].train_loss < 2.2, "{cpu:?}");
+}
