@@ -335,6 +335,25 @@ pub enum KernelArg {
 pub struct PodBytes {
     words: Box<[u64]>,
     len: usize,
+    reaches: Vec<Reach>,
+}
+
+/// Device memory a struct argument points at, and what the kernel does there: the declaration
+/// [`KernelArg::In`] and [`KernelArg::Out`] make for plain pointers, for an address inside a
+/// struct (see [`KernelArg::pod_reaching`]). The stream sanitizer reads it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reach {
+    /// The kernel only reads there.
+    In(u64),
+    /// The kernel writes there, and may also read.
+    Out(u64),
+}
+
+impl PodBytes {
+    /// The device memory the struct points at (addresses of 0, "absent", are left out).
+    pub fn reaches(&self) -> &[Reach] {
+        &self.reaches
+    }
 }
 
 impl KernelArg {
@@ -357,7 +376,25 @@ impl KernelArg {
                 len,
             );
         }
-        KernelArg::Pod(PodBytes { words, len })
+        KernelArg::Pod(PodBytes {
+            words,
+            len,
+            reaches: Vec::new(),
+        })
+    }
+
+    /// A struct argument holding device addresses: [`KernelArg::pod`], declaring what the kernel
+    /// does at each address (`reaches`; a null address is left out).
+    pub fn pod_reaching<T: KernelPod>(value: &T, reaches: &[Reach]) -> KernelArg {
+        let mut arg = KernelArg::pod(value);
+        if let KernelArg::Pod(bytes) = &mut arg {
+            bytes.reaches = reaches
+                .iter()
+                .copied()
+                .filter(|r| !matches!(r, Reach::In(0) | Reach::Out(0)))
+                .collect();
+        }
+        arg
     }
 
     /// Size of the argument in bytes, as the kernel sees it.

@@ -13,7 +13,7 @@
 
 use tandem_core::cuda::deferred::DeferredSlot;
 use tandem_core::cuda::launch::{
-    KernelArg, KernelPod, KernelSource, Launch, LaunchConfig, WARP_SIZE,
+    KernelArg, KernelPod, KernelSource, Launch, LaunchConfig, Reach, WARP_SIZE,
 };
 use tandem_core::{DType, Error, Result};
 
@@ -91,6 +91,17 @@ pub struct ChannelArg {
 unsafe impl KernelPod for ChannelArg {}
 
 impl ChannelArg {
+    /// The argument for a kernel that only reads the vector (declared to the stream sanitizer).
+    pub fn read(&self) -> KernelArg {
+        KernelArg::pod_reaching(self, &[Reach::In(self.address)])
+    }
+
+    /// The argument for a kernel that writes the vector (`batch_norm_update_running`'s running
+    /// statistics).
+    pub fn written(&self) -> KernelArg {
+        KernelArg::pod_reaching(self, &[Reach::Out(self.address)])
+    }
+
     /// No vector: the kernel uses its default (1 for a weight, 0 for a bias).
     pub fn absent() -> ChannelArg {
         ChannelArg {
@@ -276,7 +287,7 @@ impl CountArg {
             ],
             CountArg::Device(at) => [
                 KernelArg::F64(0.0),
-                KernelArg::pod(&ChannelArg::new(op, "the count", at, 0, DType::F64)?),
+                ChannelArg::new(op, "the count", at, 0, DType::F64)?.read(),
             ],
         })
     }
@@ -453,8 +464,8 @@ pub fn to_sums_launch(
         "batch_norm_to_sums".to_string(),
         per_channel(op, channels + 1)?,
         vec![
-            KernelArg::pod(&mean),
-            KernelArg::pod(&var),
+            mean.read(),
+            var.read(),
             KernelArg::U64(channels as u64),
             count_host,
             count_at,
@@ -488,7 +499,7 @@ pub fn from_sums_launch(
         "batch_norm_from_sums".to_string(),
         per_channel(op, channels + 1)?,
         vec![
-            KernelArg::pod(&sums),
+            sums.read(),
             KernelArg::U64(channels as u64),
             KernelArg::Out(mean),
             KernelArg::Out(var),
@@ -542,14 +553,14 @@ pub fn update_running_launch(
         "batch_norm_update_running".to_string(),
         per_channel(op, channels)?,
         vec![
-            KernelArg::pod(&running_mean),
-            KernelArg::pod(&running_var),
-            KernelArg::pod(&mean),
-            KernelArg::pod(&var),
+            running_mean.written(),
+            running_var.written(),
+            mean.read(),
+            var.read(),
             KernelArg::U64(channels as u64),
             KernelArg::F64(momentum),
             KernelArg::F64(factor),
-            KernelArg::pod(&count_at),
+            count_at.read(),
         ],
     ))
 }
@@ -575,10 +586,10 @@ pub fn normalization_launch(
         "batch_norm_normalization".to_string(),
         per_channel(op, channels)?,
         vec![
-            KernelArg::pod(&mean),
-            KernelArg::pod(&var),
-            KernelArg::pod(&weight),
-            KernelArg::pod(&bias),
+            mean.read(),
+            var.read(),
+            weight.read(),
+            bias.read(),
             KernelArg::U64(channels as u64),
             KernelArg::F64(eps),
             KernelArg::Out(table),
@@ -784,8 +795,8 @@ pub fn backward_apply_launches(
         per_channel(op, dims.c)?,
         vec![
             KernelArg::In(table),
-            KernelArg::pod(&sums.sum_g),
-            KernelArg::pod(&sums.sum_centered),
+            sums.sum_g.read(),
+            sums.sum_centered.read(),
             KernelArg::U64(dims.c as u64),
             count_host,
             count_at,
@@ -837,8 +848,8 @@ pub fn parameter_gradients_launch(
         format!("batch_norm_parameter_gradients_{dtype}"),
         per_channel(op, channels)?,
         vec![
-            KernelArg::pod(&sums.sum_g),
-            KernelArg::pod(&sums.sum_centered),
+            sums.sum_g.read(),
+            sums.sum_centered.read(),
             KernelArg::In(table),
             KernelArg::U64(channels as u64),
             KernelArg::Out(grad_weight),
@@ -1010,7 +1021,7 @@ mod tests {
         let [zero, at] = CountArg::Device(0x40).kernel_args("t").unwrap();
         assert_eq!(format!("{zero:?}"), format!("{:?}", KernelArg::F64(0.0)));
         let want = ChannelArg::new("t", "the count", 0x40, 0, DType::F64).unwrap();
-        assert_eq!(format!("{at:?}"), format!("{:?}", KernelArg::pod(&want)));
+        assert_eq!(format!("{at:?}"), format!("{:?}", want.read()));
         assert!(CountArg::Device(0).kernel_args("t").is_err());
     }
 

@@ -57,7 +57,7 @@ use parking_lot::Mutex;
 use model::{Clock, Tracker};
 pub use model::{Finding, Memory, Use};
 
-use super::launch::{KernelArg, Launch};
+use super::launch::{KernelArg, Launch, Reach};
 use crate::{DType, Device, Error, Result};
 
 /// The environment variable that turns the sanitizer on (`1`; unset, empty or `0` is off).
@@ -113,10 +113,19 @@ pub(crate) fn launch(device: Device, stream: &CudaStream, launch: &Launch) -> Re
     let uses: Vec<(u64, Use)> = launch
         .args
         .iter()
-        .filter_map(|arg| match *arg {
-            KernelArg::In(p) => Some((p, Use::Read)),
-            KernelArg::Out(p) => Some((p, Use::Write)),
-            _ => None,
+        .flat_map(|arg| match arg {
+            KernelArg::In(p) => vec![(*p, Use::Read)],
+            KernelArg::Out(p) => vec![(*p, Use::Write)],
+            // Addresses inside a struct argument, as its plan declared them.
+            KernelArg::Pod(bytes) => bytes
+                .reaches()
+                .iter()
+                .map(|r| match *r {
+                    Reach::In(p) => (p, Use::Read),
+                    Reach::Out(p) => (p, Use::Write),
+                })
+                .collect(),
+            _ => Vec::new(),
         })
         .collect();
     access(device, stream, &launch.kernel, &uses)
