@@ -307,6 +307,69 @@ pub unsafe extern "C" fn cuStreamGetPriority(
     })
 }
 
+/// A 32-bit word a stream waits on (`cuStreamWaitValue32`), moved to the stream's worker.
+struct WaitedWord(*const u32);
+// SAFETY: the caller of cuStreamWaitValue32 promises the word stays mapped until the stream has
+// passed the wait, and it is only read (volatile) from the worker.
+unsafe impl Send for WaitedWord {}
+
+/// `cuStreamWaitValue32`: the stream's worker holds its queue until the word at `address`
+/// (mapped host memory or device memory; both are host memory here) satisfies `flags`' test
+/// against `value` — as the GPU's front end does, with no time limit.
+fn wait_value32(handle: sys::CUstream, address: sys::CUdeviceptr, value: u32, flags: u32) -> Res {
+    use sys::CUstreamWaitValue_flags_enum as F;
+    current()?;
+    let stream = lookup(handle)?;
+    if address == 0 || !address.is_multiple_of(4) {
+        return Err(E::CUDA_ERROR_INVALID_VALUE);
+    }
+    // The flush flag only orders remote writes on a GPU; every other bit picks the test.
+    let test = flags & !(F::CU_STREAM_WAIT_VALUE_FLUSH as u32);
+    let passes: fn(u32, u32) -> bool = match test {
+        t if t == F::CU_STREAM_WAIT_VALUE_GEQ as u32 => {
+            |w, v| (w as i32).wrapping_sub(v as i32) >= 0
+        }
+        t if t == F::CU_STREAM_WAIT_VALUE_EQ as u32 => |w, v| w == v,
+        t if t == F::CU_STREAM_WAIT_VALUE_AND as u32 => |w, v| w & v != 0,
+        t if t == F::CU_STREAM_WAIT_VALUE_NOR as u32 => |w, v| !(w | v) != 0,
+        _ => return Err(E::CUDA_ERROR_INVALID_VALUE),
+    };
+    let word = WaitedWord(address as *const u32);
+    stream.enqueue(Box::new(move || {
+        let word = word;
+        // SAFETY: the caller keeps the word mapped until the stream passed the wait; another
+        // thread (the host or another stream) writes it, hence the volatile read.
+        while !passes(unsafe { std::ptr::read_volatile(word.0) }, value) {
+            std::thread::sleep(std::time::Duration::from_micros(50));
+        }
+    }));
+    Ok(())
+}
+
+#[no_mangle]
+pub extern "C" fn cuStreamWaitValue32_v2(
+    handle: sys::CUstream,
+    address: sys::CUdeviceptr,
+    value: u32,
+    flags: u32,
+) -> CUresult {
+    entry("cuStreamWaitValue32_v2", || {
+        wait_value32(handle, address, value, flags)
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn cuStreamWaitValue32(
+    handle: sys::CUstream,
+    address: sys::CUdeviceptr,
+    value: u32,
+    flags: u32,
+) -> CUresult {
+    entry("cuStreamWaitValue32", || {
+        wait_value32(handle, address, value, flags)
+    })
+}
+
 /// A host pointer handed to a host function, moved to the stream's worker.
 struct UserData(*mut c_void);
 // SAFETY: the caller of cuLaunchHostFunc promises the data may be used from the driver's thread.

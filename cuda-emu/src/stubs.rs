@@ -423,8 +423,6 @@ not_emulated!(
     cuStreamSetAttribute,
     cuStreamUpdateCaptureDependencies,
     cuStreamUpdateCaptureDependencies_v2,
-    cuStreamWaitValue32,
-    cuStreamWaitValue32_v2,
     cuStreamWaitValue64,
     cuStreamWaitValue64_v2,
     cuStreamWriteValue32,
