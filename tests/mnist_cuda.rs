@@ -91,7 +91,11 @@ fn run(device: &str, cuda_libs: Option<&Path>, dir: &Path) -> (Vec<Epoch>, f64) 
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
     match cuda_libs {
-        Some(folder) => command.env("TANDEM_CUDA_LIBS", folder),
+        // A kernel cache of its own: tandem's cache key covers the NVRTC version, not the
+        // emulation's headers, so the user's cache may hold images of an older emulator.
+        Some(folder) => command
+            .env("TANDEM_CUDA_LIBS", folder)
+            .env("TANDEM_KERNEL_CACHE", folder.join("kernel-cache")),
         None => command.env_remove("TANDEM_CUDA_LIBS"),
     };
     let started = Instant::now();
