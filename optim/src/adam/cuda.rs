@@ -3,7 +3,6 @@
 //! the optimizer. The bias corrections of each count are launch arguments, computed on the host
 //! exactly as the CPU computes them.
 
-use tandem_core::cuda::sanitizer::Use;
 use tandem_core::{DType, Tensor};
 
 use super::{AdamConfig, AdamUpdate};
@@ -69,11 +68,7 @@ pub(super) fn update(
             &dev,
             &adam_launch(&table, lease.address(), cfg, decoupled, step)?,
             &table,
-            Roles {
-                param: Some(Use::Write),
-                grad: Some(Use::Read),
-                state: Some(Use::Write),
-            },
+            Roles::UPDATE,
         )?;
         // The launch is queued: the table may go now (its free is ordered after the launch).
         drop(lease);

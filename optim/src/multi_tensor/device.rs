@@ -63,6 +63,15 @@ pub(crate) struct Roles {
     pub state: Option<Use>,
 }
 
+impl Roles {
+    /// An optimizer update: the parameter and its state written, the gradient read.
+    pub const UPDATE: Roles = Roles {
+        param: Some(Use::Write),
+        grad: Some(Use::Read),
+        state: Some(Use::Write),
+    };
+}
+
 /// [`run`] for a kernel walking `table`, declaring to the stream sanitizer the tensors the
 /// table points at (by `roles`) before the launch is issued.
 pub(crate) fn run_on_table(

@@ -2,7 +2,6 @@
 //! (and, in the step that creates momentum buffers for some parameters but not others, one
 //! more for those), through a table cached in the optimizer.
 
-use tandem_core::cuda::sanitizer::Use;
 use tandem_core::{DType, Tensor};
 
 use super::{SgdConfig, SgdUpdate, NAME};
@@ -63,11 +62,7 @@ pub(super) fn update(
             &dev,
             &sgd_launch(&table, lease.address(), cfg, first)?,
             &table,
-            Roles {
-                param: Some(Use::Write),
-                grad: Some(Use::Read),
-                state: Some(Use::Write),
-            },
+            Roles::UPDATE,
         )?;
         // The launch is queued: the table may go now (its free is ordered after the launch).
         drop(lease);
