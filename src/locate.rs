@@ -217,6 +217,11 @@ pub const MNIST: Shipped<'static> = Shipped {
 /// `$TANDEM_PEERS_DIR/name`, else `benches/peers/name` found from the current folder or the
 /// executable's (see the module's documentation).
 pub fn peer_script(name: &str) -> Result<PathBuf, NotFound> {
+    peer(name).locate(None)
+}
+
+/// Where the peer script `name` ships (see [`peer_script`]).
+fn peer(name: &str) -> Shipped<'_> {
     Shipped {
         what: "the PyTorch peer script",
         folder: "benches/peers",
@@ -224,7 +229,6 @@ pub fn peer_script(name: &str) -> Result<PathBuf, NotFound> {
         env_var: PEERS_DIR_VAR,
         flag: None,
     }
-    .locate(None)
 }
 
 /// A fresh, empty folder for scratch files, `tandem-{name}-{process id}` under
@@ -282,16 +286,6 @@ mod tests {
     impl Drop for Tree {
         fn drop(&mut self) {
             let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
-
-    fn peer(name: &str) -> Shipped<'_> {
-        Shipped {
-            what: "the PyTorch peer script",
-            folder: "benches/peers",
-            name,
-            env_var: PEERS_DIR_VAR,
-            flag: None,
         }
     }
 

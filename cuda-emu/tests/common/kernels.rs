@@ -64,71 +64,64 @@ TANDEM_HOST_EXPORT(set_flag)
     headers: &[],
 };
 
-/// A launch of `write_one(p, index, value)`.
-pub fn write_one(ptr: u64, index: i64, value: f32) -> Launch {
+/// A launch of the `FAULTS` kernel `kernel` on one block of `threads` threads.
+fn faults(kernel: &str, threads: u32, args: Vec<KernelArg>) -> Launch {
     Launch {
         source: &FAULTS,
-        kernel: "write_one".to_string(),
-        config: LaunchConfig::new("test", [1, 1, 1], [32, 1, 1], 0).unwrap(),
-        args: vec![
-            KernelArg::Out(ptr),
-            KernelArg::I64(index),
-            KernelArg::F32(value),
-        ],
+        kernel: kernel.to_string(),
+        config: LaunchConfig::new("test", [1, 1, 1], [threads, 1, 1], 0).unwrap(),
+        args,
     }
+}
+
+/// A launch of `write_one(p, index, value)`.
+pub fn write_one(ptr: u64, index: i64, value: f32) -> Launch {
+    let args = vec![
+        KernelArg::Out(ptr),
+        KernelArg::I64(index),
+        KernelArg::F32(value),
+    ];
+    faults("write_one", 32, args)
 }
 
 /// A launch of `read_one(p, index, out)`: `out[0] = p[index]`.
 pub fn read_one(ptr: u64, index: i64, out: u64) -> Launch {
-    Launch {
-        source: &FAULTS,
-        kernel: "read_one".to_string(),
-        config: LaunchConfig::new("test", [1, 1, 1], [32, 1, 1], 0).unwrap(),
-        args: vec![
-            KernelArg::In(ptr),
-            KernelArg::I64(index),
-            KernelArg::Out(out),
-        ],
-    }
+    let args = vec![
+        KernelArg::In(ptr),
+        KernelArg::I64(index),
+        KernelArg::Out(out),
+    ];
+    faults("read_one", 32, args)
 }
 
 /// A launch of `wait_for_flag(flag, limit, out)`: one thread spinning until `*flag != 0` or
 /// `limit` cycles of clock64() have passed, then `out[0] = *flag`.
 pub fn wait_for_flag(flag: u64, limit: i64, out: u64) -> Launch {
-    Launch {
-        source: &FAULTS,
-        kernel: "wait_for_flag".to_string(),
-        config: LaunchConfig::new("test", [1, 1, 1], [1, 1, 1], 0).unwrap(),
-        args: vec![
-            KernelArg::In(flag),
-            KernelArg::I64(limit),
-            KernelArg::Out(out),
-        ],
-    }
+    let args = vec![
+        KernelArg::In(flag),
+        KernelArg::I64(limit),
+        KernelArg::Out(out),
+    ];
+    faults("wait_for_flag", 1, args)
 }
 
 /// A launch of `set_flag(flag, value)`.
 pub fn set_flag(flag: u64, value: u32) -> Launch {
-    Launch {
-        source: &FAULTS,
-        kernel: "set_flag".to_string(),
-        config: LaunchConfig::new("test", [1, 1, 1], [32, 1, 1], 0).unwrap(),
-        args: vec![KernelArg::Out(flag), KernelArg::U32(value)],
-    }
+    faults(
+        "set_flag",
+        32,
+        vec![KernelArg::Out(flag), KernelArg::U32(value)],
+    )
 }
 
 /// A launch of `signal_then_wait(started, flag, limit, out)`: `*started = 1`, then as
 /// [`wait_for_flag`].
 pub fn signal_then_wait(started: u64, flag: u64, limit: i64, out: u64) -> Launch {
-    Launch {
-        source: &FAULTS,
-        kernel: "signal_then_wait".to_string(),
-        config: LaunchConfig::new("test", [1, 1, 1], [1, 1, 1], 0).unwrap(),
-        args: vec![
-            KernelArg::Out(started),
-            KernelArg::In(flag),
-            KernelArg::I64(limit),
-            KernelArg::Out(out),
-        ],
-    }
+    let args = vec![
+        KernelArg::Out(started),
+        KernelArg::In(flag),
+        KernelArg::I64(limit),
+        KernelArg::Out(out),
+    ];
+    faults("signal_then_wait", 1, args)
 }
