@@ -23,6 +23,8 @@
 //! emulator crates, so cargo builds their shared libraries into `target/<profile>/deps` before
 //! any test that uses it.
 
+pub mod emulator_counters;
+
 use std::ffi::c_int;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;

@@ -1,7 +1,7 @@
 //! The end of a synchronised backward: launch the buckets still waiting (under
 //! `find_unused_parameters`, completing them with the unreached parameters' contributions), make
-//! the compute stream wait on every bucket's completion event, and file the step's timing
-//! events.
+//! the compute stream wait on every bucket's completion event, and queue the step's timing
+//! events (filed at the next forward, or when the telemetry is read).
 //!
 //! The host does not wait for the reductions here: it makes the compute stream wait, which on
 //! the CPU (whose compute stream is the calling thread) means waiting, and on CUDA means that
@@ -16,7 +16,7 @@ use tandem_autograd::BackwardSummary;
 
 use super::telemetry::PendingStep;
 use super::unused::UnreachedHere;
-use super::{file_timings, Reducer};
+use super::Reducer;
 use crate::{DistError, Result};
 
 impl Reducer {
@@ -102,7 +102,10 @@ impl Reducer {
             comm_end,
             buckets,
         });
-        file_timings(&mut st, false);
+        // Not filed here: resolving a step's timings synchronises on its events (cudarc's
+        // elapsed time does, even for complete events, and past `MAX_PENDING_STEPS` the oldest
+        // step is waited for), and backward must never make the host wait for the device. The
+        // next forward or a read of the telemetry files them.
 
         // Reset for the next backward.
         st.ready.iter_mut().for_each(|r| *r = false);

@@ -11,6 +11,8 @@
 //!   threads backend (the CPU reference) on the same inputs, bit for bit, plus ordering,
 //!   mismatches and placement.
 //! - [`gate`]: holding a CUDA stream, to show that the host does not wait for the device.
+//! - [`host_syncs`]: DDP's backward never makes the host wait for the device, counted by the
+//!   CUDA emulator (`cuda_ddp_syncs.rs`).
 //!
 //! Failures name the backend and device, the world size, the rank, the model or collective, and
 //! the parameter or element, so that a run on a lent GPU can be debugged from its output alone.
@@ -21,6 +23,7 @@ pub mod collectives;
 pub mod ddp;
 pub mod ddp_unused;
 pub mod gate;
+pub mod host_syncs;
 
 use std::fmt;
 use std::sync::Arc;
