@@ -287,6 +287,11 @@ impl Segment {
         Ok(joined == self.nranks)
     }
 
+    /// How many ranks have joined (as the header says).
+    pub fn joined(&self) -> u32 {
+        self.header().joined.load(Ordering::Acquire)
+    }
+
     /// Removes the file (every rank has it mapped, or the rendezvous was given up).
     pub fn unlink(&self) {
         // SAFETY: a NUL-terminated path; a missing file is fine.
