@@ -127,9 +127,8 @@ fn conformance(r: &Rank, case0: u64) -> usize {
                 None => unsafe { output.ptr().cast::<u8>().add(me * COUNT * size).cast() },
             };
             // SAFETY: as above.
-            let status = unsafe {
-                (nccl.all_gather)(input_ptr, output.ptr(), COUNT, dtype, r.comm, stream)
-            };
+            let status =
+                unsafe { (nccl.all_gather)(input_ptr, output.ptr(), COUNT, dtype, r.comm, stream) };
             ok("ncclAllGather", r.comm, status);
             r.sync();
             let want: Vec<f64> = (0..n)
@@ -164,7 +163,11 @@ fn conformance(r: &Rank, case0: u64) -> usize {
             ok("ncclBroadcast", r.comm, status);
             r.sync();
             let want: Vec<f64> = (0..COUNT).map(|i| value(case, root, i, dtype)).collect();
-            assert_eq!(decode(&recv.read(), dtype), want, "broadcast({dname}) from {root}");
+            assert_eq!(
+                decode(&recv.read(), dtype),
+                want,
+                "broadcast({dname}) from {root}"
+            );
             checked += 1;
         }
     }
@@ -205,7 +208,11 @@ fn chunked(r: &Rank) {
     }
     for (i, g) in decode(&scattered.read(), 7).iter().enumerate() {
         let xs: Vec<f64> = (0..n).map(|q| value(2, q, me * count + i, 7)).collect();
-        assert_eq!(*g, reference(&xs, 2, 7), "chunked reduce_scatter element {i}");
+        assert_eq!(
+            *g,
+            reference(&xs, 2, 7),
+            "chunked reduce_scatter element {i}"
+        );
     }
     let want: Vec<f64> = (0..n).flat_map(|q| f32s(1, q, count)).collect();
     assert!(decode(&gathered.read(), 7) == want, "chunked all_gather");
@@ -290,13 +297,24 @@ fn sends_and_receives_in_a_ring_complete_inside_a_group() {
             // SAFETY: plain group calls and f64 buffers of `count`.
             unsafe {
                 ok("ncclGroupStart", r.comm, (nccl.group_start)());
-                ok("ncclSend", r.comm, (nccl.send)(send.ptr(), count, 8, next as c_int, r.comm, stream));
-                ok("ncclRecv", r.comm, (nccl.recv)(recv.ptr(), count, 8, prev as c_int, r.comm, stream));
+                ok(
+                    "ncclSend",
+                    r.comm,
+                    (nccl.send)(send.ptr(), count, 8, next as c_int, r.comm, stream),
+                );
+                ok(
+                    "ncclRecv",
+                    r.comm,
+                    (nccl.recv)(recv.ptr(), count, 8, prev as c_int, r.comm, stream),
+                );
                 ok("ncclGroupEnd", r.comm, (nccl.group_end)());
             }
             r.sync();
             let want: Vec<f64> = (0..count).map(|i| value(7, prev, i, 8)).collect();
-            assert!(decode(&recv.read(), 8) == want, "rank {me}/{n}: ring receive");
+            assert!(
+                decode(&recv.read(), 8) == want,
+                "rank {me}/{n}: ring receive"
+            );
             r.destroy();
         });
     }

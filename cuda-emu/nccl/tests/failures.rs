@@ -83,12 +83,20 @@ fn an_abort_unblocks_a_collective_whose_peer_never_arrives_and_fails_later_calls
         done.wait_timeout(Duration::from_secs(5)).unwrap(),
         "the stream's worker stayed blocked after the abort"
     );
-    println!("the worker returned {:?} after the abort", aborted_at.elapsed());
+    println!(
+        "the worker returned {:?} after the abort",
+        aborted_at.elapsed()
+    );
     // Every later call on the aborted communicator fails.
     // SAFETY: the handle is no longer live; the emulator refuses it.
-    let status = unsafe { (nccl.all_reduce)(buf.ptr(), buf.ptr(), 64, 7, 0, r.comm, r.raw_stream()) };
+    let status =
+        unsafe { (nccl.all_reduce)(buf.ptr(), buf.ptr(), 64, 7, 0, r.comm, r.raw_stream()) };
     assert_eq!(status, INVALID_USAGE);
-    assert!(last_error(r.comm).contains("was aborted"), "{}", last_error(r.comm));
+    assert!(
+        last_error(r.comm).contains("was aborted"),
+        "{}",
+        last_error(r.comm)
+    );
     assert_ne!(async_error(r.comm), SUCCESS);
     // SAFETY: as above.
     assert_eq!(unsafe { (nccl.abort)(r.comm) }, INVALID_USAGE);
@@ -116,7 +124,8 @@ fn mismatched_collectives_set_an_async_error_naming_both() {
         let text = last_error(r.comm);
         // Later operations fail at once.
         // SAFETY: as above.
-        let later = unsafe { (nccl.all_reduce)(t.ptr(), t.ptr(), 100, 7, 0, r.comm, r.raw_stream()) };
+        let later =
+            unsafe { (nccl.all_reduce)(t.ptr(), t.ptr(), 100, 7, 0, r.comm, r.raw_stream()) };
         // SAFETY: a live communicator.
         assert_eq!(unsafe { (nccl.abort)(r.comm) }, SUCCESS);
         (state, later, text)
@@ -212,7 +221,10 @@ fn a_forged_segment_header_is_refused() {
     std::fs::write(&path, vec![0x5Au8; 8192]).unwrap();
     let text = init_fails(id, 0, 2);
     let _ = std::fs::remove_file(&path);
-    assert!(text.contains("is not a segment of the emulated NCCL"), "{text}");
+    assert!(
+        text.contains("is not a segment of the emulated NCCL"),
+        "{text}"
+    );
 }
 
 #[test]
@@ -228,9 +240,15 @@ fn a_rank_with_another_world_size_or_a_duplicate_rank_is_refused() {
         std::thread::sleep(Duration::from_millis(1));
     }
     let text = init_fails(id, 1, 2);
-    assert!(text.contains("communicator of 2 ranks") && text.contains("one of 3"), "{text}");
+    assert!(
+        text.contains("communicator of 2 ranks") && text.contains("one of 3"),
+        "{text}"
+    );
     let text = init_fails(id, 0, 3);
-    assert!(text.contains("rank 0 joined this communicator twice"), "{text}");
+    assert!(
+        text.contains("rank 0 joined this communicator twice"),
+        "{text}"
+    );
     assert_eq!(async_error(first), IN_PROGRESS);
     // SAFETY: a communicator of the emulator; aborting before the rendezvous removes the file.
     assert_eq!(unsafe { (nccl().abort)(first) }, SUCCESS);

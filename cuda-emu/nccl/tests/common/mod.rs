@@ -60,15 +60,8 @@ impl Config {
 pub type Comm = *mut c_void;
 pub type RawStream = *mut c_void;
 
-type Coll = unsafe extern "C" fn(
-    *const c_void,
-    *mut c_void,
-    usize,
-    c_int,
-    c_int,
-    Comm,
-    RawStream,
-) -> c_int;
+type Coll =
+    unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, Comm, RawStream) -> c_int;
 
 /// The emulated NCCL's functions.
 pub struct Nccl {
@@ -290,7 +283,9 @@ impl Buf {
     }
 
     pub fn ptr(&self) -> *mut c_void {
-        tandem_core::cuda::device_pointer("test", &self.t).unwrap().1 as *mut c_void
+        tandem_core::cuda::device_pointer("test", &self.t)
+            .unwrap()
+            .1 as *mut c_void
     }
 
     pub fn read(&self) -> Vec<u8> {
