@@ -437,6 +437,8 @@ pub struct Comm {
     finalizing: AtomicBool,
     /// Whether this rank joined the segment.
     joined: AtomicBool,
+    /// Whether calls block (`config.blocking`); non-blocking ones answer `ncclInProgress`.
+    blocking: bool,
 }
 
 impl Comm {
@@ -649,6 +651,7 @@ fn init_comm(
         running: AtomicUsize::new(1),
         finalizing: AtomicBool::new(false),
         joined: AtomicBool::new(false),
+        blocking,
     });
     let handle = {
         let mut r = registry().lock();
@@ -817,7 +820,7 @@ pub extern "C" fn ncclCommFinalize(comm: *mut c_void) -> Status {
         if c.serving.load(Ordering::Acquire) >= c.next_ticket.load(Ordering::Acquire) {
             return Ok(());
         }
-        if !is_blocking(&c) {
+        if !c.blocking {
             return Err(IN_PROGRESS);
         }
         let _ = c.wait(|| {
@@ -830,13 +833,6 @@ pub extern "C" fn ncclCommFinalize(comm: *mut c_void) -> Status {
             error => Err(error),
         }
     })
-}
-
-/// Whether calls on the communicator block. The emulator does not remember the config: a
-/// finalize returns at once with `ncclInProgress` only for non-blocking communicators, which
-/// tandem polls; blocking ones wait. Non-blocking is what tandem uses, so the default here.
-fn is_blocking(_c: &Comm) -> bool {
-    false
 }
 
 /// Removes a communicator: later calls with its handle fail.
@@ -903,7 +899,12 @@ pub extern "C" fn ncclCommAbort(comm: *mut c_void) -> Status {
 pub extern "C" fn ncclCommDestroy(comm: *mut c_void) -> Status {
     entry("ncclCommDestroy", || {
         let c = retire(comm, "destroyed")?;
-        // Destroying with operations still queued: they find the communicator stopped.
+        // As NCCL's implicit finalize: the operations issued before finish first (with every
+        // rank), unless the communicator failed.
+        let _ = c.wait(|| {
+            Ok(c.failed()
+                || c.serving.load(Ordering::Acquire) >= c.next_ticket.load(Ordering::Acquire))
+        });
         stop(&c);
         Ok(())
     })

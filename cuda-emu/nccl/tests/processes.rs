@@ -178,6 +178,17 @@ fn worker() {
                 }
             }
         }
+        "exit-pending" => {
+            // An all-reduce the peer never joins, then the process ends with it pending.
+            let t = Buf::upload(&encode(&[1.0; 1000], 7));
+            // SAFETY: 1000 f32, a live communicator.
+            ok("ncclAllReduce", r.comm, unsafe {
+                (nccl().all_reduce)(t.ptr(), t.ptr(), 1000, 7, 0, r.comm, r.raw_stream())
+            });
+            std::thread::sleep(Duration::from_millis(200));
+            println!("exiting with a collective pending");
+            std::process::exit(0);
+        }
         other => panic!("unknown mode {other}"),
     }
 }
@@ -244,4 +255,23 @@ fn a_killed_rank_leaves_the_peer_pending_until_it_aborts() {
         "the abort did not release the stream"
     );
     println!("released {:?} after the abort", aborted_at.elapsed());
+}
+
+#[test]
+fn a_process_exits_with_a_collective_pending() {
+    nccl();
+    let id = new_id();
+    let child = spawn("exit-pending", &id, 1, 2);
+    // Rank 0 joins and never issues the all-reduce.
+    let r = Rank::join(id, 0, 2);
+    let started = Instant::now();
+    let (success, output) = finish(child, Duration::from_secs(30));
+    let took = started.elapsed();
+    assert!(
+        success && output.contains("exiting with a collective pending"),
+        "the rank did not exit by itself within 30 s:\n{output}"
+    );
+    println!("exited {took:?} after joining");
+    // SAFETY: a live communicator.
+    assert_eq!(unsafe { (nccl().abort)(r.comm) }, SUCCESS);
 }
