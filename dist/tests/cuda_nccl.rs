@@ -59,6 +59,14 @@ fn gpu() -> Option<MutexGuard<'static, ()>> {
         println!("skipped: NCCL not found ({e})");
         return None;
     }
+    if tandem_test_support::on_emulator() {
+        // The real NCCL may be in TANDEM_CUDA_LIBS too (CI has it, after the emulator's folder).
+        let path = nccl::library_path().unwrap_or_default();
+        assert!(
+            std::path::Path::new(&path).starts_with(tandem_test_support::use_emulator()),
+            "on the CUDA emulator the NCCL group must load the emulated NCCL, not {path}"
+        );
+    }
     Some(ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner()))
 }
 
