@@ -571,6 +571,13 @@ impl NcclProcessGroup {
             .comm_stream
             .record_event()
             .map_err(|e| fatal("recording the start", e))?;
+        // Marked before the call, so that a tensor freed after NCCL refused the call (the
+        // sanitizer has seen its buffers declared on the comm stream by then) still waits for
+        // the comm stream: a free waits for the comm stream's work queued by then.
+        for t in tensors {
+            t.record_stream(&s.comm_stream)
+                .map_err(|e| fatal("marking a tensor as used by the comm stream", e))?;
+        }
         if desc.numel > 0 || desc.kind == CollectiveKind::Barrier {
             let timeout = s.group.timeout;
             let since = Instant::now();
@@ -613,10 +620,6 @@ impl NcclProcessGroup {
             .comm_stream
             .record_event()
             .map_err(|e| fatal("recording the end", e))?;
-        for t in tensors {
-            t.record_stream(&s.comm_stream)
-                .map_err(|e| fatal("marking a tensor as used by the comm stream", e))?;
-        }
         Ok((start, end))
     }
 
