@@ -54,27 +54,9 @@ fn ddp_worker(mode: &str) -> Result<(), String> {
         ..DdpConfig::default()
     };
     let (outcome, ddp) = train_ddp(model, rank, group, STEPS, config, sync_bn);
-    for (name, values) in &outcome.final_params {
-        let text: Vec<String> = values.iter().map(|v| v.to_string()).collect();
-        println!("param {name} {}", text.join(","));
-    }
+    print_snapshot("param", &outcome.final_params);
     println!("buckets {}", ddp.bucket_layout().len());
     Ok(())
-}
-
-fn parse_params(output: &str) -> Vec<(String, Vec<f32>)> {
-    output
-        .lines()
-        // libtest may print "test worker ... " in front of the first line.
-        .filter_map(|l| l.find("param ").map(|at| &l[at + "param ".len()..]))
-        .map(|l| {
-            let (name, values) = l.split_once(' ').expect("name and values");
-            (
-                name.to_string(),
-                values.split(',').map(|v| v.parse().expect("f32")).collect(),
-            )
-        })
-        .collect()
 }
 
 fn check(mode: &str, model: Model) {
@@ -86,7 +68,7 @@ fn check(mode: &str, model: Model) {
                 status.success(),
                 "{mode}, {world} processes: rank {rank} failed with {status}:\n{output}"
             );
-            let got = parse_params(output);
+            let got = parse_snapshot("param", output);
             assert_close(
                 &format!("{mode}, {world} processes, rank {rank}"),
                 &got,

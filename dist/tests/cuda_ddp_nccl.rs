@@ -1,0 +1,362 @@
+//! DistributedDataParallel on CUDA with two real rank processes over the NCCL backend — the way
+//! GPU training runs — checked by the suite that `cuda_ddp.rs` runs on the device-threads group
+//! (`device_suite/`), split into what each rank does (in its process) and what the test checks
+//! (here, against one process on the full batch on the same device): the Mlp and the Cnn after
+//! five steps, SyncBatchNorm against BatchNorm on the full batch, the bf16 and f16 compression
+//! hooks, `no_sync`, and a parameter no rank uses under `find_unused_parameters`. A last test
+//! kills one rank during training: the other must fail within the NCCL group's failure timeout
+//! with an error naming the dead rank, not hang.
+//!
+//! Both ranks run on `cuda:0` (see [`Job::start_on_one_gpu`]). Without a GPU they run on the
+//! CUDA emulator with its emulated NCCL (`cuda-emu/`), with the stream sanitizer on. On a GPU
+//! without NCCL the tests print `skipped: NCCL not found (…)`; `TANDEM_REQUIRE_NCCL=1` makes
+//! that a failure. On the emulator, whose NCCL is part of the emulator, a missing NCCL fails.
+//! The tests run one at a time: each job's two ranks already keep a small machine busy, and the
+//! killed-rank test measures how long the failure takes.
+
+mod common;
+mod ddp_common;
+mod device_suite;
+
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use common::{Job, WORKER_VAR};
+use ddp_common::{parse_snapshot, print_snapshot, Model, Outcome};
+use device_suite::ddp::{
+    check_compression, check_equivalence, check_no_sync, compression_hooks, compression_rank,
+    no_sync_rank, reference_checked_on, reference_on, tolerance, train_ddp_with, STEPS,
+};
+use device_suite::ddp_unused::{
+    check_unused, check_unused_errors, unused_rank, unused_reference,
+    unused_without_the_option_rank, UnusedOutcome,
+};
+use tandem_autograd::TensorBackward;
+use tandem_core::Device;
+use tandem_dist::process_group::nccl;
+use tandem_dist::{
+    init_with_options, DdpConfig, DistributedDataParallel, GroupConfig, InitOptions, LaunchEnv,
+    NcclConfig, ProcessGroup,
+};
+use tandem_nn::loss::{cross_entropy, Reduction};
+use tandem_optim::Optimizer;
+
+const GPU: Device = Device::Cuda(0);
+
+/// Ranks of every job.
+const WORLD: usize = 2;
+
+/// How long the killed rank's peer may take to fail: the NCCL group's failure timeout.
+const FAILURE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long a job may take before the test fails instead of waiting (the emulator runs a job
+/// in well under a minute; a hang must fail the test, not CI's clock).
+const JOB_LIMIT: Duration = Duration::from_secs(300);
+
+/// Small buckets, so that each backward all-reduces several buckets on the comm stream while
+/// the rest of the backward runs, as a real model's does.
+fn small_buckets() -> DdpConfig {
+    DdpConfig {
+        bucket_cap_mb: 0.002,
+        first_bucket_mb: 0.001,
+        ..DdpConfig::default()
+    }
+}
+
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+/// `None` (after printing why) when the tests do not run: no CUDA at all, or a GPU without
+/// NCCL (a failure under `TANDEM_REQUIRE_NCCL=1`). Else the lock that runs them one at a time.
+fn gpu_with_nccl() -> Option<MutexGuard<'static, ()>> {
+    let target = tandem_test_support::select_cuda()?;
+    if let Err(e) = nccl::version() {
+        assert!(
+            target != tandem_test_support::CudaTarget::Emulator,
+            "the CUDA emulator's NCCL cannot be used: {e} (TANDEM_CUDA_LIBS={:?})",
+            std::env::var_os("TANDEM_CUDA_LIBS").unwrap_or_default()
+        );
+        assert!(
+            std::env::var("TANDEM_REQUIRE_NCCL").as_deref() != Ok("1"),
+            "TANDEM_REQUIRE_NCCL=1 and this machine has a CUDA device, but NCCL cannot be used: \
+             {e}. Put the folder of libnccl.so.2 (<site-packages>/nvidia/nccl/lib of the pip \
+             package nvidia-nccl-cu13) in TANDEM_CUDA_LIBS"
+        );
+        println!("skipped: NCCL not found ({e})");
+        return None;
+    }
+    Some(ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner()))
+}
+
+/// Waits for `job` and returns each rank's output, failing the test (with the output) if a
+/// rank failed.
+fn outputs(job: Job, mode: &str) -> Vec<String> {
+    let results = job.wait(JOB_LIMIT);
+    results
+        .into_iter()
+        .enumerate()
+        .map(|(rank, (status, output))| {
+            assert!(
+                status.success(),
+                "{mode}: rank {rank} of {WORLD} failed with {status}:\n{output}"
+            );
+            output
+        })
+        .collect()
+}
+
+/// The tensors rank `rank` printed under `tag`; fails if it printed none.
+fn parsed(tag: &str, rank: usize, output: &str) -> ddp_common::Snapshot {
+    let snapshot = parse_snapshot(tag, output);
+    assert!(
+        !snapshot.is_empty(),
+        "rank {rank} printed no `{tag}` lines:\n{output}"
+    );
+    snapshot
+}
+
+/// What the runs are called in failures.
+fn label(what: &str) -> String {
+    format!("{what}, {WORLD} NCCL processes on {GPU}")
+}
+
+// ---- the tests -----------------------------------------------------------------------------
+
+fn equivalence(mode: &str, model: Model) {
+    let Some(_gpu) = gpu_with_nccl() else { return };
+    let job = Job::start_on_one_gpu(WORLD, mode);
+    // The reference runs while the ranks train.
+    let want = reference_checked_on(GPU, model);
+    let outcomes: Vec<Outcome> = outputs(job, mode)
+        .iter()
+        .enumerate()
+        .map(|(rank, output)| Outcome {
+            first_grads: parsed("first-grads", rank, output),
+            final_params: parsed("final-params", rank, output),
+        })
+        .collect();
+    check_equivalence(
+        &label(&format!("{mode} ({model:?}), {STEPS} steps")),
+        &outcomes,
+        &want,
+        tolerance(GPU),
+    );
+}
+
+#[test]
+fn ddp_over_nccl_processes_matches_one_process_on_the_full_batch_mlp() {
+    equivalence("mlp", Model::Mlp);
+}
+
+#[test]
+fn ddp_over_nccl_processes_matches_one_process_on_the_full_batch_cnn() {
+    equivalence("cnn", Model::Cnn);
+}
+
+/// SyncBatchNorm's statistics all-reduced over NCCL: DDP with SyncBatchNorm equals one process
+/// with plain BatchNorm on the full batch.
+#[test]
+fn ddp_with_sync_batch_norm_over_nccl_processes_matches_batch_norm_on_the_full_batch() {
+    equivalence("sync-batch-norm", Model::CnnBatchNorm);
+}
+
+#[test]
+fn ddp_compression_hooks_over_nccl_processes_agree_within_half_precision() {
+    let Some(_gpu) = gpu_with_nccl() else { return };
+    let job = Job::start_on_one_gpu(WORLD, "hooks");
+    let want = reference_on(GPU, Model::Mlp, 1, 1);
+    let outputs = outputs(job, "hooks");
+    for (i, (hook, tol)) in compression_hooks().into_iter().enumerate() {
+        let grads: Vec<_> = outputs
+            .iter()
+            .enumerate()
+            .map(|(rank, output)| parsed(&format!("hook-{i}-grads"), rank, output))
+            .collect();
+        check_compression(&label("compression"), &hook, &grads, &want, tol);
+    }
+}
+
+#[test]
+fn ddp_no_sync_over_nccl_processes_accumulates_locally_then_synchronises() {
+    let Some(_gpu) = gpu_with_nccl() else { return };
+    let job = Job::start_on_one_gpu(WORLD, "no-sync");
+    let want = reference_on(GPU, Model::Mlp, 1, 1);
+    let grads: Vec<_> = outputs(job, "no-sync")
+        .iter()
+        .enumerate()
+        .map(|(rank, output)| parsed("grads", rank, output))
+        .collect();
+    check_no_sync(&label("no_sync"), &grads, &want, tolerance(GPU));
+}
+
+/// Under `find_unused_parameters` a layer no rank uses stays bit-unchanged; without the option
+/// the next forward names it.
+#[test]
+fn ddp_over_nccl_processes_leaves_a_parameter_no_rank_used_bit_unchanged() {
+    let Some(_gpu) = gpu_with_nccl() else { return };
+    let job = Job::start_on_one_gpu(WORLD, "unused");
+    let reference = unused_reference(GPU);
+    let outputs = outputs(job, "unused");
+    let results: Vec<UnusedOutcome> = outputs
+        .iter()
+        .enumerate()
+        .map(|(rank, output)| UnusedOutcome {
+            params: parsed("params", rank, output),
+            has_grad: parsed("has-grad", rank, output),
+        })
+        .collect();
+    check_unused(
+        &label("find_unused_parameters"),
+        &results,
+        &reference,
+        tolerance(GPU),
+    );
+    let errors: Vec<Option<String>> = outputs
+        .iter()
+        .map(|output| {
+            output
+                .lines()
+                .find_map(|l| l.split_once("unused-error ").map(|(_, e)| e.to_string()))
+        })
+        .collect();
+    check_unused_errors(&label("without find_unused_parameters"), &errors);
+}
+
+/// SIGKILL one of two ranks during CUDA DDP training: the other fails within the failure
+/// timeout with an error naming the dead rank.
+#[test]
+fn a_rank_killed_during_ddp_over_nccl_is_named_by_the_other_within_the_failure_timeout() {
+    let Some(_gpu) = gpu_with_nccl() else { return };
+    let mut job = Job::start_on_one_gpu(WORLD, "kill");
+    job.wait_for_all("ready", JOB_LIMIT);
+    let killed_at = Instant::now();
+    job.kill(1);
+    let failed = job.wait_for(0, "worker error", FAILURE_TIMEOUT + Duration::from_secs(30));
+    let took = killed_at.elapsed();
+    let results = job.wait(Duration::from_secs(30));
+    let (status, output) = &results[0];
+    assert!(
+        failed && !status.success(),
+        "rank 0 did not fail {took:?} after rank 1 was killed:\n{output}"
+    );
+    let error = output
+        .lines()
+        .find(|l| l.contains("worker error"))
+        .unwrap_or_default();
+    println!("rank 0 failed {took:?} after rank 1 was killed: {error}");
+    assert!(
+        took < FAILURE_TIMEOUT,
+        "rank 0 took {took:?} to fail, more than the failure timeout {FAILURE_TIMEOUT:?}:\n{output}"
+    );
+    assert!(
+        error.contains("rank 1's process exited"),
+        "rank 0's error does not name the killed rank 1:\n{output}"
+    );
+}
+
+// ---- the ranks -----------------------------------------------------------------------------
+
+/// In a re-executed rank process: runs the mode and exits with its status.
+#[test]
+fn worker() {
+    let Ok(mode) = std::env::var(WORKER_VAR) else {
+        return;
+    };
+    let code = match rank_main(&mode) {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("worker error: {e}");
+            1
+        }
+    };
+    std::process::exit(code);
+}
+
+fn rank_main(mode: &str) -> Result<(), String> {
+    let env = LaunchEnv::from_process_env().map_err(|e| e.to_string())?;
+    let options = InitOptions {
+        device: GPU,
+        group: GroupConfig {
+            name: format!("cuda-ddp-nccl-{mode}"),
+            timeout: Duration::from_secs(120),
+            connect_timeout: Duration::from_secs(120),
+            ..GroupConfig::default()
+        },
+        nccl: NcclConfig {
+            failure_timeout: FAILURE_TIMEOUT,
+            ..NcclConfig::default()
+        },
+        ..InitOptions::default()
+    };
+    let group = init_with_options(&env, options).map_err(|e| e.to_string())?;
+    let rank = group.rank();
+    match mode {
+        "mlp" | "cnn" | "sync-batch-norm" => {
+            let (model, sync_bn) = match mode {
+                "mlp" => (Model::Mlp, false),
+                "cnn" => (Model::Cnn, false),
+                _ => (Model::CnnBatchNorm, true),
+            };
+            let (outcome, ddp) =
+                train_ddp_with(model, rank, group, STEPS, small_buckets(), sync_bn);
+            print_snapshot("first-grads", &outcome.first_grads);
+            print_snapshot("final-params", &outcome.final_params);
+            println!("buckets {:?}", ddp.bucket_layout());
+        }
+        "hooks" => {
+            for (i, (hook, _)) in compression_hooks().into_iter().enumerate() {
+                let grads = compression_rank(hook, rank, group.clone());
+                print_snapshot(&format!("hook-{i}-grads"), &grads);
+            }
+        }
+        "no-sync" => print_snapshot("grads", &no_sync_rank(&label("no_sync"), rank, group)),
+        "unused" => {
+            let outcome = unused_rank(rank, group.clone());
+            print_snapshot("params", &outcome.params);
+            print_snapshot("has-grad", &outcome.has_grad);
+            match unused_without_the_option_rank(rank, group) {
+                Some(e) => println!("unused-error {}", e.replace('\n', " ")),
+                None => println!("the forward after an unused parameter succeeded"),
+            }
+        }
+        "kill" => train_until_failure(rank, group)?,
+        other => return Err(format!("unknown worker mode {other}")),
+    }
+    Ok(())
+}
+
+/// DDP training of the Cnn on this rank's shards, reading the loss every step as a training
+/// loop's progress line does, until a step fails (or, bounded, 10 000 steps pass).
+fn train_until_failure(rank: usize, group: Arc<dyn ProcessGroup>) -> Result<(), String> {
+    use ddp_common::{batch, sgd, shard};
+    use device_suite::ddp::{build_on, on};
+    let world = group.world_size();
+    let ddp = DistributedDataParallel::new(build_on(Model::Cnn, 7, GPU), group, small_buckets())
+        .map_err(|e| format!("DistributedDataParallel::new: {e}"))?;
+    let mut optimizer = sgd(ddp.module().parameters());
+    for step in 0..10_000 {
+        let (x, y) = batch(Model::Cnn, step % 8);
+        let (x, y) = (
+            on(GPU, &shard(&x, rank, world)),
+            on(GPU, &shard(&y, rank, world)),
+        );
+        let failed = |what: &str, e: String| format!("step {step}: {what}: {e}");
+        optimizer
+            .zero_grad()
+            .map_err(|e| failed("zero_grad", e.to_string()))?;
+        let out = ddp
+            .forward(&x)
+            .map_err(|e| failed("forward", e.to_string()))?;
+        let loss = cross_entropy(&out, &y, Reduction::Mean)
+            .map_err(|e| failed("cross_entropy", e.to_string()))?;
+        loss.backward()
+            .map_err(|e| failed("backward", e.to_string()))?;
+        optimizer.step().map_err(|e| failed("SGD", e.to_string()))?;
+        let loss = loss
+            .to_vec::<f32>()
+            .map_err(|e| failed("reading the loss", e.to_string()))?;
+        if step == 3 {
+            println!("ready (loss {})", loss[0]);
+        }
+    }
+    Err("10 000 steps passed without the peer's death being noticed".into())
+}
