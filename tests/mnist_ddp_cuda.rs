@@ -15,7 +15,7 @@
 //! # Tolerance
 //!
 //! The two jobs differ in f32 rounding only (the devices' kernels, and the order in which NCCL
-//! and the TCP ring sum the two ranks' gradients); over 40 steps at lr 0.01 that stays far below
+//! and the TCP ring sum the two ranks' gradients); over 40 steps at lr 0.02 that stays far below
 //! the 1e-3 relative the test allows on the epochs' losses (see `mnist_cuda.rs`), while a
 //! gradient summed instead of averaged, a missed bucket or a race is far above it.
 
@@ -34,7 +34,8 @@ use support::{run_example, ExampleRun};
 const WORKER: &str = "TANDEM_MNIST_DDP_CUDA_WORKER";
 
 /// Two epochs of 20 steps (global batch 16, 8 per rank), one thread per rank: the emulator
-/// runs a LeNet-5 step in seconds on a loaded 2-core machine.
+/// runs a LeNet-5 step in seconds on a loaded 2-core machine. At the default lr 0.02, held
+/// constant, the loss falls clearly (on the CPU: 2.29 in the first epoch, 2.01 in the second).
 const EXAMPLE_ARGS: [&str; 19] = [
     "--nproc-per-node",
     "2",
@@ -49,7 +50,7 @@ const EXAMPLE_ARGS: [&str; 19] = [
     "--seed",
     "5",
     "--lr",
-    "0.01",
+    "0.02",
     "--lr-decay",
     "1",
     "--threads",
