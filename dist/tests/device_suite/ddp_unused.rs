@@ -69,7 +69,7 @@ pub fn an_unused_parameter_is_left_untouched(backend: Backend) {
     let device = backend.device();
     let reference = unused_reference(device);
     let world = 2;
-    let results = on_ranks(backend, world, |rank, group| unused_rank(rank, group));
+    let results = on_ranks(backend, world, unused_rank);
     check_unused(
         &backend.to_string(),
         &results,
