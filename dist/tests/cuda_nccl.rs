@@ -12,11 +12,21 @@
 //! `LOCAL_WORLD_SIZE=1`, as one rank per "host" would have. Slow and unsupported for training;
 //! good enough to check correctness and failure handling with one GPU.
 //!
-//! On the CUDA emulator (no GPU) every test prints `skipped on the CUDA emulator: needs NCCL`
-//! (emulated in issue 21); on a GPU, `skipped: NCCL not found (…)` where NCCL cannot be loaded (put the folder of `libnccl.so.2`, e.g.
-//! `<site-packages>/nvidia/nccl/lib`, in `TANDEM_CUDA_LIBS`); `TANDEM_REQUIRE_NCCL=1` makes
-//! the latter a failure, so that a GPU run cannot pass by skipping. Tests take a lock so that
-//! they use the GPU one at a time (timings are asserted).
+//! **On the CUDA emulator** (no GPU; `tandem-test-support` chooses) every test runs, with the
+//! stream sanitizer on, against the emulated NCCL (`cuda-emu/nccl`, copied as `libnccl.so.2`
+//! into the emulator's folder, which comes first in `TANDEM_CUDA_LIBS`, so it is found before
+//! the real NCCL CI installs for `tests/nccl_id.rs`). The rank processes inherit that
+//! `TANDEM_CUDA_LIBS` and `TANDEM_CUDA_SANITIZER` from the test, which `select_cuda` set before
+//! starting them. The emulated NCCL's collectives run on the comm stream's worker and block it
+//! until the peer arrives, so the stream ordering and the failure paths (a killed, stopped or
+//! silent rank left pending until tandem's watchdog aborts the communicator) run as on a GPU;
+//! the `NCCL_*` variables below are ignored there. The compute work that keeps the stream busy
+//! in `a_world_of_1_wait_orders_…` is smaller on the emulator.
+//!
+//! On a GPU, each test prints `skipped: NCCL not found (…)` where NCCL cannot be loaded (put the
+//! folder of `libnccl.so.2`, e.g. `<site-packages>/nvidia/nccl/lib`, in `TANDEM_CUDA_LIBS`);
+//! `TANDEM_REQUIRE_NCCL=1` makes that a failure, so that a GPU run cannot pass by skipping.
+//! Tests take a lock so that they use the GPU one at a time (timings are asserted).
 
 mod common;
 
@@ -39,10 +49,6 @@ static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 /// `TANDEM_REQUIRE_NCCL=1` a GPU without NCCL fails instead, naming what to install.
 fn gpu() -> Option<MutexGuard<'static, ()>> {
     tandem_test_support::select_cuda()?;
-    // CI installs the real NCCL (for tests/nccl_id.rs); it cannot work on emulated memory.
-    if tandem_test_support::skip_on_emulator("NCCL (emulated in issue 21)") {
-        return None;
-    }
     if let Err(e) = nccl::version() {
         assert!(
             std::env::var("TANDEM_REQUIRE_NCCL").as_deref() != Ok("1"),
@@ -95,13 +101,18 @@ fn a_world_of_1_runs_every_collective_op_and_dtype_like_the_cpu_reference() {
 fn a_world_of_1_wait_orders_the_compute_stream_without_blocking_the_host() {
     let Some(_gpu) = gpu() else { return };
     let s = solo("solo-no-host-block");
-    // Keep the compute stream busy for a while (about 0.2 s on an H100): the collective is
-    // ordered after this work, so it cannot have finished when wait() returns.
-    let n = 64 << 20;
+    // Keep the compute stream busy for a while (about 0.2 s on an H100, about as long on the
+    // emulator with far less work): the collective is ordered after this work, so it cannot
+    // have finished when wait() returns.
+    let (n, adds) = if tandem_test_support::on_emulator() {
+        (1 << 16, 8)
+    } else {
+        (64 << 20, 400)
+    };
     let a = Tensor::ones(&[n], DType::F32, GPU).unwrap();
     let b = Tensor::ones(&[n], DType::F32, GPU).unwrap();
     tandem_core::cuda::device(0).unwrap().synchronize().unwrap();
-    for _ in 0..400 {
+    for _ in 0..adds {
         a.add_(&b).unwrap();
     }
     let t = Tensor::full(&[1000], 3.0, DType::F32, GPU).unwrap();
@@ -122,8 +133,8 @@ fn a_world_of_1_wait_orders_the_compute_stream_without_blocking_the_host() {
     let host_done = started.elapsed();
     assert!(work.is_completed());
     assert_eq!(t.to_vec::<f32>().unwrap(), vec![3.0; 1000]);
-    // The compute stream's work finished too: a holds 1 + 400.
-    assert_eq!(a.to_vec::<f32>().unwrap()[n - 1], 401.0);
+    // The compute stream's work finished too: a holds 1 + adds.
+    assert_eq!(a.to_vec::<f32>().unwrap()[n - 1], (adds + 1) as f32);
     println!("wait returned after {waited:?}; wait_host after {host_done:?}");
 }
 

@@ -46,11 +46,12 @@ pub enum CudaTarget {
 
 /// The file names cargo gives the emulator's libraries, and the names tandem's search looks
 /// for.
-const EMULATOR_LIBRARIES: [(&str, &str); 4] = [
+const EMULATOR_LIBRARIES: [(&str, &str); 5] = [
     ("libtandem_cuda_emu.so", "libcuda.so"),
     ("libtandem_cuda_emu_nvrtc.so", "libnvrtc.so"),
     ("libtandem_cuda_emu_cublas.so", "libcublas.so"),
     ("libtandem_cuda_emu_cublaslt.so", "libcublasLt.so"),
+    ("libtandem_cuda_emu_nccl.so", "libnccl.so.2"),
 ];
 
 /// Where this process's GPU tests run, chosen on the first call (see the module's doc); `None`,
