@@ -89,8 +89,12 @@ fn gpu_with_nccl() -> Option<MutexGuard<'static, ()>> {
 
 /// Waits for `job` and returns each rank's output, failing the test (with the output) if a
 /// rank failed.
-fn outputs(job: Job, mode: &str) -> Vec<String> {
+fn outputs(job: Job, job_started: Instant, mode: &str) -> Vec<String> {
     let results = job.wait(JOB_LIMIT);
+    println!(
+        "{mode}: the ranks finished {:.1} s after they started",
+        job_started.elapsed().as_secs_f64()
+    );
     results
         .into_iter()
         .enumerate()
@@ -98,6 +102,10 @@ fn outputs(job: Job, mode: &str) -> Vec<String> {
             assert!(
                 status.success(),
                 "{mode}: rank {rank} of {WORLD} failed with {status}:\n{output}"
+            );
+            assert!(
+                output.contains(&format!("rank {rank}: a nccl group on {GPU}")),
+                "{mode}: rank {rank} did not train over NCCL on {GPU}:\n{output}"
             );
             output
         })
@@ -123,10 +131,13 @@ fn label(what: &str) -> String {
 
 fn equivalence(mode: &str, model: Model) {
     let Some(_gpu) = gpu_with_nccl() else { return };
+    let started = Instant::now();
     let job = Job::start_on_one_gpu(WORLD, mode);
     // The reference runs while the ranks train.
     let want = reference_checked_on(GPU, model);
-    let outcomes: Vec<Outcome> = outputs(job, mode)
+    let outputs = outputs(job, started, mode);
+    let outcomes_text = &outputs[0];
+    let outcomes: Vec<Outcome> = outputs
         .iter()
         .enumerate()
         .map(|(rank, output)| Outcome {
@@ -134,6 +145,12 @@ fn equivalence(mode: &str, model: Model) {
             final_params: parsed("final-params", rank, output),
         })
         .collect();
+    if let Some(line) = outcomes_text.lines().find(|l| l.contains("buckets ")) {
+        println!(
+            "{mode}: rank 0's {}",
+            line.trim_start_matches("test worker ... ")
+        );
+    }
     check_equivalence(
         &label(&format!("{mode} ({model:?}), {STEPS} steps")),
         &outcomes,
@@ -162,9 +179,10 @@ fn ddp_with_sync_batch_norm_over_nccl_processes_matches_batch_norm_on_the_full_b
 #[test]
 fn ddp_compression_hooks_over_nccl_processes_agree_within_half_precision() {
     let Some(_gpu) = gpu_with_nccl() else { return };
+    let started = Instant::now();
     let job = Job::start_on_one_gpu(WORLD, "hooks");
     let want = reference_on(GPU, Model::Mlp, 1, 1);
-    let outputs = outputs(job, "hooks");
+    let outputs = outputs(job, started, "hooks");
     for (i, (hook, tol)) in compression_hooks().into_iter().enumerate() {
         let grads: Vec<_> = outputs
             .iter()
@@ -178,9 +196,10 @@ fn ddp_compression_hooks_over_nccl_processes_agree_within_half_precision() {
 #[test]
 fn ddp_no_sync_over_nccl_processes_accumulates_locally_then_synchronises() {
     let Some(_gpu) = gpu_with_nccl() else { return };
+    let started = Instant::now();
     let job = Job::start_on_one_gpu(WORLD, "no-sync");
     let want = reference_on(GPU, Model::Mlp, 1, 1);
-    let grads: Vec<_> = outputs(job, "no-sync")
+    let grads: Vec<_> = outputs(job, started, "no-sync")
         .iter()
         .enumerate()
         .map(|(rank, output)| parsed("grads", rank, output))
@@ -193,9 +212,10 @@ fn ddp_no_sync_over_nccl_processes_accumulates_locally_then_synchronises() {
 #[test]
 fn ddp_over_nccl_processes_leaves_a_parameter_no_rank_used_bit_unchanged() {
     let Some(_gpu) = gpu_with_nccl() else { return };
+    let started = Instant::now();
     let job = Job::start_on_one_gpu(WORLD, "unused");
     let reference = unused_reference(GPU);
-    let outputs = outputs(job, "unused");
+    let outputs = outputs(job, started, "unused");
     let results: Vec<UnusedOutcome> = outputs
         .iter()
         .enumerate()
@@ -289,6 +309,12 @@ fn rank_main(mode: &str) -> Result<(), String> {
     };
     let group = init_with_options(&env, options).map_err(|e| e.to_string())?;
     let rank = group.rank();
+    let version = nccl::version().map_err(|e| e.to_string())?;
+    println!(
+        "rank {rank}: a {} group on {}, NCCL {version}",
+        group.backend(),
+        group.comm_stream().device()
+    );
     match mode {
         "mlp" | "cnn" | "sync-batch-norm" => {
             let (model, sync_bn) = match mode {
