@@ -275,8 +275,9 @@ impl Job {
         self.output[rank].lock().clone()
     }
 
-    /// Waits until every rank's output contains `text`.
-    pub fn wait_for_all(&self, text: &str, timeout: Duration) {
+    /// Waits until every rank's output contains `text`; fails at once, with the outputs, when
+    /// a rank exits before printing it (instead of waiting out `timeout`).
+    pub fn wait_for_all(&mut self, text: &str, timeout: Duration) {
         let deadline = Instant::now() + timeout;
         while !(0..self.children.len()).all(|r| self.output(r).contains(text)) {
             assert!(
@@ -284,6 +285,17 @@ impl Job {
                 "ranks did not print {text:?}: {:?}",
                 self.outputs()
             );
+            for rank in 0..self.children.len() {
+                if let Ok(Some(status)) = self.children[rank].try_wait() {
+                    // Let the collectors read the last bytes before looking again.
+                    std::thread::sleep(Duration::from_millis(50));
+                    assert!(
+                        self.output(rank).contains(text),
+                        "rank {rank} exited ({status}) before printing {text:?}: {:?}",
+                        self.outputs()
+                    );
+                }
+            }
             std::thread::sleep(Duration::from_millis(10));
         }
     }
