@@ -3,7 +3,8 @@
 //! (`device_suite/`), split into what each rank does (in its process) and what the test checks
 //! (here, against one process on the full batch on the same device): the Mlp and the Cnn after
 //! five steps, SyncBatchNorm against BatchNorm on the full batch, the bf16 and f16 compression
-//! hooks, `no_sync`, and a parameter no rank uses under `find_unused_parameters`. A last test
+//! hooks, `no_sync`, a parameter no rank uses under `find_unused_parameters`, and buckets rebuilt
+//! identically by both processes. A last test
 //! kills one rank during training: the other must fail within the NCCL group's failure timeout
 //! with an error naming the dead rank, not hang.
 //!
@@ -24,8 +25,9 @@ use std::time::{Duration, Instant};
 use common::{Job, WORKER_VAR};
 use ddp_common::{parse_snapshot, print_snapshot, Model, Outcome};
 use device_suite::ddp::{
-    check_compression, check_equivalence, check_no_sync, compression_hooks, compression_rank,
-    no_sync_rank, reference_checked_on, reference_on, tolerance, train_ddp_with, STEPS,
+    check_compression, check_equivalence, check_no_sync, check_rebuild, compression_hooks,
+    compression_rank, no_sync_rank, rebuild_rank, reference_checked_on, reference_on, tolerance,
+    train_ddp_with, RebuildOutcome, REBUILD_STEPS, STEPS,
 };
 use device_suite::ddp_unused::{
     check_unused, check_unused_errors, unused_rank, unused_reference,
@@ -241,6 +243,54 @@ fn ddp_over_nccl_processes_leaves_a_parameter_no_rank_used_bit_unchanged() {
     check_unused_errors(&label("without find_unused_parameters"), &errors);
 }
 
+/// Tiny buckets, rebuilt after the first step in the order each process saw its gradients
+/// become ready: both processes must rebuild the same buckets (else their collectives would not
+/// match), and training still matches the full batch.
+#[test]
+fn ddp_over_nccl_processes_rebuilds_buckets_identically_and_still_matches() {
+    let Some(_gpu) = gpu_with_nccl() else { return };
+    let started = Instant::now();
+    let job = Job::start_on_one_gpu(WORLD, "rebuild");
+    let want = reference_on(GPU, Model::Cnn, REBUILD_STEPS, 1);
+    let results: Vec<RebuildOutcome> = outputs(job, started, "rebuild")
+        .iter()
+        .enumerate()
+        .map(|(rank, output)| RebuildOutcome {
+            outcome: Outcome {
+                first_grads: Vec::new(),
+                final_params: parsed("final-params", rank, output),
+            },
+            layout: lists("rebuilt-bucket", output),
+            launches: lists("launch-order", output)
+                .into_iter()
+                .map(|l| {
+                    l.iter()
+                        .map(|b| b.parse().expect("a bucket index"))
+                        .collect()
+                })
+                .collect(),
+        })
+        .collect();
+    check_rebuild(&label("bucket rebuild"), &results, &want, tolerance(GPU));
+}
+
+/// The lists a rank printed as lines `<tag> <index> <item>,<item>,…`, in order.
+fn lists(tag: &str, output: &str) -> Vec<Vec<String>> {
+    let marker = format!("{tag} ");
+    output
+        .lines()
+        .filter_map(|l| l.find(&marker).map(|at| &l[at + marker.len()..]))
+        .map(|l| {
+            let items = l.split_once(' ').map_or("", |(_, items)| items);
+            items
+                .split(',')
+                .filter(|i| !i.is_empty())
+                .map(str::to_string)
+                .collect()
+        })
+        .collect()
+}
+
 /// SIGKILL one of two ranks during CUDA DDP training: the other fails within the failure
 /// timeout with an error naming the dead rank.
 #[test]
@@ -342,6 +392,17 @@ fn rank_main(mode: &str) -> Result<(), String> {
             match unused_without_the_option_rank(rank, group) {
                 Some(e) => println!("unused-error {}", e.replace('\n', " ")),
                 None => println!("the forward after an unused parameter succeeded"),
+            }
+        }
+        "rebuild" => {
+            let result = rebuild_rank(rank, group);
+            print_snapshot("final-params", &result.outcome.final_params);
+            for (b, names) in result.layout.iter().enumerate() {
+                println!("rebuilt-bucket {b} {}", names.join(","));
+            }
+            for (backward, order) in result.launches.iter().enumerate() {
+                let order: Vec<String> = order.iter().map(|b| b.to_string()).collect();
+                println!("launch-order {backward} {}", order.join(","));
             }
         }
         "kill" => train_until_failure(rank, group)?,

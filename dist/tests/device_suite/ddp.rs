@@ -417,18 +417,54 @@ pub fn check_compression(
 /// the observed ready order, identically, and training still matches the full batch.
 pub fn buckets_rebuild_identically_and_training_still_matches(backend: Backend) {
     let device = backend.device();
+    let want = reference_on(device, Model::Cnn, REBUILD_STEPS, 1);
+    let results = on_ranks(backend, 4, rebuild_rank);
+    check_rebuild(&backend.to_string(), &results, &want, tolerance(device));
+}
+
+/// Steps of the bucket-rebuild case.
+pub const REBUILD_STEPS: usize = 3;
+
+/// What one rank of the bucket-rebuild case reports.
+pub struct RebuildOutcome {
+    pub outcome: Outcome,
+    /// The buckets after the rebuild: parameter paths per bucket.
+    pub layout: Vec<Vec<String>>,
+    /// For each synchronised backward, the buckets in the order they were launched.
+    pub launches: Vec<Vec<usize>>,
+}
+
+/// One rank of the bucket-rebuild case: the Cnn with tiny buckets for [`REBUILD_STEPS`] steps.
+pub fn rebuild_rank(rank: usize, group: Arc<dyn ProcessGroup>) -> RebuildOutcome {
     let config = DdpConfig {
         bucket_cap_mb: 0.001,
         first_bucket_mb: 0.001,
         ..DdpConfig::default()
     };
-    let want = reference_on(device, Model::Cnn, 3, 1);
-    let results = on_ranks(backend, 4, |rank, group| {
-        let (outcome, ddp) = train_ddp_on(Model::Cnn, rank, group, 3, config.clone());
-        (outcome, ddp.bucket_layout(), ddp.launch_log())
-    });
-    let layout0 = &results[0].1;
-    for (rank, (outcome, layout, log)) in results.iter().enumerate() {
+    let (outcome, ddp) = train_ddp_on(Model::Cnn, rank, group, REBUILD_STEPS, config);
+    let log = ddp.launch_log();
+    let launches = (0..REBUILD_STEPS as u64)
+        .map(|backward| {
+            log.iter()
+                .filter(|l| l.backward == backward)
+                .map(|l| l.bucket)
+                .collect()
+        })
+        .collect();
+    RebuildOutcome {
+        outcome,
+        layout: ddp.bucket_layout(),
+        launches,
+    }
+}
+
+/// Every rank rebuilt the same several buckets, starting with the last layer's weight, launched
+/// them in bucket order in every backward, and trained as one process on the full batch (`want`,
+/// within `tol`).
+pub fn check_rebuild(backend: &str, results: &[RebuildOutcome], want: &Outcome, tol: f64) {
+    let layout0 = &results[0].layout;
+    for (rank, result) in results.iter().enumerate() {
+        let layout = &result.layout;
         assert_eq!(
             layout, layout0,
             "{backend}: rank {rank}'s rebuilt buckets differ from rank 0's"
@@ -443,23 +479,26 @@ pub fn buckets_rebuild_identically_and_training_still_matches(backend: Backend) 
             vec!["6.weight".to_string()],
             "{backend} rank {rank}: rebuilt first bucket; layout {layout:?}"
         );
-        for backward in 0..3 {
-            let launches: Vec<usize> = log
-                .iter()
-                .filter(|l| l.backward == backward)
-                .map(|l| l.bucket)
-                .collect();
+        assert_eq!(
+            result.launches.len(),
+            REBUILD_STEPS,
+            "{backend} rank {rank}: launch orders of every backward"
+        );
+        for (backward, launches) in result.launches.iter().enumerate() {
             assert_eq!(
                 launches,
-                (0..layout.len()).collect::<Vec<_>>(),
+                &(0..layout.len()).collect::<Vec<_>>(),
                 "{backend} rank {rank}, backward {backward}: buckets launch in bucket order"
             );
         }
         assert_close(
-            &format!("{backend} rank {rank}: parameters after 3 steps with rebuilt tiny buckets"),
-            &outcome.final_params,
+            &format!(
+                "{backend} rank {rank}: parameters after {REBUILD_STEPS} steps with rebuilt tiny \
+                 buckets"
+            ),
+            &result.outcome.final_params,
             &want.final_params,
-            tolerance(device),
+            tol,
         );
     }
 }
