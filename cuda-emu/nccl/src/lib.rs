@@ -126,14 +126,10 @@ fn say(message: &str) {
     eprintln!("tandem-cuda-emu: {message}");
 }
 
-/// The last error of any call (NCCL keeps one per process as well).
-fn last_error() -> &'static Mutex<String> {
-    static LAST: OnceLock<Mutex<String>> = OnceLock::new();
-    LAST.get_or_init(|| Mutex::new(String::new()))
-}
-
+/// The last error of a call on this thread (NCCL keeps one per thread as well); an
+/// asynchronous error is kept by its communicator.
 fn set_last_error(message: String) {
-    *last_error().lock() = message;
+    LAST_ERROR.with(|e| *e.borrow_mut() = message);
 }
 
 /// Fails with `status` after saying why (stderr and `ncclGetLastError`).
@@ -439,6 +435,10 @@ pub struct Comm {
     /// Workers and rendezvous threads inside this communicator.
     running: AtomicUsize,
     finalizing: AtomicBool,
+    /// Whether this rank joined the segment.
+    joined: AtomicBool,
+    /// Whether calls block (`config.blocking`); non-blocking ones answer `ncclInProgress`.
+    blocking: bool,
 }
 
 impl Comm {
@@ -446,18 +446,18 @@ impl Comm {
         self.error.load(Ordering::Acquire) != SUCCESS || self.aborted.load(Ordering::Acquire)
     }
 
-    /// Sets the asynchronous error (the first wins) and reports it.
+    /// Sets the asynchronous error (the first wins) and reports it. The message is in place
+    /// before the error shows.
     fn set_error(&self, status: Status, message: String) {
-        if self
-            .error
-            .compare_exchange(SUCCESS, status, Ordering::AcqRel, Ordering::Acquire)
-            .is_ok()
-        {
-            let message = format!("rank {} of {}: {message}", self.rank, self.nranks);
-            say(&message);
-            set_last_error(message.clone());
-            *self.message.lock() = message;
+        let mut kept = self.message.lock();
+        if self.error.load(Ordering::Acquire) != SUCCESS {
+            return;
         }
+        let message = format!("rank {} of {}: {message}", self.rank, self.nranks);
+        say(&message);
+        set_last_error(message.clone());
+        *kept = message;
+        self.error.store(status, Ordering::Release);
     }
 
     /// Waits until `ready` (spinning briefly, then sleeping 50 µs to 1 ms), or the
@@ -547,6 +547,7 @@ fn rendezvous(comm: &Comm) -> Result<(), Stop> {
         .join(comm.rank)
         .map_err(|e| Stop::Error(INVALID_USAGE, format!("ncclCommInitRank: {e}")))?;
     let segment = comm.segment.get_or_init(|| segment);
+    comm.joined.store(true, Ordering::Release);
     if comm.aborted.load(Ordering::Acquire) {
         segment.unlink();
         return Err(Stop::Aborted);
@@ -576,6 +577,8 @@ thread_local! {
     /// `ncclGroupStart` depth and the operations and blocking inits held until the outermost
     /// `ncclGroupEnd`.
     static GROUP: RefCell<Group> = RefCell::new(Group::default());
+    /// The last error of a call on this thread.
+    static LAST_ERROR: RefCell<String> = const { RefCell::new(String::new()) };
     /// `ncclGetLastError`'s string (valid until this thread's next call).
     static LAST_TEXT: RefCell<CString> = RefCell::new(CString::default());
 }
@@ -647,6 +650,8 @@ fn init_comm(
         received: Mutex::new(vec![0; nranks as usize]),
         running: AtomicUsize::new(1),
         finalizing: AtomicBool::new(false),
+        joined: AtomicBool::new(false),
+        blocking,
     });
     let handle = {
         let mut r = registry().lock();
@@ -815,7 +820,7 @@ pub extern "C" fn ncclCommFinalize(comm: *mut c_void) -> Status {
         if c.serving.load(Ordering::Acquire) >= c.next_ticket.load(Ordering::Acquire) {
             return Ok(());
         }
-        if !is_blocking(&c) {
+        if !c.blocking {
             return Err(IN_PROGRESS);
         }
         let _ = c.wait(|| {
@@ -828,13 +833,6 @@ pub extern "C" fn ncclCommFinalize(comm: *mut c_void) -> Status {
             error => Err(error),
         }
     })
-}
-
-/// Whether calls on the communicator block. The emulator does not remember the config: a
-/// finalize returns at once with `ncclInProgress` only for non-blocking communicators, which
-/// tandem polls; blocking ones wait. Non-blocking is what tandem uses, so the default here.
-fn is_blocking(_c: &Comm) -> bool {
-    false
 }
 
 /// Removes a communicator: later calls with its handle fail.
@@ -865,8 +863,10 @@ fn retire(handle: *mut c_void, how: &'static str) -> Result<Arc<Comm>, Status> {
 /// Stops every worker of `c` and waits (up to 10 s) until none is inside it.
 fn stop(c: &Comm) {
     c.aborted.store(true, Ordering::Release);
-    if c.init.load(Ordering::Acquire) != SUCCESS {
-        // The rendezvous may not have completed: nobody else will unlink the file.
+    if c.init.load(Ordering::Acquire) != SUCCESS && c.joined.load(Ordering::Acquire) {
+        // This rank joined and the rendezvous may not have completed: it never will now, and
+        // nobody else may unlink the file. (A rank refused before joining leaves the file to
+        // the ranks that did.)
         // SAFETY: a NUL-terminated path; a missing file is fine.
         if let Ok(path) = CString::new(c.path.clone()) {
             unsafe { libc::unlink(path.as_ptr()) };
@@ -899,7 +899,12 @@ pub extern "C" fn ncclCommAbort(comm: *mut c_void) -> Status {
 pub extern "C" fn ncclCommDestroy(comm: *mut c_void) -> Status {
     entry("ncclCommDestroy", || {
         let c = retire(comm, "destroyed")?;
-        // Destroying with operations still queued: they find the communicator stopped.
+        // As NCCL's implicit finalize: the operations issued before finish first (with every
+        // rank), unless the communicator failed.
+        let _ = c.wait(|| {
+            Ok(c.failed()
+                || c.serving.load(Ordering::Acquire) >= c.next_ticket.load(Ordering::Acquire))
+        });
         stop(&c);
         Ok(())
     })
@@ -924,7 +929,7 @@ pub extern "C" fn ncclGetErrorString(status: Status) -> *const c_char {
 
 #[no_mangle]
 pub extern "C" fn ncclGetLastError(comm: *mut c_void) -> *const c_char {
-    let mut text = last_error().lock().clone();
+    let mut text = LAST_ERROR.with(|e| e.borrow().clone());
     if let Some(c) = registry().lock().live.get(&(comm as usize)) {
         let message = c.message.lock();
         if !message.is_empty() {

@@ -300,11 +300,22 @@ mod tests {
 
     #[test]
     fn the_float_average_pre_multiplies_in_the_type() {
-        // 1/3 rounded to f16 is 0.33325; three ones pre-multiplied and summed give 0.99976.
-        let ones = vec![vec![f16::ONE]; 3];
-        let got = reduce(DataType::Float16, RedOp::Avg, &ones)[0];
-        let third = f16::from_f64(1.0 / 3.0);
-        assert_eq!(got, third + third + third);
-        assert_ne!(got, f16::ONE);
+        // Every contribution is multiplied by 1/n rounded to f16, then summed in f16: for some
+        // values that differs from the exact average (v, for n equal contributions of v).
+        let mut differ = 0;
+        for n in [3usize, 5, 7] {
+            for v in 1..64 {
+                let x = f16::from_f64(v as f64);
+                let got = reduce(DataType::Float16, RedOp::Avg, &vec![vec![x]; n])[0];
+                let scaled = x * f16::from_f64(1.0 / n as f64);
+                let want = (1..n).fold(scaled, |acc, _| acc + scaled);
+                assert_eq!(got, want, "{n} ranks of {v}");
+                differ += usize::from(got != x);
+            }
+        }
+        assert!(
+            differ > 0,
+            "the pre-multiplied average never differed from the exact one"
+        );
     }
 }

@@ -159,11 +159,21 @@ impl Segment {
             let grown = if unsafe { libc::fstat(fd, &mut st) } != 0 {
                 Err(os_error(&format!("stat {path}")))
             } else if (st.st_size as u64) < want as u64 {
+                // Reserve the memory now (tmpfs): a full /dev/shm is then an error here, not a
+                // SIGBUS at the first touch of a page during a collective.
                 // SAFETY: a valid descriptor.
-                if unsafe { libc::ftruncate(fd, want as libc::off_t) } != 0 {
-                    Err(os_error(&format!("sizing {path} to {want} bytes")))
-                } else {
-                    Ok(())
+                match unsafe { libc::posix_fallocate(fd, 0, want as libc::off_t) } {
+                    0 => Ok(()),
+                    // SAFETY: a valid descriptor.
+                    libc::EOPNOTSUPP | libc::EINVAL
+                        if unsafe { libc::ftruncate(fd, want as libc::off_t) } == 0 =>
+                    {
+                        Ok(())
+                    }
+                    code => Err(format!(
+                        "reserving {want} bytes for {path}: {} (is /dev/shm full?)",
+                        std::io::Error::from_raw_os_error(code)
+                    )),
                 }
             } else {
                 Ok(())
@@ -285,6 +295,11 @@ impl Segment {
             ));
         }
         Ok(joined == self.nranks)
+    }
+
+    /// How many ranks have joined (as the header says).
+    pub fn joined(&self) -> u32 {
+        self.header().joined.load(Ordering::Acquire)
     }
 
     /// Removes the file (every rank has it mapped, or the rendezvous was given up).
