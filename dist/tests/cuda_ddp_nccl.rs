@@ -4,9 +4,8 @@
 //! (here, against one process on the full batch on the same device): the Mlp and the Cnn after
 //! five steps, SyncBatchNorm against BatchNorm on the full batch, the bf16 and f16 compression
 //! hooks, `no_sync`, a parameter no rank uses under `find_unused_parameters`, and buckets rebuilt
-//! identically by both processes. A last test
-//! kills one rank during training: the other must fail within the NCCL group's failure timeout
-//! with an error naming the dead rank, not hang.
+//! identically by both processes. A last test kills one rank during training: the other must
+//! fail within the NCCL group's failure timeout with an error naming the dead rank, not hang.
 //!
 //! Both ranks run on `cuda:0` (see [`Job::start_on_one_gpu`]). Without a GPU they run on the
 //! CUDA emulator with its emulated NCCL (`cuda-emu/`), with the stream sanitizer on. On a GPU
@@ -23,7 +22,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use common::{Job, WORKER_VAR};
-use ddp_common::{parse_snapshot, print_snapshot, Model, Outcome};
+use ddp_common::{parse_snapshot, print_snapshot, tagged_lines, Model, Outcome};
 use device_suite::ddp::{
     check_compression, check_equivalence, check_no_sync, check_rebuild, compression_hooks,
     compression_rank, no_sync_rank, rebuild_rank, reference_checked_on, reference_on, tolerance,
@@ -235,9 +234,9 @@ fn ddp_over_nccl_processes_leaves_a_parameter_no_rank_used_bit_unchanged() {
     let errors: Vec<Option<String>> = outputs
         .iter()
         .map(|output| {
-            output
-                .lines()
-                .find_map(|l| l.split_once("unused-error ").map(|(_, e)| e.to_string()))
+            tagged_lines("unused-error", output)
+                .next()
+                .map(str::to_string)
         })
         .collect();
     check_unused_errors(&label("without find_unused_parameters"), &errors);
@@ -276,10 +275,7 @@ fn ddp_over_nccl_processes_rebuilds_buckets_identically_and_still_matches() {
 
 /// The lists a rank printed as lines `<tag> <index> <item>,<item>,…`, in order.
 fn lists(tag: &str, output: &str) -> Vec<Vec<String>> {
-    let marker = format!("{tag} ");
-    output
-        .lines()
-        .filter_map(|l| l.find(&marker).map(|at| &l[at + marker.len()..]))
+    tagged_lines(tag, output)
         .map(|l| {
             let items = l.split_once(' ').map_or("", |(_, items)| items);
             items

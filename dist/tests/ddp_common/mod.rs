@@ -235,11 +235,7 @@ pub fn print_snapshot(tag: &str, snapshot: &[(String, Vec<f32>)]) {
 
 /// The tensors a child printed with [`print_snapshot`] under `tag`, in order.
 pub fn parse_snapshot(tag: &str, output: &str) -> Snapshot {
-    let marker = format!("{tag} ");
-    output
-        .lines()
-        // libtest may print "test worker ... " in front of the first line.
-        .filter_map(|l| l.find(&marker).map(|at| &l[at + marker.len()..]))
+    tagged_lines(tag, output)
         .map(|l| {
             let (name, values) = l
                 .split_once(' ')
@@ -258,4 +254,16 @@ pub fn parse_snapshot(tag: &str, output: &str) -> Snapshot {
             (name.to_string(), values)
         })
         .collect()
+}
+
+/// What follows `<tag> ` on each line of `output` that has it, in order. libtest may print
+/// "test worker ... " in front of a worker's first line; the tag must be a word of its own
+/// (`grads` does not match `first-grads`).
+pub fn tagged_lines<'a>(tag: &str, output: &'a str) -> impl Iterator<Item = &'a str> {
+    let marker = format!("{tag} ");
+    output.lines().filter_map(move |l| {
+        l.match_indices(&marker)
+            .find(|(at, _)| *at == 0 || l[..*at].ends_with(' '))
+            .map(|(at, _)| &l[at + marker.len()..])
+    })
 }
