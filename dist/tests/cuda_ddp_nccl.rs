@@ -4,8 +4,9 @@
 //! (here, against one process on the full batch on the same device): the Mlp and the Cnn after
 //! five steps, SyncBatchNorm against BatchNorm on the full batch, the bf16 and f16 compression
 //! hooks, `no_sync`, a parameter no rank uses under `find_unused_parameters`, and buckets rebuilt
-//! identically by both processes. A last test kills one rank during training: the other must
-//! fail within the NCCL group's failure timeout with an error naming the dead rank, not hang.
+//! identically by both processes. Two last tests kill one rank (SIGKILL) or stop it (SIGSTOP)
+//! during training: the other must fail within the NCCL group's failure timeout with an error
+//! naming it, not hang.
 //!
 //! Both ranks run on `cuda:0` (see [`Job::start_on_one_gpu`]). Without a GPU they run on the
 //! CUDA emulator with its emulated NCCL (`cuda-emu/`), with the stream sanitizer on. On a GPU
@@ -304,9 +305,8 @@ fn a_rank_killed_during_ddp_over_nccl_is_named_by_the_other_within_the_failure_t
         failed && !status.success(),
         "rank 0 did not fail {took:?} after rank 1 was killed:\n{output}"
     );
-    let error = output
-        .lines()
-        .find(|l| l.contains("worker error"))
+    let error = tagged_lines("worker error:", output)
+        .next()
         .unwrap_or_default();
     println!("rank 0 failed {took:?} after rank 1 was killed: {error}");
     assert!(
@@ -316,6 +316,42 @@ fn a_rank_killed_during_ddp_over_nccl_is_named_by_the_other_within_the_failure_t
     assert!(
         error.contains("rank 1's process exited"),
         "rank 0's error does not name the killed rank 1:\n{output}"
+    );
+}
+
+/// A rank that stops (SIGSTOP: alive, its connections open, but silent) during CUDA DDP
+/// training: the other fails within the failure timeout, naming it, instead of waiting forever
+/// in the collective the stopped rank never joins.
+#[test]
+fn a_rank_stopped_during_ddp_over_nccl_is_named_by_the_other_within_the_failure_timeout() {
+    let Some(_gpu) = gpu_with_nccl() else { return };
+    let mut job = Job::start_on_one_gpu(WORLD, "stop");
+    assert!(
+        job.wait_for(1, "stopping now", JOB_LIMIT),
+        "rank 1 did not stop: {}",
+        job.output(1)
+    );
+    let stopped_at = Instant::now();
+    let failed = job.wait_for(0, "worker error", FAILURE_TIMEOUT + Duration::from_secs(30));
+    let took = stopped_at.elapsed();
+    job.kill(1);
+    let results = job.wait(Duration::from_secs(30));
+    let (status, output) = &results[0];
+    assert!(
+        failed && !status.success(),
+        "rank 0 did not fail {took:?} after rank 1 stopped:\n{output}"
+    );
+    let error = tagged_lines("worker error:", output)
+        .next()
+        .unwrap_or_default();
+    println!("rank 0 failed {took:?} after rank 1 stopped: {error}");
+    assert!(
+        took < FAILURE_TIMEOUT,
+        "rank 0 took {took:?} to fail, more than the failure timeout {FAILURE_TIMEOUT:?}:\n{output}"
+    );
+    assert!(
+        error.contains("no heartbeat from rank 1"),
+        "rank 0's error does not name the stopped rank 1:\n{output}"
     );
 }
 
@@ -401,15 +437,23 @@ fn rank_main(mode: &str) -> Result<(), String> {
                 println!("launch-order {backward} {}", order.join(","));
             }
         }
-        "kill" => train_until_failure(rank, group)?,
+        "kill" => train_until_failure(rank, group, None)?,
+        // Rank 1 stops in its seventh step, after its forward, with its peer in the step's
+        // collectives.
+        "stop" => train_until_failure(rank, group, (rank == 1).then_some(6))?,
         other => return Err(format!("unknown worker mode {other}")),
     }
     Ok(())
 }
 
 /// DDP training of the Cnn on this rank's shards, reading the loss every step as a training
-/// loop's progress line does, until a step fails (or, bounded, 10 000 steps pass).
-fn train_until_failure(rank: usize, group: Arc<dyn ProcessGroup>) -> Result<(), String> {
+/// loop's progress line does, until a step fails (or, bounded, 10 000 steps pass). With
+/// `stop_at`, the process stops itself (SIGSTOP) after that step's forward.
+fn train_until_failure(
+    rank: usize,
+    group: Arc<dyn ProcessGroup>,
+    stop_at: Option<usize>,
+) -> Result<(), String> {
     use ddp_common::{batch, sgd, shard};
     use device_suite::ddp::{build_on, on};
     let world = group.world_size();
@@ -429,6 +473,14 @@ fn train_until_failure(rank: usize, group: Arc<dyn ProcessGroup>) -> Result<(), 
         let out = ddp
             .forward(&x)
             .map_err(|e| failed("forward", e.to_string()))?;
+        if stop_at == Some(step) {
+            println!("stopping now");
+            // SAFETY: raise(2) has no memory-safety preconditions; the process stops here
+            // until the test kills it.
+            unsafe {
+                libc::raise(libc::SIGSTOP);
+            }
+        }
         let loss = cross_entropy(&out, &y, Reduction::Mean)
             .map_err(|e| failed("cross_entropy", e.to_string()))?;
         loss.backward()
