@@ -10,7 +10,10 @@
 //! the ranks the example's launcher starts (they inherit the variable). Only the CUDA run gets
 //! the emulator's folder in its `TANDEM_CUDA_LIBS`; `CUDA_VISIBLE_DEVICES=0` tells the ranks
 //! that the one device the emulator shows is the GPU of each (rank 1 would otherwise look for
-//! `cuda:1`).
+//! `cuda:1`). The test always runs on the emulator, as `mnist_cuda.rs` does, even on a machine
+//! with a GPU: the real NCCL refuses two ranks of a communicator on one GPU, and under the
+//! launcher both ranks share one environment, so the per-rank `NCCL_HOSTID` with which
+//! `dist/tests/cuda_nccl.rs` works around that cannot be given.
 //!
 //! # Tolerance
 //!
