@@ -83,9 +83,9 @@
 //!
 //! Accesses inside the rounding slack of an allocation (reads there pass; writes are caught by
 //! the guard bytes at the next synchronisation), accesses that land inside another live
-//! allocation, two launches of the same kernel at once (serialised), cuDNN and NCCL (separate
-//! libraries, later parts of issue 20; cuBLAS and cuBLASLt are emulated by `cublas/` and
-//! `cublaslt/`), graphs, several devices, peer copies, managed memory, and anything about
+//! allocation, two launches of the same kernel at once (serialised), cuDNN (a separate
+//! library, issue 21; cuBLAS, cuBLASLt and NCCL are emulated by `cublas/`, `cublaslt/` and
+//! `nccl/`, which enqueue their work on this driver's stream workers), graphs, several devices, peer copies, managed memory, and anything about
 //! speed. Timestamps are the host's clock.
 //!
 //! Speed: a launch runs its blocks one after the other, each as OS threads meeting at barriers

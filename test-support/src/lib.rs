@@ -1,7 +1,7 @@
 //! Where tandem's GPU tests run: on the real GPU when this machine has one, otherwise on the
-//! CUDA emulator (`cuda-emu/`: an emulated driver, NVRTC, cuBLAS and cuBLASLt that run tandem's
-//! unchanged CUDA code on the host), so that `cargo test --workspace` runs every GPU test on
-//! every machine.
+//! CUDA emulator (`cuda-emu/`: an emulated driver, NVRTC, cuBLAS, cuBLASLt and NCCL that run
+//! tandem's unchanged CUDA code on the host), so that `cargo test --workspace` runs every GPU
+//! test on every machine.
 //!
 //! Every GPU test calls [`select_cuda`] before its first CUDA call. Only tests call it: a user's
 //! program never picks the emulator by itself (its libraries are built as
@@ -19,9 +19,17 @@
 //! On the emulator the stream sanitizer is switched on (`TANDEM_CUDA_SANITIZER=1`) unless the
 //! variable is already set, so every GPU test also checks stream ordering.
 //!
-//! The emulator's libraries are found beside the test binary: this crate depends on the four
+//! The emulator's libraries are found beside the test binary: this crate depends on the
 //! emulator crates, so cargo builds their shared libraries into `target/<profile>/deps` before
 //! any test that uses it.
+//!
+//! The emulated NCCL is copied as `libnccl.so.2`, the name tandem's search opens, into the
+//! folder that comes first in `TANDEM_CUDA_LIBS`, so a GPU test on the emulator finds it before
+//! a real NCCL later in that list (CI installs one for `dist/tests/nccl_id.rs`, which does not
+//! select the emulator). Rank processes a test starts inherit the variables [`select_cuda`]
+//! set (`TANDEM_CUDA_LIBS`, `TANDEM_CUDA_SANITIZER`, `TANDEM_KERNEL_CACHE`), so they run on
+//! the same emulator; a test that starts a program without having selected the emulator puts
+//! [`emulator_folder`] in that child's `TANDEM_CUDA_LIBS` itself.
 
 use std::ffi::c_int;
 use std::path::{Path, PathBuf};
@@ -198,8 +206,9 @@ fn probe_driver() -> Probe {
 
 /// Copies the emulator's libraries, once per process, into a fresh folder under the names
 /// tandem's library search looks for (`libcuda.so`, `libnvrtc.so`, `libcublas.so`,
-/// `libcublasLt.so`, and NVRTC's builtins companion `libnvrtc-builtins.so.13.99`) and puts that
-/// folder first in `TANDEM_CUDA_LIBS`. Returns the folder.
+/// `libcublasLt.so`, `libnccl.so.2`, and NVRTC's builtins companion
+/// `libnvrtc-builtins.so.13.99`) and puts that folder first in `TANDEM_CUDA_LIBS`. Returns the
+/// folder.
 ///
 /// [`select_cuda`] calls it when the tests run on the emulator (and also switches the stream
 /// sanitizer on); the emulator's own tests call it directly, without the sanitizer, since some
@@ -229,7 +238,7 @@ pub fn use_emulator() -> &'static Path {
     })
 }
 
-/// A fresh folder holding the emulator's four libraries under CUDA's names (as
+/// A fresh folder holding the emulator's libraries under CUDA's names (as
 /// [`use_emulator`] sets up), without touching this process's environment: for a test that runs
 /// a program on the emulator by putting the folder in that child's `TANDEM_CUDA_LIBS` only. The
 /// caller removes it.

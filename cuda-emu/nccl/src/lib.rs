@@ -15,8 +15,12 @@
 //!   non-blocking: it returns `ncclInProgress` and `ncclCommGetAsyncError` reports
 //!   `ncclInProgress` until every rank has joined), `ncclCommCount`, `ncclCommUserRank`,
 //!   `ncclCommCuDevice`, `ncclCommGetAsyncError`, `ncclCommFinalize` (non-blocking too: in
-//!   progress until the operations issued before it are done), `ncclCommDestroy`,
-//!   `ncclCommAbort`, `ncclGetErrorString`, `ncclGetLastError`, `ncclGetVersion`.
+//!   progress until the operations issued before it are done; a blocking one waits),
+//!   `ncclCommDestroy` (waits for the operations issued before it, as NCCL's implicit
+//!   finalize), `ncclCommAbort`, `ncclGetErrorString`, `ncclGetLastError` (the last error of a
+//!   call on this thread, or the communicator's asynchronous error), `ncclGetVersion`. A call
+//!   on a destroyed or aborted communicator fails with `ncclInvalidUsage` (the handles are
+//!   opaque numbers, never freed memory), and `ncclCommGetAsyncError` reports that error.
 //! - **Operations**: `ncclAllReduce`, `ncclBroadcast`, `ncclBcast`, `ncclReduce`,
 //!   `ncclAllGather`, `ncclReduceScatter`, `ncclSend`, `ncclRecv`, and `ncclGroupStart` /
 //!   `ncclGroupEnd` (operations inside a group are issued at the outermost `ncclGroupEnd`; the
@@ -33,8 +37,11 @@
 //! **Rendezvous and data** go through a shared-memory segment keyed by the unique id
 //! ([`segment`]): a file in `/dev/shm` named from the id's random bytes, with a fixed header and,
 //! per rank, a fixed staging area of [`segment::CHUNK`] bytes. Threads of one process and
-//! processes use the same mechanism. The file is unlinked as soon as every rank has joined. A
-//! rank joining with another `nranks` or a rank already taken gets `ncclInvalidUsage`.
+//! processes use the same mechanism. The file's memory is reserved when it is created (a full
+//! `/dev/shm` is an init error, not a fault during a collective), and it is unlinked as soon as
+//! every rank has joined (or when a rank that joined aborts before the others came), so a crash
+//! leaves nothing behind. A rank joining with another `nranks` or a rank already taken gets
+//! `ncclInvalidUsage` from the non-blocking init (its asynchronous error).
 //!
 //! **Operations run on the stream's worker**: a call checks its arguments — its device buffers
 //! must each lie in one live allocation of the emulated driver
@@ -67,6 +74,16 @@
 //! ("Duplicate GPU detected", remote errors reported by the proxy when a peer dies: the
 //! emulator leaves the peer pending instead). The segment's file is trusted not to be shrunk
 //! by another process while mapped.
+//!
+//! # Tests
+//!
+//! `tests/collectives.rs` (every collective × data type × operator against a host reference on
+//! 2, 4 and 8 thread ranks, chunked sizes, in place, groups, a ring of sends and receives),
+//! `tests/processes.rs` (two processes; a killed rank left pending until the abort; a process
+//! exiting with a collective pending), `tests/failures.rs` (non-blocking init, abort, mismatched
+//! collectives, a wrong data type, forged ids and segments, another rank count, a duplicate
+//! rank, an impossible posted length), `tests/symbols.rs`. tandem's own NCCL group tests
+//! (`dist/tests/cuda_nccl.rs`) run on it in CI.
 
 #![allow(non_snake_case)]
 #![allow(clippy::missing_safety_doc)]

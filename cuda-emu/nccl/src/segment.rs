@@ -59,7 +59,7 @@ pub struct Desc {
     pub len: u64,
 }
 
-/// One rank's collective slot header; its staging area follows at [`SLOT_HEADER`].
+/// One rank's collective slot header; its staging area follows 256 bytes after it.
 #[repr(C)]
 pub struct Slot {
     claimed: AtomicU32,
@@ -69,7 +69,7 @@ pub struct Slot {
     desc: [AtomicU64; 8],
 }
 
-/// One rank's point-to-point mailbox; its staging area follows at [`SLOT_HEADER`].
+/// One rank's point-to-point mailbox; its staging area follows 256 bytes after it.
 #[repr(C)]
 pub struct P2p {
     /// Messages posted (a counter); the mailbox holds one when `posted > taken`.
