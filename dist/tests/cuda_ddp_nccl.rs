@@ -1,69 +1,46 @@
 //! DistributedDataParallel on CUDA with two real rank processes over the NCCL backend — the way
 //! GPU training runs — checked by the suite that `cuda_ddp.rs` runs on the device-threads group
-//! (`device_suite/`), split into what each rank does (in its process) and what the test checks
-//! (here, against one process on the full batch on the same device): the Mlp and the Cnn after
-//! five steps, SyncBatchNorm against BatchNorm on the full batch, the bf16 and f16 compression
-//! hooks, `no_sync`, a parameter no rank uses under `find_unused_parameters`, and buckets rebuilt
+//! (`device_suite/`), split into what each rank does in its process and what the test checks
+//! against one process on the full batch on the same device (`ddp_process_cases/`, which
+//! `ddp_processes.rs` runs over TCP on the CPU): the Mlp and the Cnn after five steps,
+//! SyncBatchNorm against BatchNorm on the full batch, the bf16 and f16 compression hooks,
+//! `no_sync`, a parameter no rank uses under `find_unused_parameters`, and buckets rebuilt
 //! identically by both processes. Two last tests kill one rank (SIGKILL) or stop it (SIGSTOP)
 //! during training: the other must fail within the NCCL group's failure timeout with an error
 //! naming it, not hang.
 //!
-//! Both ranks run on `cuda:0` (see [`Job::start_on_one_gpu`]). Without a GPU they run on the
-//! CUDA emulator with its emulated NCCL (`cuda-emu/`), with the stream sanitizer on. On a GPU
-//! without NCCL the tests print `skipped: NCCL not found (…)`; `TANDEM_REQUIRE_NCCL=1` makes
-//! that a failure. On the emulator, whose NCCL is part of the emulator, a missing NCCL fails.
-//! The tests run one at a time: each job's two ranks already keep a small machine busy, and the
-//! killed-rank test measures how long the failure takes.
+//! Both ranks run on `cuda:0` (see `Job::start_on_one_gpu` in `common/`). Without a GPU they
+//! run on the CUDA emulator with its emulated NCCL (`cuda-emu/`), with the stream sanitizer on.
+//! On a GPU without NCCL the tests print `skipped: NCCL not found (…)`; `TANDEM_REQUIRE_NCCL=1`
+//! makes that a failure. On the emulator, whose NCCL is part of the emulator, a missing NCCL
+//! fails. The tests run one at a time: each job's two ranks already keep a small machine busy,
+//! and the failure tests measure how long the failure takes.
 
 mod common;
 mod ddp_common;
+mod ddp_process_cases;
 mod device_suite;
 
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use common::{Job, WORKER_VAR};
-use ddp_common::{parse_snapshot, print_snapshot, tagged_lines, Model, Outcome};
-use device_suite::ddp::{
-    check_compression, check_equivalence, check_no_sync, check_rebuild, compression_hooks,
-    compression_rank, no_sync_rank, rebuild_rank, reference_checked_on, reference_on, tolerance,
-    train_ddp_with, RebuildOutcome, REBUILD_STEPS, STEPS,
-};
-use device_suite::ddp_unused::{
-    check_unused, check_unused_errors, unused_rank, unused_reference,
-    unused_without_the_option_rank, UnusedOutcome,
-};
+use common::WORKER_VAR;
+use ddp_common::{tagged_lines, Model};
+use ddp_process_cases::{announce, run_case, small_buckets, start, JOB_LIMIT};
 use tandem_autograd::TensorBackward;
 use tandem_core::Device;
 use tandem_dist::process_group::nccl;
 use tandem_dist::{
-    init_with_options, DdpConfig, DistributedDataParallel, GroupConfig, InitOptions, LaunchEnv,
-    NcclConfig, ProcessGroup,
+    init_with_options, DistributedDataParallel, GroupConfig, InitOptions, LaunchEnv, NcclConfig,
+    ProcessGroup,
 };
 use tandem_nn::loss::{cross_entropy, Reduction};
 use tandem_optim::Optimizer;
 
 const GPU: Device = Device::Cuda(0);
 
-/// Ranks of every job.
-const WORLD: usize = 2;
-
 /// How long the killed rank's peer may take to fail: the NCCL group's failure timeout.
 const FAILURE_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// How long a job may take before the test fails instead of waiting (the emulator runs a job
-/// in well under a minute; a hang must fail the test, not CI's clock).
-const JOB_LIMIT: Duration = Duration::from_secs(300);
-
-/// Small buckets, so that each backward all-reduces several buckets on the comm stream while
-/// the rest of the backward runs, as a real model's does.
-fn small_buckets() -> DdpConfig {
-    DdpConfig {
-        bucket_cap_mb: 0.002,
-        first_bucket_mb: 0.001,
-        ..DdpConfig::default()
-    }
-}
 
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
@@ -89,203 +66,50 @@ fn gpu_with_nccl() -> Option<MutexGuard<'static, ()>> {
     Some(ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner()))
 }
 
-/// Waits for `job` and returns each rank's output, failing the test (with the output) if a
-/// rank failed.
-fn outputs(job: Job, job_started: Instant, mode: &str) -> Vec<String> {
-    let results = job.wait(JOB_LIMIT);
-    println!(
-        "{mode}: the ranks finished {:.1} s after they started",
-        job_started.elapsed().as_secs_f64()
-    );
-    results
-        .into_iter()
-        .enumerate()
-        .map(|(rank, (status, output))| {
-            assert!(
-                status.success(),
-                "{mode}: rank {rank} of {WORLD} failed with {status}:\n{output}"
-            );
-            assert!(
-                output.contains(&format!("rank {rank}: a nccl group on {GPU}")),
-                "{mode}: rank {rank} did not train over NCCL on {GPU}:\n{output}"
-            );
-            output
-        })
-        .collect()
-}
-
-/// The tensors rank `rank` printed under `tag`; fails if it printed none.
-fn parsed(tag: &str, rank: usize, output: &str) -> ddp_common::Snapshot {
-    let snapshot = parse_snapshot(tag, output);
-    assert!(
-        !snapshot.is_empty(),
-        "rank {rank} printed no `{tag}` lines:\n{output}"
-    );
-    snapshot
-}
-
-/// What the runs are called in failures.
-fn label(what: &str) -> String {
-    format!("{what}, {WORLD} NCCL processes on {GPU}")
-}
-
 // ---- the tests -----------------------------------------------------------------------------
-
-fn equivalence(mode: &str, model: Model) {
-    let Some(_gpu) = gpu_with_nccl() else { return };
-    let started = Instant::now();
-    let job = Job::start_on_one_gpu(WORLD, mode);
-    // The reference runs while the ranks train.
-    let want = reference_checked_on(GPU, model);
-    let outputs = outputs(job, started, mode);
-    let outcomes_text = &outputs[0];
-    let outcomes: Vec<Outcome> = outputs
-        .iter()
-        .enumerate()
-        .map(|(rank, output)| Outcome {
-            first_grads: parsed("first-grads", rank, output),
-            final_params: parsed("final-params", rank, output),
-        })
-        .collect();
-    if let Some(line) = outcomes_text.lines().find(|l| l.contains("buckets ")) {
-        println!(
-            "{mode}: rank 0's {}",
-            line.trim_start_matches("test worker ... ")
-        );
-    }
-    check_equivalence(
-        &label(&format!("{mode} ({model:?}), {STEPS} steps")),
-        &outcomes,
-        &want,
-        tolerance(GPU),
-    );
-}
 
 #[test]
 fn ddp_over_nccl_processes_matches_one_process_on_the_full_batch_mlp() {
-    equivalence("mlp", Model::Mlp);
+    let Some(_gpu) = gpu_with_nccl() else { return };
+    ddp_process_cases::equivalence(GPU, "mlp", Model::Mlp);
 }
 
 #[test]
 fn ddp_over_nccl_processes_matches_one_process_on_the_full_batch_cnn() {
-    equivalence("cnn", Model::Cnn);
+    let Some(_gpu) = gpu_with_nccl() else { return };
+    ddp_process_cases::equivalence(GPU, "cnn", Model::Cnn);
 }
 
 /// SyncBatchNorm's statistics all-reduced over NCCL: DDP with SyncBatchNorm equals one process
 /// with plain BatchNorm on the full batch.
 #[test]
 fn ddp_with_sync_batch_norm_over_nccl_processes_matches_batch_norm_on_the_full_batch() {
-    equivalence("sync-batch-norm", Model::CnnBatchNorm);
+    let Some(_gpu) = gpu_with_nccl() else { return };
+    ddp_process_cases::equivalence(GPU, "sync-batch-norm", Model::CnnBatchNorm);
 }
 
 #[test]
 fn ddp_compression_hooks_over_nccl_processes_agree_within_half_precision() {
     let Some(_gpu) = gpu_with_nccl() else { return };
-    let started = Instant::now();
-    let job = Job::start_on_one_gpu(WORLD, "hooks");
-    let want = reference_on(GPU, Model::Mlp, 1, 1);
-    let outputs = outputs(job, started, "hooks");
-    for (i, (hook, tol)) in compression_hooks().into_iter().enumerate() {
-        let grads: Vec<_> = outputs
-            .iter()
-            .enumerate()
-            .map(|(rank, output)| parsed(&format!("hook-{i}-grads"), rank, output))
-            .collect();
-        check_compression(&label("compression"), &hook, &grads, &want, tol);
-    }
+    ddp_process_cases::compression(GPU);
 }
 
 #[test]
 fn ddp_no_sync_over_nccl_processes_accumulates_locally_then_synchronises() {
     let Some(_gpu) = gpu_with_nccl() else { return };
-    let started = Instant::now();
-    let job = Job::start_on_one_gpu(WORLD, "no-sync");
-    let want = reference_on(GPU, Model::Mlp, 1, 1);
-    let grads: Vec<_> = outputs(job, started, "no-sync")
-        .iter()
-        .enumerate()
-        .map(|(rank, output)| parsed("grads", rank, output))
-        .collect();
-    check_no_sync(&label("no_sync"), &grads, &want, tolerance(GPU));
+    ddp_process_cases::no_sync(GPU);
 }
 
-/// Under `find_unused_parameters` a layer no rank uses stays bit-unchanged; without the option
-/// the next forward names it.
 #[test]
 fn ddp_over_nccl_processes_leaves_a_parameter_no_rank_used_bit_unchanged() {
     let Some(_gpu) = gpu_with_nccl() else { return };
-    let started = Instant::now();
-    let job = Job::start_on_one_gpu(WORLD, "unused");
-    let reference = unused_reference(GPU);
-    let outputs = outputs(job, started, "unused");
-    let results: Vec<UnusedOutcome> = outputs
-        .iter()
-        .enumerate()
-        .map(|(rank, output)| UnusedOutcome {
-            params: parsed("params", rank, output),
-            has_grad: parsed("has-grad", rank, output),
-        })
-        .collect();
-    check_unused(
-        &label("find_unused_parameters"),
-        &results,
-        &reference,
-        tolerance(GPU),
-    );
-    let errors: Vec<Option<String>> = outputs
-        .iter()
-        .map(|output| {
-            tagged_lines("unused-error", output)
-                .next()
-                .map(str::to_string)
-        })
-        .collect();
-    check_unused_errors(&label("without find_unused_parameters"), &errors);
+    ddp_process_cases::unused(GPU);
 }
 
-/// Tiny buckets, rebuilt after the first step in the order each process saw its gradients
-/// become ready: both processes must rebuild the same buckets (else their collectives would not
-/// match), and training still matches the full batch.
 #[test]
 fn ddp_over_nccl_processes_rebuilds_buckets_identically_and_still_matches() {
     let Some(_gpu) = gpu_with_nccl() else { return };
-    let started = Instant::now();
-    let job = Job::start_on_one_gpu(WORLD, "rebuild");
-    let want = reference_on(GPU, Model::Cnn, REBUILD_STEPS, 1);
-    let results: Vec<RebuildOutcome> = outputs(job, started, "rebuild")
-        .iter()
-        .enumerate()
-        .map(|(rank, output)| RebuildOutcome {
-            outcome: Outcome {
-                first_grads: Vec::new(),
-                final_params: parsed("final-params", rank, output),
-            },
-            layout: lists("rebuilt-bucket", output),
-            launches: lists("launch-order", output)
-                .into_iter()
-                .map(|l| {
-                    l.iter()
-                        .map(|b| b.parse().expect("a bucket index"))
-                        .collect()
-                })
-                .collect(),
-        })
-        .collect();
-    check_rebuild(&label("bucket rebuild"), &results, &want, tolerance(GPU));
-}
-
-/// The lists a rank printed as lines `<tag> <index> <item>,<item>,…`, in order.
-fn lists(tag: &str, output: &str) -> Vec<Vec<String>> {
-    tagged_lines(tag, output)
-        .map(|l| {
-            let items = l.split_once(' ').map_or("", |(_, items)| items);
-            items
-                .split(',')
-                .filter(|i| !i.is_empty())
-                .map(str::to_string)
-                .collect()
-        })
-        .collect()
+    ddp_process_cases::rebuild(GPU);
 }
 
 /// SIGKILL one of two ranks during CUDA DDP training: the other fails within the failure
@@ -293,7 +117,7 @@ fn lists(tag: &str, output: &str) -> Vec<Vec<String>> {
 #[test]
 fn a_rank_killed_during_ddp_over_nccl_is_named_by_the_other_within_the_failure_timeout() {
     let Some(_gpu) = gpu_with_nccl() else { return };
-    let mut job = Job::start_on_one_gpu(WORLD, "kill");
+    let (mut job, _) = start(GPU, "kill");
     job.wait_for_all("ready", JOB_LIMIT);
     let killed_at = Instant::now();
     job.kill(1);
@@ -325,7 +149,7 @@ fn a_rank_killed_during_ddp_over_nccl_is_named_by_the_other_within_the_failure_t
 #[test]
 fn a_rank_stopped_during_ddp_over_nccl_is_named_by_the_other_within_the_failure_timeout() {
     let Some(_gpu) = gpu_with_nccl() else { return };
-    let mut job = Job::start_on_one_gpu(WORLD, "stop");
+    let (mut job, _) = start(GPU, "stop");
     assert!(
         job.wait_for(1, "stopping now", JOB_LIMIT),
         "rank 1 did not stop: {}",
@@ -390,60 +214,19 @@ fn rank_main(mode: &str) -> Result<(), String> {
         ..InitOptions::default()
     };
     let group = init_with_options(&env, options).map_err(|e| e.to_string())?;
+    announce(group.as_ref());
+    println!("NCCL {}", nccl::version().map_err(|e| e.to_string())?);
+    if run_case(mode, group.clone())? {
+        return Ok(());
+    }
     let rank = group.rank();
-    let version = nccl::version().map_err(|e| e.to_string())?;
-    println!(
-        "rank {rank}: a {} group on {}, NCCL {version}",
-        group.backend(),
-        group.comm_stream().device()
-    );
     match mode {
-        "mlp" | "cnn" | "sync-batch-norm" => {
-            let (model, sync_bn) = match mode {
-                "mlp" => (Model::Mlp, false),
-                "cnn" => (Model::Cnn, false),
-                _ => (Model::CnnBatchNorm, true),
-            };
-            let (outcome, ddp) =
-                train_ddp_with(model, rank, group, STEPS, small_buckets(), sync_bn);
-            print_snapshot("first-grads", &outcome.first_grads);
-            print_snapshot("final-params", &outcome.final_params);
-            println!("buckets {:?}", ddp.bucket_layout());
-        }
-        "hooks" => {
-            for (i, (hook, _)) in compression_hooks().into_iter().enumerate() {
-                let grads = compression_rank(hook, rank, group.clone());
-                print_snapshot(&format!("hook-{i}-grads"), &grads);
-            }
-        }
-        "no-sync" => print_snapshot("grads", &no_sync_rank(&label("no_sync"), rank, group)),
-        "unused" => {
-            let outcome = unused_rank(rank, group.clone());
-            print_snapshot("params", &outcome.params);
-            print_snapshot("has-grad", &outcome.has_grad);
-            match unused_without_the_option_rank(rank, group) {
-                Some(e) => println!("unused-error {}", e.replace('\n', " ")),
-                None => println!("the forward after an unused parameter succeeded"),
-            }
-        }
-        "rebuild" => {
-            let result = rebuild_rank(rank, group);
-            print_snapshot("final-params", &result.outcome.final_params);
-            for (b, names) in result.layout.iter().enumerate() {
-                println!("rebuilt-bucket {b} {}", names.join(","));
-            }
-            for (backward, order) in result.launches.iter().enumerate() {
-                let order: Vec<String> = order.iter().map(|b| b.to_string()).collect();
-                println!("launch-order {backward} {}", order.join(","));
-            }
-        }
-        "kill" => train_until_failure(rank, group, None)?,
+        "kill" => train_until_failure(rank, group, None),
         // Rank 1 stops in its seventh step, after its forward, with its peer in the step's
         // collectives.
-        "stop" => train_until_failure(rank, group, (rank == 1).then_some(6))?,
-        other => return Err(format!("unknown worker mode {other}")),
+        "stop" => train_until_failure(rank, group, (rank == 1).then_some(6)),
+        other => Err(format!("unknown worker mode {other}")),
     }
-    Ok(())
 }
 
 /// DDP training of the Cnn on this rank's shards, reading the loss every step as a training
