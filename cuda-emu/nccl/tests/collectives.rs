@@ -319,3 +319,58 @@ fn sends_and_receives_in_a_ring_complete_inside_a_group() {
         });
     }
 }
+
+static RELEASE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+unsafe extern "C" fn hold_stream(_: *mut std::ffi::c_void) {
+    while !RELEASE.load(std::sync::atomic::Ordering::Acquire) {
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+}
+
+#[test]
+fn a_collective_reads_its_input_when_its_stream_gets_there() {
+    let nccl = nccl();
+    on_threads(1, |r| {
+        type LaunchHostFunc = unsafe extern "C" fn(
+            *mut std::ffi::c_void,
+            Option<unsafe extern "C" fn(*mut std::ffi::c_void)>,
+            *mut std::ffi::c_void,
+        ) -> u32;
+        let driver =
+            tandem_core::cuda::libs::library(tandem_core::cuda::libs::CudaLibrary::Driver, GPU)
+                .unwrap();
+        // SAFETY: the emulated driver exports cuLaunchHostFunc with this signature.
+        let launch = unsafe { driver.get::<LaunchHostFunc>(b"cuLaunchHostFunc") }.unwrap();
+        let input = Buf::upload(&encode(&[1.0; 256], 7));
+        let output = Buf::zeros(1024);
+        // The stream is held by a host function until RELEASE; the all-reduce queues behind it.
+        // SAFETY: a live stream and a function that takes no data.
+        assert_eq!(
+            unsafe { launch(r.raw_stream(), Some(hold_stream), std::ptr::null_mut()) },
+            0
+        );
+        // SAFETY: 256 f32 each, a live communicator and stream.
+        ok("ncclAllReduce", r.comm, unsafe {
+            (nccl.all_reduce)(input.ptr(), output.ptr(), 256, 7, 0, r.comm, r.raw_stream())
+        });
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        let new = encode(&[5.0; 256], 7);
+        // SAFETY: the emulator's device memory is host memory: 1024 bytes at each address,
+        // which nothing else touches while the stream is held.
+        let untouched = unsafe {
+            let out = std::slice::from_raw_parts(output.ptr().cast::<u8>(), 1024).to_vec();
+            std::ptr::copy_nonoverlapping(new.as_ptr(), input.ptr().cast::<u8>(), 1024);
+            out
+        };
+        assert!(
+            untouched.iter().all(|&b| b == 0),
+            "the all-reduce ran before its stream got there"
+        );
+        RELEASE.store(true, std::sync::atomic::Ordering::Release);
+        r.sync();
+        // It read the input written after the call, as a GPU kernel would.
+        assert_eq!(decode(&output.read(), 7), vec![5.0; 256]);
+        r.destroy();
+    });
+}

@@ -161,8 +161,23 @@ fn worker() {
                 assert_eq!(decode(&root.read(), dtype), want, "broadcast {dtype}");
                 checked += 2;
             }
+            // How long a DDP-sized bucket takes across the processes (printed, not asserted).
+            let count = 4 << 20;
+            let big = Buf::zeros(count * 4);
+            let started = Instant::now();
+            for _ in 0..4 {
+                // SAFETY: `count` f32, a live communicator.
+                ok("ncclAllReduce", r.comm, unsafe {
+                    (nccl().all_reduce)(big.ptr(), big.ptr(), count, 7, 0, r.comm, r.raw_stream())
+                });
+            }
+            r.sync();
+            let each = started.elapsed() / 4;
             r.destroy();
-            println!("rank {rank}: {checked} collectives matched the reference");
+            println!(
+                "rank {rank}: {checked} collectives matched the reference; a 16 MiB f32 \
+                 all-reduce took {each:?}"
+            );
         }
         "loop" => {
             // All-reduces until killed.
