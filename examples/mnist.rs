@@ -30,7 +30,9 @@
 //! after a failure (as `tandem-run --max-restarts N` does), which then resume that way.
 //! `--device cuda` (or `cuda:N`) trains on a GPU (with several ranks: each on
 //! `cuda:LOCAL_RANK`); checkpoints are the same on every device, so a run may resume on another.
-//! `--train-limit` / `--test-limit` train and test on the first samples only, for quick runs.
+//! `--train-limit` / `--test-limit` train and test on the first samples only, for quick runs;
+//! `--print-param-digest` makes every rank print a digest of its final parameters, which shows
+//! that the replicas agree.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -108,6 +110,10 @@ struct Args {
     /// Evaluate on the first this many test images only.
     #[arg(long)]
     test_limit: Option<usize>,
+    /// After training, every rank prints a digest of its parameters (replicas that agree bit
+    /// for bit print the same digest).
+    #[arg(long)]
+    print_param_digest: bool,
 }
 
 mod common;
@@ -115,8 +121,8 @@ mod common;
 use common::checkpoints::{Checkpoints, Progress};
 use common::output::say;
 use common::{
-    evaluate, exit_with_error, join_or_launch, train_epoch, write_metrics, AnyError, Limited, Role,
-    Trainer,
+    evaluate, exit_with_error, join_or_launch, parameter_digest, train_epoch, write_metrics,
+    AnyError, Limited, Role, Trainer,
 };
 
 // `pub`: `tests/example_supervision.rs` runs this example in its own binary.
@@ -294,6 +300,12 @@ fn run(args: Args) -> Result<(), AnyError> {
         Some(path) => trainer.write_trace(path)?.map(|summary| (path, summary)),
         None => None,
     };
+    if args.print_param_digest {
+        say(format_args!(
+            "parameter digest {}",
+            parameter_digest(trainer.model.as_ref())?
+        ));
+    }
     if !leader {
         return Ok(());
     }

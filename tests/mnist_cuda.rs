@@ -26,10 +26,15 @@
 #[path = "../examples/mnist.rs"]
 #[allow(dead_code)]
 mod mnist;
+#[path = "support/example_run.rs"]
+#[allow(dead_code)] // The run's output is printed, not read.
+mod support;
 
 use std::path::Path;
-use std::process::{Command, ExitCode, Stdio};
-use std::time::{Duration, Instant};
+use std::process::ExitCode;
+use std::time::Duration;
+
+use support::{run_example, Epoch};
 
 /// Set in the environment of a re-executed binary: run the example instead of the test.
 const WORKER: &str = "TANDEM_MNIST_CUDA_WORKER";
@@ -72,78 +77,19 @@ fn main() -> ExitCode {
     }
 }
 
-/// One epoch's results from the metrics file.
-#[derive(Debug)]
-struct Epoch {
-    train_loss: f64,
-    test_accuracy: f64,
-}
-
-/// Runs the example on `device`, with `cuda_libs` as the child's `TANDEM_CUDA_LIBS` when set;
-/// returns its epochs and how long it took.
+/// Runs the example on `device`, on the emulator in `cuda_libs` when set; returns its epochs
+/// and how long it took.
 fn run(device: &str, cuda_libs: Option<&Path>, dir: &Path) -> (Vec<Epoch>, f64) {
-    let metrics = dir.join(format!("metrics-{device}.json"));
-    let mut command = Command::new(std::env::current_exe().expect("the test binary"));
-    command
-        .env(WORKER, "1")
-        .args(EXAMPLE_ARGS)
-        .args(["--device", device, "--metrics-out"])
-        .arg(&metrics)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    match cuda_libs {
-        // A kernel cache of its own: tandem's cache key covers the NVRTC version, not the
-        // emulation's headers, so the user's cache may hold images of an older emulator.
-        Some(folder) => command
-            .env("TANDEM_CUDA_LIBS", folder)
-            .env("TANDEM_CUDA_SANITIZER", "1")
-            .env("TANDEM_KERNEL_CACHE", folder.join("kernel-cache")),
-        None => command.env_remove("TANDEM_CUDA_LIBS"),
-    };
-    let started = Instant::now();
-    let mut child = command.spawn().expect("start the example");
-    // Bounded: a hang on the emulator must fail the test, not CI's clock.
-    let limit = Duration::from_secs(900);
-    loop {
-        if child.try_wait().expect("wait for the example").is_some() {
-            break;
-        }
-        if started.elapsed() > limit {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("mnist --device {device} did not finish within {limit:?}");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let output = child.wait_with_output().expect("the example's output");
-    let seconds = started.elapsed().as_secs_f64();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
+    let run = run_example(
+        WORKER,
+        &EXAMPLE_ARGS,
+        device,
+        cuda_libs,
+        &[],
+        dir,
+        Duration::from_secs(900),
     );
-    assert!(
-        output.status.success(),
-        "mnist --device {device} failed ({}):\n{text}",
-        output.status
-    );
-    println!(
-        "--- mnist --device {device} ({seconds:.1} s):\n{}",
-        text.trim_end()
-    );
-    let json: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(&metrics).expect("the metrics file"))
-            .expect("metrics JSON");
-    let epochs = json["history"]
-        .as_array()
-        .expect("a history of epochs")
-        .iter()
-        .map(|e| Epoch {
-            train_loss: e["train_loss"].as_f64().expect("train_loss"),
-            test_accuracy: e["test_accuracy"].as_f64().expect("test_accuracy"),
-        })
-        .collect();
-    (epochs, seconds)
+    (run.epochs, run.seconds)
 }
 
 fn mnist_on_the_emulated_gpu_reaches_the_cpu_loss() {

@@ -447,3 +447,27 @@ pub fn write_metrics(
     std::fs::write(path, text).map_err(|e| format!("{}: {e}", path.display()))?;
     Ok(())
 }
+
+/// A digest of `model`'s parameters, to show that the replicas of a data-parallel job agree:
+/// FNV-1a (64 bits) over each parameter's name and the bytes of its values (as f64, exact for
+/// every float dtype), in registration order. Ranks holding bit-identical parameters print the
+/// same digest; it is not cryptographic.
+#[allow(dead_code)] // Not every example offers a digest.
+pub fn parameter_digest(model: &dyn Module) -> Result<String, AnyError> {
+    const OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+    const PRIME: u64 = 0x0000_0100_0000_01b3;
+    let mut hash = OFFSET;
+    let mut feed = |bytes: &[u8]| {
+        for &b in bytes {
+            hash = (hash ^ u64::from(b)).wrapping_mul(PRIME);
+        }
+    };
+    let params = model.named_parameters();
+    for (name, p) in &params {
+        feed(name.as_bytes());
+        for v in p.to_vec_f64()? {
+            feed(&v.to_le_bytes());
+        }
+    }
+    Ok(format!("{hash:016x} ({} tensors)", params.len()))
+}

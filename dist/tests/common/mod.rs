@@ -244,13 +244,40 @@ impl Job {
         }
     }
 
+    /// Starts a job of `world` ranks in worker `mode` that all train on `cuda:0` of this
+    /// machine (a test-only arrangement for one GPU): each rank gets `LOCAL_RANK=0` and
+    /// `LOCAL_WORLD_SIZE=1`, as one rank per host would have, and, for the real NCCL (which
+    /// refuses two ranks of a communicator on one GPU), an `NCCL_HOSTID` of its own, so that NCCL
+    /// takes the ranks for different hosts and connects them through sockets on loopback.
+    ///
+    /// The ranks inherit this process's CUDA setup: on the emulator, the emulator's folder
+    /// (with its NCCL) in `TANDEM_CUDA_LIBS`, the stream sanitizer, and the fresh kernel cache
+    /// `tandem_test_support::select_cuda` made, which the job's ranks share (entries are
+    /// written atomically).
+    pub fn start_on_one_gpu(world: usize, mode: &str) -> Job {
+        let ranks: Vec<usize> = (0..world).collect();
+        Job::start_ranks(world, mode, &ranks, |rank| {
+            [
+                ("LOCAL_RANK", "0".to_string()),
+                ("LOCAL_WORLD_SIZE", "1".to_string()),
+                ("NCCL_HOSTID", format!("tandem-test-{mode}-rank-{rank}")),
+                ("NCCL_SOCKET_IFNAME", "lo".to_string()),
+                ("NCCL_IB_DISABLE", "1".to_string()),
+            ]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect()
+        })
+    }
+
     /// What rank `rank` printed so far (stdout and stderr).
     pub fn output(&self, rank: usize) -> String {
         self.output[rank].lock().clone()
     }
 
-    /// Waits until every rank's output contains `text`.
-    pub fn wait_for_all(&self, text: &str, timeout: Duration) {
+    /// Waits until every rank's output contains `text`; fails at once, with the outputs, when
+    /// a rank exits before printing it (instead of waiting out `timeout`).
+    pub fn wait_for_all(&mut self, text: &str, timeout: Duration) {
         let deadline = Instant::now() + timeout;
         while !(0..self.children.len()).all(|r| self.output(r).contains(text)) {
             assert!(
@@ -258,8 +285,32 @@ impl Job {
                 "ranks did not print {text:?}: {:?}",
                 self.outputs()
             );
+            for rank in 0..self.children.len() {
+                if let Ok(Some(status)) = self.children[rank].try_wait() {
+                    // Let the collectors read the last bytes before looking again.
+                    std::thread::sleep(Duration::from_millis(50));
+                    assert!(
+                        self.output(rank).contains(text),
+                        "rank {rank} exited ({status}) before printing {text:?}: {:?}",
+                        self.outputs()
+                    );
+                }
+            }
             std::thread::sleep(Duration::from_millis(10));
         }
+    }
+
+    /// Waits until rank `rank`'s output contains `text`; returns whether it did within
+    /// `timeout`.
+    pub fn wait_for(&self, rank: usize, text: &str, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        while !self.output(rank).contains(text) {
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        true
     }
 
     /// SIGKILLs rank `rank`.

@@ -222,3 +222,48 @@ pub fn assert_close(what: &str, got: &[(String, Vec<f32>)], want: &[(String, Vec
         );
     }
 }
+
+/// Prints `snapshot` for a parent process to read back with [`parse_snapshot`]: one line
+/// `<tag> <name> <v>,<v>,…` a tensor (Rust prints the shortest decimal that parses back to the
+/// same f32, so the values travel bit for bit).
+pub fn print_snapshot(tag: &str, snapshot: &[(String, Vec<f32>)]) {
+    for (name, values) in snapshot {
+        let text: Vec<String> = values.iter().map(|v| v.to_string()).collect();
+        println!("{tag} {name} {}", text.join(","));
+    }
+}
+
+/// The tensors a child printed with [`print_snapshot`] under `tag`, in order.
+pub fn parse_snapshot(tag: &str, output: &str) -> Snapshot {
+    tagged_lines(tag, output)
+        .map(|l| {
+            let (name, values) = l
+                .split_once(' ')
+                .unwrap_or_else(|| panic!("`{tag}` line without values: {l:?}"));
+            let values = if values.is_empty() {
+                Vec::new()
+            } else {
+                values
+                    .split(',')
+                    .map(|v| {
+                        v.parse()
+                            .unwrap_or_else(|e| panic!("{tag} {name}: {v:?}: {e}"))
+                    })
+                    .collect()
+            };
+            (name.to_string(), values)
+        })
+        .collect()
+}
+
+/// What follows `<tag> ` on each line of `output` that has it, in order. libtest may print
+/// "test worker ... " in front of a worker's first line; the tag must be a word of its own
+/// (`grads` does not match `first-grads`).
+pub fn tagged_lines<'a>(tag: &str, output: &'a str) -> impl Iterator<Item = &'a str> {
+    let marker = format!("{tag} ");
+    output.lines().filter_map(move |l| {
+        l.match_indices(&marker)
+            .find(|(at, _)| *at == 0 || l[..*at].ends_with(' '))
+            .map(|(at, _)| &l[at + marker.len()..])
+    })
+}

@@ -16,7 +16,7 @@ use tandem_optim::Optimizer;
 use super::{on_ranks, Backend};
 use crate::ddp_common::{
     assert_close, batch, build, reference, rows, sgd, shard, snapshot_grads, snapshot_params,
-    Model, Outcome, GLOBAL_BATCH,
+    Model, Outcome, Snapshot, GLOBAL_BATCH,
 };
 
 /// Steps of the equivalence runs.
@@ -195,38 +195,53 @@ pub fn sync_batch_norm_matches_the_full_batch(backend: Backend, worlds: &[usize]
 
 fn run_equivalence(backend: Backend, model: Model, sync_bn: bool, worlds: &[usize]) {
     let device = backend.device();
-    let want = reference_on(device, model, STEPS, 1);
-    check_reference_against_cpu(device, model, &want);
-    let tol = tolerance(device);
-    let layers = if sync_bn { " with SyncBatchNorm" } else { "" };
+    let want = reference_checked_on(device, model);
     for &world in worlds {
         let outcomes = on_ranks(backend, world, |rank, group| {
             train_ddp_with(model, rank, group, STEPS, DdpConfig::default(), sync_bn).0
         });
-        for (rank, got) in outcomes.iter().enumerate() {
-            let what = format!("{model:?}{layers} on the {backend}, {world} ranks, rank {rank}");
-            assert_close(
-                &format!("{what}: first-step gradients vs one process on the full batch"),
-                &got.first_grads,
-                &want.first_grads,
-                tol,
-            );
-            assert_close(
-                &format!("{what}: parameters after {STEPS} steps vs one process on the full batch"),
-                &got.final_params,
-                &want.final_params,
-                tol,
-            );
-            assert_close(
-                &format!(
-                    "{what}: parameters after {STEPS} steps vs rank 0 (replicas must agree bit \
-                     for bit)"
-                ),
-                &got.final_params,
-                &outcomes[0].final_params,
-                0.0,
-            );
-        }
+        let layers = if sync_bn { " with SyncBatchNorm" } else { "" };
+        check_equivalence(
+            &format!("{model:?}{layers} on the {backend}, {world} ranks"),
+            &outcomes,
+            &want,
+            tolerance(device),
+        );
+    }
+}
+
+/// The single-process run of `model` on the full batch on `device` for [`STEPS`] steps, checked
+/// against the same run on the CPU: the reference of the equivalence runs.
+pub fn reference_checked_on(device: Device, model: Model) -> Outcome {
+    let want = reference_on(device, model, STEPS, 1);
+    check_reference_against_cpu(device, model, &want);
+    want
+}
+
+/// Every rank's `outcomes` (in rank order) against the single-process run `want`: the gradients
+/// after the first step and the parameters after the last within `tol`, and the parameters of
+/// every rank bit-identical to rank 0's. `what` names the run (model, backend, world size).
+pub fn check_equivalence(what: &str, outcomes: &[Outcome], want: &Outcome, tol: f64) {
+    for (rank, got) in outcomes.iter().enumerate() {
+        let what = format!("{what}, rank {rank}");
+        assert_close(
+            &format!("{what}: first-step gradients vs one process on the full batch"),
+            &got.first_grads,
+            &want.first_grads,
+            tol,
+        );
+        assert_close(
+            &format!("{what}: parameters at the end vs one process on the full batch"),
+            &got.final_params,
+            &want.final_params,
+            tol,
+        );
+        assert_close(
+            &format!("{what}: parameters at the end vs rank 0 (replicas must agree bit for bit)"),
+            &got.final_params,
+            &outcomes[0].final_params,
+            0.0,
+        );
     }
 }
 
@@ -286,49 +301,59 @@ pub fn sum_is_world_size_times_mean(backend: Backend) {
 /// the synchronised backward launches buckets.
 pub fn no_sync_accumulates_locally(backend: Backend) {
     let device = backend.device();
-    let world = 2;
     let want = reference_on(device, Model::Mlp, 1, 1);
-    let grads = on_ranks(backend, world, |rank, group| {
-        let ddp = DistributedDataParallel::new(
-            build_on(Model::Mlp, 7, device),
-            group,
-            DdpConfig::default(),
-        )
-        .unwrap();
-        let (x, y) = batch(Model::Mlp, 0);
-        let (x, y) = (
-            on(device, &shard(&x, rank, world)),
-            on(device, &shard(&y, rank, world)),
-        );
-        let half = x.dims()[0] / 2;
-        let micro = |part: usize| {
-            let out = ddp.forward(&rows(&x, part * half, half)).unwrap();
-            let loss = cross_entropy(&out, &rows(&y, part * half, half), Reduction::Mean).unwrap();
-            tandem_ops::mul_scalar(&loss, 0.5)
-                .unwrap()
-                .backward()
-                .unwrap_or_else(|e| panic!("{backend} rank {rank}: micro-batch {part}: {e}"));
-        };
-        ddp.no_sync(|| micro(0));
-        let launched_under_no_sync = ddp.launch_log().len();
-        micro(1);
-        let log = ddp.launch_log();
-        assert_eq!(
-            launched_under_no_sync, 0,
-            "{backend} rank {rank}: no bucket may be launched under no_sync"
-        );
-        assert!(
-            !log.is_empty() && log.iter().all(|l| l.backward == 0),
-            "{backend} rank {rank}: only the synchronised backward launches: {log:?}"
-        );
-        snapshot_grads(ddp.module().as_ref())
+    let grads = on_ranks(backend, 2, |rank, group| {
+        no_sync_rank(&backend.to_string(), rank, group)
     });
+    check_no_sync(&backend.to_string(), &grads, &want, tolerance(device));
+}
+
+/// One rank of the no_sync case on `group`'s device: a micro-batch under `no_sync`, then a
+/// synchronised one; panics (naming `backend`) if a bucket is launched under `no_sync`.
+/// Returns the accumulated gradients.
+pub fn no_sync_rank(backend: &str, rank: usize, group: Arc<dyn ProcessGroup>) -> Snapshot {
+    let device = group.comm_stream().device();
+    let world = group.world_size();
+    let ddp =
+        DistributedDataParallel::new(build_on(Model::Mlp, 7, device), group, DdpConfig::default())
+            .unwrap();
+    let (x, y) = batch(Model::Mlp, 0);
+    let (x, y) = (
+        on(device, &shard(&x, rank, world)),
+        on(device, &shard(&y, rank, world)),
+    );
+    let half = x.dims()[0] / 2;
+    let micro = |part: usize| {
+        let out = ddp.forward(&rows(&x, part * half, half)).unwrap();
+        let loss = cross_entropy(&out, &rows(&y, part * half, half), Reduction::Mean).unwrap();
+        tandem_ops::mul_scalar(&loss, 0.5)
+            .unwrap()
+            .backward()
+            .unwrap_or_else(|e| panic!("{backend} rank {rank}: micro-batch {part}: {e}"));
+    };
+    ddp.no_sync(|| micro(0));
+    let launched_under_no_sync = ddp.launch_log().len();
+    micro(1);
+    let log = ddp.launch_log();
+    assert_eq!(
+        launched_under_no_sync, 0,
+        "{backend} rank {rank}: no bucket may be launched under no_sync"
+    );
+    assert!(
+        !log.is_empty() && log.iter().all(|l| l.backward == 0),
+        "{backend} rank {rank}: only the synchronised backward launches: {log:?}"
+    );
+    snapshot_grads(ddp.module().as_ref())
+}
+
+/// Every rank's gradients of the no_sync case against one batch of both micro-batches.
+pub fn check_no_sync(backend: &str, grads: &[Snapshot], want: &Outcome, tol: f64) {
     for (rank, g) in grads.iter().enumerate() {
         assert_close(
             &format!("{backend} rank {rank}: no_sync micro-batch then a synchronised one vs one batch of both"),
             g,
             &want.first_grads,
-            tolerance(device),
+            tol,
         );
     }
 }
@@ -338,27 +363,53 @@ pub fn no_sync_accumulates_locally(backend: Backend) {
 pub fn compression_hooks_agree_within_half_precision(backend: Backend) {
     let device = backend.device();
     let want = reference_on(device, Model::Mlp, 1, 1);
-    for (hook, tol) in [
+    for (hook, tol) in compression_hooks() {
+        let grads = on_ranks(backend, 4, |rank, group| {
+            compression_rank(hook, rank, group)
+        });
+        check_compression(&backend.to_string(), &hook, &grads, &want, tol);
+    }
+}
+
+/// The compression hooks and how close each must come to the full-batch gradients (relative).
+pub fn compression_hooks() -> [(CompressionHook, f64); 2] {
+    [
         (CompressionHook::bf16(), 1e-2),
         (CompressionHook::f16(), 2e-3),
-    ] {
-        let grads = on_ranks(backend, 4, |rank, group| {
-            let config = DdpConfig {
-                comm_hook: Some(Arc::new(hook)),
-                ..DdpConfig::default()
-            };
-            train_ddp_on(Model::Mlp, rank, group, 1, config)
-                .0
-                .first_grads
-        });
-        for (rank, g) in grads.iter().enumerate() {
-            assert_close(
-                &format!("{backend} rank {rank} of 4, {hook:?}: first-step gradients"),
-                g,
-                &want.first_grads,
-                tol,
-            );
-        }
+    ]
+}
+
+/// One rank of the compression case: the first-step gradients of the Mlp under `hook`.
+pub fn compression_rank(
+    hook: CompressionHook,
+    rank: usize,
+    group: Arc<dyn ProcessGroup>,
+) -> Snapshot {
+    let config = DdpConfig {
+        comm_hook: Some(Arc::new(hook)),
+        ..DdpConfig::default()
+    };
+    train_ddp_on(Model::Mlp, rank, group, 1, config)
+        .0
+        .first_grads
+}
+
+/// Every rank's gradients under `hook` against the full-batch gradients, within `tol`.
+pub fn check_compression(
+    backend: &str,
+    hook: &CompressionHook,
+    grads: &[Snapshot],
+    want: &Outcome,
+    tol: f64,
+) {
+    let world = grads.len();
+    for (rank, g) in grads.iter().enumerate() {
+        assert_close(
+            &format!("{backend} rank {rank} of {world}, {hook:?}: first-step gradients"),
+            g,
+            &want.first_grads,
+            tol,
+        );
     }
 }
 
@@ -366,18 +417,54 @@ pub fn compression_hooks_agree_within_half_precision(backend: Backend) {
 /// the observed ready order, identically, and training still matches the full batch.
 pub fn buckets_rebuild_identically_and_training_still_matches(backend: Backend) {
     let device = backend.device();
+    let want = reference_on(device, Model::Cnn, REBUILD_STEPS, 1);
+    let results = on_ranks(backend, 4, rebuild_rank);
+    check_rebuild(&backend.to_string(), &results, &want, tolerance(device));
+}
+
+/// Steps of the bucket-rebuild case.
+pub const REBUILD_STEPS: usize = 3;
+
+/// What one rank of the bucket-rebuild case reports.
+pub struct RebuildOutcome {
+    pub outcome: Outcome,
+    /// The buckets after the rebuild: parameter paths per bucket.
+    pub layout: Vec<Vec<String>>,
+    /// For each synchronised backward, the buckets in the order they were launched.
+    pub launches: Vec<Vec<usize>>,
+}
+
+/// One rank of the bucket-rebuild case: the Cnn with tiny buckets for [`REBUILD_STEPS`] steps.
+pub fn rebuild_rank(rank: usize, group: Arc<dyn ProcessGroup>) -> RebuildOutcome {
     let config = DdpConfig {
         bucket_cap_mb: 0.001,
         first_bucket_mb: 0.001,
         ..DdpConfig::default()
     };
-    let want = reference_on(device, Model::Cnn, 3, 1);
-    let results = on_ranks(backend, 4, |rank, group| {
-        let (outcome, ddp) = train_ddp_on(Model::Cnn, rank, group, 3, config.clone());
-        (outcome, ddp.bucket_layout(), ddp.launch_log())
-    });
-    let layout0 = &results[0].1;
-    for (rank, (outcome, layout, log)) in results.iter().enumerate() {
+    let (outcome, ddp) = train_ddp_on(Model::Cnn, rank, group, REBUILD_STEPS, config);
+    let log = ddp.launch_log();
+    let launches = (0..REBUILD_STEPS as u64)
+        .map(|backward| {
+            log.iter()
+                .filter(|l| l.backward == backward)
+                .map(|l| l.bucket)
+                .collect()
+        })
+        .collect();
+    RebuildOutcome {
+        outcome,
+        layout: ddp.bucket_layout(),
+        launches,
+    }
+}
+
+/// Every rank rebuilt the same several buckets, starting with the last layer's weight, launched
+/// them in bucket order in every backward, and trained as one process on the full batch (`want`,
+/// within `tol`).
+pub fn check_rebuild(backend: &str, results: &[RebuildOutcome], want: &Outcome, tol: f64) {
+    let layout0 = &results[0].layout;
+    for (rank, result) in results.iter().enumerate() {
+        let layout = &result.layout;
         assert_eq!(
             layout, layout0,
             "{backend}: rank {rank}'s rebuilt buckets differ from rank 0's"
@@ -392,23 +479,26 @@ pub fn buckets_rebuild_identically_and_training_still_matches(backend: Backend) 
             vec!["6.weight".to_string()],
             "{backend} rank {rank}: rebuilt first bucket; layout {layout:?}"
         );
-        for backward in 0..3 {
-            let launches: Vec<usize> = log
-                .iter()
-                .filter(|l| l.backward == backward)
-                .map(|l| l.bucket)
-                .collect();
+        assert_eq!(
+            result.launches.len(),
+            REBUILD_STEPS,
+            "{backend} rank {rank}: launch orders of every backward"
+        );
+        for (backward, launches) in result.launches.iter().enumerate() {
             assert_eq!(
                 launches,
-                (0..layout.len()).collect::<Vec<_>>(),
+                &(0..layout.len()).collect::<Vec<_>>(),
                 "{backend} rank {rank}, backward {backward}: buckets launch in bucket order"
             );
         }
         assert_close(
-            &format!("{backend} rank {rank}: parameters after 3 steps with rebuilt tiny buckets"),
-            &outcome.final_params,
+            &format!(
+                "{backend} rank {rank}: parameters after {REBUILD_STEPS} steps with rebuilt tiny \
+                 buckets"
+            ),
+            &result.outcome.final_params,
             &want.final_params,
-            tolerance(device),
+            tol,
         );
     }
 }
