@@ -1,5 +1,5 @@
 //! Where tandem's GPU tests run: on the real GPU when this machine has one, otherwise on the
-//! CUDA emulator (`cuda-emu/`: an emulated driver, NVRTC, cuBLAS and cuBLASLt that run tandem's
+//! CUDA emulator (`cuda-emu/`: an emulated driver, NVRTC, cuBLAS, cuBLASLt and cuDNN that run tandem's
 //! unchanged CUDA code on the host), so that `cargo test --workspace` runs every GPU test on
 //! every machine.
 //!
@@ -19,8 +19,8 @@
 //! On the emulator the stream sanitizer is switched on (`TANDEM_CUDA_SANITIZER=1`) unless the
 //! variable is already set, so every GPU test also checks stream ordering.
 //!
-//! The emulator's libraries are found beside the test binary: this crate depends on the four
-//! emulator crates, so cargo builds their shared libraries into `target/<profile>/deps` before
+//! The emulator's libraries are found beside the test binary: this crate depends on the
+//! emulator's crates, so cargo builds their shared libraries into `target/<profile>/deps` before
 //! any test that uses it.
 
 use std::ffi::c_int;
@@ -46,11 +46,13 @@ pub enum CudaTarget {
 
 /// The file names cargo gives the emulator's libraries, and the names tandem's search looks
 /// for.
-const EMULATOR_LIBRARIES: [(&str, &str); 4] = [
+const EMULATOR_LIBRARIES: [(&str, &str); 5] = [
     ("libtandem_cuda_emu.so", "libcuda.so"),
     ("libtandem_cuda_emu_nvrtc.so", "libnvrtc.so"),
     ("libtandem_cuda_emu_cublas.so", "libcublas.so"),
     ("libtandem_cuda_emu_cublaslt.so", "libcublasLt.so"),
+    // The file name cuDNN's packages ship; its SONAME is `libcudnn.so` (cuda-emu/cudnn/build.rs).
+    ("libtandem_cuda_emu_cudnn.so", "libcudnn.so.9"),
 ];
 
 /// Where this process's GPU tests run, chosen on the first call (see the module's doc); `None`,
@@ -79,7 +81,7 @@ pub fn on_emulator() -> bool {
     select_cuda() == Some(CudaTarget::Emulator)
 }
 
-/// For a test that needs what the emulator does not have yet (an emulated cuDNN or NCCL, …):
+/// For a test that needs what the emulator does not have yet (an emulated NCCL, …):
 /// `true`, after printing `skipped on the CUDA emulator: needs <needs>`, when this process runs
 /// on the emulator; the test then returns.
 pub fn skip_on_emulator(needs: &str) -> bool {
@@ -197,7 +199,7 @@ fn probe_driver() -> Probe {
 
 /// Copies the emulator's libraries, once per process, into a fresh folder under the names
 /// tandem's library search looks for (`libcuda.so`, `libnvrtc.so`, `libcublas.so`,
-/// `libcublasLt.so`, and NVRTC's builtins companion `libnvrtc-builtins.so.13.99`) and puts that
+/// `libcublasLt.so`, `libcudnn.so.9`, and NVRTC's builtins companion `libnvrtc-builtins.so.13.99`) and puts that
 /// folder first in `TANDEM_CUDA_LIBS`. Returns the folder.
 ///
 /// [`select_cuda`] calls it when the tests run on the emulator (and also switches the stream
@@ -228,7 +230,7 @@ pub fn use_emulator() -> &'static Path {
     })
 }
 
-/// A fresh folder holding the emulator's four libraries under CUDA's names (as
+/// A fresh folder holding the emulator's libraries under CUDA's names (as
 /// [`use_emulator`] sets up), without touching this process's environment: for a test that runs
 /// a program on the emulator by putting the folder in that child's `TANDEM_CUDA_LIBS` only. The
 /// caller removes it.
