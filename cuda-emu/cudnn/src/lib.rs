@@ -1865,7 +1865,16 @@ unsafe fn workspace_size(
     stream_of(name, handle)?;
     let c = check(name, pass, &descs)?;
     let algo = algo_of(name, pass, algo)?;
-    let spec = spec_of(name, algo, &c)?;
+    // Asking for the workspace of every algorithm, to learn which apply, is how a search
+    // starts (tandem's does): a refusal here is kept for `cudnnGetLastErrorString` only, not
+    // printed.
+    let spec = match algo.spec(&c.problem) {
+        Ok(s) => s,
+        Err(why) => {
+            *LAST.lock() = format!("{name}: {} does not support this convolution: {why}", algo.name());
+            return Err(S::CUDNN_STATUS_NOT_SUPPORTED);
+        }
+    };
     // SAFETY: out-parameter.
     unsafe { put(name, "sizeInBytes", size, spec.workspace) }
 }
