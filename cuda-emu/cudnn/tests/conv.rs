@@ -179,7 +179,7 @@ struct Perf {
 fn heuristic(pass: Pass, h: P, d: Descs) -> Result<Vec<Perf>, u32> {
     let mut out = vec![Perf::default(); 8];
     let mut n: c_int = 0;
-    let (req, ret, res) = (8 as c_int, &mut n as *mut c_int, out.as_mut_ptr());
+    let (req, ret, res) = (8, &mut n as *mut c_int, out.as_mut_ptr());
     let status = match pass {
         Pass::Forward => cudnn!(cudnnGetConvolutionForwardAlgorithm_v7(h, d.x, d.w, d.conv, d.y, req, ret, res)
             : (P, P, P, P, P, c_int, *mut c_int, *mut Perf)),
@@ -200,7 +200,7 @@ fn find(pass: Pass, h: P, d: Descs, [x, w, y]: [u64; 3], (ws, bytes): (u64, usiz
     let mut out = vec![Perf::default(); 8];
     let mut n: c_int = 0;
     let (x, w, y, ws) = (x as P, w as P, y as P, ws as P);
-    let (req, ret, res) = (8 as c_int, &mut n as *mut c_int, out.as_mut_ptr());
+    let (req, ret, res) = (8, &mut n as *mut c_int, out.as_mut_ptr());
     let status = match pass {
         Pass::Forward => cudnn!(cudnnFindConvolutionForwardAlgorithmEx(h, d.x, x, d.w, w, d.conv, d.y, y, req, ret, res, ws, bytes)
             : (P, P, P, P, P, P, P, P, c_int, *mut c_int, *mut Perf, P, usize)),
