@@ -768,7 +768,14 @@ fn asymmetric_padding_runs_on_cudnn_and_matches_the_cpu() {
             for (i, c) in cases.iter().enumerate() {
                 let before = cudnn_cache_stats(GPU).unwrap_or_default();
                 let what = format!("cuDNN, {search:?} search, TF32 off");
-                compare(c, DType::F32, Tolerance::Exact, false, &what, 1200 + i as u64);
+                compare(
+                    c,
+                    DType::F32,
+                    Tolerance::Exact,
+                    false,
+                    &what,
+                    1200 + i as u64,
+                );
                 let after = cudnn_cache_stats(GPU).expect("cuDNN ran on this thread");
                 assert_eq!(
                     (after.declined_calls, after.not_supported),

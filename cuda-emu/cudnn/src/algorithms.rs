@@ -145,7 +145,9 @@ impl Algo {
             (Pass::Forward, 0) => spec(0, 1.0, false, true),
             (Pass::Forward, 1) => spec(8 * cg * r * s, 0.6, true, true),
             (Pass::Forward, 2) => spec(columns, 0.8, false, true),
-            (Pass::Forward, 3) => return Err("CUDNN_CONVOLUTION_FWD_ALGO_DIRECT is not implemented in cuDNN"),
+            (Pass::Forward, 3) => {
+                return Err("CUDNN_CONVOLUTION_FWD_ALGO_DIRECT is not implemented in cuDNN")
+            }
             (Pass::Forward, 6) => {
                 winograd(&[3])?;
                 spec(0, 0.5, false, true)
@@ -164,7 +166,9 @@ impl Algo {
             (Pass::BackwardFilter, 1) => spec(columns, 0.6, true, true),
             (Pass::BackwardFilter, 3) => spec(4 * k * cg * r * s, 0.8, false, false),
             (Pass::BackwardFilter, 4) => {
-                return Err("CUDNN_CONVOLUTION_BWD_FILTER_ALGO_WINOGRAD is not implemented in cuDNN")
+                return Err(
+                    "CUDNN_CONVOLUTION_BWD_FILTER_ALGO_WINOGRAD is not implemented in cuDNN",
+                )
             }
             (Pass::BackwardFilter, 5) => {
                 winograd(&[3, 5])?;

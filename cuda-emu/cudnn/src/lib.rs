@@ -342,7 +342,10 @@ fn next_id() -> usize {
 /// The stream of handle `h`.
 fn stream_of(name: &str, h: *mut c_void) -> Result<usize, Status> {
     if h.is_null() {
-        return fail(S::CUDNN_STATUS_BAD_PARAM, format!("{name}: the handle is null"));
+        return fail(
+            S::CUDNN_STATUS_BAD_PARAM,
+            format!("{name}: the handle is null"),
+        );
     }
     match registry().lock().handles.get(&(h as usize)) {
         Some(&s) => Ok(s),
@@ -379,7 +382,10 @@ fn tensor(name: &str, what: &str, d: *mut c_void) -> Result<TensorDesc, Status> 
         ),
         other => fail(
             S::CUDNN_STATUS_BAD_PARAM,
-            format!("{name}: {what} is not a tensor descriptor ({})", kind(&other)),
+            format!(
+                "{name}: {what} is not a tensor descriptor ({})",
+                kind(&other)
+            ),
         ),
     }
 }
@@ -393,7 +399,10 @@ fn filter(name: &str, what: &str, d: *mut c_void) -> Result<FilterDesc, Status> 
         ),
         other => fail(
             S::CUDNN_STATUS_BAD_PARAM,
-            format!("{name}: {what} is not a filter descriptor ({})", kind(&other)),
+            format!(
+                "{name}: {what} is not a filter descriptor ({})",
+                kind(&other)
+            ),
         ),
     }
 }
@@ -403,7 +412,10 @@ fn conv(name: &str, d: *mut c_void) -> Result<ConvDesc, Status> {
         Desc::Conv(c) => Ok(c),
         other => fail(
             S::CUDNN_STATUS_BAD_PARAM,
-            format!("{name}: convDesc is not a convolution descriptor ({})", kind(&other)),
+            format!(
+                "{name}: convDesc is not a convolution descriptor ({})",
+                kind(&other)
+            ),
         ),
     }
 }
@@ -431,7 +443,9 @@ fn update(name: &str, d: *mut c_void, update: impl FnOnce(&mut Desc) -> Res) -> 
             drop(r);
             fail(
                 S::CUDNN_STATUS_BAD_PARAM,
-                format!("{name}: {d:p} is not a live cuDNN descriptor (never created, or destroyed)"),
+                format!(
+                    "{name}: {d:p} is not a live cuDNN descriptor (never created, or destroyed)"
+                ),
             )
         }
     }
@@ -632,7 +646,10 @@ pub extern "C" fn cudnnSetStream(h: *mut c_void, stream: *mut c_void) -> Status 
     let name = "cudnnSetStream";
     entry(name, || {
         stream_of(name, h)?;
-        registry().lock().handles.insert(h as usize, stream as usize);
+        registry()
+            .lock()
+            .handles
+            .insert(h as usize, stream as usize);
         Ok(())
     })
 }
@@ -713,9 +730,7 @@ pub unsafe extern "C" fn cudnnCreateTensorDescriptor(out: *mut *mut c_void) -> S
 #[no_mangle]
 pub extern "C" fn cudnnDestroyTensorDescriptor(d: *mut c_void) -> Status {
     let name = "cudnnDestroyTensorDescriptor";
-    entry(name, || {
-        destroy(name, d, |k| matches!(k, Desc::Tensor(_)))
-    })
+    entry(name, || destroy(name, d, |k| matches!(k, Desc::Tensor(_))))
 }
 
 #[no_mangle]
@@ -930,9 +945,7 @@ pub unsafe extern "C" fn cudnnCreateFilterDescriptor(out: *mut *mut c_void) -> S
 #[no_mangle]
 pub extern "C" fn cudnnDestroyFilterDescriptor(d: *mut c_void) -> Status {
     let name = "cudnnDestroyFilterDescriptor";
-    entry(name, || {
-        destroy(name, d, |k| matches!(k, Desc::Filter(_)))
-    })
+    entry(name, || destroy(name, d, |k| matches!(k, Desc::Filter(_))))
 }
 
 #[no_mangle]
@@ -1162,7 +1175,10 @@ pub unsafe extern "C" fn cudnnGetConvolution2dDescriptor(
         if g.pad.len() != 2 {
             return fail(
                 S::CUDNN_STATUS_BAD_PARAM,
-                format!("{name}: the descriptor has {} spatial dims, not 2", g.pad.len()),
+                format!(
+                    "{name}: the descriptor has {} spatial dims, not 2",
+                    g.pad.len()
+                ),
             );
         }
         // SAFETY: out-parameters.
@@ -1222,7 +1238,10 @@ pub extern "C" fn cudnnSetConvolutionGroupCount(d: *mut c_void, groups: c_int) -
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cudnnGetConvolutionGroupCount(d: *mut c_void, groups: *mut c_int) -> Status {
+pub unsafe extern "C" fn cudnnGetConvolutionGroupCount(
+    d: *mut c_void,
+    groups: *mut c_int,
+) -> Status {
     let name = "cudnnGetConvolutionGroupCount";
     entry(name, || {
         let c = conv(name, d)?;
@@ -1256,7 +1275,12 @@ pub unsafe extern "C" fn cudnnGetConvolutionMathType(d: *mut c_void, math: *mut 
 }
 
 /// The output dims `[N, K, spatial…]` of a convolution of `x` by `w`.
-fn output_dims(name: &str, x: &TensorDesc, w: &FilterDesc, c: &ConvDesc) -> Result<Vec<usize>, Status> {
+fn output_dims(
+    name: &str,
+    x: &TensorDesc,
+    w: &FilterDesc,
+    c: &ConvDesc,
+) -> Result<Vec<usize>, Status> {
     let g = c.geometry.as_ref().ok_or_else(|| {
         say(&format!("{name}: the convolution descriptor was never set"));
         S::CUDNN_STATUS_BAD_PARAM
@@ -1285,8 +1309,8 @@ fn output_dims(name: &str, x: &TensorDesc, w: &FilterDesc, c: &ConvDesc) -> Resu
         );
     }
     let mut out = vec![x.dims[0], k];
-    for d in 0..spatial {
-        let span = g.dilation[d] * (fs[d] - 1) + 1;
+    for (d, &f) in fs.iter().enumerate() {
+        let span = g.dilation[d] * (f - 1) + 1;
         let padded = x.dims[2 + d] + 2 * g.pad[d];
         if span > padded {
             return fail(
@@ -1294,7 +1318,7 @@ fn output_dims(name: &str, x: &TensorDesc, w: &FilterDesc, c: &ConvDesc) -> Resu
                 format!(
                     "{name}: spatial dim {d}: the filter spans {span} (size {}, dilation {}), more \
                      than the padded input's {padded} (size {}, padding {})",
-                    fs[d], g.dilation[d], x.dims[2 + d], g.pad[d]
+                    f, g.dilation[d], x.dims[2 + d], g.pad[d]
                 ),
             );
         }
@@ -1441,7 +1465,10 @@ fn check(name: &str, pass: Pass, d: &Descs) -> Result<Checked, Status> {
     if k % c.groups != 0 {
         return fail(
             S::CUDNN_STATUS_BAD_PARAM,
-            format!("{name}: {wn} has {k} filters, not a multiple of the {} groups", c.groups),
+            format!(
+                "{name}: {wn} has {k} filters, not a multiple of the {} groups",
+                c.groups
+            ),
         );
     }
     let expected = output_dims(name, &x, &w, &c)?;
@@ -1467,7 +1494,10 @@ fn check(name: &str, pass: Pass, d: &Descs) -> Result<Checked, Status> {
     if x.dims.len() != 4 {
         return fail(
             S::CUDNN_STATUS_NOT_SUPPORTED,
-            format!("{name}: {}-d convolutions are not emulated", x.dims.len() - 2),
+            format!(
+                "{name}: {}-d convolutions are not emulated",
+                x.dims.len() - 2
+            ),
         );
     }
     let elem = match (x.dtype, g.compute) {
@@ -1543,7 +1573,10 @@ fn spec_of(name: &str, algo: Algo, c: &Checked) -> Result<Spec, Status> {
         Ok(s) => Ok(s),
         Err(why) => fail(
             S::CUDNN_STATUS_NOT_SUPPORTED,
-            format!("{name}: {} does not support this convolution: {why}", algo.name()),
+            format!(
+                "{name}: {} does not support this convolution: {why}",
+                algo.name()
+            ),
         ),
     }
 }
@@ -1635,7 +1668,10 @@ fn run(name: &str, pass: Pass, r: Run) -> Res {
     if let Some(why) = algorithms::misaligned(&spec, r.ptrs) {
         return fail(
             S::CUDNN_STATUS_NOT_SUPPORTED,
-            format!("{name}: {} does not support these buffers: {why}", algo.name()),
+            format!(
+                "{name}: {} does not support these buffers: {why}",
+                algo.name()
+            ),
         );
     }
     if r.workspace_bytes < spec.workspace {
@@ -1710,9 +1746,12 @@ pub struct Perf {
 }
 
 const _: () = {
-    assert!(std::mem::size_of::<Perf>() == std::mem::size_of::<sys::cudnnConvolutionFwdAlgoPerf_t>());
     assert!(
-        std::mem::size_of::<Perf>() == std::mem::size_of::<sys::cudnnConvolutionBwdDataAlgoPerf_t>()
+        std::mem::size_of::<Perf>() == std::mem::size_of::<sys::cudnnConvolutionFwdAlgoPerf_t>()
+    );
+    assert!(
+        std::mem::size_of::<Perf>()
+            == std::mem::size_of::<sys::cudnnConvolutionBwdDataAlgoPerf_t>()
     );
     assert!(
         std::mem::size_of::<Perf>()
@@ -1871,7 +1910,10 @@ unsafe fn workspace_size(
     let spec = match algo.spec(&c.problem) {
         Ok(s) => s,
         Err(why) => {
-            *LAST.lock() = format!("{name}: {} does not support this convolution: {why}", algo.name());
+            *LAST.lock() = format!(
+                "{name}: {} does not support this convolution: {why}",
+                algo.name()
+            );
             return Err(S::CUDNN_STATUS_NOT_SUPPORTED);
         }
     };
@@ -1953,7 +1995,15 @@ pub unsafe extern "C" fn cudnnGetConvolutionBackwardDataAlgorithm_v7(
     };
     // SAFETY: as above.
     entry(name, || unsafe {
-        heuristic(name, Pass::BackwardData, h, descs, requested, returned, results)
+        heuristic(
+            name,
+            Pass::BackwardData,
+            h,
+            descs,
+            requested,
+            returned,
+            results,
+        )
     })
 }
 
@@ -1977,7 +2027,15 @@ pub unsafe extern "C" fn cudnnGetConvolutionBackwardFilterAlgorithm_v7(
     };
     // SAFETY: as above.
     entry(name, || unsafe {
-        heuristic(name, Pass::BackwardFilter, h, descs, requested, returned, results)
+        heuristic(
+            name,
+            Pass::BackwardFilter,
+            h,
+            descs,
+            requested,
+            returned,
+            results,
+        )
     })
 }
 

@@ -18,8 +18,8 @@
 //! input, computed once per filter tap, so the inner loop has no bounds test; accumulators are
 //! one buffer per call, never an allocation per element.
 
-use std::ops::{Add, AddAssign, Mul};
 use std::ops::Range;
+use std::ops::{Add, AddAssign, Mul};
 
 use half::{bf16, f16};
 
@@ -526,7 +526,10 @@ mod tests {
         assert_eq!(y, [-4.0; 4]);
         // As a convolution the filter is flipped: y[i][j] = -x[i][j] + x[i+1][j+1].
         let flipped = Problem {
-            conv: Conv { flip: true, ..p.conv },
+            conv: Conv {
+                flip: true,
+                ..p.conv
+            },
             ..p
         };
         // SAFETY: as above.

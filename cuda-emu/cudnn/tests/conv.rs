@@ -66,7 +66,10 @@ fn setup() -> (Arc<CudaDevice>, P) {
 
 fn tensor_desc(dtype: u32, dims: [usize; 4], strides: [usize; 4]) -> P {
     let mut d: P = std::ptr::null_mut();
-    assert_eq!(cudnn!(cudnnCreateTensorDescriptor(&mut d) : (*mut P)), SUCCESS);
+    assert_eq!(
+        cudnn!(cudnnCreateTensorDescriptor(&mut d) : (*mut P)),
+        SUCCESS
+    );
     let [n, c, h, w] = dims.map(|v| v as c_int);
     let [ns, cs, hs, ws] = strides.map(|v| v as c_int);
     let status = cudnn!(cudnnSetTensor4dDescriptorEx(d, dtype, n, c, h, w, ns, cs, hs, ws)
@@ -82,10 +85,12 @@ fn dense(dims: [usize; 4]) -> [usize; 4] {
 
 fn filter_desc(dtype: u32, format: u32, dims: [usize; 4]) -> P {
     let mut d: P = std::ptr::null_mut();
-    assert_eq!(cudnn!(cudnnCreateFilterDescriptor(&mut d) : (*mut P)), SUCCESS);
+    assert_eq!(
+        cudnn!(cudnnCreateFilterDescriptor(&mut d) : (*mut P)),
+        SUCCESS
+    );
     let [k, c, h, w] = dims.map(|v| v as c_int);
-    let status =
-        cudnn!(cudnnSetFilter4dDescriptor(d, dtype, format, k, c, h, w) : (P, u32, u32, c_int, c_int, c_int, c_int));
+    let status = cudnn!(cudnnSetFilter4dDescriptor(d, dtype, format, k, c, h, w) : (P, u32, u32, c_int, c_int, c_int, c_int));
     assert_eq!(status, SUCCESS);
     d
 }
@@ -110,14 +115,20 @@ const PLAIN: Geo = Geo {
 
 fn conv_desc(g: Geo, compute: u32) -> P {
     let mut d: P = std::ptr::null_mut();
-    assert_eq!(cudnn!(cudnnCreateConvolutionDescriptor(&mut d) : (*mut P)), SUCCESS);
+    assert_eq!(
+        cudnn!(cudnnCreateConvolutionDescriptor(&mut d) : (*mut P)),
+        SUCCESS
+    );
     let i = |v: usize| v as c_int;
     let status = cudnn!(cudnnSetConvolution2dDescriptor(
         d, i(g.pad[0]), i(g.pad[1]), i(g.stride[0]), i(g.stride[1]), i(g.dilation[0]),
         i(g.dilation[1]), g.mode, compute
     ) : (P, c_int, c_int, c_int, c_int, c_int, c_int, u32, u32));
     assert_eq!(status, SUCCESS);
-    assert_eq!(cudnn!(cudnnSetConvolutionGroupCount(d, i(g.groups)) : (P, c_int)), SUCCESS);
+    assert_eq!(
+        cudnn!(cudnnSetConvolutionGroupCount(d, i(g.groups)) : (P, c_int)),
+        SUCCESS
+    );
     d
 }
 
@@ -153,12 +164,18 @@ fn run(
 ) -> u32 {
     let (x, w, y, ws) = (x as P, w as P, y as P, ws as P);
     match pass {
-        Pass::Forward => cudnn!(cudnnConvolutionForward(h, alpha, d.x, x, d.w, w, d.conv, algo, ws, ws_bytes, beta, d.y, y)
-            : (P, *const c_void, P, P, P, P, P, u32, P, usize, *const c_void, P, P)),
-        Pass::Data => cudnn!(cudnnConvolutionBackwardData(h, alpha, d.w, w, d.y, y, d.conv, algo, ws, ws_bytes, beta, d.x, x)
-            : (P, *const c_void, P, P, P, P, P, u32, P, usize, *const c_void, P, P)),
-        Pass::Filter => cudnn!(cudnnConvolutionBackwardFilter(h, alpha, d.x, x, d.y, y, d.conv, algo, ws, ws_bytes, beta, d.w, w)
-            : (P, *const c_void, P, P, P, P, P, u32, P, usize, *const c_void, P, P)),
+        Pass::Forward => {
+            cudnn!(cudnnConvolutionForward(h, alpha, d.x, x, d.w, w, d.conv, algo, ws, ws_bytes, beta, d.y, y)
+            : (P, *const c_void, P, P, P, P, P, u32, P, usize, *const c_void, P, P))
+        }
+        Pass::Data => {
+            cudnn!(cudnnConvolutionBackwardData(h, alpha, d.w, w, d.y, y, d.conv, algo, ws, ws_bytes, beta, d.x, x)
+            : (P, *const c_void, P, P, P, P, P, u32, P, usize, *const c_void, P, P))
+        }
+        Pass::Filter => {
+            cudnn!(cudnnConvolutionBackwardFilter(h, alpha, d.x, x, d.y, y, d.conv, algo, ws, ws_bytes, beta, d.w, w)
+            : (P, *const c_void, P, P, P, P, P, u32, P, usize, *const c_void, P, P))
+        }
     }
 }
 
@@ -181,12 +198,18 @@ fn heuristic(pass: Pass, h: P, d: Descs) -> Result<Vec<Perf>, u32> {
     let mut n: c_int = 0;
     let (req, ret, res) = (8, &mut n as *mut c_int, out.as_mut_ptr());
     let status = match pass {
-        Pass::Forward => cudnn!(cudnnGetConvolutionForwardAlgorithm_v7(h, d.x, d.w, d.conv, d.y, req, ret, res)
-            : (P, P, P, P, P, c_int, *mut c_int, *mut Perf)),
-        Pass::Data => cudnn!(cudnnGetConvolutionBackwardDataAlgorithm_v7(h, d.w, d.y, d.conv, d.x, req, ret, res)
-            : (P, P, P, P, P, c_int, *mut c_int, *mut Perf)),
-        Pass::Filter => cudnn!(cudnnGetConvolutionBackwardFilterAlgorithm_v7(h, d.x, d.y, d.conv, d.w, req, ret, res)
-            : (P, P, P, P, P, c_int, *mut c_int, *mut Perf)),
+        Pass::Forward => {
+            cudnn!(cudnnGetConvolutionForwardAlgorithm_v7(h, d.x, d.w, d.conv, d.y, req, ret, res)
+            : (P, P, P, P, P, c_int, *mut c_int, *mut Perf))
+        }
+        Pass::Data => {
+            cudnn!(cudnnGetConvolutionBackwardDataAlgorithm_v7(h, d.w, d.y, d.conv, d.x, req, ret, res)
+            : (P, P, P, P, P, c_int, *mut c_int, *mut Perf))
+        }
+        Pass::Filter => {
+            cudnn!(cudnnGetConvolutionBackwardFilterAlgorithm_v7(h, d.x, d.y, d.conv, d.w, req, ret, res)
+            : (P, P, P, P, P, c_int, *mut c_int, *mut Perf))
+        }
     };
     if status != SUCCESS {
         return Err(status);
@@ -196,18 +219,30 @@ fn heuristic(pass: Pass, h: P, d: Descs) -> Result<Vec<Perf>, u32> {
 }
 
 /// The search's ranking (`cudnnFind…AlgorithmEx`, which runs the pass), or the status.
-fn find(pass: Pass, h: P, d: Descs, [x, w, y]: [u64; 3], (ws, bytes): (u64, usize)) -> Result<Vec<Perf>, u32> {
+fn find(
+    pass: Pass,
+    h: P,
+    d: Descs,
+    [x, w, y]: [u64; 3],
+    (ws, bytes): (u64, usize),
+) -> Result<Vec<Perf>, u32> {
     let mut out = vec![Perf::default(); 8];
     let mut n: c_int = 0;
     let (x, w, y, ws) = (x as P, w as P, y as P, ws as P);
     let (req, ret, res) = (8, &mut n as *mut c_int, out.as_mut_ptr());
     let status = match pass {
-        Pass::Forward => cudnn!(cudnnFindConvolutionForwardAlgorithmEx(h, d.x, x, d.w, w, d.conv, d.y, y, req, ret, res, ws, bytes)
-            : (P, P, P, P, P, P, P, P, c_int, *mut c_int, *mut Perf, P, usize)),
-        Pass::Data => cudnn!(cudnnFindConvolutionBackwardDataAlgorithmEx(h, d.w, w, d.y, y, d.conv, d.x, x, req, ret, res, ws, bytes)
-            : (P, P, P, P, P, P, P, P, c_int, *mut c_int, *mut Perf, P, usize)),
-        Pass::Filter => cudnn!(cudnnFindConvolutionBackwardFilterAlgorithmEx(h, d.x, x, d.y, y, d.conv, d.w, w, req, ret, res, ws, bytes)
-            : (P, P, P, P, P, P, P, P, c_int, *mut c_int, *mut Perf, P, usize)),
+        Pass::Forward => {
+            cudnn!(cudnnFindConvolutionForwardAlgorithmEx(h, d.x, x, d.w, w, d.conv, d.y, y, req, ret, res, ws, bytes)
+            : (P, P, P, P, P, P, P, P, c_int, *mut c_int, *mut Perf, P, usize))
+        }
+        Pass::Data => {
+            cudnn!(cudnnFindConvolutionBackwardDataAlgorithmEx(h, d.w, w, d.y, y, d.conv, d.x, x, req, ret, res, ws, bytes)
+            : (P, P, P, P, P, P, P, P, c_int, *mut c_int, *mut Perf, P, usize))
+        }
+        Pass::Filter => {
+            cudnn!(cudnnFindConvolutionBackwardFilterAlgorithmEx(h, d.x, x, d.y, y, d.conv, d.w, w, req, ret, res, ws, bytes)
+            : (P, P, P, P, P, P, P, P, c_int, *mut c_int, *mut Perf, P, usize))
+        }
     };
     if status != SUCCESS {
         return Err(status);
@@ -221,12 +256,18 @@ fn workspace(pass: Pass, h: P, d: Descs, algo: u32) -> Result<usize, u32> {
     let mut size = 0usize;
     let s = &mut size as *mut usize;
     let status = match pass {
-        Pass::Forward => cudnn!(cudnnGetConvolutionForwardWorkspaceSize(h, d.x, d.w, d.conv, d.y, algo, s)
-            : (P, P, P, P, P, u32, *mut usize)),
-        Pass::Data => cudnn!(cudnnGetConvolutionBackwardDataWorkspaceSize(h, d.w, d.y, d.conv, d.x, algo, s)
-            : (P, P, P, P, P, u32, *mut usize)),
-        Pass::Filter => cudnn!(cudnnGetConvolutionBackwardFilterWorkspaceSize(h, d.x, d.y, d.conv, d.w, algo, s)
-            : (P, P, P, P, P, u32, *mut usize)),
+        Pass::Forward => {
+            cudnn!(cudnnGetConvolutionForwardWorkspaceSize(h, d.x, d.w, d.conv, d.y, algo, s)
+            : (P, P, P, P, P, u32, *mut usize))
+        }
+        Pass::Data => {
+            cudnn!(cudnnGetConvolutionBackwardDataWorkspaceSize(h, d.w, d.y, d.conv, d.x, algo, s)
+            : (P, P, P, P, P, u32, *mut usize))
+        }
+        Pass::Filter => {
+            cudnn!(cudnnGetConvolutionBackwardFilterWorkspaceSize(h, d.x, d.y, d.conv, d.w, algo, s)
+            : (P, P, P, P, P, u32, *mut usize))
+        }
     };
     if status == SUCCESS {
         Ok(size)
@@ -247,7 +288,11 @@ fn upload(v: &[f64], dtype: u32) -> Tensor {
     let t = if dtype == DOUBLE {
         Tensor::from_vec(v.to_vec(), &[v.len()], Device::Cpu)
     } else {
-        Tensor::from_vec(v.iter().map(|&x| x as f32).collect(), &[v.len()], Device::Cpu)
+        Tensor::from_vec(
+            v.iter().map(|&x| x as f32).collect(),
+            &[v.len()],
+            Device::Cpu,
+        )
     };
     t.unwrap().to_device(GPU).unwrap()
 }
@@ -263,7 +308,11 @@ fn download(dev: &CudaDevice, t: &Tensor) -> Vec<f64> {
 
 /// The number of elements a tensor of `dims` with `strides` spans.
 fn span(dims: [usize; 4], strides: [usize; 4]) -> usize {
-    1 + dims.iter().zip(&strides).map(|(d, s)| (d - 1) * s).sum::<usize>()
+    1 + dims
+        .iter()
+        .zip(&strides)
+        .map(|(d, s)| (d - 1) * s)
+        .sum::<usize>()
 }
 
 /// One test geometry: input dims and strides, filter dims `[K, C/g, R, S]` and layout, geometry.
@@ -325,8 +374,10 @@ fn naive_forward(c: &Case, x: &[f64], w: &[f64]) -> Vec<f64> {
                     for cl in 0..cg {
                         for r in 0..r_ {
                             for s in 0..s_ {
-                                let ih = (p * g.stride[0] + r * g.dilation[0]) as i64 - g.pad[0] as i64;
-                                let iw = (q * g.stride[1] + s * g.dilation[1]) as i64 - g.pad[1] as i64;
+                                let ih =
+                                    (p * g.stride[0] + r * g.dilation[0]) as i64 - g.pad[0] as i64;
+                                let iw =
+                                    (q * g.stride[1] + s * g.dilation[1]) as i64 - g.pad[1] as i64;
                                 if ih < 0 || iw < 0 || ih >= h_ as i64 || iw >= w_ as i64 {
                                     continue;
                                 }
@@ -336,7 +387,10 @@ fn naive_forward(c: &Case, x: &[f64], w: &[f64]) -> Vec<f64> {
                                     (r, s)
                                 };
                                 let ch = group * cg + cl;
-                                let xv = x[n * xs[0] + ch * xs[1] + ih as usize * xs[2] + iw as usize * xs[3]];
+                                let xv = x[n * xs[0]
+                                    + ch * xs[1]
+                                    + ih as usize * xs[2]
+                                    + iw as usize * xs[3]];
                                 let wv = w[k * ws[0] + cl * ws[1] + fr * ws[2] + fs * ws[3]];
                                 sum += xv * wv;
                             }
@@ -378,7 +432,10 @@ fn cases() -> Vec<Case> {
             x_strides: dense([2, 3, 7, 6]),
             w: [4, 3, 3, 3],
             format: NCHW,
-            geo: Geo { pad: [1, 1], ..PLAIN },
+            geo: Geo {
+                pad: [1, 1],
+                ..PLAIN
+            },
         },
         Case {
             x: [1, 4, 9, 8],
@@ -412,7 +469,10 @@ fn cases() -> Vec<Case> {
             x_strides: [80, 35, 7, 1],
             w: [3, 2, 5, 5],
             format: NCHW,
-            geo: Geo { pad: [1, 2], ..PLAIN },
+            geo: Geo {
+                pad: [1, 2],
+                ..PLAIN
+            },
         },
     ]
 }
@@ -427,11 +487,20 @@ fn a_hand_computed_padded_and_strided_cross_correlation() {
         x_strides: dense([1, 1, 2, 2]),
         w: [1, 1, 2, 2],
         format: NCHW,
-        geo: Geo { pad: [1, 1], ..PLAIN },
+        geo: Geo {
+            pad: [1, 1],
+            ..PLAIN
+        },
     };
     for (geo, want) in [
         (case.geo, vec![1.0, 3.0, 2.0, 4.0, 10.0, 6.0, 3.0, 7.0, 4.0]),
-        (Geo { stride: [2, 2], ..case.geo }, vec![1.0, 2.0, 3.0, 4.0]),
+        (
+            Geo {
+                stride: [2, 2],
+                ..case.geo
+            },
+            vec![1.0, 2.0, 3.0, 4.0],
+        ),
     ] {
         let c = Case { geo, ..case };
         let d = c.descs(FLOAT, FLOAT);
@@ -464,7 +533,11 @@ fn forward_matches_a_naive_convolution_and_the_passes_are_adjoint() {
         let wn = span(c.w, c.w_strides());
         let yn = span(y_dims, dense(y_dims));
         let (xv, wv, gv) = (values(xn, i), values(wn, i + 1), values(yn, i + 2));
-        let (x, w, g) = (upload(&xv, DOUBLE), upload(&wv, DOUBLE), upload(&gv, DOUBLE));
+        let (x, w, g) = (
+            upload(&xv, DOUBLE),
+            upload(&wv, DOUBLE),
+            upload(&gv, DOUBLE),
+        );
         let (y, dx, dw) = (
             upload(&vec![0.0; yn], DOUBLE),
             upload(&vec![0.0; xn], DOUBLE),
@@ -489,7 +562,10 @@ fn forward_matches_a_naive_convolution_and_the_passes_are_adjoint() {
         let (y, dx, dw) = (download(&dev, &y), download(&dev, &dx), download(&dev, &dw));
         let want = naive_forward(&c, &xv, &wv);
         for (k, (a, b)) in y.iter().zip(&want).enumerate() {
-            assert!((a - b).abs() <= 1e-12 * (1.0 + b.abs()), "case {i} {c:?}: y[{k}] = {a}, naively {b}");
+            assert!(
+                (a - b).abs() <= 1e-12 * (1.0 + b.abs()),
+                "case {i} {c:?}: y[{k}] = {a}, naively {b}"
+            );
         }
         let x_held = |v: &[f64]| held(v, c.x, c.x_strides);
         let w_held = |v: &[f64]| held(v, c.w, c.w_strides());
@@ -497,8 +573,14 @@ fn forward_matches_a_naive_convolution_and_the_passes_are_adjoint() {
         let data = dot(&x_held(&xv), &x_held(&dx));
         let filter = dot(&w_held(&wv), &w_held(&dw));
         let tol = 1e-9 * (1.0 + forward.abs());
-        assert!((forward - data).abs() <= tol, "case {i} {c:?}: <conv(x,w),g> = {forward}, <x,bwd_data> = {data}");
-        assert!((forward - filter).abs() <= tol, "case {i} {c:?}: <conv(x,w),g> = {forward}, <w,bwd_filter> = {filter}");
+        assert!(
+            (forward - data).abs() <= tol,
+            "case {i} {c:?}: <conv(x,w),g> = {forward}, <x,bwd_data> = {data}"
+        );
+        assert!(
+            (forward - filter).abs() <= tol,
+            "case {i} {c:?}: <conv(x,w),g> = {forward}, <w,bwd_filter> = {filter}"
+        );
     }
 }
 
@@ -508,27 +590,56 @@ fn alpha_and_beta_scale_and_accumulate_and_beta_zero_ignores_the_output() {
     let c = cases()[0];
     let d = c.descs(FLOAT, FLOAT);
     let y_dims = c.out();
-    let (xn, wn, yn) = (span(c.x, c.x_strides), span(c.w, c.w_strides()), span(y_dims, dense(y_dims)));
+    let (xn, wn, yn) = (
+        span(c.x, c.x_strides),
+        span(c.w, c.w_strides()),
+        span(y_dims, dense(y_dims)),
+    );
     let (xv, wv) = (values(xn, 1), values(wn, 2));
     let (x, w) = (upload(&xv, FLOAT), upload(&wv, FLOAT));
     let plain = naive_forward(&c, &xv, &wv);
     let old = values(yn, 3);
     let y = upload(&old, FLOAT);
     let (alpha, beta) = (2.0f32, 0.5f32);
-    let status = run(Pass::Forward, h, d, [ptr(&x), ptr(&w), ptr(&y)], 0, (0, 0), (&alpha as *const f32).cast(), (&beta as *const f32).cast());
+    let status = run(
+        Pass::Forward,
+        h,
+        d,
+        [ptr(&x), ptr(&w), ptr(&y)],
+        0,
+        (0, 0),
+        (&alpha as *const f32).cast(),
+        (&beta as *const f32).cast(),
+    );
     assert_eq!(status, SUCCESS);
     let got = download(&dev, &y);
     for k in 0..yn {
         let want = 2.0 * plain[k] + 0.5 * old[k];
-        assert!((got[k] - want).abs() <= 1e-5 * (1.0 + want.abs()), "y[{k}] = {}, want {want}", got[k]);
+        assert!(
+            (got[k] - want).abs() <= 1e-5 * (1.0 + want.abs()),
+            "y[{k}] = {}, want {want}",
+            got[k]
+        );
     }
     // With beta = 0 the output is not read: NaNs there do not reach the result.
     let fresh = upload(&vec![f64::NAN; yn], FLOAT);
     let (one, zero) = (1.0f32, 0.0f32);
-    let status = run(Pass::Forward, h, d, [ptr(&x), ptr(&w), ptr(&fresh)], 0, (0, 0), (&one as *const f32).cast(), (&zero as *const f32).cast());
+    let status = run(
+        Pass::Forward,
+        h,
+        d,
+        [ptr(&x), ptr(&w), ptr(&fresh)],
+        0,
+        (0, 0),
+        (&one as *const f32).cast(),
+        (&zero as *const f32).cast(),
+    );
     assert_eq!(status, SUCCESS);
     let got = download(&dev, &fresh);
-    assert!(got.iter().all(|v| v.is_finite()), "beta = 0 read the output: {got:?}");
+    assert!(
+        got.iter().all(|v| v.is_finite()),
+        "beta = 0 read the output: {got:?}"
+    );
 }
 
 #[test]
@@ -538,7 +649,11 @@ fn the_rankings_offer_algorithms_with_and_without_workspace_and_the_search_runs_
     let c = cases()[0];
     let d = c.descs(FLOAT, FLOAT);
     let y_dims = c.out();
-    let (xn, wn, yn) = (span(c.x, c.x_strides), span(c.w, c.w_strides()), span(y_dims, dense(y_dims)));
+    let (xn, wn, yn) = (
+        span(c.x, c.x_strides),
+        span(c.w, c.w_strides()),
+        span(y_dims, dense(y_dims)),
+    );
     let (xv, wv) = (values(xn, 4), values(wn, 5));
     let (x, w) = (upload(&xv, FLOAT), upload(&wv, FLOAT));
     let y = Tensor::empty(&[yn], tandem_core::DType::F32, GPU).unwrap();
@@ -547,37 +662,97 @@ fn the_rankings_offer_algorithms_with_and_without_workspace_and_the_search_runs_
         let ranked = heuristic(pass, h, d).unwrap();
         let ok: Vec<&Perf> = ranked.iter().filter(|p| p.status == SUCCESS).collect();
         assert!(ok.len() >= 3, "{pass:?}: {ranked:?}");
-        assert!(ok.iter().any(|p| p.memory == 0) && ok.iter().any(|p| p.memory > 0), "{pass:?}: {ranked:?}");
-        assert!(ok.windows(2).all(|p| p[0].time <= p[1].time), "{pass:?}: ranked by time: {ranked:?}");
-        let first_refused = ranked.iter().position(|p| p.status != SUCCESS).unwrap_or(ranked.len());
-        assert!(ranked[first_refused..].iter().all(|p| p.status == NOT_SUPPORTED), "{pass:?}: refused ones last: {ranked:?}");
+        assert!(
+            ok.iter().any(|p| p.memory == 0) && ok.iter().any(|p| p.memory > 0),
+            "{pass:?}: {ranked:?}"
+        );
+        assert!(
+            ok.windows(2).all(|p| p[0].time <= p[1].time),
+            "{pass:?}: ranked by time: {ranked:?}"
+        );
+        let first_refused = ranked
+            .iter()
+            .position(|p| p.status != SUCCESS)
+            .unwrap_or(ranked.len());
+        assert!(
+            ranked[first_refused..]
+                .iter()
+                .all(|p| p.status == NOT_SUPPORTED),
+            "{pass:?}: refused ones last: {ranked:?}"
+        );
         for p in &ok {
-            assert_eq!(workspace(pass, h, d, p.algo), Ok(p.memory), "{pass:?} algo {}", p.algo);
+            assert_eq!(
+                workspace(pass, h, d, p.algo),
+                Ok(p.memory),
+                "{pass:?} algo {}",
+                p.algo
+            );
         }
         for p in &ranked[first_refused..] {
-            assert_eq!(workspace(pass, h, d, p.algo), Err(NOT_SUPPORTED), "{pass:?} algo {}", p.algo);
+            assert_eq!(
+                workspace(pass, h, d, p.algo),
+                Err(NOT_SUPPORTED),
+                "{pass:?} algo {}",
+                p.algo
+            );
         }
     }
     // The search runs the forward pass (the output is written) and, with no workspace, ranks
     // only the algorithms that need none.
     let found = find(Pass::Forward, h, d, [ptr(&x), ptr(&w), ptr(&y)], (0, 0)).unwrap();
     let ok: Vec<&Perf> = found.iter().filter(|p| p.status == SUCCESS).collect();
-    assert!(!ok.is_empty() && ok.iter().all(|p| p.memory == 0), "{found:?}");
+    assert!(
+        !ok.is_empty() && ok.iter().all(|p| p.memory == 0),
+        "{found:?}"
+    );
     let got = download(&dev, &y);
     let want = naive_forward(&c, &xv, &wv);
-    assert!(got.iter().zip(&want).all(|(a, b)| (a - b).abs() <= 1e-5 * (1.0 + b.abs())), "{got:?} {want:?}");
-    let with_workspace = find(Pass::Forward, h, d, [ptr(&x), ptr(&w), ptr(&y)], (ptr(&ws), 1 << 18)).unwrap();
-    assert!(with_workspace.iter().any(|p| p.status == SUCCESS && p.memory > 0), "{with_workspace:?}");
+    assert!(
+        got.iter()
+            .zip(&want)
+            .all(|(a, b)| (a - b).abs() <= 1e-5 * (1.0 + b.abs())),
+        "{got:?} {want:?}"
+    );
+    let with_workspace = find(
+        Pass::Forward,
+        h,
+        d,
+        [ptr(&x), ptr(&w), ptr(&y)],
+        (ptr(&ws), 1 << 18),
+    )
+    .unwrap();
+    assert!(
+        with_workspace
+            .iter()
+            .any(|p| p.status == SUCCESS && p.memory > 0),
+        "{with_workspace:?}"
+    );
     // A misaligned output: the algorithms that need 16-byte buffers are refused by the search,
     // and by the pass itself.
     let big = Tensor::empty(&[yn + 4], tandem_core::DType::F32, GPU).unwrap();
     let shifted = ptr(&big) + 4;
-    let found = find(Pass::Forward, h, d, [ptr(&x), ptr(&w), shifted], (ptr(&ws), 1 << 18)).unwrap();
+    let found = find(
+        Pass::Forward,
+        h,
+        d,
+        [ptr(&x), ptr(&w), shifted],
+        (ptr(&ws), 1 << 18),
+    )
+    .unwrap();
     let precomp = found.iter().find(|p| p.algo == 1).unwrap();
     assert_eq!(precomp.status, NOT_SUPPORTED, "{found:?}");
     let bytes = workspace(Pass::Forward, h, d, 1).unwrap();
     let (one, zero) = (1.0f32, 0.0f32);
-    let status = run(Pass::Forward, h, d, [ptr(&x), ptr(&w), shifted], 1, (ptr(&ws), bytes), (&one as *const f32).cast(), (&zero as *const f32).cast());
+    let status = run(
+        Pass::Forward,
+        h,
+        d,
+        [ptr(&x), ptr(&w), shifted],
+        1,
+        (ptr(&ws), bytes),
+        (&one as *const f32).cast(),
+        (&zero as *const f32).cast(),
+    );
     assert_eq!(status, NOT_SUPPORTED);
 }
 
@@ -587,64 +762,179 @@ fn arguments_cudnn_refuses_give_its_status() {
     let c = cases()[0];
     let d = c.descs(FLOAT, FLOAT);
     let y_dims = c.out();
-    let (xn, wn, yn) = (span(c.x, c.x_strides), span(c.w, c.w_strides()), span(y_dims, dense(y_dims)));
-    let (x, w, y) = (upload(&values(xn, 1), FLOAT), upload(&values(wn, 2), FLOAT), upload(&vec![0.0; yn], FLOAT));
+    let (xn, wn, yn) = (
+        span(c.x, c.x_strides),
+        span(c.w, c.w_strides()),
+        span(y_dims, dense(y_dims)),
+    );
+    let (x, w, y) = (
+        upload(&values(xn, 1), FLOAT),
+        upload(&values(wn, 2), FLOAT),
+        upload(&vec![0.0; yn], FLOAT),
+    );
     let ptrs = [ptr(&x), ptr(&w), ptr(&y)];
     let ws = Tensor::empty(&[1 << 16], tandem_core::DType::F32, GPU).unwrap();
     let (one, zero) = (1.0f32, 0.0f32);
-    let (one, zero): (*const c_void, *const c_void) = ((&one as *const f32).cast(), (&zero as *const f32).cast());
+    let (one, zero): (*const c_void, *const c_void) =
+        ((&one as *const f32).cast(), (&zero as *const f32).cast());
     let fwd = |d: Descs, ptrs: [u64; 3], algo: u32, ws: (u64, usize), alpha: *const c_void| {
         run(Pass::Forward, h, d, ptrs, algo, ws, alpha, zero)
     };
     // GEMM (2) needs a workspace.
     let need = workspace(Pass::Forward, h, d, 2).unwrap();
     assert!(need > 0);
-    assert_eq!(fwd(d, ptrs, 2, (ptr(&ws), need - 1), one), BAD_PARAM, "a workspace one byte short");
-    assert_eq!(fwd(d, ptrs, 2, (0, need), one), BAD_PARAM, "a null workspace");
-    assert_eq!(fwd(d, ptrs, 2, (ptr(&ws), need), one), SUCCESS, "the workspace asked for");
-    assert_eq!(fwd(d, ptrs, 99, (0, 0), one), BAD_PARAM, "an algorithm that does not exist");
+    assert_eq!(
+        fwd(d, ptrs, 2, (ptr(&ws), need - 1), one),
+        BAD_PARAM,
+        "a workspace one byte short"
+    );
+    assert_eq!(
+        fwd(d, ptrs, 2, (0, need), one),
+        BAD_PARAM,
+        "a null workspace"
+    );
+    assert_eq!(
+        fwd(d, ptrs, 2, (ptr(&ws), need), one),
+        SUCCESS,
+        "the workspace asked for"
+    );
+    assert_eq!(
+        fwd(d, ptrs, 99, (0, 0), one),
+        BAD_PARAM,
+        "an algorithm that does not exist"
+    );
     assert_eq!(fwd(d, ptrs, 3, (0, 0), one), NOT_SUPPORTED, "DIRECT");
     assert_eq!(workspace(Pass::Forward, h, d, 99), Err(BAD_PARAM));
-    assert_eq!(fwd(d, [0, ptrs[1], ptrs[2]], 0, (0, 0), one), NULL_POINTER, "a null input");
-    assert_eq!(fwd(d, ptrs, 0, (0, 0), std::ptr::null()), NULL_POINTER, "a null alpha");
+    assert_eq!(
+        fwd(d, [0, ptrs[1], ptrs[2]], 0, (0, 0), one),
+        NULL_POINTER,
+        "a null input"
+    );
+    assert_eq!(
+        fwd(d, ptrs, 0, (0, 0), std::ptr::null()),
+        NULL_POINTER,
+        "a null alpha"
+    );
     // An output one element longer than its buffer: outside the allocation.
     let short = upload(&vec![0.0; yn - 1], FLOAT);
-    assert_eq!(fwd(d, [ptrs[0], ptrs[1], ptr(&short)], 0, (0, 0), one), BAD_PARAM, "an output past its buffer");
-    assert!(common::last_fault().contains("cudnnConvolutionForward"), "{}", common::last_fault());
+    assert_eq!(
+        fwd(d, [ptrs[0], ptrs[1], ptr(&short)], 0, (0, 0), one),
+        BAD_PARAM,
+        "an output past its buffer"
+    );
+    assert!(
+        common::last_fault().contains("cudnnConvolutionForward"),
+        "{}",
+        common::last_fault()
+    );
     // Descriptors that contradict each other.
     let [n, k, p, q] = y_dims;
-    let wrong_y = Descs { y: tensor_desc(FLOAT, [n, k, p + 1, q], dense([n, k, p + 1, q])), ..d };
-    assert_eq!(fwd(wrong_y, ptrs, 0, (0, 0), one), NOT_SUPPORTED, "an output of the wrong size");
-    let wrong_k = Descs { y: tensor_desc(FLOAT, [n, k + 1, p, q], dense([n, k + 1, p, q])), ..d };
-    assert_eq!(fwd(wrong_k, ptrs, 0, (0, 0), one), BAD_PARAM, "output channels that are not the filters");
-    let wrong_c = Descs { w: filter_desc(FLOAT, NCHW, [c.w[0], c.w[1] + 1, 3, 3]), ..d };
-    assert_eq!(fwd(wrong_c, ptrs, 0, (0, 0), one), BAD_PARAM, "filter channels that are not the input's");
-    let wrong_type = Descs { w: filter_desc(DOUBLE, NCHW, c.w), ..d };
-    assert_eq!(fwd(wrong_type, ptrs, 0, (0, 0), one), BAD_PARAM, "data types that differ");
-    let grouped = Descs { conv: conv_desc(Geo { groups: 3, ..c.geo }, FLOAT), ..d };
-    assert_eq!(fwd(grouped, ptrs, 0, (0, 0), one), BAD_PARAM, "4 filters in 3 groups");
-    let too_big = Descs { w: filter_desc(FLOAT, NCHW, [c.w[0], c.w[1], 10, 3]), ..d };
-    assert_eq!(fwd(too_big, ptrs, 0, (0, 0), one), BAD_PARAM, "a filter taller than the padded input");
+    let wrong_y = Descs {
+        y: tensor_desc(FLOAT, [n, k, p + 1, q], dense([n, k, p + 1, q])),
+        ..d
+    };
+    assert_eq!(
+        fwd(wrong_y, ptrs, 0, (0, 0), one),
+        NOT_SUPPORTED,
+        "an output of the wrong size"
+    );
+    let wrong_k = Descs {
+        y: tensor_desc(FLOAT, [n, k + 1, p, q], dense([n, k + 1, p, q])),
+        ..d
+    };
+    assert_eq!(
+        fwd(wrong_k, ptrs, 0, (0, 0), one),
+        BAD_PARAM,
+        "output channels that are not the filters"
+    );
+    let wrong_c = Descs {
+        w: filter_desc(FLOAT, NCHW, [c.w[0], c.w[1] + 1, 3, 3]),
+        ..d
+    };
+    assert_eq!(
+        fwd(wrong_c, ptrs, 0, (0, 0), one),
+        BAD_PARAM,
+        "filter channels that are not the input's"
+    );
+    let wrong_type = Descs {
+        w: filter_desc(DOUBLE, NCHW, c.w),
+        ..d
+    };
+    assert_eq!(
+        fwd(wrong_type, ptrs, 0, (0, 0), one),
+        BAD_PARAM,
+        "data types that differ"
+    );
+    let grouped = Descs {
+        conv: conv_desc(Geo { groups: 3, ..c.geo }, FLOAT),
+        ..d
+    };
+    assert_eq!(
+        fwd(grouped, ptrs, 0, (0, 0), one),
+        BAD_PARAM,
+        "4 filters in 3 groups"
+    );
+    let too_big = Descs {
+        w: filter_desc(FLOAT, NCHW, [c.w[0], c.w[1], 10, 3]),
+        ..d
+    };
+    assert_eq!(
+        fwd(too_big, ptrs, 0, (0, 0), one),
+        BAD_PARAM,
+        "a filter taller than the padded input"
+    );
     let double_x = Descs {
         x: tensor_desc(DOUBLE, c.x, c.x_strides),
         w: filter_desc(DOUBLE, NCHW, c.w),
         y: tensor_desc(DOUBLE, y_dims, dense(y_dims)),
         ..d
     };
-    assert_eq!(fwd(double_x, ptrs, 0, (0, 0), one), NOT_SUPPORTED, "f64 data with f32 compute");
+    assert_eq!(
+        fwd(double_x, ptrs, 0, (0, 0), one),
+        NOT_SUPPORTED,
+        "f64 data with f32 compute"
+    );
     // Handles and descriptors.
-    assert_eq!(run(Pass::Forward, std::ptr::null_mut(), d, ptrs, 0, (0, 0), one, zero), BAD_PARAM, "a null handle");
+    assert_eq!(
+        run(
+            Pass::Forward,
+            std::ptr::null_mut(),
+            d,
+            ptrs,
+            0,
+            (0, 0),
+            one,
+            zero
+        ),
+        BAD_PARAM,
+        "a null handle"
+    );
     let mut gone: P = std::ptr::null_mut();
     assert_eq!(cudnn!(cudnnCreate(&mut gone) : (*mut P)), SUCCESS);
     assert_eq!(cudnn!(cudnnDestroy(gone) : (P)), SUCCESS);
-    assert_eq!(run(Pass::Forward, gone, d, ptrs, 0, (0, 0), one, zero), BAD_PARAM, "a destroyed handle");
+    assert_eq!(
+        run(Pass::Forward, gone, d, ptrs, 0, (0, 0), one, zero),
+        BAD_PARAM,
+        "a destroyed handle"
+    );
     let unset = {
         let mut t: P = std::ptr::null_mut();
-        assert_eq!(cudnn!(cudnnCreateTensorDescriptor(&mut t) : (*mut P)), SUCCESS);
+        assert_eq!(
+            cudnn!(cudnnCreateTensorDescriptor(&mut t) : (*mut P)),
+            SUCCESS
+        );
         t
     };
-    assert_eq!(fwd(Descs { y: unset, ..d }, ptrs, 0, (0, 0), one), BAD_PARAM, "a descriptor never set");
-    assert_eq!(fwd(Descs { y: d.w, ..d }, ptrs, 0, (0, 0), one), BAD_PARAM, "a filter as the output");
+    assert_eq!(
+        fwd(Descs { y: unset, ..d }, ptrs, 0, (0, 0), one),
+        BAD_PARAM,
+        "a descriptor never set"
+    );
+    assert_eq!(
+        fwd(Descs { y: d.w, ..d }, ptrs, 0, (0, 0), one),
+        BAD_PARAM,
+        "a filter as the output"
+    );
     // Setting descriptors.
     let status = cudnn!(cudnnSetTensor4dDescriptor(unset, NCHW, FLOAT, 1, 0, 3, 3) : (P, u32, u32, c_int, c_int, c_int, c_int));
     assert_eq!(status, BAD_PARAM, "a zero dim");
@@ -654,8 +944,16 @@ fn arguments_cudnn_refuses_give_its_status() {
     assert_eq!(status, BAD_PARAM, "a negative padding");
     let status = cudnn!(cudnnSetConvolution2dDescriptor(d.conv, 0, 0, 0, 1, 1, 1, CROSS_CORRELATION, FLOAT) : (P, c_int, c_int, c_int, c_int, c_int, c_int, u32, u32));
     assert_eq!(status, BAD_PARAM, "a zero stride");
-    assert_eq!(cudnn!(cudnnSetConvolutionMathType(d.conv, 9) : (P, u32)), BAD_PARAM, "an unknown math type");
-    assert_eq!(cudnn!(cudnnSetConvolutionGroupCount(d.conv, 0) : (P, c_int)), BAD_PARAM, "no groups");
+    assert_eq!(
+        cudnn!(cudnnSetConvolutionMathType(d.conv, 9) : (P, u32)),
+        BAD_PARAM,
+        "an unknown math type"
+    );
+    assert_eq!(
+        cudnn!(cudnnSetConvolutionGroupCount(d.conv, 0) : (P, c_int)),
+        BAD_PARAM,
+        "no groups"
+    );
     // Rankings.
     let mut n_out: c_int = 0;
     let mut perf = [Perf::default(); 8];
@@ -663,7 +961,11 @@ fn arguments_cudnn_refuses_give_its_status() {
         : (P, P, P, P, P, c_int, *mut c_int, *mut Perf));
     assert_eq!(status, BAD_PARAM, "no algorithm requested");
     let status = find(Pass::Forward, h, d, ptrs, (0, 1024));
-    assert_eq!(status.unwrap_err(), BAD_PARAM, "a null workspace of 1024 bytes");
+    assert_eq!(
+        status.unwrap_err(),
+        BAD_PARAM,
+        "a null workspace of 1024 bytes"
+    );
 }
 
 #[test]
@@ -672,13 +974,30 @@ fn every_pass_counts_as_a_convolution() {
     let c = cases()[0];
     let d = c.descs(FLOAT, FLOAT);
     let y_dims = c.out();
-    let (xn, wn, yn) = (span(c.x, c.x_strides), span(c.w, c.w_strides()), span(y_dims, dense(y_dims)));
-    let (x, w, y) = (upload(&values(xn, 1), FLOAT), upload(&values(wn, 2), FLOAT), upload(&vec![0.0; yn], FLOAT));
+    let (xn, wn, yn) = (
+        span(c.x, c.x_strides),
+        span(c.w, c.w_strides()),
+        span(y_dims, dense(y_dims)),
+    );
+    let (x, w, y) = (
+        upload(&values(xn, 1), FLOAT),
+        upload(&values(wn, 2), FLOAT),
+        upload(&vec![0.0; yn], FLOAT),
+    );
     let (one, zero) = (1.0f32, 0.0f32);
     dev.synchronize().unwrap();
     let before = common::counters();
     for pass in [Pass::Forward, Pass::Data, Pass::Filter] {
-        let status = run(pass, h, d, [ptr(&x), ptr(&w), ptr(&y)], 0, (0, 0), (&one as *const f32).cast(), (&zero as *const f32).cast());
+        let status = run(
+            pass,
+            h,
+            d,
+            [ptr(&x), ptr(&w), ptr(&y)],
+            0,
+            (0, 0),
+            (&one as *const f32).cast(),
+            (&zero as *const f32).cast(),
+        );
         assert_eq!(status, SUCCESS, "{pass:?}");
     }
     dev.synchronize().unwrap();
