@@ -59,7 +59,8 @@
 //! what is wrong on stderr (`tandem-cuda-emu: …`):
 //!
 //! - `CUDNN_STATUS_BAD_PARAM`: a null, unknown or destroyed handle; a descriptor never set or of
-//!   the wrong kind; negative or zero sizes, strides, paddings, dilations; unknown enum values
+//!   the wrong kind; dims, strides, filter strides or dilations below 1, negative padding; a
+//!   group count below 1; unknown enum values
 //!   (data type, format, mode, math type, algorithm); descriptors that contradict each other
 //!   (ranks, batch, input channels ≠ filter channels × groups, output channels ≠ filters,
 //!   filters not a multiple of the groups, data types that differ, a filter larger than the
@@ -85,7 +86,10 @@
 //! order, TF32 with `CUDNN_DEFAULT_MATH`/`CUDNN_TENSOR_OP_MATH`: the emulator computes in full
 //! f32, so a test relying on TF32's rounding must not run here), which algorithms a real GPU
 //! offers for a geometry and their workspace sizes (the emulator's are its own), what the
-//! search writes in the output besides the result, the backend (graph) API, 3-d convolutions,
+//! search writes in the output besides the result, which of cuDNN 9's finer status codes a real
+//! cuDNN returns (the emulator answers the plain `BAD_PARAM` / `NOT_SUPPORTED` of the legacy
+//! API's documentation, and `BAD_PARAM_NULL_POINTER` for null pointers; tandem tells only the
+//! categories apart), the backend (graph) API, 3-d convolutions,
 //! fused convolution-bias-activation, pooling, normalisation and the other non-convolution
 //! calls (stubs).
 
