@@ -1,9 +1,10 @@
 //! `mnist --device cuda` trains on the CUDA emulator (`cuda-emu/`) to the loss it reaches on the
 //! CPU: the same subset of MNIST, seed, batch and schedule, once with `--device cpu` and once
-//! with `--device cuda` on the emulated driver, NVRTC and cuBLAS, and the two runs' training
-//! losses and test accuracies compared. The whole GPU path of a real training program runs:
-//! the data loader's pinned staging and copies, every op's kernels, cuBLAS convolutions (im2col;
-//! no cuDNN yet), SGD's fused update, the running loss sum read every few steps, evaluation.
+//! with `--device cuda` on the emulated driver, NVRTC, cuBLAS and cuDNN, and the two runs'
+//! training losses and test accuracies compared. The whole GPU path of a real training program
+//! runs: the data loader's pinned staging and copies, every op's kernels, cuDNN convolutions
+//! (descriptors, the measured algorithm search, workspaces), SGD's fused update, the running
+//! loss sum read every few steps, evaluation.
 //!
 //! This test binary *is* the example when `TANDEM_MNIST_CUDA_WORKER` is set (it includes
 //! `examples/mnist.rs`, as `example_supervision.rs` does). Only the CUDA child gets the
@@ -11,12 +12,14 @@
 //!
 //! # Tolerance
 //!
-//! The two runs differ only in f32 rounding: cuBLAS's reference loops and the CUDA reductions
-//! sum in other orders than the CPU's `gemm` crate and kernels, about 1e-7 relative per value.
+//! The two runs differ only in f32 rounding: cuBLAS's and cuDNN's reference loops and the CUDA
+//! reductions sum in other orders than the CPU's `gemm` crate and kernels, about 1e-7 relative
+//! per value.
 //! SGD at a stable learning rate amplifies such differences only slowly: over 200 steps at lr
 //! 0.01 (`EXAMPLE_ARGS`), measured, the epoch's mean training loss agreed to 3.7e-9 relative and
 //! the test accuracy exactly (92.00%; 2-core machine, 2026-11-26, about 6 minutes on the
-//! emulator). At lr 0.05 the same 200 steps are unstable (the CPU's own test accuracy falls to
+//! emulator) with convolutions through im2col; through the emulated cuDNN (its own summation
+//! order), to 1.3e-6 relative, the accuracy again exactly. At lr 0.05 the same 200 steps are unstable (the CPU's own test accuracy falls to
 //! 49.5%) and the two devices' rounding differences grow to 2% of the loss, so the test keeps a
 //! learning rate at which training, not chaos, decides the result. It allows 1e-3 relative on
 //! the loss — room for other summation orders and still far below what a wrong gradient, a

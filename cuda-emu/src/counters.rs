@@ -1,6 +1,6 @@
 //! Counters of what the host asks of the device: kernel launches, copies and their bytes per
 //! direction, memsets, host synchronisations, allocations the stream-ordered pool did not serve,
-//! and the products of the emulated cuBLAS. A test reads them around a training step to see
+//! and the products of the emulated cuBLAS and the convolutions of the emulated cuDNN. A test reads them around a training step to see
 //! the host's side of the step — the launch overhead a GPU will pay (a few µs per launch) and
 //! every point where the host waits for the device.
 //!
@@ -13,7 +13,7 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 /// The layout version of [`Counters`]; fields are only ever appended, and a new field bumps it.
-pub const COUNTERS_VERSION: u64 = 1;
+pub const COUNTERS_VERSION: u64 = 2;
 
 macro_rules! counters {
     ($($(#[doc = $doc:literal])* $field:ident,)*) => {
@@ -123,6 +123,9 @@ counters! {
     gemms,
     /// Matrix-vector products of the emulated cuBLAS (`cublas*gemv*`).
     gemvs,
+    /// Convolution passes of the emulated cuDNN (`cudnnConvolution{Forward,BackwardData,
+    /// BackwardFilter}`, and each `cudnnFindConvolution*AlgorithmEx`, which runs the pass).
+    convolutions,
 }
 
 static VALUES: [AtomicU64; FIELDS] = [const { AtomicU64::new(0) }; FIELDS];
@@ -195,6 +198,13 @@ pub extern "C" fn tandem_cuda_emu_count_blas(kind: u32) {
     } else {
         Counter::gemms
     });
+}
+
+/// Counts a convolution pass of the emulated cuDNN (`kind`: 0 forward, 1 backward-data, 2
+/// backward-filter; all count in `convolutions`).
+#[no_mangle]
+pub extern "C" fn tandem_cuda_emu_count_dnn(_kind: u32) {
+    count(Counter::convolutions);
 }
 
 /// With `on` non-zero, every host synchronisation prints its call stack on stderr.

@@ -83,10 +83,10 @@
 //!
 //! Accesses inside the rounding slack of an allocation (reads there pass; writes are caught by
 //! the guard bytes at the next synchronisation), accesses that land inside another live
-//! allocation, two launches of the same kernel at once (serialised), cuDNN (a separate
-//! library, issue 21; cuBLAS, cuBLASLt and NCCL are emulated by `cublas/`, `cublaslt/` and
-//! `nccl/`, which enqueue their work on this driver's stream workers), graphs, several devices, peer copies, managed memory, and anything about
-//! speed. Timestamps are the host's clock.
+//! allocation, two launches of the same kernel at once (serialised), graphs, several devices,
+//! peer copies, managed memory, and anything about speed. Timestamps are the host's clock.
+//! (cuBLAS, cuBLASLt, cuDNN and NCCL are separate libraries, emulated by `cublas/`, `cublaslt/`,
+//! `cudnn/` and `nccl/`, which enqueue their work on this driver's stream workers.)
 //!
 //! Speed: a launch runs its blocks one after the other, each as OS threads meeting at barriers
 //! (the harness's execution model), so a grid-stride launch over millions of elements (16384
@@ -102,13 +102,13 @@
 //! now (otherwise each is checked when it leaves quarantine) and returns the sticky fault.
 //! `tandem_cuda_emu_check_device_range(ptr, len, what)` checks that a range lies inside one live
 //! allocation, as copies do (`CUDA_ERROR_INVALID_VALUE` and a fault starting with `what`
-//! otherwise): the emulated cuBLAS checks its operands with it.
+//! otherwise): the emulated cuBLAS and cuDNN check their operands with it.
 //!
 //! [`counters`]: `tandem_cuda_emu_counters(out, capacity)` copies the counters of launches,
 //! copies and bytes per direction, memsets, host synchronisations, pool misses, allocations
-//! outside the pool and cuBLAS products into a versioned `repr(C)` struct;
-//! `tandem_cuda_emu_reset_counters()` zeroes them; `tandem_cuda_emu_count_blas(kind)` is how the
-//! emulated cuBLAS counts its products; `tandem_cuda_emu_trace_host_syncs(on)` prints the call
+//! outside the pool, cuBLAS products and cuDNN convolutions into a versioned `repr(C)` struct;
+//! `tandem_cuda_emu_reset_counters()` zeroes them; `tandem_cuda_emu_count_blas(kind)` and
+//! `tandem_cuda_emu_count_dnn(kind)` are how the emulated cuBLAS and cuDNN count their work; `tandem_cuda_emu_trace_host_syncs(on)` prints the call
 //! stack of every host synchronisation. Tests read them through `tests/common`.
 
 #![allow(non_snake_case)]

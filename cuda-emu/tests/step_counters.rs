@@ -5,7 +5,7 @@
 //! refill the queue — except where the user asks: reading the loss, one synchronisation.
 //!
 //! Each test prints the step's launches, copies and bytes, memsets, pool allocations and misses,
-//! and cuBLAS products (`cargo test -p tandem-cuda-emu --test step_counters -- --nocapture`);
+//! cuBLAS products and cuDNN convolutions (`cargo test -p tandem-cuda-emu --test step_counters -- --nocapture`);
 //! BENCHMARKS.md records them. A failure names the synchronisations; rerun with
 //! `TANDEM_TRACE_HOST_SYNCS=1` to print the call stack of each.
 
@@ -162,7 +162,13 @@ fn a_resnet20_training_step_never_waits_for_the_device() {
     let model = tandem_nn::models::resnet20().unwrap();
     let counts = count_a_step(&model, &[3, 32, 32], 10, 2, 2, Extra::Nothing);
     check("ResNet-20, batch 2×3×32×32", &counts);
-    assert!(counts.step.gemms > 0, "convolutions run through cuBLAS");
+    // The emulator has cuDNN: the convolutions run through it, the classifier through cuBLAS.
+    assert!(
+        counts.step.convolutions > 0,
+        "convolutions run through cuDNN:\n{}",
+        table(&counts.step)
+    );
+    assert!(counts.step.gemms > 0, "the classifier runs through cuBLAS");
 }
 
 #[test]

@@ -680,9 +680,6 @@ fn cudnn_chooses_each_algorithm_once_per_geometry_and_then_reuses_its_plan() {
     if tandem_test_support::select_cuda().is_none() {
         return;
     }
-    if tandem_test_support::skip_on_emulator("cuDNN (emulated in issue 21)") {
-        return;
-    }
     if !cudnn_available(GPU) {
         println!("skipped: cuDNN does not load on this machine");
         return;
@@ -731,6 +728,65 @@ fn cudnn_chooses_each_algorithm_once_per_geometry_and_then_reuses_its_plan() {
             );
         },
     );
+}
+
+/// Padding that differs between height and width reaches cuDNN's convolution descriptor in the
+/// right order: forward and backward match the CPU, and cuDNN (not the im2col fallback) ran every
+/// pass. With the two paddings swapped, the first case keeps its output size (stride 4 absorbs
+/// the difference) and computes wrong values; the second gets an output size cuDNN rejects
+/// (NOT_SUPPORTED), so the pass would quietly fall back to im2col — which the statistics catch.
+#[test]
+fn asymmetric_padding_runs_on_cudnn_and_matches_the_cpu() {
+    if tandem_test_support::select_cuda().is_none() {
+        return;
+    }
+    if !cudnn_available(GPU) {
+        println!("skipped: cuDNN does not load on this machine");
+        return;
+    }
+    let cases = [
+        case(
+            "padding (1, 0), stride 4: swapped, the output keeps its size",
+            [2, 3, 8, 8],
+            [4, 3, 3, 3],
+            ((4, 4), (1, 0), (1, 1)),
+            true,
+        ),
+        case(
+            "padding (2, 0) on a 6x9 input: swapped, the output changes size",
+            [2, 3, 6, 9],
+            [4, 3, 3, 3],
+            ((1, 1), (2, 0), (1, 1)),
+            false,
+        ),
+    ];
+    for search in [
+        CudnnAlgorithmSearch::Measured,
+        CudnnAlgorithmSearch::Heuristic,
+    ] {
+        with_settings(CudaConvBackend::Cudnn, false, search, || {
+            for (i, c) in cases.iter().enumerate() {
+                let before = cudnn_cache_stats(GPU).unwrap_or_default();
+                let what = format!("cuDNN, {search:?} search, TF32 off");
+                compare(
+                    c,
+                    DType::F32,
+                    Tolerance::Exact,
+                    false,
+                    &what,
+                    1200 + i as u64,
+                );
+                let after = cudnn_cache_stats(GPU).expect("cuDNN ran on this thread");
+                assert_eq!(
+                    (after.declined_calls, after.not_supported),
+                    (before.declined_calls, before.not_supported),
+                    "conv2d {} ({search:?}): cuDNN declined or refused a pass, so im2col ran it: \
+                     {before:?} then {after:?}",
+                    c.name
+                );
+            }
+        });
+    }
 }
 
 fn error_of(r: tandem_core::Result<Tensor>) -> String {

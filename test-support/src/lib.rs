@@ -1,6 +1,6 @@
 //! Where tandem's GPU tests run: on the real GPU when this machine has one, otherwise on the
-//! CUDA emulator (`cuda-emu/`: an emulated driver, NVRTC, cuBLAS, cuBLASLt and NCCL that run
-//! tandem's unchanged CUDA code on the host), so that `cargo test --workspace` runs every GPU
+//! CUDA emulator (`cuda-emu/`: an emulated driver, NVRTC, cuBLAS, cuBLASLt, cuDNN and NCCL that
+//! run tandem's unchanged CUDA code on the host), so that `cargo test --workspace` runs every GPU
 //! test on every machine.
 //!
 //! Every GPU test calls [`select_cuda`] before its first CUDA call. Only tests call it: a user's
@@ -20,7 +20,7 @@
 //! variable is already set, so every GPU test also checks stream ordering.
 //!
 //! The emulator's libraries are found beside the test binary: this crate depends on the
-//! emulator crates, so cargo builds their shared libraries into `target/<profile>/deps` before
+//! emulator's crates, so cargo builds their shared libraries into `target/<profile>/deps` before
 //! any test that uses it.
 //!
 //! The emulated NCCL is copied as `libnccl.so.2`, the name tandem's search opens, into the
@@ -56,11 +56,13 @@ pub enum CudaTarget {
 
 /// The file names cargo gives the emulator's libraries, and the names tandem's search looks
 /// for.
-const EMULATOR_LIBRARIES: [(&str, &str); 5] = [
+const EMULATOR_LIBRARIES: [(&str, &str); 6] = [
     ("libtandem_cuda_emu.so", "libcuda.so"),
     ("libtandem_cuda_emu_nvrtc.so", "libnvrtc.so"),
     ("libtandem_cuda_emu_cublas.so", "libcublas.so"),
     ("libtandem_cuda_emu_cublaslt.so", "libcublasLt.so"),
+    // The file name cuDNN's packages ship; its SONAME is `libcudnn.so` (cuda-emu/cudnn/build.rs).
+    ("libtandem_cuda_emu_cudnn.so", "libcudnn.so.9"),
     ("libtandem_cuda_emu_nccl.so", "libnccl.so.2"),
 ];
 
@@ -90,7 +92,7 @@ pub fn on_emulator() -> bool {
     select_cuda() == Some(CudaTarget::Emulator)
 }
 
-/// For a test that needs what the emulator does not have yet (an emulated cuDNN or NCCL, …):
+/// For a test that needs what the emulator does not have yet (an emulated NCCL, …):
 /// `true`, after printing `skipped on the CUDA emulator: needs <needs>`, when this process runs
 /// on the emulator; the test then returns.
 pub fn skip_on_emulator(needs: &str) -> bool {
@@ -208,7 +210,7 @@ fn probe_driver() -> Probe {
 
 /// Copies the emulator's libraries, once per process, into a fresh folder under the names
 /// tandem's library search looks for (`libcuda.so`, `libnvrtc.so`, `libcublas.so`,
-/// `libcublasLt.so`, `libnccl.so.2`, and NVRTC's builtins companion
+/// `libcublasLt.so`, `libcudnn.so.9`, `libnccl.so.2`, and NVRTC's builtins companion
 /// `libnvrtc-builtins.so.13.99`) and puts that folder first in `TANDEM_CUDA_LIBS`. Returns the
 /// folder.
 ///

@@ -1,5 +1,6 @@
 //! tandem's own products (tandem-ops' `matmul`, `linear`, and `conv2d` through im2col + cuBLAS,
-//! the emulator having no cuDNN) on the emulated device, against the same ops on the CPU. The
+//! forced with `set_cuda_conv_backend`, since the emulator's cuDNN would take it otherwise) on
+//! the emulated device, against the same ops on the CPU. The
 //! emulated cuBLAS computes with its own reference loops, so a wrong leading dimension,
 //! transpose flag, offset or batch stride in tandem's cuBLAS glue gives a different answer here.
 
@@ -122,6 +123,8 @@ fn linear_on_the_emulator_matches_the_cpu() {
 #[test]
 fn conv2d_through_im2col_on_the_emulator_matches_the_cpu() {
     common::use_emulator();
+    // Process-wide, and no other test of this binary runs a convolution.
+    tandem_ops::conv2d::set_cuda_conv_backend(tandem_ops::conv2d::CudaConvBackend::Im2col);
     let params = Conv2dParams {
         stride: (2, 1),
         padding: (1, 0),
