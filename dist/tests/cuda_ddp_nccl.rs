@@ -5,7 +5,9 @@
 //! `ddp_processes.rs` runs over TCP on the CPU): the Mlp and the Cnn after five steps,
 //! SyncBatchNorm against BatchNorm on the full batch, the bf16 and f16 compression hooks,
 //! `no_sync`, a parameter no rank uses under `find_unused_parameters`, and buckets rebuilt
-//! identically by both processes. Two last tests kill one rank (SIGKILL) or stop it (SIGSTOP)
+//! identically by both processes. One test counts, in each rank process, the host
+//! synchronisations inside backward (`device_suite/host_syncs.rs`): there must be none, NCCL's
+//! watchdog and heartbeat threads included. Two last tests kill one rank (SIGKILL) or stop it (SIGSTOP)
 //! during training: the other must fail within the NCCL group's failure timeout with an error
 //! naming it, not hang.
 //!
@@ -27,6 +29,7 @@ use std::time::{Duration, Instant};
 use common::WORKER_VAR;
 use ddp_common::{tagged_lines, Model};
 use ddp_process_cases::{announce, run_case, small_buckets, start, JOB_LIMIT};
+use device_suite::host_syncs::{self, assert_no_host_sync_in_backward, count_backward, Meeting};
 use tandem_autograd::TensorBackward;
 use tandem_core::Device;
 use tandem_dist::process_group::nccl;
@@ -110,6 +113,32 @@ fn ddp_over_nccl_processes_leaves_a_parameter_no_rank_used_bit_unchanged() {
 fn ddp_over_nccl_processes_rebuilds_buckets_identically_and_still_matches() {
     let Some(_gpu) = gpu_with_nccl() else { return };
     ddp_process_cases::rebuild(GPU);
+}
+
+/// DDP over NCCL never makes the host wait for the device inside backward (issue 21, item 4):
+/// each rank process counts its own backwards with the emulator's counters, which are per
+/// process and so see everything the process did meanwhile — this rank's backward, and the
+/// NCCL group's watchdog and heartbeat threads — and nothing of the other rank's. Each rank
+/// checks its counts ([`assert_no_host_sync_in_backward`]: no host synchronisation, collectives
+/// launched, the read after backward synchronised) and prints `host-syncs counted`; a rank
+/// that finds a host synchronisation fails with the counts. On a real GPU there are no
+/// counters: the ranks say so and the test passes.
+#[test]
+fn ddp_backward_over_nccl_processes_never_makes_the_host_wait_for_the_device() {
+    let Some(_gpu) = gpu_with_nccl() else { return };
+    let (job, started) = start(GPU, "host-syncs");
+    for (rank, output) in ddp_process_cases::outputs(job, started, GPU, "host-syncs")
+        .iter()
+        .enumerate()
+    {
+        if tandem_test_support::on_emulator() {
+            assert!(
+                output.contains(&format!("host-syncs counted on rank {rank}")),
+                "rank {rank} did not count its host synchronisations on the emulator:\n{output}"
+            );
+        }
+        println!("---- rank {rank}\n{output}");
+    }
 }
 
 /// SIGKILL one of two ranks during CUDA DDP training: the other fails within the failure
@@ -221,12 +250,40 @@ fn rank_main(mode: &str) -> Result<(), String> {
     }
     let rank = group.rank();
     match mode {
+        "host-syncs" => count_host_syncs(rank, group),
         "kill" => train_until_failure(rank, group, None),
         // Rank 1 stops in its seventh step, after its forward, with its peer in the step's
         // collectives.
         "stop" => train_until_failure(rank, group, (rank == 1).then_some(6)),
         other => Err(format!("unknown worker mode {other}")),
     }
+}
+
+/// Counts this process's host synchronisations inside DDP's backward of the Mlp and the Cnn
+/// (several buckets each) and checks them; see the test.
+fn count_host_syncs(rank: usize, group: Arc<dyn ProcessGroup>) -> Result<(), String> {
+    let world = group.world_size();
+    for model in [Model::Mlp, Model::Cnn] {
+        let what = format!("DDP {model:?} over NCCL, rank {rank} of {world} processes on {GPU}");
+        let counted = count_backward(
+            model,
+            rank,
+            group.clone(),
+            host_syncs::config(),
+            host_syncs::STEPS,
+            &Meeting::Process,
+        );
+        match counted {
+            Some(steps) => assert_no_host_sync_in_backward(&what, &steps),
+            None => {
+                println!("skipped: {what}: the host synchronisations are counted by the emulator")
+            }
+        }
+    }
+    if tandem_test_support::on_emulator() {
+        println!("host-syncs counted on rank {rank}");
+    }
+    Ok(())
 }
 
 /// DDP training of the Cnn on this rank's shards, reading the loss every step as a training

@@ -8,27 +8,12 @@ mod device_suite;
 
 use ddp_common::Model;
 use device_suite::host_syncs::{
-    assert_no_host_sync_in_backward, count_backward, Meeting, RankBarrier,
+    assert_no_host_sync_in_backward, config, count_backward, Meeting, RankBarrier, STEPS,
 };
 use device_suite::{on_ranks, Backend};
 use tandem_core::Device;
-use tandem_dist::DdpConfig;
 
 const BACKEND: Backend = Backend::DeviceThreads(Device::Cuda(0));
-
-/// Steps per run: the first backward (gradients copied into fresh bucket slots), the ones after
-/// it (accumulated in place), and the bucket rebuild in between.
-const STEPS: usize = 3;
-
-/// Small buckets (512 bytes), so that several are all-reduced while backward runs (the Mlp's
-/// six parameter tensors are 2.2 KiB in all, 0.3 to 1 KiB per layer).
-fn config() -> DdpConfig {
-    DdpConfig {
-        bucket_cap_mb: 0.0005,
-        first_bucket_mb: 0.0005,
-        ..DdpConfig::default()
-    }
-}
 
 fn check(model: Model, world: usize) {
     let barrier = RankBarrier::new(world);

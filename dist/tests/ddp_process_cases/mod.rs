@@ -78,7 +78,7 @@ pub fn announce(group: &dyn ProcessGroup) {
 
 /// Waits for `job` and returns each rank's output, failing the test (with the output) if a
 /// rank failed or did not train on `device` over its backend.
-fn outputs(job: Job, started: Instant, device: Device, case: &str) -> Vec<String> {
+pub fn outputs(job: Job, started: Instant, device: Device, case: &str) -> Vec<String> {
     let results = job.wait(JOB_LIMIT);
     println!(
         "{case} on {device}: the ranks finished {:.1} s after they started",

@@ -22,6 +22,20 @@ use tandem_test_support::emulator_counters::{self, table, Counters};
 use super::ddp::{build_on, on};
 use crate::ddp_common::{batch, sgd, shard, Model};
 
+/// Steps per measured run: the first backward (gradients copied into fresh bucket slots), the
+/// ones after it (accumulated in place), and the bucket rebuild in between.
+pub const STEPS: usize = 3;
+
+/// Small buckets (512 bytes), so that several are all-reduced while backward runs (the Mlp's
+/// six parameter tensors are 2.2 KiB in all, 0.3 to 1 KiB per layer).
+pub fn config() -> DdpConfig {
+    DdpConfig {
+        bucket_cap_mb: 0.0005,
+        first_bucket_mb: 0.0005,
+        ..DdpConfig::default()
+    }
+}
+
 /// How the ranks of a measurement meet, since the emulator's counters are per process.
 pub enum Meeting<'a> {
     /// Ranks are threads of this process sharing its counters: they meet at `barrier` just
