@@ -184,18 +184,7 @@ fn a_world_of_1_refuses_cpu_and_strided_tensors_and_keeps_working() {
 
 /// Starts the 2-rank job in worker `mode`, one GPU shared through per-rank `NCCL_HOSTID`s.
 fn two_ranks(mode: &str) -> Job {
-    Job::start_ranks(2, mode, &[0, 1], |rank| {
-        [
-            ("LOCAL_RANK", "0".to_string()),
-            ("LOCAL_WORLD_SIZE", "1".to_string()),
-            ("NCCL_HOSTID", format!("tandem-cuda-nccl-test-rank-{rank}")),
-            ("NCCL_SOCKET_IFNAME", "lo".to_string()),
-            ("NCCL_IB_DISABLE", "1".to_string()),
-        ]
-        .into_iter()
-        .map(|(k, v)| (k.to_string(), v))
-        .collect()
-    })
+    Job::start_on_one_gpu(2, mode)
 }
 
 /// The line a worker printed with its error (`worker error: …`).
