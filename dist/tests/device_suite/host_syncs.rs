@@ -14,6 +14,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use tandem_autograd::TensorBackward;
+use tandem_core::Device;
 use tandem_dist::{DdpConfig, DistributedDataParallel, ProcessGroup};
 use tandem_nn::loss::{cross_entropy, Reduction};
 use tandem_optim::Optimizer;
@@ -132,6 +133,7 @@ pub fn count_backward(
     let world = group.world_size();
     let what =
         |step: usize| format!("DDP {model:?} on {device}, rank {rank} of {world}, step {step}");
+    choose_convolution_algorithms(model, rank, world, device, &what(0));
     let ddp = DistributedDataParallel::new(build_on(model, 7, device), group, config)
         .unwrap_or_else(|e| panic!("{}: DistributedDataParallel::new: {e}", what(0)));
     let mut opt = sgd(ddp.module().parameters());
@@ -180,6 +182,33 @@ pub fn count_backward(
     }
     emulator_counters::trace_host_syncs(false);
     (reads && counted.len() == steps).then_some(counted)
+}
+
+/// Runs one forward and backward of `model` on this rank's batch shapes, outside DDP and
+/// outside the counted window, so that cuDNN's algorithms for each convolution are chosen
+/// before DDP's first step. tandem chooses them on a geometry's first call by measuring them
+/// (`cudnnFind…AlgorithmEx`, which runs and waits for the candidates on a GPU as on the
+/// emulator), once per geometry, pass and thread: a one-time cost of a process's first step that
+/// is not DDP's, and without this the Cnn's first backward counts those waits.
+fn choose_convolution_algorithms(
+    model: Model,
+    rank: usize,
+    world: usize,
+    device: Device,
+    what: &str,
+) {
+    let (x, y) = batch(model, 0);
+    let (x, y) = (
+        on(device, &shard(&x, rank, world)),
+        on(device, &shard(&y, rank, world)),
+    );
+    let m = build_on(model, 7, device);
+    let out = m
+        .forward(&x)
+        .unwrap_or_else(|e| panic!("{what}: choosing the convolutions' algorithms: {e}"));
+    cross_entropy(&out, &y, Reduction::Mean)
+        .and_then(|loss| loss.backward())
+        .unwrap_or_else(|e| panic!("{what}: choosing the convolutions' algorithms: {e}"));
 }
 
 /// No host synchronisation inside any counted backward; buckets were launched there (the
