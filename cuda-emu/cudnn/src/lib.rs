@@ -104,6 +104,7 @@ use std::sync::{Arc, OnceLock};
 
 use cudarc::cudnn::sys;
 use parking_lot::Mutex;
+use tandem_cuda_emu_link::{self as link, Library};
 
 pub mod algorithms;
 pub mod reference;
@@ -117,39 +118,50 @@ pub type Status = sys::cudnnStatus_t;
 use sys::cudnnStatus_t as S;
 
 /// The body of an entry point: `Err` holds the status to return.
-type Res = Result<(), Status>;
+type Res = link::Res<Cudnn>;
 
 /// The last message, for `cudnnGetLastErrorString`.
 static LAST: Mutex<String> = Mutex::new(String::new());
 
-/// Prints a message of the emulator on stderr.
+/// cuDNN for the shared code of the emulator's libraries.
+pub enum Cudnn {}
+
+impl Library for Cudnn {
+    type Status = Status;
+    const NAME: &'static str = "cuDNN";
+    const WORK: &'static str = "convolution";
+    const WORKER_PANIC: &'static str = "a cuDNN convolution panicked on its stream's worker";
+    const SUCCESS: Status = S::CUDNN_STATUS_SUCCESS;
+    const INTERNAL_ERROR: Status = S::CUDNN_STATUS_INTERNAL_ERROR;
+    const NOT_EMULATED: Status = S::CUDNN_STATUS_NOT_SUPPORTED;
+    const NO_DRIVER: Status = S::CUDNN_STATUS_NOT_INITIALIZED;
+    const ENQUEUE_FAILED: Status = S::CUDNN_STATUS_EXECUTION_FAILED;
+
+    /// Prints a message of the emulator on stderr, and keeps it for `cudnnGetLastErrorString`.
+    fn say(message: &str) {
+        link::say(message);
+        *LAST.lock() = message.to_string();
+    }
+
+    fn range_fault(_what: String) -> Status {
+        S::CUDNN_STATUS_BAD_PARAM
+    }
+}
+
+/// Prints a message of the emulator on stderr (and keeps it as the last one).
 fn say(message: &str) {
-    eprintln!("tandem-cuda-emu: {message}");
-    *LAST.lock() = message.to_string();
+    Cudnn::say(message)
 }
 
 /// Fails with `status` after saying why.
 fn fail<T>(status: Status, message: String) -> Result<T, Status> {
-    say(&message);
-    Err(status)
+    link::fail::<Cudnn, T>(status, message)
 }
 
 /// Runs an entry point's body; a panic becomes `CUDNN_STATUS_INTERNAL_ERROR` with a message (it
 /// must not unwind into C).
 fn entry(name: &str, body: impl FnOnce() -> Res) -> Status {
-    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(body)) {
-        Ok(Ok(())) => S::CUDNN_STATUS_SUCCESS,
-        Ok(Err(status)) => status,
-        Err(panic) => {
-            let text = panic
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_default();
-            say(&format!("{name} panicked inside the emulator: {text}"));
-            S::CUDNN_STATUS_INTERNAL_ERROR
-        }
-    }
+    link::entry::<Cudnn>(name, body)
 }
 
 /// Writes through an out-pointer, or fails with `BAD_PARAM_NULL_POINTER` when null.
@@ -165,118 +177,24 @@ unsafe fn put<T>(name: &str, what: &str, out: *mut T, value: T) -> Res {
     Ok(())
 }
 
-// ---- The emulated driver ----------------------------------------------------------------------
+// ---- The emulated driver (tandem-cuda-emu-link) -----------------------------------------------
 
-type LaunchHostFunc = unsafe extern "C" fn(
-    *mut c_void,
-    Option<unsafe extern "C" fn(*mut c_void)>,
-    *mut c_void,
-) -> u32;
-type StreamSynchronize = unsafe extern "C" fn(*mut c_void) -> u32;
-type CheckRange = unsafe extern "C" fn(u64, usize, *const c_char) -> u32;
-type CountDnn = unsafe extern "C" fn(u32);
-
-/// The driver functions the passes need, from the emulated driver already loaded.
-struct Driver {
-    launch_host_func: LaunchHostFunc,
-    stream_synchronize: StreamSynchronize,
-    check_range: CheckRange,
-    /// The driver's counter of convolutions (`tandem_cuda_emu_count_dnn`).
-    count_dnn: CountDnn,
-}
-
-fn driver() -> Result<&'static Driver, Status> {
-    static DRIVER: OnceLock<Result<Driver, String>> = OnceLock::new();
-    let found = DRIVER.get_or_init(|| {
-        // The driver was opened by tandem (by its path) before cuDNN; its SONAME `libcuda.so`
-        // makes this open-by-name find that copy, and RTLD_NOLOAD never loads another one.
-        // SAFETY: a NUL-terminated name; NOLOAD runs no initialisers.
-        let lib =
-            unsafe { libc::dlopen(c"libcuda.so".as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
-        if lib.is_null() {
-            return Err(
-                "the emulated cuDNN needs the emulated driver (libcuda.so) loaded first".into(),
-            );
-        }
-        let symbol = |name: &CStr| {
-            // SAFETY: a live handle and a NUL-terminated name.
-            let f = unsafe { libc::dlsym(lib, name.as_ptr()) };
-            if f.is_null() {
-                Err(format!(
-                    "the loaded libcuda.so lacks {}: the emulated cuDNN runs only with the \
-                     emulated driver",
-                    name.to_string_lossy()
-                ))
-            } else {
-                Ok(f)
-            }
-        };
-        let launch = symbol(c"cuLaunchHostFunc")?;
-        let sync = symbol(c"cuStreamSynchronize")?;
-        let check = symbol(c"tandem_cuda_emu_check_device_range")?;
-        let count = symbol(c"tandem_cuda_emu_count_dnn")?;
-        // SAFETY: the emulated driver exports these with these signatures (the stream handle
-        // and CUresult as pointer and u32).
-        Ok(unsafe {
-            Driver {
-                launch_host_func: std::mem::transmute::<*mut c_void, LaunchHostFunc>(launch),
-                stream_synchronize: std::mem::transmute::<*mut c_void, StreamSynchronize>(sync),
-                check_range: std::mem::transmute::<*mut c_void, CheckRange>(check),
-                count_dnn: std::mem::transmute::<*mut c_void, CountDnn>(count),
-            }
-        })
-    });
-    match found {
-        Ok(d) => Ok(d),
-        Err(message) => fail(S::CUDNN_STATUS_NOT_INITIALIZED, message.clone()),
-    }
+fn driver() -> Result<&'static link::Driver, Status> {
+    link::driver::<Cudnn>()
 }
 
 /// Checks that `len` bytes at `ptr` lie in one live device allocation; the driver reports the
 /// fault (starting with `what`) on stderr.
 fn check_range(ptr: u64, len: usize, what: impl FnOnce() -> String) -> Res {
-    if len == 0 {
-        return Ok(());
-    }
-    let d = driver()?;
-    let what = std::ffi::CString::new(what()).unwrap_or_default();
-    // SAFETY: a NUL-terminated message; the driver only reads the range's bookkeeping.
-    match unsafe { (d.check_range)(ptr, len, what.as_ptr()) } {
-        0 => Ok(()),
-        _ => Err(S::CUDNN_STATUS_BAD_PARAM),
-    }
+    link::check_range::<Cudnn>(ptr, len, what)
 }
 
 /// Work for a stream's worker.
-type Job = Box<dyn FnOnce() + Send>;
-
-unsafe extern "C" fn run_job(data: *mut c_void) {
-    // SAFETY: `data` is the `Box<Job>` `enqueue` leaked for this call, run exactly once.
-    let job = unsafe { Box::from_raw(data.cast::<Job>()) };
-    if std::panic::catch_unwind(std::panic::AssertUnwindSafe(job)).is_err() {
-        say("a cuDNN convolution panicked on its stream's worker");
-    }
-}
+type Job = link::Job;
 
 /// Enqueues `job` on `stream` (the handle's) in stream order.
 fn enqueue(name: &str, stream: usize, job: Job) -> Res {
-    let d = driver()?;
-    let data = Box::into_raw(Box::new(job));
-    // SAFETY: the driver runs `run_job(data)` once on the stream's worker, or returns an error
-    // without running it.
-    let code = unsafe { (d.launch_host_func)(stream as *mut c_void, Some(run_job), data.cast()) };
-    if code != 0 {
-        // SAFETY: not run, so still ours.
-        drop(unsafe { Box::from_raw(data) });
-        return fail(
-            S::CUDNN_STATUS_EXECUTION_FAILED,
-            format!(
-                "{name}: the driver refused to enqueue the convolution on stream {stream:#x} \
-                 (CUresult {code})"
-            ),
-        );
-    }
-    Ok(())
+    link::enqueue::<Cudnn>(name, stream, job)
 }
 
 // ---- Handles and descriptors ------------------------------------------------------------------
@@ -1634,8 +1552,7 @@ unsafe fn scalar(name: &str, what: &str, p: *const c_void, double: bool) -> Resu
 
 /// Counts a convolution in the driver's counters.
 fn count(pass: Pass) -> Res {
-    // SAFETY: the driver's counter takes any kind.
-    unsafe { (driver()?.count_dnn)(pass as u32) };
+    driver()?.count_dnn(pass as u32);
     Ok(())
 }
 
@@ -1882,9 +1799,7 @@ unsafe fn find(
             *done.lock() = Some(start.elapsed().as_secs_f64() * 1e3);
         }),
     )?;
-    let d = driver()?;
-    // SAFETY: the handle's stream, live (the caller's contract).
-    let code = unsafe { (d.stream_synchronize)(stream as *mut c_void) };
+    let code = driver()?.synchronize(stream);
     if code != 0 {
         return fail(
             S::CUDNN_STATUS_EXECUTION_FAILED,

@@ -20,25 +20,10 @@
 //!
 //! `tests/symbols.rs` checks that the library exports every name cudarc may load.
 
-use crate::Status;
+use crate::{Cudnn, Status};
 
-fn not_emulated(name: &str) -> Status {
-    crate::say(&format!("{name} is not emulated"));
-    Status::CUDNN_STATUS_NOT_SUPPORTED
-}
-
-macro_rules! not_emulated {
-    ($($name:ident),* $(,)?) => {
-        $(
-            #[no_mangle]
-            pub extern "C" fn $name() -> Status {
-                not_emulated(stringify!($name))
-            }
-        )*
-    };
-}
-
-not_emulated!(
+tandem_cuda_emu_link::stubs!(
+    Status = tandem_cuda_emu_link::not_emulated::<Cudnn>;
     cudnnActivationBackward,
     cudnnActivationForward,
     cudnnAddTensor,
