@@ -1848,416 +1848,150 @@ fn max_count(name: &str, handle: *mut c_void, count: *mut c_int, pass: Pass) -> 
 
 // ---- Convolutions: entry points ---------------------------------------------------------------
 
-#[no_mangle]
-pub unsafe extern "C" fn cudnnGetConvolutionForwardAlgorithmMaxCount(
-    h: *mut c_void,
-    count: *mut c_int,
-) -> Status {
-    let name = "cudnnGetConvolutionForwardAlgorithmMaxCount";
-    entry(name, || max_count(name, h, count, Pass::Forward))
+/// `[x, w, y]` from a pass's two inputs and its output, in the order its entry points take them:
+/// forward `x, w -> y`, backward data `w, dy -> dx`, backward filter `x, dy -> dw`.
+fn arrange<T>(pass: Pass, [a, b]: [T; 2], output: T) -> [T; 3] {
+    match pass {
+        Pass::Forward => [a, b, output],
+        Pass::BackwardData => [output, a, b],
+        Pass::BackwardFilter => [a, output, b],
+    }
 }
 
-#[no_mangle]
-pub unsafe extern "C" fn cudnnGetConvolutionBackwardDataAlgorithmMaxCount(
-    h: *mut c_void,
-    count: *mut c_int,
-) -> Status {
-    let name = "cudnnGetConvolutionBackwardDataAlgorithmMaxCount";
-    entry(name, || max_count(name, h, count, Pass::BackwardData))
+impl Descs {
+    /// A pass's descriptors as its entry points take them (see [`arrange`]).
+    fn of(pass: Pass, inputs: [*mut c_void; 2], conv: *mut c_void, output: *mut c_void) -> Self {
+        let [x, w, y] = arrange(pass, inputs, output);
+        Descs { x, w, conv, y }
+    }
 }
 
-#[no_mangle]
-pub unsafe extern "C" fn cudnnGetConvolutionBackwardFilterAlgorithmMaxCount(
-    h: *mut c_void,
-    count: *mut c_int,
-) -> Status {
-    let name = "cudnnGetConvolutionBackwardFilterAlgorithmMaxCount";
-    entry(name, || max_count(name, h, count, Pass::BackwardFilter))
-}
+/// The five entry points of each pass, whose C signatures differ between passes only in which
+/// tensors are the inputs and which the output ([`arrange`]): the algorithms' count,
+/// `Get…Algorithm_v7` (the heuristic), `Find…AlgorithmEx` (timed), the workspace size, and the
+/// convolution itself.
+macro_rules! pass_entry_points {
+    ($($pass:expr => $max_count:ident, $v7:ident, $find:ident, $workspace_size:ident, $run:ident;)*) => {$(
+        #[no_mangle]
+        pub unsafe extern "C" fn $max_count(h: *mut c_void, count: *mut c_int) -> Status {
+            let name = stringify!($max_count);
+            entry(name, || max_count(name, h, count, $pass))
+        }
 
-#[no_mangle]
-pub unsafe extern "C" fn cudnnGetConvolutionForwardAlgorithm_v7(
-    h: *mut c_void,
-    x: *mut c_void,
-    w: *mut c_void,
-    c: *mut c_void,
-    y: *mut c_void,
-    requested: c_int,
-    returned: *mut c_int,
-    results: *mut Perf,
-) -> Status {
-    let name = "cudnnGetConvolutionForwardAlgorithm_v7";
-    let descs = Descs { x, w, conv: c, y };
-    // SAFETY: the caller's arguments (cuDNN's contract).
-    entry(name, || unsafe {
-        heuristic(name, Pass::Forward, h, descs, requested, returned, results)
-    })
-}
+        #[no_mangle]
+        pub unsafe extern "C" fn $v7(
+            h: *mut c_void,
+            a: *mut c_void,
+            b: *mut c_void,
+            c: *mut c_void,
+            output: *mut c_void,
+            requested: c_int,
+            returned: *mut c_int,
+            results: *mut Perf,
+        ) -> Status {
+            let name = stringify!($v7);
+            let descs = Descs::of($pass, [a, b], c, output);
+            // SAFETY: the caller's arguments (cuDNN's contract).
+            entry(name, || unsafe {
+                heuristic(name, $pass, h, descs, requested, returned, results)
+            })
+        }
 
-#[no_mangle]
-pub unsafe extern "C" fn cudnnGetConvolutionBackwardDataAlgorithm_v7(
-    h: *mut c_void,
-    w: *mut c_void,
-    dy: *mut c_void,
-    c: *mut c_void,
-    dx: *mut c_void,
-    requested: c_int,
-    returned: *mut c_int,
-    results: *mut Perf,
-) -> Status {
-    let name = "cudnnGetConvolutionBackwardDataAlgorithm_v7";
-    let descs = Descs {
-        x: dx,
-        w,
-        conv: c,
-        y: dy,
-    };
-    // SAFETY: as above.
-    entry(name, || unsafe {
-        heuristic(
-            name,
-            Pass::BackwardData,
-            h,
-            descs,
-            requested,
-            returned,
-            results,
-        )
-    })
-}
+        #[no_mangle]
+        pub unsafe extern "C" fn $find(
+            h: *mut c_void,
+            a_desc: *mut c_void,
+            a: *const c_void,
+            b_desc: *mut c_void,
+            b: *const c_void,
+            c: *mut c_void,
+            output_desc: *mut c_void,
+            output: *mut c_void,
+            requested: c_int,
+            returned: *mut c_int,
+            results: *mut Perf,
+            workspace: *mut c_void,
+            workspace_bytes: usize,
+        ) -> Status {
+            let name = stringify!($find);
+            let descs = Descs::of($pass, [a_desc, b_desc], c, output_desc);
+            let ptrs = arrange($pass, [a as u64, b as u64], output as u64);
+            // SAFETY: the caller's arguments (cuDNN's contract).
+            entry(name, || unsafe {
+                find(
+                    name,
+                    $pass,
+                    h,
+                    descs,
+                    ptrs,
+                    requested,
+                    returned,
+                    results,
+                    workspace as u64,
+                    workspace_bytes,
+                )
+            })
+        }
 
-#[no_mangle]
-pub unsafe extern "C" fn cudnnGetConvolutionBackwardFilterAlgorithm_v7(
-    h: *mut c_void,
-    x: *mut c_void,
-    dy: *mut c_void,
-    c: *mut c_void,
-    dw: *mut c_void,
-    requested: c_int,
-    returned: *mut c_int,
-    results: *mut Perf,
-) -> Status {
-    let name = "cudnnGetConvolutionBackwardFilterAlgorithm_v7";
-    let descs = Descs {
-        x,
-        w: dw,
-        conv: c,
-        y: dy,
-    };
-    // SAFETY: as above.
-    entry(name, || unsafe {
-        heuristic(
-            name,
-            Pass::BackwardFilter,
-            h,
-            descs,
-            requested,
-            returned,
-            results,
-        )
-    })
-}
+        #[no_mangle]
+        pub unsafe extern "C" fn $workspace_size(
+            h: *mut c_void,
+            a: *mut c_void,
+            b: *mut c_void,
+            c: *mut c_void,
+            output: *mut c_void,
+            algo: u32,
+            size: *mut usize,
+        ) -> Status {
+            let name = stringify!($workspace_size);
+            let descs = Descs::of($pass, [a, b], c, output);
+            // SAFETY: the caller's arguments (cuDNN's contract).
+            entry(name, || unsafe {
+                workspace_size(name, $pass, h, descs, algo, size)
+            })
+        }
 
-#[no_mangle]
-pub unsafe extern "C" fn cudnnFindConvolutionForwardAlgorithmEx(
-    h: *mut c_void,
-    x_desc: *mut c_void,
-    x: *const c_void,
-    w_desc: *mut c_void,
-    w: *const c_void,
-    c: *mut c_void,
-    y_desc: *mut c_void,
-    y: *mut c_void,
-    requested: c_int,
-    returned: *mut c_int,
-    results: *mut Perf,
-    workspace: *mut c_void,
-    workspace_bytes: usize,
-) -> Status {
-    let name = "cudnnFindConvolutionForwardAlgorithmEx";
-    let descs = Descs {
-        x: x_desc,
-        w: w_desc,
-        conv: c,
-        y: y_desc,
-    };
-    // SAFETY: as above.
-    entry(name, || unsafe {
-        find(
-            name,
-            Pass::Forward,
-            h,
-            descs,
-            [x as u64, w as u64, y as u64],
-            requested,
-            returned,
-            results,
-            workspace as u64,
-            workspace_bytes,
-        )
-    })
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cudnnFindConvolutionBackwardDataAlgorithmEx(
-    h: *mut c_void,
-    w_desc: *mut c_void,
-    w: *const c_void,
-    dy_desc: *mut c_void,
-    dy: *const c_void,
-    c: *mut c_void,
-    dx_desc: *mut c_void,
-    dx: *mut c_void,
-    requested: c_int,
-    returned: *mut c_int,
-    results: *mut Perf,
-    workspace: *mut c_void,
-    workspace_bytes: usize,
-) -> Status {
-    let name = "cudnnFindConvolutionBackwardDataAlgorithmEx";
-    let descs = Descs {
-        x: dx_desc,
-        w: w_desc,
-        conv: c,
-        y: dy_desc,
-    };
-    // SAFETY: as above.
-    entry(name, || unsafe {
-        find(
-            name,
-            Pass::BackwardData,
-            h,
-            descs,
-            [dx as u64, w as u64, dy as u64],
-            requested,
-            returned,
-            results,
-            workspace as u64,
-            workspace_bytes,
-        )
-    })
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cudnnFindConvolutionBackwardFilterAlgorithmEx(
-    h: *mut c_void,
-    x_desc: *mut c_void,
-    x: *const c_void,
-    dy_desc: *mut c_void,
-    dy: *const c_void,
-    c: *mut c_void,
-    dw_desc: *mut c_void,
-    dw: *mut c_void,
-    requested: c_int,
-    returned: *mut c_int,
-    results: *mut Perf,
-    workspace: *mut c_void,
-    workspace_bytes: usize,
-) -> Status {
-    let name = "cudnnFindConvolutionBackwardFilterAlgorithmEx";
-    let descs = Descs {
-        x: x_desc,
-        w: dw_desc,
-        conv: c,
-        y: dy_desc,
-    };
-    // SAFETY: as above.
-    entry(name, || unsafe {
-        find(
-            name,
-            Pass::BackwardFilter,
-            h,
-            descs,
-            [x as u64, dw as u64, dy as u64],
-            requested,
-            returned,
-            results,
-            workspace as u64,
-            workspace_bytes,
-        )
-    })
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cudnnGetConvolutionForwardWorkspaceSize(
-    h: *mut c_void,
-    x: *mut c_void,
-    w: *mut c_void,
-    c: *mut c_void,
-    y: *mut c_void,
-    algo: u32,
-    size: *mut usize,
-) -> Status {
-    let name = "cudnnGetConvolutionForwardWorkspaceSize";
-    let descs = Descs { x, w, conv: c, y };
-    // SAFETY: as above.
-    entry(name, || unsafe {
-        workspace_size(name, Pass::Forward, h, descs, algo, size)
-    })
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cudnnGetConvolutionBackwardDataWorkspaceSize(
-    h: *mut c_void,
-    w: *mut c_void,
-    dy: *mut c_void,
-    c: *mut c_void,
-    dx: *mut c_void,
-    algo: u32,
-    size: *mut usize,
-) -> Status {
-    let name = "cudnnGetConvolutionBackwardDataWorkspaceSize";
-    let descs = Descs {
-        x: dx,
-        w,
-        conv: c,
-        y: dy,
-    };
-    // SAFETY: as above.
-    entry(name, || unsafe {
-        workspace_size(name, Pass::BackwardData, h, descs, algo, size)
-    })
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cudnnGetConvolutionBackwardFilterWorkspaceSize(
-    h: *mut c_void,
-    x: *mut c_void,
-    dy: *mut c_void,
-    c: *mut c_void,
-    dw: *mut c_void,
-    algo: u32,
-    size: *mut usize,
-) -> Status {
-    let name = "cudnnGetConvolutionBackwardFilterWorkspaceSize";
-    let descs = Descs {
-        x,
-        w: dw,
-        conv: c,
-        y: dy,
-    };
-    // SAFETY: as above.
-    entry(name, || unsafe {
-        workspace_size(name, Pass::BackwardFilter, h, descs, algo, size)
-    })
-}
-
-#[no_mangle]
-pub extern "C" fn cudnnConvolutionForward(
-    h: *mut c_void,
-    alpha: *const c_void,
-    x_desc: *mut c_void,
-    x: *const c_void,
-    w_desc: *mut c_void,
-    w: *const c_void,
-    c: *mut c_void,
-    algo: u32,
-    workspace: *mut c_void,
-    workspace_bytes: usize,
-    beta: *const c_void,
-    y_desc: *mut c_void,
-    y: *mut c_void,
-) -> Status {
-    let name = "cudnnConvolutionForward";
-    entry(name, || {
-        run(
-            name,
-            Pass::Forward,
-            Run {
+        #[no_mangle]
+        pub extern "C" fn $run(
+            h: *mut c_void,
+            alpha: *const c_void,
+            a_desc: *mut c_void,
+            a: *const c_void,
+            b_desc: *mut c_void,
+            b: *const c_void,
+            c: *mut c_void,
+            algo: u32,
+            workspace: *mut c_void,
+            workspace_bytes: usize,
+            beta: *const c_void,
+            output_desc: *mut c_void,
+            output: *mut c_void,
+        ) -> Status {
+            let name = stringify!($run);
+            let r = Run {
                 handle: h,
-                descs: Descs {
-                    x: x_desc,
-                    w: w_desc,
-                    conv: c,
-                    y: y_desc,
-                },
-                ptrs: [x as u64, w as u64, y as u64],
+                descs: Descs::of($pass, [a_desc, b_desc], c, output_desc),
+                ptrs: arrange($pass, [a as u64, b as u64], output as u64),
                 algo,
                 workspace: workspace as u64,
                 workspace_bytes,
                 alpha,
                 beta,
-            },
-        )
-    })
+            };
+            entry(name, || run(name, $pass, r))
+        }
+    )*};
 }
 
-#[no_mangle]
-pub extern "C" fn cudnnConvolutionBackwardData(
-    h: *mut c_void,
-    alpha: *const c_void,
-    w_desc: *mut c_void,
-    w: *const c_void,
-    dy_desc: *mut c_void,
-    dy: *const c_void,
-    c: *mut c_void,
-    algo: u32,
-    workspace: *mut c_void,
-    workspace_bytes: usize,
-    beta: *const c_void,
-    dx_desc: *mut c_void,
-    dx: *mut c_void,
-) -> Status {
-    let name = "cudnnConvolutionBackwardData";
-    entry(name, || {
-        run(
-            name,
-            Pass::BackwardData,
-            Run {
-                handle: h,
-                descs: Descs {
-                    x: dx_desc,
-                    w: w_desc,
-                    conv: c,
-                    y: dy_desc,
-                },
-                ptrs: [dx as u64, w as u64, dy as u64],
-                algo,
-                workspace: workspace as u64,
-                workspace_bytes,
-                alpha,
-                beta,
-            },
-        )
-    })
-}
-
-#[no_mangle]
-pub extern "C" fn cudnnConvolutionBackwardFilter(
-    h: *mut c_void,
-    alpha: *const c_void,
-    x_desc: *mut c_void,
-    x: *const c_void,
-    dy_desc: *mut c_void,
-    dy: *const c_void,
-    c: *mut c_void,
-    algo: u32,
-    workspace: *mut c_void,
-    workspace_bytes: usize,
-    beta: *const c_void,
-    dw_desc: *mut c_void,
-    dw: *mut c_void,
-) -> Status {
-    let name = "cudnnConvolutionBackwardFilter";
-    entry(name, || {
-        run(
-            name,
-            Pass::BackwardFilter,
-            Run {
-                handle: h,
-                descs: Descs {
-                    x: x_desc,
-                    w: dw_desc,
-                    conv: c,
-                    y: dy_desc,
-                },
-                ptrs: [x as u64, dw as u64, dy as u64],
-                algo,
-                workspace: workspace as u64,
-                workspace_bytes,
-                alpha,
-                beta,
-            },
-        )
-    })
+pass_entry_points! {
+    Pass::Forward => cudnnGetConvolutionForwardAlgorithmMaxCount,
+        cudnnGetConvolutionForwardAlgorithm_v7, cudnnFindConvolutionForwardAlgorithmEx,
+        cudnnGetConvolutionForwardWorkspaceSize, cudnnConvolutionForward;
+    Pass::BackwardData => cudnnGetConvolutionBackwardDataAlgorithmMaxCount,
+        cudnnGetConvolutionBackwardDataAlgorithm_v7, cudnnFindConvolutionBackwardDataAlgorithmEx,
+        cudnnGetConvolutionBackwardDataWorkspaceSize, cudnnConvolutionBackwardData;
+    Pass::BackwardFilter => cudnnGetConvolutionBackwardFilterAlgorithmMaxCount,
+        cudnnGetConvolutionBackwardFilterAlgorithm_v7,
+        cudnnFindConvolutionBackwardFilterAlgorithmEx,
+        cudnnGetConvolutionBackwardFilterWorkspaceSize, cudnnConvolutionBackwardFilter;
 }

@@ -13,8 +13,9 @@
 //! ```sh
 //! grep -oE 'load::<_F>\("[A-Za-z0-9_]+"\)' $CUDARC/src/cudnn/sys/mod.rs \
 //!     | sed -E 's/.*\("(.*)"\)/\1/' | sort -u > all.txt
-//! grep -ohE 'extern "C" fn cudnn[A-Za-z0-9_]+' cuda-emu/cudnn/src/lib.rs | sed 's/.* fn //' \
-//!     | sort -u > done.txt
+//! { grep -ohE 'extern "C" fn cudnn[A-Za-z0-9_]+' cuda-emu/cudnn/src/lib.rs | sed 's/.* fn //'
+//!   sed -n '/^pass_entry_points! {/,/^}/p' cuda-emu/cudnn/src/lib.rs | grep -oE 'cudnn[A-Za-z0-9_]+'
+//! } | sort -u > done.txt
 //! comm -23 all.txt done.txt
 //! ```
 //!
