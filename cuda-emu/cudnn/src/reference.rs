@@ -149,52 +149,28 @@ pub trait Data: Copy {
     fn store(a: Self::A) -> Self;
 }
 
-impl Data for f32 {
-    type A = f32;
-    #[inline(always)]
-    fn load(self) -> f32 {
-        self
-    }
-    #[inline(always)]
-    fn store(a: f32) -> Self {
-        a
-    }
+/// [`Data`] for each type: its accumulation type and the conversions to and from it.
+macro_rules! data {
+    ($($t:ty => $acc:ty, $load:expr, $store:expr;)*) => {$(
+        impl Data for $t {
+            type A = $acc;
+            #[inline(always)]
+            fn load(self) -> $acc {
+                $load(self)
+            }
+            #[inline(always)]
+            fn store(a: $acc) -> Self {
+                $store(a)
+            }
+        }
+    )*};
 }
 
-impl Data for f64 {
-    type A = f64;
-    #[inline(always)]
-    fn load(self) -> f64 {
-        self
-    }
-    #[inline(always)]
-    fn store(a: f64) -> Self {
-        a
-    }
-}
-
-impl Data for f16 {
-    type A = f32;
-    #[inline(always)]
-    fn load(self) -> f32 {
-        self.to_f32()
-    }
-    #[inline(always)]
-    fn store(a: f32) -> Self {
-        f16::from_f32(a)
-    }
-}
-
-impl Data for bf16 {
-    type A = f32;
-    #[inline(always)]
-    fn load(self) -> f32 {
-        self.to_f32()
-    }
-    #[inline(always)]
-    fn store(a: f32) -> Self {
-        bf16::from_f32(a)
-    }
+data! {
+    f32 => f32, |v| v, |a| a;
+    f64 => f64, |v| v, |a| a;
+    f16 => f32, f16::to_f32, f16::from_f32;
+    bf16 => f32, bf16::to_f32, bf16::from_f32;
 }
 
 /// The output positions `o` (of `outputs`) whose tap at filter offset `tap` (already dilated)
