@@ -298,3 +298,73 @@ pub fn enqueue<L: Library>(name: &str, stream: usize, job: Job) -> Res<L> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A library whose messages are kept, to check what the shared code reports.
+    enum Lib {}
+
+    thread_local! {
+        static SAID: std::cell::RefCell<Vec<String>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+
+    impl Library for Lib {
+        type Status = u32;
+        const NAME: &'static str = "Lib";
+        const WORK: &'static str = "job";
+        const WORKER_PANIC: &'static str = "a Lib job panicked on its stream's worker";
+        const SUCCESS: u32 = 0;
+        const INTERNAL_ERROR: u32 = 1;
+        const NOT_EMULATED: u32 = 2;
+        const NO_DRIVER: u32 = 3;
+        const ENQUEUE_FAILED: u32 = 4;
+
+        fn say(message: &str) {
+            SAID.with(|s| s.borrow_mut().push(message.to_string()));
+        }
+
+        fn range_fault(_what: String) -> u32 {
+            5
+        }
+    }
+
+    fn said() -> Vec<String> {
+        SAID.with(|s| std::mem::take(&mut *s.borrow_mut()))
+    }
+
+    #[test]
+    fn entry_returns_the_body_s_status_and_turns_a_panic_into_the_internal_error() {
+        assert_eq!(entry::<Lib>("ok", || Ok(())), 0);
+        assert_eq!(entry::<Lib>("refused", || Err(7)), 7);
+        assert!(said().is_empty());
+        assert_eq!(entry::<Lib>("libBoom", || panic!("at {}", 3)), 1);
+        assert_eq!(said(), ["libBoom panicked inside the emulator: at 3"]);
+    }
+
+    #[test]
+    fn put_writes_or_fails_on_a_null_pointer_and_stubs_say_their_name() {
+        let mut v = 0u64;
+        // SAFETY: a live local, then a null pointer (never written).
+        unsafe {
+            assert_eq!(put(&mut v, 9, || 6), Ok(()));
+            assert_eq!(put(std::ptr::null_mut::<u64>(), 9, || 6), Err(6));
+        }
+        assert_eq!(v, 9);
+        assert_eq!(not_emulated::<Lib>("libThing"), 2);
+        assert_eq!(said(), ["libThing is not emulated"]);
+    }
+
+    #[test]
+    fn without_the_emulated_driver_the_library_says_it_needs_it() {
+        // No libcuda.so is loaded in this test binary.
+        assert_eq!(driver::<Lib>().err(), Some(3));
+        assert_eq!(
+            said(),
+            ["the emulated Lib needs the emulated driver (libcuda.so) loaded first"]
+        );
+        assert_eq!(enqueue::<Lib>("libRun", 0, Box::new(|| ())), Err(3));
+        assert_eq!(check_range::<Lib>(0x1000, 0, String::new), Ok(()), "empty");
+    }
+}
