@@ -143,9 +143,7 @@ static STICKY: Mutex<Option<(CUresult, String)>> = Mutex::new(None);
 static LAST_FAULT: Mutex<String> = Mutex::new(String::new());
 
 /// Prints a message of the emulator on stderr.
-pub(crate) fn say(message: &str) {
-    eprintln!("tandem-cuda-emu: {message}");
-}
+pub(crate) use tandem_cuda_emu_link::say;
 
 /// Reports a fault loudly and remembers it; a sticky one fails every later synchronisation.
 pub(crate) fn fault(code: CUresult, message: String, sticky: bool) {
@@ -183,11 +181,7 @@ pub(crate) fn entry(name: &str, body: impl FnOnce() -> Res) -> CUresult {
         Ok(Ok(())) => E::CUDA_SUCCESS,
         Ok(Err(code)) => code,
         Err(panic) => {
-            let text = panic
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_default();
+            let text = tandem_cuda_emu_link::panic_text(&*panic);
             say(&format!("{name} panicked inside the emulator: {text}"));
             E::CUDA_ERROR_UNKNOWN
         }

@@ -24,18 +24,8 @@ fn not_emulated(name: &str) -> CUresult {
     CUresult::CUDA_ERROR_NOT_SUPPORTED
 }
 
-macro_rules! not_emulated {
-    ($($name:ident),* $(,)?) => {
-        $(
-            #[no_mangle]
-            pub extern "C" fn $name() -> CUresult {
-                not_emulated(stringify!($name))
-            }
-        )*
-    };
-}
-
-not_emulated!(
+tandem_cuda_emu_link::stubs!(
+    CUresult = not_emulated;
     cuArray3DCreate_v2,
     cuArray3DGetDescriptor_v2,
     cuArrayCreate_v2,

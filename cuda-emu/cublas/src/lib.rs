@@ -66,6 +66,7 @@ use std::sync::OnceLock;
 
 use cudarc::cublas::sys;
 use parking_lot::Mutex;
+use tandem_cuda_emu_link::{self as link, Library};
 
 pub mod reference;
 pub mod stubs;
@@ -77,159 +78,70 @@ pub type Status = sys::cublasStatus_t;
 use sys::cublasStatus_t as S;
 
 /// The body of an entry point: `Err` holds the status to return.
-type Res = Result<(), Status>;
+type Res = link::Res<Cublas>;
 
-/// Prints a message of the emulator on stderr.
-fn say(message: &str) {
-    eprintln!("tandem-cuda-emu: {message}");
+/// cuBLAS for the shared code of the emulator's libraries.
+pub enum Cublas {}
+
+impl Library for Cublas {
+    type Status = Status;
+    const NAME: &'static str = "cuBLAS";
+    const WORK: &'static str = "product";
+    const WORKER_PANIC: &'static str = "a cuBLAS product panicked on its stream's worker";
+    const SUCCESS: Status = S::CUBLAS_STATUS_SUCCESS;
+    const INTERNAL_ERROR: Status = S::CUBLAS_STATUS_INTERNAL_ERROR;
+    const NOT_EMULATED: Status = S::CUBLAS_STATUS_NOT_SUPPORTED;
+    const NO_DRIVER: Status = S::CUBLAS_STATUS_NOT_INITIALIZED;
+    const ENQUEUE_FAILED: Status = S::CUBLAS_STATUS_EXECUTION_FAILED;
+
+    fn range_fault(_what: String) -> Status {
+        S::CUBLAS_STATUS_INVALID_VALUE
+    }
 }
+
+use link::say;
 
 /// Fails with `status` after saying why.
 fn fail<T>(status: Status, message: String) -> Result<T, Status> {
-    say(&message);
-    Err(status)
+    link::fail::<Cublas, T>(status, message)
 }
 
 /// Runs an entry point's body; a panic becomes `CUBLAS_STATUS_INTERNAL_ERROR` with a message
 /// (it must not unwind into C).
 fn entry(name: &str, body: impl FnOnce() -> Res) -> Status {
-    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(body)) {
-        Ok(Ok(())) => S::CUBLAS_STATUS_SUCCESS,
-        Ok(Err(status)) => status,
-        Err(panic) => {
-            let text = panic
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_default();
-            say(&format!("{name} panicked inside the emulator: {text}"));
-            S::CUBLAS_STATUS_INTERNAL_ERROR
-        }
-    }
+    link::entry::<Cublas>(name, body)
 }
 
 /// Writes through an out-pointer, or fails with `CUBLAS_STATUS_INVALID_VALUE` when null.
 unsafe fn put<T>(out: *mut T, value: T) -> Res {
-    if out.is_null() {
-        return Err(S::CUBLAS_STATUS_INVALID_VALUE);
-    }
-    // SAFETY: non-null; cuBLAS's contract for out-parameters.
-    unsafe { out.write(value) };
-    Ok(())
+    // SAFETY: forwarded (cuBLAS's contract for out-parameters).
+    unsafe { link::put(out, value, || S::CUBLAS_STATUS_INVALID_VALUE) }
 }
 
-// ---- The emulated driver ----------------------------------------------------------------------
+// ---- The emulated driver (tandem-cuda-emu-link) -----------------------------------------------
 
-type LaunchHostFunc = unsafe extern "C" fn(
-    *mut c_void,
-    Option<unsafe extern "C" fn(*mut c_void)>,
-    *mut c_void,
-) -> u32;
-type CheckRange = unsafe extern "C" fn(u64, usize, *const c_char) -> u32;
-type CountBlas = unsafe extern "C" fn(u32);
-
-/// The driver functions the products need, from the emulated driver already loaded.
-struct Driver {
-    launch_host_func: LaunchHostFunc,
-    check_range: CheckRange,
-    /// The driver's counters of products (`tandem_cuda_emu_count_blas`: 0 a GEMM, 1 a GEMV).
-    count_blas: CountBlas,
-}
-
-fn driver() -> Result<&'static Driver, Status> {
-    static DRIVER: OnceLock<Result<Driver, String>> = OnceLock::new();
-    let found = DRIVER.get_or_init(|| {
-        // The driver was opened by tandem (by its path) before cuBLAS; its SONAME `libcuda.so`
-        // makes this open-by-name find that copy, and RTLD_NOLOAD never loads another one.
-        // SAFETY: a NUL-terminated name; NOLOAD runs no initialisers.
-        let lib =
-            unsafe { libc::dlopen(c"libcuda.so".as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
-        if lib.is_null() {
-            return Err(
-                "the emulated cuBLAS needs the emulated driver (libcuda.so) loaded first".into(),
-            );
-        }
-        let symbol = |name: &CStr| {
-            // SAFETY: a live handle and a NUL-terminated name.
-            let f = unsafe { libc::dlsym(lib, name.as_ptr()) };
-            if f.is_null() {
-                Err(format!(
-                    "the loaded libcuda.so lacks {}: the emulated cuBLAS runs only with the \
-                     emulated driver",
-                    name.to_string_lossy()
-                ))
-            } else {
-                Ok(f)
-            }
-        };
-        let launch = symbol(c"cuLaunchHostFunc")?;
-        let check = symbol(c"tandem_cuda_emu_check_device_range")?;
-        let count = symbol(c"tandem_cuda_emu_count_blas")?;
-        // SAFETY: the emulated driver exports these with these signatures (the stream handle
-        // and CUresult as pointer and u32).
-        Ok(unsafe {
-            Driver {
-                launch_host_func: std::mem::transmute::<*mut c_void, LaunchHostFunc>(launch),
-                check_range: std::mem::transmute::<*mut c_void, CheckRange>(check),
-                count_blas: std::mem::transmute::<*mut c_void, CountBlas>(count),
-            }
-        })
-    });
-    match found {
-        Ok(d) => Ok(d),
-        Err(message) => fail(S::CUBLAS_STATUS_NOT_INITIALIZED, message.clone()),
-    }
+fn driver() -> Result<&'static link::Driver, Status> {
+    link::driver::<Cublas>()
 }
 
 /// Checks that `len` bytes at `ptr` lie in one live device allocation; the driver reports the
 /// fault (starting with `what`) on stderr.
 fn check_range(ptr: u64, len: usize, what: impl FnOnce() -> String) -> Res {
-    if len == 0 {
-        return Ok(());
-    }
-    let d = driver()?;
-    let what = std::ffi::CString::new(what()).unwrap_or_default();
-    // SAFETY: a NUL-terminated message; the driver only reads the range's bookkeeping.
-    match unsafe { (d.check_range)(ptr, len, what.as_ptr()) } {
-        0 => Ok(()),
-        _ => Err(S::CUBLAS_STATUS_INVALID_VALUE),
-    }
+    link::check_range::<Cublas>(ptr, len, what)
 }
 
 /// Counts a product in the driver's counters (`kind` 0: a GEMM, 1: a GEMV).
 fn count_product(kind: u32) -> Res {
-    // SAFETY: the driver's counter takes any kind.
-    unsafe { (driver()?.count_blas)(kind) };
+    driver()?.count_blas(kind);
     Ok(())
 }
 
 /// Work for a stream's worker.
-type Job = Box<dyn FnOnce() + Send>;
-
-unsafe extern "C" fn run_job(data: *mut c_void) {
-    // SAFETY: `data` is the `Box<Job>` `enqueue` leaked for this call, run exactly once.
-    let job = unsafe { Box::from_raw(data.cast::<Job>()) };
-    if std::panic::catch_unwind(std::panic::AssertUnwindSafe(job)).is_err() {
-        say("a cuBLAS product panicked on its stream's worker");
-    }
-}
+type Job = link::Job;
 
 /// Enqueues `job` on `stream` (the handle's) in stream order.
 fn enqueue(name: &str, stream: usize, job: Job) -> Res {
-    let d = driver()?;
-    let data = Box::into_raw(Box::new(job));
-    // SAFETY: the driver runs `run_job(data)` once on the stream's worker, or returns an error
-    // without running it.
-    let code = unsafe { (d.launch_host_func)(stream as *mut c_void, Some(run_job), data.cast()) };
-    if code != 0 {
-        // SAFETY: not run, so still ours.
-        drop(unsafe { Box::from_raw(data) });
-        return fail(
-            S::CUBLAS_STATUS_EXECUTION_FAILED,
-            format!("{name}: the driver refused to enqueue the product on stream {stream:#x} (CUresult {code})"),
-        );
-    }
-    Ok(())
+    link::enqueue::<Cublas>(name, stream, job)
 }
 
 // ---- Handles ----------------------------------------------------------------------------------

@@ -19,25 +19,10 @@
 //!
 //! `tests/symbols.rs` checks that the library exports every name cudarc may load.
 
-use crate::Status;
+use crate::{Cublas, Status};
 
-fn not_emulated(name: &str) -> Status {
-    crate::say(&format!("{name} is not emulated"));
-    Status::CUBLAS_STATUS_NOT_SUPPORTED
-}
-
-macro_rules! not_emulated {
-    ($($name:ident),* $(,)?) => {
-        $(
-            #[no_mangle]
-            pub extern "C" fn $name() -> Status {
-                not_emulated(stringify!($name))
-            }
-        )*
-    };
-}
-
-not_emulated!(
+tandem_cuda_emu_link::stubs!(
+    Status = tandem_cuda_emu_link::not_emulated::<Cublas>;
     cublasAsumEx,
     cublasAsumEx_64,
     cublasAxpyEx,

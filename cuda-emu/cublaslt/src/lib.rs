@@ -90,31 +90,22 @@ pub extern "C" fn cublasLtGetStatusName(status: u32) -> *const c_char {
     status_name::status_name(status).as_ptr()
 }
 
+/// Says that `name` is not emulated (the stubs below).
+fn not_emulated(name: &str) -> Status {
+    tandem_cuda_emu_link::say(&format!("{name} is not emulated"));
+    S::CUBLAS_STATUS_NOT_SUPPORTED
+}
+
 #[no_mangle]
 pub extern "C" fn cublasLtGetStatusString(status: u32) -> *const c_char {
     cublasLtGetStatusName(status)
 }
 
-fn not_emulated(name: &str) -> Status {
-    eprintln!("tandem-cuda-emu: {name} is not emulated");
-    S::CUBLAS_STATUS_NOT_SUPPORTED
-}
-
-macro_rules! not_emulated {
-    ($($name:ident),* $(,)?) => {
-        $(
-            #[no_mangle]
-            pub extern "C" fn $name() -> Status {
-                not_emulated(stringify!($name))
-            }
-        )*
-    };
-}
-
 // Generated as cuBLAS's stubs (`cuda-emu/cublas/src/stubs.rs`): the names cudarc loads from
 // `cublaslt/sys/mod.rs` minus the ones above. `cuda-emu/cublas/tests/symbols.rs` checks that
 // every name is exported.
-not_emulated!(
+tandem_cuda_emu_link::stubs!(
+    Status = not_emulated;
     cublasLtEmulationDescCreate,
     cublasLtEmulationDescDestroy,
     cublasLtEmulationDescGetAttribute,

@@ -104,6 +104,7 @@ use std::sync::{Arc, OnceLock};
 
 use cudarc::cudnn::sys;
 use parking_lot::Mutex;
+use tandem_cuda_emu_link::{self as link, Library};
 
 pub mod algorithms;
 pub mod reference;
@@ -117,39 +118,50 @@ pub type Status = sys::cudnnStatus_t;
 use sys::cudnnStatus_t as S;
 
 /// The body of an entry point: `Err` holds the status to return.
-type Res = Result<(), Status>;
+type Res = link::Res<Cudnn>;
 
 /// The last message, for `cudnnGetLastErrorString`.
 static LAST: Mutex<String> = Mutex::new(String::new());
 
-/// Prints a message of the emulator on stderr.
+/// cuDNN for the shared code of the emulator's libraries.
+pub enum Cudnn {}
+
+impl Library for Cudnn {
+    type Status = Status;
+    const NAME: &'static str = "cuDNN";
+    const WORK: &'static str = "convolution";
+    const WORKER_PANIC: &'static str = "a cuDNN convolution panicked on its stream's worker";
+    const SUCCESS: Status = S::CUDNN_STATUS_SUCCESS;
+    const INTERNAL_ERROR: Status = S::CUDNN_STATUS_INTERNAL_ERROR;
+    const NOT_EMULATED: Status = S::CUDNN_STATUS_NOT_SUPPORTED;
+    const NO_DRIVER: Status = S::CUDNN_STATUS_NOT_INITIALIZED;
+    const ENQUEUE_FAILED: Status = S::CUDNN_STATUS_EXECUTION_FAILED;
+
+    /// Prints a message of the emulator on stderr, and keeps it for `cudnnGetLastErrorString`.
+    fn say(message: &str) {
+        link::say(message);
+        *LAST.lock() = message.to_string();
+    }
+
+    fn range_fault(_what: String) -> Status {
+        S::CUDNN_STATUS_BAD_PARAM
+    }
+}
+
+/// Prints a message of the emulator on stderr (and keeps it as the last one).
 fn say(message: &str) {
-    eprintln!("tandem-cuda-emu: {message}");
-    *LAST.lock() = message.to_string();
+    Cudnn::say(message)
 }
 
 /// Fails with `status` after saying why.
 fn fail<T>(status: Status, message: String) -> Result<T, Status> {
-    say(&message);
-    Err(status)
+    link::fail::<Cudnn, T>(status, message)
 }
 
 /// Runs an entry point's body; a panic becomes `CUDNN_STATUS_INTERNAL_ERROR` with a message (it
 /// must not unwind into C).
 fn entry(name: &str, body: impl FnOnce() -> Res) -> Status {
-    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(body)) {
-        Ok(Ok(())) => S::CUDNN_STATUS_SUCCESS,
-        Ok(Err(status)) => status,
-        Err(panic) => {
-            let text = panic
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_default();
-            say(&format!("{name} panicked inside the emulator: {text}"));
-            S::CUDNN_STATUS_INTERNAL_ERROR
-        }
-    }
+    link::entry::<Cudnn>(name, body)
 }
 
 /// Writes through an out-pointer, or fails with `BAD_PARAM_NULL_POINTER` when null.
@@ -165,118 +177,24 @@ unsafe fn put<T>(name: &str, what: &str, out: *mut T, value: T) -> Res {
     Ok(())
 }
 
-// ---- The emulated driver ----------------------------------------------------------------------
+// ---- The emulated driver (tandem-cuda-emu-link) -----------------------------------------------
 
-type LaunchHostFunc = unsafe extern "C" fn(
-    *mut c_void,
-    Option<unsafe extern "C" fn(*mut c_void)>,
-    *mut c_void,
-) -> u32;
-type StreamSynchronize = unsafe extern "C" fn(*mut c_void) -> u32;
-type CheckRange = unsafe extern "C" fn(u64, usize, *const c_char) -> u32;
-type CountDnn = unsafe extern "C" fn(u32);
-
-/// The driver functions the passes need, from the emulated driver already loaded.
-struct Driver {
-    launch_host_func: LaunchHostFunc,
-    stream_synchronize: StreamSynchronize,
-    check_range: CheckRange,
-    /// The driver's counter of convolutions (`tandem_cuda_emu_count_dnn`).
-    count_dnn: CountDnn,
-}
-
-fn driver() -> Result<&'static Driver, Status> {
-    static DRIVER: OnceLock<Result<Driver, String>> = OnceLock::new();
-    let found = DRIVER.get_or_init(|| {
-        // The driver was opened by tandem (by its path) before cuDNN; its SONAME `libcuda.so`
-        // makes this open-by-name find that copy, and RTLD_NOLOAD never loads another one.
-        // SAFETY: a NUL-terminated name; NOLOAD runs no initialisers.
-        let lib =
-            unsafe { libc::dlopen(c"libcuda.so".as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
-        if lib.is_null() {
-            return Err(
-                "the emulated cuDNN needs the emulated driver (libcuda.so) loaded first".into(),
-            );
-        }
-        let symbol = |name: &CStr| {
-            // SAFETY: a live handle and a NUL-terminated name.
-            let f = unsafe { libc::dlsym(lib, name.as_ptr()) };
-            if f.is_null() {
-                Err(format!(
-                    "the loaded libcuda.so lacks {}: the emulated cuDNN runs only with the \
-                     emulated driver",
-                    name.to_string_lossy()
-                ))
-            } else {
-                Ok(f)
-            }
-        };
-        let launch = symbol(c"cuLaunchHostFunc")?;
-        let sync = symbol(c"cuStreamSynchronize")?;
-        let check = symbol(c"tandem_cuda_emu_check_device_range")?;
-        let count = symbol(c"tandem_cuda_emu_count_dnn")?;
-        // SAFETY: the emulated driver exports these with these signatures (the stream handle
-        // and CUresult as pointer and u32).
-        Ok(unsafe {
-            Driver {
-                launch_host_func: std::mem::transmute::<*mut c_void, LaunchHostFunc>(launch),
-                stream_synchronize: std::mem::transmute::<*mut c_void, StreamSynchronize>(sync),
-                check_range: std::mem::transmute::<*mut c_void, CheckRange>(check),
-                count_dnn: std::mem::transmute::<*mut c_void, CountDnn>(count),
-            }
-        })
-    });
-    match found {
-        Ok(d) => Ok(d),
-        Err(message) => fail(S::CUDNN_STATUS_NOT_INITIALIZED, message.clone()),
-    }
+fn driver() -> Result<&'static link::Driver, Status> {
+    link::driver::<Cudnn>()
 }
 
 /// Checks that `len` bytes at `ptr` lie in one live device allocation; the driver reports the
 /// fault (starting with `what`) on stderr.
 fn check_range(ptr: u64, len: usize, what: impl FnOnce() -> String) -> Res {
-    if len == 0 {
-        return Ok(());
-    }
-    let d = driver()?;
-    let what = std::ffi::CString::new(what()).unwrap_or_default();
-    // SAFETY: a NUL-terminated message; the driver only reads the range's bookkeeping.
-    match unsafe { (d.check_range)(ptr, len, what.as_ptr()) } {
-        0 => Ok(()),
-        _ => Err(S::CUDNN_STATUS_BAD_PARAM),
-    }
+    link::check_range::<Cudnn>(ptr, len, what)
 }
 
 /// Work for a stream's worker.
-type Job = Box<dyn FnOnce() + Send>;
-
-unsafe extern "C" fn run_job(data: *mut c_void) {
-    // SAFETY: `data` is the `Box<Job>` `enqueue` leaked for this call, run exactly once.
-    let job = unsafe { Box::from_raw(data.cast::<Job>()) };
-    if std::panic::catch_unwind(std::panic::AssertUnwindSafe(job)).is_err() {
-        say("a cuDNN convolution panicked on its stream's worker");
-    }
-}
+type Job = link::Job;
 
 /// Enqueues `job` on `stream` (the handle's) in stream order.
 fn enqueue(name: &str, stream: usize, job: Job) -> Res {
-    let d = driver()?;
-    let data = Box::into_raw(Box::new(job));
-    // SAFETY: the driver runs `run_job(data)` once on the stream's worker, or returns an error
-    // without running it.
-    let code = unsafe { (d.launch_host_func)(stream as *mut c_void, Some(run_job), data.cast()) };
-    if code != 0 {
-        // SAFETY: not run, so still ours.
-        drop(unsafe { Box::from_raw(data) });
-        return fail(
-            S::CUDNN_STATUS_EXECUTION_FAILED,
-            format!(
-                "{name}: the driver refused to enqueue the convolution on stream {stream:#x} \
-                 (CUresult {code})"
-            ),
-        );
-    }
-    Ok(())
+    link::enqueue::<Cudnn>(name, stream, job)
 }
 
 // ---- Handles and descriptors ------------------------------------------------------------------
@@ -1634,8 +1552,7 @@ unsafe fn scalar(name: &str, what: &str, p: *const c_void, double: bool) -> Resu
 
 /// Counts a convolution in the driver's counters.
 fn count(pass: Pass) -> Res {
-    // SAFETY: the driver's counter takes any kind.
-    unsafe { (driver()?.count_dnn)(pass as u32) };
+    driver()?.count_dnn(pass as u32);
     Ok(())
 }
 
@@ -1882,9 +1799,7 @@ unsafe fn find(
             *done.lock() = Some(start.elapsed().as_secs_f64() * 1e3);
         }),
     )?;
-    let d = driver()?;
-    // SAFETY: the handle's stream, live (the caller's contract).
-    let code = unsafe { (d.stream_synchronize)(stream as *mut c_void) };
+    let code = driver()?.synchronize(stream);
     if code != 0 {
         return fail(
             S::CUDNN_STATUS_EXECUTION_FAILED,
@@ -1933,416 +1848,150 @@ fn max_count(name: &str, handle: *mut c_void, count: *mut c_int, pass: Pass) -> 
 
 // ---- Convolutions: entry points ---------------------------------------------------------------
 
-#[no_mangle]
-pub unsafe extern "C" fn cudnnGetConvolutionForwardAlgorithmMaxCount(
-    h: *mut c_void,
-    count: *mut c_int,
-) -> Status {
-    let name = "cudnnGetConvolutionForwardAlgorithmMaxCount";
-    entry(name, || max_count(name, h, count, Pass::Forward))
+/// `[x, w, y]` from a pass's two inputs and its output, in the order its entry points take them:
+/// forward `x, w -> y`, backward data `w, dy -> dx`, backward filter `x, dy -> dw`.
+fn arrange<T>(pass: Pass, [a, b]: [T; 2], output: T) -> [T; 3] {
+    match pass {
+        Pass::Forward => [a, b, output],
+        Pass::BackwardData => [output, a, b],
+        Pass::BackwardFilter => [a, output, b],
+    }
 }
 
-#[no_mangle]
-pub unsafe extern "C" fn cudnnGetConvolutionBackwardDataAlgorithmMaxCount(
-    h: *mut c_void,
-    count: *mut c_int,
-) -> Status {
-    let name = "cudnnGetConvolutionBackwardDataAlgorithmMaxCount";
-    entry(name, || max_count(name, h, count, Pass::BackwardData))
+impl Descs {
+    /// A pass's descriptors as its entry points take them (see [`arrange`]).
+    fn of(pass: Pass, inputs: [*mut c_void; 2], conv: *mut c_void, output: *mut c_void) -> Self {
+        let [x, w, y] = arrange(pass, inputs, output);
+        Descs { x, w, conv, y }
+    }
 }
 
-#[no_mangle]
-pub unsafe extern "C" fn cudnnGetConvolutionBackwardFilterAlgorithmMaxCount(
-    h: *mut c_void,
-    count: *mut c_int,
-) -> Status {
-    let name = "cudnnGetConvolutionBackwardFilterAlgorithmMaxCount";
-    entry(name, || max_count(name, h, count, Pass::BackwardFilter))
-}
+/// The five entry points of each pass, whose C signatures differ between passes only in which
+/// tensors are the inputs and which the output ([`arrange`]): the algorithms' count,
+/// `Get…Algorithm_v7` (the heuristic), `Find…AlgorithmEx` (timed), the workspace size, and the
+/// convolution itself.
+macro_rules! pass_entry_points {
+    ($($pass:expr => $max_count:ident, $v7:ident, $find:ident, $workspace_size:ident, $run:ident;)*) => {$(
+        #[no_mangle]
+        pub unsafe extern "C" fn $max_count(h: *mut c_void, count: *mut c_int) -> Status {
+            let name = stringify!($max_count);
+            entry(name, || max_count(name, h, count, $pass))
+        }
 
-#[no_mangle]
-pub unsafe extern "C" fn cudnnGetConvolutionForwardAlgorithm_v7(
-    h: *mut c_void,
-    x: *mut c_void,
-    w: *mut c_void,
-    c: *mut c_void,
-    y: *mut c_void,
-    requested: c_int,
-    returned: *mut c_int,
-    results: *mut Perf,
-) -> Status {
-    let name = "cudnnGetConvolutionForwardAlgorithm_v7";
-    let descs = Descs { x, w, conv: c, y };
-    // SAFETY: the caller's arguments (cuDNN's contract).
-    entry(name, || unsafe {
-        heuristic(name, Pass::Forward, h, descs, requested, returned, results)
-    })
-}
+        #[no_mangle]
+        pub unsafe extern "C" fn $v7(
+            h: *mut c_void,
+            a: *mut c_void,
+            b: *mut c_void,
+            c: *mut c_void,
+            output: *mut c_void,
+            requested: c_int,
+            returned: *mut c_int,
+            results: *mut Perf,
+        ) -> Status {
+            let name = stringify!($v7);
+            let descs = Descs::of($pass, [a, b], c, output);
+            // SAFETY: the caller's arguments (cuDNN's contract).
+            entry(name, || unsafe {
+                heuristic(name, $pass, h, descs, requested, returned, results)
+            })
+        }
 
-#[no_mangle]
-pub unsafe extern "C" fn cudnnGetConvolutionBackwardDataAlgorithm_v7(
-    h: *mut c_void,
-    w: *mut c_void,
-    dy: *mut c_void,
-    c: *mut c_void,
-    dx: *mut c_void,
-    requested: c_int,
-    returned: *mut c_int,
-    results: *mut Perf,
-) -> Status {
-    let name = "cudnnGetConvolutionBackwardDataAlgorithm_v7";
-    let descs = Descs {
-        x: dx,
-        w,
-        conv: c,
-        y: dy,
-    };
-    // SAFETY: as above.
-    entry(name, || unsafe {
-        heuristic(
-            name,
-            Pass::BackwardData,
-            h,
-            descs,
-            requested,
-            returned,
-            results,
-        )
-    })
-}
+        #[no_mangle]
+        pub unsafe extern "C" fn $find(
+            h: *mut c_void,
+            a_desc: *mut c_void,
+            a: *const c_void,
+            b_desc: *mut c_void,
+            b: *const c_void,
+            c: *mut c_void,
+            output_desc: *mut c_void,
+            output: *mut c_void,
+            requested: c_int,
+            returned: *mut c_int,
+            results: *mut Perf,
+            workspace: *mut c_void,
+            workspace_bytes: usize,
+        ) -> Status {
+            let name = stringify!($find);
+            let descs = Descs::of($pass, [a_desc, b_desc], c, output_desc);
+            let ptrs = arrange($pass, [a as u64, b as u64], output as u64);
+            // SAFETY: the caller's arguments (cuDNN's contract).
+            entry(name, || unsafe {
+                find(
+                    name,
+                    $pass,
+                    h,
+                    descs,
+                    ptrs,
+                    requested,
+                    returned,
+                    results,
+                    workspace as u64,
+                    workspace_bytes,
+                )
+            })
+        }
 
-#[no_mangle]
-pub unsafe extern "C" fn cudnnGetConvolutionBackwardFilterAlgorithm_v7(
-    h: *mut c_void,
-    x: *mut c_void,
-    dy: *mut c_void,
-    c: *mut c_void,
-    dw: *mut c_void,
-    requested: c_int,
-    returned: *mut c_int,
-    results: *mut Perf,
-) -> Status {
-    let name = "cudnnGetConvolutionBackwardFilterAlgorithm_v7";
-    let descs = Descs {
-        x,
-        w: dw,
-        conv: c,
-        y: dy,
-    };
-    // SAFETY: as above.
-    entry(name, || unsafe {
-        heuristic(
-            name,
-            Pass::BackwardFilter,
-            h,
-            descs,
-            requested,
-            returned,
-            results,
-        )
-    })
-}
+        #[no_mangle]
+        pub unsafe extern "C" fn $workspace_size(
+            h: *mut c_void,
+            a: *mut c_void,
+            b: *mut c_void,
+            c: *mut c_void,
+            output: *mut c_void,
+            algo: u32,
+            size: *mut usize,
+        ) -> Status {
+            let name = stringify!($workspace_size);
+            let descs = Descs::of($pass, [a, b], c, output);
+            // SAFETY: the caller's arguments (cuDNN's contract).
+            entry(name, || unsafe {
+                workspace_size(name, $pass, h, descs, algo, size)
+            })
+        }
 
-#[no_mangle]
-pub unsafe extern "C" fn cudnnFindConvolutionForwardAlgorithmEx(
-    h: *mut c_void,
-    x_desc: *mut c_void,
-    x: *const c_void,
-    w_desc: *mut c_void,
-    w: *const c_void,
-    c: *mut c_void,
-    y_desc: *mut c_void,
-    y: *mut c_void,
-    requested: c_int,
-    returned: *mut c_int,
-    results: *mut Perf,
-    workspace: *mut c_void,
-    workspace_bytes: usize,
-) -> Status {
-    let name = "cudnnFindConvolutionForwardAlgorithmEx";
-    let descs = Descs {
-        x: x_desc,
-        w: w_desc,
-        conv: c,
-        y: y_desc,
-    };
-    // SAFETY: as above.
-    entry(name, || unsafe {
-        find(
-            name,
-            Pass::Forward,
-            h,
-            descs,
-            [x as u64, w as u64, y as u64],
-            requested,
-            returned,
-            results,
-            workspace as u64,
-            workspace_bytes,
-        )
-    })
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cudnnFindConvolutionBackwardDataAlgorithmEx(
-    h: *mut c_void,
-    w_desc: *mut c_void,
-    w: *const c_void,
-    dy_desc: *mut c_void,
-    dy: *const c_void,
-    c: *mut c_void,
-    dx_desc: *mut c_void,
-    dx: *mut c_void,
-    requested: c_int,
-    returned: *mut c_int,
-    results: *mut Perf,
-    workspace: *mut c_void,
-    workspace_bytes: usize,
-) -> Status {
-    let name = "cudnnFindConvolutionBackwardDataAlgorithmEx";
-    let descs = Descs {
-        x: dx_desc,
-        w: w_desc,
-        conv: c,
-        y: dy_desc,
-    };
-    // SAFETY: as above.
-    entry(name, || unsafe {
-        find(
-            name,
-            Pass::BackwardData,
-            h,
-            descs,
-            [dx as u64, w as u64, dy as u64],
-            requested,
-            returned,
-            results,
-            workspace as u64,
-            workspace_bytes,
-        )
-    })
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cudnnFindConvolutionBackwardFilterAlgorithmEx(
-    h: *mut c_void,
-    x_desc: *mut c_void,
-    x: *const c_void,
-    dy_desc: *mut c_void,
-    dy: *const c_void,
-    c: *mut c_void,
-    dw_desc: *mut c_void,
-    dw: *mut c_void,
-    requested: c_int,
-    returned: *mut c_int,
-    results: *mut Perf,
-    workspace: *mut c_void,
-    workspace_bytes: usize,
-) -> Status {
-    let name = "cudnnFindConvolutionBackwardFilterAlgorithmEx";
-    let descs = Descs {
-        x: x_desc,
-        w: dw_desc,
-        conv: c,
-        y: dy_desc,
-    };
-    // SAFETY: as above.
-    entry(name, || unsafe {
-        find(
-            name,
-            Pass::BackwardFilter,
-            h,
-            descs,
-            [x as u64, dw as u64, dy as u64],
-            requested,
-            returned,
-            results,
-            workspace as u64,
-            workspace_bytes,
-        )
-    })
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cudnnGetConvolutionForwardWorkspaceSize(
-    h: *mut c_void,
-    x: *mut c_void,
-    w: *mut c_void,
-    c: *mut c_void,
-    y: *mut c_void,
-    algo: u32,
-    size: *mut usize,
-) -> Status {
-    let name = "cudnnGetConvolutionForwardWorkspaceSize";
-    let descs = Descs { x, w, conv: c, y };
-    // SAFETY: as above.
-    entry(name, || unsafe {
-        workspace_size(name, Pass::Forward, h, descs, algo, size)
-    })
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cudnnGetConvolutionBackwardDataWorkspaceSize(
-    h: *mut c_void,
-    w: *mut c_void,
-    dy: *mut c_void,
-    c: *mut c_void,
-    dx: *mut c_void,
-    algo: u32,
-    size: *mut usize,
-) -> Status {
-    let name = "cudnnGetConvolutionBackwardDataWorkspaceSize";
-    let descs = Descs {
-        x: dx,
-        w,
-        conv: c,
-        y: dy,
-    };
-    // SAFETY: as above.
-    entry(name, || unsafe {
-        workspace_size(name, Pass::BackwardData, h, descs, algo, size)
-    })
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cudnnGetConvolutionBackwardFilterWorkspaceSize(
-    h: *mut c_void,
-    x: *mut c_void,
-    dy: *mut c_void,
-    c: *mut c_void,
-    dw: *mut c_void,
-    algo: u32,
-    size: *mut usize,
-) -> Status {
-    let name = "cudnnGetConvolutionBackwardFilterWorkspaceSize";
-    let descs = Descs {
-        x,
-        w: dw,
-        conv: c,
-        y: dy,
-    };
-    // SAFETY: as above.
-    entry(name, || unsafe {
-        workspace_size(name, Pass::BackwardFilter, h, descs, algo, size)
-    })
-}
-
-#[no_mangle]
-pub extern "C" fn cudnnConvolutionForward(
-    h: *mut c_void,
-    alpha: *const c_void,
-    x_desc: *mut c_void,
-    x: *const c_void,
-    w_desc: *mut c_void,
-    w: *const c_void,
-    c: *mut c_void,
-    algo: u32,
-    workspace: *mut c_void,
-    workspace_bytes: usize,
-    beta: *const c_void,
-    y_desc: *mut c_void,
-    y: *mut c_void,
-) -> Status {
-    let name = "cudnnConvolutionForward";
-    entry(name, || {
-        run(
-            name,
-            Pass::Forward,
-            Run {
+        #[no_mangle]
+        pub extern "C" fn $run(
+            h: *mut c_void,
+            alpha: *const c_void,
+            a_desc: *mut c_void,
+            a: *const c_void,
+            b_desc: *mut c_void,
+            b: *const c_void,
+            c: *mut c_void,
+            algo: u32,
+            workspace: *mut c_void,
+            workspace_bytes: usize,
+            beta: *const c_void,
+            output_desc: *mut c_void,
+            output: *mut c_void,
+        ) -> Status {
+            let name = stringify!($run);
+            let r = Run {
                 handle: h,
-                descs: Descs {
-                    x: x_desc,
-                    w: w_desc,
-                    conv: c,
-                    y: y_desc,
-                },
-                ptrs: [x as u64, w as u64, y as u64],
+                descs: Descs::of($pass, [a_desc, b_desc], c, output_desc),
+                ptrs: arrange($pass, [a as u64, b as u64], output as u64),
                 algo,
                 workspace: workspace as u64,
                 workspace_bytes,
                 alpha,
                 beta,
-            },
-        )
-    })
+            };
+            entry(name, || run(name, $pass, r))
+        }
+    )*};
 }
 
-#[no_mangle]
-pub extern "C" fn cudnnConvolutionBackwardData(
-    h: *mut c_void,
-    alpha: *const c_void,
-    w_desc: *mut c_void,
-    w: *const c_void,
-    dy_desc: *mut c_void,
-    dy: *const c_void,
-    c: *mut c_void,
-    algo: u32,
-    workspace: *mut c_void,
-    workspace_bytes: usize,
-    beta: *const c_void,
-    dx_desc: *mut c_void,
-    dx: *mut c_void,
-) -> Status {
-    let name = "cudnnConvolutionBackwardData";
-    entry(name, || {
-        run(
-            name,
-            Pass::BackwardData,
-            Run {
-                handle: h,
-                descs: Descs {
-                    x: dx_desc,
-                    w: w_desc,
-                    conv: c,
-                    y: dy_desc,
-                },
-                ptrs: [dx as u64, w as u64, dy as u64],
-                algo,
-                workspace: workspace as u64,
-                workspace_bytes,
-                alpha,
-                beta,
-            },
-        )
-    })
-}
-
-#[no_mangle]
-pub extern "C" fn cudnnConvolutionBackwardFilter(
-    h: *mut c_void,
-    alpha: *const c_void,
-    x_desc: *mut c_void,
-    x: *const c_void,
-    dy_desc: *mut c_void,
-    dy: *const c_void,
-    c: *mut c_void,
-    algo: u32,
-    workspace: *mut c_void,
-    workspace_bytes: usize,
-    beta: *const c_void,
-    dw_desc: *mut c_void,
-    dw: *mut c_void,
-) -> Status {
-    let name = "cudnnConvolutionBackwardFilter";
-    entry(name, || {
-        run(
-            name,
-            Pass::BackwardFilter,
-            Run {
-                handle: h,
-                descs: Descs {
-                    x: x_desc,
-                    w: dw_desc,
-                    conv: c,
-                    y: dy_desc,
-                },
-                ptrs: [x as u64, dw as u64, dy as u64],
-                algo,
-                workspace: workspace as u64,
-                workspace_bytes,
-                alpha,
-                beta,
-            },
-        )
-    })
+pass_entry_points! {
+    Pass::Forward => cudnnGetConvolutionForwardAlgorithmMaxCount,
+        cudnnGetConvolutionForwardAlgorithm_v7, cudnnFindConvolutionForwardAlgorithmEx,
+        cudnnGetConvolutionForwardWorkspaceSize, cudnnConvolutionForward;
+    Pass::BackwardData => cudnnGetConvolutionBackwardDataAlgorithmMaxCount,
+        cudnnGetConvolutionBackwardDataAlgorithm_v7, cudnnFindConvolutionBackwardDataAlgorithmEx,
+        cudnnGetConvolutionBackwardDataWorkspaceSize, cudnnConvolutionBackwardData;
+    Pass::BackwardFilter => cudnnGetConvolutionBackwardFilterAlgorithmMaxCount,
+        cudnnGetConvolutionBackwardFilterAlgorithm_v7,
+        cudnnFindConvolutionBackwardFilterAlgorithmEx,
+        cudnnGetConvolutionBackwardFilterWorkspaceSize, cudnnConvolutionBackwardFilter;
 }

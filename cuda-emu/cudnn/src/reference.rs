@@ -149,52 +149,28 @@ pub trait Data: Copy {
     fn store(a: Self::A) -> Self;
 }
 
-impl Data for f32 {
-    type A = f32;
-    #[inline(always)]
-    fn load(self) -> f32 {
-        self
-    }
-    #[inline(always)]
-    fn store(a: f32) -> Self {
-        a
-    }
+/// [`Data`] for each type: its accumulation type and the conversions to and from it.
+macro_rules! data {
+    ($($t:ty => $acc:ty, $load:expr, $store:expr;)*) => {$(
+        impl Data for $t {
+            type A = $acc;
+            #[inline(always)]
+            fn load(self) -> $acc {
+                $load(self)
+            }
+            #[inline(always)]
+            fn store(a: $acc) -> Self {
+                $store(a)
+            }
+        }
+    )*};
 }
 
-impl Data for f64 {
-    type A = f64;
-    #[inline(always)]
-    fn load(self) -> f64 {
-        self
-    }
-    #[inline(always)]
-    fn store(a: f64) -> Self {
-        a
-    }
-}
-
-impl Data for f16 {
-    type A = f32;
-    #[inline(always)]
-    fn load(self) -> f32 {
-        self.to_f32()
-    }
-    #[inline(always)]
-    fn store(a: f32) -> Self {
-        f16::from_f32(a)
-    }
-}
-
-impl Data for bf16 {
-    type A = f32;
-    #[inline(always)]
-    fn load(self) -> f32 {
-        self.to_f32()
-    }
-    #[inline(always)]
-    fn store(a: f32) -> Self {
-        bf16::from_f32(a)
-    }
+data! {
+    f32 => f32, |v| v, |a| a;
+    f64 => f64, |v| v, |a| a;
+    f16 => f32, f16::to_f32, f16::from_f32;
+    bf16 => f32, bf16::to_f32, bf16::from_f32;
 }
 
 /// The output positions `o` (of `outputs`) whose tap at filter offset `tap` (already dilated)
@@ -226,6 +202,56 @@ fn tap_index(flip: bool, taps: usize, r: usize) -> usize {
         taps - 1 - r
     } else {
         r
+    }
+}
+
+/// One filter tap `(r, s)` of a problem: the output rows and columns whose input it reaches
+/// ([`valid`]), and where the tap is in the stored filter (`fr`, `fs`, flipped for
+/// `CUDNN_CONVOLUTION`).
+struct Tap {
+    r: usize,
+    s: usize,
+    rows: Range<usize>,
+    cols: Range<usize>,
+    fr: usize,
+    fs: usize,
+}
+
+impl Tap {
+    /// Every tap of `p`'s filter, row-major.
+    fn all(p: &Problem) -> impl Iterator<Item = Tap> + '_ {
+        let [_, _, h_, w_] = p.x.dims;
+        let [_, _, r_, s_] = p.w.dims;
+        let [_, _, p_, q_] = p.y.dims;
+        let c = &p.conv;
+        (0..r_).flat_map(move |r| {
+            let rows = valid(p_, h_, c.stride[0], c.pad[0], r * c.dilation[0]);
+            (0..s_).map(move |s| Tap {
+                r,
+                s,
+                rows: rows.clone(),
+                cols: valid(q_, w_, c.stride[1], c.pad[1], s * c.dilation[1]),
+                fr: tap_index(c.flip, r_, r),
+                fs: tap_index(c.flip, s_, s),
+            })
+        })
+    }
+
+    /// Whether the tap reaches no input at all.
+    fn is_empty(&self) -> bool {
+        self.rows.is_empty() || self.cols.is_empty()
+    }
+
+    /// The input row output row `oh` reads through this tap (`oh` in `rows`).
+    #[inline(always)]
+    fn ih(&self, c: &Conv, oh: usize) -> usize {
+        oh * c.stride[0] + self.r * c.dilation[0] - c.pad[0]
+    }
+
+    /// The input column output column `ow` reads through this tap (`ow` in `cols`).
+    #[inline(always)]
+    fn iw(&self, c: &Conv, ow: usize) -> usize {
+        ow * c.stride[1] + self.s * c.dilation[1] - c.pad[1]
     }
 }
 
@@ -313,8 +339,8 @@ pub unsafe fn forward<D: Data>(
     alpha: D::A,
     beta: D::A,
 ) {
-    let [n_, _, h_, w_] = p.x.dims;
-    let [k_, cg, r_, s_] = p.w.dims;
+    let n_ = p.x.dims[0];
+    let [k_, cg, _, _] = p.w.dims;
     let [_, _, p_, q_] = p.y.dims;
     let c = &p.conv;
     let kg = k_ / c.groups;
@@ -325,27 +351,17 @@ pub unsafe fn forward<D: Data>(
             acc.fill(D::A::ZERO);
             for cl in 0..cg {
                 let ch = group * cg + cl;
-                for r in 0..r_ {
-                    let rows = valid(p_, h_, c.stride[0], c.pad[0], r * c.dilation[0]);
-                    for s in 0..s_ {
-                        let cols = valid(q_, w_, c.stride[1], c.pad[1], s * c.dilation[1]);
-                        if rows.is_empty() || cols.is_empty() {
-                            continue;
-                        }
-                        let fr = tap_index(c.flip, r_, r);
-                        let fs = tap_index(c.flip, s_, s);
-                        // SAFETY: an element of the filter (the caller's contract).
-                        let wv = unsafe { w.add(p.w.at(k, cl, fr, fs)).read() }.load();
-                        for oh in rows.clone() {
-                            let ih = oh * c.stride[0] + r * c.dilation[0] - c.pad[0];
-                            let row = p.x.at(n, ch, ih, 0);
-                            let out = &mut acc[oh * q_..(oh + 1) * q_];
-                            for ow in cols.clone() {
-                                let iw = ow * c.stride[1] + s * c.dilation[1] - c.pad[1];
-                                // SAFETY: (n, ch, ih, iw) is inside the input (`valid`).
-                                let xv = unsafe { x.add(row + iw * p.x.strides[3]).read() };
-                                out[ow] += xv.load() * wv;
-                            }
+                for t in Tap::all(p).filter(|t| !t.is_empty()) {
+                    // SAFETY: an element of the filter (the caller's contract).
+                    let wv = unsafe { w.add(p.w.at(k, cl, t.fr, t.fs)).read() }.load();
+                    for oh in t.rows.clone() {
+                        let row = p.x.at(n, ch, t.ih(c, oh), 0);
+                        let out = &mut acc[oh * q_..(oh + 1) * q_];
+                        for ow in t.cols.clone() {
+                            let iw = t.iw(c, ow);
+                            // SAFETY: (n, ch, ih, iw) is inside the input (`valid`).
+                            let xv = unsafe { x.add(row + iw * p.x.strides[3]).read() };
+                            out[ow] += xv.load() * wv;
                         }
                     }
                 }
@@ -373,8 +389,7 @@ pub unsafe fn backward_data<D: Data>(
     beta: D::A,
 ) {
     let [n_, c_, h_, w_] = p.x.dims;
-    let [k_, cg, r_, s_] = p.w.dims;
-    let [_, _, p_, q_] = p.y.dims;
+    let [k_, cg, _, _] = p.w.dims;
     let c = &p.conv;
     let kg = k_ / c.groups;
     let mut acc = vec![D::A::ZERO; c_ * h_ * w_];
@@ -385,26 +400,17 @@ pub unsafe fn backward_data<D: Data>(
             for cl in 0..cg {
                 let ch = group * cg + cl;
                 let plane = &mut acc[ch * h_ * w_..(ch + 1) * h_ * w_];
-                for r in 0..r_ {
-                    let rows = valid(p_, h_, c.stride[0], c.pad[0], r * c.dilation[0]);
-                    for s in 0..s_ {
-                        let cols = valid(q_, w_, c.stride[1], c.pad[1], s * c.dilation[1]);
-                        if rows.is_empty() || cols.is_empty() {
-                            continue;
-                        }
-                        let fr = tap_index(c.flip, r_, r);
-                        let fs = tap_index(c.flip, s_, s);
-                        // SAFETY: an element of the filter.
-                        let wv = unsafe { w.add(p.w.at(k, cl, fr, fs)).read() }.load();
-                        for oh in rows.clone() {
-                            let ih = oh * c.stride[0] + r * c.dilation[0] - c.pad[0];
-                            let row = p.y.at(n, k, oh, 0);
-                            for ow in cols.clone() {
-                                let iw = ow * c.stride[1] + s * c.dilation[1] - c.pad[1];
-                                // SAFETY: (n, k, oh, ow) is inside the output gradient.
-                                let g = unsafe { dy.add(row + ow * p.y.strides[3]).read() };
-                                plane[ih * w_ + iw] += g.load() * wv;
-                            }
+                for t in Tap::all(p).filter(|t| !t.is_empty()) {
+                    // SAFETY: an element of the filter.
+                    let wv = unsafe { w.add(p.w.at(k, cl, t.fr, t.fs)).read() }.load();
+                    for oh in t.rows.clone() {
+                        let ih = t.ih(c, oh);
+                        let row = p.y.at(n, k, oh, 0);
+                        for ow in t.cols.clone() {
+                            let iw = t.iw(c, ow);
+                            // SAFETY: (n, k, oh, ow) is inside the output gradient.
+                            let g = unsafe { dy.add(row + ow * p.y.strides[3]).read() };
+                            plane[ih * w_ + iw] += g.load() * wv;
                         }
                     }
                 }
@@ -434,43 +440,36 @@ pub unsafe fn backward_filter<D: Data>(
     alpha: D::A,
     beta: D::A,
 ) {
-    let [n_, _, h_, w_] = p.x.dims;
-    let [k_, cg, r_, s_] = p.w.dims;
-    let [_, _, p_, q_] = p.y.dims;
+    let n_ = p.x.dims[0];
+    let [k_, cg, _, _] = p.w.dims;
     let c = &p.conv;
     let kg = k_ / c.groups;
     for k in 0..k_ {
         let group = k / kg;
         for cl in 0..cg {
             let ch = group * cg + cl;
-            for r in 0..r_ {
-                let rows = valid(p_, h_, c.stride[0], c.pad[0], r * c.dilation[0]);
-                for s in 0..s_ {
-                    let cols = valid(q_, w_, c.stride[1], c.pad[1], s * c.dilation[1]);
-                    let mut acc = D::A::ZERO;
-                    for n in 0..n_ {
-                        for oh in rows.clone() {
-                            let ih = oh * c.stride[0] + r * c.dilation[0] - c.pad[0];
-                            let xrow = p.x.at(n, ch, ih, 0);
-                            let grow = p.y.at(n, k, oh, 0);
-                            for ow in cols.clone() {
-                                let iw = ow * c.stride[1] + s * c.dilation[1] - c.pad[1];
-                                // SAFETY: both elements are inside their tensors (`valid`).
-                                let (xv, g) = unsafe {
-                                    (
-                                        x.add(xrow + iw * p.x.strides[3]).read(),
-                                        dy.add(grow + ow * p.y.strides[3]).read(),
-                                    )
-                                };
-                                acc += xv.load() * g.load();
-                            }
+            // Every tap, reached or not: an unreached one is written as alpha · 0.
+            for t in Tap::all(p) {
+                let mut acc = D::A::ZERO;
+                for n in 0..n_ {
+                    for oh in t.rows.clone() {
+                        let xrow = p.x.at(n, ch, t.ih(c, oh), 0);
+                        let grow = p.y.at(n, k, oh, 0);
+                        for ow in t.cols.clone() {
+                            let iw = t.iw(c, ow);
+                            // SAFETY: both elements are inside their tensors (`valid`).
+                            let (xv, g) = unsafe {
+                                (
+                                    x.add(xrow + iw * p.x.strides[3]).read(),
+                                    dy.add(grow + ow * p.y.strides[3]).read(),
+                                )
+                            };
+                            acc += xv.load() * g.load();
                         }
                     }
-                    let fr = tap_index(c.flip, r_, r);
-                    let fs = tap_index(c.flip, s_, s);
-                    // SAFETY: an element of the filter gradient.
-                    unsafe { write(dw.add(p.w.at(k, cl, fr, fs)), acc, alpha, beta) };
                 }
+                // SAFETY: an element of the filter gradient.
+                unsafe { write(dw.add(p.w.at(k, cl, t.fr, t.fs)), acc, alpha, beta) };
             }
         }
     }

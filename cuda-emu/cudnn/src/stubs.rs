@@ -13,32 +13,18 @@
 //! ```sh
 //! grep -oE 'load::<_F>\("[A-Za-z0-9_]+"\)' $CUDARC/src/cudnn/sys/mod.rs \
 //!     | sed -E 's/.*\("(.*)"\)/\1/' | sort -u > all.txt
-//! grep -ohE 'extern "C" fn cudnn[A-Za-z0-9_]+' cuda-emu/cudnn/src/lib.rs | sed 's/.* fn //' \
-//!     | sort -u > done.txt
+//! { grep -ohE 'extern "C" fn cudnn[A-Za-z0-9_]+' cuda-emu/cudnn/src/lib.rs | sed 's/.* fn //'
+//!   sed -n '/^pass_entry_points! {/,/^}/p' cuda-emu/cudnn/src/lib.rs | grep -oE 'cudnn[A-Za-z0-9_]+'
+//! } | sort -u > done.txt
 //! comm -23 all.txt done.txt
 //! ```
 //!
 //! `tests/symbols.rs` checks that the library exports every name cudarc may load.
 
-use crate::Status;
+use crate::{Cudnn, Status};
 
-fn not_emulated(name: &str) -> Status {
-    crate::say(&format!("{name} is not emulated"));
-    Status::CUDNN_STATUS_NOT_SUPPORTED
-}
-
-macro_rules! not_emulated {
-    ($($name:ident),* $(,)?) => {
-        $(
-            #[no_mangle]
-            pub extern "C" fn $name() -> Status {
-                not_emulated(stringify!($name))
-            }
-        )*
-    };
-}
-
-not_emulated!(
+tandem_cuda_emu_link::stubs!(
+    Status = tandem_cuda_emu_link::not_emulated::<Cudnn>;
     cudnnActivationBackward,
     cudnnActivationForward,
     cudnnAddTensor,

@@ -179,6 +179,20 @@ fn run(
     }
 }
 
+/// Runs a pass with the default algorithm (0), no workspace, and f32 scalars.
+fn run_f32(pass: Pass, h: P, d: Descs, ptrs: [u64; 3], alpha: f32, beta: f32) -> u32 {
+    run(
+        pass,
+        h,
+        d,
+        ptrs,
+        0,
+        (0, 0),
+        (&alpha as *const f32).cast(),
+        (&beta as *const f32).cast(),
+    )
+}
+
 /// One ranking entry, laid out as `cudnnConvolution*AlgoPerf_t`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
@@ -345,6 +359,16 @@ impl Case {
         }
     }
 
+    /// The elements `x`, `w` and `y` span (`y` dense).
+    fn spans(&self) -> (usize, usize, usize) {
+        let y = self.out();
+        (
+            span(self.x, self.x_strides),
+            span(self.w, self.w_strides()),
+            span(y, dense(y)),
+        )
+    }
+
     fn descs(&self, dtype: u32, compute: u32) -> Descs {
         let y = self.out();
         Descs {
@@ -507,17 +531,7 @@ fn a_hand_computed_padded_and_strided_cross_correlation() {
         let x = upload(&[1.0, 2.0, 3.0, 4.0], FLOAT);
         let w = upload(&[1.0; 4], FLOAT);
         let y = upload(&vec![0.0; want.len()], FLOAT);
-        let (one, zero) = (1.0f32, 0.0f32);
-        let status = run(
-            Pass::Forward,
-            h,
-            d,
-            [ptr(&x), ptr(&w), ptr(&y)],
-            0,
-            (0, 0),
-            (&one as *const f32).cast(),
-            (&zero as *const f32).cast(),
-        );
+        let status = run_f32(Pass::Forward, h, d, [ptr(&x), ptr(&w), ptr(&y)], 1.0, 0.0);
         assert_eq!(status, SUCCESS);
         assert_eq!(download(&dev, &y), want, "{geo:?}");
     }
@@ -528,10 +542,7 @@ fn forward_matches_a_naive_convolution_and_the_passes_are_adjoint() {
     let (dev, h) = setup();
     for (i, c) in cases().into_iter().enumerate() {
         let d = c.descs(DOUBLE, DOUBLE);
-        let y_dims = c.out();
-        let xn = span(c.x, c.x_strides);
-        let wn = span(c.w, c.w_strides());
-        let yn = span(y_dims, dense(y_dims));
+        let (xn, wn, yn) = c.spans();
         let (xv, wv, gv) = (values(xn, i), values(wn, i + 1), values(yn, i + 2));
         let (x, w, g) = (
             upload(&xv, DOUBLE),
@@ -589,28 +600,13 @@ fn alpha_and_beta_scale_and_accumulate_and_beta_zero_ignores_the_output() {
     let (dev, h) = setup();
     let c = cases()[0];
     let d = c.descs(FLOAT, FLOAT);
-    let y_dims = c.out();
-    let (xn, wn, yn) = (
-        span(c.x, c.x_strides),
-        span(c.w, c.w_strides()),
-        span(y_dims, dense(y_dims)),
-    );
+    let (xn, wn, yn) = c.spans();
     let (xv, wv) = (values(xn, 1), values(wn, 2));
     let (x, w) = (upload(&xv, FLOAT), upload(&wv, FLOAT));
     let plain = naive_forward(&c, &xv, &wv);
     let old = values(yn, 3);
     let y = upload(&old, FLOAT);
-    let (alpha, beta) = (2.0f32, 0.5f32);
-    let status = run(
-        Pass::Forward,
-        h,
-        d,
-        [ptr(&x), ptr(&w), ptr(&y)],
-        0,
-        (0, 0),
-        (&alpha as *const f32).cast(),
-        (&beta as *const f32).cast(),
-    );
+    let status = run_f32(Pass::Forward, h, d, [ptr(&x), ptr(&w), ptr(&y)], 2.0, 0.5);
     assert_eq!(status, SUCCESS);
     let got = download(&dev, &y);
     for k in 0..yn {
@@ -623,16 +619,13 @@ fn alpha_and_beta_scale_and_accumulate_and_beta_zero_ignores_the_output() {
     }
     // With beta = 0 the output is not read: NaNs there do not reach the result.
     let fresh = upload(&vec![f64::NAN; yn], FLOAT);
-    let (one, zero) = (1.0f32, 0.0f32);
-    let status = run(
+    let status = run_f32(
         Pass::Forward,
         h,
         d,
         [ptr(&x), ptr(&w), ptr(&fresh)],
-        0,
-        (0, 0),
-        (&one as *const f32).cast(),
-        (&zero as *const f32).cast(),
+        1.0,
+        0.0,
     );
     assert_eq!(status, SUCCESS);
     let got = download(&dev, &fresh);
@@ -648,12 +641,7 @@ fn the_rankings_offer_algorithms_with_and_without_workspace_and_the_search_runs_
     // 3×3, stride 1: the Winograd algorithms apply too.
     let c = cases()[0];
     let d = c.descs(FLOAT, FLOAT);
-    let y_dims = c.out();
-    let (xn, wn, yn) = (
-        span(c.x, c.x_strides),
-        span(c.w, c.w_strides()),
-        span(y_dims, dense(y_dims)),
-    );
+    let (xn, wn, yn) = c.spans();
     let (xv, wv) = (values(xn, 4), values(wn, 5));
     let (x, w) = (upload(&xv, FLOAT), upload(&wv, FLOAT));
     let y = Tensor::empty(&[yn], tandem_core::DType::F32, GPU).unwrap();
@@ -761,12 +749,7 @@ fn arguments_cudnn_refuses_give_its_status() {
     let (_dev, h) = setup();
     let c = cases()[0];
     let d = c.descs(FLOAT, FLOAT);
-    let y_dims = c.out();
-    let (xn, wn, yn) = (
-        span(c.x, c.x_strides),
-        span(c.w, c.w_strides()),
-        span(y_dims, dense(y_dims)),
-    );
+    let (xn, wn, yn) = c.spans();
     let (x, w, y) = (
         upload(&values(xn, 1), FLOAT),
         upload(&values(wn, 2), FLOAT),
@@ -828,6 +811,7 @@ fn arguments_cudnn_refuses_give_its_status() {
         common::last_fault()
     );
     // Descriptors that contradict each other.
+    let y_dims = c.out();
     let [n, k, p, q] = y_dims;
     let wrong_y = Descs {
         y: tensor_desc(FLOAT, [n, k, p + 1, q], dense([n, k, p + 1, q])),
@@ -973,31 +957,16 @@ fn every_pass_counts_as_a_convolution() {
     let (dev, h) = setup();
     let c = cases()[0];
     let d = c.descs(FLOAT, FLOAT);
-    let y_dims = c.out();
-    let (xn, wn, yn) = (
-        span(c.x, c.x_strides),
-        span(c.w, c.w_strides()),
-        span(y_dims, dense(y_dims)),
-    );
+    let (xn, wn, yn) = c.spans();
     let (x, w, y) = (
         upload(&values(xn, 1), FLOAT),
         upload(&values(wn, 2), FLOAT),
         upload(&vec![0.0; yn], FLOAT),
     );
-    let (one, zero) = (1.0f32, 0.0f32);
     dev.synchronize().unwrap();
     let before = common::counters();
     for pass in [Pass::Forward, Pass::Data, Pass::Filter] {
-        let status = run(
-            pass,
-            h,
-            d,
-            [ptr(&x), ptr(&w), ptr(&y)],
-            0,
-            (0, 0),
-            (&one as *const f32).cast(),
-            (&zero as *const f32).cast(),
-        );
+        let status = run_f32(pass, h, d, [ptr(&x), ptr(&w), ptr(&y)], 1.0, 0.0);
         assert_eq!(status, SUCCESS, "{pass:?}");
     }
     dev.synchronize().unwrap();

@@ -97,6 +97,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
+use tandem_cuda_emu_link::{self as link, Library};
 
 pub mod reduce;
 pub mod segment;
@@ -136,12 +137,38 @@ pub struct UniqueId {
 }
 
 /// The body of an entry point: `Err` holds the status to return.
-type Res = Result<(), Status>;
+type Res = link::Res<Nccl>;
 
-/// Prints a message of the emulator on stderr.
-fn say(message: &str) {
-    eprintln!("tandem-cuda-emu: {message}");
+/// NCCL for the shared code of the emulator's libraries.
+pub enum Nccl {}
+
+impl Library for Nccl {
+    type Status = Status;
+    const NAME: &'static str = "NCCL";
+    const WORK: &'static str = "operation";
+    const WORKER_PANIC: &'static str = "an NCCL operation panicked on its stream's worker";
+    const SUCCESS: Status = SUCCESS;
+    const INTERNAL_ERROR: Status = INTERNAL_ERROR;
+    const NOT_EMULATED: Status = INVALID_USAGE;
+    const NO_DRIVER: Status = INTERNAL_ERROR;
+    const ENQUEUE_FAILED: Status = INTERNAL_ERROR;
+
+    /// A failure is also the thread's last error (`ncclGetLastError`).
+    fn keep_error(message: &str) {
+        set_last_error(message.to_string());
+    }
+
+    fn range_fault(what: String) -> Status {
+        link::fail::<Nccl, ()>(
+            INVALID_ARGUMENT,
+            format!("{what}: not inside one live device allocation"),
+        )
+        .err()
+        .unwrap_or(INVALID_ARGUMENT)
+    }
 }
+
+use link::say;
 
 /// The last error of a call on this thread (NCCL keeps one per thread as well); an
 /// asynchronous error is kept by its communicator.
@@ -151,29 +178,13 @@ fn set_last_error(message: String) {
 
 /// Fails with `status` after saying why (stderr and `ncclGetLastError`).
 fn fail<T>(status: Status, message: String) -> Result<T, Status> {
-    say(&message);
-    set_last_error(message);
-    Err(status)
+    link::fail::<Nccl, T>(status, message)
 }
 
 /// Runs an entry point's body; a panic becomes `ncclInternalError` with a message (it must not
 /// unwind into C).
 fn entry(name: &str, body: impl FnOnce() -> Res) -> Status {
-    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(body)) {
-        Ok(Ok(())) => SUCCESS,
-        Ok(Err(status)) => status,
-        Err(panic) => {
-            let text = panic
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_default();
-            let message = format!("{name} panicked inside the emulator: {text}");
-            say(&message);
-            set_last_error(message);
-            INTERNAL_ERROR
-        }
-    }
+    link::entry::<Nccl>(name, body)
 }
 
 /// Writes through an out-pointer, or fails with `ncclInvalidArgument` when null.
@@ -186,113 +197,20 @@ unsafe fn put<T>(name: &str, out: *mut T, value: T) -> Res {
     Ok(())
 }
 
-// ---- The emulated driver ----------------------------------------------------------------------
-
-type LaunchHostFunc = unsafe extern "C" fn(
-    *mut c_void,
-    Option<unsafe extern "C" fn(*mut c_void)>,
-    *mut c_void,
-) -> u32;
-type CheckRange = unsafe extern "C" fn(u64, usize, *const c_char) -> u32;
-
-/// The driver functions the operations need, from the emulated driver already loaded.
-struct Driver {
-    launch_host_func: LaunchHostFunc,
-    check_range: CheckRange,
-}
-
-fn driver() -> Result<&'static Driver, Status> {
-    static DRIVER: OnceLock<Result<Driver, String>> = OnceLock::new();
-    let found = DRIVER.get_or_init(|| {
-        // The driver was opened by tandem (by its path) before NCCL; its SONAME `libcuda.so`
-        // makes this open-by-name find that copy, and RTLD_NOLOAD never loads another one.
-        // SAFETY: a NUL-terminated name; NOLOAD runs no initialisers.
-        let lib =
-            unsafe { libc::dlopen(c"libcuda.so".as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
-        if lib.is_null() {
-            return Err(
-                "the emulated NCCL needs the emulated driver (libcuda.so) loaded first".into(),
-            );
-        }
-        let symbol = |name: &CStr| {
-            // SAFETY: a live handle and a NUL-terminated name.
-            let f = unsafe { libc::dlsym(lib, name.as_ptr()) };
-            if f.is_null() {
-                Err(format!(
-                    "the loaded libcuda.so lacks {}: the emulated NCCL runs only with the \
-                     emulated driver",
-                    name.to_string_lossy()
-                ))
-            } else {
-                Ok(f)
-            }
-        };
-        let launch = symbol(c"cuLaunchHostFunc")?;
-        let check = symbol(c"tandem_cuda_emu_check_device_range")?;
-        // SAFETY: the emulated driver exports these with these signatures (the stream handle
-        // and CUresult as pointer and u32).
-        Ok(unsafe {
-            Driver {
-                launch_host_func: std::mem::transmute::<*mut c_void, LaunchHostFunc>(launch),
-                check_range: std::mem::transmute::<*mut c_void, CheckRange>(check),
-            }
-        })
-    });
-    match found {
-        Ok(d) => Ok(d),
-        Err(message) => fail(INTERNAL_ERROR, message.clone()),
-    }
-}
+// ---- The emulated driver (tandem-cuda-emu-link) -----------------------------------------------
 
 /// Checks that `len` bytes at `ptr` lie in one live device allocation; the driver reports the
 /// fault (starting with `what`) on stderr.
 fn check_range(ptr: u64, len: usize, what: impl FnOnce() -> String) -> Res {
-    if len == 0 {
-        return Ok(());
-    }
-    let d = driver()?;
-    let what = what();
-    let text = CString::new(what.clone()).unwrap_or_default();
-    // SAFETY: a NUL-terminated message; the driver only reads the range's bookkeeping.
-    match unsafe { (d.check_range)(ptr, len, text.as_ptr()) } {
-        0 => Ok(()),
-        _ => fail(
-            INVALID_ARGUMENT,
-            format!("{what}: not inside one live device allocation"),
-        ),
-    }
+    link::check_range::<Nccl>(ptr, len, what)
 }
 
 /// Work for a stream's worker.
-type Job = Box<dyn FnOnce() + Send>;
-
-unsafe extern "C" fn run_job(data: *mut c_void) {
-    // SAFETY: `data` is the `Box<Job>` `launch` leaked for this call, run exactly once.
-    let job = unsafe { Box::from_raw(data.cast::<Job>()) };
-    if std::panic::catch_unwind(std::panic::AssertUnwindSafe(job)).is_err() {
-        say("an NCCL operation panicked on its stream's worker");
-    }
-}
+type Job = link::Job;
 
 /// Enqueues `job` on `stream` in stream order.
 fn launch(name: &str, stream: usize, job: Job) -> Res {
-    let d = driver()?;
-    let data = Box::into_raw(Box::new(job));
-    // SAFETY: the driver runs `run_job(data)` once on the stream's worker, or returns an error
-    // without running it.
-    let code = unsafe { (d.launch_host_func)(stream as *mut c_void, Some(run_job), data.cast()) };
-    if code != 0 {
-        // SAFETY: not run, so still ours.
-        drop(unsafe { Box::from_raw(data) });
-        return fail(
-            INTERNAL_ERROR,
-            format!(
-                "{name}: the driver refused to enqueue the operation on stream {stream:#x} \
-                 (CUresult {code})"
-            ),
-        );
-    }
-    Ok(())
+    link::enqueue::<Nccl>(name, stream, job)
 }
 
 // ---- Unique ids -------------------------------------------------------------------------------

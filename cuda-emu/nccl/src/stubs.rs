@@ -16,24 +16,10 @@
 //!
 //! `tests/symbols.rs` checks that the library exports every name cudarc may load.
 
-use crate::{Status, INVALID_USAGE};
+use crate::{Nccl, Status};
 
-fn not_emulated(name: &str) -> Status {
-    crate::say(&format!("{name} is not emulated"));
-    crate::set_last_error(format!("{name} is not emulated"));
-    INVALID_USAGE
-}
-
-macro_rules! not_emulated {
-    ($($name:ident),* $(,)?) => {$(
-        #[no_mangle]
-        pub extern "C" fn $name() -> Status {
-            not_emulated(stringify!($name))
-        }
-    )*};
-}
-
-not_emulated!(
+tandem_cuda_emu_link::stubs!(
+    Status = tandem_cuda_emu_link::not_emulated::<Nccl>;
     ncclAlltoAll,
     ncclCommDeregister,
     ncclCommGetUniqueId,
