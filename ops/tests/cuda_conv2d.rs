@@ -307,6 +307,7 @@ fn compare(c: &Case, dtype: DType, tolerance: Tolerance, strided: bool, what: &s
     let gy = randn(yc.dims(), dtype, seed + 3);
     backward(&yc, Some(&gy), &BackwardOptions::default()).unwrap();
 
+    let declined_before = declined_calls();
     let gpu_leaf = |t: &Tensor| to_gpu(t, strided).with_requires_grad().unwrap();
     let (xg, wg, bg) = (
         gpu_leaf(&x),
@@ -343,6 +344,34 @@ fn compare(c: &Case, dtype: DType, tolerance: Tolerance, strided: bool, what: &s
             &format!("{what}: bias gradient"),
         );
     }
+    check_cudnn_took_every_pass(declined_before, &what);
+}
+
+/// How many passes cuDNN declined on this thread so far (im2col + cuBLAS ran them); 0 when
+/// cuDNN is not the engine or has not run here.
+fn declined_calls() -> u64 {
+    if cuda_conv_backend() != CudaConvBackend::Cudnn {
+        return 0;
+    }
+    cudnn_cache_stats(GPU).map_or(0, |s| s.declined_calls)
+}
+
+/// With cuDNN as the engine, every pass of a case ran on cuDNN: a decline falls back to
+/// im2col, which computes the right values, so comparing values alone would not see cuDNN being
+/// handed a wrong descriptor (a swapped padding makes cuDNN decline the output's size). On the
+/// emulator, whose cuDNN takes every geometry these cases use, a decline fails the test; on a
+/// GPU, where real cuDNN may decline a geometry for its own reasons, it is printed.
+fn check_cudnn_took_every_pass(declined_before: u64, what: &str) {
+    let declined = declined_calls().saturating_sub(declined_before);
+    if declined == 0 {
+        return;
+    }
+    assert!(
+        !tandem_test_support::on_emulator(),
+        "{what}: cuDNN declined {declined} pass(es) and im2col ran them (see the emulator's \
+         message above)"
+    );
+    println!("note: {what}: cuDNN declined {declined} pass(es); im2col + cuBLAS ran them");
 }
 
 #[test]
