@@ -128,11 +128,7 @@ pub fn train_ddp_with(
     let mut opt = sgd(ddp.module().parameters());
     let mut first_grads = Vec::new();
     for step in 0..steps {
-        let (x, y) = batch(model, step);
-        let (x, y) = (
-            on(device, &shard(&x, rank, world)),
-            on(device, &shard(&y, rank, world)),
-        );
+        let (x, y) = rank_batch(model, step, rank, world, device);
         opt.zero_grad().unwrap();
         let out = ddp
             .forward(&x)
@@ -152,6 +148,21 @@ pub fn train_ddp_with(
         final_params: snapshot_params(ddp.module().as_ref()),
     };
     (outcome, ddp)
+}
+
+/// Rank `rank`'s share (of `world`) of step `step`'s batch, on `device`.
+pub fn rank_batch(
+    model: Model,
+    step: usize,
+    rank: usize,
+    world: usize,
+    device: Device,
+) -> (Tensor, Tensor) {
+    let (x, y) = batch(model, step);
+    (
+        on(device, &shard(&x, rank, world)),
+        on(device, &shard(&y, rank, world)),
+    )
 }
 
 /// The single-process run on `device` against the same run on the CPU: if this fails, an op's

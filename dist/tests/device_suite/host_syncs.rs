@@ -20,8 +20,8 @@ use tandem_nn::loss::{cross_entropy, Reduction};
 use tandem_optim::Optimizer;
 use tandem_test_support::emulator_counters::{self, table, Counters};
 
-use super::ddp::{build_on, on};
-use crate::ddp_common::{batch, sgd, shard, Model};
+use super::ddp::{build_on, rank_batch};
+use crate::ddp_common::{sgd, Model};
 
 /// Steps per measured run: the first backward (gradients copied into fresh bucket slots), the
 /// ones after it (accumulated in place), and the bucket rebuild in between.
@@ -143,11 +143,7 @@ pub fn count_backward(
     }
     let mut counted = Vec::new();
     for step in 0..steps {
-        let (x, y) = batch(model, step);
-        let (x, y) = (
-            on(device, &shard(&x, rank, world)),
-            on(device, &shard(&y, rank, world)),
-        );
+        let (x, y) = rank_batch(model, step, rank, world, device);
         opt.zero_grad().unwrap();
         let out = ddp
             .forward(&x)
@@ -197,11 +193,7 @@ fn choose_convolution_algorithms(
     device: Device,
     what: &str,
 ) {
-    let (x, y) = batch(model, 0);
-    let (x, y) = (
-        on(device, &shard(&x, rank, world)),
-        on(device, &shard(&y, rank, world)),
-    );
+    let (x, y) = rank_batch(model, 0, rank, world, device);
     let m = build_on(model, 7, device);
     let out = m
         .forward(&x)
