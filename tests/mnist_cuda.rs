@@ -62,22 +62,12 @@ const EXAMPLE_ARGS: [&str; 14] = [
 ];
 
 fn main() -> ExitCode {
-    if std::env::var_os(WORKER).is_some() {
-        return mnist::main();
-    }
-    println!("test mnist_on_the_emulated_gpu_reaches_the_cpu_loss ...");
-    match std::panic::catch_unwind(mnist_on_the_emulated_gpu_reaches_the_cpu_loss) {
-        Ok(()) => {
-            println!("test mnist_on_the_emulated_gpu_reaches_the_cpu_loss ... ok");
-            println!("test result: ok");
-            ExitCode::SUCCESS
-        }
-        Err(_) => {
-            println!("test mnist_on_the_emulated_gpu_reaches_the_cpu_loss ... FAILED");
-            println!("test result: FAILED");
-            ExitCode::FAILURE
-        }
-    }
+    support::example_or_test(
+        WORKER,
+        mnist::main,
+        "mnist_on_the_emulated_gpu_reaches_the_cpu_loss",
+        mnist_on_the_emulated_gpu_reaches_the_cpu_loss,
+    )
 }
 
 /// Runs the example on `device`, on the emulator in `cuda_libs` when set; returns its epochs

@@ -62,23 +62,12 @@ const EXAMPLE_ARGS: [&str; 19] = [
 ];
 
 fn main() -> ExitCode {
-    if std::env::var_os(WORKER).is_some() {
-        return mnist::main();
-    }
-    let name = "mnist_on_two_nccl_ranks_on_the_emulated_gpu_ends_with_identical_replicas";
-    println!("test {name} ...");
-    match std::panic::catch_unwind(mnist_on_two_nccl_ranks_on_the_emulated_gpu) {
-        Ok(()) => {
-            println!("test {name} ... ok");
-            println!("test result: ok");
-            ExitCode::SUCCESS
-        }
-        Err(_) => {
-            println!("test {name} ... FAILED");
-            println!("test result: FAILED");
-            ExitCode::FAILURE
-        }
-    }
+    support::example_or_test(
+        WORKER,
+        mnist::main,
+        "mnist_on_two_nccl_ranks_on_the_emulated_gpu_ends_with_identical_replicas",
+        mnist_on_two_nccl_ranks_on_the_emulated_gpu,
+    )
 }
 
 /// Each rank's parameter digest, in rank order; fails unless both ranks printed one.

@@ -4,7 +4,7 @@
 //! `TANDEM_CUDA_LIBS`) runs on the emulator: a program never picks the emulator by itself.
 
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::{Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
 /// One epoch's results from the metrics file.
@@ -102,5 +102,32 @@ pub fn run_example(
         epochs,
         output: text,
         seconds,
+    }
+}
+
+/// The `main` of a test binary that is also the example: with `worker` set in its environment
+/// it runs `example`; otherwise it runs `test` and reports it as the test harness does (the
+/// binary has `harness = false`, so that a child can be the example).
+pub fn example_or_test(
+    worker: &str,
+    example: fn() -> ExitCode,
+    name: &str,
+    test: fn(),
+) -> ExitCode {
+    if std::env::var_os(worker).is_some() {
+        return example();
+    }
+    println!("test {name} ...");
+    match std::panic::catch_unwind(test) {
+        Ok(()) => {
+            println!("test {name} ... ok");
+            println!("test result: ok");
+            ExitCode::SUCCESS
+        }
+        Err(_) => {
+            println!("test {name} ... FAILED");
+            println!("test result: FAILED");
+            ExitCode::FAILURE
+        }
     }
 }
