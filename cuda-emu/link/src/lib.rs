@@ -16,6 +16,8 @@
 //! The driver itself (`tandem-cuda-emu`) uses only [`say`], [`panic_text`] and [`stubs!`]: it
 //! is what the rest finds.
 
+#![warn(missing_docs)]
+
 use std::ffi::{c_char, c_void, CStr, CString};
 use std::sync::OnceLock;
 
@@ -44,6 +46,7 @@ pub trait Library: 'static {
     /// The message when enqueued work panics on the worker ("a cuBLAS product panicked on its
     /// stream's worker").
     const WORKER_PANIC: &'static str;
+    /// Returned when an entry point succeeds.
     const SUCCESS: Self::Status;
     /// Returned when an entry point panics.
     const INTERNAL_ERROR: Self::Status;
@@ -128,6 +131,9 @@ pub fn not_emulated<L: Library>(name: &str) -> L::Status {
 macro_rules! stubs {
     ($status:ty = $not_emulated:expr; $($name:ident),* $(,)?) => {
         $(
+            #[doc = concat!("`", stringify!($name), "`: not emulated; reports `", stringify!($name),
+                " is not emulated` and returns the library's not-emulated status (the arguments \
+                are ignored).")]
             #[no_mangle]
             pub extern "C" fn $name() -> $status {
                 $not_emulated(stringify!($name))
