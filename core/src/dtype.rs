@@ -13,11 +13,17 @@ use crate::storage::CpuStorage;
 /// compression and mixed precision; i64 for class labels; u8 for raw images.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum DType {
+    /// 32-bit IEEE float (`f32`).
     F32,
+    /// 64-bit IEEE float (`f64`).
     F64,
+    /// 16-bit IEEE half float (`half::f16`).
     F16,
+    /// 16-bit brain float (`half::bf16`): f32's exponent range with an 8-bit mantissa.
     BF16,
+    /// 64-bit signed integer (`i64`).
     I64,
+    /// 8-bit unsigned integer (`u8`).
     U8,
 }
 

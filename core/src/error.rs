@@ -13,42 +13,64 @@ pub type Result<T> = std::result::Result<T, Error>;
 pub enum Error {
     /// Input shapes that the operation cannot combine.
     #[error("{op}: shape mismatch: {msg}")]
-    Shape { op: &'static str, msg: String },
+    Shape {
+        /// The operation that failed.
+        op: &'static str,
+        /// The shapes involved and why they do not fit.
+        msg: String,
+    },
 
     /// Two inputs of different dtypes where the operation needs one.
     #[error("{op}: dtype mismatch: {lhs} vs {rhs}")]
     DTypeMismatch {
+        /// The operation that failed.
         op: &'static str,
+        /// The dtype of the first input.
         lhs: DType,
+        /// The dtype of the other input.
         rhs: DType,
     },
 
     /// A dtype the operation does not support.
     #[error("{op}: unsupported dtype {dtype} (supported: {supported})")]
     UnsupportedDType {
+        /// The operation that failed.
         op: &'static str,
+        /// The dtype it was given.
         dtype: DType,
+        /// The dtypes it supports, as text for the message.
         supported: &'static str,
     },
 
     /// Inputs living on different devices; tandem never copies between devices silently.
     #[error("{op}: device mismatch: {lhs} vs {rhs}; move the tensors to one device first")]
     DeviceMismatch {
+        /// The operation that failed.
         op: &'static str,
+        /// The device of the first input.
         lhs: Device,
+        /// The device of the other input.
         rhs: Device,
     },
 
     /// A device that this build or this machine cannot use.
     #[error("device {device} is not available: {reason}")]
-    DeviceUnavailable { device: Device, reason: String },
+    DeviceUnavailable {
+        /// The device asked for.
+        device: Device,
+        /// Why it cannot be used.
+        reason: String,
+    },
 
     /// Memory that could not be had: the request was larger than the address space or the
     /// device's free memory.
     #[error("{op}: out of memory on {device}: could not allocate {bytes} bytes")]
     OutOfMemory {
+        /// The operation that failed.
         op: &'static str,
+        /// Where the memory was asked for.
         device: Device,
+        /// The size of the request.
         bytes: usize,
     },
 
@@ -56,8 +78,11 @@ pub enum Error {
     /// library's own name for the error.
     #[error("{op}: CUDA error on {device}: {detail}")]
     Cuda {
+        /// The operation that failed.
         op: &'static str,
+        /// The device the call ran on.
         device: Device,
+        /// What failed, with the library's name for the error.
         detail: String,
     },
 
@@ -65,20 +90,35 @@ pub enum Error {
     /// another stream may still use it, as the stream sanitizer found it
     /// (`TANDEM_CUDA_SANITIZER=1`; see `cuda::sanitizer`).
     #[error("stream sanitizer on {device}: {detail}")]
-    StreamRace { device: Device, detail: String },
+    StreamRace {
+        /// The device whose memory is raced on.
+        device: Device,
+        /// The sanitizer's report: the two uses, their streams and the memory.
+        detail: String,
+    },
 
     /// An argument outside what the operation accepts (a dim, a size, a label, a probability).
     #[error("{op}: {msg}")]
-    InvalidArgument { op: &'static str, msg: String },
+    InvalidArgument {
+        /// The operation that failed.
+        op: &'static str,
+        /// Which argument and what is wrong with it.
+        msg: String,
+    },
 
     /// A misuse of automatic differentiation (backward twice through a freed graph, …).
     #[error("autograd: {msg}")]
-    Autograd { msg: String },
+    Autograd {
+        /// What was misused.
+        msg: String,
+    },
 
     /// An error raised by a hook or a layer above the tensor layer, with its context.
     #[error("{context}: {source}")]
     External {
+        /// Where the error was raised (the hook or layer and what it was doing).
         context: String,
+        /// The error itself.
         #[source]
         source: Box<dyn std::error::Error + Send + Sync>,
     },

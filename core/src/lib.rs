@@ -5,6 +5,8 @@
 //! the types here. The autograd *graph data* (nodes, edges, leaf hooks) is defined here because
 //! a tensor points at the node that produced it; the engine that runs it is `tandem-autograd`.
 
+#![warn(missing_docs)]
+
 mod access;
 pub mod cpu;
 mod create;

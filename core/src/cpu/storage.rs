@@ -6,11 +6,17 @@ use crate::{DType, Element, Result};
 /// Host memory of one dtype.
 #[derive(Clone, Debug)]
 pub enum CpuStorage {
+    /// [`DType::F32`] elements.
     F32(Vec<f32>),
+    /// [`DType::F64`] elements.
     F64(Vec<f64>),
+    /// [`DType::F16`] elements.
     F16(Vec<half::f16>),
+    /// [`DType::BF16`] elements.
     BF16(Vec<half::bf16>),
+    /// [`DType::I64`] elements.
     I64(Vec<i64>),
+    /// [`DType::U8`] elements.
     U8(Vec<u8>),
 }
 

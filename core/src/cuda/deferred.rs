@@ -9,6 +9,8 @@
 //! naming the op and what was found, exactly as the CPU op would have failed, and clears it. A
 //! training loop that reads its loss after the step (`loss.item()?`) gets the error there.
 //!
+//! [`Tensor::to_vec`]: crate::Tensor::to_vec
+//!
 //! # Whose error it is
 //! Every op on a device runs on its one compute stream, whichever host thread issues it, so a
 //! stream cannot tell one caller's work from another's. The host thread can: each thread that
@@ -137,7 +139,7 @@ pub struct DeferredSlot {
     pub code: u32,
 }
 
-/// How many records a device has; record [`SHARED`] is for threads that find the others leased.
+/// How many records a device has; record `SHARED` is for threads that find the others leased.
 /// Enough that only a program with a thousand threads issuing checked ops on one device at once
 /// shares one: 32 KiB of page-locked host memory and 4 KiB of device memory per device.
 pub const RECORDS_PER_DEVICE: usize = 1024;

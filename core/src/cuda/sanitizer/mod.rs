@@ -5,7 +5,7 @@
 //! since it watches tandem's own calls, not the device. (PyTorch's CSAN is the model.)
 //!
 //! # What it watches
-//! - **Streams and events** ([`model`]'s happens-before rules): every stream has a vector clock;
+//! - **Streams and events** (`model`'s happens-before rules): every stream has a vector clock;
 //!   recording an event captures the recording stream's clock, `wait_event` joins it into the
 //!   waiting stream, host synchronisations (stream and device synchronize, an event seen
 //!   complete, the synchronous end of a download) join into one host clock, and every enqueue

@@ -139,28 +139,45 @@ impl fmt::Display for Memory {
 pub enum Finding {
     /// `op` on `stream` is not ordered after `other_op` on `other_stream`.
     Race {
+        /// The op whose access was found unordered.
         op: String,
+        /// What `op` does with the memory.
         access: Use,
+        /// The stream `op` is issued on, by name.
         stream: String,
+        /// The earlier op of another stream it is not ordered after.
         other_op: String,
+        /// What `other_op` did with the memory.
         other_access: Use,
+        /// The stream `other_op` was issued on, by name.
         other_stream: String,
+        /// The allocation both use.
         memory: Memory,
     },
     /// `op` on `stream` uses memory that was freed on `freed_on`.
     UseAfterFree {
+        /// The op that uses the freed memory.
         op: String,
+        /// The stream `op` is issued on, by name.
         stream: String,
+        /// The address it uses.
         address: u64,
+        /// The freed allocation that held the address.
         memory: Memory,
+        /// The stream the memory was freed on, by name.
         freed_on: String,
     },
     /// Memory freed on `freed_on` while `other_op` on `other_stream` may still be using it.
     FreedWhileInUse {
+        /// The stream the memory is freed on, by name.
         freed_on: String,
+        /// The op of another stream the free is not ordered after.
         other_op: String,
+        /// What `other_op` did with the memory.
         other_access: Use,
+        /// The stream `other_op` was issued on, by name.
         other_stream: String,
+        /// The allocation freed.
         memory: Memory,
     },
 }
