@@ -1,10 +1,12 @@
 //! `tandem-autograd`: reverse-mode automatic differentiation.
 //!
-//! Ops record nodes with [`record`]; [`backward`] runs them in reverse topological order,
+//! Ops record nodes with [`record()`]; [`backward`] runs them in reverse topological order,
 //! accumulates leaf gradients, and emits the two events distributed training is built on:
 //! a **gradient-ready** event per parameter the moment its gradient is final, and a
 //! **backward-finished** event once per pass (see [`hooks`]). Nothing here knows about
-//! communication. [`gradcheck`] verifies any op's backward against finite differences.
+//! communication. [`gradcheck()`] verifies any op's backward against finite differences.
+
+#![warn(missing_docs)]
 
 pub mod engine;
 pub mod grad_mode;
