@@ -14,6 +14,8 @@
 //! it when the model moves; `state()` hands out the live tensors, which a checkpoint saves from
 //! any device, and `load_state` copies saved state to the parameters' device.
 
+#![warn(missing_docs)]
+
 pub mod adam;
 pub mod clip;
 pub mod error;
