@@ -19,6 +19,8 @@
 //!
 //! The harness is a development tool: it is not published and nothing in tandem depends on it.
 
+#![warn(missing_docs)]
+
 use std::collections::HashMap;
 use std::ffi::{c_char, c_void};
 use std::path::{Path, PathBuf};
