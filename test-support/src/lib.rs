@@ -31,6 +31,8 @@
 //! the same emulator; a test that starts a program without having selected the emulator puts
 //! [`emulator_folder`] in that child's `TANDEM_CUDA_LIBS` itself.
 
+#![warn(missing_docs)]
+
 pub mod emulator_counters;
 
 use std::ffi::c_int;
