@@ -130,6 +130,7 @@ fn device(ordinal: i32) -> Res {
     }
 }
 
+/// Emulates `cuDeviceGetCount`: always one device.
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceGetCount(count: *mut i32) -> CUresult {
     entry("cuDeviceGetCount", || {
@@ -139,6 +140,7 @@ pub unsafe extern "C" fn cuDeviceGetCount(count: *mut i32) -> CUresult {
     })
 }
 
+/// Emulates `cuDeviceGet`: ordinal 0 is the one device; any other is `CUDA_ERROR_INVALID_DEVICE`.
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceGet(out: *mut i32, ordinal: i32) -> CUresult {
     entry("cuDeviceGet", || {
@@ -148,6 +150,8 @@ pub unsafe extern "C" fn cuDeviceGet(out: *mut i32, ordinal: i32) -> CUresult {
     })
 }
 
+/// Emulates `cuDeviceGetAttribute` with an H100 SXM's values; an attribute outside the emulator's
+/// table is `CUDA_ERROR_NOT_SUPPORTED` (with a message).
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceGetAttribute(out: *mut i32, attrib: u32, dev: i32) -> CUresult {
     entry("cuDeviceGetAttribute", || {
@@ -165,6 +169,7 @@ pub unsafe extern "C" fn cuDeviceGetAttribute(out: *mut i32, attrib: u32, dev: i
     })
 }
 
+/// Emulates `cuDeviceGetName`: [`DEVICE_NAME`], truncated to the buffer.
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceGetName(name: *mut c_char, len: i32, dev: i32) -> CUresult {
     entry("cuDeviceGetName", || {
@@ -182,6 +187,7 @@ pub unsafe extern "C" fn cuDeviceGetName(name: *mut c_char, len: i32, dev: i32) 
     })
 }
 
+/// Emulates `cuDeviceTotalMem_v2`: [`TOTAL_MEMORY`] (80 GiB), whatever the host has.
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceTotalMem_v2(bytes: *mut usize, dev: i32) -> CUresult {
     entry("cuDeviceTotalMem_v2", || {
@@ -194,6 +200,7 @@ pub unsafe extern "C" fn cuDeviceTotalMem_v2(bytes: *mut usize, dev: i32) -> CUr
 /// The emulated device's UUID: fixed, and spelling "tandem-cuda-emu!".
 const UUID: [u8; 16] = *b"tandem-cuda-emu!";
 
+/// Emulates `cuDeviceGetUuid`: a fixed UUID, the bytes of "tandem-cuda-emu!".
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceGetUuid(uuid: *mut sys::CUuuid, dev: i32) -> CUresult {
     entry("cuDeviceGetUuid", || {
@@ -203,12 +210,15 @@ pub unsafe extern "C" fn cuDeviceGetUuid(uuid: *mut sys::CUuuid, dev: i32) -> CU
     })
 }
 
+/// Emulates `cuDeviceGetUuid_v2`: as [`cuDeviceGetUuid`].
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceGetUuid_v2(uuid: *mut sys::CUuuid, dev: i32) -> CUresult {
     // SAFETY: forwarded.
     unsafe { cuDeviceGetUuid(uuid, dev) }
 }
 
+/// Emulates `cuDeviceGetPCIBusId`: always `0000:00:00.0`; a buffer shorter than that is
+/// `CUDA_ERROR_INVALID_VALUE` (no truncation).
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceGetPCIBusId(bus: *mut c_char, len: i32, dev: i32) -> CUresult {
     entry("cuDeviceGetPCIBusId", || {
@@ -229,6 +239,7 @@ pub struct Context {
     flags: AtomicU32,
 }
 
+/// The one primary context; its address is the handle [`primary`] returns.
 pub static PRIMARY: Context = Context {
     retained: AtomicI64::new(0),
     flags: AtomicU32::new(0),
@@ -255,6 +266,8 @@ pub fn current() -> Res {
     }
 }
 
+/// Emulates `cuDevicePrimaryCtxRetain`: counts a retain of the one primary context and returns its
+/// handle.
 #[no_mangle]
 pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(ctx: *mut sys::CUcontext, dev: i32) -> CUresult {
     entry("cuDevicePrimaryCtxRetain", || {
@@ -276,16 +289,21 @@ fn release(dev: i32) -> Res {
     Ok(())
 }
 
+/// Emulates `cuDevicePrimaryCtxRelease_v2`: counts a release; releasing more often than retaining
+/// is `CUDA_ERROR_INVALID_CONTEXT`. Nothing is freed when the count reaches 0.
 #[no_mangle]
 pub extern "C" fn cuDevicePrimaryCtxRelease_v2(dev: i32) -> CUresult {
     entry("cuDevicePrimaryCtxRelease_v2", || release(dev))
 }
 
+/// Emulates `cuDevicePrimaryCtxRelease`: as [`cuDevicePrimaryCtxRelease_v2`].
 #[no_mangle]
 pub extern "C" fn cuDevicePrimaryCtxRelease(dev: i32) -> CUresult {
     entry("cuDevicePrimaryCtxRelease", || release(dev))
 }
 
+/// Emulates `cuDevicePrimaryCtxGetState`: the stored flags, and active while the context is
+/// retained.
 #[no_mangle]
 pub unsafe extern "C" fn cuDevicePrimaryCtxGetState(
     dev: i32,
@@ -305,6 +323,7 @@ pub unsafe extern "C" fn cuDevicePrimaryCtxGetState(
     })
 }
 
+/// Emulates `cuDevicePrimaryCtxSetFlags_v2`: stores the flags (any value; they change nothing).
 #[no_mangle]
 pub extern "C" fn cuDevicePrimaryCtxSetFlags_v2(dev: i32, flags: u32) -> CUresult {
     entry("cuDevicePrimaryCtxSetFlags_v2", || {
@@ -314,6 +333,8 @@ pub extern "C" fn cuDevicePrimaryCtxSetFlags_v2(dev: i32, flags: u32) -> CUresul
     })
 }
 
+/// Emulates `cuCtxSetCurrent` for this thread: the primary context or null; any other handle is
+/// `CUDA_ERROR_INVALID_CONTEXT`.
 #[no_mangle]
 pub extern "C" fn cuCtxSetCurrent(ctx: sys::CUcontext) -> CUresult {
     entry("cuCtxSetCurrent", || {
@@ -326,6 +347,7 @@ pub extern "C" fn cuCtxSetCurrent(ctx: sys::CUcontext) -> CUresult {
     })
 }
 
+/// Emulates `cuCtxGetCurrent`: this thread's current context (null when none).
 #[no_mangle]
 pub unsafe extern "C" fn cuCtxGetCurrent(ctx: *mut sys::CUcontext) -> CUresult {
     entry("cuCtxGetCurrent", || {
@@ -335,6 +357,7 @@ pub unsafe extern "C" fn cuCtxGetCurrent(ctx: *mut sys::CUcontext) -> CUresult {
     })
 }
 
+/// Emulates `cuCtxGetDevice`: device 0, once a context is current.
 #[no_mangle]
 pub unsafe extern "C" fn cuCtxGetDevice(dev: *mut i32) -> CUresult {
     entry("cuCtxGetDevice", || {
@@ -344,6 +367,7 @@ pub unsafe extern "C" fn cuCtxGetDevice(dev: *mut i32) -> CUresult {
     })
 }
 
+/// Emulates `cuCtxGetFlags`: the primary context's stored flags.
 #[no_mangle]
 pub unsafe extern "C" fn cuCtxGetFlags(flags: *mut u32) -> CUresult {
     entry("cuCtxGetFlags", || {
@@ -353,6 +377,7 @@ pub unsafe extern "C" fn cuCtxGetFlags(flags: *mut u32) -> CUresult {
     })
 }
 
+/// Emulates `cuCtxSetFlags`: stores the flags (any value; they change nothing).
 #[no_mangle]
 pub extern "C" fn cuCtxSetFlags(flags: u32) -> CUresult {
     entry("cuCtxSetFlags", || {
@@ -362,6 +387,8 @@ pub extern "C" fn cuCtxSetFlags(flags: u32) -> CUresult {
     })
 }
 
+/// Emulates `cuCtxGetStreamPriorityRange`: least 0, greatest -5; either pointer
+/// may be null.
 #[no_mangle]
 pub unsafe extern "C" fn cuCtxGetStreamPriorityRange(
     least: *mut i32,
@@ -382,6 +409,8 @@ pub unsafe extern "C" fn cuCtxGetStreamPriorityRange(
     })
 }
 
+/// Emulates `cuCtxSynchronize`: waits for every stream's work, counted as a host synchronisation in
+/// the counters.
 #[no_mangle]
 pub extern "C" fn cuCtxSynchronize() -> CUresult {
     entry("cuCtxSynchronize", || {

@@ -111,6 +111,7 @@
 //! `tandem_cuda_emu_count_dnn(kind)` are how the emulated cuBLAS and cuDNN count their work; `tandem_cuda_emu_trace_host_syncs(on)` prints the call
 //! stack of every host synchronisation. Tests read them through `tests/common`.
 
+#![warn(missing_docs)]
 #![allow(non_snake_case)]
 #![allow(clippy::missing_safety_doc)]
 
@@ -199,6 +200,8 @@ pub(crate) unsafe fn put<T>(out: *mut T, value: T) -> Res {
     Ok(())
 }
 
+/// Emulates `cuInit`: marks the driver initialised; only `flags == 0` is accepted
+/// (`CUDA_ERROR_INVALID_VALUE` otherwise).
 #[no_mangle]
 pub extern "C" fn cuInit(flags: u32) -> CUresult {
     entry("cuInit", || {
@@ -210,6 +213,7 @@ pub extern "C" fn cuInit(flags: u32) -> CUresult {
     })
 }
 
+/// Emulates `cuDriverGetVersion`: always 13000 (CUDA 13.0, the version tandem's cudarc binds).
 #[no_mangle]
 pub unsafe extern "C" fn cuDriverGetVersion(version: *mut i32) -> CUresult {
     // SAFETY: out-parameter per the driver's contract.
@@ -271,6 +275,8 @@ fn error_text(code: u32) -> Option<(&'static str, &'static str)> {
     })
 }
 
+/// Emulates `cuGetErrorName`: the enum name of the codes the emulator returns; any other code is
+/// `CUDA_ERROR_INVALID_VALUE`.
 #[no_mangle]
 pub unsafe extern "C" fn cuGetErrorName(error: u32, out: *mut *const c_char) -> CUresult {
     entry("cuGetErrorName", || match error_text(error) {
@@ -280,6 +286,8 @@ pub unsafe extern "C" fn cuGetErrorName(error: u32, out: *mut *const c_char) -> 
     })
 }
 
+/// Emulates `cuGetErrorString`: the driver's description of the codes the emulator returns; any
+/// other code is `CUDA_ERROR_INVALID_VALUE`.
 #[no_mangle]
 pub unsafe extern "C" fn cuGetErrorString(error: u32, out: *mut *const c_char) -> CUresult {
     entry("cuGetErrorString", || match error_text(error) {

@@ -14,7 +14,7 @@
 //! ```
 //!
 //! - A kernel reading or writing at or past `ptr + rounded` touches the inaccessible page: the
-//!   SIGSEGV handler ([`install_fault_handler`]) prints which kernel was running (its grid, block
+//!   SIGSEGV handler (`install_fault_handler`) prints which kernel was running (its grid, block
 //!   and stream), the address, and the allocation it overran (number, base, size, who allocated
 //!   it), and aborts the process. A fault anywhere else goes to the handler installed before.
 //!   The page before the data catches reads far before the start the same way.
@@ -473,6 +473,8 @@ fn stream_name(s: &Stream) -> String {
 
 // ---- Allocation entry points ------------------------------------------------------------
 
+/// Emulates `cuMemAlloc_v2`: a fresh guarded, poisoned mapping (see the module docs); size 0 is
+/// `CUDA_ERROR_INVALID_VALUE`, more than [`TOTAL_MEMORY`] live is `CUDA_ERROR_OUT_OF_MEMORY`.
 #[no_mangle]
 pub unsafe extern "C" fn cuMemAlloc_v2(out: *mut u64, size: usize) -> CUresult {
     entry("cuMemAlloc_v2", || {
@@ -484,6 +486,9 @@ pub unsafe extern "C" fn cuMemAlloc_v2(out: *mut u64, size: usize) -> CUresult {
     })
 }
 
+/// Emulates `cuMemFree_v2`: waits for every stream, checks the guards, poisons the block and
+/// quarantines it (never reused); a double or foreign free is `CUDA_ERROR_INVALID_VALUE` with a
+/// message.
 #[no_mangle]
 pub extern "C" fn cuMemFree_v2(ptr: u64) -> CUresult {
     entry("cuMemFree_v2", || {
@@ -497,6 +502,9 @@ pub extern "C" fn cuMemFree_v2(ptr: u64) -> CUresult {
     })
 }
 
+/// Emulates `cuMemAllocAsync` from the default pool: the memory is allocated at the call (not in
+/// stream order) and the pool's counters are updated; blocks are never reused, only counted as
+/// cached.
 #[no_mangle]
 pub unsafe extern "C" fn cuMemAllocAsync(
     out: *mut u64,
@@ -518,6 +526,8 @@ pub unsafe extern "C" fn cuMemAllocAsync(
     })
 }
 
+/// Emulates `cuMemAllocFromPoolAsync` for the default pool only (as [`cuMemAllocAsync`]); any other
+/// pool is `CUDA_ERROR_NOT_SUPPORTED`.
 #[no_mangle]
 pub unsafe extern "C" fn cuMemAllocFromPoolAsync(
     out: *mut u64,
@@ -533,6 +543,8 @@ pub unsafe extern "C" fn cuMemAllocFromPoolAsync(
     unsafe { cuMemAllocAsync(out, size, stream) }
 }
 
+/// Emulates `cuMemFreeAsync`: a double free is caught at the call; the free itself (guard check,
+/// poison, quarantine) runs when the stream reaches it.
 #[no_mangle]
 pub extern "C" fn cuMemFreeAsync(ptr: u64, stream: sys::CUstream) -> CUresult {
     entry("cuMemFreeAsync", || {
@@ -547,6 +559,8 @@ pub extern "C" fn cuMemFreeAsync(ptr: u64, stream: sys::CUstream) -> CUresult {
     })
 }
 
+/// Emulates `cuMemGetInfo_v2`: total is [`TOTAL_MEMORY`]; free is that minus live allocations and
+/// the pool's cached bytes (not the host's free memory).
 #[no_mangle]
 pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) -> CUresult {
     entry("cuMemGetInfo_v2", || {
@@ -569,6 +583,7 @@ fn default_pool() -> sys::CUmemoryPool {
     &POOL_TAG as *const u8 as sys::CUmemoryPool
 }
 
+/// Emulates `cuDeviceGetDefaultMemPool`: the handle of the one pool.
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceGetDefaultMemPool(
     out: *mut sys::CUmemoryPool,
@@ -584,6 +599,7 @@ pub unsafe extern "C" fn cuDeviceGetDefaultMemPool(
     })
 }
 
+/// Emulates `cuDeviceGetMemPool`: always the default pool (setting another is not emulated).
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceGetMemPool(out: *mut sys::CUmemoryPool, dev: i32) -> CUresult {
     // SAFETY: forwarded: the current pool is always the default one.
@@ -592,6 +608,9 @@ pub unsafe extern "C" fn cuDeviceGetMemPool(out: *mut sys::CUmemoryPool, dev: i3
 
 use sys::CUmemPool_attribute as P;
 
+/// Emulates `cuMemPoolGetAttribute` for the default pool: the release threshold, reserved and used
+/// memory (current and high) from the emulator's counters, and the reuse policies (always on);
+/// other attributes are `CUDA_ERROR_NOT_SUPPORTED`.
 #[no_mangle]
 pub unsafe extern "C" fn cuMemPoolGetAttribute(
     pool: sys::CUmemoryPool,
@@ -633,6 +652,9 @@ pub unsafe extern "C" fn cuMemPoolGetAttribute(
     })
 }
 
+/// Emulates `cuMemPoolSetAttribute` for the default pool: the release threshold, resetting the
+/// high-water marks (only 0), and the reuse policies (accepted and ignored: blocks are never reused
+/// early); other attributes are `CUDA_ERROR_NOT_SUPPORTED`.
 #[no_mangle]
 pub unsafe extern "C" fn cuMemPoolSetAttribute(
     pool: sys::CUmemoryPool,
@@ -679,6 +701,8 @@ pub unsafe extern "C" fn cuMemPoolSetAttribute(
     })
 }
 
+/// Emulates `cuMemPoolTrimTo` on the default pool's counters: the cached bytes drop so that the
+/// pool reserves at most `min_bytes` (no memory is returned: freed blocks are in quarantine).
 #[no_mangle]
 pub extern "C" fn cuMemPoolTrimTo(pool: sys::CUmemoryPool, min_bytes: usize) -> CUresult {
     entry("cuMemPoolTrimTo", || {
@@ -769,6 +793,8 @@ fn dtoh(
     Ok(must_wait)
 }
 
+/// Emulates `cuMemcpyHtoDAsync_v2`: from pinned memory the bytes are read when the stream gets
+/// there; from pageable memory they are staged at the call, as the driver does.
 #[no_mangle]
 pub unsafe extern "C" fn cuMemcpyHtoDAsync_v2(
     dst: u64,
@@ -781,6 +807,8 @@ pub unsafe extern "C" fn cuMemcpyHtoDAsync_v2(
     })
 }
 
+/// Emulates `cuMemcpyHtoD_v2` on the legacy default stream, waiting for the copy (counted as a
+/// blocking host synchronisation).
 #[no_mangle]
 pub unsafe extern "C" fn cuMemcpyHtoD_v2(dst: u64, src: *const c_void, len: usize) -> CUresult {
     entry("cuMemcpyHtoD_v2", || {
@@ -792,6 +820,8 @@ pub unsafe extern "C" fn cuMemcpyHtoD_v2(dst: u64, src: *const c_void, len: usiz
     })
 }
 
+/// Emulates `cuMemcpyDtoHAsync_v2`: into pinned memory it is asynchronous; into pageable memory the
+/// call waits for the copy, as the driver does (counted as a host synchronisation).
 #[no_mangle]
 pub unsafe extern "C" fn cuMemcpyDtoHAsync_v2(
     dst: *mut c_void,
@@ -807,6 +837,8 @@ pub unsafe extern "C" fn cuMemcpyDtoHAsync_v2(
     })
 }
 
+/// Emulates `cuMemcpyDtoH_v2` on the legacy default stream: returns once the copy and everything
+/// before it on that stream are done.
 #[no_mangle]
 pub unsafe extern "C" fn cuMemcpyDtoH_v2(dst: *mut c_void, src: u64, len: usize) -> CUresult {
     entry("cuMemcpyDtoH_v2", || {
@@ -828,6 +860,8 @@ fn dtod(dst: u64, src: u64, len: usize, stream: &Arc<Stream>, what: &str) -> Res
     Ok(enqueue_copy(stream, Addr(dst), Addr(src), len))
 }
 
+/// Emulates `cuMemcpyDtoDAsync_v2`: both ranges must lie in live allocations; the copy runs in
+/// stream order.
 #[no_mangle]
 pub extern "C" fn cuMemcpyDtoDAsync_v2(
     dst: u64,
@@ -840,6 +874,8 @@ pub extern "C" fn cuMemcpyDtoDAsync_v2(
     })
 }
 
+/// Emulates `cuMemcpyDtoD_v2` on the legacy default stream, waiting for the copy (the real call may
+/// return before it ends).
 #[no_mangle]
 pub extern "C" fn cuMemcpyDtoD_v2(dst: u64, src: u64, len: usize) -> CUresult {
     entry("cuMemcpyDtoD_v2", || {
@@ -883,6 +919,8 @@ fn memset(
     })))
 }
 
+/// Emulates `cuMemsetD8Async`: the range must lie in one live allocation; the fill runs in stream
+/// order.
 #[no_mangle]
 pub extern "C" fn cuMemsetD8Async(
     dst: u64,
@@ -903,6 +941,8 @@ pub extern "C" fn cuMemsetD8Async(
     })
 }
 
+/// Emulates `cuMemsetD16Async`: `dst` must be 2-byte aligned and the range in one live allocation;
+/// the fill runs in stream order.
 #[no_mangle]
 pub extern "C" fn cuMemsetD16Async(
     dst: u64,
@@ -923,6 +963,8 @@ pub extern "C" fn cuMemsetD16Async(
     })
 }
 
+/// Emulates `cuMemsetD32Async`: `dst` must be 4-byte aligned and the range in one live allocation;
+/// the fill runs in stream order.
 #[no_mangle]
 pub extern "C" fn cuMemsetD32Async(
     dst: u64,
@@ -943,6 +985,7 @@ fn memset_sync(dst: u64, value: u32, width: usize, count: usize, what: &str) -> 
     sticky()
 }
 
+/// Emulates `cuMemsetD8_v2` on the legacy default stream, waiting for the fill.
 #[no_mangle]
 pub extern "C" fn cuMemsetD8_v2(dst: u64, value: u8, count: usize) -> CUresult {
     entry("cuMemsetD8_v2", || {
@@ -950,6 +993,7 @@ pub extern "C" fn cuMemsetD8_v2(dst: u64, value: u8, count: usize) -> CUresult {
     })
 }
 
+/// Emulates `cuMemsetD16_v2` on the legacy default stream, waiting for the fill.
 #[no_mangle]
 pub extern "C" fn cuMemsetD16_v2(dst: u64, value: u16, count: usize) -> CUresult {
     entry("cuMemsetD16_v2", || {
@@ -957,6 +1001,7 @@ pub extern "C" fn cuMemsetD16_v2(dst: u64, value: u16, count: usize) -> CUresult
     })
 }
 
+/// Emulates `cuMemsetD32_v2` on the legacy default stream, waiting for the fill.
 #[no_mangle]
 pub extern "C" fn cuMemsetD32_v2(dst: u64, value: u32, count: usize) -> CUresult {
     entry("cuMemsetD32_v2", || {
@@ -987,6 +1032,8 @@ fn host_alloc(out: *mut *mut c_void, size: usize) -> Res {
     unsafe { put(out, ptr.cast()) }
 }
 
+/// Emulates `cuMemHostAlloc`: page-aligned poisoned host memory, remembered as pinned (copies from
+/// and to it are asynchronous); the flags are checked, not acted on.
 #[no_mangle]
 pub unsafe extern "C" fn cuMemHostAlloc(
     out: *mut *mut c_void,
@@ -1001,11 +1048,14 @@ pub unsafe extern "C" fn cuMemHostAlloc(
     })
 }
 
+/// Emulates `cuMemAllocHost_v2`: as [`cuMemHostAlloc`] without flags.
 #[no_mangle]
 pub unsafe extern "C" fn cuMemAllocHost_v2(out: *mut *mut c_void, size: usize) -> CUresult {
     entry("cuMemAllocHost_v2", || host_alloc(out, size))
 }
 
+/// Emulates `cuMemFreeHost`: waits for every stream, then poisons and frees the memory; a pointer
+/// not from [`cuMemHostAlloc`] is `CUDA_ERROR_INVALID_VALUE` with a message.
 #[no_mangle]
 pub extern "C" fn cuMemFreeHost(ptr: *mut c_void) -> CUresult {
     entry("cuMemFreeHost", || {
@@ -1033,6 +1083,8 @@ pub extern "C" fn cuMemFreeHost(ptr: *mut c_void) -> CUresult {
     })
 }
 
+/// Emulates `cuMemHostGetDevicePointer_v2` with unified addressing: the device pointer is the host
+/// address; only pinned memory and `flags == 0` are accepted.
 #[no_mangle]
 pub unsafe extern "C" fn cuMemHostGetDevicePointer_v2(
     out: *mut u64,

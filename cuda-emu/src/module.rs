@@ -5,7 +5,7 @@
 //! (cuda-harness/include/tandem_host.h). Launches of one stream stay in order (one worker).
 //! Two launches of the same kernel (by name) never overlap: its `__shared__` variables are
 //! `static` in the host build, one copy per kernel, so a launch of kernel K waits for the
-//! running launch of K on another stream ([`Function::running`]). A kernel that spins until
+//! running launch of K on another stream (`Function::running`). A kernel that spins until
 //! another stream's kernel or the host writes a flag therefore finishes instead of deadlocking.
 
 use std::collections::HashMap;
@@ -194,6 +194,9 @@ fn load_library(bytes: &[u8]) -> Result<libloading::Library, String> {
     })
 }
 
+/// Emulates `cuModuleLoadData` for images from the emulated NVRTC only (a host shared library
+/// behind a tandem header, not a CUBIN or PTX): loads the library; an image for another
+/// architecture than `sm_90`'s family is `CUDA_ERROR_NO_BINARY_FOR_GPU`.
 #[no_mangle]
 pub unsafe extern "C" fn cuModuleLoadData(
     out: *mut sys::CUmodule,
@@ -245,6 +248,8 @@ pub unsafe extern "C" fn cuModuleLoadData(
     })
 }
 
+/// Emulates `cuModuleUnload`: forgets the handle; the host library stays loaded for the life of the
+/// process (launches in flight may run its code).
 #[no_mangle]
 pub extern "C" fn cuModuleUnload(module: sys::CUmodule) -> CUresult {
     entry("cuModuleUnload", || {
@@ -258,6 +263,9 @@ pub extern "C" fn cuModuleUnload(module: sys::CUmodule) -> CUresult {
     })
 }
 
+/// Emulates `cuModuleGetFunction`: finds the kernel's host entry point (exported by
+/// `TANDEM_HOST_EXPORT`) and its parameter sizes; a kernel without them is `CUDA_ERROR_NOT_FOUND`
+/// with a message.
 #[no_mangle]
 pub unsafe extern "C" fn cuModuleGetFunction(
     out: *mut sys::CUfunction,
@@ -332,6 +340,9 @@ fn function(f: sys::CUfunction) -> Result<Arc<Function>, CUresult> {
 
 use sys::CUfunction_attribute as FA;
 
+/// Emulates `cuFuncGetAttribute` for a few attributes, with fixed values (1024 threads, 32
+/// registers, no static shared/constant/local memory, version 90) and the dynamic shared memory
+/// limit as set; others are `CUDA_ERROR_NOT_SUPPORTED`.
 #[no_mangle]
 pub unsafe extern "C" fn cuFuncGetAttribute(
     out: *mut i32,
@@ -364,6 +375,8 @@ pub unsafe extern "C" fn cuFuncGetAttribute(
     })
 }
 
+/// Emulates `cuFuncSetAttribute`: the maximum dynamic shared memory (up to an H100's opt-in limit)
+/// and the shared memory carveout (accepted and ignored); others are `CUDA_ERROR_NOT_SUPPORTED`.
 #[no_mangle]
 pub extern "C" fn cuFuncSetAttribute(f: sys::CUfunction, attrib: u32, value: i32) -> CUresult {
     entry("cuFuncSetAttribute", || {
@@ -395,6 +408,10 @@ struct Arguments {
 // SAFETY: plain bytes.
 unsafe impl Send for Arguments {}
 
+/// Emulates `cuLaunchKernel`: checks the grid, block and shared memory against an H100's limits,
+/// copies the arguments, and runs the kernel's host build on the stream's worker (never beside
+/// another launch of the same kernel); arguments through `extra` are `CUDA_ERROR_NOT_SUPPORTED`,
+/// and a failing kernel is a sticky `CUDA_ERROR_LAUNCH_FAILED`.
 #[no_mangle]
 pub unsafe extern "C" fn cuLaunchKernel(
     f: sys::CUfunction,

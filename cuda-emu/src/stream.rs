@@ -217,11 +217,14 @@ fn create(out: *mut sys::CUstream, flags: u32) -> Res {
     unsafe { put(out, handle as sys::CUstream) }
 }
 
+/// Emulates `cuStreamCreate`: a new stream with its own worker thread; flags 0 or
+/// `CU_STREAM_NON_BLOCKING` only.
 #[no_mangle]
 pub unsafe extern "C" fn cuStreamCreate(out: *mut sys::CUstream, flags: u32) -> CUresult {
     entry("cuStreamCreate", || create(out, flags))
 }
 
+/// Emulates `cuStreamCreateWithPriority` as [`cuStreamCreate`]: the priority is ignored.
 #[no_mangle]
 pub unsafe extern "C" fn cuStreamCreateWithPriority(
     out: *mut sys::CUstream,
@@ -248,16 +251,21 @@ fn destroy(handle: sys::CUstream) -> Res {
     Ok(())
 }
 
+/// Emulates `cuStreamDestroy_v2`: returns at once; work already enqueued still runs, then the
+/// worker exits. The default stream handles are `CUDA_ERROR_INVALID_HANDLE`.
 #[no_mangle]
 pub extern "C" fn cuStreamDestroy_v2(handle: sys::CUstream) -> CUresult {
     entry("cuStreamDestroy_v2", || destroy(handle))
 }
 
+/// Emulates `cuStreamDestroy`: as [`cuStreamDestroy_v2`].
 #[no_mangle]
 pub extern "C" fn cuStreamDestroy(handle: sys::CUstream) -> CUresult {
     entry("cuStreamDestroy", || destroy(handle))
 }
 
+/// Emulates `cuStreamSynchronize`: waits for the stream's work, then checks every allocation's
+/// guards and returns a sticky fault if one was reported.
 #[no_mangle]
 pub extern "C" fn cuStreamSynchronize(handle: sys::CUstream) -> CUresult {
     entry("cuStreamSynchronize", || {
@@ -269,6 +277,8 @@ pub extern "C" fn cuStreamSynchronize(handle: sys::CUstream) -> CUresult {
     })
 }
 
+/// Emulates `cuStreamQuery`: `CUDA_ERROR_NOT_READY` until the worker has run everything enqueued so
+/// far.
 #[no_mangle]
 pub extern "C" fn cuStreamQuery(handle: sys::CUstream) -> CUresult {
     entry("cuStreamQuery", || {
@@ -284,6 +294,7 @@ pub extern "C" fn cuStreamQuery(handle: sys::CUstream) -> CUresult {
     })
 }
 
+/// Emulates `cuStreamGetFlags`: the flags the stream was created with.
 #[no_mangle]
 pub unsafe extern "C" fn cuStreamGetFlags(handle: sys::CUstream, flags: *mut u32) -> CUresult {
     entry("cuStreamGetFlags", || {
@@ -294,6 +305,7 @@ pub unsafe extern "C" fn cuStreamGetFlags(handle: sys::CUstream, flags: *mut u32
     })
 }
 
+/// Emulates `cuStreamGetPriority`: always 0 (priorities are not emulated).
 #[no_mangle]
 pub unsafe extern "C" fn cuStreamGetPriority(
     handle: sys::CUstream,
@@ -346,6 +358,8 @@ fn wait_value32(handle: sys::CUstream, address: sys::CUdeviceptr, value: u32, fl
     Ok(())
 }
 
+/// Emulates `cuStreamWaitValue32_v2`: the stream's worker polls the word (every 50 µs, with no time
+/// limit) until the GEQ, EQ, AND or NOR test passes; the flush flag is ignored.
 #[no_mangle]
 pub extern "C" fn cuStreamWaitValue32_v2(
     handle: sys::CUstream,
@@ -358,6 +372,7 @@ pub extern "C" fn cuStreamWaitValue32_v2(
     })
 }
 
+/// Emulates `cuStreamWaitValue32`: as [`cuStreamWaitValue32_v2`].
 #[no_mangle]
 pub extern "C" fn cuStreamWaitValue32(
     handle: sys::CUstream,
@@ -375,6 +390,7 @@ struct UserData(*mut c_void);
 // SAFETY: the caller of cuLaunchHostFunc promises the data may be used from the driver's thread.
 unsafe impl Send for UserData {}
 
+/// Emulates `cuLaunchHostFunc`: the function runs on the stream's worker thread, in stream order.
 #[no_mangle]
 pub extern "C" fn cuLaunchHostFunc(
     handle: sys::CUstream,
@@ -432,6 +448,8 @@ fn event(handle: sys::CUevent) -> Result<Arc<Event>, CUresult> {
 /// `CU_EVENT_DISABLE_TIMING`.
 const DISABLE_TIMING: u32 = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
 
+/// Emulates `cuEventCreate`: the flags are checked and kept (only `CU_EVENT_DISABLE_TIMING`
+/// changes anything).
 #[no_mangle]
 pub unsafe extern "C" fn cuEventCreate(out: *mut sys::CUevent, flags: u32) -> CUresult {
     entry("cuEventCreate", || {
@@ -460,11 +478,13 @@ fn destroy_event(handle: sys::CUevent) -> Res {
         .ok_or(E::CUDA_ERROR_INVALID_HANDLE)
 }
 
+/// Emulates `cuEventDestroy_v2`: forgets the handle (streams already waiting on it still wait).
 #[no_mangle]
 pub extern "C" fn cuEventDestroy_v2(handle: sys::CUevent) -> CUresult {
     entry("cuEventDestroy_v2", || destroy_event(handle))
 }
 
+/// Emulates `cuEventDestroy`: as [`cuEventDestroy_v2`].
 #[no_mangle]
 pub extern "C" fn cuEventDestroy(handle: sys::CUevent) -> CUresult {
     entry("cuEventDestroy", || destroy_event(handle))
@@ -490,11 +510,14 @@ fn record(handle: sys::CUevent, stream: sys::CUstream) -> Res {
     Ok(())
 }
 
+/// Emulates `cuEventRecord`: the event now marks the stream's current point; its time is taken when
+/// the worker passes it.
 #[no_mangle]
 pub extern "C" fn cuEventRecord(handle: sys::CUevent, stream: sys::CUstream) -> CUresult {
     entry("cuEventRecord", || record(handle, stream))
 }
 
+/// Emulates `cuEventRecordWithFlags` as [`cuEventRecord`]: the flags are ignored.
 #[no_mangle]
 pub extern "C" fn cuEventRecordWithFlags(
     handle: sys::CUevent,
@@ -509,6 +532,8 @@ fn target(event: &Event) -> Option<(Arc<Stream>, u64)> {
     event.state.lock().target.clone()
 }
 
+/// Emulates `cuEventQuery`: `CUDA_ERROR_NOT_READY` until the recorded point is passed (an event
+/// never recorded is complete).
 #[no_mangle]
 pub extern "C" fn cuEventQuery(handle: sys::CUevent) -> CUresult {
     entry("cuEventQuery", || {
@@ -523,6 +548,8 @@ pub extern "C" fn cuEventQuery(handle: sys::CUevent) -> CUresult {
     })
 }
 
+/// Emulates `cuEventSynchronize`: waits for the recorded point, then checks every allocation's
+/// guards and returns a sticky fault if one was reported.
 #[no_mangle]
 pub extern "C" fn cuEventSynchronize(handle: sys::CUevent) -> CUresult {
     entry("cuEventSynchronize", || {
@@ -561,6 +588,8 @@ fn elapsed(ms: *mut f32, start: sys::CUevent, end: sys::CUevent) -> Res {
     unsafe { put(ms, millis as f32) }
 }
 
+/// Emulates `cuEventElapsedTime`: milliseconds between the host times at which the workers passed
+/// the two events (host clock, not GPU time).
 #[no_mangle]
 pub unsafe extern "C" fn cuEventElapsedTime(
     ms: *mut f32,
@@ -570,6 +599,7 @@ pub unsafe extern "C" fn cuEventElapsedTime(
     entry("cuEventElapsedTime", || elapsed(ms, start, end))
 }
 
+/// Emulates `cuEventElapsedTime_v2`: as [`cuEventElapsedTime`].
 #[no_mangle]
 pub unsafe extern "C" fn cuEventElapsedTime_v2(
     ms: *mut f32,
@@ -579,6 +609,8 @@ pub unsafe extern "C" fn cuEventElapsedTime_v2(
     entry("cuEventElapsedTime_v2", || elapsed(ms, start, end))
 }
 
+/// Emulates `cuStreamWaitEvent`: the stream's worker waits for the event's recorded point as of
+/// this call (a later record does not change the wait).
 #[no_mangle]
 pub extern "C" fn cuStreamWaitEvent(
     stream: sys::CUstream,
