@@ -28,6 +28,7 @@
 //! not know fail with `NVRTC_ERROR_INVALID_OPTION`. `--ptxas-options=-v` adds no resource report to
 //! the log. `--use_fast_math` is accepted and ignored (the host build never fuses or approximates).
 
+#![warn(missing_docs)]
 #![allow(non_snake_case)]
 #![allow(clippy::missing_safety_doc)]
 
@@ -126,6 +127,7 @@ unsafe fn string(p: *const c_char) -> Option<String> {
     Some(unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
 }
 
+/// Emulates `nvrtcVersion`: 13.99, a version no real NVRTC has (see the crate docs).
 #[no_mangle]
 pub unsafe extern "C" fn nvrtcVersion(major: *mut c_int, minor: *mut c_int) -> c_int {
     if major.is_null() || minor.is_null() {
@@ -139,6 +141,7 @@ pub unsafe extern "C" fn nvrtcVersion(major: *mut c_int, minor: *mut c_int) -> c
     NVRTC_SUCCESS
 }
 
+/// Emulates `nvrtcGetNumSupportedArchs`: the length of [`ARCHS`].
 #[no_mangle]
 pub unsafe extern "C" fn nvrtcGetNumSupportedArchs(count: *mut c_int) -> c_int {
     if count.is_null() {
@@ -149,6 +152,7 @@ pub unsafe extern "C" fn nvrtcGetNumSupportedArchs(count: *mut c_int) -> c_int {
     NVRTC_SUCCESS
 }
 
+/// Emulates `nvrtcGetSupportedArchs`: copies [`ARCHS`].
 #[no_mangle]
 pub unsafe extern "C" fn nvrtcGetSupportedArchs(archs: *mut c_int) -> c_int {
     if archs.is_null() {
@@ -159,6 +163,8 @@ pub unsafe extern "C" fn nvrtcGetSupportedArchs(archs: *mut c_int) -> c_int {
     NVRTC_SUCCESS
 }
 
+/// Emulates `nvrtcGetErrorString`: the enum name of a code (not NVRTC's sentence); unknown codes
+/// give `NVRTC_ERROR unknown`.
 #[no_mangle]
 pub extern "C" fn nvrtcGetErrorString(result: c_int) -> *const c_char {
     let text: &'static [u8] = match result {
@@ -176,6 +182,8 @@ pub extern "C" fn nvrtcGetErrorString(result: c_int) -> *const c_char {
     text.as_ptr().cast()
 }
 
+/// Emulates `nvrtcCreateProgram`: keeps the source, its name (`default_program` when null) and the
+/// named headers.
 #[no_mangle]
 pub unsafe extern "C" fn nvrtcCreateProgram(
     prog: *mut *mut Program,
@@ -221,6 +229,8 @@ pub unsafe extern "C" fn nvrtcCreateProgram(
     NVRTC_SUCCESS
 }
 
+/// Emulates `nvrtcDestroyProgram`: frees the program and nulls the handle; an unknown handle is
+/// `NVRTC_ERROR_INVALID_PROGRAM`.
 #[no_mangle]
 pub unsafe extern "C" fn nvrtcDestroyProgram(prog: *mut *mut Program) -> c_int {
     if prog.is_null() {
@@ -241,6 +251,9 @@ pub unsafe extern "C" fn nvrtcDestroyProgram(prog: *mut *mut Program) -> c_int {
     NVRTC_SUCCESS
 }
 
+/// Emulates `nvrtcCompileProgram` by compiling with the host C++ compiler into a module image for
+/// the emulated driver, cached (see the crate docs); compiler errors go to the log with
+/// `NVRTC_ERROR_COMPILATION`.
 #[no_mangle]
 pub unsafe extern "C" fn nvrtcCompileProgram(
     prog: *mut Program,
@@ -327,6 +340,7 @@ fn image_bytes(p: &Program) -> Option<&[u8]> {
     p.image.as_deref()
 }
 
+/// Emulates `nvrtcGetProgramLogSize`: the log's length plus its NUL.
 #[no_mangle]
 pub unsafe extern "C" fn nvrtcGetProgramLogSize(prog: *mut Program, size: *mut usize) -> c_int {
     // SAFETY: forwarded; the size includes the NUL written by nvrtcGetProgramLog.
@@ -338,6 +352,7 @@ pub unsafe extern "C" fn nvrtcGetProgramLogSize(prog: *mut Program, size: *mut u
     status
 }
 
+/// Emulates `nvrtcGetProgramLog`: copies the log and its NUL.
 #[no_mangle]
 pub unsafe extern "C" fn nvrtcGetProgramLog(prog: *mut Program, log: *mut c_char) -> c_int {
     // SAFETY: forwarded.
@@ -355,12 +370,15 @@ pub unsafe extern "C" fn nvrtcGetProgramLog(prog: *mut Program, log: *mut c_char
     }
 }
 
+/// Emulates `nvrtcGetCUBINSize`: the size of the module image (a wrapped host library, not a
+/// CUBIN); before a successful compile it is `NVRTC_ERROR_INVALID_PROGRAM`.
 #[no_mangle]
 pub unsafe extern "C" fn nvrtcGetCUBINSize(prog: *mut Program, size: *mut usize) -> c_int {
     // SAFETY: forwarded.
     unsafe { size_of_output(prog, size, image_bytes) }
 }
 
+/// Emulates `nvrtcGetCUBIN`: copies the module image (see [`nvrtcGetCUBINSize`]).
 #[no_mangle]
 pub unsafe extern "C" fn nvrtcGetCUBIN(prog: *mut Program, cubin: *mut c_char) -> c_int {
     // SAFETY: forwarded.
@@ -370,6 +388,9 @@ pub unsafe extern "C" fn nvrtcGetCUBIN(prog: *mut Program, cubin: *mut c_char) -
 macro_rules! not_emulated {
     ($($name:ident),* $(,)?) => {
         $(
+            #[doc = concat!("`", stringify!($name), "`: not emulated; prints `tandem-cuda-emu: ",
+                stringify!($name), " is not emulated` and returns `NVRTC_ERROR_INTERNAL_ERROR` \
+                (the arguments are ignored).")]
             #[no_mangle]
             pub extern "C" fn $name() -> c_int {
                 not_emulated(stringify!($name))
