@@ -38,7 +38,7 @@
 //! its inputs when the stream gets there — a missing event wait in tandem is a real race, as on
 //! a GPU. With `CUBLAS_POINTER_MODE_DEVICE` the scalars are read there too.
 //!
-//! The product itself is [`reference`]: plain loops in cuBLAS's column-major semantics, not
+//! The product itself is [`mod@reference`]: plain loops in cuBLAS's column-major semantics, not
 //! tandem's CPU matmul, accumulating in the compute type (f32 for `S` and the f32 compute
 //! types, f64 for `D`); `beta == 0` does not read `C`. The TF32 math mode
 //! (`CUBLAS_TF32_TENSOR_OP_MATH`, `CUBLAS_COMPUTE_32F_FAST_TF32`) is accepted and computed in
@@ -53,6 +53,7 @@
 //! Speed (a product is a triple loop on one thread), cuBLAS's own rounding (summation order,
 //! TF32, fused multiply-adds), complex types, and the 64-bit (`_64`) API.
 
+#![warn(missing_docs)]
 #![allow(non_snake_case)]
 #![allow(clippy::missing_safety_doc)]
 #![allow(clippy::too_many_arguments)]
@@ -182,6 +183,8 @@ fn update(name: &str, h: sys::cublasHandle_t, f: impl FnOnce(&mut State)) -> Res
     }
 }
 
+/// Emulates `cublasCreate_v2`: a handle on the legacy default stream, default math and host pointer
+/// mode; fails when the emulated driver is not loaded.
 #[no_mangle]
 pub unsafe extern "C" fn cublasCreate_v2(out: *mut sys::cublasHandle_t) -> Status {
     entry("cublasCreate_v2", || {
@@ -202,6 +205,8 @@ pub unsafe extern "C" fn cublasCreate_v2(out: *mut sys::cublasHandle_t) -> Statu
     })
 }
 
+/// Emulates `cublasDestroy_v2`: forgets the handle (work already enqueued still runs); an unknown
+/// handle is `CUBLAS_STATUS_NOT_INITIALIZED`.
 #[no_mangle]
 pub extern "C" fn cublasDestroy_v2(h: sys::cublasHandle_t) -> Status {
     entry("cublasDestroy_v2", || {
@@ -212,6 +217,8 @@ pub extern "C" fn cublasDestroy_v2(h: sys::cublasHandle_t) -> Status {
     })
 }
 
+/// Emulates `cublasSetStream_v2`: later products run on `stream` (not checked until a product is
+/// enqueued).
 #[no_mangle]
 pub extern "C" fn cublasSetStream_v2(h: sys::cublasHandle_t, stream: sys::cudaStream_t) -> Status {
     entry("cublasSetStream_v2", || {
@@ -219,6 +226,7 @@ pub extern "C" fn cublasSetStream_v2(h: sys::cublasHandle_t, stream: sys::cudaSt
     })
 }
 
+/// Emulates `cublasGetStream_v2`: the handle's stream.
 #[no_mangle]
 pub unsafe extern "C" fn cublasGetStream_v2(
     h: sys::cublasHandle_t,
@@ -231,6 +239,8 @@ pub unsafe extern "C" fn cublasGetStream_v2(
     })
 }
 
+/// Emulates `cublasSetMathMode`: checks and stores the mode; every mode computes in full precision
+/// (TF32 included).
 #[no_mangle]
 pub extern "C" fn cublasSetMathMode(h: sys::cublasHandle_t, mode: u32) -> Status {
     entry("cublasSetMathMode", || {
@@ -246,6 +256,7 @@ pub extern "C" fn cublasSetMathMode(h: sys::cublasHandle_t, mode: u32) -> Status
     })
 }
 
+/// Emulates `cublasGetMathMode`: the stored mode.
 #[no_mangle]
 pub unsafe extern "C" fn cublasGetMathMode(h: sys::cublasHandle_t, mode: *mut u32) -> Status {
     entry("cublasGetMathMode", || {
@@ -255,6 +266,7 @@ pub unsafe extern "C" fn cublasGetMathMode(h: sys::cublasHandle_t, mode: *mut u3
     })
 }
 
+/// Emulates `cublasSetPointerMode_v2`: host (0) or device (1) scalars.
 #[no_mangle]
 pub extern "C" fn cublasSetPointerMode_v2(h: sys::cublasHandle_t, mode: u32) -> Status {
     entry("cublasSetPointerMode_v2", || {
@@ -267,6 +279,7 @@ pub extern "C" fn cublasSetPointerMode_v2(h: sys::cublasHandle_t, mode: u32) -> 
     })
 }
 
+/// Emulates `cublasGetPointerMode_v2`: the stored pointer mode.
 #[no_mangle]
 pub unsafe extern "C" fn cublasGetPointerMode_v2(h: sys::cublasHandle_t, mode: *mut u32) -> Status {
     entry("cublasGetPointerMode_v2", || {
@@ -276,6 +289,8 @@ pub unsafe extern "C" fn cublasGetPointerMode_v2(h: sys::cublasHandle_t, mode: *
     })
 }
 
+/// Emulates `cublasSetWorkspace_v2`: accepted and unused (the reference products need no
+/// workspace).
 #[no_mangle]
 pub extern "C" fn cublasSetWorkspace_v2(
     h: sys::cublasHandle_t,
@@ -295,6 +310,7 @@ pub extern "C" fn cublasSetWorkspace_v2(
 /// cuBLAS 13.0.0 (`CUBLAS_VERSION` = major·10000 + minor·100 + patch).
 const VERSION: c_int = 130000;
 
+/// Emulates `cublasGetVersion_v2`: 130000 (cuBLAS 13.0.0).
 #[no_mangle]
 pub unsafe extern "C" fn cublasGetVersion_v2(
     h: sys::cublasHandle_t,
@@ -307,6 +323,7 @@ pub unsafe extern "C" fn cublasGetVersion_v2(
     })
 }
 
+/// Emulates `cublasGetProperty`: the major, minor and patch level of 13.0.0.
 #[no_mangle]
 pub unsafe extern "C" fn cublasGetProperty(kind: u32, value: *mut c_int) -> Status {
     entry("cublasGetProperty", || {
@@ -321,16 +338,20 @@ pub unsafe extern "C" fn cublasGetProperty(kind: u32, value: *mut c_int) -> Stat
     })
 }
 
+/// Emulates `cublasGetCudartVersion`: 13000 (CUDA 13.0).
 #[no_mangle]
 pub extern "C" fn cublasGetCudartVersion() -> usize {
     13000
 }
 
+/// Emulates `cublasGetStatusName`: the status's enum name.
 #[no_mangle]
 pub extern "C" fn cublasGetStatusName(status: u32) -> *const c_char {
     status_name::status_name(status).as_ptr()
 }
 
+/// Emulates `cublasGetStatusString`: a sentence for each cuBLAS status ("unknown error" for other
+/// codes).
 #[no_mangle]
 pub extern "C" fn cublasGetStatusString(status: u32) -> *const c_char {
     let text: &'static CStr = match status {
@@ -349,6 +370,8 @@ pub extern "C" fn cublasGetStatusString(status: u32) -> *const c_char {
     text.as_ptr()
 }
 
+/// Emulates `cublasXerbla`: prints the reference BLAS's illegal-parameter message on stderr (with
+/// the emulator's prefix).
 #[no_mangle]
 pub unsafe extern "C" fn cublasXerbla(name: *const c_char, info: c_int) {
     let name = if name.is_null() {
@@ -572,6 +595,9 @@ fn gemm_call(name: &str, h: sys::cublasHandle_t, g: GemmArgs) -> Res {
     )
 }
 
+/// Emulates `cublasSgemm_v2` (f32, f32 compute; see the crate docs). Arguments checked as cuBLAS
+/// does, every operand's range checked against the live allocations, the product run by
+/// [`mod@reference`] on the handle's stream's worker.
 #[no_mangle]
 pub extern "C" fn cublasSgemm_v2(
     h: sys::cublasHandle_t,
@@ -621,6 +647,9 @@ pub extern "C" fn cublasSgemm_v2(
     })
 }
 
+/// Emulates `cublasDgemm_v2` (f64, f64 compute; see the crate docs). Arguments checked as cuBLAS
+/// does, every operand's range checked against the live allocations, the product run by
+/// [`mod@reference`] on the handle's stream's worker.
 #[no_mangle]
 pub extern "C" fn cublasDgemm_v2(
     h: sys::cublasHandle_t,
@@ -670,6 +699,9 @@ pub extern "C" fn cublasDgemm_v2(
     })
 }
 
+/// Emulates `cublasSgemmStridedBatched` (f32, f32 compute; see the crate docs). Arguments checked
+/// as cuBLAS does, every operand's range checked against the live allocations, the product run by
+/// [`mod@reference`] on the handle's stream's worker.
 #[no_mangle]
 pub extern "C" fn cublasSgemmStridedBatched(
     h: sys::cublasHandle_t,
@@ -723,6 +755,9 @@ pub extern "C" fn cublasSgemmStridedBatched(
     })
 }
 
+/// Emulates `cublasDgemmStridedBatched` (f64, f64 compute; see the crate docs). Arguments checked
+/// as cuBLAS does, every operand's range checked against the live allocations, the product run by
+/// [`mod@reference`] on the handle's stream's worker.
 #[no_mangle]
 pub extern "C" fn cublasDgemmStridedBatched(
     h: sys::cublasHandle_t,
@@ -829,6 +864,10 @@ fn ex_types(
     }
 }
 
+/// Emulates `cublasGemmEx` for f16/bf16 inputs with f32 compute, f32 and f64 (other type
+/// combinations are `CUBLAS_STATUS_NOT_SUPPORTED`; the algorithm is ignored; see the crate docs).
+/// Arguments checked as cuBLAS does, every operand's range checked against the live allocations,
+/// the product run by [`mod@reference`] on the handle's stream's worker.
 #[no_mangle]
 pub extern "C" fn cublasGemmEx(
     h: sys::cublasHandle_t,
@@ -886,6 +925,10 @@ pub extern "C" fn cublasGemmEx(
     })
 }
 
+/// Emulates `cublasGemmStridedBatchedEx` with the types of [`cublasGemmEx`] (the algorithm is
+/// ignored; see the crate docs). Arguments checked as cuBLAS does, every operand's range checked
+/// against the live allocations, the product run by [`mod@reference`] on the handle's stream's
+/// worker.
 #[no_mangle]
 pub extern "C" fn cublasGemmStridedBatchedEx(
     h: sys::cublasHandle_t,
@@ -1030,6 +1073,9 @@ fn gemv_call(
     )
 }
 
+/// Emulates `cublasSgemv_v2` (f32, f32 compute): arguments checked as cuBLAS does (a zero increment
+/// is `CUBLAS_STATUS_INVALID_VALUE`), the ranges of `A`, `x` and `y` checked, the product run by
+/// [`mod@reference`] on the handle's stream's worker.
 #[no_mangle]
 pub extern "C" fn cublasSgemv_v2(
     h: sys::cublasHandle_t,
@@ -1061,6 +1107,7 @@ pub extern "C" fn cublasSgemv_v2(
     })
 }
 
+/// Emulates `cublasDgemv_v2` (f64, f64 compute), as [`cublasSgemv_v2`].
 #[no_mangle]
 pub extern "C" fn cublasDgemv_v2(
     h: sys::cublasHandle_t,

@@ -12,9 +12,13 @@ use half::{bf16, f16};
 /// An element type of a matrix.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Elem {
+    /// IEEE half (`CUDA_R_16F`).
     F16,
+    /// bfloat16 (`CUDA_R_16BF`).
     BF16,
+    /// f32 (`CUDA_R_32F`).
     F32,
+    /// f64 (`CUDA_R_64F`).
     F64,
 }
 
@@ -69,7 +73,9 @@ impl Elem {
 /// The type products are accumulated and scaled in (cuBLAS's compute type).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Compute {
+    /// Accumulate and scale in f32 (`S` calls and the `CUBLAS_COMPUTE_32F*` types).
     F32,
+    /// Accumulate and scale in f64 (`D` calls and `CUBLAS_COMPUTE_64F*`).
     F64,
 }
 
@@ -77,10 +83,15 @@ pub enum Compute {
 /// used transposed, and the distance between batch entries (in elements).
 #[derive(Clone, Copy, Debug)]
 pub struct Operand {
+    /// Device address of the first element of batch entry 0.
     pub ptr: u64,
+    /// Element type.
     pub elem: Elem,
+    /// Leading dimension: elements between the starts of two stored columns.
     pub ld: usize,
+    /// Used transposed (`CUBLAS_OP_T` or `CUBLAS_OP_C`).
     pub trans: bool,
+    /// Elements between the starts of two batch entries (0: every entry uses the same matrix).
     pub stride: i64,
 }
 
@@ -106,15 +117,25 @@ impl Operand {
 /// is `k × n`, `C` is `m × n` (`c.trans` is ignored).
 #[derive(Clone, Copy, Debug)]
 pub struct Gemm {
+    /// Rows of `op(A)` and `C`.
     pub m: usize,
+    /// Columns of `op(B)` and `C`.
     pub n: usize,
+    /// Columns of `op(A)`, rows of `op(B)`.
     pub k: usize,
+    /// Number of batch entries.
     pub batch: usize,
+    /// Scale of the product.
     pub alpha: f64,
+    /// Scale of `C`'s old value (0: `C` is not read).
     pub beta: f64,
+    /// The left matrix.
     pub a: Operand,
+    /// The right matrix.
     pub b: Operand,
+    /// The output matrix.
     pub c: Operand,
+    /// The type the product is accumulated and scaled in.
     pub compute: Compute,
 }
 
@@ -180,8 +201,11 @@ pub unsafe fn gemm(g: &Gemm) {
 /// from the end, as in BLAS).
 #[derive(Clone, Copy, Debug)]
 pub struct Vector {
+    /// Device address of the vector's storage.
     pub ptr: u64,
+    /// Number of elements.
     pub len: usize,
+    /// Elements between two consecutive elements (never 0; negative walks backwards).
     pub inc: i64,
 }
 
@@ -200,13 +224,21 @@ impl Vector {
 /// `y = alpha·op(A)·x + beta·y` with `A` stored `m × n` (f32 or f64 throughout).
 #[derive(Clone, Copy, Debug)]
 pub struct Gemv {
+    /// Rows of `A` as stored.
     pub m: usize,
+    /// Columns of `A` as stored.
     pub n: usize,
+    /// Scale of the product.
     pub alpha: f64,
+    /// Scale of `y`'s old value (0: `y` is not read).
     pub beta: f64,
+    /// The matrix (`trans` picks `op(A)`; `stride` is unused).
     pub a: Operand,
+    /// The input vector (`op(A)`'s column count long).
     pub x: Vector,
+    /// The output vector (`op(A)`'s row count long).
     pub y: Vector,
+    /// The type the product is accumulated and scaled in.
     pub compute: Compute,
 }
 
