@@ -7,6 +7,7 @@
 //! returns `CUBLAS_STATUS_NOT_SUPPORTED` (cudarc panics on a missing symbol). Matrix
 //! multiplications through cuBLASLt (`cublasLtMatmul`) are not emulated: tandem does not use them.
 
+#![warn(missing_docs)]
 #![allow(non_snake_case)]
 #![allow(clippy::missing_safety_doc)]
 
@@ -34,6 +35,7 @@ fn with_handles<R>(f: impl FnOnce(&mut HashSet<usize>) -> R) -> R {
     f(guard.get_or_insert_with(HashSet::new))
 }
 
+/// Emulates `cublasLtCreate`: an opaque handle, only remembered (there is no state behind it).
 #[no_mangle]
 pub unsafe extern "C" fn cublasLtCreate(out: *mut sys::cublasLtHandle_t) -> Status {
     if out.is_null() {
@@ -47,6 +49,8 @@ pub unsafe extern "C" fn cublasLtCreate(out: *mut sys::cublasLtHandle_t) -> Stat
     S::CUBLAS_STATUS_SUCCESS
 }
 
+/// Emulates `cublasLtDestroy`: forgets the handle; an unknown one is
+/// `CUBLAS_STATUS_NOT_INITIALIZED`.
 #[no_mangle]
 pub extern "C" fn cublasLtDestroy(handle: sys::cublasLtHandle_t) -> Status {
     if with_handles(|h| h.remove(&(handle as usize))) {
@@ -59,16 +63,19 @@ pub extern "C" fn cublasLtDestroy(handle: sys::cublasLtHandle_t) -> Status {
 /// cuBLASLt 13.0.0.
 const VERSION: usize = 130000;
 
+/// Emulates `cublasLtGetVersion`: 130000 (cuBLASLt 13.0.0).
 #[no_mangle]
 pub extern "C" fn cublasLtGetVersion() -> usize {
     VERSION
 }
 
+/// Emulates `cublasLtGetCudartVersion`: 13000 (CUDA 13.0).
 #[no_mangle]
 pub extern "C" fn cublasLtGetCudartVersion() -> usize {
     13000
 }
 
+/// Emulates `cublasLtGetProperty`: the major, minor and patch level of 13.0.0.
 #[no_mangle]
 pub unsafe extern "C" fn cublasLtGetProperty(kind: u32, value: *mut c_int) -> Status {
     let v = match kind {
@@ -85,6 +92,7 @@ pub unsafe extern "C" fn cublasLtGetProperty(kind: u32, value: *mut c_int) -> St
     S::CUBLAS_STATUS_SUCCESS
 }
 
+/// Emulates `cublasLtGetStatusName`: the name of a cuBLAS status code.
 #[no_mangle]
 pub extern "C" fn cublasLtGetStatusName(status: u32) -> *const c_char {
     status_name::status_name(status).as_ptr()
@@ -96,6 +104,8 @@ fn not_emulated(name: &str) -> Status {
     S::CUBLAS_STATUS_NOT_SUPPORTED
 }
 
+/// Emulates `cublasLtGetStatusString`: the status's name, as [`cublasLtGetStatusName`] (not
+/// cuBLASLt's sentence).
 #[no_mangle]
 pub extern "C" fn cublasLtGetStatusString(status: u32) -> *const c_char {
     cublasLtGetStatusName(status)
