@@ -36,7 +36,9 @@ const NOT_SUPPORTED: u32 = 3000;
 /// One algorithm of one pass.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Algo {
+    /// The pass it computes.
     pub pass: Pass,
+    /// Its number in the pass's `cudnnConvolution…Algo_t`.
     pub value: u32,
 }
 

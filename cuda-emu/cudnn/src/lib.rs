@@ -48,7 +48,7 @@
 //! from the descriptors (they may change after the call returns, as in cuDNN), reads the
 //! scalars, and enqueues the pass on the stream's worker of the emulated driver with
 //! `cuLaunchHostFunc`, so a pass reads its inputs when the stream gets there — a missing event
-//! wait in tandem is a real race, as on a GPU. The pass is [`reference`]: direct loops over
+//! wait in tandem is a real race, as on a GPU. The pass is [`mod@reference`]: direct loops over
 //! the descriptors' dims and strides, accumulating in the compute type. The worker also
 //! overwrites the workspace the algorithm needs, so a workspace freed before the stream ran the
 //! pass shows as a write after free in the driver's quarantine.
@@ -93,6 +93,7 @@
 //! fused convolution-bias-activation, pooling, normalisation and the other non-convolution
 //! calls (stubs).
 
+#![warn(missing_docs)]
 #![allow(non_snake_case)]
 #![allow(clippy::missing_safety_doc)]
 #![allow(clippy::too_many_arguments)]
@@ -413,22 +414,26 @@ fn destroy(name: &str, d: *mut c_void, which: fn(&Desc) -> bool) -> Res {
 /// `cudnn-09010` bindings describe.
 pub const VERSION: usize = 90100;
 
+/// Emulates `cudnnGetVersion`: [`VERSION`] (9.1.0).
 #[no_mangle]
 pub extern "C" fn cudnnGetVersion() -> usize {
     VERSION
 }
 
+/// Emulates `cudnnGetCudartVersion`: 13000 (CUDA 13.0).
 #[no_mangle]
 pub extern "C" fn cudnnGetCudartVersion() -> usize {
     13000
 }
 
+/// Emulates `cudnnGetMaxDeviceVersion`: 900 (the emulated device is `sm_90`).
 #[no_mangle]
 pub extern "C" fn cudnnGetMaxDeviceVersion() -> usize {
     // The emulated device is sm_90.
     900
 }
 
+/// Emulates `cudnnGetProperty`: the major, minor and patch level of [`VERSION`].
 #[no_mangle]
 pub unsafe extern "C" fn cudnnGetProperty(kind: u32, value: *mut c_int) -> Status {
     let name = "cudnnGetProperty";
@@ -449,16 +454,22 @@ pub unsafe extern "C" fn cudnnGetProperty(kind: u32, value: *mut c_int) -> Statu
     })
 }
 
+/// Emulates `cudnnOpsVersionCheck`: always success (there are no separate sub-libraries to
+/// mismatch).
 #[no_mangle]
 pub extern "C" fn cudnnOpsVersionCheck() -> Status {
     S::CUDNN_STATUS_SUCCESS
 }
 
+/// Emulates `cudnnCnnVersionCheck`: always success (there are no separate sub-libraries to
+/// mismatch).
 #[no_mangle]
 pub extern "C" fn cudnnCnnVersionCheck() -> Status {
     S::CUDNN_STATUS_SUCCESS
 }
 
+/// Emulates `cudnnAdvVersionCheck`: always success (there are no separate sub-libraries to
+/// mismatch).
 #[no_mangle]
 pub extern "C" fn cudnnAdvVersionCheck() -> Status {
     S::CUDNN_STATUS_SUCCESS
@@ -519,11 +530,14 @@ pub fn status_name(status: u32) -> &'static CStr {
     }
 }
 
+/// Emulates `cudnnGetErrorString`: the status's C name ([`status_name`]).
 #[no_mangle]
 pub extern "C" fn cudnnGetErrorString(status: u32) -> *const c_char {
     status_name(status).as_ptr()
 }
 
+/// Emulates `cudnnGetLastErrorString`: the emulator's last message (of any thread), truncated to
+/// the buffer.
 #[no_mangle]
 pub unsafe extern "C" fn cudnnGetLastErrorString(message: *mut c_char, max_size: usize) {
     if message.is_null() || max_size == 0 {
@@ -540,6 +554,8 @@ pub unsafe extern "C" fn cudnnGetLastErrorString(message: *mut c_char, max_size:
 
 // ---- Handles ----------------------------------------------------------------------------------
 
+/// Emulates `cudnnCreate`: a handle on the legacy default stream; fails when the emulated driver is
+/// not loaded.
 #[no_mangle]
 pub unsafe extern "C" fn cudnnCreate(out: *mut *mut c_void) -> Status {
     let name = "cudnnCreate";
@@ -553,6 +569,7 @@ pub unsafe extern "C" fn cudnnCreate(out: *mut *mut c_void) -> Status {
     })
 }
 
+/// Emulates `cudnnDestroy`: forgets the handle (work already enqueued still runs).
 #[no_mangle]
 pub extern "C" fn cudnnDestroy(h: *mut c_void) -> Status {
     let name = "cudnnDestroy";
@@ -563,6 +580,7 @@ pub extern "C" fn cudnnDestroy(h: *mut c_void) -> Status {
     })
 }
 
+/// Emulates `cudnnSetStream`: later passes run on `stream` (not checked until a pass is enqueued).
 #[no_mangle]
 pub extern "C" fn cudnnSetStream(h: *mut c_void, stream: *mut c_void) -> Status {
     let name = "cudnnSetStream";
@@ -576,6 +594,7 @@ pub extern "C" fn cudnnSetStream(h: *mut c_void, stream: *mut c_void) -> Status 
     })
 }
 
+/// Emulates `cudnnGetStream`: the handle's stream.
 #[no_mangle]
 pub unsafe extern "C" fn cudnnGetStream(h: *mut c_void, stream: *mut *mut c_void) -> Status {
     let name = "cudnnGetStream";
@@ -643,18 +662,23 @@ fn set_tensor(name: &str, d: *mut c_void, dtype: u32, dims: &[c_int], strides: &
     })
 }
 
+/// Emulates `cudnnCreateTensorDescriptor`: an unset tensor descriptor.
 #[no_mangle]
 pub unsafe extern "C" fn cudnnCreateTensorDescriptor(out: *mut *mut c_void) -> Status {
     let name = "cudnnCreateTensorDescriptor";
     entry(name, || create(name, out, Desc::Tensor(None)))
 }
 
+/// Emulates `cudnnDestroyTensorDescriptor`; a handle of another kind or destroyed twice is
+/// `CUDNN_STATUS_BAD_PARAM`.
 #[no_mangle]
 pub extern "C" fn cudnnDestroyTensorDescriptor(d: *mut c_void) -> Status {
     let name = "cudnnDestroyTensorDescriptor";
     entry(name, || destroy(name, d, |k| matches!(k, Desc::Tensor(_))))
 }
 
+/// Emulates `cudnnSetTensor4dDescriptor` for NCHW and NHWC (packed strides);
+/// `CUDNN_TENSOR_NCHW_VECT_C` is `CUDNN_STATUS_NOT_SUPPORTED`.
 #[no_mangle]
 pub extern "C" fn cudnnSetTensor4dDescriptor(
     d: *mut c_void,
@@ -687,6 +711,7 @@ pub extern "C" fn cudnnSetTensor4dDescriptor(
     })
 }
 
+/// Emulates `cudnnSetTensor4dDescriptorEx`: dims and explicit strides, each at least 1.
 #[no_mangle]
 pub extern "C" fn cudnnSetTensor4dDescriptorEx(
     d: *mut c_void,
@@ -706,6 +731,7 @@ pub extern "C" fn cudnnSetTensor4dDescriptorEx(
     })
 }
 
+/// Emulates `cudnnSetTensorNdDescriptor` for 1 to 8 dims (only 4-d tensors can be convolved).
 #[no_mangle]
 pub unsafe extern "C" fn cudnnSetTensorNdDescriptor(
     d: *mut c_void,
@@ -733,6 +759,7 @@ pub unsafe extern "C" fn cudnnSetTensorNdDescriptor(
     })
 }
 
+/// Emulates `cudnnGetTensor4dDescriptor`: the data type, dims and strides of a 4-d descriptor.
 #[no_mangle]
 pub unsafe extern "C" fn cudnnGetTensor4dDescriptor(
     d: *mut c_void,
@@ -769,6 +796,8 @@ pub unsafe extern "C" fn cudnnGetTensor4dDescriptor(
     })
 }
 
+/// Emulates `cudnnGetTensorNdDescriptor`: the data type, rank, and up to `requested` dims and
+/// strides.
 #[no_mangle]
 pub unsafe extern "C" fn cudnnGetTensorNdDescriptor(
     d: *mut c_void,
@@ -794,6 +823,8 @@ pub unsafe extern "C" fn cudnnGetTensorNdDescriptor(
     })
 }
 
+/// Emulates `cudnnGetTensorSizeInBytes`: the bytes the strides span, from the first to the last
+/// element.
 #[no_mangle]
 pub unsafe extern "C" fn cudnnGetTensorSizeInBytes(d: *mut c_void, size: *mut usize) -> Status {
     let name = "cudnnGetTensorSizeInBytes";
@@ -858,18 +889,23 @@ fn set_filter(name: &str, d: *mut c_void, dtype: u32, format: u32, dims: &[c_int
     })
 }
 
+/// Emulates `cudnnCreateFilterDescriptor`: an unset filter descriptor.
 #[no_mangle]
 pub unsafe extern "C" fn cudnnCreateFilterDescriptor(out: *mut *mut c_void) -> Status {
     let name = "cudnnCreateFilterDescriptor";
     entry(name, || create(name, out, Desc::Filter(None)))
 }
 
+/// Emulates `cudnnDestroyFilterDescriptor`; a handle of another kind or destroyed twice is
+/// `CUDNN_STATUS_BAD_PARAM`.
 #[no_mangle]
 pub extern "C" fn cudnnDestroyFilterDescriptor(d: *mut c_void) -> Status {
     let name = "cudnnDestroyFilterDescriptor";
     entry(name, || destroy(name, d, |k| matches!(k, Desc::Filter(_))))
 }
 
+/// Emulates `cudnnSetFilter4dDescriptor`: `[K, C, R, S]` in the NCHW or NHWC layout;
+/// `CUDNN_TENSOR_NCHW_VECT_C` is `CUDNN_STATUS_NOT_SUPPORTED`.
 #[no_mangle]
 pub extern "C" fn cudnnSetFilter4dDescriptor(
     d: *mut c_void,
@@ -884,6 +920,8 @@ pub extern "C" fn cudnnSetFilter4dDescriptor(
     entry(name, || set_filter(name, d, dtype, format, &[k, c, h, w]))
 }
 
+/// Emulates `cudnnSetFilterNdDescriptor` for 3 to 8 dims, in the layouts of
+/// [`cudnnSetFilter4dDescriptor`].
 #[no_mangle]
 pub unsafe extern "C" fn cudnnSetFilterNdDescriptor(
     d: *mut c_void,
@@ -906,6 +944,7 @@ pub unsafe extern "C" fn cudnnSetFilterNdDescriptor(
     })
 }
 
+/// Emulates `cudnnGetFilter4dDescriptor`: the data type, format and dims of a 4-d filter.
 #[no_mangle]
 pub unsafe extern "C" fn cudnnGetFilter4dDescriptor(
     d: *mut c_void,
@@ -937,6 +976,7 @@ pub unsafe extern "C" fn cudnnGetFilter4dDescriptor(
     })
 }
 
+/// Emulates `cudnnGetFilterSizeInBytes`: the packed size of the filter.
 #[no_mangle]
 pub unsafe extern "C" fn cudnnGetFilterSizeInBytes(d: *mut c_void, size: *mut usize) -> Status {
     let name = "cudnnGetFilterSizeInBytes";
@@ -950,6 +990,7 @@ pub unsafe extern "C" fn cudnnGetFilterSizeInBytes(d: *mut c_void, size: *mut us
 
 // ---- Convolution descriptors ------------------------------------------------------------------
 
+/// Emulates `cudnnCreateConvolutionDescriptor`: unset geometry, default math, one group.
 #[no_mangle]
 pub unsafe extern "C" fn cudnnCreateConvolutionDescriptor(out: *mut *mut c_void) -> Status {
     let name = "cudnnCreateConvolutionDescriptor";
@@ -966,6 +1007,8 @@ pub unsafe extern "C" fn cudnnCreateConvolutionDescriptor(out: *mut *mut c_void)
     })
 }
 
+/// Emulates `cudnnDestroyConvolutionDescriptor`; a handle of another kind or destroyed twice is
+/// `CUDNN_STATUS_BAD_PARAM`.
 #[no_mangle]
 pub extern "C" fn cudnnDestroyConvolutionDescriptor(d: *mut c_void) -> Status {
     let name = "cudnnDestroyConvolutionDescriptor";
@@ -1013,6 +1056,8 @@ fn set_conv(
     })
 }
 
+/// Emulates `cudnnSetConvolution2dDescriptor`: padding (at least 0), stride and dilation (at least
+/// 1), convolution or cross-correlation, compute type.
 #[no_mangle]
 pub extern "C" fn cudnnSetConvolution2dDescriptor(
     d: *mut c_void,
@@ -1037,6 +1082,8 @@ pub extern "C" fn cudnnSetConvolution2dDescriptor(
     })
 }
 
+/// Emulates `cudnnSetConvolutionNdDescriptor` for 1 to 6 spatial dims (only 2-d convolutions run),
+/// checked as [`cudnnSetConvolution2dDescriptor`].
 #[no_mangle]
 pub unsafe extern "C" fn cudnnSetConvolutionNdDescriptor(
     d: *mut c_void,
@@ -1079,6 +1126,8 @@ fn geometry(name: &str, d: *mut c_void) -> Result<(ConvDesc, ConvGeometry), Stat
     }
 }
 
+/// Emulates `cudnnGetConvolution2dDescriptor`: the geometry, mode and compute type of a 2-d
+/// descriptor.
 #[no_mangle]
 pub unsafe extern "C" fn cudnnGetConvolution2dDescriptor(
     d: *mut c_void,
@@ -1117,6 +1166,8 @@ pub unsafe extern "C" fn cudnnGetConvolution2dDescriptor(
     })
 }
 
+/// Emulates `cudnnGetConvolutionNdDescriptor`: the spatial rank, up to `requested` paddings,
+/// strides and dilations, the mode and compute type.
 #[no_mangle]
 pub unsafe extern "C" fn cudnnGetConvolutionNdDescriptor(
     d: *mut c_void,
@@ -1145,6 +1196,7 @@ pub unsafe extern "C" fn cudnnGetConvolutionNdDescriptor(
     })
 }
 
+/// Emulates `cudnnSetConvolutionGroupCount` (at least 1).
 #[no_mangle]
 pub extern "C" fn cudnnSetConvolutionGroupCount(d: *mut c_void, groups: c_int) -> Status {
     let name = "cudnnSetConvolutionGroupCount";
@@ -1159,6 +1211,7 @@ pub extern "C" fn cudnnSetConvolutionGroupCount(d: *mut c_void, groups: c_int) -
     })
 }
 
+/// Emulates `cudnnGetConvolutionGroupCount`.
 #[no_mangle]
 pub unsafe extern "C" fn cudnnGetConvolutionGroupCount(
     d: *mut c_void,
@@ -1172,6 +1225,8 @@ pub unsafe extern "C" fn cudnnGetConvolutionGroupCount(
     })
 }
 
+/// Emulates `cudnnSetConvolutionMathType`: stored; every math type computes in full precision (TF32
+/// included).
 #[no_mangle]
 pub extern "C" fn cudnnSetConvolutionMathType(d: *mut c_void, math: u32) -> Status {
     let name = "cudnnSetConvolutionMathType";
@@ -1186,6 +1241,7 @@ pub extern "C" fn cudnnSetConvolutionMathType(d: *mut c_void, math: u32) -> Stat
     })
 }
 
+/// Emulates `cudnnGetConvolutionMathType`: the stored math type.
 #[no_mangle]
 pub unsafe extern "C" fn cudnnGetConvolutionMathType(d: *mut c_void, math: *mut u32) -> Status {
     let name = "cudnnGetConvolutionMathType";
@@ -1255,6 +1311,8 @@ fn filter_spatial(w: &FilterDesc) -> Vec<usize> {
     w.dims[2..].to_vec()
 }
 
+/// Emulates `cudnnGetConvolution2dForwardOutputDim`: `[N, K, H', W']`, after checking that the
+/// tensor, filter and convolution agree.
 #[no_mangle]
 pub unsafe extern "C" fn cudnnGetConvolution2dForwardOutputDim(
     d: *mut c_void,
@@ -1287,6 +1345,8 @@ pub unsafe extern "C" fn cudnnGetConvolution2dForwardOutputDim(
     })
 }
 
+/// Emulates `cudnnGetConvolutionNdForwardOutputDim`: as the 2-d one, for `nbDims` equal to the
+/// output's rank.
 #[no_mangle]
 pub unsafe extern "C" fn cudnnGetConvolutionNdForwardOutputDim(
     d: *mut c_void,
@@ -1657,12 +1717,20 @@ fn run(name: &str, pass: Pass, r: Run) -> Res {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Perf {
+    /// The algorithm (the pass's `cudnnConvolution…Algo_t`).
     pub algo: u32,
+    /// `CUDNN_STATUS_SUCCESS`, or `CUDNN_STATUS_NOT_SUPPORTED` for this problem.
     pub status: u32,
+    /// Milliseconds: estimated (heuristics) or measured and scaled (search); -1 when not
+    /// supported.
     pub time: f32,
+    /// Workspace bytes it needs.
     pub memory: usize,
+    /// `cudnnDeterminism_t`.
     pub determinism: u32,
+    /// `cudnnMathType_t` (the descriptor's).
     pub math_type: u32,
+    /// Zero.
     pub reserved: [c_int; 3],
 }
 
@@ -1872,12 +1940,16 @@ impl Descs {
 /// convolution itself.
 macro_rules! pass_entry_points {
     ($($pass:expr => $max_count:ident, $v7:ident, $find:ident, $workspace_size:ident, $run:ident;)*) => {$(
+        #[doc = concat!("Emulates `", stringify!($max_count), "`: the number of algorithms the \
+            emulator offers for the pass (see [`algorithms`]).")]
         #[no_mangle]
         pub unsafe extern "C" fn $max_count(h: *mut c_void, count: *mut c_int) -> Status {
             let name = stringify!($max_count);
             entry(name, || max_count(name, h, count, $pass))
         }
 
+        #[doc = concat!("Emulates `", stringify!($v7), "`: the emulator's algorithms ranked \
+            by an estimate from the multiply-adds (addresses are not seen; see [`algorithms`]).")]
         #[no_mangle]
         pub unsafe extern "C" fn $v7(
             h: *mut c_void,
@@ -1897,6 +1969,9 @@ macro_rules! pass_entry_points {
             })
         }
 
+        #[doc = concat!("Emulates `", stringify!($find), "`: runs the pass once, synchronously \
+            (writing the output), and ranks the algorithms that fit the buffers and the \
+            workspace by that time scaled per algorithm (cuDNN runs each one).")]
         #[no_mangle]
         pub unsafe extern "C" fn $find(
             h: *mut c_void,
@@ -1933,6 +2008,9 @@ macro_rules! pass_entry_points {
             })
         }
 
+        #[doc = concat!("Emulates `", stringify!($workspace_size), "`: the emulator's own \
+            workspace size for the algorithm (not a GPU's); an algorithm that does not apply is \
+            `CUDNN_STATUS_NOT_SUPPORTED`, kept for `cudnnGetLastErrorString` but not printed.")]
         #[no_mangle]
         pub unsafe extern "C" fn $workspace_size(
             h: *mut c_void,
@@ -1951,6 +2029,9 @@ macro_rules! pass_entry_points {
             })
         }
 
+        #[doc = concat!("Emulates `", stringify!($run), "`: checks the descriptors, buffers, \
+            algorithm and workspace (see the crate docs) and runs [`mod@reference`] on the \
+            handle's stream's worker, which also overwrites the workspace the algorithm needs.")]
         #[no_mangle]
         pub extern "C" fn $run(
             h: *mut c_void,

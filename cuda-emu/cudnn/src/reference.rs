@@ -26,9 +26,13 @@ use half::{bf16, f16};
 /// A data type of the emulated convolution.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Elem {
+    /// IEEE half (`CUDNN_DATA_HALF`), accumulated in f32.
     F16,
+    /// bfloat16 (`CUDNN_DATA_BFLOAT16`), accumulated in f32.
     BF16,
+    /// f32 (`CUDNN_DATA_FLOAT`).
     F32,
+    /// f64 (`CUDNN_DATA_DOUBLE`), accumulated in f64.
     F64,
 }
 
@@ -47,7 +51,9 @@ impl Elem {
 /// filter's `[K, C, R, S]`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Tensor4 {
+    /// Sizes, `[N, C, H, W]` (a filter's `[K, C, R, S]`).
     pub dims: [usize; 4],
+    /// Element strides, in the order of `dims`.
     pub strides: [usize; 4],
 }
 
@@ -92,9 +98,13 @@ impl Tensor4 {
 /// The convolution descriptor's geometry, in (height, width) pairs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Conv {
+    /// Zero padding on each side.
     pub pad: [usize; 2],
+    /// Filter stride (cuDNN's `u`, `v`).
     pub stride: [usize; 2],
+    /// Filter dilation.
     pub dilation: [usize; 2],
+    /// Number of groups (`C` and `K` are split into this many).
     pub groups: usize,
     /// `CUDNN_CONVOLUTION`: the filter is flipped in both spatial dimensions.
     pub flip: bool,
@@ -115,16 +125,23 @@ impl Conv {
 /// (`y`'s dims are what [`Conv::out_dim`] gives, `C = w.C · groups`, `K` a multiple of groups).
 #[derive(Clone, Copy, Debug)]
 pub struct Problem {
+    /// The input, `[N, C, H, W]`.
     pub x: Tensor4,
+    /// The filter, `[K, C/groups, R, S]`.
     pub w: Tensor4,
+    /// The output, `[N, K, P, Q]`.
     pub y: Tensor4,
+    /// The geometry.
     pub conv: Conv,
+    /// The data type of all three tensors.
     pub elem: Elem,
 }
 
 /// The accumulation type: f32 or f64.
 pub trait Acc: Copy + Add<Output = Self> + Mul<Output = Self> + AddAssign + PartialEq {
+    /// Zero.
     const ZERO: Self;
+    /// Converts a scale factor (`alpha`, `beta`) to this type.
     fn from_f64(v: f64) -> Self;
 }
 
@@ -144,8 +161,11 @@ impl Acc for f64 {
 
 /// A data type and the compute type cuDNN accumulates it in.
 pub trait Data: Copy {
+    /// The accumulation type.
     type A: Acc;
+    /// Widens an element to the accumulation type.
     fn load(self) -> Self::A;
+    /// Rounds an accumulated value to the data type.
     fn store(a: Self::A) -> Self;
 }
 
@@ -269,12 +289,19 @@ pub enum Pass {
 /// The device addresses of one call's three tensors, and its scaling factors.
 #[derive(Clone, Copy, Debug)]
 pub struct Call {
+    /// Which tensor is computed.
     pub pass: Pass,
+    /// The tensors' shapes and the geometry.
     pub problem: Problem,
+    /// Device address of `x` (or `dx`).
     pub x: u64,
+    /// Device address of `w` (or `dw`).
     pub w: u64,
+    /// Device address of `y` (or `dy`).
     pub y: u64,
+    /// Scale of the result.
     pub alpha: f64,
+    /// Scale of the written tensor's old value (0: it is not read).
     pub beta: f64,
 }
 
