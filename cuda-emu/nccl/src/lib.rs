@@ -85,6 +85,7 @@
 //! rank, an impossible posted length), `tests/symbols.rs`. tandem's own NCCL group tests
 //! (`dist/tests/cuda_nccl.rs`) run on it in CI.
 
+#![warn(missing_docs)]
 #![allow(non_snake_case)]
 #![allow(clippy::missing_safety_doc)]
 #![allow(clippy::too_many_arguments)]
@@ -133,6 +134,7 @@ pub const ID_MAGIC: &[u8; 16] = b"tandem-nccl-emu\0";
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub struct UniqueId {
+    /// The bytes: [`ID_MAGIC`], 16 random bytes, zeros.
     pub internal: [c_char; UNIQUE_ID_BYTES],
 }
 
@@ -231,6 +233,8 @@ fn id_name(id: &UniqueId) -> Result<String, String> {
     Ok(bytes[16..32].iter().map(|b| format!("{b:02x}")).collect())
 }
 
+/// Emulates `ncclGetUniqueId`: [`ID_MAGIC`] and 16 random bytes from `/dev/urandom`, which name the
+/// communicator's shared-memory segment.
 #[no_mangle]
 pub unsafe extern "C" fn ncclGetUniqueId(out: *mut UniqueId) -> Status {
     entry("ncclGetUniqueId", || {
@@ -250,6 +254,7 @@ pub unsafe extern "C" fn ncclGetUniqueId(out: *mut UniqueId) -> Status {
     })
 }
 
+/// Emulates `ncclGetVersion`: [`VERSION_CODE`] (2.28.9).
 #[no_mangle]
 pub unsafe extern "C" fn ncclGetVersion(version: *mut c_int) -> Status {
     // SAFETY: the caller's out-parameter.
@@ -263,12 +268,19 @@ pub unsafe extern "C" fn ncclGetVersion(version: *mut c_int) -> Status {
 /// What an operation does.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kind {
+    /// `ncclAllReduce`.
     AllReduce = 1,
+    /// `ncclBroadcast` (and `ncclBcast`).
     Broadcast = 2,
+    /// `ncclReduce`.
     Reduce = 3,
+    /// `ncclAllGather`.
     AllGather = 4,
+    /// `ncclReduceScatter`.
     ReduceScatter = 5,
+    /// `ncclSend`.
     Send = 6,
+    /// `ncclRecv`.
     Recv = 7,
 }
 
@@ -532,9 +544,13 @@ fn in_group() -> bool {
 /// `ncclConfig_t`'s first fields (NCCL 2.14's layout).
 #[repr(C)]
 pub struct Config {
+    /// `sizeof(ncclConfig_t)` (not checked).
     pub size: usize,
+    /// `NCCL_CONFIG_INITIALIZER`'s magic, checked.
     pub magic: u32,
+    /// The NCCL version the config was made for (not checked).
     pub version: u32,
+    /// 0: non-blocking init and finalize; any other value blocking.
     pub blocking: c_int,
 }
 
@@ -629,6 +645,9 @@ fn wait_init(comm: &Comm) -> Res {
     }
 }
 
+/// Emulates `ncclCommInitRankConfig`: as [`ncclCommInitRank`], non-blocking when the config says so
+/// (`ncclInProgress` until every rank has joined); a config without NCCL's magic is
+/// `ncclInvalidArgument`.
 #[no_mangle]
 pub unsafe extern "C" fn ncclCommInitRankConfig(
     out: *mut *mut c_void,
@@ -660,6 +679,9 @@ pub unsafe extern "C" fn ncclCommInitRankConfig(
     })
 }
 
+/// Emulates `ncclCommInitRank`: joins the shared-memory segment named by the id and waits for every
+/// rank (at the outermost `ncclGroupEnd` inside a group); an id the emulator did not make is
+/// `ncclInvalidArgument`.
 #[no_mangle]
 pub unsafe extern "C" fn ncclCommInitRank(
     out: *mut *mut c_void,
@@ -672,6 +694,7 @@ pub unsafe extern "C" fn ncclCommInitRank(
     })
 }
 
+/// Emulates `ncclCommCount`: the communicator's number of ranks.
 #[no_mangle]
 pub unsafe extern "C" fn ncclCommCount(comm: *mut c_void, count: *mut c_int) -> Status {
     entry("ncclCommCount", || {
@@ -681,6 +704,7 @@ pub unsafe extern "C" fn ncclCommCount(comm: *mut c_void, count: *mut c_int) -> 
     })
 }
 
+/// Emulates `ncclCommUserRank`: this rank.
 #[no_mangle]
 pub unsafe extern "C" fn ncclCommUserRank(comm: *mut c_void, rank: *mut c_int) -> Status {
     entry("ncclCommUserRank", || {
@@ -690,6 +714,7 @@ pub unsafe extern "C" fn ncclCommUserRank(comm: *mut c_void, rank: *mut c_int) -
     })
 }
 
+/// Emulates `ncclCommCuDevice`: always device 0 (the emulated driver has one).
 #[no_mangle]
 pub unsafe extern "C" fn ncclCommCuDevice(comm: *mut c_void, device: *mut c_int) -> Status {
     entry("ncclCommCuDevice", || {
@@ -699,6 +724,9 @@ pub unsafe extern "C" fn ncclCommCuDevice(comm: *mut c_void, device: *mut c_int)
     })
 }
 
+/// Emulates `ncclCommGetAsyncError`: the communicator's asynchronous error (a mismatched collective
+/// among them), `ncclInProgress` during a non-blocking init or finalize, and `ncclInvalidUsage`
+/// once it is destroyed or aborted.
 #[no_mangle]
 pub unsafe extern "C" fn ncclCommGetAsyncError(comm: *mut c_void, state: *mut Status) -> Status {
     entry("ncclCommGetAsyncError", || {
@@ -743,6 +771,8 @@ pub unsafe extern "C" fn ncclCommGetAsyncError(comm: *mut c_void, state: *mut St
     })
 }
 
+/// Emulates `ncclCommFinalize`: waits for the operations issued before it (a non-blocking
+/// communicator returns `ncclInProgress` instead).
 #[no_mangle]
 pub extern "C" fn ncclCommFinalize(comm: *mut c_void) -> Status {
     entry("ncclCommFinalize", || {
@@ -821,6 +851,8 @@ fn stop(c: &Comm) {
     }
 }
 
+/// Emulates `ncclCommAbort`: retires the handle and makes every worker blocked in the communicator
+/// return (waiting up to 10 s for them); later calls on it fail.
 #[no_mangle]
 pub extern "C" fn ncclCommAbort(comm: *mut c_void) -> Status {
     entry("ncclCommAbort", || {
@@ -830,6 +862,8 @@ pub extern "C" fn ncclCommAbort(comm: *mut c_void) -> Status {
     })
 }
 
+/// Emulates `ncclCommDestroy`: waits for the operations issued before it (unless the communicator
+/// failed), then stops it as [`ncclCommAbort`] does.
 #[no_mangle]
 pub extern "C" fn ncclCommDestroy(comm: *mut c_void) -> Status {
     entry("ncclCommDestroy", || {
@@ -845,6 +879,7 @@ pub extern "C" fn ncclCommDestroy(comm: *mut c_void) -> Status {
     })
 }
 
+/// Emulates `ncclGetErrorString`: NCCL's text for each `ncclResult_t`.
 #[no_mangle]
 pub extern "C" fn ncclGetErrorString(status: Status) -> *const c_char {
     let text: &CStr = match status {
@@ -862,6 +897,8 @@ pub extern "C" fn ncclGetErrorString(status: Status) -> *const c_char {
     text.as_ptr()
 }
 
+/// Emulates `ncclGetLastError`: the communicator's asynchronous error message if it has one, else
+/// the last error of a call on this thread. The text stays valid until this thread calls it again.
 #[no_mangle]
 pub extern "C" fn ncclGetLastError(comm: *mut c_void) -> *const c_char {
     let mut text = LAST_ERROR.with(|e| e.borrow().clone());
@@ -1322,6 +1359,10 @@ fn point_to_point(c: &Comm, s: &Segment, ops: &[Op]) -> Result<(), Stop> {
 
 macro_rules! collective_entry {
     ($name:ident, ($($arg:ident: $ty:ty),*), $call:expr) => {
+        #[doc = concat!("Emulates `", stringify!($name), "`: checks the arguments and that the \
+            buffers lie in live allocations, then runs it on the stream's worker through the \
+            shared-memory segment, blocking there until every rank arrives (inside a group, at \
+            the outermost `ncclGroupEnd`); see the crate docs.")]
         #[no_mangle]
         pub extern "C" fn $name($($arg: $ty),*) -> Status {
             entry(stringify!($name), || $call)
@@ -1369,6 +1410,8 @@ collective_entry!(ncclRecv,
      stream: *mut c_void),
     submit(comm, stream, Kind::Recv, std::ptr::null(), recv, count, dtype, -1, peer));
 
+/// Emulates `ncclGroupStart`: operations and blocking inits until the matching `ncclGroupEnd` are
+/// held (groups nest).
 #[no_mangle]
 pub extern "C" fn ncclGroupStart() -> Status {
     entry("ncclGroupStart", || {
@@ -1377,6 +1420,9 @@ pub extern "C" fn ncclGroupStart() -> Status {
     })
 }
 
+/// Emulates `ncclGroupEnd`: at the outermost end, waits for the held inits and issues the held
+/// operations, each communicator's and stream's sends and receives as one operation that progresses
+/// together.
 #[no_mangle]
 pub extern "C" fn ncclGroupEnd() -> Status {
     entry("ncclGroupEnd", || {

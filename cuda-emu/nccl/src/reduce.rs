@@ -12,15 +12,25 @@ use half::{bf16, f16};
 /// `ncclDataType_t`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DataType {
+    /// `ncclInt8` (`i8`).
     Int8,
+    /// `ncclUint8` (`u8`).
     Uint8,
+    /// `ncclInt32` (`i32`).
     Int32,
+    /// `ncclUint32` (`u32`).
     Uint32,
+    /// `ncclInt64` (`i64`).
     Int64,
+    /// `ncclUint64` (`u64`).
     Uint64,
+    /// `ncclFloat16` (IEEE half).
     Float16,
+    /// `ncclFloat32` (`f32`).
     Float32,
+    /// `ncclFloat64` (`f64`).
     Float64,
+    /// `ncclBfloat16` (bfloat16).
     Bfloat16,
 }
 
@@ -78,10 +88,15 @@ impl DataType {
 /// `ncclRedOp_t` (the built-in operators).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RedOp {
+    /// `ncclSum`.
     Sum,
+    /// `ncclProd`.
     Prod,
+    /// `ncclMax`.
     Max,
+    /// `ncclMin`.
     Min,
+    /// `ncclAvg` (see the module docs for how it is computed).
     Avg,
 }
 

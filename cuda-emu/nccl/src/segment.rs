@@ -47,9 +47,13 @@ pub struct Header {
 pub struct Desc {
     /// [`crate::Kind`] as a number.
     pub kind: u64,
+    /// `ncclDataType_t`.
     pub dtype: u64,
+    /// `ncclRedOp_t` for the reductions; 0 otherwise.
     pub op: u64,
+    /// The root rank (broadcast and reduce; 0 for the others).
     pub root: u64,
+    /// The operation's element count.
     pub count: u64,
     /// The collective's number on the communicator (1, 2, …).
     pub seq: u64,
@@ -64,7 +68,9 @@ pub struct Desc {
 pub struct Slot {
     claimed: AtomicU32,
     pid: AtomicU32,
+    /// The last round this rank posted (its chunk and descriptor are in place).
     pub posted: AtomicU64,
+    /// The last round this rank finished reading (every rank's staging area may be reused).
     pub consumed: AtomicU64,
     desc: [AtomicU64; 8],
 }
