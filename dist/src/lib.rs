@@ -75,6 +75,8 @@
 //! ranks with the environment set, serves the store, prefixes each rank's output with
 //! `[rank K] `, and stops the whole job when one rank fails, naming it.
 
+#![warn(missing_docs)]
+
 pub mod auth;
 mod coalesce;
 pub mod ddp;
