@@ -8,9 +8,9 @@ use super::args::{self, Buffer};
 use super::{ffi, NcclProcessGroup};
 use crate::process_group::{
     describe_all_gather, describe_all_reduce, describe_barrier, describe_broadcast,
-    describe_reduce_scatter, ProcessGroup, ReduceOp, Work,
+    describe_reduce_scatter, tensor_error, ProcessGroup, ReduceOp, Work,
 };
-use crate::{DistError, Result};
+use crate::Result;
 
 impl NcclProcessGroup {
     /// Where `t` lies on the group's device (after the shared argument checks).
@@ -101,7 +101,7 @@ impl ProcessGroup for NcclProcessGroup {
         // overlap would have NCCL read what it is writing, so such an input is copied first.
         let in_place = inp.ptr == out.ptr + rank as u64 * inp.bytes;
         if inp.overlaps(&out) && !in_place {
-            let copy = staged(input).map_err(|e| tensor_error(rank, NAME, e))?;
+            let copy = staged(input).map_err(|e| tensor_error(rank, &desc, e))?;
             inp = self.buffer(NAME, "input", &copy)?;
             held.push(copy);
         }
@@ -133,7 +133,7 @@ impl ProcessGroup for NcclProcessGroup {
         // The input must survive unchanged, so an output that shares its memory (NCCL's in-place
         // form writes into the input) gets a copy of the input to read from.
         if inp.overlaps(&out) {
-            let copy = staged(input).map_err(|e| tensor_error(rank, NAME, e))?;
+            let copy = staged(input).map_err(|e| tensor_error(rank, &desc, e))?;
             inp = self.buffer(NAME, "input", &copy)?;
             held.push(copy);
         }
@@ -192,8 +192,4 @@ fn staged(t: &Tensor) -> tandem_core::Result<Tensor> {
     let copy = Tensor::empty(t.dims(), t.dtype(), t.device())?;
     copy.copy_(t)?;
     Ok(copy)
-}
-
-fn tensor_error(rank: usize, collective: &'static str, e: tandem_core::Error) -> DistError {
-    DistError::tensor(rank, collective, e)
 }
