@@ -418,14 +418,64 @@ pub fn launch(opts: &LaunchOptions) -> Result<LaunchReport> {
     }
 }
 
+/// What a rank's exit reports: its rank and how its process ended.
+type Exit = (usize, std::io::Result<ExitStatus>);
+
+/// The ranks of this node, started.
+struct Started {
+    /// `(rank, process id)` of every rank started.
+    pids: Vec<(usize, u32)>,
+    /// The threads that relay the ranks' output.
+    relays: Vec<std::thread::JoinHandle<()>>,
+    /// Receives every rank's exit.
+    exits: mpsc::Receiver<Exit>,
+    /// Why a rank could not be started (the ranks started before it are stopped).
+    spawn_error: Option<DistError>,
+}
+
+/// How the ranks of one start ended.
+struct Outcome {
+    failed: Option<RankFailure>,
+    interrupted: Option<i32>,
+}
+
 /// One start of the job: the ranks, with `restart` in their environment, until all exit.
 fn launch_once(opts: &LaunchOptions, restart: usize) -> Result<LaunchReport> {
     let world = opts.nproc_per_node * opts.nnodes;
     let secret = auth::launcher_secret(opts.nnodes)?;
-    // Node 0 serves the store on the requested port or a free one; it binds before any rank
-    // starts, so there is no race for the port.
-    let (server, port) = if opts.serve_store && opts.node_rank == 0 {
-        let server = serve_store(opts, secret.as_ref())?;
+    let (server, port) = store_and_port(opts, secret.as_ref())?;
+    let started = spawn_ranks(opts, restart, port, secret.as_ref());
+    let Outcome {
+        failed,
+        interrupted,
+    } = supervise(opts, &started);
+    drain_relays(started.relays);
+    let report = failed
+        .as_ref()
+        .zip(server.as_ref())
+        .and_then(|(f, s)| failure_report::explain(s, f.rank, world));
+    drop(server);
+    if let Some(e) = started.spawn_error {
+        return Err(e);
+    }
+    Ok(LaunchReport {
+        failed,
+        interrupted,
+        master_port: port,
+        restarts: restart,
+        report,
+    })
+}
+
+/// The store this node serves (node 0, unless the ranks serve it) and the port the ranks meet
+/// on. Node 0 serves the store on the requested port or a free one; it binds before any rank
+/// starts, so there is no race for the port.
+fn store_and_port(
+    opts: &LaunchOptions,
+    secret: Option<&JobSecret>,
+) -> Result<(Option<StoreServer>, u16)> {
+    Ok(if opts.serve_store && opts.node_rank == 0 {
+        let server = serve_store(opts, secret)?;
         let port = server.local_addr().port();
         (Some(server), port)
     } else {
@@ -437,9 +487,19 @@ fn launch_once(opts: &LaunchOptions, restart: usize) -> Result<LaunchReport> {
                 .port(),
         };
         (None, port)
-    };
+    })
+}
 
-    let (exits_tx, exits_rx) = mpsc::channel::<(usize, std::io::Result<ExitStatus>)>();
+/// Starts this node's ranks with their environment, relaying their output with a `[rank K] `
+/// prefix; stops at the first rank that cannot be started.
+fn spawn_ranks(
+    opts: &LaunchOptions,
+    restart: usize,
+    port: u16,
+    secret: Option<&JobSecret>,
+) -> Started {
+    let world = opts.nproc_per_node * opts.nnodes;
+    let (exits_tx, exits) = mpsc::channel::<Exit>();
     let mut pids: Vec<(usize, u32)> = Vec::new();
     let mut relays = Vec::new();
     let mut spawn_error = None;
@@ -465,7 +525,7 @@ fn launch_once(opts: &LaunchOptions, restart: usize) -> Result<LaunchReport> {
             cmd.env_remove(STORE_HOSTED_VAR);
         }
         child::die_with_launcher(&mut cmd);
-        if let Some(secret) = &secret {
+        if let Some(secret) = secret {
             cmd.env(auth::SECRET_VAR, secret.env_value());
         }
         let mut child = match cmd.spawn() {
@@ -494,13 +554,24 @@ fn launch_once(opts: &LaunchOptions, restart: usize) -> Result<LaunchReport> {
         });
     }
     drop(exits_tx);
+    Started {
+        pids,
+        relays,
+        exits,
+        spawn_error,
+    }
+}
 
-    let mut running: Vec<(usize, u32)> = pids.clone();
+/// Waits for every rank to exit. The first failure (or an interrupting signal, passed on to
+/// the ranks) stops the others: SIGTERM, then SIGKILL after the grace period.
+fn supervise(opts: &LaunchOptions, started: &Started) -> Outcome {
+    let exits_rx = &started.exits;
+    let mut running: Vec<(usize, u32)> = started.pids.clone();
     let mut failed: Option<RankFailure> = None;
     let mut interrupted = None;
     let mut stop_deadline: Option<Instant> = None;
     let mut killed = false;
-    if spawn_error.is_some() {
+    if started.spawn_error.is_some() {
         for &(_, pid) in &running {
             send_signal(pid, libc::SIGTERM);
         }
@@ -545,7 +616,14 @@ fn launch_once(opts: &LaunchOptions, restart: usize) -> Result<LaunchReport> {
             killed = true;
         }
     }
-    // Let the relays print what the ranks wrote last (bounded: a grandchild could hold a pipe).
+    Outcome {
+        failed,
+        interrupted,
+    }
+}
+
+/// Lets the relays print what the ranks wrote last (bounded: a grandchild could hold a pipe).
+fn drain_relays(relays: Vec<std::thread::JoinHandle<()>>) {
     let deadline = Instant::now() + Duration::from_secs(2);
     for r in relays {
         while !r.is_finished() && Instant::now() < deadline {
@@ -555,21 +633,6 @@ fn launch_once(opts: &LaunchOptions, restart: usize) -> Result<LaunchReport> {
             let _ = r.join();
         }
     }
-    let report = failed
-        .as_ref()
-        .zip(server.as_ref())
-        .and_then(|(f, s)| failure_report::explain(s, f.rank, world));
-    drop(server);
-    if let Some(e) = spawn_error {
-        return Err(e);
-    }
-    Ok(LaunchReport {
-        failed,
-        interrupted,
-        master_port: port,
-        restarts: restart,
-        report,
-    })
 }
 
 /// Serves the job's store, requiring `secret`: a single-node job on the address its ranks are

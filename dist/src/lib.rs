@@ -1,5 +1,5 @@
 //! `tandem-dist`: process groups for data-parallel training — rendezvous, collectives over
-//! threads and TCP, and the `tandem-run` launcher.
+//! NCCL (one process per GPU), TCP and threads, DDP, and the `tandem-run` launcher.
 //!
 //! # The process-group model
 //!
@@ -36,7 +36,11 @@
 //! `Send + Sync` and cheap to issue from any thread, so a DDP reducer can launch bucket
 //! all-reduces from inside backward hooks.
 //!
-//! **Backends.** [`TcpProcessGroup`] connects separate processes on one or many hosts (Linux),
+//! **Backends.** [`NcclProcessGroup`] is the backend for GPUs: one process per GPU, collectives
+//! run by NVIDIA's NCCL on a CUDA comm stream, ordered after the compute stream by events so the
+//! host never waits, with a watchdog and heartbeats that turn a dead, hung or mismatched rank
+//! into an error naming it instead of a hang ([`NcclConfig`]; `--backend nccl` or
+//! [`Backend::Nccl`] at rendezvous). [`TcpProcessGroup`] connects separate processes on one or many hosts (Linux),
 //! in a full mesh of TCP connections. Small messages (≤ 64 KiB by default) go directly from
 //! every rank to every rank, for latency. Large ones go around a ring (reduce-scatter then
 //! all-gather; a chain for broadcast) in pipelined chunks, driven by one non-blocking event loop
@@ -70,6 +74,8 @@
 //! **Launching.** `tandem-run --nproc-per-node N -- PROGRAM ARGS…` ([`launch`]) starts N local
 //! ranks with the environment set, serves the store, prefixes each rank's output with
 //! `[rank K] `, and stops the whole job when one rank fails, naming it.
+
+#![warn(missing_docs)]
 
 pub mod auth;
 mod coalesce;

@@ -133,10 +133,20 @@ fn slurm_tasks_on_node(list: &str, node: usize) -> Option<usize> {
     None
 }
 
-impl LaunchEnv {
-    /// Reads the launch environment from `env` (variable name → value). Pure: use it to test,
-    /// or to describe a process other than this one.
-    pub fn from_map(env: &HashMap<String, String>) -> Result<Self> {
+/// Who this process is, as the launcher's variables say.
+#[derive(Clone, Copy)]
+struct Ranks {
+    source: EnvSource,
+    rank: usize,
+    world_size: usize,
+    local_rank: usize,
+    local_world_size: usize,
+}
+
+impl Ranks {
+    /// Reads the ranks from the variables of the first launcher whose variables are set:
+    /// torchrun or tandem-run, SLURM, Open MPI.
+    fn from_map(env: &HashMap<String, String>) -> Result<Ranks> {
         let (source, rank, world_size, local_rank, local_world_size) = if get(env, "RANK").is_some()
         {
             let hint =
@@ -188,10 +198,28 @@ impl LaunchEnv {
             return Err(DistError::env(
                 "RANK",
                 "is not set, and neither are SLURM_PROCID nor OMPI_COMM_WORLD_RANK; start the \
-                 program with tandem-run (or torchrun, srun, mpirun), or set RANK, WORLD_SIZE, \
-                 MASTER_ADDR and MASTER_PORT",
+             program with tandem-run (or torchrun, srun, mpirun), or set RANK, WORLD_SIZE, \
+             MASTER_ADDR and MASTER_PORT",
             ));
         };
+        Ok(Ranks {
+            source,
+            rank,
+            world_size,
+            local_rank,
+            local_world_size,
+        })
+    }
+
+    /// Checks that the ranks are consistent, naming the variable that is not.
+    fn check(&self) -> Result<()> {
+        let Ranks {
+            source,
+            rank,
+            world_size,
+            local_rank,
+            local_world_size,
+        } = *self;
         let (rank_var, world_var) = match source {
             EnvSource::Torchrun => ("RANK", "WORLD_SIZE"),
             EnvSource::Slurm => ("SLURM_PROCID", "SLURM_NTASKS"),
@@ -225,10 +253,27 @@ impl LaunchEnv {
                 },
                 format!(
                     "local rank {local_rank} of {local_world_size} on this node is inconsistent \
-                     (world size {world_size})"
+                 (world size {world_size})"
                 ),
             ));
         }
+        Ok(())
+    }
+}
+
+impl LaunchEnv {
+    /// Reads the launch environment from `env` (variable name → value). Pure: use it to test,
+    /// or to describe a process other than this one.
+    pub fn from_map(env: &HashMap<String, String>) -> Result<Self> {
+        let ranks = Ranks::from_map(env)?;
+        ranks.check()?;
+        let Ranks {
+            source,
+            rank,
+            world_size,
+            local_rank,
+            local_world_size,
+        } = ranks;
         let master_addr = required(env, "MASTER_ADDR", MASTER_HINT)?.to_string();
         let master_port: u16 = number(env, "MASTER_PORT", MASTER_HINT)?;
         if master_port == 0 {

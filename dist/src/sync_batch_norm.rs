@@ -70,13 +70,33 @@ impl SyncBatchNorm {
         }
         // Contiguous once: every phase, forward and backward, reads the input.
         let xc = x.contiguous_detached()?;
+        let stats = self.global_statistics(x, &xc)?;
+        let norm = phases::normalization(&NormalizationArgs {
+            mean: &stats.mean,
+            var: &stats.var,
+            weight: bn.weight(),
+            bias: bn.bias(),
+            eps: config.eps,
+        })?;
+        let out = phases::apply(&ApplyArgs {
+            x: &xc,
+            norm: &norm,
+            epilogue,
+        })?;
+        self.record_backward(x, out, xc, norm, stats.count, epilogue)
+    }
+
+    /// The statistics of the group's whole batch: this rank's sums (count, Σx, Σx²) of `xc`
+    /// (the contiguous `x`) all-reduced; updates the running statistics with them.
+    fn global_statistics(&self, x: &Tensor, xc: &Tensor) -> tandem_nn::Result<Statistics> {
+        let bn = &self.bn;
         let statistics_error = |e: tandem_core::Error| {
             self.input_error(format!(
                 "batch statistics over the group failed for input {:?}: {e}",
                 x.dims()
             ))
         };
-        let local = phases::statistics(&xc)?;
+        let local = phases::statistics(xc)?;
         // The group's count is the sum of the ranks' counts. The host knows only its own: on
         // one process that is the group's, checked here at once; otherwise `from_sums` checks
         // the reduced count — on the CPU as it reads it, on a GPU on the device (reported at
@@ -98,23 +118,26 @@ impl SyncBatchNorm {
                 running_mean: Some(running_mean),
                 running_var: Some(running_var),
                 stats: &stats,
-                momentum: config.momentum,
+                momentum: bn.config().momentum,
             })?;
             bn.count_training_batch()?;
         }
-        let norm = phases::normalization(&NormalizationArgs {
-            mean: &stats.mean,
-            var: &stats.var,
-            weight: bn.weight(),
-            bias: bn.bias(),
-            eps: config.eps,
-        })?;
-        let out = phases::apply(&ApplyArgs {
-            x: &xc,
-            norm: &norm,
-            epilogue,
-        })?;
+        Ok(stats)
+    }
 
+    /// Records the backward of `out` (the forward of `x`, contiguous as `xc`, normalised by
+    /// `norm` with the group's `count`): the per-channel gradient sums are all-reduced so that
+    /// the input's gradient is the full batch's.
+    fn record_backward(
+        &self,
+        x: &Tensor,
+        out: Tensor,
+        xc: Tensor,
+        norm: phases::Normalization,
+        count: phases::Count,
+        epilogue: Epilogue<'_>,
+    ) -> tandem_nn::Result<Tensor> {
+        let bn = &self.bn;
         let residual = match epilogue {
             Epilogue::AddRelu(r) => Some(r),
             _ => None,
@@ -128,7 +151,6 @@ impl SyncBatchNorm {
         inputs.extend(bn.bias());
         let (has_w, has_b) = (bn.weight().is_some(), bn.bias().is_some());
         let group = self.group.clone();
-        let count = stats.count.clone();
         Ok(record_fn(out, &inputs, "sync_batch_norm", move || {
             move |g: &Tensor| {
                 let mask = match (&saved_out, relu) {

@@ -154,87 +154,119 @@ pub fn on_each_rank<G: Send, R: Send>(groups: Vec<G>, f: impl Fn(G) -> R + Sync)
 /// and one above the group's small-message threshold to exercise the large-message path).
 /// Returns the first discrepancy.
 pub fn conformance(pg: &dyn ProcessGroup, seed: u64, sizes: &[usize]) -> Result<(), String> {
-    let (rank, world) = (pg.rank(), pg.world_size());
-    let run = |w: crate::Result<crate::Work>| w.and_then(|w| w.wait()).map_err(|e| e.to_string());
     let mut case = 0u64;
     for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
         for &n in sizes {
             for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min] {
-                case += 1;
-                let what = format!("rank {rank}/{world}: all_reduce({dtype}, {n}, {op})");
-                let inputs: Vec<Vec<f64>> = (0..world)
-                    .map(|q| stored(&values(seed, case, q, n, dtype), dtype))
-                    .collect::<Result<_, _>>()?;
-                let t = tensor_of(&inputs[rank], dtype)?;
-                run(pg.all_reduce(&t, op))?;
-                let want: Vec<f64> = (0..n).map(|i| reference(&inputs, op, i)).collect();
-                compare(
-                    &what,
-                    &t.to_vec_f64().map_err(|e| e.to_string())?,
-                    &want,
-                    |w| tolerance(dtype, world, op, w),
-                )?;
-                check_identical(pg, &what, &t)?;
-
-                case += 1;
-                let what =
-                    format!("rank {rank}/{world}: reduce_scatter({dtype}, {n} per rank, {op})");
-                let inputs: Vec<Vec<f64>> = (0..world)
-                    .map(|q| stored(&values(seed, case, q, n * world, dtype), dtype))
-                    .collect::<Result<_, _>>()?;
-                let input = tensor_of(&inputs[rank], dtype)?;
-                let before = input.to_vec_f64().map_err(|e| e.to_string())?;
-                let output = Tensor::zeros(&[n], dtype, Device::Cpu).map_err(|e| e.to_string())?;
-                run(pg.reduce_scatter(&input, &output, op))?;
-                let want: Vec<f64> = (0..n)
-                    .map(|i| reference(&inputs, op, rank * n + i))
-                    .collect();
-                compare(
-                    &what,
-                    &output.to_vec_f64().map_err(|e| e.to_string())?,
-                    &want,
-                    |w| tolerance(dtype, world, op, w),
-                )?;
-                if input.to_vec_f64().map_err(|e| e.to_string())? != before {
-                    return Err(format!("{what}: the input was modified"));
-                }
+                check_reductions(pg, seed, &mut case, dtype, n, op)?;
             }
-
-            case += 1;
-            let what = format!("rank {rank}/{world}: all_gather({dtype}, {n} per rank)");
-            let inputs: Vec<Vec<f64>> = (0..world)
-                .map(|q| stored(&values(seed, case, q, n, dtype), dtype))
-                .collect::<Result<_, _>>()?;
-            let input = tensor_of(&inputs[rank], dtype)?;
-            let output =
-                Tensor::zeros(&[world * n], dtype, Device::Cpu).map_err(|e| e.to_string())?;
-            run(pg.all_gather(&input, &output))?;
-            compare(
-                &what,
-                &output.to_vec_f64().map_err(|e| e.to_string())?,
-                &inputs.concat(),
-                |_| 0.0,
-            )?;
-
-            for root in 0..world {
-                case += 1;
-                let what = format!("rank {rank}/{world}: broadcast({dtype}, {n}, root {root})");
-                let mine = stored(&values(seed, case, rank, n, dtype), dtype)?;
-                let t = tensor_of(&mine, dtype)?;
-                run(pg.broadcast(&t, root))?;
-                let want = stored(&values(seed, case, root, n, dtype), dtype)?;
-                compare(
-                    &what,
-                    &t.to_vec_f64().map_err(|e| e.to_string())?,
-                    &want,
-                    |_| 0.0,
-                )?;
-            }
+            check_gather_and_broadcast(pg, seed, &mut case, dtype, n)?;
         }
     }
+    check_in_flight_order(pg, sizes.iter().copied().max().unwrap_or(0))?;
+    check_bad_argument(pg)
+}
 
-    // Several collectives in flight at once complete in issue order.
-    let n = sizes.iter().copied().max().unwrap_or(0);
+/// Waits for `w` (the outcome of issuing a collective), as a message.
+fn run(w: crate::Result<crate::Work>) -> Result<(), String> {
+    w.and_then(|w| w.wait()).map_err(|e| e.to_string())
+}
+
+/// `all_reduce` and `reduce_scatter` of `n` elements of `dtype` with `op`, against the serial
+/// reference; cases numbered from `case`.
+fn check_reductions(
+    pg: &dyn ProcessGroup,
+    seed: u64,
+    case: &mut u64,
+    dtype: DType,
+    n: usize,
+    op: ReduceOp,
+) -> Result<(), String> {
+    let (rank, world) = (pg.rank(), pg.world_size());
+    *case += 1;
+    let what = format!("rank {rank}/{world}: all_reduce({dtype}, {n}, {op})");
+    let inputs: Vec<Vec<f64>> = (0..world)
+        .map(|q| stored(&values(seed, *case, q, n, dtype), dtype))
+        .collect::<Result<_, _>>()?;
+    let t = tensor_of(&inputs[rank], dtype)?;
+    run(pg.all_reduce(&t, op))?;
+    let want: Vec<f64> = (0..n).map(|i| reference(&inputs, op, i)).collect();
+    compare(
+        &what,
+        &t.to_vec_f64().map_err(|e| e.to_string())?,
+        &want,
+        |w| tolerance(dtype, world, op, w),
+    )?;
+    check_identical(pg, &what, &t)?;
+
+    *case += 1;
+    let what = format!("rank {rank}/{world}: reduce_scatter({dtype}, {n} per rank, {op})");
+    let inputs: Vec<Vec<f64>> = (0..world)
+        .map(|q| stored(&values(seed, *case, q, n * world, dtype), dtype))
+        .collect::<Result<_, _>>()?;
+    let input = tensor_of(&inputs[rank], dtype)?;
+    let before = input.to_vec_f64().map_err(|e| e.to_string())?;
+    let output = Tensor::zeros(&[n], dtype, Device::Cpu).map_err(|e| e.to_string())?;
+    run(pg.reduce_scatter(&input, &output, op))?;
+    let want: Vec<f64> = (0..n)
+        .map(|i| reference(&inputs, op, rank * n + i))
+        .collect();
+    compare(
+        &what,
+        &output.to_vec_f64().map_err(|e| e.to_string())?,
+        &want,
+        |w| tolerance(dtype, world, op, w),
+    )?;
+    if input.to_vec_f64().map_err(|e| e.to_string())? != before {
+        return Err(format!("{what}: the input was modified"));
+    }
+    Ok(())
+}
+
+/// `all_gather` of `n` elements of `dtype`, and `broadcast` from every root.
+fn check_gather_and_broadcast(
+    pg: &dyn ProcessGroup,
+    seed: u64,
+    case: &mut u64,
+    dtype: DType,
+    n: usize,
+) -> Result<(), String> {
+    let (rank, world) = (pg.rank(), pg.world_size());
+    *case += 1;
+    let what = format!("rank {rank}/{world}: all_gather({dtype}, {n} per rank)");
+    let inputs: Vec<Vec<f64>> = (0..world)
+        .map(|q| stored(&values(seed, *case, q, n, dtype), dtype))
+        .collect::<Result<_, _>>()?;
+    let input = tensor_of(&inputs[rank], dtype)?;
+    let output = Tensor::zeros(&[world * n], dtype, Device::Cpu).map_err(|e| e.to_string())?;
+    run(pg.all_gather(&input, &output))?;
+    compare(
+        &what,
+        &output.to_vec_f64().map_err(|e| e.to_string())?,
+        &inputs.concat(),
+        |_| 0.0,
+    )?;
+
+    for root in 0..world {
+        *case += 1;
+        let what = format!("rank {rank}/{world}: broadcast({dtype}, {n}, root {root})");
+        let mine = stored(&values(seed, *case, rank, n, dtype), dtype)?;
+        let t = tensor_of(&mine, dtype)?;
+        run(pg.broadcast(&t, root))?;
+        let want = stored(&values(seed, *case, root, n, dtype), dtype)?;
+        compare(
+            &what,
+            &t.to_vec_f64().map_err(|e| e.to_string())?,
+            &want,
+            |_| 0.0,
+        )?;
+    }
+    Ok(())
+}
+
+/// Several collectives (of `n` elements) in flight at once complete in issue order.
+fn check_in_flight_order(pg: &dyn ProcessGroup, n: usize) -> Result<(), String> {
+    let (rank, world) = (pg.rank(), pg.world_size());
     let tensors: Vec<Tensor> = (0..4)
         .map(|k| tensor_of(&vec![(rank + k) as f64; n], DType::F32))
         .collect::<Result<_, _>>()?;
@@ -261,8 +293,12 @@ pub fn conformance(pg: &dyn ProcessGroup, seed: u64, sizes: &[usize]) -> Result<
             |_| 0.0,
         )?;
     }
+    Ok(())
+}
 
-    // A bad argument is refused on the spot and does not disturb the sequence.
+/// A bad argument is refused on the spot and does not disturb the sequence.
+fn check_bad_argument(pg: &dyn ProcessGroup) -> Result<(), String> {
+    let rank = pg.rank();
     let square = Tensor::zeros(&[2, 3], DType::F32, Device::Cpu).map_err(|e| e.to_string())?;
     let transposed = square
         .view_detached(

@@ -10,6 +10,7 @@
 //! that disagrees is reported instead of corrupting data.
 
 mod board;
+pub(crate) mod codes;
 pub mod device_threads;
 mod host;
 pub mod nccl;
@@ -220,7 +221,8 @@ pub trait ProcessGroup: Send + Sync + fmt::Debug {
     /// Number of ranks in the group.
     fn world_size(&self) -> usize;
 
-    /// The backend's name (`"tcp"`, `"threads"`).
+    /// The backend's name: `"nccl"` ([`NcclProcessGroup`](crate::NcclProcessGroup)), `"tcp"`,
+    /// `"threads"` or `"device-threads"`.
     fn backend(&self) -> &'static str;
 
     /// The stream collectives run on. Work issued to it before a collective (for example
@@ -383,6 +385,30 @@ fn check_pair(
     Ok(())
 }
 
+/// Checks that `bigger` has `world × smaller` elements (without overflowing on absurd sizes).
+fn check_world_multiple(
+    rank: usize,
+    world: usize,
+    collective: &'static str,
+    (bigger_name, bigger): (&str, &Tensor),
+    (smaller_name, smaller): (&str, &Tensor),
+) -> Result<()> {
+    if Some(bigger.numel()) != world.checked_mul(smaller.numel()) {
+        return Err(invalid(
+            rank,
+            collective,
+            format!(
+                "{bigger_name} has {} elements but must have world_size × {smaller_name} = \
+                 {world} × {} = {}",
+                bigger.numel(),
+                smaller.numel(),
+                world.saturating_mul(smaller.numel())
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// Checks `all_gather` arguments; returns the descriptor.
 pub(crate) fn describe_all_gather(
     rank: usize,
@@ -391,18 +417,13 @@ pub(crate) fn describe_all_gather(
     output: &Tensor,
 ) -> Result<CollectiveDesc> {
     check_pair(rank, "all_gather", input, output)?;
-    if output.numel() != world * input.numel() {
-        return Err(invalid(
-            rank,
-            "all_gather",
-            format!(
-                "output has {} elements but must have world_size × input = {world} × {} = {}",
-                output.numel(),
-                input.numel(),
-                world * input.numel()
-            ),
-        ));
-    }
+    check_world_multiple(
+        rank,
+        world,
+        "all_gather",
+        ("output", output),
+        ("input", input),
+    )?;
     Ok(CollectiveDesc {
         kind: CollectiveKind::AllGather,
         dtype: Some(input.dtype()),
@@ -422,18 +443,13 @@ pub(crate) fn describe_reduce_scatter(
 ) -> Result<CollectiveDesc> {
     check_pair(rank, "reduce_scatter", input, output)?;
     check_reducible(rank, "reduce_scatter", input)?;
-    if input.numel() != world * output.numel() {
-        return Err(invalid(
-            rank,
-            "reduce_scatter",
-            format!(
-                "input has {} elements but must have world_size × output = {world} × {} = {}",
-                input.numel(),
-                output.numel(),
-                world * output.numel()
-            ),
-        ));
-    }
+    check_world_multiple(
+        rank,
+        world,
+        "reduce_scatter",
+        ("input", input),
+        ("output", output),
+    )?;
     Ok(CollectiveDesc {
         kind: CollectiveKind::ReduceScatter,
         dtype: Some(output.dtype()),
@@ -633,6 +649,10 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("4 × 5 = 20"), "{err}");
+        let err = describe_all_gather(0, 1, &ints, &out)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("input is i64 but output is f32"), "{err}");
     }
 
     #[test]

@@ -3,7 +3,7 @@
 //! sockets, yet with the same asynchronous contract, sequence numbers, mismatch detection and
 //! failure reporting as the TCP backend.
 //!
-//! Each collective is a rendezvous on a shared [`Board`]: every rank posts a snapshot of its
+//! Each collective is a rendezvous on a shared `Board`: every rank posts a snapshot of its
 //! contribution under the collective's sequence number, waits until all ranks have posted, and
 //! computes its own result from all contributions in rank order — the same inputs in the same
 //! order on every rank, so every rank gets bit-identical results. A rank that fails (a timeout,

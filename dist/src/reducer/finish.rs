@@ -13,77 +13,48 @@
 //! PyTorch's DDP does.
 
 use tandem_autograd::BackwardSummary;
+use tandem_core::{Event, Tensor};
 
-use super::telemetry::PendingStep;
+use super::telemetry::{PendingBucket, PendingStep};
 use super::unused::UnreachedHere;
-use super::Reducer;
-use crate::{DistError, Result};
+use super::{Reducer, State};
+use crate::{DistError, Result, Work};
+
+/// The unreached parameters of this rank and the all-reduce counting each parameter's users.
+type Unreached = (UnreachedHere, (Tensor, Work));
+
+/// What waiting for the launched buckets gave: their collectives, their timing events, and the
+/// first error met.
+struct Waited {
+    works: Vec<Work>,
+    buckets: Vec<PendingBucket>,
+    first_error: Option<DistError>,
+}
 
 impl Reducer {
     pub(super) fn on_backward_finished(&self, _summary: &BackwardSummary) -> Result<()> {
         let rank = self.group.rank();
-        let mut st = self.state.lock();
-        if !st.sync {
+        let mut state = self.state.lock();
+        if !state.sync {
             return Ok(());
         }
         let stream_err = |e| DistError::tensor(rank, "ending the backward of DDP", e);
         let backward_end = self.compute.record_event().map_err(stream_err)?;
-        let unready: Vec<usize> = (0..self.params.len()).filter(|&i| !st.ready[i]).collect();
-        let mut unreached = None;
-        if self.config.find_unused_parameters {
-            // Their current gradient (zero when they have none) completes the buckets; every
-            // rank launches the same buckets in the same order, then counts the users of each
-            // parameter, so that what no rank used can be given back untouched.
-            let here = UnreachedHere::prepare(rank, &self.params, &st.slots, &st.ready)?;
-            let scale = self.pre_scale();
-            for &i in &unready {
-                let view = st.slots[i].view.clone();
-                self.write_slot(&st, i, &view, scale)?;
-                self.mark_ready(&mut st, i, false)?;
-            }
-            let counting = here.count_users(self.group.as_ref(), self.device)?;
-            unreached = Some((here, counting));
-        } else if !unready.is_empty() {
-            st.unfinished = Some(unready.iter().map(|&i| self.params[i].0.clone()).collect());
+        let unreached = self.complete_unready_buckets(&mut state)?;
+        let mut waited = self.wait_for_buckets(&mut state);
+        let comm_end = self
+            .group
+            .comm_stream()
+            .record_event()
+            .map_err(stream_err)?;
+        if let Some(unreached) = unreached {
+            self.restore_unreached(&state, unreached, &comm_end, &mut waited)?;
         }
-
-        // The step must see reduced gradients: the compute stream waits for every bucket.
-        let in_flight = std::mem::take(&mut st.in_flight);
-        crate::nvtx_ranges::mark(
-            rank,
-            &format!("backward finished; waiting for {} buckets", in_flight.len()),
-        );
-        let mut first_error = None;
-        let mut works = Vec::new();
-        let mut buckets = Vec::with_capacity(in_flight.len());
-        for flight in in_flight {
-            if let Err(e) = self.compute.wait_event(&flight.done) {
-                first_error.get_or_insert(stream_err(e));
-            }
-            works.extend(flight.works);
-            buckets.push(flight.timing);
-        }
-        let comm = self.group.comm_stream();
-        let comm_end = comm.record_event().map_err(stream_err)?;
-
-        if let Some((here, (counts, work))) = unreached {
-            // Reading the counts on the host waits for them (see the module comment).
-            if let Err(e) = self.compute.wait_event(&comm_end) {
-                first_error.get_or_insert(stream_err(e));
-            }
-            match work.try_result() {
-                Some(Err(e)) => {
-                    first_error.get_or_insert(e);
-                }
-                _ if first_error.is_some() => {}
-                outcome => {
-                    here.restore_unused_everywhere(rank, &counts, &self.params, &st.slots)?;
-                    if outcome.is_none() {
-                        works.push(work);
-                    }
-                }
-            }
-        }
+        let Waited {
+            works,
+            buckets,
+            mut first_error,
+        } = waited;
 
         // Outcomes known now are reported now; the others at the next forward.
         for work in works {
@@ -92,11 +63,11 @@ impl Reducer {
                 Some(Err(e)) => {
                     first_error.get_or_insert(e);
                 }
-                None => st.unchecked.push(work),
+                None => state.deferred.unchecked_works.push(work),
             }
         }
-        let forward_end = st.forward_end.clone();
-        st.pending_steps.push_back(PendingStep {
+        let forward_end = state.timing.forward_end.clone();
+        state.timing.pending_steps.push_back(PendingStep {
             forward_end,
             backward_end,
             comm_end,
@@ -106,17 +77,103 @@ impl Reducer {
         // elapsed time does, even for complete events, and past `MAX_PENDING_STEPS` the oldest
         // step is waited for), and backward must never make the host wait for the device. The
         // next forward or a read of the telemetry files them.
-
-        // Reset for the next backward.
-        st.ready.iter_mut().for_each(|r| *r = false);
-        for bucket in &mut st.buckets {
-            bucket.pending = bucket.params.len();
-        }
-        st.next_launch = 0;
-        st.sync_backwards += 1;
+        reset_for_next_backward(&mut state);
         match first_error {
             Some(e) => Err(e),
             None => Ok(()),
         }
     }
+
+    /// Deals with the parameters this backward did not reach. Under `find_unused_parameters`
+    /// their current gradient (zero when they have none) completes the buckets; every rank
+    /// launches the same buckets in the same order, then counts the users of each parameter, so
+    /// that what no rank used can be given back untouched. Otherwise they are reported at the
+    /// next forward.
+    fn complete_unready_buckets(&self, state: &mut State) -> Result<Option<Unreached>> {
+        let rank = self.group.rank();
+        let unready: Vec<usize> = (0..self.params.len())
+            .filter(|&i| !state.pass.ready[i])
+            .collect();
+        if !self.config.find_unused_parameters {
+            if !unready.is_empty() {
+                let paths = unready.iter().map(|&i| self.params[i].0.clone()).collect();
+                state.deferred.unused_paths = Some(paths);
+            }
+            return Ok(None);
+        }
+        let here =
+            UnreachedHere::prepare(rank, &self.params, &state.layout.slots, &state.pass.ready)?;
+        let scale = self.pre_scale();
+        for &i in &unready {
+            let view = state.layout.slots[i].view.clone();
+            self.write_slot(&state.layout, i, &view, scale)?;
+            self.mark_ready(state, i, false)?;
+        }
+        let counting = here.count_users(self.group.as_ref(), self.device)?;
+        Ok(Some((here, counting)))
+    }
+
+    /// The step must see reduced gradients: makes the compute stream wait for every bucket
+    /// launched in this backward.
+    fn wait_for_buckets(&self, state: &mut State) -> Waited {
+        let rank = self.group.rank();
+        let in_flight = std::mem::take(&mut state.pass.in_flight);
+        crate::nvtx_ranges::mark(
+            rank,
+            &format!("backward finished; waiting for {} buckets", in_flight.len()),
+        );
+        let mut waited = Waited {
+            works: Vec::new(),
+            buckets: Vec::with_capacity(in_flight.len()),
+            first_error: None,
+        };
+        for flight in in_flight {
+            if let Err(e) = self.compute.wait_event(&flight.done) {
+                let err = DistError::tensor(rank, "ending the backward of DDP", e);
+                waited.first_error.get_or_insert(err);
+            }
+            waited.works.extend(flight.works);
+            waited.buckets.push(flight.timing);
+        }
+        waited
+    }
+
+    /// Gives the parameters no rank reached their gradients back, once the users' counts are
+    /// known: reading them on the host waits for them (see the module comment).
+    fn restore_unreached(
+        &self,
+        state: &State,
+        (here, (counts, work)): Unreached,
+        comm_end: &Event,
+        waited: &mut Waited,
+    ) -> Result<()> {
+        let rank = self.group.rank();
+        if let Err(e) = self.compute.wait_event(comm_end) {
+            let err = DistError::tensor(rank, "ending the backward of DDP", e);
+            waited.first_error.get_or_insert(err);
+        }
+        match work.try_result() {
+            Some(Err(e)) => {
+                waited.first_error.get_or_insert(e);
+            }
+            _ if waited.first_error.is_some() => {}
+            outcome => {
+                here.restore_unused_everywhere(rank, &counts, &self.params, &state.layout.slots)?;
+                if outcome.is_none() {
+                    waited.works.push(work);
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Resets the pass for the next backward and counts this one.
+fn reset_for_next_backward(state: &mut State) {
+    state.pass.ready.iter_mut().for_each(|r| *r = false);
+    for bucket in &mut state.layout.buckets {
+        bucket.pending = bucket.params.len();
+    }
+    state.pass.next_launch = 0;
+    state.sync_backwards += 1;
 }

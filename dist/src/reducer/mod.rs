@@ -81,32 +81,98 @@ struct InFlight {
     timing: PendingBucket,
 }
 
-/// What the reducer knows about the current and past iterations.
+/// What the reducer knows about the current and past iterations, one part per concern.
 struct State {
-    buckets: Vec<Bucket>,
-    /// Per parameter: its bucket and its gradient view.
-    slots: Vec<Slot>,
-    ready: Vec<bool>,
-    next_launch: usize,
-    in_flight: Vec<InFlight>,
     /// False inside `no_sync`: gradients only accumulate locally.
     sync: bool,
+    /// Synchronised backwards so far (the first one observes the order of the gradients).
+    sync_backwards: u64,
+    /// The buckets and where each parameter's gradient lives in them.
+    layout: Layout,
+    /// How far the current synchronised backward has got.
+    pass: Pass,
+    /// The order learned from the first synchronised backward, for rebuilding the buckets.
+    rebuild: Rebuild,
+    /// Problems found after a backward returned, reported at the next forward.
+    deferred: Deferred,
+    /// Timing events and records: the telemetry and the launch log.
+    timing: Timing,
+}
+
+/// The buckets and, per parameter, its bucket and its gradient view.
+struct Layout {
+    buckets: Vec<Bucket>,
+    /// Indexed like the reducer's parameters.
+    slots: Vec<Slot>,
+}
+
+/// The progress of one synchronised backward; reset when it finishes.
+struct Pass {
+    /// Per parameter: whether its final gradient is in its slot.
+    ready: Vec<bool>,
+    /// The next bucket to launch (buckets launch strictly in order).
+    next_launch: usize,
+    /// Buckets launched in this backward.
+    in_flight: Vec<InFlight>,
+}
+
+/// The bucket order observed in the first synchronised backward, and whether the buckets were
+/// rebuilt in it.
+struct Rebuild {
     /// Order in which parameters became ready in the first synchronised backward.
     observed_order: Vec<usize>,
-    sync_backwards: u64,
-    rebuilt: bool,
-    /// Parameters that got no gradient in the last backward (reported at the next forward).
-    unfinished: Option<Vec<String>>,
+    /// Whether the buckets have been rebuilt (once, before the second synchronised forward).
+    done: bool,
+}
+
+/// What a backward learned too late to report from inside it; reported at the next forward.
+struct Deferred {
+    /// Parameters that got no gradient in the last backward.
+    unused_paths: Option<Vec<String>>,
+    /// Collectives whose outcome was not known yet when their backward finished (a device
+    /// backend completes them later).
+    unchecked_works: Vec<Work>,
+}
+
+/// The telemetry's inputs and records.
+struct Timing {
     /// When forward last returned, and the compute-stream event recorded then.
     forward_end: (Instant, Event),
-    /// Collectives whose outcome was not known yet when their backward finished (a device
-    /// backend completes them later); checked at the next forward.
-    unchecked: Vec<Work>,
     /// Steps whose timing events the device may not have reached yet.
     pending_steps: VecDeque<PendingStep>,
     telemetry: Telemetry,
     /// The most recent launches (at most `MAX_LAUNCH_RECORDS`), for tests and traces.
     launch_log: VecDeque<LaunchRecord>,
+}
+
+impl State {
+    /// The state before the first forward: buckets in `layout`, synchronising.
+    fn new(layout: Layout, params: usize, forward_end: (Instant, Event)) -> State {
+        State {
+            sync: true,
+            sync_backwards: 0,
+            layout,
+            pass: Pass {
+                ready: vec![false; params],
+                next_launch: 0,
+                in_flight: Vec::new(),
+            },
+            rebuild: Rebuild {
+                observed_order: Vec::with_capacity(params),
+                done: false,
+            },
+            deferred: Deferred {
+                unused_paths: None,
+                unchecked_works: Vec::new(),
+            },
+            timing: Timing {
+                forward_end,
+                pending_steps: VecDeque::new(),
+                telemetry: Telemetry::default(),
+                launch_log: VecDeque::new(),
+            },
+        }
+    }
 }
 
 /// How many bucket launches the reducer remembers (a long run must not grow without bound).
@@ -170,23 +236,7 @@ impl Reducer {
             index_of,
             device,
             compute,
-            state: Mutex::new(State {
-                buckets,
-                slots,
-                ready: vec![false; n],
-                next_launch: 0,
-                in_flight: Vec::new(),
-                sync: true,
-                observed_order: Vec::with_capacity(n),
-                sync_backwards: 0,
-                rebuilt: false,
-                unfinished: None,
-                forward_end,
-                unchecked: Vec::new(),
-                pending_steps: VecDeque::new(),
-                telemetry: Telemetry::default(),
-                launch_log: VecDeque::new(),
-            }),
+            state: Mutex::new(State::new(Layout { buckets, slots }, n, forward_end)),
             hooks: Mutex::new(Vec::new()),
         });
         reducer.register_hooks()?;
@@ -262,14 +312,14 @@ impl Reducer {
     /// observed order after the first iteration.
     pub fn prepare_forward(&self) -> Result<()> {
         let rank = self.group.rank();
-        let mut st = self.state.lock();
-        if let Some(paths) = st.unfinished.take() {
+        let mut state = self.state.lock();
+        if let Some(paths) = state.deferred.unused_paths.take() {
             return Err(DistError::UnusedParameters { rank, paths });
         }
-        check_finished_works(&mut st.unchecked)?;
-        file_timings(&mut st, false);
-        if self.config.rebuild_buckets && !st.rebuilt && st.sync_backwards >= 1 {
-            let mut order = st.observed_order.clone();
+        check_finished_works(&mut state.deferred.unchecked_works)?;
+        file_timings(&mut state.timing, false);
+        if self.config.rebuild_buckets && !state.rebuild.done && state.sync_backwards >= 1 {
+            let mut order = state.rebuild.observed_order.clone();
             let mut seen = vec![false; self.params.len()];
             order.iter().for_each(|&p| seen[p] = true);
             order.extend((0..self.params.len()).rev().filter(|&p| !seen[p]));
@@ -278,9 +328,8 @@ impl Reducer {
             }
             let BucketSet { buckets, slots } =
                 Self::layout(rank, &self.params, &order, &self.config)?;
-            st.buckets = buckets;
-            st.slots = slots;
-            st.rebuilt = true;
+            state.layout = Layout { buckets, slots };
+            state.rebuild.done = true;
         }
         Ok(())
     }
@@ -321,26 +370,34 @@ impl Reducer {
     pub fn mark_forward_end(&self) {
         // A failed record leaves the previous anchor; timings are never worth an error.
         if let Ok(event) = self.compute.record_event() {
-            self.state.lock().forward_end = (Instant::now(), event);
+            self.state.lock().timing.forward_end = (Instant::now(), event);
         }
     }
 
     /// A copy of the telemetry; waits for the timing events of the steps recorded so far.
     pub fn telemetry(&self) -> Telemetry {
-        let mut st = self.state.lock();
-        file_timings(&mut st, true);
-        st.telemetry.clone()
+        let mut state = self.state.lock();
+        file_timings(&mut state.timing, true);
+        state.timing.telemetry.clone()
     }
 
     /// Every bucket launch so far.
     pub fn launch_log(&self) -> Vec<LaunchRecord> {
-        self.state.lock().launch_log.iter().cloned().collect()
+        self.state
+            .lock()
+            .timing
+            .launch_log
+            .iter()
+            .cloned()
+            .collect()
     }
 
     /// The current bucket layout: parameter paths per bucket, in launch order.
     pub fn bucket_layout(&self) -> Vec<Vec<String>> {
-        let st = self.state.lock();
-        st.buckets
+        let state = self.state.lock();
+        state
+            .layout
+            .buckets
             .iter()
             .map(|b| b.params.iter().map(|&p| self.params[p].0.clone()).collect())
             .collect()
@@ -366,15 +423,15 @@ fn check_finished_works(works: &mut Vec<Work>) -> Result<()> {
 
 /// Turns completed pending steps into timings (all of them, waiting, with `wait`; otherwise those
 /// the device has passed, and the oldest ones beyond the bound).
-fn file_timings(st: &mut State, wait: bool) {
-    while let Some(step) = st.pending_steps.front() {
-        let must = wait || st.pending_steps.len() > MAX_PENDING_STEPS;
+fn file_timings(timing: &mut Timing, wait: bool) {
+    while let Some(step) = timing.pending_steps.front() {
+        let must = wait || timing.pending_steps.len() > MAX_PENDING_STEPS;
         if !must && !step.is_complete() {
             break;
         }
-        if let Some(step) = st.pending_steps.pop_front() {
-            let timing = step.resolve();
-            st.telemetry.push(timing);
+        if let Some(step) = timing.pending_steps.pop_front() {
+            let resolved = step.resolve();
+            timing.telemetry.push(resolved);
         }
     }
 }

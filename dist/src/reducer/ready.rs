@@ -22,7 +22,7 @@ use tandem_core::{Event, GradReady, Tensor};
 use super::comm_hook::{AllReduceHook, CommHook};
 use super::telemetry::PendingBucket;
 use super::unused::is_slot_view;
-use super::{GradReduction, InFlight, LaunchRecord, Reducer, State, MAX_LAUNCH_RECORDS};
+use super::{GradReduction, InFlight, LaunchRecord, Layout, Reducer, State, MAX_LAUNCH_RECORDS};
 use crate::nvtx_ranges::Range;
 use crate::{DistError, Result};
 
@@ -32,21 +32,21 @@ impl Reducer {
         let Some(&index) = self.index_of.get(&ready.param.id()) else {
             return Ok(());
         };
-        let mut st = self.state.lock();
-        if !st.sync {
+        let mut state = self.state.lock();
+        if !state.sync {
             // Accumulate locally, unscaled: the next synchronised backward adds to the slot
             // and scales the sum.
-            return self.write_slot(&st, index, &ready.grad, None);
+            return self.write_slot(&state.layout, index, &ready.grad, None);
         }
-        if st.ready[index] {
+        if state.pass.ready[index] {
             return Err(DistError::GradientReadyTwice {
                 rank,
                 path: self.params[index].0.clone(),
             });
         }
         let scale = self.pre_scale();
-        self.write_slot(&st, index, &ready.grad, scale)?;
-        self.mark_ready(&mut st, index, true)
+        self.write_slot(&state.layout, index, &ready.grad, scale)?;
+        self.mark_ready(&mut state, index, true)
     }
 
     /// `1/world_size` when gradients are averaged over more than one rank.
@@ -59,13 +59,13 @@ impl Reducer {
     /// `scale`, and points `.grad` at the slot.
     pub(super) fn write_slot(
         &self,
-        st: &State,
+        layout: &Layout,
         index: usize,
         grad: &Tensor,
         scale: Option<f64>,
     ) -> Result<()> {
         let (path, param) = &self.params[index];
-        let view = &st.slots[index].view;
+        let view = &layout.slots[index].view;
         let rank = self.group.rank();
         let err = |e| {
             DistError::tensor(
@@ -92,17 +92,23 @@ impl Reducer {
     /// launches, in bucket order, every bucket that is complete.
     pub(super) fn mark_ready(
         &self,
-        st: &mut State,
+        state: &mut State,
         index: usize,
         during_backward: bool,
     ) -> Result<()> {
-        st.ready[index] = true;
-        if st.sync_backwards == 0 {
-            st.observed_order.push(index);
+        state.pass.ready[index] = true;
+        if state.sync_backwards == 0 {
+            state.rebuild.observed_order.push(index);
         }
-        let b = st.slots[index].bucket;
-        st.buckets[b].pending -= 1;
-        if st.buckets.get(st.next_launch).map(|b| b.pending) != Some(0) {
+        let b = state.layout.slots[index].bucket;
+        state.layout.buckets[b].pending -= 1;
+        if state
+            .layout
+            .buckets
+            .get(state.pass.next_launch)
+            .map(|b| b.pending)
+            != Some(0)
+        {
             return Ok(());
         }
         // Everything the buckets hold was written on the compute stream before this point.
@@ -111,10 +117,12 @@ impl Reducer {
             .compute
             .record_event()
             .map_err(|e| DistError::tensor(rank, "recording the gradients' event", e))?;
-        while st.next_launch < st.buckets.len() && st.buckets[st.next_launch].pending == 0 {
-            let next = st.next_launch;
-            self.launch(st, next, &written, during_backward)?;
-            st.next_launch += 1;
+        while state.pass.next_launch < state.layout.buckets.len()
+            && state.layout.buckets[state.pass.next_launch].pending == 0
+        {
+            let next = state.pass.next_launch;
+            self.launch(state, next, &written, during_backward)?;
+            state.pass.next_launch += 1;
         }
         Ok(())
     }
@@ -122,7 +130,7 @@ impl Reducer {
     /// Issues bucket `b`'s reduction on the comm stream, after `written`.
     fn launch(
         &self,
-        st: &mut State,
+        state: &mut State,
         b: usize,
         written: &Event,
         during_backward: bool,
@@ -130,7 +138,7 @@ impl Reducer {
         let rank = self.group.rank();
         let comm = self.group.comm_stream();
         let err = |e| DistError::tensor(rank, format!("launching gradient bucket {b}"), e);
-        let buffer = st.buckets[b].buffer.clone();
+        let buffer = state.layout.buckets[b].buffer.clone();
         // The collective must not read the bucket before the compute stream wrote it, and its
         // memory must not be reused before the comm stream is done with it.
         comm.wait_event(written).map_err(err)?;
@@ -148,16 +156,16 @@ impl Reducer {
         };
         let reduction = hook.reduce(self.group.as_ref(), &buffer)?;
         let end = comm.record_event().map_err(err)?;
-        let backward = st.sync_backwards;
-        if st.launch_log.len() == MAX_LAUNCH_RECORDS {
-            st.launch_log.pop_front();
+        let backward = state.sync_backwards;
+        if state.timing.launch_log.len() == MAX_LAUNCH_RECORDS {
+            state.timing.launch_log.pop_front();
         }
-        st.launch_log.push_back(LaunchRecord {
+        state.timing.launch_log.push_back(LaunchRecord {
             backward,
             bucket: b,
             during_backward,
         });
-        st.in_flight.push(InFlight {
+        state.pass.in_flight.push(InFlight {
             works: reduction.works,
             done: reduction.done,
             timing: PendingBucket {

@@ -23,6 +23,8 @@ use std::time::{Duration, Instant};
 
 use tandem_core::Event;
 
+use crate::timeline::overlap::{self, StepOverlap};
+
 /// Timing of one bucket's reduction.
 #[derive(Clone, Debug)]
 pub struct BucketTiming {
@@ -133,18 +135,31 @@ impl StepTiming {
             .saturating_duration_since(self.forward_end)
     }
 
-    /// Communication the step waited for after backward's computation.
+    /// Communication the step waited for after backward's computation, as
+    /// [`StepOverlap::exposed`] defines it: from the end of backward's computation to the end of
+    /// the last bucket, capped by [`comm_busy`](Self::comm_busy).
     pub fn exposed_comm(&self) -> Duration {
-        self.comm_end
-            .saturating_duration_since(self.backward_compute_end)
+        Duration::from_secs_f64(self.overlap().exposed)
     }
 
-    /// Sum of the buckets' reduction times on the comm stream.
+    /// The buckets' reduction time on the comm stream: the length of the union of their spans
+    /// ([`StepOverlap::comm`]).
     pub fn comm_busy(&self) -> Duration {
-        self.buckets
+        Duration::from_secs_f64(self.overlap().comm)
+    }
+
+    /// The step's overlap, in seconds from the end of forward: backward's computation and the
+    /// spans of the buckets whose events could be timed. [`Telemetry::summary`] and the
+    /// timeline's [`summarize_spans`](crate::timeline::summarize_spans) both measure a step
+    /// this way, so they agree on the same run.
+    pub fn overlap(&self) -> StepOverlap {
+        let secs = |t: Instant| t.saturating_duration_since(self.forward_end).as_secs_f64();
+        let comm: Vec<(f64, f64)> = self
+            .buckets
             .iter()
-            .filter_map(|b| Some(b.ended?.saturating_duration_since(b.started?)))
-            .sum()
+            .filter_map(|b| Some((secs(b.started?), secs(b.ended?))))
+            .collect();
+        StepOverlap::of((0.0, secs(self.backward_compute_end)), &comm)
     }
 }
 
@@ -171,23 +186,11 @@ impl Telemetry {
         &self.steps
     }
 
-    /// Summary over the recorded steps.
+    /// Summary over the recorded steps ([`overlap::summarize`] of each step's
+    /// [`StepTiming::overlap`]).
     pub fn summary(&self) -> OverlapSummary {
-        let n = self.steps.len();
-        let sum = |f: &dyn Fn(&StepTiming) -> Duration| self.steps.iter().map(f).sum::<Duration>();
-        let comm = sum(&|s| s.comm_busy());
-        let exposed = sum(&|s| s.exposed_comm().min(s.comm_busy()));
-        OverlapSummary {
-            steps: n,
-            backward_compute: sum(&|s| s.backward_compute()),
-            comm,
-            exposed,
-            hidden_fraction: if comm.is_zero() {
-                0.0
-            } else {
-                1.0 - exposed.as_secs_f64() / comm.as_secs_f64()
-            },
-        }
+        let steps: Vec<StepOverlap> = self.steps.iter().map(StepTiming::overlap).collect();
+        overlap::summarize(&steps)
     }
 
     /// Writes the steps as a Chrome trace (JSON) to `path`.
@@ -277,5 +280,93 @@ fn per_step(d: Duration, steps: usize) -> f64 {
         0.0
     } else {
         d.as_secs_f64() * 1e3 / steps as f64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::timeline::{summarize_spans, Phase, Span, SpanKind, Track};
+
+    /// A step whose backward computed for 10 ms after forward; `buckets` are (start, end) in ms
+    /// after forward; the comm-end event lands 1 ms after the last bucket, as it may on a busy
+    /// comm stream.
+    fn step(forward_end: Instant, buckets: &[(u64, u64)]) -> StepTiming {
+        let at = |ms: u64| forward_end + Duration::from_millis(ms);
+        let last = buckets.iter().map(|b| b.1).max().unwrap_or(10);
+        StepTiming {
+            forward_end,
+            backward_compute_end: at(10),
+            comm_end: at(last + 1),
+            buckets: buckets
+                .iter()
+                .enumerate()
+                .map(|(i, &(s, e))| BucketTiming {
+                    bucket: i,
+                    bytes: 1024,
+                    issued: at(s),
+                    started: Some(at(s)),
+                    ended: Some(at(e)),
+                })
+                .collect(),
+        }
+    }
+
+    /// The spans a timeline shows for `steps`: backward from forward's end to the end of its
+    /// computation, and one all-reduce span per bucket, in seconds from the first step.
+    fn spans_of(steps: &[StepTiming]) -> Vec<Span> {
+        let origin = steps[0].forward_end;
+        let secs = |t: Instant| t.saturating_duration_since(origin).as_secs_f64();
+        let mut spans = Vec::new();
+        for (i, s) in steps.iter().enumerate() {
+            let step = i as u64;
+            spans.push(Span {
+                step,
+                track: Track::Compute,
+                kind: SpanKind::Phase(Phase::Backward),
+                start: secs(s.forward_end),
+                end: secs(s.backward_compute_end),
+            });
+            for b in &s.buckets {
+                spans.push(Span {
+                    step,
+                    track: Track::Comm,
+                    kind: SpanKind::AllReduce {
+                        bucket: b.bucket,
+                        bytes: b.bytes,
+                    },
+                    start: secs(b.started.unwrap()),
+                    end: secs(b.ended.unwrap()),
+                });
+            }
+        }
+        spans
+    }
+
+    #[test]
+    fn ddp_summary_and_timeline_summary_give_the_same_hidden_fraction_for_one_recording() {
+        let t0 = Instant::now();
+        let steps = [
+            // Bucket spans that overlap by timer granularity (2..6 and 5..9), and a tail after
+            // backward (9..12).
+            step(t0, &[(2, 6), (5, 9), (9, 12)]),
+            step(t0 + Duration::from_millis(50), &[(1, 3), (8, 11)]),
+        ];
+        let mut telemetry = Telemetry::default();
+        for s in &steps {
+            telemetry.push(s.clone());
+        }
+        let from_ddp = telemetry.summary();
+        let from_timeline = summarize_spans(&spans_of(&steps));
+        assert_eq!(from_ddp.steps, from_timeline.steps);
+        // Communication is the union of the bucket spans: 10 + 5 ms; exposed 2 + 1 ms.
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        assert!((ms(from_ddp.comm) - 15.0).abs() < 1e-6, "{from_ddp}");
+        assert!((ms(from_ddp.exposed) - 3.0).abs() < 1e-6, "{from_ddp}");
+        assert!(
+            (from_ddp.hidden_fraction - from_timeline.hidden_fraction).abs() < 1e-9,
+            "DDP {from_ddp} vs timeline {from_timeline}"
+        );
+        assert_eq!(from_ddp.to_string(), from_timeline.to_string());
     }
 }

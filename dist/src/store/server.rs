@@ -647,35 +647,8 @@ fn handle(
     shared: &Shared,
     wills: &mut Vec<Will>,
 ) -> io::Result<Reply> {
-    let budget = &shared.budget;
-    let limit = budget.limit;
     match op {
-        OP_SET => {
-            let key = read_key(r)?;
-            let len = read_len(r, MAX_VALUE)?;
-            let need = key.len() + len + KEY_OVERHEAD;
-            let reserved = budget.reserve(&shared.data.lock(), need);
-            let Some(reserved) = reserved else {
-                discard(r, len)?;
-                return Ok(Reply::error(&format!(
-                    "the store is full: setting {key:?} ({len} bytes) would exceed its limit of \
-                     {limit} bytes (StoreConfig::max_stored_bytes)"
-                )));
-            };
-            let mut value = vec![0u8; len];
-            let read = r.read_exact(&mut value);
-            // The value's own charge replaces the reservation (under the lock, so that no
-            // other request sees the bytes charged twice or not at all).
-            let mut data = shared.data.lock();
-            drop(reserved);
-            read?;
-            let value = budget.value(&key, value.into());
-            let old = data.map.insert(key, value);
-            drop(data);
-            drop(old);
-            shared.changed.notify_all();
-            Ok(Reply::status(STATUS_OK))
-        }
+        OP_SET => op_set(r, shared),
         OP_GET => {
             let timeout = read_wait(r, shared)?;
             let key = read_key(r)?;
@@ -697,36 +670,7 @@ fn handle(
                 },
             )
         }
-        OP_ADD => {
-            let key = read_key(r)?;
-            let delta = read_u64(r)? as i64;
-            let mut data = shared.data.lock();
-            let current = match data.map.get(&key) {
-                None => Some(0i64),
-                Some(v) => std::str::from_utf8(&v.bytes)
-                    .ok()
-                    .and_then(|s| s.parse::<i64>().ok()),
-            };
-            let Some(c) = current else {
-                return Ok(Reply::error(&format!("value of {key:?} is not an integer")));
-            };
-            let new = c.wrapping_add(delta);
-            let bytes = new.to_string().into_bytes();
-            let old = data.map.get(&key).map_or(0, |v| v.charged);
-            if !budget.fits(&data, charge(&key, &bytes), old) {
-                return Ok(Reply::error(&format!(
-                    "the store is full: adding to {key:?} would exceed its limit of {limit} bytes"
-                )));
-            }
-            let value = budget.value(&key, bytes.into());
-            let old = data.map.insert(key, value);
-            drop(data);
-            drop(old);
-            shared.changed.notify_all();
-            let mut reply = Reply::status(STATUS_OK);
-            reply.head.extend_from_slice(&new.to_le_bytes());
-            Ok(reply)
-        }
+        OP_ADD => op_add(r, shared),
         OP_WAIT => {
             let timeout = read_wait(r, shared)?;
             let (keys, reserved) = match read_keys_reserved(r, shared)? {
@@ -762,76 +706,148 @@ fn handle(
             reply.head.push(old.is_some() as u8);
             Ok(reply)
         }
-        OP_GET_MANY => {
-            let (keys, reserved) = match read_keys_reserved(r, shared)? {
-                Ok(k) => k,
-                Err(message) => return Ok(Reply::error(&message)),
-            };
-            // The reply holds the values themselves and keeps the keys' reservation (which
-            // covers its bookkeeping) until it is sent.
-            let mut head = vec![STATUS_OK];
-            head.extend_from_slice(&(keys.len() as u32).to_le_bytes());
-            let mut values: Vec<(Arc<Value>, Vec<u8>)> = Vec::new();
-            let mut total = 0usize;
-            let data = shared.data.lock();
-            for key in &keys {
-                let tail = match values.last_mut() {
-                    Some((_, after)) => after,
-                    None => &mut head,
-                };
-                match data.map.get(key) {
-                    None => tail.push(0),
-                    Some(value) => {
-                        total += value.bytes.len();
-                        if total > MAX_VALUE {
-                            drop(data);
-                            return Ok(Reply::error(&format!(
-                                "the values of these {} keys exceed {MAX_VALUE} bytes together; \
-                                 ask for fewer at a time",
-                                keys.len()
-                            )));
-                        }
-                        tail.push(1);
-                        tail.extend_from_slice(&(value.bytes.len() as u32).to_le_bytes());
-                        values.push((value.clone(), Vec::new()));
-                    }
-                }
-            }
-            drop(data);
-            Ok(Reply {
-                head,
-                values,
-                _reserved: Some(reserved),
-            })
-        }
-        OP_SET_WILL => {
-            let key = read_key(r)?;
-            let value: Arc<[u8]> = read_bytes(r, MAX_WILL_VALUE)?.into();
-            let need = charge(&key, &value);
-            let replaced = wills.iter().position(|w| w.key == key);
-            if replaced.is_none() && wills.len() >= MAX_WILLS {
-                return Ok(Reply::error(&format!(
-                    "a connection may leave at most {MAX_WILLS} wills"
-                )));
-            }
-            let mut data = shared.data.lock();
-            let old = replaced.map_or(0, |i| charge(&wills[i].key, &wills[i].value));
-            if !budget.fits(&data, need, old) {
-                return Ok(Reply::error(&format!(
-                    "the store is full: a will for {key:?} would exceed its limit of {limit} bytes"
-                )));
-            }
-            data.wills = data.wills + need - old;
-            drop(data);
-            let will = Will { key, value };
-            match replaced {
-                Some(i) => wills[i] = will,
-                None => wills.push(will),
-            }
-            Ok(Reply::status(STATUS_OK))
-        }
+        OP_GET_MANY => op_get_many(r, shared),
+        OP_SET_WILL => op_set_will(r, shared, wills),
         other => Err(invalid(format!("unknown store opcode {other}"))),
     }
+}
+
+/// Stores a value, within the store's byte limit.
+fn op_set(r: &mut Deadline<'_>, shared: &Shared) -> io::Result<Reply> {
+    let budget = &shared.budget;
+    let limit = shared.budget.limit;
+    let key = read_key(r)?;
+    let len = read_len(r, MAX_VALUE)?;
+    let need = key.len() + len + KEY_OVERHEAD;
+    let reserved = budget.reserve(&shared.data.lock(), need);
+    let Some(reserved) = reserved else {
+        discard(r, len)?;
+        return Ok(Reply::error(&format!(
+            "the store is full: setting {key:?} ({len} bytes) would exceed its limit of \
+             {limit} bytes (StoreConfig::max_stored_bytes)"
+        )));
+    };
+    let mut value = vec![0u8; len];
+    let read = r.read_exact(&mut value);
+    // The value's own charge replaces the reservation (under the lock, so that no
+    // other request sees the bytes charged twice or not at all).
+    let mut data = shared.data.lock();
+    drop(reserved);
+    read?;
+    let value = budget.value(&key, value.into());
+    let old = data.map.insert(key, value);
+    drop(data);
+    drop(old);
+    shared.changed.notify_all();
+    Ok(Reply::status(STATUS_OK))
+}
+
+/// Adds to an integer value, within the store's byte limit.
+fn op_add(r: &mut Deadline<'_>, shared: &Shared) -> io::Result<Reply> {
+    let budget = &shared.budget;
+    let limit = shared.budget.limit;
+    let key = read_key(r)?;
+    let delta = read_u64(r)? as i64;
+    let mut data = shared.data.lock();
+    let current = match data.map.get(&key) {
+        None => Some(0i64),
+        Some(v) => std::str::from_utf8(&v.bytes)
+            .ok()
+            .and_then(|s| s.parse::<i64>().ok()),
+    };
+    let Some(c) = current else {
+        return Ok(Reply::error(&format!("value of {key:?} is not an integer")));
+    };
+    let new = c.wrapping_add(delta);
+    let bytes = new.to_string().into_bytes();
+    let old = data.map.get(&key).map_or(0, |v| v.charged);
+    if !budget.fits(&data, charge(&key, &bytes), old) {
+        return Ok(Reply::error(&format!(
+            "the store is full: adding to {key:?} would exceed its limit of {limit} bytes"
+        )));
+    }
+    let value = budget.value(&key, bytes.into());
+    let old = data.map.insert(key, value);
+    drop(data);
+    drop(old);
+    shared.changed.notify_all();
+    let mut reply = Reply::status(STATUS_OK);
+    reply.head.extend_from_slice(&new.to_le_bytes());
+    Ok(reply)
+}
+
+/// Reads many values at once (absent ones marked as such).
+fn op_get_many(r: &mut Deadline<'_>, shared: &Shared) -> io::Result<Reply> {
+    let (keys, reserved) = match read_keys_reserved(r, shared)? {
+        Ok(k) => k,
+        Err(message) => return Ok(Reply::error(&message)),
+    };
+    // The reply holds the values themselves and keeps the keys' reservation (which
+    // covers its bookkeeping) until it is sent.
+    let mut head = vec![STATUS_OK];
+    head.extend_from_slice(&(keys.len() as u32).to_le_bytes());
+    let mut values: Vec<(Arc<Value>, Vec<u8>)> = Vec::new();
+    let mut total = 0usize;
+    let data = shared.data.lock();
+    for key in &keys {
+        let tail = match values.last_mut() {
+            Some((_, after)) => after,
+            None => &mut head,
+        };
+        match data.map.get(key) {
+            None => tail.push(0),
+            Some(value) => {
+                total += value.bytes.len();
+                if total > MAX_VALUE {
+                    drop(data);
+                    return Ok(Reply::error(&format!(
+                        "the values of these {} keys exceed {MAX_VALUE} bytes together; \
+                         ask for fewer at a time",
+                        keys.len()
+                    )));
+                }
+                tail.push(1);
+                tail.extend_from_slice(&(value.bytes.len() as u32).to_le_bytes());
+                values.push((value.clone(), Vec::new()));
+            }
+        }
+    }
+    drop(data);
+    Ok(Reply {
+        head,
+        values,
+        _reserved: Some(reserved),
+    })
+}
+
+/// Leaves a will: a value the store sets when this connection closes without leaving.
+fn op_set_will(r: &mut Deadline<'_>, shared: &Shared, wills: &mut Vec<Will>) -> io::Result<Reply> {
+    let budget = &shared.budget;
+    let limit = shared.budget.limit;
+    let key = read_key(r)?;
+    let value: Arc<[u8]> = read_bytes(r, MAX_WILL_VALUE)?.into();
+    let need = charge(&key, &value);
+    let replaced = wills.iter().position(|w| w.key == key);
+    if replaced.is_none() && wills.len() >= MAX_WILLS {
+        return Ok(Reply::error(&format!(
+            "a connection may leave at most {MAX_WILLS} wills"
+        )));
+    }
+    let mut data = shared.data.lock();
+    let old = replaced.map_or(0, |i| charge(&wills[i].key, &wills[i].value));
+    if !budget.fits(&data, need, old) {
+        return Ok(Reply::error(&format!(
+            "the store is full: a will for {key:?} would exceed its limit of {limit} bytes"
+        )));
+    }
+    data.wills = data.wills + need - old;
+    drop(data);
+    let will = Will { key, value };
+    match replaced {
+        Some(i) => wills[i] = will,
+        None => wills.push(will),
+    }
+    Ok(Reply::status(STATUS_OK))
 }
 
 /// Waits until all `keys` exist; returns their values in order, or `None` on timeout or

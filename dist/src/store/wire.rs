@@ -189,7 +189,67 @@ pub(crate) fn client_handshake(
         .write_all(&hello)
         .map_err(|e| io_failure(e, "sending the greeting"))?;
 
-    // Judge the answer byte by byte: a foreign program is recognised by its first byte.
+    read_magic(&mut r, addr, &io_failure)?;
+    let version = read_u8(&mut r).map_err(|e| io_failure(e, "reading its version"))?;
+    if version != VERSION {
+        return Err(Fatal(format!(
+            "the store at {addr} speaks protocol version {version}, this build version \
+             {VERSION}: run the same tandem build everywhere"
+        )));
+    }
+    match read_u8(&mut r).map_err(|e| io_failure(e, "reading its answer"))? {
+        ANSWER_ACCEPT => {}
+        ANSWER_REFUSE => {
+            let msg = read_bytes(&mut r, MAX_MESSAGE)
+                .map_err(|e| io_failure(e, "reading its refusal"))?;
+            return Err(Retry(format!(
+                "the store refused the connection: {}",
+                String::from_utf8_lossy(&msg)
+            )));
+        }
+        other => {
+            return Err(Fatal(format!(
+                "the store at {addr} sent answer code {other} in its handshake"
+            )))
+        }
+    }
+    let flags = read_u8(&mut r).map_err(|e| io_failure(e, "reading its flags"))?;
+    let mut server_nonce: Nonce = [0; NONCE_LEN];
+    r.read_exact(&mut server_nonce)
+        .map_err(|e| io_failure(e, "reading its nonce"))?;
+    let parts: [&[u8]; 2] = [&client_nonce, &server_nonce];
+    authenticate(
+        conn,
+        &mut r,
+        addr,
+        secret,
+        flags & FLAG_SECRET != 0,
+        &parts,
+        &io_failure,
+    )?;
+    match read_u8(&mut r).map_err(|e| io_failure(e, "reading its verdict"))? {
+        ANSWER_ACCEPT => Ok(()),
+        _ => {
+            let msg = read_bytes(&mut r, MAX_MESSAGE).unwrap_or_default();
+            Err(Fatal(format!(
+                "the store at {addr} rejected this process: {}",
+                String::from_utf8_lossy(&msg)
+            )))
+        }
+    }
+}
+
+/// How an I/O error at a stage of the handshake is reported.
+type IoFailure<'a> = dyn Fn(io::Error, &str) -> ClientFailure + 'a;
+
+/// Reads the store's magic, judging the answer byte by byte: a foreign program is recognised
+/// by its first byte.
+fn read_magic(
+    r: &mut Deadline<'_>,
+    addr: &str,
+    io_failure: &IoFailure<'_>,
+) -> Result<(), ClientFailure> {
+    use ClientFailure::{Fatal, Retry};
     let mut got = Vec::with_capacity(MAGIC.len());
     while got.len() < MAGIC.len() {
         let mut b = [0u8; 8];
@@ -219,35 +279,22 @@ pub(crate) fn client_handshake(
             )));
         }
     }
-    let version = read_u8(&mut r).map_err(|e| io_failure(e, "reading its version"))?;
-    if version != VERSION {
-        return Err(Fatal(format!(
-            "the store at {addr} speaks protocol version {version}, this build version \
-             {VERSION}: run the same tandem build everywhere"
-        )));
-    }
-    match read_u8(&mut r).map_err(|e| io_failure(e, "reading its answer"))? {
-        ANSWER_ACCEPT => {}
-        ANSWER_REFUSE => {
-            let msg = read_bytes(&mut r, MAX_MESSAGE)
-                .map_err(|e| io_failure(e, "reading its refusal"))?;
-            return Err(Retry(format!(
-                "the store refused the connection: {}",
-                String::from_utf8_lossy(&msg)
-            )));
-        }
-        other => {
-            return Err(Fatal(format!(
-                "the store at {addr} sent answer code {other} in its handshake"
-            )))
-        }
-    }
-    let flags = read_u8(&mut r).map_err(|e| io_failure(e, "reading its flags"))?;
-    let mut server_nonce: Nonce = [0; NONCE_LEN];
-    r.read_exact(&mut server_nonce)
-        .map_err(|e| io_failure(e, "reading its nonce"))?;
-    let parts: [&[u8]; 2] = [&client_nonce, &server_nonce];
-    match (flags & FLAG_SECRET != 0, secret) {
+    Ok(())
+}
+
+/// The mutual proof of the job secret, when the store (`server_has_secret`) and this process
+/// (`secret`) both have one; having it on one side only is refused.
+fn authenticate(
+    conn: &TcpStream,
+    r: &mut Deadline<'_>,
+    addr: &str,
+    secret: Option<&JobSecret>,
+    server_has_secret: bool,
+    parts: &[&[u8]; 2],
+    io_failure: &IoFailure<'_>,
+) -> Result<(), ClientFailure> {
+    use ClientFailure::Fatal;
+    match (server_has_secret, secret) {
         (true, None) => {
             return Err(Fatal(format!(
                 "the store at {addr} requires the job secret and this process has none: set \
@@ -268,7 +315,7 @@ pub(crate) fn client_handshake(
             let mut proof = [0u8; PROOF_LEN];
             r.read_exact(&mut proof)
                 .map_err(|e| io_failure(e, "reading its proof"))?;
-            if !secret.verify(SERVER_ROLE, &parts, &proof) {
+            if !secret.verify(SERVER_ROLE, parts, &proof) {
                 return Err(Fatal(format!(
                     "the store at {addr} could not prove that it knows the job secret: it \
                      belongs to another job, or {} differs between this process and the one \
@@ -277,20 +324,11 @@ pub(crate) fn client_handshake(
                 )));
             }
             (&*conn)
-                .write_all(&secret.prove(CLIENT_ROLE, &parts))
+                .write_all(&secret.prove(CLIENT_ROLE, parts))
                 .map_err(|e| io_failure(e, "sending this process's proof"))?;
         }
     }
-    match read_u8(&mut r).map_err(|e| io_failure(e, "reading its verdict"))? {
-        ANSWER_ACCEPT => Ok(()),
-        _ => {
-            let msg = read_bytes(&mut r, MAX_MESSAGE).unwrap_or_default();
-            Err(Fatal(format!(
-                "the store at {addr} rejected this process: {}",
-                String::from_utf8_lossy(&msg)
-            )))
-        }
-    }
+    Ok(())
 }
 
 /// Writes a refusal (`answer` already sent or not) and leaves closing to the caller.

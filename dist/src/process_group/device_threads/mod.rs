@@ -334,6 +334,20 @@ impl DeviceThreadGroup {
         let (rank, comm) = (self.rank, &self.comm);
         let err = |e| tensor_error(rank, desc, e);
         // 1. Snapshot, after what the compute stream wrote.
+        let mine = self.snapshot(desc, input)?;
+        // 2. Rendezvous.
+        let all = self.board.exchange(rank, seq, desc, Arc::new(mine))?;
+        // 3. After every rank's snapshot, this rank's result.
+        let snaps = self.wait_for_snapshots(seq, desc, &all)?;
+        self.combine(seq, desc, target, &snaps)?;
+        Ok(Some(comm.record_event().map_err(err)?))
+    }
+
+    /// This rank's contribution: a copy of `input` on the comm stream, taken after what the
+    /// compute stream wrote, and the event that marks it ready.
+    fn snapshot(&self, desc: &CollectiveDesc, input: Option<&Tensor>) -> Result<Contribution> {
+        let (rank, comm) = (self.rank, &self.comm);
+        let err = |e| tensor_error(rank, desc, e);
         let written = self.compute.record_event().map_err(err)?;
         comm.wait_event(&written).map_err(err)?;
         let snapshot = match input {
@@ -345,14 +359,23 @@ impl DeviceThreadGroup {
             }
             None => None,
         };
-        let mine = Contribution {
+        Ok(Contribution {
             device: snapshot,
             ready: Some(comm.record_event().map_err(err)?),
             host: None,
-        };
-        // 2. Rendezvous.
-        let all = self.board.exchange(rank, seq, desc, Arc::new(mine))?;
-        // 3. After every rank's snapshot, this rank's result.
+        })
+    }
+
+    /// Makes the comm stream wait for every other rank's snapshot; returns the snapshots in
+    /// rank order.
+    fn wait_for_snapshots<'a>(
+        &self,
+        seq: u64,
+        desc: &CollectiveDesc,
+        all: &'a [Arc<Contribution>],
+    ) -> Result<Vec<Option<&'a Tensor>>> {
+        let (rank, comm) = (self.rank, &self.comm);
+        let err = |e| tensor_error(rank, desc, e);
         let mut snaps = Vec::with_capacity(all.len());
         for (q, c) in all.iter().enumerate() {
             let Some(ready) = &c.ready else {
@@ -373,6 +396,20 @@ impl DeviceThreadGroup {
             }
             snaps.push(c.device.as_ref());
         }
+        Ok(snaps)
+    }
+
+    /// This rank's result of the collective from the ranks' snapshots `snaps`, on the comm
+    /// stream.
+    fn combine(
+        &self,
+        seq: u64,
+        desc: &CollectiveDesc,
+        target: &Target,
+        snaps: &[Option<&Tensor>],
+    ) -> Result<()> {
+        let (rank, comm) = (self.rank, &self.comm);
+        let err = |e| tensor_error(rank, desc, e);
         let spans = |need: bool| -> Result<Vec<Span>> {
             snaps
                 .iter()
@@ -418,7 +455,7 @@ impl DeviceThreadGroup {
                     dtype,
                     span(&out).map_err(err)?,
                     &sources,
-                    n * all.len(),
+                    n * snaps.len(),
                     rank * n,
                     op,
                 )
@@ -448,7 +485,7 @@ impl DeviceThreadGroup {
             }
             _ => {}
         }
-        Ok(Some(comm.record_event().map_err(err)?))
+        Ok(())
     }
 
     /// Runs `launch` on the comm stream, writing `out` (marked as used there) from the ranks'

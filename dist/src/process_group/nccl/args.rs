@@ -1,18 +1,19 @@
 //! Checking the tensors handed to an NCCL collective and turning them into what NCCL takes:
 //! device addresses, element counts, `ncclDataType_t` and `ncclRedOp_t` values.
 //!
-//! NCCL works on raw device pointers and trusts them, so every tensor is checked first: on
-//! this rank's CUDA device, contiguous, of a dtype NCCL knows (and, for reductions, one tandem
-//! reduces: f32, f64, f16, bf16). A failed check is an [`DistError::InvalidArgument`] naming the
-//! rank, the collective and the tensor, raised before anything is issued.
+//! NCCL works on raw device pointers and trusts them, so every tensor is checked first: the
+//! checks every backend shares (contiguous, of one dtype, a reducible dtype for reductions, the
+//! right element counts; `describe_*` in `process_group`), then, here, that it is on this
+//! rank's CUDA device. A failed check is a [`DistError::InvalidArgument`](crate::DistError)
+//! naming the rank, the collective and the tensor, raised before anything is issued.
 
 use std::ffi::c_int;
 
 use tandem_core::{DType, Device, Tensor};
 
 use super::ffi::{data_type, red_op};
-use crate::process_group::{CollectiveDesc, CollectiveKind, ReduceOp};
-use crate::{DistError, Result};
+use crate::process_group::{invalid, ReduceOp};
+use crate::Result;
 
 /// A checked tensor: where its elements start on the device and how many bytes they span.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -30,14 +31,6 @@ impl Buffer {
             && other.bytes > 0
             && self.ptr < other.ptr + other.bytes
             && other.ptr < self.ptr + self.bytes
-    }
-}
-
-fn invalid(rank: usize, collective: &'static str, problem: String) -> DistError {
-    DistError::InvalidArgument {
-        rank,
-        collective,
-        problem,
     }
 }
 
@@ -68,8 +61,12 @@ pub(crate) fn nccl_op(op: ReduceOp, world: usize) -> c_int {
     }
 }
 
-/// Checks that `t` can take part in an NCCL collective of the group on `device`.
-pub(crate) fn check(
+/// Where `t` lies on this rank's device, for an NCCL collective of the group on `device`.
+///
+/// The arguments themselves (contiguity, dtypes, element counts, the root) are checked first by
+/// the checks every backend shares (`describe_*` in `process_group`); this adds what only NCCL
+/// needs: the tensor is on the group's device, and its device address.
+pub(crate) fn buffer(
     rank: usize,
     device: Device,
     collective: &'static str,
@@ -87,17 +84,6 @@ pub(crate) fn check(
             ),
         ));
     }
-    if !t.is_contiguous() {
-        return Err(invalid(
-            rank,
-            collective,
-            format!(
-                "{what} {:?} is not contiguous; collectives work in place on contiguous storage \
-                 (call contiguous() and copy the result back)",
-                t.dims()
-            ),
-        ));
-    }
     let size = t.dtype().size_in_bytes() as u64;
     let (_, base) = tandem_core::cuda::device_pointer(collective, t)
         .map_err(|e| invalid(rank, collective, format!("{what}: {e}")))?;
@@ -107,112 +93,20 @@ pub(crate) fn check(
     })
 }
 
-/// Checks that `t` may be reduced (f32, f64, f16, bf16).
-pub(crate) fn check_reducible(rank: usize, collective: &'static str, t: &Tensor) -> Result<()> {
-    if t.dtype().is_float() {
-        Ok(())
-    } else {
-        Err(invalid(
-            rank,
-            collective,
-            format!(
-                "cannot reduce {} tensors (supported: f32, f64, f16, bf16)",
-                t.dtype()
-            ),
-        ))
-    }
-}
-
-/// Checks that `input` and `output` have one dtype.
-pub(crate) fn check_same_dtype(
-    rank: usize,
-    collective: &'static str,
-    input: &Tensor,
-    output: &Tensor,
-) -> Result<()> {
-    if input.dtype() != output.dtype() {
-        return Err(invalid(
-            rank,
-            collective,
-            format!(
-                "input is {} but output is {}",
-                input.dtype(),
-                output.dtype()
-            ),
-        ));
-    }
-    Ok(())
-}
-
-/// Checks that `bigger` has `world × smaller` elements.
-pub(crate) fn check_world_multiple(
-    rank: usize,
-    world: usize,
-    collective: &'static str,
-    (bigger_name, bigger): (&str, &Tensor),
-    (smaller_name, smaller): (&str, &Tensor),
-) -> Result<()> {
-    if Some(bigger.numel()) != world.checked_mul(smaller.numel()) {
-        return Err(invalid(
-            rank,
-            collective,
-            format!(
-                "{bigger_name} has {} elements but must have world_size × {smaller_name} = \
-                 {world} × {} = {}",
-                bigger.numel(),
-                smaller.numel(),
-                world.saturating_mul(smaller.numel())
-            ),
-        ));
-    }
-    Ok(())
-}
-
-/// The descriptor of a collective on `dtype` with `numel` elements per rank.
-pub(crate) fn desc(
-    kind: CollectiveKind,
-    dtype: Option<DType>,
-    numel: usize,
-    op: Option<ReduceOp>,
-    root: Option<usize>,
-) -> CollectiveDesc {
-    CollectiveDesc {
-        kind,
-        dtype,
-        numel: numel as u64,
-        op,
-        root: root.map(|r| r as u32),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn cpu_and_strided_tensors_are_refused_before_anything_is_issued() {
+    fn tensors_off_the_group_device_are_refused_before_anything_is_issued() {
         let cpu = Tensor::zeros(&[4], DType::F32, Device::Cpu).unwrap();
-        let err = check(1, Device::Cuda(0), "all_reduce", "tensor", &cpu)
+        let err = buffer(1, Device::Cuda(0), "all_reduce", "tensor", &cpu)
             .unwrap_err()
             .to_string();
         assert!(
             err.contains("rank 1") && err.contains("is on cpu") && err.contains("cuda:0"),
             "{err}"
         );
-        let ints = Tensor::zeros(&[4], DType::I64, Device::Cpu).unwrap();
-        let err = check_reducible(0, "all_reduce", &ints)
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("i64") && err.contains("bf16"), "{err}");
-        let out = Tensor::zeros(&[7], DType::F32, Device::Cpu).unwrap();
-        let err = check_world_multiple(0, 2, "all_gather", ("output", &out), ("input", &cpu))
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("2 × 4 = 8"), "{err}");
-        let err = check_same_dtype(0, "all_gather", &cpu, &ints)
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("input is f32 but output is i64"), "{err}");
     }
 
     #[test]

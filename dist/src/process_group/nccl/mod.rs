@@ -47,8 +47,10 @@
 //! unsupported by NVIDIA: never use it for training.
 
 mod args;
+mod collectives;
 mod comm;
 mod ffi;
+mod issue;
 mod monitor;
 mod record;
 mod unique_id;
@@ -61,18 +63,15 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
-use tandem_core::cuda::sanitizer::{self, Use};
 use tandem_core::cuda::CudaDevice;
 use tandem_core::{DType, Device, Event, Stream, Tensor};
 
-use self::args::Buffer;
 use self::comm::{Comm, CommFailure};
-use self::ffi::{Api, NcclStatus, RawComm, RawStream};
+use self::ffi::{Api, RawStream};
 pub use self::ffi::{NcclVersion, MIN_VERSION, UNIQUE_ID_BYTES};
 use self::monitor::{Monitor, MonitorSetup, Timing};
 pub use self::unique_id::{exchange_unique_id, library_path, version, UniqueId};
-use super::work::DeviceWork;
-use super::{CollectiveDesc, CollectiveKind, GroupConfig, ProcessGroup, ReduceOp, Work};
+use super::{CollectiveDesc, GroupConfig, Work};
 use crate::rendezvous::MAX_WORLD_SIZE;
 use crate::store::{StoreServer, TcpStore};
 use crate::{DistError, Result};
@@ -359,48 +358,8 @@ impl NcclProcessGroup {
             &format!("{prefix}/unique_id"),
             group.connect_timeout,
         )?;
-        let stream_err = |e: tandem_core::Error| connect_error(rank, format!("{device}: {e}"));
-        let compute = Stream::compute(device).map_err(stream_err)?;
-        let comm_stream =
-            Stream::new_on(device, &format!("tandem-nccl-comm-{rank}")).map_err(stream_err)?;
-        let raw_stream = comm_stream
-            .cuda_stream()
-            .map(|s| s.cu_stream() as RawStream)
-            .ok_or_else(|| connect_error(rank, "the comm stream is not a CUDA stream"))?;
-        let deadline = Instant::now() + group.connect_timeout;
-        let init_interrupt = || {
-            if Instant::now() > deadline {
-                return Some(connect_error(
-                    rank,
-                    format!(
-                        "creating the NCCL communicator timed out after {:?}",
-                        group.connect_timeout
-                    ),
-                ));
-            }
-            monitor.assess(Instant::now(), None, group.timeout)
-        };
-        let comm = Comm::init(api, cuda.clone(), world, rank, &id, &init_interrupt).map_err(
-            |failure| match failure {
-                CommFailure::Interrupted(e) => e,
-                CommFailure::Nccl(detail) => DistError::Nccl {
-                    rank,
-                    op: "creating the communicator".into(),
-                    detail,
-                },
-                CommFailure::Gone => connect_error(rank, "the communicator was aborted"),
-            },
-        )?;
-        match comm.count_and_rank() {
-            Ok((count, me)) if count == world && me == rank => {}
-            Ok((count, me)) => {
-                return Err(connect_error(
-                    rank,
-                    format!("NCCL created a communicator for rank {me} of {count}"),
-                ))
-            }
-            Err(e) => return Err(connect_error(rank, format!("{e:?}"))),
-        }
+        let (compute, comm_stream, raw_stream) = streams(rank, device)?;
+        let comm = create_comm(api, cuda.clone(), rank, world, &id, &group, &monitor)?;
         let barrier = Tensor::zeros(&[1], DType::F32, device)
             .map_err(|e| connect_error(rank, format!("the barrier buffer: {e}")))?;
         let shared = Arc::new(Shared {
@@ -466,468 +425,70 @@ impl NcclProcessGroup {
     pub fn failure(&self) -> Option<DistError> {
         self.shared.broken()
     }
-
-    /// Issues one collective: orders the comm stream after the compute stream, has NCCL
-    /// enqueue it (`call`, skipped for an empty collective), records its end, and hands back
-    /// the work. `tensors` are held by the work and marked as used on the comm stream; `uses`
-    /// says which device addresses NCCL reads and writes (for the stream sanitizer).
-    fn issue(
-        &self,
-        desc: CollectiveDesc,
-        tensors: Vec<Tensor>,
-        uses: &[(u64, Use)],
-        blocks_host: bool,
-        call: impl FnOnce(&'static Api, RawComm, RawStream) -> NcclStatus,
-    ) -> Result<Work> {
-        let s = &*self.shared;
-        let mut next = s.next_seq.lock();
-        let seq = *next;
-        if let Some(cause) = s.make_room() {
-            return Err(s.group_broken(&desc, seq, cause));
-        }
-        *s.issuing.lock() = Some(Issuing {
-            seq,
-            desc,
-            since: Instant::now(),
-        });
-        let issued = self.issue_locked(seq, desc, &tensors, uses, call);
-        *s.issuing.lock() = None;
-        let (start, end) = match issued {
-            Ok(events) => events,
-            Err(Failure::BeforeIssue(e)) => return Err(e),
-            Err(Failure::Fatal(e)) => {
-                s.fail(e.clone());
-                return Err(s.broken().map_or(e, |first| first));
-            }
-        };
-        s.monitor.record_issue(seq, &desc);
-        *next = seq + 1;
-        drop(next);
-        let work = Work::on_device(
-            seq,
-            desc,
-            end.clone(),
-            DeviceWork {
-                rank: s.rank,
-                compute: s.compute.clone(),
-                start: start.clone(),
-                keep_alive: Mutex::new(tensors),
-                blocks_host,
-            },
-        );
-        let mut pending = s.pending.lock();
-        match s.broken() {
-            // The watchdog failed the group while this collective was being issued, after it
-            // settled the collectives it knew of: settle this one too.
-            Some(cause) => work.settle(Err(s.group_broken(&desc, seq, cause))),
-            None => pending.push_back(Pending {
-                work: work.clone(),
-                seq,
-                desc,
-                start,
-                end,
-                started_at: None,
-            }),
-        }
-        Ok(work)
-    }
-
-    /// The steps of [`NcclProcessGroup::issue`] that may fail; returns the start and end events.
-    fn issue_locked(
-        &self,
-        seq: u64,
-        desc: CollectiveDesc,
-        tensors: &[Tensor],
-        uses: &[(u64, Use)],
-        call: impl FnOnce(&'static Api, RawComm, RawStream) -> NcclStatus,
-    ) -> std::result::Result<(Event, Event), Failure> {
-        let s = &*self.shared;
-        let label = format!("{desc} (collective #{seq})");
-        let device_err = |what: &str, e: tandem_core::Error| {
-            DistError::tensor(
-                s.rank,
-                format!("{} (collective #{seq}): {what}", desc.kind.name()),
-                e,
-            )
-        };
-        if s.config.check_every_collective {
-            self.check_with_neighbour(seq, &desc)?;
-        }
-        // Nothing has been issued yet: a failure here leaves the group intact.
-        s.cuda
-            .bind("NCCL collective")
-            .map_err(|e| Failure::BeforeIssue(device_err("binding the device", e)))?;
-        let ready = s
-            .compute
-            .record_event()
-            .map_err(|e| Failure::BeforeIssue(device_err("recording the compute stream", e)))?;
-        // From here on the comm stream has work queued for this collective, so any failure
-        // breaks the group (the other ranks expect this collective).
-        let fatal = |what: &str, e: tandem_core::Error| Failure::Fatal(device_err(what, e));
-        s.comm_stream
-            .wait_event(&ready)
-            .map_err(|e| fatal("ordering the comm stream after the compute stream", e))?;
-        let start = s
-            .comm_stream
-            .record_event()
-            .map_err(|e| fatal("recording the start", e))?;
-        // Marked before the call, so that a tensor freed after NCCL refused the call (the
-        // sanitizer has seen its buffers declared on the comm stream by then) still waits for
-        // the comm stream: a free waits for the comm stream's work queued by then.
-        for t in tensors {
-            t.record_stream(&s.comm_stream)
-                .map_err(|e| fatal("marking a tensor as used by the comm stream", e))?;
-        }
-        if desc.numel > 0 || desc.kind == CollectiveKind::Barrier {
-            let timeout = s.group.timeout;
-            let since = Instant::now();
-            let interrupt = || {
-                s.broken().or_else(|| {
-                    (since.elapsed() > timeout).then(|| DistError::Timeout {
-                        rank: s.rank,
-                        collective: desc.to_string(),
-                        seq,
-                        timeout,
-                        waiting_for: Vec::new(),
-                    })
-                })
-            };
-            // The collective's buffers, declared once the comm stream is ordered after compute.
-            if let Some(cuda) = s.comm_stream.cuda_stream() {
-                sanitizer::access(s.comm_stream.device(), cuda, nccl_name(desc.kind), uses)
-                    .map_err(|e| fatal("the stream sanitizer", e))?;
-            }
-            let raw_stream = s.raw_stream;
-            s.comm
-                .enqueue(&label, &interrupt, |api, comm| call(api, comm, raw_stream))
-                .map_err(|failure| {
-                    Failure::Fatal(match failure {
-                        CommFailure::Interrupted(e) => e,
-                        CommFailure::Nccl(detail) => s.explain_nccl_error(DistError::Nccl {
-                            rank: s.rank,
-                            op: label.clone(),
-                            detail,
-                        }),
-                        CommFailure::Gone => s.broken().unwrap_or_else(|| DistError::Nccl {
-                            rank: s.rank,
-                            op: label.clone(),
-                            detail: "the communicator was aborted".into(),
-                        }),
-                    })
-                })?;
-        }
-        let end = s
-            .comm_stream
-            .record_event()
-            .map_err(|e| fatal("recording the end", e))?;
-        Ok((start, end))
-    }
-
-    /// `check_every_collective`: publishes this collective's descriptor and compares it with
-    /// the next rank's for the same sequence number (the reader deletes the key it read).
-    fn check_with_neighbour(
-        &self,
-        seq: u64,
-        desc: &CollectiveDesc,
-    ) -> std::result::Result<(), Failure> {
-        let s = &*self.shared;
-        if s.world < 2 {
-            return Ok(());
-        }
-        let peer = (s.rank + 1) % s.world;
-        let mine = format!("{}/check/{seq}/{}", s.prefix, s.rank);
-        let theirs = format!("{}/check/{seq}/{peer}", s.prefix);
-        s.store
-            .set(&mine, &record::encode_desc(desc))
-            .map_err(Failure::BeforeIssue)?;
-        let deadline = Instant::now() + s.group.timeout;
-        let bytes = loop {
-            match s.store.get_timeout(&theirs, Duration::from_millis(100)) {
-                Ok(bytes) => break bytes,
-                Err(DistError::StoreTimeout { .. }) => {
-                    if let Some(cause) = s.broken() {
-                        return Err(Failure::BeforeIssue(s.group_broken(desc, seq, cause)));
-                    }
-                    if Instant::now() > deadline {
-                        return Err(Failure::Fatal(DistError::Timeout {
-                            rank: s.rank,
-                            collective: desc.to_string(),
-                            seq,
-                            timeout: s.group.timeout,
-                            waiting_for: vec![peer],
-                        }));
-                    }
-                }
-                Err(e) => return Err(Failure::BeforeIssue(e)),
-            }
-        };
-        let _ = s.store.delete(&theirs);
-        let theirs = record::decode_desc(&bytes).map_err(|problem| {
-            Failure::Fatal(DistError::Protocol {
-                rank: s.rank,
-                peer,
-                collective: desc.to_string(),
-                seq,
-                problem: format!("its descriptor in the store is malformed: {problem}"),
-            })
-        })?;
-        if theirs != *desc {
-            return Err(Failure::Fatal(DistError::Mismatch {
-                rank: s.rank,
-                peer,
-                seq,
-                their_seq: seq,
-                ours: desc.to_string(),
-                theirs: theirs.to_string(),
-            }));
-        }
-        Ok(())
-    }
-
-    fn check(&self, collective: &'static str, what: &str, t: &Tensor) -> Result<Buffer> {
-        args::check(self.shared.rank, self.shared.device, collective, what, t)
-    }
 }
 
-/// How issuing a collective failed.
-enum Failure {
-    /// Before anything was queued: the group is intact.
-    BeforeIssue(DistError),
-    /// After work was queued, or a mismatch: the group must fail.
-    Fatal(DistError),
+/// The device's compute stream, a new comm stream for this rank, and the comm stream's raw
+/// handle for NCCL.
+fn streams(rank: usize, device: Device) -> Result<(Stream, Stream, RawStream)> {
+    let stream_err = |e: tandem_core::Error| connect_error(rank, format!("{device}: {e}"));
+    let compute = Stream::compute(device).map_err(stream_err)?;
+    let comm_stream =
+        Stream::new_on(device, &format!("tandem-nccl-comm-{rank}")).map_err(stream_err)?;
+    let raw_stream = comm_stream
+        .cuda_stream()
+        .map(|s| s.cu_stream() as RawStream)
+        .ok_or_else(|| connect_error(rank, "the comm stream is not a CUDA stream"))?;
+    Ok((compute, comm_stream, raw_stream))
 }
 
-impl From<DistError> for Failure {
-    fn from(e: DistError) -> Self {
-        Failure::Fatal(e)
-    }
-}
-
-impl ProcessGroup for NcclProcessGroup {
-    fn rank(&self) -> usize {
-        self.shared.rank
-    }
-
-    fn world_size(&self) -> usize {
-        self.shared.world
-    }
-
-    fn backend(&self) -> &'static str {
-        "nccl"
-    }
-
-    fn comm_stream(&self) -> &Stream {
-        &self.shared.comm_stream
-    }
-
-    fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Work> {
-        const NAME: &str = "all_reduce";
-        let rank = self.shared.rank;
-        let buf = self.check(NAME, "tensor", tensor)?;
-        args::check_reducible(rank, NAME, tensor)?;
-        let desc = args::desc(
-            CollectiveKind::AllReduce,
-            Some(tensor.dtype()),
-            tensor.numel(),
-            Some(op),
-            None,
-        );
-        let (count, dtype, op) = (
-            tensor.numel(),
-            args::nccl_type(tensor.dtype()),
-            args::nccl_op(op, self.shared.world),
-        );
-        self.issue(
-            desc,
-            vec![tensor.clone()],
-            &[(buf.ptr, Use::Write)],
-            false,
-            move |api, comm, stream| {
-                let ptr = buf.ptr as *mut std::ffi::c_void;
-                // SAFETY: `ptr` addresses `count` elements of `dtype` on this group's device (checked
-                // above), kept alive by the work until the collective is done; in place is allowed.
-                unsafe { (api.all_reduce)(ptr, ptr, count, dtype, op, comm, stream) }
-            },
-        )
-    }
-
-    fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<Work> {
-        const NAME: &str = "broadcast";
-        let (rank, world) = (self.shared.rank, self.shared.world);
-        let buf = self.check(NAME, "tensor", tensor)?;
-        if root >= world {
-            return Err(DistError::InvalidArgument {
+/// Creates this rank's communicator (non-blocking, so that it can be aborted: by the connect
+/// timeout, or by the monitor's verdict on another rank) and checks that NCCL placed it where
+/// asked.
+fn create_comm(
+    api: &'static Api,
+    cuda: Arc<CudaDevice>,
+    rank: usize,
+    world: usize,
+    id: &UniqueId,
+    group: &GroupConfig,
+    monitor: &Monitor,
+) -> Result<Comm> {
+    let deadline = Instant::now() + group.connect_timeout;
+    let init_interrupt = || {
+        if Instant::now() > deadline {
+            return Some(connect_error(
                 rank,
-                collective: NAME,
-                problem: format!("root {root} is not a rank of a group of {world}"),
-            });
+                format!(
+                    "creating the NCCL communicator timed out after {:?}",
+                    group.connect_timeout
+                ),
+            ));
         }
-        let desc = args::desc(
-            CollectiveKind::Broadcast,
-            Some(tensor.dtype()),
-            tensor.numel(),
-            None,
-            Some(root),
-        );
-        let (count, dtype) = (tensor.numel(), args::nccl_type(tensor.dtype()));
-        // The root sends its tensor, every other rank receives into its own.
-        let use_ = if rank == root { Use::Read } else { Use::Write };
-        self.issue(
-            desc,
-            vec![tensor.clone()],
-            &[(buf.ptr, use_)],
-            false,
-            move |api, comm, stream| {
-                let ptr = buf.ptr as *mut std::ffi::c_void;
-                // SAFETY: as in all_reduce; `root` is a rank of the communicator.
-                unsafe {
-                    (api.broadcast)(
-                        ptr,
-                        ptr,
-                        count,
-                        dtype,
-                        root as std::ffi::c_int,
-                        comm,
-                        stream,
-                    )
-                }
+        monitor.assess(Instant::now(), None, group.timeout)
+    };
+    let comm =
+        Comm::init(api, cuda, world, rank, id, &init_interrupt).map_err(
+            |failure| match failure {
+                CommFailure::Interrupted(e) => e,
+                CommFailure::Nccl(detail) => DistError::Nccl {
+                    rank,
+                    op: "creating the communicator".into(),
+                    detail,
+                },
+                CommFailure::Gone => connect_error(rank, "the communicator was aborted"),
             },
-        )
-    }
-
-    fn all_gather(&self, input: &Tensor, output: &Tensor) -> Result<Work> {
-        const NAME: &str = "all_gather";
-        let (rank, world) = (self.shared.rank, self.shared.world);
-        let mut inp = self.check(NAME, "input", input)?;
-        let out = self.check(NAME, "output", output)?;
-        args::check_same_dtype(rank, NAME, input, output)?;
-        args::check_world_multiple(rank, world, NAME, ("output", output), ("input", input))?;
-        let desc = args::desc(
-            CollectiveKind::AllGather,
-            Some(input.dtype()),
-            input.numel(),
-            None,
-            None,
-        );
-        let mut held = vec![input.clone(), output.clone()];
-        // NCCL allows the input to be this rank's block of the output (in place); any other
-        // overlap would have NCCL read what it is writing, so such an input is copied first.
-        let in_place = inp.ptr == out.ptr + rank as u64 * inp.bytes;
-        if inp.overlaps(&out) && !in_place {
-            let copy = staged(input).map_err(|e| tensor_error(rank, NAME, e))?;
-            inp = self.check(NAME, "input", &copy)?;
-            held.push(copy);
+        )?;
+    match comm.count_and_rank() {
+        Ok((count, me)) if count == world && me == rank => {}
+        Ok((count, me)) => {
+            return Err(connect_error(
+                rank,
+                format!("NCCL created a communicator for rank {me} of {count}"),
+            ))
         }
-        let (count, dtype) = (input.numel(), args::nccl_type(input.dtype()));
-        let uses = [(inp.ptr, Use::Read), (out.ptr, Use::Write)];
-        self.issue(desc, held, &uses, false, move |api, comm, stream| {
-            // SAFETY: `inp` holds `count` elements and `out` `world × count`, of `dtype`, on this
-            // group's device, alive until the collective is done, and disjoint or in place.
-            unsafe {
-                (api.all_gather)(
-                    inp.ptr as *const std::ffi::c_void,
-                    out.ptr as *mut std::ffi::c_void,
-                    count,
-                    dtype,
-                    comm,
-                    stream,
-                )
-            }
-        })
+        Err(e) => return Err(connect_error(rank, format!("{e:?}"))),
     }
-
-    fn reduce_scatter(&self, input: &Tensor, output: &Tensor, op: ReduceOp) -> Result<Work> {
-        const NAME: &str = "reduce_scatter";
-        let (rank, world) = (self.shared.rank, self.shared.world);
-        let mut inp = self.check(NAME, "input", input)?;
-        let out = self.check(NAME, "output", output)?;
-        args::check_same_dtype(rank, NAME, input, output)?;
-        args::check_reducible(rank, NAME, input)?;
-        args::check_world_multiple(rank, world, NAME, ("input", input), ("output", output))?;
-        let desc = args::desc(
-            CollectiveKind::ReduceScatter,
-            Some(output.dtype()),
-            output.numel(),
-            Some(op),
-            None,
-        );
-        let mut held = vec![input.clone(), output.clone()];
-        // The input must survive unchanged, so an output that shares its memory (NCCL's in-place
-        // form writes into the input) gets a copy of the input to read from.
-        if inp.overlaps(&out) {
-            let copy = staged(input).map_err(|e| tensor_error(rank, NAME, e))?;
-            inp = self.check(NAME, "input", &copy)?;
-            held.push(copy);
-        }
-        let (count, dtype, op) = (
-            output.numel(),
-            args::nccl_type(output.dtype()),
-            args::nccl_op(op, world),
-        );
-        let uses = [(inp.ptr, Use::Read), (out.ptr, Use::Write)];
-        self.issue(desc, held, &uses, false, move |api, comm, stream| {
-            // SAFETY: `inp` holds `world × count` elements and `out` `count`, of `dtype`, on this
-            // group's device, alive until the collective is done, and disjoint.
-            unsafe {
-                (api.reduce_scatter)(
-                    inp.ptr as *const std::ffi::c_void,
-                    out.ptr as *mut std::ffi::c_void,
-                    count,
-                    dtype,
-                    op,
-                    comm,
-                    stream,
-                )
-            }
-        })
-    }
-
-    fn barrier(&self) -> Result<Work> {
-        let buf = self.check("barrier", "barrier buffer", &self.barrier)?;
-        let desc = super::describe_barrier();
-        self.issue(
-            desc,
-            vec![self.barrier.clone()],
-            &[(buf.ptr, Use::Write)],
-            true,
-            move |api, comm, stream| {
-                let ptr = buf.ptr as *mut std::ffi::c_void;
-                // SAFETY: the group's own one-element f32 buffer on its device, alive with the group.
-                unsafe {
-                    (api.all_reduce)(
-                        ptr,
-                        ptr,
-                        1,
-                        ffi::data_type::FLOAT32,
-                        ffi::red_op::SUM,
-                        comm,
-                        stream,
-                    )
-                }
-            },
-        )
-    }
-}
-
-/// The NCCL function a collective calls, as the stream sanitizer names it.
-fn nccl_name(kind: CollectiveKind) -> &'static str {
-    match kind {
-        CollectiveKind::AllReduce | CollectiveKind::Barrier => "ncclAllReduce",
-        CollectiveKind::Broadcast => "ncclBroadcast",
-        CollectiveKind::AllGather => "ncclAllGather",
-        CollectiveKind::ReduceScatter => "ncclReduceScatter",
-    }
-}
-
-/// A fresh copy of `t` on its device (made on the compute stream, before the collective).
-fn staged(t: &Tensor) -> tandem_core::Result<Tensor> {
-    let copy = Tensor::empty(t.dims(), t.dtype(), t.device())?;
-    copy.copy_(t)?;
-    Ok(copy)
-}
-
-fn tensor_error(rank: usize, collective: &'static str, e: tandem_core::Error) -> DistError {
-    DistError::tensor(rank, collective, e)
+    Ok(comm)
 }
 
 impl Drop for NcclProcessGroup {

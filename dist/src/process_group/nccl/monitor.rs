@@ -39,10 +39,10 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex};
 
 use super::record::{
-    chain_hash, decode_desc, decode_history, encode_desc, encode_history, Beat, HistoryEntry,
-    PeerState, DESC_BYTES, MAX_BEAT_BYTES, MAX_HISTORY_BYTES,
+    chain_hash, decode_history, encode_desc, encode_history, Beat, HistoryEntry, PeerState,
+    MAX_BEAT_BYTES, MAX_HISTORY_BYTES,
 };
-use crate::error::{fmt_left_after, fmt_ranks};
+use crate::error::fmt_ranks;
 use crate::process_group::CollectiveDesc;
 use crate::store::{TcpStore, MAX_REQUEST_KEY_BYTES};
 use crate::{DistError, Result};
@@ -392,241 +392,12 @@ impl Monitor {
             std::thread::sleep(inner.timing.interval);
         }
     }
-
-    /// The verdict on the group as this rank sees it now (see the module docs), or `None`
-    /// while all is well. `in_flight` is this rank's oldest unfinished collective; `timeout`
-    /// the group's collective timeout.
-    pub(crate) fn assess(
-        &self,
-        now: Instant,
-        in_flight: Option<InFlight>,
-        timeout: Duration,
-    ) -> Option<DistError> {
-        let inner = &self.inner;
-        let rank = inner.rank;
-        let timing = inner.timing;
-        let (issued, local_state) = {
-            let local = inner.local.lock();
-            (local.issued, local.state.clone())
-        };
-        if matches!(local_state, PeerState::Failed(_)) {
-            return None; // already failed; the watchdog knows why
-        }
-        let (collective, seq) = match &in_flight {
-            Some(f) => (f.desc.to_string(), f.seq),
-            None => ("the next collective".to_string(), issued + 1),
-        };
-        let lost = |peers: Vec<usize>, cause: String| DistError::PeerLost {
-            rank,
-            peers,
-            collective: collective.clone(),
-            seq,
-            cause,
-        };
-
-        // The store.
-        {
-            let link = inner.link.lock();
-            let silent = now.saturating_duration_since(link.last_ok);
-            if silent > timing.stale_after || link.failures >= FAILED_EXCHANGES {
-                let why = link
-                    .error
-                    .clone()
-                    .unwrap_or_else(|| format!("no answer for {:.1} s", silent.as_secs_f64()));
-                return Some(match inner.store_owner {
-                    Some(owner) if owner != rank => lost(
-                        vec![owner],
-                        format!(
-                            "lost the rendezvous store, which rank {owner} serves ({why}): rank \
-                             {owner} has exited or is unreachable"
-                        ),
-                    ),
-                    _ => DistError::Store {
-                        addr: inner.store.addr().to_string(),
-                        op: format!(
-                            "heartbeat of rank {rank} during {collective} (collective #{seq})"
-                        ),
-                        detail: why,
-                    },
-                });
-            }
-        }
-
-        // Every other rank.
-        let peers = inner.peers.lock().clone();
-        for (peer, view) in peers.iter().enumerate() {
-            if peer == rank {
-                continue;
-            }
-            if let Some(problem) = &view.malformed {
-                return Some(DistError::Protocol {
-                    rank,
-                    peer,
-                    collective,
-                    seq,
-                    problem: format!("its heartbeat in the store is malformed: {problem}"),
-                });
-            }
-            let Some(beat) = &view.beat else { continue };
-            match &beat.state {
-                PeerState::Failed(message) => {
-                    return Some(DistError::PeerAborted {
-                        rank,
-                        peer,
-                        collective,
-                        seq,
-                        message: message.clone(),
-                    })
-                }
-                PeerState::Left => {
-                    if in_flight.is_some_and(|f| f.seq > beat.done) {
-                        return Some(lost(
-                            vec![peer],
-                            format!("rank {peer} left the group {}", fmt_left_after(beat.done)),
-                        ));
-                    }
-                }
-                PeerState::Gone => {
-                    let since = view.gone_since.unwrap_or(now);
-                    if in_flight.is_some_and(|f| f.seq > beat.done)
-                        && now.saturating_duration_since(since) >= timing.gone_grace
-                    {
-                        return Some(lost(
-                            vec![peer],
-                            format!(
-                                "rank {peer}'s process exited (its connection to the rendezvous \
-                                 store closed) {}",
-                                fmt_left_after(beat.done)
-                            ),
-                        ));
-                    }
-                }
-                PeerState::Running => {
-                    let silent = now.saturating_duration_since(view.changed_at);
-                    if silent > timing.stale_after {
-                        return Some(lost(
-                            vec![peer],
-                            format!(
-                                "no heartbeat from rank {peer} for {:.1} s: its process is \
-                                 stopped or hung, or its host is unreachable (it had issued \
-                                 collective #{} and finished #{})",
-                                silent.as_secs_f64(),
-                                beat.issued,
-                                beat.done
-                            ),
-                        ));
-                    }
-                }
-            }
-        }
-
-        // The neighbour's collectives.
-        if let Some(err) = self.compare_with_neighbour() {
-            return Some(err);
-        }
-
-        // This rank's collective in flight.
-        if let Some(f) = in_flight {
-            if let Some(started) = f.started_at {
-                if now.saturating_duration_since(started) > timeout {
-                    let others = || (0..inner.world).filter(move |&p| p != rank);
-                    let progress = |p: usize| {
-                        peers[p]
-                            .beat
-                            .as_ref()
-                            .map(|b| (b.issued, b.started, b.done))
-                    };
-                    let mut waiting_for: Vec<usize> = others()
-                        .filter(|&p| progress(p).is_some_and(|(i, _, _)| i < f.seq))
-                        .collect();
-                    if waiting_for.is_empty() {
-                        waiting_for = others()
-                            .filter(|&p| progress(p).is_some_and(|(_, s, _)| s < f.seq))
-                            .collect();
-                    }
-                    if waiting_for.is_empty() {
-                        waiting_for = others()
-                            .filter(|&p| progress(p).is_none_or(|(_, _, d)| d < f.seq))
-                            .collect();
-                    }
-                    return Some(DistError::Timeout {
-                        rank,
-                        collective,
-                        seq,
-                        timeout,
-                        waiting_for,
-                    });
-                }
-            }
-        }
-        None
-    }
-
-    /// Compares this rank's collectives with its neighbour's latest history.
-    fn compare_with_neighbour(&self) -> Option<DistError> {
-        let inner = &self.inner;
-        if inner.world < 2 {
-            return None;
-        }
-        let peer = (inner.rank + 1) % inner.world;
-        let theirs = match inner.neighbour_history.lock().clone()? {
-            Ok(h) => h,
-            Err(problem) => {
-                let local = inner.local.lock();
-                return Some(DistError::Protocol {
-                    rank: inner.rank,
-                    peer,
-                    collective: "the next collective".into(),
-                    seq: local.issued + 1,
-                    problem: format!("its collective history in the store is malformed: {problem}"),
-                });
-            }
-        };
-        let local = inner.local.lock();
-        let (seq, ours, theirs, exact) = find_divergence(&local, &theirs)?;
-        let show = |code: &[u8; DESC_BYTES]| {
-            decode_desc(code).map_or_else(|e| format!("<{e}>"), |d| d.to_string())
-        };
-        let mut their_text = show(&theirs);
-        if !exact {
-            their_text.push_str(&format!(
-                " (their collectives already differed from this rank's before #{seq})"
-            ));
-        }
-        Some(DistError::Mismatch {
-            rank: inner.rank,
-            peer,
-            seq,
-            their_seq: seq,
-            ours: show(&ours),
-            theirs: their_text,
-        })
-    }
 }
 
 impl Drop for Monitor {
     fn drop(&mut self) {
         self.leave();
     }
-}
-
-/// The first collective at which `theirs` (a neighbour's published history) and this rank's
-/// history differ: `(seq, our descriptor, theirs, exact)`, where `exact` is false when the
-/// descriptors at that point are equal and only the chain hashes say that an earlier
-/// collective, older than what both still remember, differed.
-fn find_divergence(
-    local: &Local,
-    theirs: &[HistoryEntry],
-) -> Option<(u64, [u8; DESC_BYTES], [u8; DESC_BYTES], bool)> {
-    for entry in theirs {
-        let Some(mine) = local.entry(entry.seq) else {
-            continue;
-        };
-        if mine.hash != entry.hash {
-            return Some((entry.seq, mine.desc, entry.desc, mine.desc != entry.desc));
-        }
-    }
-    None
 }
 
 /// Reads `keys` in requests within the store's limits on keys and key bytes per request.
@@ -826,6 +597,8 @@ fn update(view: &mut PeerView, value: Option<Vec<u8>>, now: Instant) {
         }
     }
 }
+
+mod verdict;
 
 #[cfg(test)]
 mod tests;

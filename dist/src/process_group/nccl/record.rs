@@ -18,9 +18,7 @@
 //! ranks that issued the same collectives in the same order have equal hashes at every k, and
 //! the first k at which their hashes differ is where their collectives first differ.
 
-use tandem_core::DType;
-
-use crate::process_group::{CollectiveDesc, CollectiveKind, ReduceOp};
+use crate::process_group::{codes, CollectiveDesc};
 
 /// Bytes of an encoded descriptor.
 pub(crate) const DESC_BYTES: usize = 16;
@@ -40,29 +38,9 @@ const VERSION: u8 = 1;
 /// Encodes `desc` into its 16 bytes.
 pub(crate) fn encode_desc(desc: &CollectiveDesc) -> [u8; DESC_BYTES] {
     let mut out = [0u8; DESC_BYTES];
-    out[0] = match desc.kind {
-        CollectiveKind::AllReduce => 1,
-        CollectiveKind::Broadcast => 2,
-        CollectiveKind::AllGather => 3,
-        CollectiveKind::ReduceScatter => 4,
-        CollectiveKind::Barrier => 5,
-    };
-    out[1] = match desc.dtype {
-        None => 0,
-        Some(DType::F32) => 1,
-        Some(DType::F64) => 2,
-        Some(DType::F16) => 3,
-        Some(DType::BF16) => 4,
-        Some(DType::I64) => 5,
-        Some(DType::U8) => 6,
-    };
-    out[2] = match desc.op {
-        None => 0,
-        Some(ReduceOp::Sum) => 1,
-        Some(ReduceOp::Avg) => 2,
-        Some(ReduceOp::Max) => 3,
-        Some(ReduceOp::Min) => 4,
-    };
+    out[0] = codes::kind_code(desc.kind);
+    out[1] = codes::dtype_code(desc.dtype);
+    out[2] = codes::op_code(desc.op);
     out[4..8].copy_from_slice(&desc.root.unwrap_or(u32::MAX).to_le_bytes());
     out[8..16].copy_from_slice(&desc.numel.to_le_bytes());
     out
@@ -73,32 +51,9 @@ pub(crate) fn decode_desc(bytes: &[u8]) -> Result<CollectiveDesc, String> {
     if bytes.len() != DESC_BYTES {
         return Err(format!("a descriptor of {} bytes", bytes.len()));
     }
-    let kind = match bytes[0] {
-        1 => CollectiveKind::AllReduce,
-        2 => CollectiveKind::Broadcast,
-        3 => CollectiveKind::AllGather,
-        4 => CollectiveKind::ReduceScatter,
-        5 => CollectiveKind::Barrier,
-        other => return Err(format!("unknown collective code {other}")),
-    };
-    let dtype = match bytes[1] {
-        0 => None,
-        1 => Some(DType::F32),
-        2 => Some(DType::F64),
-        3 => Some(DType::F16),
-        4 => Some(DType::BF16),
-        5 => Some(DType::I64),
-        6 => Some(DType::U8),
-        other => return Err(format!("unknown dtype code {other}")),
-    };
-    let op = match bytes[2] {
-        0 => None,
-        1 => Some(ReduceOp::Sum),
-        2 => Some(ReduceOp::Avg),
-        3 => Some(ReduceOp::Max),
-        4 => Some(ReduceOp::Min),
-        other => return Err(format!("unknown reduce-op code {other}")),
-    };
+    let kind = codes::kind_of(bytes[0])?;
+    let dtype = codes::dtype_of(bytes[1])?;
+    let op = codes::op_of(bytes[2])?;
     let root = u32::from_le_bytes([bytes[4], bytes[5], bytes[6], bytes[7]]);
     let numel = u64::from_le_bytes(bytes[8..16].try_into().map_err(|_| "short descriptor")?);
     Ok(CollectiveDesc {
@@ -304,6 +259,8 @@ pub(crate) fn decode_history(bytes: &[u8]) -> Result<Vec<HistoryEntry>, String> 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::process_group::{CollectiveKind, ReduceOp};
+    use tandem_core::DType;
 
     fn all_reduce(numel: u64) -> CollectiveDesc {
         CollectiveDesc {

@@ -29,9 +29,7 @@
 //! channel, flags, a 32-byte nonce, the group name) and, in a job with a secret, auth frames
 //! whose 32-byte payload proves the sender knows it. No other frame is trusted before that.
 
-use tandem_core::DType;
-
-use crate::process_group::{CollectiveDesc, CollectiveKind, ReduceOp};
+use crate::process_group::{codes, CollectiveDesc, CollectiveKind};
 
 /// Bytes in a frame header.
 pub(crate) const HEADER_LEN: usize = 48;
@@ -191,9 +189,9 @@ impl FrameHeader {
         };
         let mut aux = self.aux;
         if let Some(d) = &self.desc {
-            b[6] = kind_code(d.kind);
-            b[7] = d.op.map_or(0, op_code);
-            b[8] = d.dtype.map_or(0, dtype_code);
+            b[6] = codes::kind_code(d.kind);
+            b[7] = codes::op_code(d.op);
+            b[8] = codes::dtype_code(d.dtype);
             if let Some(root) = d.root {
                 aux = root;
             }
@@ -236,11 +234,13 @@ impl FrameHeader {
             w.copy_from_slice(&b[i..i + 8]);
             u64::from_le_bytes(w)
         };
-        let aux = u32_at(12);
-        let seq = u64_at(16);
-        let numel = u64_at(24);
-        let index = u64_at(32);
-        let payload_len = u64_at(40);
+        let fields = Fields {
+            aux: u32_at(12),
+            seq: u64_at(16),
+            numel: u64_at(24),
+            index: u64_at(32),
+            payload_len: u64_at(40),
+        };
         let kind = match b[5] {
             1 => FrameKind::Hello,
             2 => FrameKind::Data,
@@ -249,57 +249,65 @@ impl FrameHeader {
             5 => FrameKind::Auth,
             k => return Err(format!("unknown frame kind {k}")),
         };
-        if kind != FrameKind::Data {
-            if b[6] != 0 || b[7] != 0 || b[8] != 0 || b[9] != 0 || numel != 0 {
-                return Err(format!("{kind:?} frame carries collective fields"));
-            }
-            let cap = match kind {
-                FrameKind::Hello => MAX_HELLO_PAYLOAD,
-                FrameKind::Abort => MAX_ABORT_MESSAGE,
-                FrameKind::Auth => AUTH_PAYLOAD,
-                _ => 0,
-            };
-            if payload_len > cap || (kind == FrameKind::Auth && payload_len != AUTH_PAYLOAD) {
-                return Err(format!(
-                    "{kind:?} frame announces {payload_len} bytes (at most {cap})"
-                ));
-            }
-            return Ok(FrameHeader {
-                kind,
-                desc: None,
-                algorithm: None,
-                aux,
-                seq,
-                index,
-                payload_len,
-            });
+        if kind == FrameKind::Data {
+            Self::decode_data(b, fields)
+        } else {
+            Self::decode_control(kind, b, fields)
         }
-        let coll = match b[6] {
-            1 => CollectiveKind::AllReduce,
-            2 => CollectiveKind::Broadcast,
-            3 => CollectiveKind::AllGather,
-            4 => CollectiveKind::ReduceScatter,
-            5 => CollectiveKind::Barrier,
-            c => return Err(format!("unknown collective code {c}")),
+    }
+
+    /// The rest of a hello, abort, goodbye or auth header: no collective fields, a payload
+    /// within the kind's limit.
+    fn decode_control(
+        kind: FrameKind,
+        b: &[u8; HEADER_LEN],
+        fields: Fields,
+    ) -> Result<Self, String> {
+        let Fields {
+            aux,
+            seq,
+            numel,
+            index,
+            payload_len,
+        } = fields;
+        if b[6] != 0 || b[7] != 0 || b[8] != 0 || b[9] != 0 || numel != 0 {
+            return Err(format!("{kind:?} frame carries collective fields"));
+        }
+        let cap = match kind {
+            FrameKind::Hello => MAX_HELLO_PAYLOAD,
+            FrameKind::Abort => MAX_ABORT_MESSAGE,
+            FrameKind::Auth => AUTH_PAYLOAD,
+            _ => 0,
         };
-        let op = match b[7] {
-            0 => None,
-            1 => Some(ReduceOp::Sum),
-            2 => Some(ReduceOp::Avg),
-            3 => Some(ReduceOp::Max),
-            4 => Some(ReduceOp::Min),
-            o => return Err(format!("unknown reduce op code {o}")),
-        };
-        let dtype = match b[8] {
-            0 => None,
-            1 => Some(DType::F32),
-            2 => Some(DType::F64),
-            3 => Some(DType::F16),
-            4 => Some(DType::BF16),
-            5 => Some(DType::I64),
-            6 => Some(DType::U8),
-            d => return Err(format!("unknown dtype code {d}")),
-        };
+        if payload_len > cap || (kind == FrameKind::Auth && payload_len != AUTH_PAYLOAD) {
+            return Err(format!(
+                "{kind:?} frame announces {payload_len} bytes (at most {cap})"
+            ));
+        }
+        Ok(FrameHeader {
+            kind,
+            desc: None,
+            algorithm: None,
+            aux,
+            seq,
+            index,
+            payload_len,
+        })
+    }
+
+    /// The rest of a data header: a collective descriptor whose fields agree with its kind, an
+    /// algorithm, a payload within the limit.
+    fn decode_data(b: &[u8; HEADER_LEN], fields: Fields) -> Result<Self, String> {
+        let Fields {
+            aux,
+            seq,
+            numel,
+            index,
+            payload_len,
+        } = fields;
+        let coll = codes::kind_of(b[6])?;
+        let op = codes::op_of(b[7])?;
+        let dtype = codes::dtype_of(b[8])?;
         let algorithm = match b[9] {
             1 => Algorithm::Direct,
             2 => Algorithm::Ring,
@@ -339,7 +347,7 @@ impl FrameHeader {
             ));
         }
         Ok(FrameHeader {
-            kind,
+            kind: FrameKind::Data,
             desc: Some(CollectiveDesc {
                 kind: coll,
                 dtype,
@@ -356,34 +364,13 @@ impl FrameHeader {
     }
 }
 
-fn kind_code(k: CollectiveKind) -> u8 {
-    match k {
-        CollectiveKind::AllReduce => 1,
-        CollectiveKind::Broadcast => 2,
-        CollectiveKind::AllGather => 3,
-        CollectiveKind::ReduceScatter => 4,
-        CollectiveKind::Barrier => 5,
-    }
-}
-
-fn op_code(op: ReduceOp) -> u8 {
-    match op {
-        ReduceOp::Sum => 1,
-        ReduceOp::Avg => 2,
-        ReduceOp::Max => 3,
-        ReduceOp::Min => 4,
-    }
-}
-
-fn dtype_code(d: DType) -> u8 {
-    match d {
-        DType::F32 => 1,
-        DType::F64 => 2,
-        DType::F16 => 3,
-        DType::BF16 => 4,
-        DType::I64 => 5,
-        DType::U8 => 6,
-    }
+/// The numeric fields of a header, read before its kind says what they mean.
+struct Fields {
+    aux: u32,
+    seq: u64,
+    numel: u64,
+    index: u64,
+    payload_len: u64,
 }
 
 /// What the receiver expects of the next data frame from one peer.
@@ -502,7 +489,9 @@ pub(crate) fn find_farewell(mut bytes: &[u8]) -> Option<Farewell> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::process_group::ReduceOp;
     use proptest::prelude::*;
+    use tandem_core::DType;
 
     fn sample_desc() -> CollectiveDesc {
         CollectiveDesc {

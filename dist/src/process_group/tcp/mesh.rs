@@ -403,6 +403,10 @@ fn evict_oldest<S, L: PeerListener<Stream = S>>(pending: &mut BTreeMap<u64, Pend
     }
 }
 
+/// What a handshake thread reports: its id, the peer's address, the stream, and the rank the
+/// peer proved (or why it was refused).
+type Outcome<S> = (u64, String, S, std::result::Result<usize, Failure>);
+
 /// Accepts the connections of every rank above `me.rank` on `listener`, running their
 /// handshakes in parallel. Returns `(peer rank, stream)` for each of them.
 pub(crate) fn accept_peers<L: PeerListener>(
@@ -420,7 +424,6 @@ pub(crate) fn accept_peers<L: PeerListener>(
     listener
         .set_listener_nonblocking()
         .map_err(|e| setup_io(rank, "making the listener non-blocking", e))?;
-    type Outcome<S> = (u64, String, S, std::result::Result<usize, Failure>);
     let (tx, rx) = mpsc::channel::<Outcome<L::Stream>>();
     // Handshakes in progress, by arrival (the smallest id is the oldest).
     let mut pending: BTreeMap<u64, Pending<L::Stream>> = BTreeMap::new();
@@ -437,30 +440,7 @@ pub(crate) fn accept_peers<L: PeerListener>(
                 );
                 continue;
             }
-            match outcome {
-                Ok(q) if q > rank && q < world && got[q].is_none() => got[q] = Some(stream),
-                Ok(q) if q < world && q > rank => {
-                    return Err(connect_error(
-                        rank,
-                        format!(
-                            "two processes claim rank {q} (the second connected from {peer}): \
-                             is the same RANK given twice?"
-                        ),
-                    ))
-                }
-                Ok(q) => {
-                    return Err(connect_error(
-                        rank,
-                        format!(
-                            "a member of this job at {peer} connected as rank {q}, but only \
-                             ranks above {rank} (and below {world}) connect to rank {rank}: is \
-                             the same RANK given twice?"
-                        ),
-                    ))
-                }
-                Err(Failure::Stranger(reason)) => log.note(&peer, &reason),
-                Err(Failure::Fatal(problem)) => return Err(connect_error(rank, problem)),
-            }
+            take_handshake(rank, world, &mut got, &mut log, peer, stream, outcome)?;
         }
         let waiting = missing(&got);
         if waiting.is_empty() {
@@ -498,52 +478,104 @@ pub(crate) fn accept_peers<L: PeerListener>(
             revents: 0,
         }];
         let _ = link::poll(&mut fds, (deadline - now).min(Duration::from_millis(20)));
-        loop {
-            let (stream, peer) = match listener.accept_peer() {
-                Ok(x) => x,
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
-                    ) =>
-                {
-                    break
-                }
-                // Out of descriptors and the like: try again at the next round.
-                Err(_) => break,
-            };
-            let handle = match L::make_blocking(&stream).and_then(|()| L::second_handle(&stream)) {
-                Ok(handle) => handle,
-                Err(e) => {
-                    log.note(&peer, &format!("could not set up its handshake: {e}"));
-                    continue;
-                }
-            };
-            if pending.len() >= MAX_PENDING_HANDSHAKES {
-                evict_oldest::<L::Stream, L>(&mut pending);
+        accept_new(listener, me, &tx, &mut pending, &mut next_id, &mut log);
+    }
+}
+
+/// Files the outcome of one handshake from `peer`: a rank above this one that has not
+/// connected yet is kept in `got`; a stranger is logged; a rank claimed twice or one that
+/// should not connect here fails the set-up.
+fn take_handshake<S>(
+    rank: usize,
+    world: usize,
+    got: &mut [Option<S>],
+    log: &mut RejectionLog,
+    peer: String,
+    stream: S,
+    outcome: std::result::Result<usize, Failure>,
+) -> Result<()> {
+    match outcome {
+        Ok(q) if q > rank && q < world && got[q].is_none() => got[q] = Some(stream),
+        Ok(q) if q < world && q > rank => {
+            return Err(connect_error(
+                rank,
+                format!(
+                    "two processes claim rank {q} (the second connected from {peer}): \
+                     is the same RANK given twice?"
+                ),
+            ))
+        }
+        Ok(q) => {
+            return Err(connect_error(
+                rank,
+                format!(
+                    "a member of this job at {peer} connected as rank {q}, but only \
+                     ranks above {rank} (and below {world}) connect to rank {rank}: is \
+                     the same RANK given twice?"
+                ),
+            ))
+        }
+        Err(Failure::Stranger(reason)) => log.note(&peer, &reason),
+        Err(Failure::Fatal(problem)) => return Err(connect_error(rank, problem)),
+    }
+    Ok(())
+}
+
+/// Accepts every connection waiting on `listener` and starts its handshake on a thread of its
+/// own (evicting the oldest handshake when too many are in progress).
+fn accept_new<L: PeerListener>(
+    listener: &L,
+    me: &Me,
+    tx: &mpsc::Sender<Outcome<L::Stream>>,
+    pending: &mut BTreeMap<u64, Pending<L::Stream>>,
+    next_id: &mut u64,
+    log: &mut RejectionLog,
+) {
+    loop {
+        let (stream, peer) = match listener.accept_peer() {
+            Ok(x) => x,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
+                ) =>
+            {
+                break
             }
-            next_id += 1;
-            let id = next_id;
-            let state = Arc::new(AtomicU8::new(RUNNING));
-            let (tx, me, thread_state) = (tx.clone(), me.clone(), state.clone());
-            let mut stream = stream;
-            let spawned = std::thread::Builder::new()
-                .name("tandem-handshake".into())
-                .spawn(move || {
-                    let hello_deadline = Instant::now() + HELLO_TIMEOUT;
-                    let outcome = accept_side(&mut stream, &me, &peer, hello_deadline);
-                    // Claim the connection before the accepting loop can evict it.
-                    let _ = thread_state.compare_exchange(
-                        RUNNING,
-                        FINISHED,
-                        Ordering::AcqRel,
-                        Ordering::Acquire,
-                    );
-                    let _ = tx.send((id, peer, stream, outcome));
-                });
-            if spawned.is_ok() {
-                pending.insert(id, Pending { handle, state });
+            // Out of descriptors and the like: try again at the next round.
+            Err(_) => break,
+        };
+        let handle = match L::make_blocking(&stream).and_then(|()| L::second_handle(&stream)) {
+            Ok(handle) => handle,
+            Err(e) => {
+                log.note(&peer, &format!("could not set up its handshake: {e}"));
+                continue;
             }
+        };
+        if pending.len() >= MAX_PENDING_HANDSHAKES {
+            evict_oldest::<L::Stream, L>(pending);
+        }
+        *next_id += 1;
+        let id = *next_id;
+        let state = Arc::new(AtomicU8::new(RUNNING));
+        let (tx, me, thread_state) = (tx.clone(), me.clone(), state.clone());
+        let mut stream = stream;
+        let spawned = std::thread::Builder::new()
+            .name("tandem-handshake".into())
+            .spawn(move || {
+                let hello_deadline = Instant::now() + HELLO_TIMEOUT;
+                let outcome = accept_side(&mut stream, &me, &peer, hello_deadline);
+                // Claim the connection before the accepting loop can evict it.
+                let _ = thread_state.compare_exchange(
+                    RUNNING,
+                    FINISHED,
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                );
+                let _ = tx.send((id, peer, stream, outcome));
+            });
+        if spawned.is_ok() {
+            pending.insert(id, Pending { handle, state });
         }
     }
 }

@@ -429,6 +429,52 @@ pub(crate) fn run(
     }
 }
 
+/// How a collective's buffer is cut into pieces and where each piece lies in a segment.
+struct Layout {
+    rank: usize,
+    world: usize,
+    kind: CollectiveKind,
+    /// Bytes of the whole buffer.
+    total: usize,
+    /// Bytes of one rank's block (the whole buffer, except for all_gather and reduce_scatter).
+    block: usize,
+    elem: usize,
+    /// Pieces per rank's range.
+    pieces: usize,
+    /// Largest piece; a slot holds one piece for every rank.
+    piece_max: usize,
+    slot_bytes: usize,
+}
+
+impl Layout {
+    /// Rank q's range of the buffer (its share of an all-reduce; the block offset is added
+    /// where needed for the others).
+    fn range_of(&self, q: usize) -> Range<usize> {
+        if self.kind == CollectiveKind::AllReduce {
+            share(q, self.world, self.total, self.elem)
+        } else {
+            0..self.block
+        }
+    }
+
+    /// Piece `j` of rank q's range.
+    fn piece_of(&self, q: usize, j: usize) -> Range<usize> {
+        piece(self.range_of(q), self.pieces, j, self.elem)
+    }
+
+    /// Where piece j for rank `sub` lies in a segment.
+    fn slot(&self, j: usize, sub: usize, len: usize) -> Range<usize> {
+        let at = (j % SLOTS) * self.slot_bytes + sub * self.piece_max;
+        at..at + len
+    }
+
+    /// The ranks other than this one.
+    fn peers(&self) -> impl Iterator<Item = usize> + Clone {
+        let rank = self.rank;
+        (0..self.world).filter(move |&q| q != rank)
+    }
+}
+
 fn run_pieces(
     links: &mut [Option<Link>],
     ctx: &Ctx<'_>,
@@ -450,19 +496,12 @@ fn run_pieces(
         return Ok(());
     }
     let peers = (0..world).filter(move |&q| q != rank);
-    let root = desc.root.unwrap_or(0) as usize;
     // Every rank is at this collective (the frames check it), so the counters below are theirs.
     let plan = same_host_phase(rank, world, 0, 0);
     transport::execute(links, ctx, &plan, &mut [], &mut [])?;
     // Nobody still reads this rank's segment from the previous collective.
     if sh.own.is_some() {
-        sh.wait(
-            links,
-            ctx,
-            peers.clone(),
-            Counter::Consumed,
-            sh.last_consumed,
-        )?;
+        sh.wait(links, ctx, peers, Counter::Consumed, sh.last_consumed)?;
     }
     // A slot holds one piece for every rank; pieces are multiples of 64 bytes (any element).
     let piece_max = (chunk_bytes.min(SLOT_BYTES / world) / 64 * 64).max(64);
@@ -470,125 +509,168 @@ fn run_pieces(
     if sh.ensure_capacity(ctx, SLOTS * slot_bytes)? {
         sh.receive_segments(ctx)?;
     }
-    // Rank q's range of the buffer (its share of an all-reduce; the block offset is added
-    // where needed for the others), cut into `pieces` pieces of at most `piece_max` bytes.
-    let range_of = |q: usize| {
-        if desc.kind == CollectiveKind::AllReduce {
-            share(q, world, total, elem)
-        } else {
-            0..block
-        }
+    let mut layout = Layout {
+        rank,
+        world,
+        kind: desc.kind,
+        total,
+        block,
+        elem,
+        pieces: 1,
+        piece_max,
+        slot_bytes,
     };
-    let widest = (0..world).map(|q| range_of(q).len()).max().unwrap_or(0);
-    let pieces = widest.div_ceil(piece_max).max(1);
-    let piece_of = |q: usize, j: usize| piece(range_of(q), pieces, j, elem);
-    // Where piece j for rank `sub` lies in a segment.
-    let slot = |j: usize, sub: usize, len: usize| {
-        let at = (j % SLOTS) * slot_bytes + sub * piece_max;
-        at..at + len
-    };
-    for j in 0..pieces {
-        let now = mark(ctx.seq, j + 1);
+    let widest = (0..world)
+        .map(|q| layout.range_of(q).len())
+        .max()
+        .unwrap_or(0);
+    layout.pieces = widest.div_ceil(piece_max).max(1);
+    for j in 0..layout.pieces {
         if j >= SLOTS {
             // The slot is free once every peer has read what was staged in it SLOTS ago.
-            sh.wait(
-                links,
-                ctx,
-                peers.clone(),
-                Counter::Consumed,
-                mark(ctx.seq, j + 1 - SLOTS),
-            )?;
+            let freed = mark(ctx.seq, j + 1 - SLOTS);
+            sh.wait(links, ctx, layout.peers(), Counter::Consumed, freed)?;
         }
-        let own = sh.own(ctx)?.data_mut();
-        match desc.kind {
-            CollectiveKind::AllReduce => {
-                for q in peers.clone() {
-                    let p = piece_of(q, j);
-                    own[slot(j, q, p.len())].copy_from_slice(&main[p]);
-                }
-            }
-            CollectiveKind::ReduceScatter => {
-                let p = piece_of(rank, j);
-                for q in peers.clone() {
-                    let at = q * block;
-                    own[slot(j, q, p.len())].copy_from_slice(&main[at + p.start..at + p.end]);
-                }
-            }
-            CollectiveKind::AllGather => {
-                let (p, at) = (piece_of(rank, j), rank * block);
-                own[slot(j, 0, p.len())].copy_from_slice(&main[at + p.start..at + p.end]);
-            }
-            CollectiveKind::Broadcast => {
-                if rank == root {
-                    let p = piece_of(rank, j);
-                    own[slot(j, 0, p.len())].copy_from_slice(&main[p]);
-                }
-            }
-            CollectiveKind::Barrier => return Err(internal(ctx, "same-host copy of a barrier")),
-        }
-        sh.publish(Counter::Staged, now);
-        match desc.kind {
-            CollectiveKind::AllReduce | CollectiveKind::ReduceScatter => {
-                let op = desc
-                    .op
-                    .ok_or_else(|| internal(ctx, "reduction without an op"))?;
-                sh.wait(links, ctx, peers.clone(), Counter::Staged, now)?;
-                let p = piece_of(rank, j);
-                let at = if desc.kind == CollectiveKind::AllReduce {
-                    0
-                } else {
-                    rank * block
-                };
-                let out = at + p.start..at + p.end;
-                let theirs = slot(j, rank, p.len());
-                let sources = (0..world)
-                    .map(|q| {
-                        if q == rank {
-                            Ok(None)
-                        } else {
-                            sh.peer(ctx, q).map(|m| Some(&m.data()[theirs.clone()]))
-                        }
-                    })
-                    .collect::<Result<Vec<_>>>()?;
-                reduce::reduce_in_place(dtype, op, &sources, &mut main[out.clone()])
-                    .map_err(|e| internal(ctx, e))?;
-                if desc.kind == CollectiveKind::AllReduce {
-                    // Publish the finished piece while it is still in cache; collect the peers'
-                    // previous pieces, which are most likely ready by now.
-                    sh.own(ctx)?.data_mut()[theirs].copy_from_slice(&main[out]);
-                    sh.publish(Counter::Reduced, now);
-                    if j > 0 {
-                        gather_reduced(links, ctx, sh, main, &piece_of, &slot, j - 1)?;
-                    }
-                } else {
-                    sh.publish(Counter::Consumed, now);
-                }
-            }
-            CollectiveKind::AllGather => {
-                for q in peers.clone() {
-                    sh.wait(links, ctx, std::iter::once(q), Counter::Staged, now)?;
-                    let (p, at) = (piece_of(q, j), q * block);
-                    let from = slot(j, 0, p.len());
-                    main[at + p.start..at + p.end].copy_from_slice(&sh.peer(ctx, q)?.data()[from]);
-                }
-                sh.publish(Counter::Consumed, now);
-            }
-            CollectiveKind::Broadcast => {
-                if rank != root {
-                    sh.wait(links, ctx, std::iter::once(root), Counter::Staged, now)?;
-                    let p = piece_of(root, j);
-                    let from = slot(j, 0, p.len());
-                    main[p].copy_from_slice(&sh.peer(ctx, root)?.data()[from]);
-                }
-                sh.publish(Counter::Consumed, now);
-            }
-            CollectiveKind::Barrier => {}
-        }
+        stage_piece(ctx, sh, &layout, main, j)?;
+        sh.publish(Counter::Staged, mark(ctx.seq, j + 1));
+        collect_piece(links, ctx, sh, &layout, main, j)?;
     }
     if desc.kind == CollectiveKind::AllReduce {
-        gather_reduced(links, ctx, sh, main, &piece_of, &slot, pieces - 1)?;
+        gather_reduced(links, ctx, sh, main, &layout, layout.pieces - 1)?;
     }
-    sh.last_consumed = mark(ctx.seq, pieces);
+    sh.last_consumed = mark(ctx.seq, layout.pieces);
+    Ok(())
+}
+
+/// Stages this rank's piece `j` for the others in its own segment.
+fn stage_piece(
+    ctx: &Ctx<'_>,
+    sh: &mut SameHost,
+    layout: &Layout,
+    main: &[u8],
+    j: usize,
+) -> Result<()> {
+    let (rank, block) = (layout.rank, layout.block);
+    let root = ctx.desc.root.unwrap_or(0) as usize;
+    let own = sh.own(ctx)?.data_mut();
+    match layout.kind {
+        CollectiveKind::AllReduce => {
+            for q in layout.peers() {
+                let p = layout.piece_of(q, j);
+                own[layout.slot(j, q, p.len())].copy_from_slice(&main[p]);
+            }
+        }
+        CollectiveKind::ReduceScatter => {
+            let p = layout.piece_of(rank, j);
+            for q in layout.peers() {
+                let at = q * block;
+                own[layout.slot(j, q, p.len())].copy_from_slice(&main[at + p.start..at + p.end]);
+            }
+        }
+        CollectiveKind::AllGather => {
+            let (p, at) = (layout.piece_of(rank, j), rank * block);
+            own[layout.slot(j, 0, p.len())].copy_from_slice(&main[at + p.start..at + p.end]);
+        }
+        CollectiveKind::Broadcast => {
+            if rank == root {
+                let p = layout.piece_of(rank, j);
+                own[layout.slot(j, 0, p.len())].copy_from_slice(&main[p]);
+            }
+        }
+        CollectiveKind::Barrier => return Err(internal(ctx, "same-host copy of a barrier")),
+    }
+    Ok(())
+}
+
+/// Once the others staged piece `j`: reduces this rank's share of it, or copies what this
+/// rank receives; tells the others how far it got.
+fn collect_piece(
+    links: &mut [Option<Link>],
+    ctx: &Ctx<'_>,
+    sh: &mut SameHost,
+    layout: &Layout,
+    main: &mut [u8],
+    j: usize,
+) -> Result<()> {
+    let (rank, block, desc) = (layout.rank, layout.block, ctx.desc);
+    let root = desc.root.unwrap_or(0) as usize;
+    let now = mark(ctx.seq, j + 1);
+    match desc.kind {
+        CollectiveKind::AllReduce | CollectiveKind::ReduceScatter => {
+            reduce_piece(links, ctx, sh, layout, main, j)?;
+        }
+        CollectiveKind::AllGather => {
+            for q in layout.peers() {
+                sh.wait(links, ctx, std::iter::once(q), Counter::Staged, now)?;
+                let (p, at) = (layout.piece_of(q, j), q * block);
+                let from = layout.slot(j, 0, p.len());
+                main[at + p.start..at + p.end].copy_from_slice(&sh.peer(ctx, q)?.data()[from]);
+            }
+            sh.publish(Counter::Consumed, now);
+        }
+        CollectiveKind::Broadcast => {
+            if rank != root {
+                sh.wait(links, ctx, std::iter::once(root), Counter::Staged, now)?;
+                let p = layout.piece_of(root, j);
+                let from = layout.slot(j, 0, p.len());
+                main[p].copy_from_slice(&sh.peer(ctx, root)?.data()[from]);
+            }
+            sh.publish(Counter::Consumed, now);
+        }
+        CollectiveKind::Barrier => {}
+    }
+    Ok(())
+}
+
+/// Reduces this rank's share of piece `j` from the others' staged copies; for an all-reduce
+/// publishes it for the others and collects their previous pieces.
+fn reduce_piece(
+    links: &mut [Option<Link>],
+    ctx: &Ctx<'_>,
+    sh: &mut SameHost,
+    layout: &Layout,
+    main: &mut [u8],
+    j: usize,
+) -> Result<()> {
+    let (rank, desc) = (layout.rank, ctx.desc);
+    let now = mark(ctx.seq, j + 1);
+    let dtype = desc
+        .dtype
+        .ok_or_else(|| internal(ctx, "same-host copy of a barrier"))?;
+    let op = desc
+        .op
+        .ok_or_else(|| internal(ctx, "reduction without an op"))?;
+    sh.wait(links, ctx, layout.peers(), Counter::Staged, now)?;
+    let p = layout.piece_of(rank, j);
+    let at = if desc.kind == CollectiveKind::AllReduce {
+        0
+    } else {
+        rank * layout.block
+    };
+    let out = at + p.start..at + p.end;
+    let theirs = layout.slot(j, rank, p.len());
+    let sources = (0..layout.world)
+        .map(|q| {
+            if q == rank {
+                Ok(None)
+            } else {
+                sh.peer(ctx, q).map(|m| Some(&m.data()[theirs.clone()]))
+            }
+        })
+        .collect::<Result<Vec<_>>>()?;
+    reduce::reduce_in_place(dtype, op, &sources, &mut main[out.clone()])
+        .map_err(|e| internal(ctx, e))?;
+    if desc.kind == CollectiveKind::AllReduce {
+        // Publish the finished piece while it is still in cache; collect the peers'
+        // previous pieces, which are most likely ready by now.
+        sh.own(ctx)?.data_mut()[theirs].copy_from_slice(&main[out]);
+        sh.publish(Counter::Reduced, now);
+        if j > 0 {
+            gather_reduced(links, ctx, sh, main, layout, j - 1)?;
+        }
+    } else {
+        sh.publish(Counter::Consumed, now);
+    }
     Ok(())
 }
 
@@ -599,15 +681,14 @@ fn gather_reduced(
     ctx: &Ctx<'_>,
     sh: &SameHost,
     main: &mut [u8],
-    piece_of: &dyn Fn(usize, usize) -> Range<usize>,
-    slot: &dyn Fn(usize, usize, usize) -> Range<usize>,
+    layout: &Layout,
     j: usize,
 ) -> Result<()> {
     let at = mark(ctx.seq, j + 1);
     for q in (0..sh.channels.len()).filter(|&q| q != ctx.rank) {
         sh.wait(links, ctx, std::iter::once(q), Counter::Reduced, at)?;
-        let p = piece_of(q, j);
-        let from = slot(j, q, p.len());
+        let p = layout.piece_of(q, j);
+        let from = layout.slot(j, q, p.len());
         main[p].copy_from_slice(&sh.peer(ctx, q)?.data()[from]);
     }
     sh.publish(Counter::Consumed, at);

@@ -478,50 +478,10 @@ impl Exec<'_, '_> {
                 }
                 let header =
                     FrameHeader::decode(&st.header).map_err(|m| self.ctx.protocol(p, m))?;
-                let want = Expected {
-                    seq: self.ctx.seq,
-                    desc: self.ctx.desc,
-                    algorithm: plan.algorithm,
-                    index: plan.first_index + st_item as u64,
-                    payload_len: item.len,
-                };
-                match frame::judge(&header, &want) {
-                    Verdict::Expected => {}
-                    Verdict::Mismatch { their_seq, theirs } => {
-                        // A frame of a collective this rank already completed (without needing
-                        // that peer) is best explained by what this rank issued back then.
-                        let past = self.ctx.history.iter().find(|(s, _)| *s == their_seq);
-                        let (seq, ours) = match past {
-                            Some((s, d)) if their_seq < self.ctx.seq => (*s, d.to_string()),
-                            _ => (self.ctx.seq, self.ctx.desc.to_string()),
-                        };
-                        return Err(DistError::Mismatch {
-                            rank: self.ctx.rank,
-                            peer: p,
-                            seq,
-                            their_seq,
-                            ours,
-                            theirs,
-                        });
-                    }
-                    Verdict::Abort { .. } => {
-                        let message = read_message(link, header.payload_len as usize);
-                        let farewell = Farewell::Abort {
-                            seq: header.seq,
-                            culprit: None,
-                            message,
-                        };
-                        return Err(self
-                            .note_farewell(p, Some(farewell), "")
-                            .err()
-                            .unwrap_or_else(|| self.ctx.internal("abort frame not reported")));
-                    }
-                    Verdict::Goodbye { completed } => {
-                        link.gone = Some(Gone::Left { completed });
-                        return Err(self.ctx.gone_error(p, &Gone::Left { completed }, &[]));
-                    }
-                    Verdict::Bad(problem) => return Err(self.ctx.protocol(p, problem)),
-                }
+                let index = plan.first_index + st_item as u64;
+                self.judge_header(p, &header, index, item.len)?;
+                // The payload is read on the next turn, with fresh borrows.
+                continue;
             }
             let done = st.got - HEADER_LEN;
             if done < item.len {
@@ -556,6 +516,65 @@ impl Exec<'_, '_> {
             if let Some(into) = item.reduce_into {
                 self.reduce_chunk(item.len, item.dest, into, item.divide, main, scratch)?;
             }
+        }
+    }
+
+    /// Checks a received header against what the plan expects next from peer `p` (frame
+    /// `index` of `payload_len` bytes): a mismatch, an abort, a goodbye or a malformed frame is
+    /// an error naming the peer.
+    fn judge_header(
+        &mut self,
+        p: usize,
+        header: &FrameHeader,
+        index: u64,
+        payload_len: usize,
+    ) -> Result<()> {
+        let want = Expected {
+            seq: self.ctx.seq,
+            desc: self.ctx.desc,
+            algorithm: self.plan.algorithm,
+            index,
+            payload_len,
+        };
+        let Some(link) = self.links[p].as_mut() else {
+            return Err(self.ctx.internal(format!("no connection to rank {p}")));
+        };
+        match frame::judge(header, &want) {
+            Verdict::Expected => Ok(()),
+            Verdict::Mismatch { their_seq, theirs } => {
+                // A frame of a collective this rank already completed (without needing
+                // that peer) is best explained by what this rank issued back then.
+                let past = self.ctx.history.iter().find(|(s, _)| *s == their_seq);
+                let (seq, ours) = match past {
+                    Some((s, d)) if their_seq < self.ctx.seq => (*s, d.to_string()),
+                    _ => (self.ctx.seq, self.ctx.desc.to_string()),
+                };
+                Err(DistError::Mismatch {
+                    rank: self.ctx.rank,
+                    peer: p,
+                    seq,
+                    their_seq,
+                    ours,
+                    theirs,
+                })
+            }
+            Verdict::Abort { .. } => {
+                let message = read_message(link, header.payload_len as usize);
+                let farewell = Farewell::Abort {
+                    seq: header.seq,
+                    culprit: None,
+                    message,
+                };
+                Err(self
+                    .note_farewell(p, Some(farewell), "")
+                    .err()
+                    .unwrap_or_else(|| self.ctx.internal("abort frame not reported")))
+            }
+            Verdict::Goodbye { completed } => {
+                link.gone = Some(Gone::Left { completed });
+                Err(self.ctx.gone_error(p, &Gone::Left { completed }, &[]))
+            }
+            Verdict::Bad(problem) => Err(self.ctx.protocol(p, problem)),
         }
     }
 
