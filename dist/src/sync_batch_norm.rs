@@ -15,8 +15,8 @@ use std::sync::Arc;
 
 use tandem_autograd::record_fn;
 use tandem_core::Tensor;
-use tandem_nn::module::{Module, ParamKind, TrainingFlag};
 use tandem_nn::BatchNorm2d;
+use tandem_nn::{Forward, Fused, Module};
 use tandem_ops::batch_norm::phases::{
     self, ApplyArgs, BackwardApplyArgs, BackwardReduceArgs, GradMask, GradSums, NormalizationArgs,
     RunningUpdate, Statistics,
@@ -27,7 +27,10 @@ use crate::{ProcessGroup, ReduceOp};
 
 /// Batch normalisation with statistics all-reduced over a process group. It wraps a
 /// [`BatchNorm2d`], whose parameters, buffers, settings and train/eval flag it uses as they are.
+#[derive(Module)]
+#[module(fused)]
 pub struct SyncBatchNorm {
+    #[module(delegate)]
     bn: Arc<BatchNorm2d>,
     group: Arc<dyn ProcessGroup>,
 }
@@ -205,11 +208,13 @@ fn core_err(
     tandem_core::Error::external(format!("SyncBatchNorm {context}"), e)
 }
 
-impl Module for SyncBatchNorm {
+impl Forward for SyncBatchNorm {
     fn forward(&self, x: &Tensor) -> tandem_nn::Result<Tensor> {
         self.run(x, Epilogue::Plain)
     }
+}
 
+impl Fused for SyncBatchNorm {
     /// `relu(forward(x))` in batch norm's own passes.
     fn forward_relu(&self, x: &Tensor) -> tandem_nn::Result<Tensor> {
         self.run(x, Epilogue::Relu)
@@ -218,14 +223,6 @@ impl Module for SyncBatchNorm {
     /// `relu(forward(x) + residual)` in batch norm's own passes.
     fn forward_add_relu(&self, x: &Tensor, residual: &Tensor) -> tandem_nn::Result<Tensor> {
         self.run(x, Epilogue::AddRelu(residual))
-    }
-
-    fn training_flag(&self) -> &TrainingFlag {
-        self.bn.training_flag()
-    }
-
-    fn visit_own(&self, visitor: &mut dyn FnMut(&str, ParamKind, &Tensor)) {
-        self.bn.visit_own(visitor);
     }
 }
 
@@ -296,7 +293,7 @@ mod tests {
     }
 
     fn run(
-        layer: &dyn Module,
+        layer: &dyn Fused,
         bn: &BatchNorm2d,
         x: &Tensor,
         r: &Tensor,

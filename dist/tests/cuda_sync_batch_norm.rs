@@ -8,8 +8,8 @@ use std::sync::Arc;
 use tandem_core::cuda::device_to_host_copies;
 use tandem_core::{DType, Device, Generator, Tensor};
 use tandem_dist::{DeviceThreadGroup, ProcessGroup, SyncBatchNorm};
-use tandem_nn::module::Module;
 use tandem_nn::BatchNorm2d;
+use tandem_nn::{Fused, Module};
 
 const GPU: Device = Device::Cuda(0);
 

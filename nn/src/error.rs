@@ -47,6 +47,18 @@ pub enum Error {
         source: Box<Error>,
     },
 
+    /// A failure on one tensor of a module (moving it to a device), with the tensor's dotted
+    /// path from the module whose method was called.
+    #[error("tensor `{path}` of the {module}: {source}")]
+    InTensor {
+        /// Dotted path of the tensor, e.g. `features.0.weight`.
+        path: String,
+        /// The type of the module whose method was called, e.g. `Sequential`.
+        module: &'static str,
+        /// The failure itself.
+        source: Box<Error>,
+    },
+
     /// Reading a file failed.
     #[error("{}: {source}", path.display())]
     Io {

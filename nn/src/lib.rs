@@ -7,6 +7,9 @@
 //! prefetching [`DataLoader`](data::DataLoader) and MNIST; [`models`] has ready-made networks.
 //! The losses of `tandem-ops` are re-exported in [`loss`] for convenience.
 
+// The derive names this crate `::tandem_nn`; inside it, that is the crate itself.
+extern crate self as tandem_nn;
+
 pub mod checkpoint;
 pub mod data;
 pub mod error;
@@ -22,7 +25,16 @@ pub use layers::{
     AdaptiveAvgPool2d, AvgPool2d, BatchNorm2d, BatchNormConfig, Conv2d, Conv2dConfig, Dropout,
     Flatten, IntoPair, Linear, MaxPool2d, ReLU, Sequential,
 };
-pub use module::{join_path, AsAny, Module, ParamKind, TrainingFlag};
+pub use module::{join_path, AsAny, Child, Forward, Fused, Module, ParamKind, TrainingFlag};
+pub use tandem_nn_derive::Module;
+
+/// What the code written by `#[derive(Module)]` refers to; not for use by hand.
+#[doc(hidden)]
+pub mod __derive {
+    pub use crate::module::no_such_child;
+    pub use std::sync::Arc;
+    pub use tandem_core::Tensor;
+}
 
 /// The loss functions of `tandem-ops` (`cross_entropy`, `nll_loss`, `mse_loss`, `Reduction`).
 pub mod loss {

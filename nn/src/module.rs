@@ -11,7 +11,9 @@
 
 use std::any::Any;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
+
+use parking_lot::RwLock;
 
 use tandem_core::{Device, Tensor};
 
@@ -112,12 +114,212 @@ pub fn join_path(prefix: &str, name: &str) -> String {
     }
 }
 
+/// The computation of a module written with `#[derive(Module)]`: what PyTorch's `forward`
+/// is. The derive makes it the module's [`Module::forward`].
+pub trait Forward {
+    /// Computes the module's output for input `x`.
+    fn forward(&self, x: &Tensor) -> Result<Tensor>;
+}
+
+/// A module that can finish its own output pass with a ReLU, or with a residual add and a
+/// ReLU (a batch norm: one pass over memory instead of two or three). Optional: containers
+/// reach it through [`Child::forward_relu`] and [`Child::forward_add_relu`], which fall back to
+/// separate ops for any other module, with the same result.
+pub trait Fused: Module {
+    /// `relu(forward(x))`.
+    fn forward_relu(&self, x: &Tensor) -> Result<Tensor>;
+
+    /// `relu(forward(x) + residual)`: the join of a residual block.
+    fn forward_add_relu(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor>;
+}
+
+/// A child module held by a `#[derive(Module)]` struct: visited, named after its field, and
+/// replaceable through `&self` (so [`convert_sync_batch_norm`] can swap a batch norm on a shared
+/// model). `forward` runs on a snapshot, so no lock is held while the child runs, and wraps an
+/// error with the child's path.
+///
+/// [`convert_sync_batch_norm`]: https://docs.rs/tandem-dist
+pub struct Child {
+    module: RwLock<Arc<dyn Module>>,
+    name: OnceLock<Box<str>>,
+}
+
+impl Child {
+    /// A child holding `module`.
+    pub fn new(module: impl Module + 'static) -> Self {
+        Self::shared(Arc::new(module))
+    }
+
+    /// A child holding an already shared module.
+    pub fn shared(module: Arc<dyn Module>) -> Self {
+        Child {
+            module: RwLock::new(module),
+            name: OnceLock::new(),
+        }
+    }
+
+    /// The module now held (a snapshot: a later [`replace`](Child::replace) does not change
+    /// it).
+    pub fn get(&self) -> Arc<dyn Module> {
+        self.module.read().clone()
+    }
+
+    /// Puts `module` in place of the one held and returns the old one.
+    pub fn replace(&self, module: Arc<dyn Module>) -> Arc<dyn Module> {
+        std::mem::replace(&mut *self.module.write(), module)
+    }
+
+    /// The held module as a `T`, if it is one.
+    pub fn downcast<T: Module + Any>(&self) -> Option<Arc<T>> {
+        self.get().downcast_arc::<T>().ok()
+    }
+
+    /// The child's name (its field's), once its parent has named it.
+    pub fn name(&self) -> &str {
+        self.name.get().map_or("", |n| n)
+    }
+
+    /// Names the child (the first name given sticks). Called by the derived code.
+    #[doc(hidden)]
+    #[inline]
+    pub fn bind_name(&self, name: &str) {
+        if self.name.get().is_none() {
+            let _ = self.name.set(name.into());
+        }
+    }
+
+    /// [`bind_name`](Child::bind_name) with a name built only when needed.
+    #[doc(hidden)]
+    #[inline]
+    pub fn bind_name_with(&self, name: impl FnOnce() -> String) {
+        if self.name.get().is_none() {
+            let _ = self.name.set(name().into());
+        }
+    }
+
+    fn in_path(&self, m: &dyn Module, e: Error) -> Error {
+        e.in_module(self.name(), m.type_name())
+    }
+
+    /// The child's output for `x`; an error names the child's path.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let m = self.get();
+        m.forward(x).map_err(|e| self.in_path(m.as_ref(), e))
+    }
+
+    /// `relu(forward(x))`, in the child's own output pass where it is [`Fused`].
+    pub fn forward_relu(&self, x: &Tensor) -> Result<Tensor> {
+        let m = self.get();
+        let out = match m.fused() {
+            Some(f) => f.forward_relu(x),
+            None => m.forward(x).and_then(|y| Ok(tandem_ops::relu(&y)?)),
+        };
+        out.map_err(|e| self.in_path(m.as_ref(), e))
+    }
+
+    /// `relu(forward(x) + residual)`, in the child's own output pass where it is [`Fused`].
+    pub fn forward_add_relu(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
+        let m = self.get();
+        let out = match m.fused() {
+            Some(f) => f.forward_add_relu(x, residual),
+            None => m
+                .forward(x)
+                .and_then(|y| Ok(tandem_ops::add_relu(&y, residual)?)),
+        };
+        out.map_err(|e| self.in_path(m.as_ref(), e))
+    }
+}
+
+impl<M: Module + 'static> From<M> for Child {
+    fn from(module: M) -> Self {
+        Child::new(module)
+    }
+}
+
+impl From<Arc<dyn Module>> for Child {
+    fn from(module: Arc<dyn Module>) -> Self {
+        Child::shared(module)
+    }
+}
+
+impl std::fmt::Debug for Child {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Child({} `{}`)", self.get().type_name(), self.name())
+    }
+}
+
+/// The error of a derived [`Module::replace_child`] for a name it does not have.
+#[doc(hidden)]
+pub fn no_such_child(m: &dyn Module, name: &str) -> Error {
+    let names: Vec<String> = m.children().into_iter().map(|(n, _)| n).collect();
+    Error::config(
+        "Module::replace_child",
+        format!(
+            "{} has no child named `{name}`; its children are {names:?}",
+            m.type_name()
+        ),
+    )
+}
+
 /// A layer or a model.
 ///
-/// Implement [`forward`](Module::forward) and [`training_flag`](Module::training_flag); a
-/// module with parameters or buffers implements [`visit_own`](Module::visit_own), a container
-/// implements [`children`](Module::children) (and [`replace_child`](Module::replace_child) if
-/// its children can be swapped). Everything else is derived.
+/// # Writing a module
+///
+/// Derive it, and give the computation in [`Forward`]:
+///
+/// ```
+/// use tandem_nn::{Child, Conv2dConfig, Forward, Module, Result, TrainingFlag};
+/// use tandem_core::Tensor;
+///
+/// #[derive(Module)]
+/// struct Residual {
+///     conv: Child,
+///     training: TrainingFlag,
+/// }
+///
+/// impl Forward for Residual {
+///     fn forward(&self, x: &Tensor) -> Result<Tensor> {
+///         Ok(tandem_ops::add(&self.conv.forward(x)?, x)?)
+///     }
+/// }
+///
+/// let block = Residual {
+///     conv: Conv2dConfig::new(4, 4, 3).with_padding(1).init()?.into(),
+///     training: TrainingFlag::new(),
+/// };
+/// let names: Vec<String> = block.named_parameters().into_iter().map(|(n, _)| n).collect();
+/// assert_eq!(names, ["conv.weight", "conv.bias"]);
+/// # Ok::<(), tandem_nn::Error>(())
+/// ```
+///
+/// `#[derive(Module)]` finds everything else from the fields, in field order (PyTorch's
+/// registration order):
+///
+/// | field | is |
+/// |---|---|
+/// | `#[param] name: Tensor` (or `Option<Tensor>`) | a parameter `name` (trained, saved, synchronised) |
+/// | `#[buffer] name: Tensor` (or `Option<Tensor>`) | a buffer `name` (saved, not trained) |
+/// | `name: Child` | a child module `name`; its tensors are `name.…` |
+/// | `name: Option<Child>` | a child that may be absent |
+/// | `name: Vec<Child>` | children `name.0`, `name.1`, … (PyTorch's `ModuleList`) |
+/// | `training: TrainingFlag` | the train/eval flag (exactly one) |
+/// | `#[module(delegate)] inner: Arc<M>` | a module this one wraps: its flag, tensors and children are this one's |
+/// | `#[module(skip)] …`, any other type | not part of the module (settings, counters) |
+///
+/// Parameters come before buffers, as in PyTorch's `state_dict`. A `Tensor` field without
+/// `#[param]`/`#[buffer]`/`#[module(skip)]`, or a child held as a bare `Arc<dyn Module>`, is a
+/// compile error: a forgotten child or tensor would otherwise be silently missing from the
+/// optimizer, checkpoints, DDP, `to_device` and `eval()`. The derive also adds an inherent
+/// `forward` that names the children for error messages (``in module `layer1.0.conv2`
+/// (Conv2d): …``) and calls [`Forward::forward`]; `#[module(fused)]` on the struct says it
+/// implements [`Fused`] too.
+///
+/// # By hand
+///
+/// A module whose children are not fixed fields ([`Sequential`](crate::Sequential)) implements
+/// the trait itself: [`forward`](Module::forward) and [`training_flag`](Module::training_flag);
+/// [`visit_own`](Module::visit_own) if it has tensors; [`children`](Module::children) and
+/// [`replace_child`](Module::replace_child) if it has children. Everything else is provided.
 pub trait Module: AsAny + Send + Sync {
     /// Computes the module's output for input `x`.
     fn forward(&self, x: &Tensor) -> Result<Tensor>;
@@ -125,20 +327,11 @@ pub trait Module: AsAny + Send + Sync {
     /// The module's train/eval flag.
     fn training_flag(&self) -> &TrainingFlag;
 
-    /// `relu(forward(x))`. A module that can apply the ReLU inside its own output pass
-    /// ([`BatchNorm2d`](crate::BatchNorm2d)) overrides this to save the separate pass over
-    /// memory; the result is the same either way, so any module can stand where a fused one
-    /// is expected.
-    fn forward_relu(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(tandem_ops::relu(&self.forward(x)?)?)
-    }
-
-    /// `relu(forward(x) + residual)`: the join of a residual block. A module that can add the
-    /// residual and apply the ReLU inside its own output pass
-    /// ([`BatchNorm2d`](crate::BatchNorm2d)) overrides this; any other module (a synchronised
-    /// batch norm, say) runs `add_relu(forward(x), residual)`, with the same result.
-    fn forward_add_relu(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
-        Ok(tandem_ops::add_relu(&self.forward(x)?, residual)?)
+    /// This module as a [`Fused`] one, if it can apply a ReLU (and a residual add) inside its
+    /// own output pass; `None` (the default) otherwise. [`Child::forward_relu`] and
+    /// [`Child::forward_add_relu`] use it.
+    fn fused(&self) -> Option<&dyn Fused> {
+        None
     }
 
     /// The type's short name for messages and printing (`"Conv2d"`).
@@ -227,8 +420,11 @@ pub trait Module: AsAny + Send + Sync {
     /// parameter move with it. An error names the tensor by its dotted path.
     fn to_device(&self, device: Device) -> Result<()> {
         for (path, _, t) in self.named_tensors() {
-            t.move_to_device(device)
-                .map_err(|e| Error::from(e).in_module(&path, self.type_name()))?;
+            t.move_to_device(device).map_err(|e| Error::InTensor {
+                path,
+                module: self.type_name(),
+                source: Box::new(e.into()),
+            })?;
         }
         Ok(())
     }

@@ -9,15 +9,12 @@
 //! attributes `conv1`, `bn1`, `layer1`…`layer3`, `avgpool`, `fc` (`layer2.0.downsample.0.weight`,
 //! `layer1.0.bn1.running_mean`, `fc.bias`), so a PyTorch `state_dict` maps onto it by name.
 
-use std::sync::Arc;
-
-use parking_lot::RwLock;
 use tandem_core::Tensor;
 
 use crate::layers::{
     AdaptiveAvgPool2d, BatchNorm2d, Conv2d, Conv2dConfig, Flatten, Linear, Sequential,
 };
-use crate::module::{replace_in_list, replace_named, Module, TrainingFlag};
+use crate::{Child, Forward, Module, TrainingFlag};
 use crate::{Error, Result};
 
 /// A 3×3 convolution without bias, padding 1.
@@ -31,34 +28,6 @@ fn conv3x3(in_channels: usize, out_channels: usize, stride: usize) -> Result<Con
             .with_padding(1)
             .with_bias(false),
     )
-}
-
-/// Runs `child` named `name` on `x`, wrapping an error with the child's path.
-pub(crate) fn run_child(name: &str, child: &dyn Module, x: &Tensor) -> Result<Tensor> {
-    child
-        .forward(x)
-        .map_err(|e| e.in_module(name, child.type_name()))
-}
-
-/// `relu(child(x))` through [`Module::forward_relu`] (fused where the child can: a
-/// `BatchNorm2d`), wrapping an error with the child's path.
-pub(crate) fn run_child_relu(name: &str, child: &dyn Module, x: &Tensor) -> Result<Tensor> {
-    child
-        .forward_relu(x)
-        .map_err(|e| e.in_module(name, child.type_name()))
-}
-
-/// `relu(child(x) + residual)` through [`Module::forward_add_relu`] (fused where the child
-/// can: a `BatchNorm2d`), wrapping an error with the child's path.
-pub(crate) fn run_child_add_relu(
-    name: &str,
-    child: &dyn Module,
-    x: &Tensor,
-    residual: &Tensor,
-) -> Result<Tensor> {
-    child
-        .forward_add_relu(x, residual)
-        .map_err(|e| e.in_module(name, child.type_name()))
 }
 
 /// The residual block of ResNet-18/34 and the CIFAR ResNets:
@@ -80,47 +49,14 @@ pub(crate) fn run_child_add_relu(
 ///
 /// # Shapes
 /// `[N, in, H, W]` → `[N, out, H / stride, W / stride]` (rounded up).
+#[derive(Module)]
 pub struct BasicBlock {
-    children: RwLock<BlockChildren>,
+    conv1: Child,
+    bn1: Child,
+    conv2: Child,
+    bn2: Child,
+    downsample: Option<Child>,
     training: TrainingFlag,
-}
-
-/// The children of a [`BasicBlock`].
-#[derive(Clone)]
-struct BlockChildren {
-    conv1: Arc<dyn Module>,
-    bn1: Arc<dyn Module>,
-    conv2: Arc<dyn Module>,
-    bn2: Arc<dyn Module>,
-    downsample: Option<Arc<dyn Module>>,
-}
-
-impl BlockChildren {
-    /// The children by name, in registration order.
-    fn named(&self) -> Vec<(String, Arc<dyn Module>)> {
-        let mut out = vec![
-            ("conv1".to_string(), self.conv1.clone()),
-            ("bn1".to_string(), self.bn1.clone()),
-            ("conv2".to_string(), self.conv2.clone()),
-            ("bn2".to_string(), self.bn2.clone()),
-        ];
-        if let Some(d) = &self.downsample {
-            out.push(("downsample".to_string(), d.clone()));
-        }
-        out
-    }
-
-    /// The slot of the child `name`, if there is one.
-    fn slot(&mut self, name: &str) -> Option<&mut Arc<dyn Module>> {
-        match name {
-            "conv1" => Some(&mut self.conv1),
-            "bn1" => Some(&mut self.bn1),
-            "conv2" => Some(&mut self.conv2),
-            "bn2" => Some(&mut self.bn2),
-            "downsample" => self.downsample.as_mut(),
-            _ => None,
-        }
-    }
 }
 
 impl BasicBlock {
@@ -129,73 +65,55 @@ impl BasicBlock {
         if stride == 0 {
             return Err(Error::config("BasicBlock", "stride must be > 0"));
         }
-        let downsample: Option<Arc<dyn Module>> = if stride != 1 || in_channels != out_channels {
-            let conv = Conv2d::new(
-                in_channels,
-                out_channels,
-                1,
-                Conv2dConfig::default().with_stride(stride).with_bias(false),
-            )?;
-            Some(Arc::new(
-                Sequential::new()
-                    .add(conv)
-                    .add(BatchNorm2d::new(out_channels)?),
-            ))
-        } else {
-            None
-        };
-        let children = BlockChildren {
-            conv1: Arc::new(conv3x3(in_channels, out_channels, stride)?),
-            bn1: Arc::new(BatchNorm2d::new(out_channels)?),
-            conv2: Arc::new(conv3x3(out_channels, out_channels, 1)?),
-            bn2: Arc::new(BatchNorm2d::new(out_channels)?),
-            downsample,
-        };
+        let projection = stride != 1 || in_channels != out_channels;
         Ok(BasicBlock {
-            children: RwLock::new(children),
+            conv1: conv3x3(in_channels, out_channels, stride)?.into(),
+            bn1: BatchNorm2d::new(out_channels)?.into(),
+            conv2: conv3x3(out_channels, out_channels, 1)?.into(),
+            bn2: BatchNorm2d::new(out_channels)?.into(),
+            downsample: if projection {
+                Some(downsample(in_channels, out_channels, stride)?.into())
+            } else {
+                None
+            },
             training: TrainingFlag::new(),
         })
     }
 
     /// Whether the shortcut is a projection (`downsample`) rather than the identity.
     pub fn has_downsample(&self) -> bool {
-        self.children.read().downsample.is_some()
+        self.downsample.is_some()
     }
 }
 
-impl Module for BasicBlock {
+impl Forward for BasicBlock {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        // A snapshot, so no lock is held while children run.
-        let c = self.children.read().clone();
-        let out = run_child("conv1", c.conv1.as_ref(), x)?;
-        let out = run_child_relu("bn1", c.bn1.as_ref(), &out)?;
-        let out = run_child("conv2", c.conv2.as_ref(), &out)?;
-        let shortcut = match &c.downsample {
-            Some(d) => run_child("downsample", d.as_ref(), x)?,
+        let out = self.bn1.forward_relu(&self.conv1.forward(x)?)?;
+        let out = self.conv2.forward(&out)?;
+        let shortcut = match &self.downsample {
+            Some(d) => d.forward(x)?,
             None => x.clone(),
         };
-        run_child_add_relu("bn2", c.bn2.as_ref(), &out, &shortcut)
+        self.bn2.forward_add_relu(&out, &shortcut)
     }
+}
 
-    fn training_flag(&self) -> &TrainingFlag {
-        &self.training
-    }
-
-    fn children(&self) -> Vec<(String, Arc<dyn Module>)> {
-        self.children.read().named()
-    }
-
-    fn replace_child(&self, name: &str, module: Arc<dyn Module>) -> Result<Arc<dyn Module>> {
-        let mut children = self.children.write();
-        let names = children.named().into_iter().map(|(n, _)| n).collect();
-        replace_named(
-            "BasicBlock::replace_child",
-            names,
-            children.slot(name),
-            name,
-            module,
-        )
-    }
+/// The projection shortcut: a 1×1 convolution with `stride` and no bias (`0`), then a batch
+/// norm (`1`).
+pub(crate) fn downsample(
+    in_channels: usize,
+    out_channels: usize,
+    stride: usize,
+) -> Result<Sequential> {
+    let conv = Conv2d::new(
+        in_channels,
+        out_channels,
+        1,
+        Conv2dConfig::default().with_stride(stride).with_bias(false),
+    )?;
+    Ok(Sequential::new()
+        .add(conv)
+        .add(BatchNorm2d::new(out_channels)?))
 }
 
 /// A ResNet for 32×32 images: see the [module documentation](self).
@@ -207,9 +125,17 @@ impl Module for BasicBlock {
 /// # Shapes
 /// `[N, 3, 32, 32]` → logits `[N, num_classes]` (any `H, W` ≥ 1 work, thanks to the global
 /// pooling).
+#[derive(Module)]
 pub struct CifarResNet {
     depth: usize,
-    children: RwLock<Vec<(String, Arc<dyn Module>)>>,
+    conv1: Child,
+    bn1: Child,
+    layer1: Child,
+    layer2: Child,
+    layer3: Child,
+    avgpool: Child,
+    flatten: Child,
+    fc: Child,
     training: TrainingFlag,
 }
 
@@ -220,32 +146,20 @@ impl CifarResNet {
     }
 }
 
-impl Module for CifarResNet {
+impl Forward for CifarResNet {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        // A snapshot, so no lock is held while children run.
-        let children = self.children.read().clone();
-        let mut out = x.clone();
-        for (name, child) in &children {
-            out = if name == "bn1" {
-                run_child_relu(name, child.as_ref(), &out)?
-            } else {
-                run_child(name, child.as_ref(), &out)?
-            };
+        let mut out = self.bn1.forward_relu(&self.conv1.forward(x)?)?;
+        for child in [
+            &self.layer1,
+            &self.layer2,
+            &self.layer3,
+            &self.avgpool,
+            &self.flatten,
+            &self.fc,
+        ] {
+            out = child.forward(&out)?;
         }
         Ok(out)
-    }
-
-    fn training_flag(&self) -> &TrainingFlag {
-        &self.training
-    }
-
-    fn children(&self) -> Vec<(String, Arc<dyn Module>)> {
-        self.children.read().clone()
-    }
-
-    fn replace_child(&self, name: &str, module: Arc<dyn Module>) -> Result<Arc<dyn Module>> {
-        let mut children = self.children.write();
-        replace_in_list("CifarResNet::replace_child", &mut children, name, module)
     }
 }
 
@@ -262,26 +176,28 @@ pub fn resnet_cifar(depth: usize, num_classes: usize) -> Result<CifarResNet> {
         return Err(Error::config("resnet_cifar", "num_classes must be > 0"));
     }
     let blocks = (depth - 2) / 6;
-    let mut children: Vec<(String, Arc<dyn Module>)> = vec![
-        ("conv1".into(), Arc::new(conv3x3(3, 16, 1)?)),
-        ("bn1".into(), Arc::new(BatchNorm2d::new(16)?)),
-    ];
-    let mut in_channels = 16;
-    for (stage, (channels, stride)) in [(16, 1), (32, 2), (64, 2)].into_iter().enumerate() {
+    let stage = |in_channels: usize, channels: usize, stride: usize| -> Result<Child> {
         let mut layer = Sequential::new();
         for i in 0..blocks {
-            let block_stride = if i == 0 { stride } else { 1 };
-            layer = layer.add(BasicBlock::new(in_channels, channels, block_stride)?);
-            in_channels = channels;
+            let (from, block_stride) = if i == 0 {
+                (in_channels, stride)
+            } else {
+                (channels, 1)
+            };
+            layer = layer.add(BasicBlock::new(from, channels, block_stride)?);
         }
-        children.push((format!("layer{}", stage + 1), Arc::new(layer)));
-    }
-    children.push(("avgpool".into(), Arc::new(AdaptiveAvgPool2d::new(1))));
-    children.push(("flatten".into(), Arc::new(Flatten::new())));
-    children.push(("fc".into(), Arc::new(Linear::new(64, num_classes, true)?)));
+        Ok(layer.into())
+    };
     Ok(CifarResNet {
         depth,
-        children: RwLock::new(children),
+        conv1: conv3x3(3, 16, 1)?.into(),
+        bn1: BatchNorm2d::new(16)?.into(),
+        layer1: stage(16, 16, 1)?,
+        layer2: stage(16, 32, 2)?,
+        layer3: stage(32, 64, 2)?,
+        avgpool: AdaptiveAvgPool2d::new(1).into(),
+        flatten: Flatten::new().into(),
+        fc: Linear::new(64, num_classes, true)?.into(),
         training: TrainingFlag::new(),
     })
 }
@@ -304,6 +220,7 @@ pub fn resnet56() -> Result<CifarResNet> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::Arc;
     use tandem_core::{DType, Device};
 
     #[test]
@@ -362,18 +279,22 @@ mod tests {
 
     /// A batch norm that does not fuse: `forward_relu` falls back to `relu(forward)` and
     /// `forward_add_relu` to `add_relu(forward, residual)`.
-    struct Unfused(BatchNorm2d);
+    #[derive(Module)]
+    struct Unfused {
+        #[module(delegate)]
+        bn: Arc<BatchNorm2d>,
+    }
 
-    impl Module for Unfused {
+    impl Forward for Unfused {
         fn forward(&self, x: &Tensor) -> Result<Tensor> {
-            self.0.forward(x)
+            self.bn.forward(x)
         }
-        fn training_flag(&self) -> &TrainingFlag {
-            self.0.training_flag()
-        }
-        fn visit_own(&self, visitor: &mut dyn FnMut(&str, crate::ParamKind, &Tensor)) {
-            self.0.visit_own(visitor)
-        }
+    }
+
+    fn unfused(channels: usize) -> Arc<Unfused> {
+        Arc::new(Unfused {
+            bn: Arc::new(BatchNorm2d::new(channels).unwrap()),
+        })
     }
 
     fn child(m: &dyn Module, name: &str) -> Arc<dyn Module> {
@@ -416,17 +337,13 @@ mod tests {
             m.named_tensors().into_iter().map(|t| t.0).collect()
         };
         let before = names(&block);
-        let old = block
-            .replace_child("bn1", Arc::new(Unfused(BatchNorm2d::new(8).unwrap())))
-            .unwrap();
+        let old = block.replace_child("bn1", unfused(8)).unwrap();
         assert!(old.is::<BatchNorm2d>());
         assert_eq!(names(&block), before);
         let (y3, gx3) = output_and_grad(&block, &x);
         assert!(close(&y, &y3) && close(&gx, &gx3));
         // and bn2 too: the join falls back to add_relu(forward, shortcut)
-        block
-            .replace_child("bn2", Arc::new(Unfused(BatchNorm2d::new(8).unwrap())))
-            .unwrap();
+        block.replace_child("bn2", unfused(8)).unwrap();
         assert_eq!(names(&block), before);
         let (y4, gx4) = output_and_grad(&block, &x);
         assert!(close(&y, &y4) && close(&gx, &gx4));
@@ -449,9 +366,7 @@ mod tests {
         let before = model.forward(&x).unwrap().to_vec_f64().unwrap();
         let names: Vec<String> = model.named_tensors().into_iter().map(|t| t.0).collect();
         // a fresh batch norm has the same parameters as the one it replaces
-        let old = model
-            .replace_child("bn1", Arc::new(Unfused(BatchNorm2d::new(16).unwrap())))
-            .unwrap();
+        let old = model.replace_child("bn1", unfused(16)).unwrap();
         assert!(old.is::<BatchNorm2d>());
         let after: Vec<String> = model.named_tensors().into_iter().map(|t| t.0).collect();
         assert_eq!(after, names);

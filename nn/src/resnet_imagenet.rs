@@ -11,17 +11,14 @@
 //! Initialisation follows torchvision: Kaiming-normal (fan out, ReLU gain) convolutions, batch
 //! norms with weight 1 and bias 0, and PyTorch's default for the fully connected layer.
 
-use std::sync::Arc;
-
-use parking_lot::RwLock;
 use tandem_core::Tensor;
 
 use crate::init::{kaiming_normal, FanMode};
 use crate::layers::{
     AdaptiveAvgPool2d, BatchNorm2d, Conv2d, Conv2dConfig, Flatten, Linear, MaxPool2d, Sequential,
 };
-use crate::module::{replace_in_list, replace_named, Module, TrainingFlag};
-use crate::resnet::{run_child, run_child_add_relu, run_child_relu, BasicBlock};
+use crate::resnet::BasicBlock;
+use crate::{Child, Forward, Module, TrainingFlag};
 use crate::{Error, Result};
 
 /// A convolution without bias (initialised Kaiming-normal by [`resnet_imagenet`] once the
@@ -46,12 +43,10 @@ fn conv(
 
 /// The projection shortcut: a 1×1 convolution with `stride` and a batch norm
 /// (`downsample.0`, `downsample.1`).
-fn downsample(in_channels: usize, out_channels: usize, stride: usize) -> Result<Arc<dyn Module>> {
-    Ok(Arc::new(
-        Sequential::new()
-            .add(conv(in_channels, out_channels, 1, stride, 0)?)
-            .add(BatchNorm2d::new(out_channels)?),
-    ))
+fn downsample(in_channels: usize, out_channels: usize, stride: usize) -> Result<Sequential> {
+    Ok(Sequential::new()
+        .add(conv(in_channels, out_channels, 1, stride, 0)?)
+        .add(BatchNorm2d::new(out_channels)?))
 }
 
 /// The residual block of ResNet-50/101/152:
@@ -59,59 +54,22 @@ fn downsample(in_channels: usize, out_channels: usize, stride: usize) -> Result<
 /// reduction to `width`, `conv2` a 3×3 convolution with the block's stride, and `conv3` a 1×1
 /// expansion to `4·width`. The shortcut is the identity, or `downsample` (1×1 convolution with
 /// the stride, then batch norm) when the shape changes. The ReLUs run fused into the batch
-/// norms where the child can ([`Module::forward_relu`], [`Module::forward_add_relu`]), and
+/// norms where the child can ([`Child::forward_relu`], [`Child::forward_add_relu`]), and
 /// children can be swapped ([`Module::replace_child`]) so the batch norms can become
 /// synchronised ones.
 ///
 /// # Shapes
 /// `[N, in, H, W]` → `[N, 4·width, H / stride, W / stride]` (rounded up).
+#[derive(Module)]
 pub struct Bottleneck {
-    children: RwLock<BottleneckChildren>,
+    conv1: Child,
+    bn1: Child,
+    conv2: Child,
+    bn2: Child,
+    conv3: Child,
+    bn3: Child,
+    downsample: Option<Child>,
     training: TrainingFlag,
-}
-
-#[derive(Clone)]
-struct BottleneckChildren {
-    conv1: Arc<dyn Module>,
-    bn1: Arc<dyn Module>,
-    conv2: Arc<dyn Module>,
-    bn2: Arc<dyn Module>,
-    conv3: Arc<dyn Module>,
-    bn3: Arc<dyn Module>,
-    downsample: Option<Arc<dyn Module>>,
-}
-
-impl BottleneckChildren {
-    fn named(&self) -> Vec<(String, Arc<dyn Module>)> {
-        let mut out: Vec<(String, Arc<dyn Module>)> = [
-            ("conv1", &self.conv1),
-            ("bn1", &self.bn1),
-            ("conv2", &self.conv2),
-            ("bn2", &self.bn2),
-            ("conv3", &self.conv3),
-            ("bn3", &self.bn3),
-        ]
-        .into_iter()
-        .map(|(n, m)| (n.to_string(), m.clone()))
-        .collect();
-        if let Some(d) = &self.downsample {
-            out.push(("downsample".to_string(), d.clone()));
-        }
-        out
-    }
-
-    fn slot(&mut self, name: &str) -> Option<&mut Arc<dyn Module>> {
-        match name {
-            "conv1" => Some(&mut self.conv1),
-            "bn1" => Some(&mut self.bn1),
-            "conv2" => Some(&mut self.conv2),
-            "bn2" => Some(&mut self.bn2),
-            "conv3" => Some(&mut self.conv3),
-            "bn3" => Some(&mut self.bn3),
-            "downsample" => self.downsample.as_mut(),
-            _ => None,
-        }
-    }
 }
 
 impl Bottleneck {
@@ -131,60 +89,33 @@ impl Bottleneck {
         }
         let out_channels = width * Self::EXPANSION;
         let downsample = if stride != 1 || in_channels != out_channels {
-            Some(downsample(in_channels, out_channels, stride)?)
+            Some(downsample(in_channels, out_channels, stride)?.into())
         } else {
             None
         };
-        let children = BottleneckChildren {
-            conv1: Arc::new(conv(in_channels, width, 1, 1, 0)?),
-            bn1: Arc::new(BatchNorm2d::new(width)?),
-            conv2: Arc::new(conv(width, width, 3, stride, 1)?),
-            bn2: Arc::new(BatchNorm2d::new(width)?),
-            conv3: Arc::new(conv(width, out_channels, 1, 1, 0)?),
-            bn3: Arc::new(BatchNorm2d::new(out_channels)?),
-            downsample,
-        };
         Ok(Bottleneck {
-            children: RwLock::new(children),
+            conv1: conv(in_channels, width, 1, 1, 0)?.into(),
+            bn1: BatchNorm2d::new(width)?.into(),
+            conv2: conv(width, width, 3, stride, 1)?.into(),
+            bn2: BatchNorm2d::new(width)?.into(),
+            conv3: conv(width, out_channels, 1, 1, 0)?.into(),
+            bn3: BatchNorm2d::new(out_channels)?.into(),
+            downsample,
             training: TrainingFlag::new(),
         })
     }
 }
 
-impl Module for Bottleneck {
+impl Forward for Bottleneck {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        // A snapshot, so no lock is held while children run.
-        let c = self.children.read().clone();
-        let out = run_child("conv1", c.conv1.as_ref(), x)?;
-        let out = run_child_relu("bn1", c.bn1.as_ref(), &out)?;
-        let out = run_child("conv2", c.conv2.as_ref(), &out)?;
-        let out = run_child_relu("bn2", c.bn2.as_ref(), &out)?;
-        let out = run_child("conv3", c.conv3.as_ref(), &out)?;
-        let shortcut = match &c.downsample {
-            Some(d) => run_child("downsample", d.as_ref(), x)?,
+        let out = self.bn1.forward_relu(&self.conv1.forward(x)?)?;
+        let out = self.bn2.forward_relu(&self.conv2.forward(&out)?)?;
+        let out = self.conv3.forward(&out)?;
+        let shortcut = match &self.downsample {
+            Some(d) => d.forward(x)?,
             None => x.clone(),
         };
-        run_child_add_relu("bn3", c.bn3.as_ref(), &out, &shortcut)
-    }
-
-    fn training_flag(&self) -> &TrainingFlag {
-        &self.training
-    }
-
-    fn children(&self) -> Vec<(String, Arc<dyn Module>)> {
-        self.children.read().named()
-    }
-
-    fn replace_child(&self, name: &str, module: Arc<dyn Module>) -> Result<Arc<dyn Module>> {
-        let mut children = self.children.write();
-        let names = children.named().into_iter().map(|(n, _)| n).collect();
-        replace_named(
-            "Bottleneck::replace_child",
-            names,
-            children.slot(name),
-            name,
-            module,
-        )
+        self.bn3.forward_add_relu(&out, &shortcut)
     }
 }
 
@@ -206,36 +137,37 @@ pub enum Block {
 /// # Shapes
 /// `[N, 3, H, W]` → logits `[N, num_classes]` (224×224 in the paper; any size ≥ 32 works
 /// thanks to the global pooling).
+#[derive(Module)]
 pub struct ImageNetResNet {
-    children: RwLock<Vec<(String, Arc<dyn Module>)>>,
+    conv1: Child,
+    bn1: Child,
+    maxpool: Child,
+    layer1: Child,
+    layer2: Child,
+    layer3: Child,
+    layer4: Child,
+    avgpool: Child,
+    flatten: Child,
+    fc: Child,
     training: TrainingFlag,
 }
 
-impl Module for ImageNetResNet {
+impl Forward for ImageNetResNet {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let children = self.children.read().clone();
-        let mut out = x.clone();
-        for (name, child) in &children {
-            out = if name == "bn1" {
-                run_child_relu(name, child.as_ref(), &out)?
-            } else {
-                run_child(name, child.as_ref(), &out)?
-            };
+        let mut out = self.bn1.forward_relu(&self.conv1.forward(x)?)?;
+        for child in [
+            &self.maxpool,
+            &self.layer1,
+            &self.layer2,
+            &self.layer3,
+            &self.layer4,
+            &self.avgpool,
+            &self.flatten,
+            &self.fc,
+        ] {
+            out = child.forward(&out)?;
         }
         Ok(out)
-    }
-
-    fn training_flag(&self) -> &TrainingFlag {
-        &self.training
-    }
-
-    fn children(&self) -> Vec<(String, Arc<dyn Module>)> {
-        self.children.read().clone()
-    }
-
-    fn replace_child(&self, name: &str, module: Arc<dyn Module>) -> Result<Arc<dyn Module>> {
-        let mut children = self.children.write();
-        replace_in_list("ImageNetResNet::replace_child", &mut children, name, module)
     }
 }
 
@@ -252,15 +184,8 @@ pub fn resnet_imagenet(
             format!("every stage needs a block and num_classes must be > 0, got {blocks:?} and {num_classes}"),
         ));
     }
-    let mut children: Vec<(String, Arc<dyn Module>)> = vec![
-        ("conv1".into(), Arc::new(conv(3, 64, 7, 2, 3)?)),
-        ("bn1".into(), Arc::new(BatchNorm2d::new(64)?)),
-        (
-            "maxpool".into(),
-            Arc::new(MaxPool2d::new(3).with_stride(2).with_padding(1)),
-        ),
-    ];
     let mut in_channels = 64;
+    let mut stages = Vec::with_capacity(4);
     for (stage, (&count, width)) in blocks.iter().zip([64, 128, 256, 512]).enumerate() {
         let stride = if stage == 0 { 1 } else { 2 };
         let mut layer = Sequential::new();
@@ -279,16 +204,22 @@ pub fn resnet_imagenet(
                 }
             };
         }
-        children.push((format!("layer{}", stage + 1), Arc::new(layer)));
+        stages.push(Child::new(layer));
     }
-    children.push(("avgpool".into(), Arc::new(AdaptiveAvgPool2d::new(1))));
-    children.push(("flatten".into(), Arc::new(Flatten::new())));
-    children.push((
-        "fc".into(),
-        Arc::new(Linear::new(in_channels, num_classes, true)?),
-    ));
+    let [layer1, layer2, layer3, layer4]: [Child; 4] = stages
+        .try_into()
+        .unwrap_or_else(|_| unreachable!("four stages were built"));
     let model = ImageNetResNet {
-        children: RwLock::new(children),
+        conv1: conv(3, 64, 7, 2, 3)?.into(),
+        bn1: BatchNorm2d::new(64)?.into(),
+        maxpool: MaxPool2d::new(3).with_stride(2).with_padding(1).into(),
+        layer1,
+        layer2,
+        layer3,
+        layer4,
+        avgpool: AdaptiveAvgPool2d::new(1).into(),
+        flatten: Flatten::new().into(),
+        fc: Linear::new(in_channels, num_classes, true)?.into(),
         training: TrainingFlag::new(),
     };
     // torchvision initialises every convolution Kaiming-normal (fan out), the basic blocks'

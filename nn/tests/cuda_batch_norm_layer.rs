@@ -8,7 +8,7 @@
 
 use tandem_autograd::{no_grad, BackwardOptions, TensorBackward};
 use tandem_core::{DType, Device, Generator, Tensor};
-use tandem_nn::{BatchNorm2d, Module};
+use tandem_nn::{BatchNorm2d, Fused, Module};
 
 const GPU: Device = Device::Cuda(0);
 

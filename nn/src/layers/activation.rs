@@ -2,11 +2,11 @@
 
 use tandem_core::Tensor;
 
-use crate::module::{Module, TrainingFlag};
 use crate::Result;
+use crate::{Forward, Module, TrainingFlag};
 
 /// `max(x, 0)` elementwise. No parameters.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Module)]
 pub struct ReLU {
     training: TrainingFlag,
 }
@@ -18,12 +18,8 @@ impl ReLU {
     }
 }
 
-impl Module for ReLU {
+impl Forward for ReLU {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         Ok(tandem_ops::relu(x)?)
-    }
-
-    fn training_flag(&self) -> &TrainingFlag {
-        &self.training
     }
 }

@@ -3,8 +3,9 @@
 use tandem_core::{DType, Device, Tensor};
 use tandem_ops::batch_norm::{BatchNormArgs, Epilogue};
 
-use crate::module::{parameter, Module, ParamKind, TrainingFlag};
+use crate::module::parameter;
 use crate::{Error, Result};
+use crate::{Forward, Fused, Module, TrainingFlag};
 
 /// Options of a [`BatchNorm2d`]. Defaults (PyTorch's): eps 1e-5, momentum 0.1, affine, tracking
 /// running statistics.
@@ -47,14 +48,20 @@ impl Default for BatchNormConfig {
 ///
 /// # Shapes
 /// `x` `[N, C, H, W]` → the same shape.
-#[derive(Debug)]
+#[derive(Debug, Module)]
+#[module(fused)]
 pub struct BatchNorm2d {
     num_features: usize,
     config: BatchNormConfig,
+    #[param]
     weight: Option<Tensor>,
+    #[param]
     bias: Option<Tensor>,
+    #[buffer]
     running_mean: Option<Tensor>,
+    #[buffer]
     running_var: Option<Tensor>,
+    #[buffer]
     num_batches_tracked: Option<Tensor>,
     training: TrainingFlag,
 }
@@ -197,11 +204,13 @@ impl BatchNorm2d {
     }
 }
 
-impl Module for BatchNorm2d {
+impl Forward for BatchNorm2d {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         self.run(x, Epilogue::Plain)
     }
+}
 
+impl Fused for BatchNorm2d {
     /// `relu(forward(x))` in batch norm's own passes (`tandem_ops::batch_norm_relu`).
     fn forward_relu(&self, x: &Tensor) -> Result<Tensor> {
         self.run(x, Epilogue::Relu)
@@ -212,34 +221,12 @@ impl Module for BatchNorm2d {
     fn forward_add_relu(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
         self.run(x, Epilogue::AddRelu(residual))
     }
-
-    fn training_flag(&self) -> &TrainingFlag {
-        &self.training
-    }
-
-    fn visit_own(&self, visitor: &mut dyn FnMut(&str, ParamKind, &Tensor)) {
-        let entries = [
-            ("weight", ParamKind::Parameter, &self.weight),
-            ("bias", ParamKind::Parameter, &self.bias),
-            ("running_mean", ParamKind::Buffer, &self.running_mean),
-            ("running_var", ParamKind::Buffer, &self.running_var),
-            (
-                "num_batches_tracked",
-                ParamKind::Buffer,
-                &self.num_batches_tracked,
-            ),
-        ];
-        for (name, kind, tensor) in entries {
-            if let Some(t) = tensor {
-                visitor(name, kind, t);
-            }
-        }
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ParamKind;
     use tandem_core::Generator;
 
     fn input() -> Tensor {

@@ -5,8 +5,9 @@ use tandem_ops::Conv2dParams;
 
 use crate::init::{kaiming_uniform, uniform, FanMode};
 use crate::layers::IntoPair;
-use crate::module::{parameter, Module, ParamKind, TrainingFlag};
+use crate::module::parameter;
 use crate::{Error, Result};
+use crate::{Forward, Module, TrainingFlag};
 
 /// Options of a [`Conv2d`]. Defaults (PyTorch's): stride 1, padding 0, dilation 1, with bias.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -81,9 +82,11 @@ impl Conv2dConfig {
 /// # Shapes
 /// `x` `[N, in_channels, H, W]` → `[N, out_channels, H', W']` with
 /// `H' = (H + 2·padding − dilation·(kh − 1) − 1) / stride + 1` (likewise `W'`).
-#[derive(Debug)]
+#[derive(Debug, Module)]
 pub struct Conv2d {
+    #[param]
     weight: Tensor,
+    #[param]
     bias: Option<Tensor>,
     params: Conv2dParams,
     training: TrainingFlag,
@@ -180,7 +183,7 @@ impl Conv2d {
     }
 }
 
-impl Module for Conv2d {
+impl Forward for Conv2d {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         if x.rank() != 4 || x.dims()[1] != self.in_channels() {
             return Err(Error::input(
@@ -199,17 +202,6 @@ impl Module for Conv2d {
             self.bias.as_ref(),
             &self.params,
         )?)
-    }
-
-    fn training_flag(&self) -> &TrainingFlag {
-        &self.training
-    }
-
-    fn visit_own(&self, visitor: &mut dyn FnMut(&str, ParamKind, &Tensor)) {
-        visitor("weight", ParamKind::Parameter, &self.weight);
-        if let Some(b) = &self.bias {
-            visitor("bias", ParamKind::Parameter, b);
-        }
     }
 }
 

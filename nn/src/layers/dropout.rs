@@ -4,8 +4,8 @@ use parking_lot::Mutex;
 use tandem_core::rng::{with_default_generator, GENERATOR_STATE_BYTES};
 use tandem_core::{Generator, Tensor};
 
-use crate::module::{Module, TrainingFlag};
 use crate::{Error, Result};
+use crate::{Forward, Module, TrainingFlag};
 
 /// Zeroes each element with probability `p` during training and scales the survivors by
 /// `1 / (1 − p)` (inverted dropout); the identity in evaluation mode.
@@ -16,7 +16,7 @@ use crate::{Error, Result};
 ///
 /// # Shapes
 /// Any input; the output has its shape.
-#[derive(Debug)]
+#[derive(Debug, Module)]
 pub struct Dropout {
     p: f64,
     generator: Mutex<Generator>,
@@ -63,15 +63,11 @@ impl Dropout {
     }
 }
 
-impl Module for Dropout {
+impl Forward for Dropout {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let training = self.is_training();
         let mut generator = self.generator.lock();
         Ok(tandem_ops::dropout(x, self.p, training, &mut generator)?)
-    }
-
-    fn training_flag(&self) -> &TrainingFlag {
-        &self.training
     }
 }
 

@@ -2,12 +2,12 @@
 
 use tandem_core::Tensor;
 
-use crate::module::{Module, TrainingFlag};
 use crate::Result;
+use crate::{Forward, Module, TrainingFlag};
 
 /// Merges dims `start_dim..=end_dim` into one; by default everything but the batch dim
 /// (`start_dim` 1, `end_dim` −1), turning `[N, C, H, W]` into `[N, C·H·W]`.
-#[derive(Debug)]
+#[derive(Debug, Module)]
 pub struct Flatten {
     start_dim: isize,
     end_dim: isize,
@@ -36,12 +36,8 @@ impl Default for Flatten {
     }
 }
 
-impl Module for Flatten {
+impl Forward for Flatten {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         Ok(tandem_ops::flatten(x, self.start_dim, self.end_dim)?)
-    }
-
-    fn training_flag(&self) -> &TrainingFlag {
-        &self.training
     }
 }

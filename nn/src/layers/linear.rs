@@ -3,8 +3,9 @@
 use tandem_core::{DType, Device, Tensor};
 
 use crate::init::{kaiming_uniform, uniform, FanMode};
-use crate::module::{parameter, Module, ParamKind, TrainingFlag};
+use crate::module::parameter;
 use crate::{Error, Result};
+use crate::{Forward, Module, TrainingFlag};
 
 /// `y = x · weightᵀ + bias`, applied to the last dim of `x`.
 ///
@@ -14,9 +15,11 @@ use crate::{Error, Result};
 ///
 /// # Shapes
 /// `x` `[…, in_features]` → `[…, out_features]`.
-#[derive(Debug)]
+#[derive(Debug, Module)]
 pub struct Linear {
+    #[param]
     weight: Tensor,
+    #[param]
     bias: Option<Tensor>,
     training: TrainingFlag,
 }
@@ -87,7 +90,7 @@ impl Linear {
     }
 }
 
-impl Module for Linear {
+impl Forward for Linear {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         if x.dims().last() != Some(&self.in_features()) {
             return Err(Error::input(
@@ -101,17 +104,6 @@ impl Module for Linear {
             ));
         }
         Ok(tandem_ops::linear(x, &self.weight, self.bias.as_ref())?)
-    }
-
-    fn training_flag(&self) -> &TrainingFlag {
-        &self.training
-    }
-
-    fn visit_own(&self, visitor: &mut dyn FnMut(&str, ParamKind, &Tensor)) {
-        visitor("weight", ParamKind::Parameter, &self.weight);
-        if let Some(b) = &self.bias {
-            visitor("bias", ParamKind::Parameter, b);
-        }
     }
 }
 

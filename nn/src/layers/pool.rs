@@ -3,8 +3,8 @@
 use tandem_core::Tensor;
 
 use crate::layers::IntoPair;
-use crate::module::{Module, TrainingFlag};
 use crate::{Error, Result};
+use crate::{Forward, Module, TrainingFlag};
 
 fn expect_4d(layer: &'static str, x: &Tensor) -> Result<()> {
     if x.rank() != 4 {
@@ -20,7 +20,7 @@ fn expect_4d(layer: &'static str, x: &Tensor) -> Result<()> {
 ///
 /// # Shapes
 /// `[N, C, H, W]` → `[N, C, (H + 2·pad − k) / stride + 1, …]`.
-#[derive(Debug)]
+#[derive(Debug, Module)]
 pub struct MaxPool2d {
     kernel: (usize, usize),
     stride: (usize, usize),
@@ -57,7 +57,7 @@ impl MaxPool2d {
     }
 }
 
-impl Module for MaxPool2d {
+impl Forward for MaxPool2d {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         expect_4d("MaxPool2d", x)?;
         Ok(tandem_ops::max_pool2d(
@@ -67,10 +67,6 @@ impl Module for MaxPool2d {
             self.padding,
         )?)
     }
-
-    fn training_flag(&self) -> &TrainingFlag {
-        &self.training
-    }
 }
 
 /// The mean over each `kernel` window, padding counted as zeros (PyTorch's default
@@ -78,7 +74,7 @@ impl Module for MaxPool2d {
 ///
 /// # Shapes
 /// `[N, C, H, W]` → `[N, C, (H + 2·pad − k) / stride + 1, …]`.
-#[derive(Debug)]
+#[derive(Debug, Module)]
 pub struct AvgPool2d {
     kernel: (usize, usize),
     stride: (usize, usize),
@@ -115,7 +111,7 @@ impl AvgPool2d {
     }
 }
 
-impl Module for AvgPool2d {
+impl Forward for AvgPool2d {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         expect_4d("AvgPool2d", x)?;
         Ok(tandem_ops::avg_pool2d(
@@ -125,10 +121,6 @@ impl Module for AvgPool2d {
             self.padding,
         )?)
     }
-
-    fn training_flag(&self) -> &TrainingFlag {
-        &self.training
-    }
 }
 
 /// Average pooling to a fixed output size, whatever the input size (`(1, 1)` gives global
@@ -136,7 +128,7 @@ impl Module for AvgPool2d {
 ///
 /// # Shapes
 /// `[N, C, H, W]` → `[N, C, out_h, out_w]`.
-#[derive(Debug)]
+#[derive(Debug, Module)]
 pub struct AdaptiveAvgPool2d {
     output: (usize, usize),
     training: TrainingFlag,
@@ -152,14 +144,10 @@ impl AdaptiveAvgPool2d {
     }
 }
 
-impl Module for AdaptiveAvgPool2d {
+impl Forward for AdaptiveAvgPool2d {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         expect_4d("AdaptiveAvgPool2d", x)?;
         Ok(tandem_ops::adaptive_avg_pool2d(x, self.output)?)
-    }
-
-    fn training_flag(&self) -> &TrainingFlag {
-        &self.training
     }
 }
 

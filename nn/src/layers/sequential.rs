@@ -5,8 +5,9 @@ use std::sync::Arc;
 use parking_lot::RwLock;
 use tandem_core::Tensor;
 
-use crate::module::{replace_in_list, Module, TrainingFlag};
+use crate::module::replace_in_list;
 use crate::{Error, Result};
+use crate::{Module, TrainingFlag};
 
 /// A chain of modules: `forward(x)` feeds `x` through each child in order.
 ///
@@ -95,6 +96,8 @@ impl Sequential {
     }
 }
 
+// Written by hand, not derived: its children are a list that grows with `add` and is named at
+// run time (positions or `add_named`), not fixed fields.
 impl Module for Sequential {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         // A snapshot, so no lock is held while children run.
