@@ -15,22 +15,19 @@ use parking_lot::RwLock;
 use tandem_core::Tensor;
 
 use crate::layers::{
-    AdaptiveAvgPool2d, BatchNorm2d, Conv2d, Conv2dConfig, Flatten, Linear, Sequential,
+    AdaptiveAvgPool2dConfig, BatchNormConfig, Conv2d, Conv2dConfig, Flatten, LinearConfig,
+    Sequential,
 };
 use crate::module::{replace_in_list, replace_named, Module, TrainingFlag};
 use crate::{Error, Result};
 
 /// A 3×3 convolution without bias, padding 1.
 fn conv3x3(in_channels: usize, out_channels: usize, stride: usize) -> Result<Conv2d> {
-    Conv2d::new(
-        in_channels,
-        out_channels,
-        3,
-        Conv2dConfig::default()
-            .with_stride(stride)
-            .with_padding(1)
-            .with_bias(false),
-    )
+    Conv2dConfig::new(in_channels, out_channels, 3)
+        .with_stride(stride)
+        .with_padding(1)
+        .with_bias(false)
+        .init()
 }
 
 /// Runs `child` named `name` on `x`, wrapping an error with the child's path.
@@ -130,25 +127,23 @@ impl BasicBlock {
             return Err(Error::config("BasicBlock", "stride must be > 0"));
         }
         let downsample: Option<Arc<dyn Module>> = if stride != 1 || in_channels != out_channels {
-            let conv = Conv2d::new(
-                in_channels,
-                out_channels,
-                1,
-                Conv2dConfig::default().with_stride(stride).with_bias(false),
-            )?;
+            let conv = Conv2dConfig::new(in_channels, out_channels, 1)
+                .with_stride(stride)
+                .with_bias(false)
+                .init()?;
             Some(Arc::new(
                 Sequential::new()
                     .add(conv)
-                    .add(BatchNorm2d::new(out_channels)?),
+                    .add(BatchNormConfig::new(out_channels).init()?),
             ))
         } else {
             None
         };
         let children = BlockChildren {
             conv1: Arc::new(conv3x3(in_channels, out_channels, stride)?),
-            bn1: Arc::new(BatchNorm2d::new(out_channels)?),
+            bn1: Arc::new(BatchNormConfig::new(out_channels).init()?),
             conv2: Arc::new(conv3x3(out_channels, out_channels, 1)?),
-            bn2: Arc::new(BatchNorm2d::new(out_channels)?),
+            bn2: Arc::new(BatchNormConfig::new(out_channels).init()?),
             downsample,
         };
         Ok(BasicBlock {
@@ -264,7 +259,7 @@ pub fn resnet_cifar(depth: usize, num_classes: usize) -> Result<CifarResNet> {
     let blocks = (depth - 2) / 6;
     let mut children: Vec<(String, Arc<dyn Module>)> = vec![
         ("conv1".into(), Arc::new(conv3x3(3, 16, 1)?)),
-        ("bn1".into(), Arc::new(BatchNorm2d::new(16)?)),
+        ("bn1".into(), Arc::new(BatchNormConfig::new(16).init()?)),
     ];
     let mut in_channels = 16;
     for (stage, (channels, stride)) in [(16, 1), (32, 2), (64, 2)].into_iter().enumerate() {
@@ -276,9 +271,15 @@ pub fn resnet_cifar(depth: usize, num_classes: usize) -> Result<CifarResNet> {
         }
         children.push((format!("layer{}", stage + 1), Arc::new(layer)));
     }
-    children.push(("avgpool".into(), Arc::new(AdaptiveAvgPool2d::new(1))));
+    children.push((
+        "avgpool".into(),
+        Arc::new(AdaptiveAvgPool2dConfig::new(1).init()?),
+    ));
     children.push(("flatten".into(), Arc::new(Flatten::new())));
-    children.push(("fc".into(), Arc::new(Linear::new(64, num_classes, true)?)));
+    children.push((
+        "fc".into(),
+        Arc::new(LinearConfig::new(64, num_classes).init()?),
+    ));
     Ok(CifarResNet {
         depth,
         children: RwLock::new(children),
@@ -304,6 +305,7 @@ pub fn resnet56() -> Result<CifarResNet> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::layers::BatchNorm2d;
     use tandem_core::{DType, Device};
 
     #[test]
@@ -417,7 +419,10 @@ mod tests {
         };
         let before = names(&block);
         let old = block
-            .replace_child("bn1", Arc::new(Unfused(BatchNorm2d::new(8).unwrap())))
+            .replace_child(
+                "bn1",
+                Arc::new(Unfused(BatchNormConfig::new(8).init().unwrap())),
+            )
             .unwrap();
         assert!(old.is::<BatchNorm2d>());
         assert_eq!(names(&block), before);
@@ -425,20 +430,26 @@ mod tests {
         assert!(close(&y, &y3) && close(&gx, &gx3));
         // and bn2 too: the join falls back to add_relu(forward, shortcut)
         block
-            .replace_child("bn2", Arc::new(Unfused(BatchNorm2d::new(8).unwrap())))
+            .replace_child(
+                "bn2",
+                Arc::new(Unfused(BatchNormConfig::new(8).init().unwrap())),
+            )
             .unwrap();
         assert_eq!(names(&block), before);
         let (y4, gx4) = output_and_grad(&block, &x);
         assert!(close(&y, &y4) && close(&gx, &gx4));
         let err = block
-            .replace_child("bn3", Arc::new(BatchNorm2d::new(8).unwrap()))
+            .replace_child("bn3", Arc::new(BatchNormConfig::new(8).init().unwrap()))
             .err()
             .unwrap()
             .to_string();
         assert!(err.contains("bn3") && err.contains("downsample"), "{err}");
         let plain = BasicBlock::new(8, 8, 1).unwrap();
         assert!(plain
-            .replace_child("downsample", Arc::new(BatchNorm2d::new(8).unwrap()))
+            .replace_child(
+                "downsample",
+                Arc::new(BatchNormConfig::new(8).init().unwrap())
+            )
             .is_err());
     }
 
@@ -450,7 +461,10 @@ mod tests {
         let names: Vec<String> = model.named_tensors().into_iter().map(|t| t.0).collect();
         // a fresh batch norm has the same parameters as the one it replaces
         let old = model
-            .replace_child("bn1", Arc::new(Unfused(BatchNorm2d::new(16).unwrap())))
+            .replace_child(
+                "bn1",
+                Arc::new(Unfused(BatchNormConfig::new(16).init().unwrap())),
+            )
             .unwrap();
         assert!(old.is::<BatchNorm2d>());
         let after: Vec<String> = model.named_tensors().into_iter().map(|t| t.0).collect();
@@ -460,7 +474,7 @@ mod tests {
             &model.forward(&x).unwrap().to_vec_f64().unwrap()
         ));
         assert!(model
-            .replace_child("bn9", Arc::new(BatchNorm2d::new(16).unwrap()))
+            .replace_child("bn9", Arc::new(BatchNormConfig::new(16).init().unwrap()))
             .is_err());
     }
 

@@ -18,7 +18,8 @@ use tandem_core::Tensor;
 
 use crate::init::{kaiming_normal, FanMode};
 use crate::layers::{
-    AdaptiveAvgPool2d, BatchNorm2d, Conv2d, Conv2dConfig, Flatten, Linear, MaxPool2d, Sequential,
+    AdaptiveAvgPool2dConfig, BatchNormConfig, Conv2d, Conv2dConfig, Flatten, LinearConfig,
+    MaxPool2dConfig, Sequential,
 };
 use crate::module::{replace_in_list, replace_named, Module, TrainingFlag};
 use crate::resnet::{run_child, run_child_add_relu, run_child_relu, BasicBlock};
@@ -33,15 +34,11 @@ fn conv(
     stride: usize,
     padding: usize,
 ) -> Result<Conv2d> {
-    Conv2d::new(
-        in_channels,
-        out_channels,
-        kernel,
-        Conv2dConfig::default()
-            .with_stride(stride)
-            .with_padding(padding)
-            .with_bias(false),
-    )
+    Conv2dConfig::new(in_channels, out_channels, kernel)
+        .with_stride(stride)
+        .with_padding(padding)
+        .with_bias(false)
+        .init()
 }
 
 /// The projection shortcut: a 1×1 convolution with `stride` and a batch norm
@@ -50,7 +47,7 @@ fn downsample(in_channels: usize, out_channels: usize, stride: usize) -> Result<
     Ok(Arc::new(
         Sequential::new()
             .add(conv(in_channels, out_channels, 1, stride, 0)?)
-            .add(BatchNorm2d::new(out_channels)?),
+            .add(BatchNormConfig::new(out_channels).init()?),
     ))
 }
 
@@ -137,11 +134,11 @@ impl Bottleneck {
         };
         let children = BottleneckChildren {
             conv1: Arc::new(conv(in_channels, width, 1, 1, 0)?),
-            bn1: Arc::new(BatchNorm2d::new(width)?),
+            bn1: Arc::new(BatchNormConfig::new(width).init()?),
             conv2: Arc::new(conv(width, width, 3, stride, 1)?),
-            bn2: Arc::new(BatchNorm2d::new(width)?),
+            bn2: Arc::new(BatchNormConfig::new(width).init()?),
             conv3: Arc::new(conv(width, out_channels, 1, 1, 0)?),
-            bn3: Arc::new(BatchNorm2d::new(out_channels)?),
+            bn3: Arc::new(BatchNormConfig::new(out_channels).init()?),
             downsample,
         };
         Ok(Bottleneck {
@@ -254,10 +251,15 @@ pub fn resnet_imagenet(
     }
     let mut children: Vec<(String, Arc<dyn Module>)> = vec![
         ("conv1".into(), Arc::new(conv(3, 64, 7, 2, 3)?)),
-        ("bn1".into(), Arc::new(BatchNorm2d::new(64)?)),
+        ("bn1".into(), Arc::new(BatchNormConfig::new(64).init()?)),
         (
             "maxpool".into(),
-            Arc::new(MaxPool2d::new(3).with_stride(2).with_padding(1)),
+            Arc::new(
+                MaxPool2dConfig::new(3)
+                    .with_stride(2)
+                    .with_padding(1)
+                    .init()?,
+            ),
         ),
     ];
     let mut in_channels = 64;
@@ -281,11 +283,14 @@ pub fn resnet_imagenet(
         }
         children.push((format!("layer{}", stage + 1), Arc::new(layer)));
     }
-    children.push(("avgpool".into(), Arc::new(AdaptiveAvgPool2d::new(1))));
+    children.push((
+        "avgpool".into(),
+        Arc::new(AdaptiveAvgPool2dConfig::new(1).init()?),
+    ));
     children.push(("flatten".into(), Arc::new(Flatten::new())));
     children.push((
         "fc".into(),
-        Arc::new(Linear::new(in_channels, num_classes, true)?),
+        Arc::new(LinearConfig::new(in_channels, num_classes).init()?),
     ));
     let model = ImageNetResNet {
         children: RwLock::new(children),
