@@ -52,7 +52,8 @@ use tandem::dist::{
 };
 use tandem::nn::loss::{cross_entropy, Reduction};
 use tandem::nn::{
-    AdaptiveAvgPool2d, Conv2d, Conv2dConfig, Flatten, Linear, MaxPool2d, Module, ReLU, Sequential,
+    AdaptiveAvgPool2dConfig, Conv2dConfig, Flatten, LinearConfig, MaxPool2dConfig, Module, ReLU,
+    Sequential,
 };
 use tandem::optim::{Optimizer, Sgd, SgdConfig};
 
@@ -123,21 +124,21 @@ impl ModelKind {
 /// adaptive avg pool 1 · flatten · fc 128→512 · relu · fc 512→10 (3×3 kernels, padding 1).
 /// `benches/peers/ddp_step_torch.py` builds the same network.
 fn convnet() -> Result<Sequential, AnyError> {
-    let conv = |i, o| Conv2d::new(i, o, 3, Conv2dConfig::default().with_padding(1));
+    let conv = |i, o| Conv2dConfig::new(i, o, 3).with_padding(1).init();
     Ok(Sequential::new()
         .add(conv(3, 32)?)
         .add(ReLU::new())
-        .add(MaxPool2d::new(2))
+        .add(MaxPool2dConfig::new(2).init()?)
         .add(conv(32, 64)?)
         .add(ReLU::new())
-        .add(MaxPool2d::new(2))
+        .add(MaxPool2dConfig::new(2).init()?)
         .add(conv(64, 128)?)
         .add(ReLU::new())
-        .add(AdaptiveAvgPool2d::new(1))
+        .add(AdaptiveAvgPool2dConfig::new(1).init()?)
         .add(Flatten::new())
-        .add(Linear::new(128, 512, true)?)
+        .add(LinearConfig::new(128, 512).init()?)
         .add(ReLU::new())
-        .add(Linear::new(512, 10, true)?))
+        .add(LinearConfig::new(512, 10).init()?))
 }
 
 /// The three tandem modes, in the order they run.

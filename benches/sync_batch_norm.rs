@@ -25,7 +25,7 @@ use tandem::autograd::backward;
 use tandem::core::{DType, Device, Generator, Tensor};
 use tandem::dist::{convert_sync_batch_norm, ProcessGroup, SyncBatchNorm, ThreadProcessGroup};
 use tandem::nn::loss::{cross_entropy, Reduction};
-use tandem::nn::{BatchNorm2d, Module};
+use tandem::nn::{BatchNormConfig, Module};
 
 type AnyError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -230,8 +230,8 @@ fn layer_steps(
     let seed = 10 * rank as u64;
     let x = random(&shape, seed + 1)?.with_requires_grad()?;
     let g = random(&shape, seed + 2)?;
-    let plain = Arc::new(BatchNorm2d::new(c)?);
-    let sync = SyncBatchNorm::new(Arc::new(BatchNorm2d::new(c)?), group);
+    let plain = Arc::new(BatchNormConfig::new(c).init()?);
+    let sync = SyncBatchNorm::new(Arc::new(BatchNormConfig::new(c).init()?), group);
     let step = |layer: &dyn Module, x: &Tensor, g: &Tensor| -> Result<(), AnyError> {
         let y = layer.forward(x)?;
         backward(&y, Some(g), &Default::default())?;

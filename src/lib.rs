@@ -12,6 +12,24 @@ pub use tandem_ops::TensorOps;
 pub mod locate;
 
 /// What a training program usually needs, in one import: `use tandem::prelude::*;`.
+///
+/// That includes every layer and its config (see "Building layers" in [`nn`]), and the
+/// [`LrSchedule`](tandem_optim::LrSchedule) trait, whose `then` composes schedules:
+///
+/// ```
+/// use tandem::prelude::*;
+///
+/// let model = Sequential::new()
+///     .add(LinearConfig::new(4, 8).init()?)
+///     .add(ReLU::new())
+///     .add(DropoutConfig::new(0.1).init()?)
+///     .add(LinearConfig::new(8, 2).with_bias(false).init()?);
+/// let mut optimizer = Sgd::new(model.parameters(), SgdConfig::new(0.1))?;
+/// let warmup_then_cosine = LinearWarmup::new(5, 0.25)?.then(CosineAnnealingLr::new(95, 0.0)?)?;
+/// let mut scheduler = Scheduler::new(warmup_then_cosine, &mut optimizer)?;
+/// scheduler.step(&mut optimizer)?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub mod prelude {
     pub use tandem_autograd::{no_grad, TensorBackward};
     pub use tandem_core::rng::manual_seed;
@@ -20,9 +38,13 @@ pub mod prelude {
     pub use tandem_nn::loss::{cross_entropy, mse_loss, nll_loss, Reduction};
     pub use tandem_nn::models::lenet5;
     pub use tandem_nn::{
-        BatchNorm2d, Conv2d, Conv2dConfig, Dropout, Flatten, Linear, MaxPool2d, Module, ReLU,
-        Sequential,
+        AdaptiveAvgPool2d, AdaptiveAvgPool2dConfig, AvgPool2d, AvgPool2dConfig, BatchNorm2d,
+        BatchNormConfig, Conv2d, Conv2dConfig, Dropout, DropoutConfig, Flatten, FlattenConfig,
+        Linear, LinearConfig, MaxPool2d, MaxPool2dConfig, Module, ReLU, Sequential,
     };
     pub use tandem_ops::TensorOps;
-    pub use tandem_optim::{Optimizer, Sgd, SgdConfig};
+    pub use tandem_optim::{
+        CosineAnnealingLr, LinearWarmup, LrSchedule, MultiStepLr, Optimizer, Scheduler, Sgd,
+        SgdConfig, StepLr,
+    };
 }

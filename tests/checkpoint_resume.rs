@@ -18,7 +18,7 @@ use tandem::nn::checkpoint::{
 };
 use tandem::nn::loss::{cross_entropy, Reduction};
 use tandem::nn::Sequential;
-use tandem::nn::{BatchNorm2d, Conv2d, Conv2dConfig, Flatten, Linear, Module, ParamKind, ReLU};
+use tandem::nn::{BatchNormConfig, Conv2dConfig, Flatten, LinearConfig, Module, ParamKind, ReLU};
 use tandem::optim::{Optimizer, Sgd, SgdConfig};
 
 fn fixture(name: &str) -> PathBuf {
@@ -41,11 +41,11 @@ fn scratch(test: &str) -> PathBuf {
 /// Flatten(), Linear(32, 3))`, with the same parameter names.
 fn small_model() -> Sequential {
     Sequential::new()
-        .add(Conv2d::new(1, 2, 3, Conv2dConfig::default()).unwrap())
-        .add(BatchNorm2d::new(2).unwrap())
+        .add(Conv2dConfig::new(1, 2, 3).init().unwrap())
+        .add(BatchNormConfig::new(2).init().unwrap())
         .add(ReLU::new())
         .add(Flatten::new())
-        .add(Linear::new(2 * 4 * 4, 3, true).unwrap())
+        .add(LinearConfig::new(2 * 4 * 4, 3).init().unwrap())
 }
 
 fn json_tensor(json: &serde_json::Value, values: &str, shape: &str) -> Tensor {

@@ -10,7 +10,7 @@ use tandem::core::rng::manual_seed;
 use tandem::core::{DType, Device, Generator, Tensor};
 use tandem::nn::checkpoint::{load_checkpoint, load_state_dict, save_checkpoint, OPTIMIZER_PREFIX};
 use tandem::nn::loss::{cross_entropy, Reduction};
-use tandem::nn::{BatchNorm2d, Conv2d, Conv2dConfig, Flatten, Linear, Module, ReLU, Sequential};
+use tandem::nn::{BatchNormConfig, Conv2dConfig, Flatten, LinearConfig, Module, ReLU, Sequential};
 use tandem::optim::{Optimizer, Sgd, SgdConfig};
 
 const GPU: Device = Device::Cuda(0);
@@ -26,11 +26,11 @@ fn scratch(name: &str) -> PathBuf {
 
 fn small_model() -> Sequential {
     Sequential::new()
-        .add(Conv2d::new(1, 4, 3, Conv2dConfig::default()).unwrap())
-        .add(BatchNorm2d::new(4).unwrap())
+        .add(Conv2dConfig::new(1, 4, 3).init().unwrap())
+        .add(BatchNormConfig::new(4).init().unwrap())
         .add(ReLU::new())
         .add(Flatten::new())
-        .add(Linear::new(4 * 4 * 4, 3, true).unwrap())
+        .add(LinearConfig::new(4 * 4 * 4, 3).init().unwrap())
 }
 
 fn optimizer(model: &Sequential) -> Sgd {

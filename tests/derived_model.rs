@@ -16,8 +16,8 @@ use tandem::dist::{
 use tandem::nn::checkpoint::{load_module, save_checkpoint};
 use tandem::nn::loss::{cross_entropy, Reduction};
 use tandem::nn::{
-    BatchNorm2d, Child, Conv2d, Conv2dConfig, Dropout, Forward, Linear, Module, ReLU, Result,
-    Sequential, TrainingFlag,
+    AdaptiveAvgPool2dConfig, BatchNorm2d, BatchNormConfig, Child, Conv2dConfig, DropoutConfig,
+    Flatten, Forward, LinearConfig, Module, ReLU, Result, Sequential, TrainingFlag,
 };
 use tandem::optim::{Optimizer, Sgd, SgdConfig};
 
@@ -31,10 +31,12 @@ struct Residual {
 
 impl Residual {
     fn new(channels: usize) -> Result<Self> {
-        let conv = Conv2dConfig::default().with_padding(1).with_bias(false);
+        let conv = Conv2dConfig::new(channels, channels, 3)
+            .with_padding(1)
+            .with_bias(false);
         Ok(Residual {
-            conv: Conv2d::new(channels, channels, 3, conv)?.into(),
-            bn: BatchNorm2d::new(channels)?.into(),
+            conv: conv.init()?.into(),
+            bn: BatchNormConfig::new(channels).init()?.into(),
             training: TrainingFlag::new(),
         })
     }
@@ -65,25 +67,20 @@ struct Net {
 impl Net {
     fn new(dropout: bool) -> Result<Self> {
         let stem = Sequential::new()
-            .add(Conv2d::new(
-                1,
-                4,
-                3,
-                Conv2dConfig::default().with_padding(1),
-            )?)
-            .add(BatchNorm2d::new(4)?)
+            .add(Conv2dConfig::new(1, 4, 3).with_padding(1).init()?)
+            .add(BatchNormConfig::new(4).init()?)
             .add(ReLU::new());
         let head = Sequential::new()
-            .add(tandem::nn::AdaptiveAvgPool2d::new(1))
-            .add(tandem::nn::Flatten::new())
-            .add(Linear::new(4, 3, true)?);
+            .add(AdaptiveAvgPool2dConfig::new(1).init()?)
+            .add(Flatten::new())
+            .add(LinearConfig::new(4, 3).init()?);
         Ok(Net {
             scale: Tensor::ones(&[3], DType::F32, Device::Cpu)?.with_requires_grad()?,
             steps: Tensor::scalar(0i64, Device::Cpu)?,
             stem: stem.into(),
             blocks: vec![Residual::new(4)?.into(), Residual::new(4)?.into()],
             dropout: dropout
-                .then(|| Dropout::new(0.5).map(Child::from))
+                .then(|| DropoutConfig::new(0.5).init().map(Child::from))
                 .transpose()?,
             head: head.into(),
             training: TrainingFlag::new(),

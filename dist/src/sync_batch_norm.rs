@@ -255,6 +255,7 @@ mod tests {
     use super::*;
     use crate::ThreadProcessGroup;
     use tandem_core::{DType, Device, Generator};
+    use tandem_nn::BatchNormConfig;
 
     /// Rows `start..start + len` of the batch dim, as a fresh tensor.
     fn rows(t: &Tensor, start: usize, len: usize) -> Tensor {
@@ -328,7 +329,7 @@ mod tests {
 
     /// A batch norm of `c` channels whose weight and bias are not the identity.
     fn batch_norm(c: usize) -> Arc<BatchNorm2d> {
-        let bn = BatchNorm2d::new(c).unwrap();
+        let bn = BatchNormConfig::new(c).init().unwrap();
         bn.weight().unwrap().copy_(&randn(&[c], 7)).unwrap();
         bn.bias().unwrap().copy_(&randn(&[c], 8)).unwrap();
         Arc::new(bn)

@@ -8,8 +8,7 @@ use std::sync::Arc;
 use tandem_core::cuda::device_to_host_copies;
 use tandem_core::{DType, Device, Generator, Tensor};
 use tandem_dist::{DeviceThreadGroup, ProcessGroup, SyncBatchNorm};
-use tandem_nn::BatchNorm2d;
-use tandem_nn::{Fused, Module};
+use tandem_nn::{BatchNormConfig, Fused, Module};
 
 const GPU: Device = Device::Cuda(0);
 
@@ -26,7 +25,7 @@ fn a_sync_batch_norm_forward_copies_nothing_from_the_device_to_the_host() {
             .map(|(rank, group)| {
                 s.spawn(move || {
                     let group: Arc<dyn ProcessGroup> = Arc::new(group);
-                    let bn = Arc::new(BatchNorm2d::new(4).unwrap());
+                    let bn = Arc::new(BatchNormConfig::new(4).init().unwrap());
                     bn.to_device(GPU).unwrap();
                     let layer = SyncBatchNorm::new(bn, group);
                     let mut gen = Generator::new(10 + rank as u64);

@@ -14,7 +14,7 @@ use tandem_dist::{
 };
 use tandem_nn::loss::{cross_entropy, Reduction};
 use tandem_nn::module::{ParamKind, TrainingFlag};
-use tandem_nn::{Linear, Module};
+use tandem_nn::{Linear, LinearConfig, Module};
 
 const STEPS: usize = 5;
 
@@ -255,8 +255,8 @@ fn branchy_steps(find_unused: bool) -> Vec<Result<Grads, String>> {
     run_ranks(2, move |rank, group| {
         tandem_core::rng::manual_seed(3);
         let model = Branchy {
-            used: Linear::new(12, CLASSES, true).unwrap(),
-            branch: Linear::new(12, CLASSES, true).unwrap(),
+            used: LinearConfig::new(12, CLASSES).init().unwrap(),
+            branch: LinearConfig::new(12, CLASSES).init().unwrap(),
             use_both: false,
             training: TrainingFlag::new(),
         };
@@ -317,7 +317,7 @@ fn mismatched_models_fail_at_construction_naming_the_rank_and_the_parameter() {
     let errors = run_ranks(3, |rank, group| {
         tandem_core::rng::manual_seed(1);
         let width = if rank == 2 { 17 } else { 16 };
-        let model = tandem_nn::Sequential::new().add(Linear::new(8, width, true).unwrap());
+        let model = tandem_nn::Sequential::new().add(LinearConfig::new(8, width).init().unwrap());
         DistributedDataParallel::new(Arc::new(model), group, DdpConfig::default())
             .err()
             .map(|e| e.to_string())

@@ -12,7 +12,7 @@ use tandem_core::{Device, Tensor};
 use tandem_dist::{DdpConfig, DistributedDataParallel};
 use tandem_nn::loss::{cross_entropy, Reduction};
 use tandem_nn::module::{ParamKind, TrainingFlag};
-use tandem_nn::{Linear, Module};
+use tandem_nn::{Linear, LinearConfig, Module};
 use tandem_optim::{AdamConfig, AdamW, Optimizer, Sgd, SgdConfig};
 
 const STEPS: usize = 4;
@@ -33,9 +33,9 @@ impl Gated {
     fn new() -> Self {
         tandem_core::rng::manual_seed(21);
         Gated {
-            used: Linear::new(FEATURES, CLASSES, true).unwrap(),
-            gated: Linear::new(FEATURES, CLASSES, true).unwrap(),
-            never: Linear::new(FEATURES, CLASSES, true).unwrap(),
+            used: LinearConfig::new(FEATURES, CLASSES).init().unwrap(),
+            gated: LinearConfig::new(FEATURES, CLASSES).init().unwrap(),
+            never: LinearConfig::new(FEATURES, CLASSES).init().unwrap(),
             training: TrainingFlag::new(),
         }
     }

@@ -6,6 +6,36 @@
 //! [`Sequential`]; [`init`] holds PyTorch's initialisers; [`data`] has datasets, samplers, a
 //! prefetching [`DataLoader`](data::DataLoader) and MNIST; [`models`] has ready-made networks.
 //! The losses of `tandem-ops` are re-exported in [`loss`] for convenience.
+//!
+//! # Building layers
+//!
+//! Every layer with settings is built the same way: its config's `new` takes the settings
+//! that have no default, `with_*` methods change the optional ones (PyTorch's defaults
+//! otherwise; `with_device` on every layer that holds tensors, CPU by default), and `init()`
+//! builds the layer:
+//!
+//! ```
+//! use tandem_nn::{BatchNormConfig, Conv2dConfig, LinearConfig, MaxPool2dConfig};
+//!
+//! let conv = Conv2dConfig::new(3, 64, 3).with_padding(1).with_bias(false).init()?;
+//! let bn = BatchNormConfig::new(64).with_momentum(0.01).init()?;
+//! let pool = MaxPool2dConfig::new(3).with_stride(2).with_padding(1).init()?;
+//! let fc = LinearConfig::new(64, 10).init()?;
+//! # Ok::<(), tandem_nn::Error>(())
+//! ```
+//!
+//! The rule: **a constructor returns `Result` exactly when its arguments can be invalid.**
+//! `init()` checks the settings and returns an error naming the layer and the bad value
+//! (a kernel size of 0, a dropout probability outside `[0, 1)`, …), so every `init()` returns
+//! `Result`. A layer with no settings ([`ReLU`]) is built with `X::new()` (or `Default`); a
+//! layer whose every setting has a default ([`Flatten`]) also has `X::new()` (and `Default`),
+//! equal to `XConfig::default().init()`. Neither takes arguments, so neither can fail, and both
+//! return the layer itself. Settings are named at the call site (`with_bias(false)`), never
+//! positional booleans.
+//!
+//! Containers follow the same rule: [`Sequential::add`] names a child by its position and
+//! cannot fail, [`Sequential::add_named`] takes a user's name, which can be invalid, and
+//! returns `Result`.
 
 // The derive names this crate `::tandem_nn`; inside it, that is the crate itself.
 extern crate self as tandem_nn;
@@ -22,8 +52,9 @@ pub mod resnet_imagenet;
 
 pub use error::{Error, Result};
 pub use layers::{
-    AdaptiveAvgPool2d, AvgPool2d, BatchNorm2d, BatchNormConfig, Conv2d, Conv2dConfig, Dropout,
-    Flatten, IntoPair, Linear, MaxPool2d, ReLU, Sequential,
+    AdaptiveAvgPool2d, AdaptiveAvgPool2dConfig, AvgPool2d, AvgPool2dConfig, BatchNorm2d,
+    BatchNormConfig, Conv2d, Conv2dConfig, Dropout, DropoutConfig, Flatten, FlattenConfig,
+    IntoPair, Linear, LinearConfig, MaxPool2d, MaxPool2dConfig, ReLU, Sequential,
 };
 pub use module::{join_path, AsAny, Child, Forward, Fused, Module, ParamKind, TrainingFlag};
 pub use tandem_nn_derive::Module;

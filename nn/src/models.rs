@@ -1,7 +1,7 @@
 //! Ready-made networks: LeNet-5 for MNIST here, and the CIFAR ResNets of [`crate::resnet`] and
 //! the ImageNet ResNets of [`crate::resnet_imagenet`] re-exported.
 
-use crate::layers::{Conv2d, Conv2dConfig, Flatten, Linear, MaxPool2d, ReLU, Sequential};
+use crate::layers::{Conv2dConfig, Flatten, LinearConfig, MaxPool2dConfig, ReLU, Sequential};
 use crate::Result;
 
 /// LeNet-5 for 28×28 single-channel images (MNIST), as in the PyTorch examples:
@@ -17,23 +17,18 @@ use crate::Result;
 /// `[N, 1, 28, 28]`, returns logits `[N, 10]`.
 pub fn lenet5() -> Result<Sequential> {
     let features = Sequential::new()
-        .add(Conv2d::new(
-            1,
-            6,
-            5,
-            Conv2dConfig::default().with_padding(2),
-        )?)
+        .add(Conv2dConfig::new(1, 6, 5).with_padding(2).init()?)
         .add(ReLU::new())
-        .add(MaxPool2d::new(2))
-        .add(Conv2d::new(6, 16, 5, Conv2dConfig::default())?)
+        .add(MaxPool2dConfig::new(2).init()?)
+        .add(Conv2dConfig::new(6, 16, 5).init()?)
         .add(ReLU::new())
-        .add(MaxPool2d::new(2));
+        .add(MaxPool2dConfig::new(2).init()?);
     let classifier = Sequential::new()
-        .add(Linear::new(16 * 5 * 5, 120, true)?)
+        .add(LinearConfig::new(16 * 5 * 5, 120).init()?)
         .add(ReLU::new())
-        .add(Linear::new(120, 84, true)?)
+        .add(LinearConfig::new(120, 84).init()?)
         .add(ReLU::new())
-        .add(Linear::new(84, 10, true)?);
+        .add(LinearConfig::new(84, 10).init()?);
     Sequential::new()
         .add_named("features", features)?
         .add_named("flatten", Flatten::new())?

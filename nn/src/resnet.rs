@@ -12,22 +12,19 @@
 use tandem_core::Tensor;
 
 use crate::layers::{
-    AdaptiveAvgPool2d, BatchNorm2d, Conv2d, Conv2dConfig, Flatten, Linear, Sequential,
+    AdaptiveAvgPool2dConfig, BatchNormConfig, Conv2d, Conv2dConfig, Flatten, LinearConfig,
+    Sequential,
 };
 use crate::{Child, Forward, Module, TrainingFlag};
 use crate::{Error, Result};
 
 /// A 3×3 convolution without bias, padding 1.
 fn conv3x3(in_channels: usize, out_channels: usize, stride: usize) -> Result<Conv2d> {
-    Conv2d::new(
-        in_channels,
-        out_channels,
-        3,
-        Conv2dConfig::default()
-            .with_stride(stride)
-            .with_padding(1)
-            .with_bias(false),
-    )
+    Conv2dConfig::new(in_channels, out_channels, 3)
+        .with_stride(stride)
+        .with_padding(1)
+        .with_bias(false)
+        .init()
 }
 
 /// The residual block of ResNet-18/34 and the CIFAR ResNets:
@@ -68,9 +65,9 @@ impl BasicBlock {
         let projection = stride != 1 || in_channels != out_channels;
         Ok(BasicBlock {
             conv1: conv3x3(in_channels, out_channels, stride)?.into(),
-            bn1: BatchNorm2d::new(out_channels)?.into(),
+            bn1: BatchNormConfig::new(out_channels).init()?.into(),
             conv2: conv3x3(out_channels, out_channels, 1)?.into(),
-            bn2: BatchNorm2d::new(out_channels)?.into(),
+            bn2: BatchNormConfig::new(out_channels).init()?.into(),
             downsample: if projection {
                 Some(downsample(in_channels, out_channels, stride)?.into())
             } else {
@@ -105,15 +102,13 @@ pub(crate) fn downsample(
     out_channels: usize,
     stride: usize,
 ) -> Result<Sequential> {
-    let conv = Conv2d::new(
-        in_channels,
-        out_channels,
-        1,
-        Conv2dConfig::default().with_stride(stride).with_bias(false),
-    )?;
+    let conv = Conv2dConfig::new(in_channels, out_channels, 1)
+        .with_stride(stride)
+        .with_bias(false)
+        .init()?;
     Ok(Sequential::new()
         .add(conv)
-        .add(BatchNorm2d::new(out_channels)?))
+        .add(BatchNormConfig::new(out_channels).init()?))
 }
 
 /// A ResNet for 32×32 images: see the [module documentation](self).
@@ -191,13 +186,13 @@ pub fn resnet_cifar(depth: usize, num_classes: usize) -> Result<CifarResNet> {
     Ok(CifarResNet {
         depth,
         conv1: conv3x3(3, 16, 1)?.into(),
-        bn1: BatchNorm2d::new(16)?.into(),
+        bn1: BatchNormConfig::new(16).init()?.into(),
         layer1: stage(16, 16, 1)?,
         layer2: stage(16, 32, 2)?,
         layer3: stage(32, 64, 2)?,
-        avgpool: AdaptiveAvgPool2d::new(1).into(),
+        avgpool: AdaptiveAvgPool2dConfig::new(1).init()?.into(),
         flatten: Flatten::new().into(),
-        fc: Linear::new(64, num_classes, true)?.into(),
+        fc: LinearConfig::new(64, num_classes).init()?.into(),
         training: TrainingFlag::new(),
     })
 }
@@ -220,6 +215,7 @@ pub fn resnet56() -> Result<CifarResNet> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::layers::BatchNorm2d;
     use std::sync::Arc;
     use tandem_core::{DType, Device};
 
@@ -293,7 +289,7 @@ mod tests {
 
     fn unfused(channels: usize) -> Arc<Unfused> {
         Arc::new(Unfused {
-            bn: Arc::new(BatchNorm2d::new(channels).unwrap()),
+            bn: Arc::new(BatchNormConfig::new(channels).init().unwrap()),
         })
     }
 
@@ -348,14 +344,17 @@ mod tests {
         let (y4, gx4) = output_and_grad(&block, &x);
         assert!(close(&y, &y4) && close(&gx, &gx4));
         let err = block
-            .replace_child("bn3", Arc::new(BatchNorm2d::new(8).unwrap()))
+            .replace_child("bn3", Arc::new(BatchNormConfig::new(8).init().unwrap()))
             .err()
             .unwrap()
             .to_string();
         assert!(err.contains("bn3") && err.contains("downsample"), "{err}");
         let plain = BasicBlock::new(8, 8, 1).unwrap();
         assert!(plain
-            .replace_child("downsample", Arc::new(BatchNorm2d::new(8).unwrap()))
+            .replace_child(
+                "downsample",
+                Arc::new(BatchNormConfig::new(8).init().unwrap())
+            )
             .is_err());
     }
 
@@ -375,7 +374,7 @@ mod tests {
             &model.forward(&x).unwrap().to_vec_f64().unwrap()
         ));
         assert!(model
-            .replace_child("bn9", Arc::new(BatchNorm2d::new(16).unwrap()))
+            .replace_child("bn9", Arc::new(BatchNormConfig::new(16).init().unwrap()))
             .is_err());
     }
 

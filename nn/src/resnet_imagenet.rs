@@ -15,7 +15,8 @@ use tandem_core::Tensor;
 
 use crate::init::{kaiming_normal, FanMode};
 use crate::layers::{
-    AdaptiveAvgPool2d, BatchNorm2d, Conv2d, Conv2dConfig, Flatten, Linear, MaxPool2d, Sequential,
+    AdaptiveAvgPool2dConfig, BatchNormConfig, Conv2d, Conv2dConfig, Flatten, LinearConfig,
+    MaxPool2dConfig, Sequential,
 };
 use crate::resnet::BasicBlock;
 use crate::{Child, Forward, Module, TrainingFlag};
@@ -30,15 +31,11 @@ fn conv(
     stride: usize,
     padding: usize,
 ) -> Result<Conv2d> {
-    Conv2d::new(
-        in_channels,
-        out_channels,
-        kernel,
-        Conv2dConfig::default()
-            .with_stride(stride)
-            .with_padding(padding)
-            .with_bias(false),
-    )
+    Conv2dConfig::new(in_channels, out_channels, kernel)
+        .with_stride(stride)
+        .with_padding(padding)
+        .with_bias(false)
+        .init()
 }
 
 /// The projection shortcut: a 1×1 convolution with `stride` and a batch norm
@@ -46,7 +43,7 @@ fn conv(
 fn downsample(in_channels: usize, out_channels: usize, stride: usize) -> Result<Sequential> {
     Ok(Sequential::new()
         .add(conv(in_channels, out_channels, 1, stride, 0)?)
-        .add(BatchNorm2d::new(out_channels)?))
+        .add(BatchNormConfig::new(out_channels).init()?))
 }
 
 /// The residual block of ResNet-50/101/152:
@@ -95,11 +92,11 @@ impl Bottleneck {
         };
         Ok(Bottleneck {
             conv1: conv(in_channels, width, 1, 1, 0)?.into(),
-            bn1: BatchNorm2d::new(width)?.into(),
+            bn1: BatchNormConfig::new(width).init()?.into(),
             conv2: conv(width, width, 3, stride, 1)?.into(),
-            bn2: BatchNorm2d::new(width)?.into(),
+            bn2: BatchNormConfig::new(width).init()?.into(),
             conv3: conv(width, out_channels, 1, 1, 0)?.into(),
-            bn3: BatchNorm2d::new(out_channels)?.into(),
+            bn3: BatchNormConfig::new(out_channels).init()?.into(),
             downsample,
             training: TrainingFlag::new(),
         })
@@ -211,15 +208,19 @@ pub fn resnet_imagenet(
         .unwrap_or_else(|_| unreachable!("four stages were built"));
     let model = ImageNetResNet {
         conv1: conv(3, 64, 7, 2, 3)?.into(),
-        bn1: BatchNorm2d::new(64)?.into(),
-        maxpool: MaxPool2d::new(3).with_stride(2).with_padding(1).into(),
+        bn1: BatchNormConfig::new(64).init()?.into(),
+        maxpool: MaxPool2dConfig::new(3)
+            .with_stride(2)
+            .with_padding(1)
+            .init()?
+            .into(),
         layer1,
         layer2,
         layer3,
         layer4,
-        avgpool: AdaptiveAvgPool2d::new(1).into(),
+        avgpool: AdaptiveAvgPool2dConfig::new(1).init()?.into(),
         flatten: Flatten::new().into(),
-        fc: Linear::new(in_channels, num_classes, true)?.into(),
+        fc: LinearConfig::new(in_channels, num_classes).init()?.into(),
         training: TrainingFlag::new(),
     };
     // torchvision initialises every convolution Kaiming-normal (fan out), the basic blocks'

@@ -31,17 +31,17 @@ fn randn(shape: &[usize], seed: u64) -> Tensor {
 #[test]
 fn nested_sequential_names_parameters_and_buffers_in_registration_order() {
     let block = Sequential::new()
-        .add(Conv2d::new(3, 4, 3, Conv2dConfig::default().with_bias(false)).unwrap())
-        .add(BatchNorm2d::new(4).unwrap())
+        .add(Conv2dConfig::new(3, 4, 3).with_bias(false).init().unwrap())
+        .add(BatchNormConfig::new(4).init().unwrap())
         .add(ReLU::new());
     let model = Sequential::new()
         .add_named("stem", block)
         .unwrap()
-        .add_named("pool", AdaptiveAvgPool2d::new(1))
+        .add_named("pool", AdaptiveAvgPool2dConfig::new(1).init().unwrap())
         .unwrap()
         .add_named("flatten", Flatten::new())
         .unwrap()
-        .add_named("fc", Linear::new(4, 2, true).unwrap())
+        .add_named("fc", LinearConfig::new(4, 2).init().unwrap())
         .unwrap();
     assert_eq!(
         names(&model.named_parameters()),
@@ -119,8 +119,8 @@ fn same_seed_builds_the_same_model() {
 #[test]
 fn set_training_reaches_every_descendant() {
     let model = Sequential::new()
-        .add(Sequential::new().add(Dropout::new(0.5).unwrap()))
-        .add(BatchNorm2d::new(2).unwrap());
+        .add(Sequential::new().add(DropoutConfig::new(0.5).init().unwrap()))
+        .add(BatchNormConfig::new(2).init().unwrap());
     assert!(model.is_training());
     model.eval();
     assert!(!model.is_training());
@@ -138,7 +138,7 @@ fn errors_inside_containers_name_the_full_module_path() {
             "features",
             Sequential::new()
                 .add(ReLU::new())
-                .add(Linear::new(4, 2, true).unwrap()),
+                .add(LinearConfig::new(4, 2).init().unwrap()),
         )
         .unwrap();
     let err = model.forward(&randn(&[2, 3], 3)).unwrap_err().to_string();
@@ -152,8 +152,8 @@ fn errors_inside_containers_name_the_full_module_path() {
 fn sequential_child_can_be_replaced_through_a_shared_handle() {
     let model: Arc<dyn Module> = Arc::new(
         Sequential::new()
-            .add(Linear::new(2, 2, false).unwrap())
-            .add(BatchNorm2d::new(3).unwrap()),
+            .add(LinearConfig::new(2, 2).with_bias(false).init().unwrap())
+            .add(BatchNormConfig::new(3).init().unwrap()),
     );
     // Find the BatchNorm layers the way a SyncBatchNorm converter would.
     let found: Vec<String> = model
@@ -179,7 +179,7 @@ fn sequential_child_can_be_replaced_through_a_shared_handle() {
         err.contains("`7`") && err.contains("[\"0\", \"1\"]"),
         "{err}"
     );
-    let leaf = Linear::new(2, 2, true).unwrap();
+    let leaf = LinearConfig::new(2, 2).init().unwrap();
     assert!(leaf.replace_child("0", Arc::new(ReLU::new())).is_err());
 }
 
@@ -192,6 +192,31 @@ fn add_named_rejects_bad_and_duplicate_names() {
     assert!(twice.err().unwrap().to_string().contains("already taken"));
     assert!(Sequential::new().add_named("a.b", ReLU::new()).is_err());
     assert!(Sequential::new().add_named("3", ReLU::new()).is_err());
+}
+
+#[test]
+fn add_named_reserves_every_all_digit_name_for_positions() {
+    // Past usize's range and with leading zeros: still digits, still refused.
+    for name in ["007", "123456789012345678901234567890"] {
+        let err = Sequential::new()
+            .add_named(name, ReLU::new())
+            .err()
+            .unwrap();
+        assert!(err.to_string().contains("positional"), "{name}: {err}");
+    }
+    assert!(Sequential::new().add_named("layer3", ReLU::new()).is_ok());
+}
+
+#[test]
+fn add_after_named_children_names_each_child_by_its_free_position() {
+    let model = Sequential::new()
+        .add(ReLU::new())
+        .add_named("named", ReLU::new())
+        .unwrap()
+        .add(ReLU::new())
+        .add_shared(Arc::new(ReLU::new()));
+    let names: Vec<String> = model.children().into_iter().map(|(n, _)| n).collect();
+    assert_eq!(names, ["0", "named", "2", "3"]);
 }
 
 #[test]
@@ -223,9 +248,9 @@ fn small_mlp_learns_a_synthetic_classification_task() {
     )
     .unwrap();
     let model = Sequential::new()
-        .add(Linear::new(4, 16, true).unwrap())
+        .add(LinearConfig::new(4, 16).init().unwrap())
         .add(ReLU::new())
-        .add(Linear::new(16, 3, true).unwrap());
+        .add(LinearConfig::new(16, 3).init().unwrap());
     let full_loss = |model: &Sequential| {
         no_grad(|| {
             cross_entropy(&model.forward(&inputs).unwrap(), &targets, Reduction::Mean)

@@ -8,7 +8,7 @@
 
 use tandem_autograd::{no_grad, BackwardOptions, TensorBackward};
 use tandem_core::{DType, Device, Generator, Tensor};
-use tandem_nn::{BatchNorm2d, Fused, Module};
+use tandem_nn::{BatchNorm2d, BatchNormConfig, Fused, Module};
 
 const GPU: Device = Device::Cuda(0);
 
@@ -49,9 +49,9 @@ fn batch_norm_2d_on_cuda_matches_the_cpu_layer() {
         return;
     }
     let c = 6;
-    let cpu = BatchNorm2d::new(c).unwrap();
+    let cpu = BatchNormConfig::new(c).init().unwrap();
     // Parameters that are not the initial ones, the same on both layers.
-    let gpu = BatchNorm2d::new(c).unwrap();
+    let gpu = BatchNormConfig::new(c).init().unwrap();
     no_grad(|| {
         for layer in [&cpu, &gpu] {
             layer.weight().unwrap().copy_(&randn(&[c], 1.0, 1)).unwrap();

@@ -30,7 +30,7 @@ pub use clip::clip_grad_norm;
 pub use error::{Error, Result};
 pub use optimizer::Optimizer;
 pub use schedule::{
-    Chained, CosineAnnealingLr, LinearWarmup, LrSchedule, MultiStepLr, Scheduler, Sequential,
+    Chained, CosineAnnealingLr, LinearWarmup, LrSchedule, MultiStepLr, Scheduler, SequentialLr,
     StepLr,
 };
 pub use sgd::{Sgd, SgdConfig};

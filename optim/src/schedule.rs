@@ -5,8 +5,8 @@
 //! asking for the step it stopped at. The values are PyTorch's closed forms
 //! (`torch.optim.lr_scheduler`): [`StepLr`], [`MultiStepLr`], [`CosineAnnealingLr`] and
 //! [`LinearWarmup`] (PyTorch's `LinearLR` ending at factor 1). Two schedules compose as
-//! [`Sequential`] (one after the other, like `SequentialLR`: `warmup.then(cosine)`) or as
-//! [`Chained`] (both at once, like `ChainedScheduler` for multiplicative schedules).
+//! [`SequentialLr`] (one after the other, PyTorch's `SequentialLR`: `warmup.then(cosine)`)
+//! or as [`Chained`] (both at once, like `ChainedScheduler` for multiplicative schedules).
 //!
 //! ```text
 //! let mut scheduler = Scheduler::new(warmup.then(cosine)?, &mut optimizer)?;
@@ -34,7 +34,7 @@ pub trait LrSchedule: Send {
     /// This schedule for its [`LrSchedule::duration`], then `next`, whose steps count from
     /// the end of this one. Errors if this schedule has no natural end; use
     /// [`LrSchedule::then_at`] to give the switching step explicitly.
-    fn then<S: LrSchedule>(self, next: S) -> Result<Sequential<Self, S>>
+    fn then<S: LrSchedule>(self, next: S) -> Result<SequentialLr<Self, S>>
     where
         Self: Sized,
     {
@@ -50,11 +50,11 @@ pub trait LrSchedule: Send {
     }
 
     /// This schedule for steps `0..milestone`, then `next` from its own step 0.
-    fn then_at<S: LrSchedule>(self, milestone: u64, next: S) -> Sequential<Self, S>
+    fn then_at<S: LrSchedule>(self, milestone: u64, next: S) -> SequentialLr<Self, S>
     where
         Self: Sized,
     {
-        Sequential {
+        SequentialLr {
             first: self,
             second: next,
             milestone,
@@ -265,15 +265,15 @@ impl LrSchedule for LinearWarmup {
 /// `SequentialLR` with one milestone). Built by [`LrSchedule::then`] or
 /// [`LrSchedule::then_at`].
 #[derive(Clone, Debug, PartialEq)]
-pub struct Sequential<A, B> {
+pub struct SequentialLr<A, B> {
     first: A,
     second: B,
     milestone: u64,
 }
 
-impl<A: LrSchedule, B: LrSchedule> LrSchedule for Sequential<A, B> {
+impl<A: LrSchedule, B: LrSchedule> LrSchedule for SequentialLr<A, B> {
     fn name(&self) -> &'static str {
-        "Sequential"
+        "SequentialLr"
     }
 
     fn lr_at(&self, step: u64, base_lr: f64) -> f64 {

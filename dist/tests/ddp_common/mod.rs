@@ -10,7 +10,7 @@ use tandem_core::{DType, Device, Generator, Tensor};
 use tandem_dist::{DdpConfig, DistributedDataParallel, ProcessGroup, ThreadProcessGroup};
 use tandem_nn::loss::{cross_entropy, Reduction};
 use tandem_nn::{
-    BatchNorm2d, Conv2d, Conv2dConfig, Flatten, Linear, MaxPool2d, Module, ReLU, Sequential,
+    BatchNormConfig, Conv2dConfig, Flatten, LinearConfig, MaxPool2dConfig, Module, ReLU, Sequential,
 };
 use tandem_optim::{Optimizer, Sgd, SgdConfig};
 
@@ -29,29 +29,29 @@ pub fn build(model: Model, seed: u64) -> Arc<dyn Module> {
     tandem_core::rng::manual_seed(seed);
     let m: Sequential = match model {
         Model::Mlp => Sequential::new()
-            .add(Linear::new(12, 16, true).unwrap())
+            .add(LinearConfig::new(12, 16).init().unwrap())
             .add(ReLU::new())
-            .add(Linear::new(16, 16, true).unwrap())
+            .add(LinearConfig::new(16, 16).init().unwrap())
             .add(ReLU::new())
-            .add(Linear::new(16, CLASSES, true).unwrap()),
+            .add(LinearConfig::new(16, CLASSES).init().unwrap()),
         Model::Cnn => Sequential::new()
-            .add(Conv2d::new(1, 4, 3, Conv2dConfig::default().with_padding(1)).unwrap())
+            .add(Conv2dConfig::new(1, 4, 3).with_padding(1).init().unwrap())
             .add(ReLU::new())
-            .add(MaxPool2d::new(2))
-            .add(Conv2d::new(4, 6, 3, Conv2dConfig::default().with_padding(1)).unwrap())
+            .add(MaxPool2dConfig::new(2).init().unwrap())
+            .add(Conv2dConfig::new(4, 6, 3).with_padding(1).init().unwrap())
             .add(ReLU::new())
             .add(Flatten::new())
-            .add(Linear::new(6 * 4 * 4, CLASSES, true).unwrap()),
+            .add(LinearConfig::new(6 * 4 * 4, CLASSES).init().unwrap()),
         Model::CnnBatchNorm => Sequential::new()
-            .add(Conv2d::new(1, 4, 3, Conv2dConfig::default().with_padding(1)).unwrap())
-            .add(BatchNorm2d::new(4).unwrap())
+            .add(Conv2dConfig::new(1, 4, 3).with_padding(1).init().unwrap())
+            .add(BatchNormConfig::new(4).init().unwrap())
             .add(ReLU::new())
-            .add(MaxPool2d::new(2))
-            .add(Conv2d::new(4, 6, 3, Conv2dConfig::default().with_padding(1)).unwrap())
-            .add(BatchNorm2d::new(6).unwrap())
+            .add(MaxPool2dConfig::new(2).init().unwrap())
+            .add(Conv2dConfig::new(4, 6, 3).with_padding(1).init().unwrap())
+            .add(BatchNormConfig::new(6).init().unwrap())
             .add(ReLU::new())
             .add(Flatten::new())
-            .add(Linear::new(6 * 4 * 4, CLASSES, true).unwrap()),
+            .add(LinearConfig::new(6 * 4 * 4, CLASSES).init().unwrap()),
     };
     Arc::new(m)
 }

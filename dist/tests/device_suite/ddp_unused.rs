@@ -9,7 +9,7 @@ use tandem_core::{Device, Tensor};
 use tandem_dist::{DdpConfig, DistributedDataParallel, ProcessGroup};
 use tandem_nn::loss::{cross_entropy, Reduction};
 use tandem_nn::module::{ParamKind, TrainingFlag};
-use tandem_nn::{Linear, Module};
+use tandem_nn::{Linear, LinearConfig, Module};
 use tandem_optim::{Optimizer, Sgd, SgdConfig};
 
 use super::ddp::{on, tolerance};
@@ -27,8 +27,8 @@ impl WithUnused {
     fn new(device: Device) -> Self {
         tandem_core::rng::manual_seed(3);
         let m = WithUnused {
-            used: Linear::new(12, CLASSES, true).unwrap(),
-            never: Linear::new(12, CLASSES, true).unwrap(),
+            used: LinearConfig::new(12, CLASSES).init().unwrap(),
+            never: LinearConfig::new(12, CLASSES).init().unwrap(),
             training: TrainingFlag::new(),
         };
         m.to_device(device).unwrap();

@@ -340,11 +340,11 @@ mod tests {
         use std::collections::BTreeMap;
 
         use crate::checkpoint::{load_checkpoint, save_checkpoint};
-        use crate::Linear;
+        use crate::LinearConfig;
 
         let dir = scratch_dir("killed-save");
         let target = dir.join("latest.safetensors");
-        let model = Linear::new(2, 2, true).unwrap();
+        let model = LinearConfig::new(2, 2).init().unwrap();
         let leftover = format!(".latest.safetensors.tmp-{}-{}-0", host_tag(), dead_pid());
         let unrelated = format!(".other.safetensors.tmp-{}-{}-0", host_tag(), dead_pid());
         fs::write(dir.join(&leftover), b"half a checkpoint").unwrap();

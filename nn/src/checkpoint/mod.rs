@@ -435,7 +435,7 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
-    use crate::{BatchNorm2d, Linear, ParamKind, TrainingFlag};
+    use crate::{BatchNormConfig, LinearConfig, ParamKind, TrainingFlag};
 
     /// A module owning one tensor of every dtype, plus a BatchNorm child for buffers.
     struct EveryDtype {
@@ -484,7 +484,7 @@ mod tests {
             .into_iter()
             .map(|(n, k, t)| (n, k, t.unwrap()))
             .collect();
-            let norm = BatchNorm2d::new(2).unwrap();
+            let norm = BatchNormConfig::new(2).init().unwrap();
             for (_, _, t) in norm.named_tensors() {
                 t.map_inplace_f64("test", |x| x + seed).ok();
             }
@@ -622,13 +622,13 @@ mod tests {
         let path = dir.join("linear.safetensors");
         save_checkpoint(
             &path,
-            &Linear::new(3, 2, true).unwrap(),
+            &LinearConfig::new(3, 2).init().unwrap(),
             &[],
             &BTreeMap::new(),
         )
         .unwrap();
         let checkpoint = load_checkpoint(&path).unwrap();
-        let wider = Linear::new(4, 2, true).unwrap();
+        let wider = LinearConfig::new(4, 2).init().unwrap();
         let before = wider.weight().to_vec::<f32>().unwrap();
         let msg = load_state_dict(&wider, &checkpoint, false)
             .unwrap_err()
@@ -651,7 +651,7 @@ mod tests {
             module_state: tensors,
             ..checkpoint
         };
-        let msg = load_state_dict(&Linear::new(3, 2, true).unwrap(), &as_f64, false)
+        let msg = load_state_dict(&LinearConfig::new(3, 2).init().unwrap(), &as_f64, false)
             .unwrap_err()
             .to_string();
         assert!(
@@ -665,11 +665,11 @@ mod tests {
     fn strict_load_lists_missing_and_unexpected_keys_by_name() {
         let dir = scratch_dir("strict");
         let path = dir.join("linear.safetensors");
-        let with_bias = Linear::new(3, 2, true).unwrap();
+        let with_bias = LinearConfig::new(3, 2).init().unwrap();
         save_checkpoint(&path, &with_bias, &[], &BTreeMap::new()).unwrap();
         let checkpoint = load_checkpoint(&path).unwrap();
 
-        let no_bias = Linear::new(3, 2, false).unwrap();
+        let no_bias = LinearConfig::new(3, 2).with_bias(false).init().unwrap();
         let msg = load_state_dict(&no_bias, &checkpoint, true)
             .unwrap_err()
             .to_string();
@@ -704,7 +704,7 @@ mod tests {
     fn extras_are_not_module_state_and_cannot_shadow_it() {
         let dir = scratch_dir("extras");
         let path = dir.join("model.safetensors");
-        let model = Linear::new(2, 2, true).unwrap();
+        let model = LinearConfig::new(2, 2).init().unwrap();
         let step = Tensor::scalar(7i64, Device::Cpu).unwrap();
         save_checkpoint(
             &path,
@@ -737,7 +737,7 @@ mod tests {
     fn atomic_save_overwrites_and_leaves_no_temporary_file() {
         let dir = scratch_dir("atomic");
         let path = dir.join("latest.safetensors");
-        let model = Linear::new(2, 3, true).unwrap();
+        let model = LinearConfig::new(2, 3).init().unwrap();
         save_checkpoint(&path, &model, &[], &metadata(&[("epoch", "1")])).unwrap();
         model.weight().fill_(0.5).unwrap();
         save_checkpoint(&path, &model, &[], &metadata(&[("epoch", "2")])).unwrap();

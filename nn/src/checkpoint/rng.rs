@@ -106,13 +106,13 @@ mod tests {
     use tandem_core::DType;
 
     use super::*;
-    use crate::{Linear, Sequential};
+    use crate::{DropoutConfig, LinearConfig, Sequential};
 
     fn model() -> Sequential {
         Sequential::new()
-            .add(Linear::new(4, 8, true).unwrap())
-            .add(Dropout::new(0.5).unwrap())
-            .add(Sequential::new().add(Dropout::new(0.25).unwrap()))
+            .add(LinearConfig::new(4, 8).init().unwrap())
+            .add(DropoutConfig::new(0.5).init().unwrap())
+            .add(Sequential::new().add(DropoutConfig::new(0.25).init().unwrap()))
     }
 
     /// Dropout masks of the model for one input, and a draw from the default generator.

@@ -7,10 +7,20 @@ use crate::module::parameter;
 use crate::{Error, Result};
 use crate::{Forward, Fused, Module, TrainingFlag};
 
-/// Options of a [`BatchNorm2d`]. Defaults (PyTorch's): eps 1e-5, momentum 0.1, affine, tracking
-/// running statistics.
+/// How to build a [`BatchNorm2d`]: the channel count in [`BatchNormConfig::new`], the rest with
+/// `with_*` (PyTorch's defaults: eps 1e-5, momentum 0.1, affine, tracking running statistics, on
+/// the CPU), then [`BatchNormConfig::init`].
+///
+/// ```
+/// # use tandem_nn::BatchNormConfig;
+/// let bn = BatchNormConfig::new(64).with_momentum(0.01).init()?;
+/// assert_eq!(bn.num_features(), 64);
+/// # Ok::<(), tandem_nn::Error>(())
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct BatchNormConfig {
+    /// Number of channels (`C` of `[N, C, H, W]`).
+    pub num_features: usize,
     /// Added to the variance before the square root.
     pub eps: f64,
     /// Weight of the current batch in the running statistics:
@@ -26,9 +36,11 @@ pub struct BatchNormConfig {
     pub device: Device,
 }
 
-impl Default for BatchNormConfig {
-    fn default() -> Self {
+impl BatchNormConfig {
+    /// Batch normalisation of `num_features` channels with PyTorch's defaults.
+    pub fn new(num_features: usize) -> Self {
         BatchNormConfig {
+            num_features,
             eps: 1e-5,
             momentum: 0.1,
             affine: true,
@@ -36,53 +48,55 @@ impl Default for BatchNormConfig {
             device: Device::Cpu,
         }
     }
-}
 
-/// Normalises each channel of `[N, C, H, W]` to zero mean and unit variance, then scales and
-/// shifts it.
-///
-/// In training mode it uses the statistics of the batch (the biased variance) and updates the
-/// running statistics (with the unbiased variance) and `num_batches_tracked`; in evaluation
-/// mode it uses the running statistics. Parameters `weight`, `bias` `[C]`; buffers
-/// `running_mean` (0), `running_var` (1) `[C]` f32 and `num_batches_tracked` (a 0-dim i64).
-///
-/// # Shapes
-/// `x` `[N, C, H, W]` → the same shape.
-#[derive(Debug, Module)]
-#[module(fused)]
-pub struct BatchNorm2d {
-    num_features: usize,
-    config: BatchNormConfig,
-    #[param]
-    weight: Option<Tensor>,
-    #[param]
-    bias: Option<Tensor>,
-    #[buffer]
-    running_mean: Option<Tensor>,
-    #[buffer]
-    running_var: Option<Tensor>,
-    #[buffer]
-    num_batches_tracked: Option<Tensor>,
-    training: TrainingFlag,
-}
-
-impl BatchNorm2d {
-    /// Batch normalisation of `num_features` channels with the default config.
-    pub fn new(num_features: usize) -> Result<Self> {
-        Self::with_config(num_features, BatchNormConfig::default())
+    /// The same config with `eps` added to the variance.
+    pub fn with_eps(self, eps: f64) -> Self {
+        BatchNormConfig { eps, ..self }
     }
 
-    /// Batch normalisation of `num_features` channels with `config`.
-    pub fn with_config(num_features: usize, config: BatchNormConfig) -> Result<Self> {
+    /// The same config with running-statistics momentum `momentum`.
+    pub fn with_momentum(self, momentum: f64) -> Self {
+        BatchNormConfig { momentum, ..self }
+    }
+
+    /// The same config with (`true`) or without a learned scale and shift.
+    pub fn with_affine(self, affine: bool) -> Self {
+        BatchNormConfig { affine, ..self }
+    }
+
+    /// The same config with (`true`) or without running statistics.
+    pub fn with_track_running_stats(self, track_running_stats: bool) -> Self {
+        BatchNormConfig {
+            track_running_stats,
+            ..self
+        }
+    }
+
+    /// The same config with parameters and buffers on `device`.
+    pub fn with_device(self, device: Device) -> Self {
+        BatchNormConfig { device, ..self }
+    }
+
+    /// The layer. Errors (naming `BatchNorm2d` and the values) if `num_features` is 0, `eps`
+    /// is not a positive number or `momentum` is outside `[0, 1]`.
+    pub fn init(&self) -> Result<BatchNorm2d> {
+        let config = *self;
+        let num_features = config.num_features;
         if num_features == 0 {
-            return Err(Error::config("BatchNorm2d", "num_features must be > 0"));
+            return Err(Error::config(
+                "BatchNorm2d",
+                "num_features must be > 0, got 0",
+            ));
         }
         let eps_ok = config.eps.is_finite() && config.eps > 0.0;
         let momentum_ok = config.momentum.is_finite() && (0.0..=1.0).contains(&config.momentum);
         if !eps_ok || !momentum_ok {
             return Err(Error::config(
                 "BatchNorm2d",
-                format!("need eps > 0 and momentum in [0, 1], got {config:?}"),
+                format!(
+                    "need eps > 0 and momentum in [0, 1], got eps {} and momentum {}",
+                    config.eps, config.momentum
+                ),
             ));
         }
         let c = [num_features];
@@ -115,7 +129,39 @@ impl BatchNorm2d {
             training: TrainingFlag::new(),
         })
     }
+}
 
+/// Normalises each channel of `[N, C, H, W]` to zero mean and unit variance, then scales and
+/// shifts it.
+///
+/// In training mode it uses the statistics of the batch (the biased variance) and updates the
+/// running statistics (with the unbiased variance) and `num_batches_tracked`; in evaluation
+/// mode it uses the running statistics. Parameters `weight`, `bias` `[C]`; buffers
+/// `running_mean` (0), `running_var` (1) `[C]` f32 and `num_batches_tracked` (a 0-dim i64).
+///
+/// Built with [`BatchNormConfig`].
+///
+/// # Shapes
+/// `x` `[N, C, H, W]` → the same shape.
+#[derive(Debug, Module)]
+#[module(fused)]
+pub struct BatchNorm2d {
+    num_features: usize,
+    config: BatchNormConfig,
+    #[param]
+    weight: Option<Tensor>,
+    #[param]
+    bias: Option<Tensor>,
+    #[buffer]
+    running_mean: Option<Tensor>,
+    #[buffer]
+    running_var: Option<Tensor>,
+    #[buffer]
+    num_batches_tracked: Option<Tensor>,
+    training: TrainingFlag,
+}
+
+impl BatchNorm2d {
     /// Number of channels.
     pub fn num_features(&self) -> usize {
         self.num_features
@@ -229,6 +275,10 @@ mod tests {
     use crate::ParamKind;
     use tandem_core::Generator;
 
+    fn bn(num_features: usize) -> Result<BatchNorm2d> {
+        BatchNormConfig::new(num_features).init()
+    }
+
     fn input() -> Tensor {
         let mut g = Generator::new(5);
         Tensor::randn(&[4, 2, 3, 3], 2.0, 3.0, DType::F32, Device::Cpu, &mut g).unwrap()
@@ -252,7 +302,7 @@ mod tests {
 
     #[test]
     fn batch_norm_registers_pytorch_parameters_and_buffers() {
-        let bn = BatchNorm2d::new(3).unwrap();
+        let bn = bn(3).unwrap();
         let names: Vec<(String, ParamKind)> = bn
             .named_tensors()
             .into_iter()
@@ -274,21 +324,17 @@ mod tests {
             bn.running_var().unwrap().to_vec::<f32>().unwrap(),
             vec![1.0; 3]
         );
-        let bare = BatchNorm2d::with_config(
-            3,
-            BatchNormConfig {
-                affine: false,
-                track_running_stats: false,
-                ..Default::default()
-            },
-        )
-        .unwrap();
+        let bare = BatchNormConfig::new(3)
+            .with_affine(false)
+            .with_track_running_stats(false)
+            .init()
+            .unwrap();
         assert!(bare.named_tensors().is_empty());
     }
 
     #[test]
     fn training_mode_normalises_with_batch_statistics_and_updates_running_ones() {
-        let bn = BatchNorm2d::new(2).unwrap();
+        let bn = bn(2).unwrap();
         let x = input();
         let y = bn.forward(&x).unwrap();
         for (mean, var) in channel_stats(&y) {
@@ -311,7 +357,7 @@ mod tests {
 
     #[test]
     fn eval_mode_uses_running_statistics_and_leaves_them_alone() {
-        let bn = BatchNorm2d::new(2).unwrap();
+        let bn = bn(2).unwrap();
         bn.eval();
         let x = input();
         let y = bn.forward(&x).unwrap().to_vec_f64().unwrap();
@@ -343,7 +389,7 @@ mod tests {
 
     #[test]
     fn fused_relu_forward_clamps_the_normalised_output_in_both_modes() {
-        let (fused, plain) = (BatchNorm2d::new(2).unwrap(), BatchNorm2d::new(2).unwrap());
+        let (fused, plain) = (bn(2).unwrap(), bn(2).unwrap());
         let x = input();
         for training in [true, false] {
             fused.set_training(training);
@@ -363,7 +409,7 @@ mod tests {
 
     #[test]
     fn fused_add_relu_forward_clamps_normalised_plus_residual_in_both_modes() {
-        let (fused, plain) = (BatchNorm2d::new(2).unwrap(), BatchNorm2d::new(2).unwrap());
+        let (fused, plain) = (bn(2).unwrap(), bn(2).unwrap());
         let x = input();
         let mut g = Generator::new(6);
         let r = Tensor::randn(x.dims(), 0.0, 1.0, DType::F32, Device::Cpu, &mut g).unwrap();
@@ -394,7 +440,7 @@ mod tests {
 
     #[test]
     fn batch_norm_rejects_wrong_channels_and_single_values() {
-        let bn = BatchNorm2d::new(3).unwrap();
+        let bn = bn(3).unwrap();
         let x = Tensor::zeros(&[2, 2, 4, 4], DType::F32, Device::Cpu).unwrap();
         let err = bn.forward(&x).unwrap_err().to_string();
         assert!(
@@ -405,5 +451,23 @@ mod tests {
         assert!(bn.forward(&one).is_err());
         bn.eval();
         assert!(bn.forward(&one).is_ok());
+    }
+
+    #[test]
+    fn batch_norm_config_rejects_bad_values_naming_them() {
+        let err = bn(0).unwrap_err().to_string();
+        assert!(
+            err.contains("BatchNorm2d") && err.contains("got 0"),
+            "{err}"
+        );
+        let err = BatchNormConfig::new(2).with_eps(0.0).init().unwrap_err();
+        assert!(err.to_string().contains("eps 0"), "{err}");
+        let err = BatchNormConfig::new(2)
+            .with_momentum(1.5)
+            .init()
+            .unwrap_err();
+        assert!(err.to_string().contains("momentum 1.5"), "{err}");
+        let custom = BatchNormConfig::new(2).with_eps(1e-3).with_momentum(0.01);
+        assert_eq!(custom.init().unwrap().config(), &custom);
     }
 }

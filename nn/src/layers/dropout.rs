@@ -7,25 +7,31 @@ use tandem_core::{Generator, Tensor};
 use crate::{Error, Result};
 use crate::{Forward, Module, TrainingFlag};
 
-/// Zeroes each element with probability `p` during training and scales the survivors by
-/// `1 / (1 − p)` (inverted dropout); the identity in evaluation mode.
+/// How to build a [`Dropout`]: the drop probability in [`DropoutConfig::new`], then
+/// [`DropoutConfig::init`].
 ///
-/// Each layer owns a generator, seeded at construction from the thread's default generator
-/// (so `manual_seed` before building a model fixes every mask) and reseedable with
-/// [`Dropout::reseed`].
-///
-/// # Shapes
-/// Any input; the output has its shape.
-#[derive(Debug, Module)]
-pub struct Dropout {
-    p: f64,
-    generator: Mutex<Generator>,
-    training: TrainingFlag,
+/// ```
+/// # use tandem_nn::DropoutConfig;
+/// let dropout = DropoutConfig::new(0.5).init()?;
+/// assert_eq!(dropout.p(), 0.5);
+/// # Ok::<(), tandem_nn::Error>(())
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DropoutConfig {
+    /// Probability of zeroing each element during training, in `[0, 1)`.
+    pub p: f64,
 }
 
-impl Dropout {
-    /// Dropout with probability `p` in `[0, 1)`.
-    pub fn new(p: f64) -> Result<Self> {
+impl DropoutConfig {
+    /// Dropout with probability `p`.
+    pub fn new(p: f64) -> Self {
+        DropoutConfig { p }
+    }
+
+    /// The layer, its generator seeded from the thread's default generator. Errors (naming
+    /// `Dropout` and the value) if `p` is outside `[0, 1)`.
+    pub fn init(&self) -> Result<Dropout> {
+        let p = self.p;
         if !(0.0..1.0).contains(&p) {
             return Err(Error::config(
                 "Dropout",
@@ -39,7 +45,25 @@ impl Dropout {
             training: TrainingFlag::new(),
         })
     }
+}
 
+/// Zeroes each element with probability `p` during training and scales the survivors by
+/// `1 / (1 − p)` (inverted dropout); the identity in evaluation mode.
+///
+/// Built with [`DropoutConfig`]. Each layer owns a generator, seeded at construction from the thread's default generator
+/// (so `manual_seed` before building a model fixes every mask) and reseedable with
+/// [`Dropout::reseed`].
+///
+/// # Shapes
+/// Any input; the output has its shape.
+#[derive(Debug, Module)]
+pub struct Dropout {
+    p: f64,
+    generator: Mutex<Generator>,
+    training: TrainingFlag,
+}
+
+impl Dropout {
     /// The drop probability.
     pub fn p(&self) -> f64 {
         self.p
@@ -78,7 +102,7 @@ mod tests {
 
     #[test]
     fn dropout_zeroes_and_rescales_in_training_and_is_identity_in_eval() {
-        let layer = Dropout::new(0.25).unwrap();
+        let layer = DropoutConfig::new(0.25).init().unwrap();
         let x = Tensor::ones(&[4000], DType::F32, Device::Cpu).unwrap();
         let y = layer.forward(&x).unwrap().to_vec::<f32>().unwrap();
         let kept = y.iter().filter(|&&v| v != 0.0).count();
@@ -93,7 +117,7 @@ mod tests {
 
     #[test]
     fn reseeding_repeats_the_masks() {
-        let layer = Dropout::new(0.5).unwrap();
+        let layer = DropoutConfig::new(0.5).init().unwrap();
         let x = Tensor::ones(&[64], DType::F32, Device::Cpu).unwrap();
         layer.reseed(3);
         let a = layer.forward(&x).unwrap().to_vec::<f32>().unwrap();
@@ -106,8 +130,10 @@ mod tests {
 
     #[test]
     fn dropout_probability_must_be_below_one() {
-        assert!(Dropout::new(1.0).is_err());
-        assert!(Dropout::new(-0.1).is_err());
-        assert!(Dropout::new(0.0).is_ok());
+        let err = DropoutConfig::new(1.0).init().unwrap_err().to_string();
+        assert!(err.contains("Dropout") && err.contains("got 1"), "{err}");
+        assert!(DropoutConfig::new(-0.1).init().is_err());
+        assert!(DropoutConfig::new(f64::NAN).init().is_err());
+        assert!(DropoutConfig::new(0.0).init().is_ok());
     }
 }

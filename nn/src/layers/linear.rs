@@ -7,7 +7,90 @@ use crate::module::parameter;
 use crate::{Error, Result};
 use crate::{Forward, Module, TrainingFlag};
 
-/// `y = x · weightᵀ + bias`, applied to the last dim of `x`.
+/// How to build a [`Linear`]: the feature counts in [`LinearConfig::new`], the rest with
+/// `with_*` (PyTorch's defaults: with bias, on the CPU), then [`LinearConfig::init`].
+///
+/// ```
+/// # use tandem_nn::LinearConfig;
+/// let fc = LinearConfig::new(512, 10).with_bias(false).init()?;
+/// assert_eq!((fc.in_features(), fc.out_features()), (512, 10));
+/// # Ok::<(), tandem_nn::Error>(())
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LinearConfig {
+    /// Size of each input sample.
+    pub in_features: usize,
+    /// Size of each output sample.
+    pub out_features: usize,
+    /// Whether the layer adds a learned bias.
+    pub bias: bool,
+    /// Where the parameters live (initialised on the CPU, from the default generator, then
+    /// moved: the same seed gives the same values on every device).
+    pub device: Device,
+}
+
+impl LinearConfig {
+    /// A layer from `in_features` to `out_features`, with a bias, on the CPU.
+    pub fn new(in_features: usize, out_features: usize) -> Self {
+        LinearConfig {
+            in_features,
+            out_features,
+            bias: true,
+            device: Device::Cpu,
+        }
+    }
+
+    /// The same config with or without bias.
+    pub fn with_bias(self, bias: bool) -> Self {
+        LinearConfig { bias, ..self }
+    }
+
+    /// The same config with parameters on `device`.
+    pub fn with_device(self, device: Device) -> Self {
+        LinearConfig { device, ..self }
+    }
+
+    /// The layer, initialised like PyTorch. Errors (naming `Linear` and the values) if a
+    /// feature count is 0.
+    pub fn init(&self) -> Result<Linear> {
+        let LinearConfig {
+            in_features,
+            out_features,
+            ..
+        } = *self;
+        if in_features == 0 || out_features == 0 {
+            return Err(Error::config(
+                "Linear",
+                format!(
+                    "in_features and out_features must be > 0, got {in_features} and \
+                     {out_features}"
+                ),
+            ));
+        }
+        let weight = Tensor::zeros(&[out_features, in_features], DType::F32, Device::Cpu)?;
+        kaiming_uniform(&weight, 5f64.sqrt(), FanMode::FanIn)?;
+        let bias = if self.bias {
+            let b = Tensor::zeros(&[out_features], DType::F32, Device::Cpu)?;
+            let bound = 1.0 / (in_features as f64).sqrt();
+            uniform(&b, -bound, bound)?;
+            Some(parameter(b)?)
+        } else {
+            None
+        };
+        let weight = parameter(weight)?;
+        weight.move_to_device(self.device)?;
+        if let Some(b) = &bias {
+            b.move_to_device(self.device)?;
+        }
+        Ok(Linear {
+            weight,
+            bias,
+            training: TrainingFlag::new(),
+        })
+    }
+}
+
+/// `y = x · weightᵀ + bias`, applied to the last dim of `x`; built with [`LinearConfig`].
 ///
 /// Parameters: `weight` `[out_features, in_features]`, `bias` `[out_features]` (optional).
 /// Initialised like PyTorch: both from U(−1/√in_features, 1/√in_features) (the weight via
@@ -25,50 +108,6 @@ pub struct Linear {
 }
 
 impl Linear {
-    /// A layer from `in_features` to `out_features` (both > 0), with a bias if `bias`.
-    pub fn new(in_features: usize, out_features: usize, bias: bool) -> Result<Self> {
-        Self::new_on(in_features, out_features, bias, Device::Cpu)
-    }
-
-    /// [`Linear::new`] with the parameters on `device` (initialised on the CPU from the
-    /// default generator, then moved: the same seed gives the same values on every device).
-    pub fn new_on(
-        in_features: usize,
-        out_features: usize,
-        bias: bool,
-        device: Device,
-    ) -> Result<Self> {
-        if in_features == 0 || out_features == 0 {
-            return Err(Error::config(
-                "Linear",
-                format!(
-                    "in_features and out_features must be > 0, got {in_features} and \
-                     {out_features}"
-                ),
-            ));
-        }
-        let weight = Tensor::zeros(&[out_features, in_features], DType::F32, Device::Cpu)?;
-        kaiming_uniform(&weight, 5f64.sqrt(), FanMode::FanIn)?;
-        let bias = if bias {
-            let b = Tensor::zeros(&[out_features], DType::F32, Device::Cpu)?;
-            let bound = 1.0 / (in_features as f64).sqrt();
-            uniform(&b, -bound, bound)?;
-            Some(parameter(b)?)
-        } else {
-            None
-        };
-        let weight = parameter(weight)?;
-        weight.move_to_device(device)?;
-        if let Some(b) = &bias {
-            b.move_to_device(device)?;
-        }
-        Ok(Linear {
-            weight,
-            bias,
-            training: TrainingFlag::new(),
-        })
-    }
-
     /// The weight `[out_features, in_features]`.
     pub fn weight(&self) -> &Tensor {
         &self.weight
@@ -113,7 +152,7 @@ mod tests {
 
     #[test]
     fn linear_computes_x_times_weight_transposed_plus_bias() {
-        let layer = Linear::new(3, 2, true).unwrap();
+        let layer = LinearConfig::new(3, 2).init().unwrap();
         let x = Tensor::from_vec(
             vec![1.0f32, -2.0, 0.5, 3.0, 0.0, -1.0],
             &[2, 3],
@@ -136,7 +175,7 @@ mod tests {
 
     #[test]
     fn linear_initialisation_stays_within_one_over_sqrt_fan_in() {
-        let layer = Linear::new(100, 50, true).unwrap();
+        let layer = LinearConfig::new(100, 50).init().unwrap();
         let bound = 0.1; // 1 / sqrt(100)
         for t in [layer.weight(), layer.bias().unwrap()] {
             assert!(t.to_vec_f64().unwrap().iter().all(|v| v.abs() <= bound));
@@ -157,7 +196,7 @@ mod tests {
 
     #[test]
     fn linear_without_bias_has_only_a_weight() {
-        let layer = Linear::new(4, 3, false).unwrap();
+        let layer = LinearConfig::new(4, 3).with_bias(false).init().unwrap();
         let names: Vec<String> = layer
             .named_parameters()
             .into_iter()
@@ -169,13 +208,17 @@ mod tests {
 
     #[test]
     fn linear_rejects_a_wrong_feature_count_naming_the_shapes() {
-        let layer = Linear::new(4, 3, true).unwrap();
+        let layer = LinearConfig::new(4, 3).init().unwrap();
         let x = Tensor::zeros(&[2, 5], DType::F32, Device::Cpu).unwrap();
         let err = layer.forward(&x).unwrap_err().to_string();
         assert!(
             err.contains("Linear") && err.contains("[2, 5]") && err.contains("4"),
             "{err}"
         );
-        assert!(Linear::new(0, 3, true).is_err());
+        let err = LinearConfig::new(0, 3).init().unwrap_err().to_string();
+        assert!(
+            err.contains("Linear") && err.contains("got 0 and 3"),
+            "{err}"
+        );
     }
 }

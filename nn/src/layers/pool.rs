@@ -16,7 +16,88 @@ fn expect_4d(layer: &'static str, x: &Tensor) -> Result<()> {
     Ok(())
 }
 
-/// The maximum over each `kernel` window. Defaults: stride = kernel, padding 0.
+/// The checks PyTorch makes when a pooling layer is built: positive kernel size and stride,
+/// padding at most half the kernel size.
+fn check_windows(
+    layer: &'static str,
+    kernel: (usize, usize),
+    stride: (usize, usize),
+    padding: (usize, usize),
+) -> Result<()> {
+    if [kernel.0, kernel.1, stride.0, stride.1].contains(&0) {
+        return Err(Error::config(
+            layer,
+            format!("kernel size and stride must be > 0, got kernel {kernel:?}, stride {stride:?}"),
+        ));
+    }
+    if padding.0 > kernel.0 / 2 || padding.1 > kernel.1 / 2 {
+        return Err(Error::config(
+            layer,
+            format!("padding {padding:?} must be at most half of kernel {kernel:?}"),
+        ));
+    }
+    Ok(())
+}
+
+/// How to build a [`MaxPool2d`]: the kernel size in [`MaxPool2dConfig::new`], the rest with `with_*`
+/// (PyTorch's defaults: stride = kernel size, padding 0), then [`MaxPool2dConfig::init`].
+///
+/// ```
+/// # use tandem_nn::MaxPool2dConfig;
+/// let pool = MaxPool2dConfig::new(3).with_stride(2).with_padding(1).init()?;
+/// # Ok::<(), tandem_nn::Error>(())
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MaxPool2dConfig {
+    /// Size of the window, `(height, width)`.
+    pub kernel_size: (usize, usize),
+    /// Step of the window, `(height, width)`.
+    pub stride: (usize, usize),
+    /// Implicit padding on both sides, `(height, width)`; padded cells never win the maximum.
+    pub padding: (usize, usize),
+}
+
+impl MaxPool2dConfig {
+    /// Pooling over `kernel_size` windows (one number or `(kh, kw)`), stride = kernel size.
+    pub fn new(kernel_size: impl IntoPair) -> Self {
+        let kernel_size = kernel_size.into_pair();
+        MaxPool2dConfig {
+            kernel_size,
+            stride: kernel_size,
+            padding: (0, 0),
+        }
+    }
+
+    /// The same config with stride `stride` (one number or `(h, w)`).
+    pub fn with_stride(self, stride: impl IntoPair) -> Self {
+        MaxPool2dConfig {
+            stride: stride.into_pair(),
+            ..self
+        }
+    }
+
+    /// The same config with padding `padding` (one number or `(h, w)`).
+    pub fn with_padding(self, padding: impl IntoPair) -> Self {
+        MaxPool2dConfig {
+            padding: padding.into_pair(),
+            ..self
+        }
+    }
+
+    /// The layer. Errors (naming `MaxPool2d` and the values) if the kernel size or the stride is
+    /// 0, or the padding is more than half the kernel size (PyTorch's rule).
+    pub fn init(&self) -> Result<MaxPool2d> {
+        check_windows("MaxPool2d", self.kernel_size, self.stride, self.padding)?;
+        Ok(MaxPool2d {
+            kernel: self.kernel_size,
+            stride: self.stride,
+            padding: self.padding,
+            training: TrainingFlag::new(),
+        })
+    }
+}
+
+/// The maximum over each `kernel` window; built with [`MaxPool2dConfig`].
 ///
 /// # Shapes
 /// `[N, C, H, W]` → `[N, C, (H + 2·pad − k) / stride + 1, …]`.
@@ -26,35 +107,6 @@ pub struct MaxPool2d {
     stride: (usize, usize),
     padding: (usize, usize),
     training: TrainingFlag,
-}
-
-impl MaxPool2d {
-    /// Max pooling over `kernel` windows (one number or `(kh, kw)`), stride = kernel.
-    pub fn new(kernel: impl IntoPair) -> Self {
-        let kernel = kernel.into_pair();
-        MaxPool2d {
-            kernel,
-            stride: kernel,
-            padding: (0, 0),
-            training: TrainingFlag::new(),
-        }
-    }
-
-    /// The same layer with stride `stride`.
-    pub fn with_stride(self, stride: impl IntoPair) -> Self {
-        MaxPool2d {
-            stride: stride.into_pair(),
-            ..self
-        }
-    }
-
-    /// The same layer with padding `padding` (padded cells never win the maximum).
-    pub fn with_padding(self, padding: impl IntoPair) -> Self {
-        MaxPool2d {
-            padding: padding.into_pair(),
-            ..self
-        }
-    }
 }
 
 impl Forward for MaxPool2d {
@@ -69,8 +121,66 @@ impl Forward for MaxPool2d {
     }
 }
 
+/// How to build an [`AvgPool2d`]: the kernel size in [`AvgPool2dConfig::new`], the rest with `with_*`
+/// (PyTorch's defaults: stride = kernel size, padding 0), then [`AvgPool2dConfig::init`].
+///
+/// ```
+/// # use tandem_nn::AvgPool2dConfig;
+/// let pool = AvgPool2dConfig::new(2).init()?;
+/// # Ok::<(), tandem_nn::Error>(())
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AvgPool2dConfig {
+    /// Size of the window, `(height, width)`.
+    pub kernel_size: (usize, usize),
+    /// Step of the window, `(height, width)`.
+    pub stride: (usize, usize),
+    /// Zero padding added on both sides, `(height, width)` (counted in the mean).
+    pub padding: (usize, usize),
+}
+
+impl AvgPool2dConfig {
+    /// Pooling over `kernel_size` windows (one number or `(kh, kw)`), stride = kernel size.
+    pub fn new(kernel_size: impl IntoPair) -> Self {
+        let kernel_size = kernel_size.into_pair();
+        AvgPool2dConfig {
+            kernel_size,
+            stride: kernel_size,
+            padding: (0, 0),
+        }
+    }
+
+    /// The same config with stride `stride` (one number or `(h, w)`).
+    pub fn with_stride(self, stride: impl IntoPair) -> Self {
+        AvgPool2dConfig {
+            stride: stride.into_pair(),
+            ..self
+        }
+    }
+
+    /// The same config with padding `padding` (one number or `(h, w)`).
+    pub fn with_padding(self, padding: impl IntoPair) -> Self {
+        AvgPool2dConfig {
+            padding: padding.into_pair(),
+            ..self
+        }
+    }
+
+    /// The layer. Errors (naming `AvgPool2d` and the values) if the kernel size or the stride is
+    /// 0, or the padding is more than half the kernel size (PyTorch's rule).
+    pub fn init(&self) -> Result<AvgPool2d> {
+        check_windows("AvgPool2d", self.kernel_size, self.stride, self.padding)?;
+        Ok(AvgPool2d {
+            kernel: self.kernel_size,
+            stride: self.stride,
+            padding: self.padding,
+            training: TrainingFlag::new(),
+        })
+    }
+}
+
 /// The mean over each `kernel` window, padding counted as zeros (PyTorch's default
-/// `count_include_pad = true`). Defaults: stride = kernel, padding 0.
+/// `count_include_pad = true`); built with [`AvgPool2dConfig`].
 ///
 /// # Shapes
 /// `[N, C, H, W]` → `[N, C, (H + 2·pad − k) / stride + 1, …]`.
@@ -80,35 +190,6 @@ pub struct AvgPool2d {
     stride: (usize, usize),
     padding: (usize, usize),
     training: TrainingFlag,
-}
-
-impl AvgPool2d {
-    /// Average pooling over `kernel` windows (one number or `(kh, kw)`), stride = kernel.
-    pub fn new(kernel: impl IntoPair) -> Self {
-        let kernel = kernel.into_pair();
-        AvgPool2d {
-            kernel,
-            stride: kernel,
-            padding: (0, 0),
-            training: TrainingFlag::new(),
-        }
-    }
-
-    /// The same layer with stride `stride`.
-    pub fn with_stride(self, stride: impl IntoPair) -> Self {
-        AvgPool2d {
-            stride: stride.into_pair(),
-            ..self
-        }
-    }
-
-    /// The same layer with padding `padding`.
-    pub fn with_padding(self, padding: impl IntoPair) -> Self {
-        AvgPool2d {
-            padding: padding.into_pair(),
-            ..self
-        }
-    }
 }
 
 impl Forward for AvgPool2d {
@@ -123,8 +204,46 @@ impl Forward for AvgPool2d {
     }
 }
 
+/// How to build an [`AdaptiveAvgPool2d`]: the output size in [`AdaptiveAvgPool2dConfig::new`],
+/// then [`AdaptiveAvgPool2dConfig::init`].
+///
+/// ```
+/// # use tandem_nn::AdaptiveAvgPool2dConfig;
+/// let global = AdaptiveAvgPool2dConfig::new(1).init()?;
+/// # Ok::<(), tandem_nn::Error>(())
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AdaptiveAvgPool2dConfig {
+    /// Size of the output, `(out_h, out_w)`.
+    pub output_size: (usize, usize),
+}
+
+impl AdaptiveAvgPool2dConfig {
+    /// Pooling to `output_size` (one number or `(out_h, out_w)`).
+    pub fn new(output_size: impl IntoPair) -> Self {
+        AdaptiveAvgPool2dConfig {
+            output_size: output_size.into_pair(),
+        }
+    }
+
+    /// The layer. Errors (naming `AdaptiveAvgPool2d` and the value) if an output size is 0.
+    pub fn init(&self) -> Result<AdaptiveAvgPool2d> {
+        let (h, w) = self.output_size;
+        if h == 0 || w == 0 {
+            return Err(Error::config(
+                "AdaptiveAvgPool2d",
+                format!("output size must be > 0, got ({h}, {w})"),
+            ));
+        }
+        Ok(AdaptiveAvgPool2d {
+            output: self.output_size,
+            training: TrainingFlag::new(),
+        })
+    }
+}
+
 /// Average pooling to a fixed output size, whatever the input size (`(1, 1)` gives global
-/// average pooling, as at the end of a ResNet).
+/// average pooling, as at the end of a ResNet). Built with [`AdaptiveAvgPool2dConfig`].
 ///
 /// # Shapes
 /// `[N, C, H, W]` → `[N, C, out_h, out_w]`.
@@ -132,16 +251,6 @@ impl Forward for AvgPool2d {
 pub struct AdaptiveAvgPool2d {
     output: (usize, usize),
     training: TrainingFlag,
-}
-
-impl AdaptiveAvgPool2d {
-    /// Pooling to `output` (one number or `(out_h, out_w)`).
-    pub fn new(output: impl IntoPair) -> Self {
-        AdaptiveAvgPool2d {
-            output: output.into_pair(),
-            training: TrainingFlag::new(),
-        }
-    }
 }
 
 impl Forward for AdaptiveAvgPool2d {
@@ -164,15 +273,37 @@ mod tests {
             Device::Cpu,
         )
         .unwrap();
-        assert_eq!(MaxPool2d::new(2).forward(&x).unwrap().dims(), &[2, 3, 4, 3]);
-        let overlapping = MaxPool2d::new(3).with_stride(2).with_padding(1);
+        assert_eq!(
+            MaxPool2dConfig::new(2)
+                .init()
+                .unwrap()
+                .forward(&x)
+                .unwrap()
+                .dims(),
+            &[2, 3, 4, 3]
+        );
+        let overlapping = MaxPool2dConfig::new(3)
+            .with_stride(2)
+            .with_padding(1)
+            .init()
+            .unwrap();
         assert_eq!(overlapping.forward(&x).unwrap().dims(), &[2, 3, 4, 3]);
         assert_eq!(
-            AvgPool2d::new((2, 3)).forward(&x).unwrap().dims(),
+            AvgPool2dConfig::new((2, 3))
+                .init()
+                .unwrap()
+                .forward(&x)
+                .unwrap()
+                .dims(),
             &[2, 3, 4, 2]
         );
         assert_eq!(
-            AdaptiveAvgPool2d::new(1).forward(&x).unwrap().dims(),
+            AdaptiveAvgPool2dConfig::new(1)
+                .init()
+                .unwrap()
+                .forward(&x)
+                .unwrap()
+                .dims(),
             &[2, 3, 1, 1]
         );
     }
@@ -186,19 +317,41 @@ mod tests {
             Device::Cpu,
         )
         .unwrap();
-        let y = MaxPool2d::new(2).forward(&x).unwrap();
+        let y = MaxPool2dConfig::new(2).init().unwrap().forward(&x).unwrap();
         assert_eq!(y.to_vec::<f32>().unwrap(), vec![5.0, 7.0]);
-        let y = AvgPool2d::new(2).forward(&x).unwrap();
+        let y = AvgPool2dConfig::new(2).init().unwrap().forward(&x).unwrap();
         assert_eq!(y.to_vec::<f32>().unwrap(), vec![2.25, 4.75]);
     }
 
     #[test]
     fn pools_reject_inputs_that_are_not_4d() {
         let x = Tensor::zeros(&[3, 8, 8], DType::F32, Device::Cpu).unwrap();
-        let err = MaxPool2d::new(2).forward(&x).unwrap_err().to_string();
+        let err = MaxPool2dConfig::new(2)
+            .init()
+            .unwrap()
+            .forward(&x)
+            .unwrap_err()
+            .to_string();
         assert!(
             err.contains("MaxPool2d") && err.contains("[3, 8, 8]"),
             "{err}"
+        );
+    }
+
+    #[test]
+    fn pool_configs_reject_zero_sizes_and_oversized_padding() {
+        let err = MaxPool2dConfig::new(0).init().unwrap_err().to_string();
+        assert!(
+            err.contains("MaxPool2d") && err.contains("kernel (0, 0)"),
+            "{err}"
+        );
+        let err = AvgPool2dConfig::new(2).with_stride(0).init().unwrap_err();
+        assert!(err.to_string().contains("stride (0, 0)"), "{err}");
+        let err = MaxPool2dConfig::new(3).with_padding(2).init().unwrap_err();
+        assert!(err.to_string().contains("padding (2, 2)"), "{err}");
+        let err = AdaptiveAvgPool2dConfig::new((1, 0)).init().unwrap_err();
+        assert!(
+            err.to_string().contains("AdaptiveAvgPool2d") && err.to_string().contains("(1, 0)")
         );
     }
 }

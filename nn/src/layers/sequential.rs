@@ -31,14 +31,18 @@ impl Sequential {
         Self::default()
     }
 
-    /// Appends `module`, named by its position.
+    /// Appends `module`, named by its position (`"0"`, `"1"`, …: the number of children
+    /// before it). Cannot fail: names made only of digits are reserved for positional
+    /// children ([`Sequential::add_named`] refuses them), so the position's name is always
+    /// free, whatever was added before.
     // The builder reads like PyTorch's `nn.Sequential(...)`; it is not `std::ops::Add`.
     #[allow(clippy::should_implement_trait)]
     pub fn add(self, module: impl Module + 'static) -> Self {
         self.add_shared(Arc::new(module))
     }
 
-    /// Appends an already shared module, named by its position.
+    /// Appends an already shared module, named by its position; cannot fail, like
+    /// [`Sequential::add`].
     pub fn add_shared(mut self, module: Arc<dyn Module>) -> Self {
         let children = self.children.get_mut();
         let name = children.len().to_string();
@@ -46,13 +50,15 @@ impl Sequential {
         self
     }
 
-    /// Appends `module` under `name`. Errors if the name is empty, contains a dot, is a number
-    /// (numbers are the names of positional children) or is already taken.
+    /// Appends `module` under `name`. Returns `Result` because a user's name can be invalid:
+    /// errors if it is empty, contains a dot (dots separate the parts of a parameter path), is
+    /// made only of digits (reserved for positional children, so [`Sequential::add`] never
+    /// collides) or is already taken.
     pub fn add_named(mut self, name: &str, module: impl Module + 'static) -> Result<Self> {
         let children = self.children.get_mut();
         let problem = if name.is_empty() || name.contains('.') {
             Some("must be non-empty and contain no '.'")
-        } else if name.parse::<usize>().is_ok() {
+        } else if name.bytes().all(|b| b.is_ascii_digit()) {
             Some("is a number; numbers name positional children (use `add`)")
         } else if children.iter().any(|(n, _)| n == name) {
             Some("is already taken")
