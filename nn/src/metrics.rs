@@ -40,16 +40,17 @@ impl Accuracy {
     ///
     /// Errors if `logits` is not 2-D, or `labels` is not 1-D with N entries.
     pub fn of_logits(logits: &Tensor, labels: &Tensor) -> Result<Self> {
-        let n =
-            match (logits.dims(), labels.dims()) {
-                (&[n, _], &[m]) if n == m => n,
-                (l, t) => return Err(Error::input(
+        let n = match (logits.dims(), labels.dims()) {
+            (&[n, _], &[m]) if n == m => n,
+            (l, t) => {
+                return Err(Error::input(
                     "Accuracy::of_logits",
                     format!(
                         "logits must be [N, C] and labels [N], got logits {l:?} and labels {t:?}"
                     ),
-                )),
-            };
+                ))
+            }
+        };
         let predicted = tandem_ops::argmax(logits, 1, false)?.to_vec::<i64>()?;
         let labels = labels.to_dtype(tandem_core::DType::I64)?.to_vec::<i64>()?;
         let correct = predicted
