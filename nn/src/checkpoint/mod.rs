@@ -5,7 +5,7 @@
 //! [`TrainingState`]; all in `tandem::prelude`) takes one argument per thing and keeps the
 //! model file loadable by PyTorch's strict `load_state_dict`: the training state goes to a
 //! file of its own beside it (see [`training_state_path`] and the layout in
-//! [`save_training`]'s module). A model alone:
+//! [`save_training`]). A model alone:
 //!
 //! ```text
 //! save_model("model.safetensors", &model)?;

@@ -7,28 +7,7 @@
 //!   optimizer state, counters, a learning rate, string metadata — gathered in a
 //!   [`TrainingState`].
 //!
-//! **Layout.** [`save_training`] writes two files: the model file at `path`, which is only the
-//! model's state dict (so PyTorch's strict `model.load_state_dict(load_file(path))` loads it
-//! as it loads a [`save_model`] file), and the training state beside it at
-//! [`training_state_path`]`(path)` (`model.safetensors` → `model.training.safetensors`): each
-//! optimizer's entries under `{name}.` (`optimizer.0.momentum_buffer`, `optimizer.step`), the
-//! other tensors under their own names, the metadata in the safetensors header. In PyTorch the
-//! model loads with
-//!
-//! ```text
-//! from safetensors.torch import load_file
-//! model.load_state_dict(load_file("model.safetensors"))           # strict, as always
-//! training = load_file("model.training.safetensors")               # plain tensors by name
-//! ```
-//!
-//! and the training file's tensors are there to be picked out by name (tandem's optimizer
-//! state is not PyTorch's `optimizer.state_dict()` layout, so it does not load into a PyTorch
-//! optimizer as it is).
-//!
-//! **Consistency.** Each file is written atomically (see the [module documentation](super));
-//! the pair is not one write, so both record the same save id: the training file is written
-//! first and the model file last, and [`load_training`] refuses a pair whose ids differ (a save
-//! interrupted between the two files), naming both files.
+//! The file layout and how PyTorch loads the files are described on [`save_training`].
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -158,8 +137,30 @@ impl TrainingState {
 }
 
 /// Saves `model` to the model file `path` (exactly what [`save_model`] writes, so PyTorch
-/// loads it strictly) and `state` to [`training_state_path`]`(path)`; see the [module
-/// documentation](self) for the layout and how the pair stays consistent.
+/// loads it strictly) and `state` to [`training_state_path`]`(path)`.
+///
+/// **Layout.** [`save_training`] writes two files: the model file at `path`, which is only the
+/// model's state dict (so PyTorch's strict `model.load_state_dict(load_file(path))` loads it
+/// as it loads a [`save_model`] file), and the training state beside it at
+/// [`training_state_path`]`(path)` (`model.safetensors` → `model.training.safetensors`): each
+/// optimizer's entries under `{name}.` (`optimizer.0.momentum_buffer`, `optimizer.step`), the
+/// other tensors under their own names, the metadata in the safetensors header. In PyTorch the
+/// model loads with
+///
+/// ```text
+/// from safetensors.torch import load_file
+/// model.load_state_dict(load_file("model.safetensors"))           # strict, as always
+/// training = load_file("model.training.safetensors")               # plain tensors by name
+/// ```
+///
+/// and the training file's tensors are there to be picked out by name (tandem's optimizer
+/// state is not PyTorch's `optimizer.state_dict()` layout, so it does not load into a PyTorch
+/// optimizer as it is).
+///
+/// **Consistency.** Each file is written atomically (see the [checkpoint module](super));
+/// the pair is not one write, so both record the same save id: the training file is written
+/// first and the model file last, and [`load_training`] refuses a pair whose ids differ (a save
+/// interrupted between the two files), naming both files.
 ///
 /// Errors if two tensors of `state` share a name, a metadata key starts with `tandem.`, or a
 /// write fails (naming the file).
