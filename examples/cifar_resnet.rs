@@ -53,10 +53,8 @@ use std::time::Instant;
 use clap::{Parser, ValueEnum};
 use tandem::core::rng::manual_seed;
 use tandem::core::Device;
-use tandem::dist::{DdpConfig, DistributedDataParallel, DistributedSampler};
-use tandem::nn::data::{
-    Augmentation, Cifar10, CifarDataset, DataLoader, DataLoaderConfig, Dataset, Mnist32, Split,
-};
+use tandem::dist::ProcessGroup;
+use tandem::nn::data::{Augmentation, Cifar10, CifarDataset, DataLoader, Dataset, Mnist32, Split};
 use tandem::nn::models::resnet_cifar;
 use tandem::nn::Module;
 use tandem::optim::{Sgd, SgdConfig};
@@ -184,8 +182,8 @@ mod common;
 use common::checkpoints::{Checkpoints, Progress};
 use common::output::say;
 use common::{
-    evaluate, exit_with_error, join_or_launch, train_epoch, write_metrics, AnyError, Limited, Role,
-    Trainer,
+    check_global_batch, exit_with_error, join_or_launch, rank_and_world, report_end, report_epoch,
+    test_loader, train_epoch, train_loader, trainer, write_metrics, AnyError, Limited, Role,
 };
 
 fn main() -> ExitCode {
@@ -196,6 +194,97 @@ fn main() -> ExitCode {
 }
 
 fn run(args: Args) -> Result<(), AnyError> {
+    let kind = check_args(&args)?;
+    let (group, device) = match join_or_launch(
+        args.nproc_per_node,
+        args.max_restarts,
+        args.threads,
+        args.device,
+    )? {
+        Role::Launched => return Ok(()),
+        Role::Train { group, device } => (group, device),
+    };
+    let group = group.as_ref();
+    let (rank, world) = rank_and_world(group);
+    check_global_batch(args.batch_size, world)?;
+    let (train_data, train, test) = loaders(&args, kind, group, device)?;
+
+    manual_seed(args.seed);
+    let model: Arc<dyn Module> = Arc::new(resnet_cifar(args.depth, 10)?);
+    model.to_device(device)?;
+    let mut optimizer = Sgd::new(
+        model.parameters(),
+        SgdConfig::new(args.lr)
+            .with_momentum(args.momentum)
+            .with_weight_decay(args.weight_decay),
+    )?;
+    let total_steps = args.epochs * train.len();
+    let warmup_steps = (args.warmup_frac * total_steps as f64).round() as usize;
+    let checkpoints = Checkpoints::new(
+        Some(args.checkpoint_dir.clone()),
+        args.checkpoint_every,
+        &format!("resnet{}", args.depth),
+        settings(&args, kind, world),
+        train.len(),
+    )?;
+    // Resume before DDP wraps the model (every rank reads the same checkpoint).
+    let mut progress = Progress::start();
+    if let Some(resumed) =
+        checkpoints.resume(args.resume.as_deref(), model.as_ref(), &mut optimizer, rank)?
+    {
+        progress = resumed.progress;
+        if rank == 0 {
+            say(format_args!(
+                "resuming from {}: epoch {}, {} of {} steps done",
+                resumed.path.display(),
+                progress.epoch.min(args.epochs),
+                if progress.epoch > args.epochs {
+                    train.len()
+                } else {
+                    progress.epoch_step
+                },
+                train.len()
+            ));
+        }
+    }
+    let trainer = trainer(model.clone(), group, args.trace_out.as_deref())?;
+    if rank == 0 {
+        announce(&args, kind, model.as_ref(), device, warmup_steps);
+    }
+
+    let started = Instant::now();
+    let lr_at = |global_step: usize| learning_rate(args.lr, global_step, warmup_steps, total_steps);
+    while progress.epoch <= args.epochs {
+        let epoch = progress.epoch;
+        train_data.set_epoch(epoch as u64 - 1);
+        let mut result = train_epoch(
+            &trainer,
+            &mut optimizer,
+            &train,
+            &mut progress,
+            args.epochs,
+            Some(&lr_at),
+            &checkpoints,
+        )?;
+        report_epoch(&trainer, &test, &mut result, epoch, args.epochs)?;
+        progress.finish_epoch(result);
+        checkpoints.save(&trainer, &optimizer, &progress)?;
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    report_end(&trainer, args.trace_out.as_deref(), seconds)?;
+    match &args.metrics_out {
+        Some(path) if rank == 0 => write_metrics(
+            path,
+            metrics_settings(&args, kind, world, device),
+            &progress.history,
+            seconds,
+        ),
+        _ => Ok(()),
+    }
+}
+
+/// Checks the arguments that need no data or group, and gives the data set to train on.
+fn check_args(args: &Args) -> Result<DatasetKind, AnyError> {
     let kind = match (args.dataset, &args.data_dir) {
         (Some(kind), _) => kind,
         (None, Some(_)) => DatasetKind::Cifar10,
@@ -207,27 +296,17 @@ fn run(args: Args) -> Result<(), AnyError> {
     if !(0.0..1.0).contains(&args.warmup_frac) {
         return Err(format!("--warmup-frac must be in [0, 1), got {}", args.warmup_frac).into());
     }
-    let (group, device) = match join_or_launch(
-        args.nproc_per_node,
-        args.max_restarts,
-        args.threads,
-        args.device,
-    )? {
-        Role::Launched => return Ok(()),
-        Role::Train { group, device } => (group, device),
-    };
-    let (rank, world) = group
-        .as_ref()
-        .map_or((0, 1), |g| (g.rank(), g.world_size()));
-    let leader = rank == 0;
-    if !args.batch_size.is_multiple_of(world) {
-        return Err(format!(
-            "--batch-size {} (the global batch) must be divisible by the world size {world}",
-            args.batch_size
-        )
-        .into());
-    }
-    let threads = rayon::current_num_threads();
+    Ok(kind)
+}
+
+/// The training data (for its per-epoch augmentation), the training loader (a shard per rank)
+/// and the test loader, on `device`.
+fn loaders(
+    args: &Args,
+    kind: DatasetKind,
+    group: Option<&Arc<dyn ProcessGroup>>,
+    device: Device,
+) -> Result<(TrainData, DataLoader, DataLoader), AnyError> {
     let (train_data, test_set): (TrainData, Arc<dyn Dataset>) = match kind {
         DatasetKind::Cifar10 => {
             let dir = args.data_dir.clone().ok_or(CIFAR_HELP)?;
@@ -245,49 +324,13 @@ fn run(args: Args) -> Result<(), AnyError> {
     };
     let train_set = Limited::first(train_data.dataset(), args.train_limit);
     let test_set = Limited::first(test_set, args.test_limit);
-    let train = match &group {
-        // Each rank its own disjoint shard, reshuffled every epoch from the shared seed.
-        Some(_) => {
-            let sampler = DistributedSampler::new(train_set.len(), world, rank, true, args.seed)?;
-            let config = DataLoaderConfig {
-                device,
-                batch_size: args.batch_size / world,
-                ..Default::default()
-            };
-            DataLoader::with_sampler(train_set, Arc::new(sampler), config)?
-        }
-        None => DataLoader::new(
-            train_set,
-            DataLoaderConfig {
-                device,
-                batch_size: args.batch_size,
-                shuffle: true,
-                seed: args.seed,
-                ..Default::default()
-            },
-        )?,
-    };
-    let test = DataLoader::new(
-        test_set,
-        DataLoaderConfig {
-            device,
-            batch_size: 500,
-            ..Default::default()
-        },
-    )?;
+    let train = train_loader(train_set, group, args.batch_size, args.seed, device)?;
+    Ok((train_data, train, test_loader(test_set, 500, device)?))
+}
 
-    manual_seed(args.seed);
-    let model: Arc<dyn Module> = Arc::new(resnet_cifar(args.depth, 10)?);
-    model.to_device(device)?;
-    let mut optimizer = Sgd::new(
-        model.parameters(),
-        SgdConfig::new(args.lr)
-            .with_momentum(args.momentum)
-            .with_weight_decay(args.weight_decay),
-    )?;
-    let total_steps = args.epochs * train.len();
-    let warmup_steps = (args.warmup_frac * total_steps as f64).round() as usize;
-    let settings = BTreeMap::from(
+/// The settings a resumed run must share with the checkpoint's run.
+fn settings(args: &Args, kind: DatasetKind, world: usize) -> BTreeMap<String, String> {
+    BTreeMap::from(
         [
             ("dataset", format!("{kind:?}").to_lowercase()),
             ("epochs", args.epochs.to_string()),
@@ -301,50 +344,12 @@ fn run(args: Args) -> Result<(), AnyError> {
             ("train_limit", format!("{:?}", args.train_limit)),
         ]
         .map(|(k, v)| (k.to_string(), v)),
-    );
-    let checkpoints = Checkpoints::new(
-        Some(args.checkpoint_dir.clone()),
-        args.checkpoint_every,
-        &format!("resnet{}", args.depth),
-        settings,
-        train.len(),
-    )?;
-    // Resume before DDP wraps the model (every rank reads the same checkpoint).
-    let mut progress = Progress::start();
-    if let Some(resumed) =
-        checkpoints.resume(args.resume.as_deref(), model.as_ref(), &mut optimizer, rank)?
-    {
-        progress = resumed.progress;
-        if leader {
-            say(format_args!(
-                "resuming from {}: epoch {}, {} of {} steps done",
-                resumed.path.display(),
-                progress.epoch.min(args.epochs),
-                if progress.epoch > args.epochs {
-                    train.len()
-                } else {
-                    progress.epoch_step
-                },
-                train.len()
-            ));
-        }
-    }
-    let ddp = match &group {
-        Some(g) => Some(DistributedDataParallel::new(
-            model.clone(),
-            g.clone(),
-            DdpConfig::default(),
-        )?),
-        None => None,
-    };
-    let trainer = Trainer {
-        model: model.clone(),
-        ddp,
-        timeline: None,
-    }
-    .with_timeline(args.trace_out.as_deref())?;
-    if leader {
-        say(format_args!(
+    )
+}
+
+/// Rank 0's first line: the model and the run's settings.
+fn announce(args: &Args, kind: DatasetKind, model: &dyn Module, device: Device, warmup: usize) {
+    say(format_args!(
         "ResNet-{} ({} parameters) on {:?}: {} epochs, batch {}, lr {} (linear warm-up over {} \
          steps, then linear decay to 0), momentum {}, weight decay {}, on {}, {} threads",
         args.depth,
@@ -353,74 +358,33 @@ fn run(args: Args) -> Result<(), AnyError> {
         args.epochs,
         args.batch_size,
         args.lr,
-        warmup_steps,
+        warmup,
         args.momentum,
         args.weight_decay,
         device,
-        threads
+        rayon::current_num_threads()
     ));
-    }
+}
 
-    let started = Instant::now();
-    let lr_at = |global_step: usize| learning_rate(args.lr, global_step, warmup_steps, total_steps);
-    while progress.epoch <= args.epochs {
-        let epoch = progress.epoch;
-        train_data.set_epoch(epoch as u64 - 1);
-        let mut result = train_epoch(
-            &trainer,
-            &mut optimizer,
-            &train,
-            &mut progress,
-            args.epochs,
-            Some(&lr_at),
-            &checkpoints,
-        )?;
-        if leader {
-            result.test_accuracy = evaluate(model.as_ref(), &test)?;
-            say(format_args!(
-                "epoch {epoch}/{}: train loss {:.4}, test accuracy {:.2}%, {:.0} images/s, {:.1} s",
-                args.epochs,
-                result.train_loss,
-                100.0 * result.test_accuracy,
-                result.images_per_sec,
-                result.seconds
-            ));
-        }
-        progress.finish_epoch(result);
-        checkpoints.save(&trainer, &optimizer, &progress)?;
-    }
-    let trace = match &args.trace_out {
-        Some(path) => trainer.write_trace(path)?.map(|summary| (path, summary)),
-        None => None,
-    };
-    if !leader {
-        return Ok(());
-    }
-    if let Some((path, summary)) = trace {
-        say(format_args!("timeline: {} ({summary})", path.display()));
-    }
-    let history = progress.history;
-    let seconds = started.elapsed().as_secs_f64();
-    say(format_args!("done in {seconds:.1} s"));
-    if let Some(ddp) = &trainer.ddp {
-        say(format_args!("overlap: {}", ddp.telemetry().summary()));
-    }
-    if let Some(path) = &args.metrics_out {
-        let settings = serde_json::json!({
-            "model": format!("resnet{}", args.depth),
-            "dataset": format!("{kind:?}").to_lowercase(),
-            "epochs": args.epochs,
-            "batch_size": args.batch_size,
-            "lr": args.lr,
-            "warmup_frac": args.warmup_frac,
-            "momentum": args.momentum,
-            "weight_decay": args.weight_decay,
-            "seed": args.seed,
-            "threads": threads,
-            "world_size": world,
-            "device": device.to_string(),
-        });
-        write_metrics(path, settings, &history, seconds)?;
-    }
-    Ok(())
+/// The run's description in `--metrics-out`.
+fn metrics_settings(
+    args: &Args,
+    kind: DatasetKind,
+    world: usize,
+    device: Device,
+) -> serde_json::Value {
+    serde_json::json!({
+        "model": format!("resnet{}", args.depth),
+        "dataset": format!("{kind:?}").to_lowercase(),
+        "epochs": args.epochs,
+        "batch_size": args.batch_size,
+        "lr": args.lr,
+        "warmup_frac": args.warmup_frac,
+        "momentum": args.momentum,
+        "weight_decay": args.weight_decay,
+        "seed": args.seed,
+        "threads": rayon::current_num_threads(),
+        "world_size": world,
+        "device": device.to_string(),
+    })
 }

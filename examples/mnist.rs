@@ -43,8 +43,8 @@ use std::time::Instant;
 use clap::Parser;
 use tandem::core::rng::manual_seed;
 use tandem::core::Device;
-use tandem::dist::{DdpConfig, DistributedDataParallel, DistributedSampler};
-use tandem::nn::data::{DataLoader, DataLoaderConfig, Mnist, Split};
+use tandem::dist::ProcessGroup;
+use tandem::nn::data::{DataLoader, Mnist, Split};
 use tandem::nn::models::lenet5;
 use tandem::nn::Module;
 use tandem::optim::{Optimizer, Sgd, SgdConfig};
@@ -121,7 +121,8 @@ mod common;
 use common::checkpoints::{Checkpoints, Progress};
 use common::output::say;
 use common::{
-    evaluate, exit_with_error, join_or_launch, parameter_digest, train_epoch, write_metrics,
+    check_global_batch, exit_with_error, join_or_launch, parameter_digest, rank_and_world,
+    report_end, report_epoch, test_loader, train_epoch, train_loader, trainer, write_metrics,
     AnyError, Limited, Role, Trainer,
 };
 
@@ -143,72 +144,15 @@ fn run(args: Args) -> Result<(), AnyError> {
         Role::Launched => return Ok(()),
         Role::Train { group, device } => (group, device),
     };
-    let (rank, world) = group
-        .as_ref()
-        .map_or((0, 1), |g| (g.rank(), g.world_size()));
-    if !args.batch_size.is_multiple_of(world) {
-        return Err(format!(
-            "--batch-size {} (the global batch) must be divisible by the world size {world}",
-            args.batch_size
-        )
-        .into());
-    }
-    let threads = rayon::current_num_threads();
-    let data_dir = tandem::locate::mnist_dir(args.data_dir.as_deref())?;
-    let train_set = Limited::first(
-        Arc::new(Mnist::load(&data_dir, Split::Train)?),
-        args.train_limit,
-    );
-    let test_set = Limited::first(
-        Arc::new(Mnist::load(&data_dir, Split::Test)?),
-        args.test_limit,
-    );
-    let loader_config = DataLoaderConfig {
-        device,
-        batch_size: args.batch_size / world,
-        shuffle: true,
-        seed: args.seed,
-        ..Default::default()
-    };
-    let train = match &group {
-        // Each rank its own disjoint shard, reshuffled every epoch from the shared seed.
-        Some(_) => {
-            let sampler = DistributedSampler::new(train_set.len(), world, rank, true, args.seed)?;
-            let config = DataLoaderConfig {
-                shuffle: false,
-                ..loader_config
-            };
-            DataLoader::with_sampler(train_set, Arc::new(sampler), config)?
-        }
-        None => DataLoader::new(train_set, loader_config)?,
-    };
-    let test = DataLoader::new(
-        test_set,
-        DataLoaderConfig {
-            device,
-            batch_size: 1000,
-            ..Default::default()
-        },
-    )?;
-
-    let settings = BTreeMap::from(
-        [
-            // Not the number of epochs: a finished run may be resumed to train longer.
-            ("batch_size", args.batch_size.to_string()),
-            ("lr", args.lr.to_string()),
-            ("lr_decay", args.lr_decay.to_string()),
-            ("momentum", args.momentum.to_string()),
-            ("seed", args.seed.to_string()),
-            ("world_size", world.to_string()),
-            ("train_limit", format!("{:?}", args.train_limit)),
-        ]
-        .map(|(k, v)| (k.to_string(), v)),
-    );
+    let group = group.as_ref();
+    let (rank, world) = rank_and_world(group);
+    check_global_batch(args.batch_size, world)?;
+    let (train, test) = loaders(&args, group, device)?;
     let checkpoints = Checkpoints::new(
         args.checkpoint_dir.clone(),
         args.checkpoint_every,
         "lenet5",
-        settings,
+        settings(&args, world),
         train.len(),
     )?;
 
@@ -221,25 +165,11 @@ fn run(args: Args) -> Result<(), AnyError> {
     )?;
     // Resume before DDP wraps the model (every rank reads the same checkpoint).
     let resumed = checkpoints.resume(None, model.as_ref(), &mut optimizer, rank)?;
-    let ddp = match &group {
-        Some(g) => Some(DistributedDataParallel::new(
-            model.clone(),
-            g.clone(),
-            DdpConfig::default(),
-        )?),
-        None => None,
-    };
-    let trainer = Trainer {
-        model,
-        ddp,
-        timeline: None,
-    }
-    .with_timeline(args.trace_out.as_deref())?;
-    let leader = trainer.rank() == 0;
+    let trainer = trainer(model, group, args.trace_out.as_deref())?;
     let mut progress = Progress::start();
     if let Some(resumed) = resumed {
         progress = resumed.progress;
-        if leader {
+        if rank == 0 {
             say(format_args!(
                 "resuming from {}: epoch {}, {} of {} steps done",
                 resumed.path.display(),
@@ -249,21 +179,8 @@ fn run(args: Args) -> Result<(), AnyError> {
             ));
         }
     }
-    if leader {
-        say(format_args!(
-            "LeNet-5 ({} parameters) on MNIST: {} epochs, global batch {} ({} per rank × {} ranks), \
-             lr {} (×{} per epoch), momentum {}, on {}, {} threads per rank",
-            trainer.model.num_parameters(),
-            args.epochs,
-            args.batch_size,
-            args.batch_size / world,
-            world,
-            args.lr,
-            args.lr_decay,
-            args.momentum,
-            device,
-            threads
-        ));
+    if rank == 0 {
+        announce(&args, &trainer, device);
     }
 
     let started = Instant::now();
@@ -278,60 +195,98 @@ fn run(args: Args) -> Result<(), AnyError> {
             None,
             &checkpoints,
         )?;
-        // Every rank holds the same parameters; rank 0 alone evaluates and reports.
-        if leader {
-            result.test_accuracy = evaluate(trainer.model.as_ref(), &test)?;
-            say(format_args!(
-                "epoch {epoch}/{}: train loss {:.4}, test accuracy {:.2}%, {:.0} images/s, {:.1} s",
-                args.epochs,
-                result.train_loss,
-                100.0 * result.test_accuracy,
-                result.images_per_sec,
-                result.seconds
-            ));
-        }
+        report_epoch(&trainer, &test, &mut result, epoch, args.epochs)?;
         let lr = optimizer.learning_rate() * args.lr_decay;
         optimizer.set_learning_rate(lr)?;
         progress.finish_epoch(result);
         checkpoints.save(&trainer, &optimizer, &progress)?;
     }
     let seconds = started.elapsed().as_secs_f64();
-    let trace = match &args.trace_out {
-        Some(path) => trainer.write_trace(path)?.map(|summary| (path, summary)),
-        None => None,
-    };
     if args.print_param_digest {
         say(format_args!(
             "parameter digest {}",
             parameter_digest(trainer.model.as_ref())?
         ));
     }
-    if !leader {
-        return Ok(());
+    report_end(&trainer, args.trace_out.as_deref(), seconds)?;
+    match &args.metrics_out {
+        Some(path) if rank == 0 => write_metrics(
+            path,
+            metrics_settings(&args, world, device),
+            &progress.history,
+            seconds,
+        ),
+        _ => Ok(()),
     }
-    if let Some((path, summary)) = trace {
-        say(format_args!("timeline: {} ({summary})", path.display()));
-    }
-    say(format_args!("done in {seconds:.1} s"));
-    if let Some(ddp) = &trainer.ddp {
-        say(format_args!("overlap: {}", ddp.telemetry().summary()));
-    }
-    let history = progress.history;
+}
 
-    if let Some(path) = &args.metrics_out {
-        let settings = serde_json::json!({
-            "model": "lenet5",
-            "epochs": args.epochs,
-            "batch_size": args.batch_size,
-            "lr": args.lr,
-            "lr_decay": args.lr_decay,
-            "momentum": args.momentum,
-            "seed": args.seed,
-            "threads": threads,
-            "world_size": world,
-            "device": device.to_string(),
-        });
-        write_metrics(path, settings, &history, seconds)?;
-    }
-    Ok(())
+/// The training loader (a shard per rank) and the test loader, on `device`.
+fn loaders(
+    args: &Args,
+    group: Option<&Arc<dyn ProcessGroup>>,
+    device: Device,
+) -> Result<(DataLoader, DataLoader), AnyError> {
+    let data_dir = tandem::locate::mnist_dir(args.data_dir.as_deref())?;
+    let train_set = Limited::first(
+        Arc::new(Mnist::load(&data_dir, Split::Train)?),
+        args.train_limit,
+    );
+    let test_set = Limited::first(
+        Arc::new(Mnist::load(&data_dir, Split::Test)?),
+        args.test_limit,
+    );
+    let train = train_loader(train_set, group, args.batch_size, args.seed, device)?;
+    Ok((train, test_loader(test_set, 1000, device)?))
+}
+
+/// The settings a resumed run must share with the checkpoint's run.
+fn settings(args: &Args, world: usize) -> BTreeMap<String, String> {
+    BTreeMap::from(
+        [
+            // Not the number of epochs: a finished run may be resumed to train longer.
+            ("batch_size", args.batch_size.to_string()),
+            ("lr", args.lr.to_string()),
+            ("lr_decay", args.lr_decay.to_string()),
+            ("momentum", args.momentum.to_string()),
+            ("seed", args.seed.to_string()),
+            ("world_size", world.to_string()),
+            ("train_limit", format!("{:?}", args.train_limit)),
+        ]
+        .map(|(k, v)| (k.to_string(), v)),
+    )
+}
+
+/// Rank 0's first line: the model and the run's settings.
+fn announce(args: &Args, trainer: &Trainer, device: Device) {
+    let world = trainer.world_size();
+    say(format_args!(
+        "LeNet-5 ({} parameters) on MNIST: {} epochs, global batch {} ({} per rank × {} ranks), \
+         lr {} (×{} per epoch), momentum {}, on {}, {} threads per rank",
+        trainer.model.num_parameters(),
+        args.epochs,
+        args.batch_size,
+        args.batch_size / world,
+        world,
+        args.lr,
+        args.lr_decay,
+        args.momentum,
+        device,
+        rayon::current_num_threads()
+    ));
+}
+
+/// The run's description in `--metrics-out`.
+fn metrics_settings(args: &Args, world: usize, device: Device) -> serde_json::Value {
+    serde_json::json!({
+        "model": "lenet5",
+        "epochs": args.epochs,
+        "batch_size": args.batch_size,
+        "lr": args.lr,
+        "lr_decay": args.lr_decay,
+        "momentum": args.momentum,
+        "seed": args.seed,
+        "threads": rayon::current_num_threads(),
+        "world_size": world,
+        "device": device.to_string(),
+    })
 }

@@ -34,8 +34,12 @@ pub mod prelude {
     pub use tandem_autograd::{no_grad, TensorBackward};
     pub use tandem_core::rng::manual_seed;
     pub use tandem_core::{DType, Device, Generator, Tensor};
+    pub use tandem_nn::checkpoint::{
+        load_model, load_training, save_model, save_training, TrainingState,
+    };
     pub use tandem_nn::data::{DataLoader, DataLoaderConfig, Dataset, Mnist, Split};
     pub use tandem_nn::loss::{cross_entropy, mse_loss, nll_loss, Reduction};
+    pub use tandem_nn::metrics::{evaluate, Accuracy};
     pub use tandem_nn::models::lenet5;
     pub use tandem_nn::{
         AdaptiveAvgPool2d, AdaptiveAvgPool2dConfig, AvgPool2d, AvgPool2dConfig, BatchNorm2d,

@@ -20,6 +20,7 @@ use tandem::nn::loss::{cross_entropy, Reduction};
 use tandem::nn::Sequential;
 use tandem::nn::{BatchNormConfig, Conv2dConfig, Flatten, LinearConfig, Module, ParamKind, ReLU};
 use tandem::optim::{Optimizer, Sgd, SgdConfig};
+use tandem::prelude::{load_training, save_training, TrainingState};
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -114,6 +115,67 @@ fn tandem_checkpoint_has_exactly_pytorchs_names_dtypes_shapes_and_bytes() {
         assert_eq!(a.shape(), b.shape(), "{name}");
         assert_eq!(a.data(), b.data(), "{name}: the same values, byte for byte");
     }
+}
+
+/// Whether `python3` can import torch (the strict-load check runs only then).
+fn python_with_torch() -> bool {
+    std::process::Command::new("python3")
+        .args(["-c", "import torch"])
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+#[test]
+fn model_file_of_a_training_checkpoint_loads_strictly_in_pytorch() {
+    let model = small_model();
+    load_module(fixture("torch_small.safetensors"), &model, true).unwrap();
+    let momentum = Tensor::zeros(&[2, 1, 3, 3], DType::F32, Device::Cpu).unwrap();
+    let state = TrainingState::new()
+        .with_optimizer(
+            "optimizer",
+            vec![
+                ("0.momentum_buffer".to_string(), momentum),
+                (
+                    "step".to_string(),
+                    Tensor::scalar(3i64, Device::Cpu).unwrap(),
+                ),
+            ],
+        )
+        .with_metadata("epoch", "1");
+    let path = scratch("strict").join("model.safetensors");
+    save_training(&path, &model, &state).unwrap();
+
+    // The model file holds exactly the state dict's names: nothing for a strict load to trip on.
+    let ours = std::fs::read(&path).unwrap();
+    let theirs = std::fs::read(fixture("torch_small.safetensors")).unwrap();
+    let (ours, theirs) = (
+        SafeTensors::deserialize(&ours).unwrap(),
+        SafeTensors::deserialize(&theirs).unwrap(),
+    );
+    let mut our_names = ours.names();
+    let mut their_names = theirs.names();
+    our_names.sort();
+    their_names.sort();
+    assert_eq!(our_names, their_names);
+    let back = load_training(&path, &small_model()).unwrap();
+    assert_eq!(back.optimizer("optimizer").len(), 2);
+
+    if !python_with_torch() {
+        println!("note: python3 with torch not found; PyTorch's strict load not checked");
+        return;
+    }
+    let output = std::process::Command::new("python3")
+        .arg(fixture("make_checkpoint_fixture.py"))
+        .arg("--check")
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "PyTorch's strict load_state_dict failed: {}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
 }
 
 /// Batch `step` of a synthetic classification task: the same batch for the same step in every

@@ -83,6 +83,7 @@ pub mod ddp;
 pub mod error;
 pub mod failure_report;
 pub mod launch;
+pub mod metrics;
 pub mod nvtx_ranges;
 pub mod process_group;
 pub mod projection;

@@ -1,7 +1,9 @@
 //! What the training examples share: joining or launching the ranks of a data-parallel job
-//! (restarting it after a failure), the forward that goes through DDP when there is one, the
-//! training epoch with its checkpoints ([`checkpoints`]), evaluation, and output that
-//! survives a closed pipe ([`output`]).
+//! (restarting it after a failure), the loaders (a shard per rank), the forward that goes
+//! through DDP when there is one, the training epoch with its checkpoints ([`checkpoints`]),
+//! the per-epoch evaluation (`tandem::nn::metrics::evaluate`), the end-of-run report with the
+//! job's merged trace (`Timeline::write_job_chrome_trace`), and output that survives a closed
+//! pipe ([`output`]).
 
 pub mod checkpoints;
 pub mod output;
@@ -13,15 +15,16 @@ use std::time::Instant;
 
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
-use tandem::autograd::{no_grad, TensorBackward};
+use tandem::autograd::TensorBackward;
 use tandem::core::{DType, Device, Tensor};
 use tandem::dist::launch::{forward_signals, launch, LaunchOptions};
 use tandem::dist::{
-    init_with_options, merge_chrome_traces, DistributedDataParallel, InitOptions, LaunchEnv, Phase,
-    ProcessGroup, Timeline,
+    init_with_options, DdpConfig, DistributedDataParallel, DistributedSampler, InitOptions,
+    LaunchEnv, Phase, ProcessGroup, Timeline,
 };
-use tandem::nn::data::{Batch, DataLoader, Dataset};
+use tandem::nn::data::{Batch, DataLoader, DataLoaderConfig, Dataset};
 use tandem::nn::loss::{cross_entropy, Reduction};
+use tandem::nn::metrics::evaluate;
 use tandem::nn::Module;
 use tandem::optim::Optimizer;
 
@@ -198,8 +201,9 @@ impl Trainer {
         out
     }
 
-    /// Writes the timeline as a Chrome trace to `path` (every rank its part, then rank 0
-    /// merges the parts into `path`) and returns its overlap summary. Every rank must call it.
+    /// Writes the job's timeline as one Chrome trace to `path` (every rank its part, then
+    /// rank 0 merges them; see `Timeline::write_job_chrome_trace`) and returns this rank's
+    /// overlap summary. Every rank must call it.
     pub fn write_trace(&self, path: &Path) -> Result<Option<String>, AnyError> {
         let Some(timeline) = &self.timeline else {
             return Ok(None);
@@ -208,22 +212,9 @@ impl Trainer {
         if let Some(ddp) = &self.ddp {
             timeline.record_ddp(&ddp.telemetry());
         }
-        let (rank, world) = (self.rank(), self.world_size());
-        let part = Timeline::rank_trace_path(path, rank, world);
-        timeline.write_chrome_trace(&part)?;
         let summary = timeline.overlap_summary()?.to_string();
-        if let Some(ddp) = &self.ddp {
-            ddp.group().barrier()?.wait()?;
-        }
-        if rank == 0 && world > 1 {
-            let parts: Vec<_> = (0..world)
-                .map(|r| Timeline::rank_trace_path(path, r, world))
-                .collect();
-            merge_chrome_traces(&parts, path)?;
-            for part in parts {
-                std::fs::remove_file(&part)?;
-            }
-        }
+        let group = self.ddp.as_ref().map(|d| d.group().as_ref());
+        timeline.write_job_chrome_trace(path, group)?;
         Ok(Some(summary))
     }
 
@@ -246,25 +237,138 @@ impl Trainer {
     }
 }
 
-/// Fraction of the test set classified correctly.
-pub fn evaluate(model: &dyn Module, test: &DataLoader) -> Result<f64, AnyError> {
-    model.eval();
-    let (mut correct, mut total) = (0usize, 0usize);
-    for batch in test.epoch(0) {
-        let batch = batch?;
-        let predicted = no_grad(|| -> Result<Vec<i64>, AnyError> {
-            let logits = model.forward(&batch.inputs)?;
-            Ok(tandem::ops::argmax(&logits, 1, false)?.to_vec::<i64>()?)
-        })?;
-        let labels = batch.targets.to_vec::<i64>()?;
-        correct += predicted
-            .iter()
-            .zip(&labels)
-            .filter(|(p, l)| p == l)
-            .count();
-        total += labels.len();
+/// Evaluates the model on the test set after an epoch (rank 0 alone: every rank holds the same
+/// parameters), fills in the result's accuracy and prints the epoch's line.
+pub fn report_epoch(
+    trainer: &Trainer,
+    test: &DataLoader,
+    result: &mut EpochResult,
+    epoch: usize,
+    epochs: usize,
+) -> Result<(), AnyError> {
+    if trainer.rank() != 0 {
+        return Ok(());
     }
-    Ok(correct as f64 / total.max(1) as f64)
+    result.test_accuracy = evaluate(trainer.model.as_ref(), test.epoch(0))?.fraction();
+    output::say(format_args!(
+        "epoch {epoch}/{epochs}: train loss {:.4}, test accuracy {:.2}%, {:.0} images/s, {:.1} s",
+        result.train_loss,
+        100.0 * result.test_accuracy,
+        result.images_per_sec,
+        result.seconds
+    ));
+    Ok(())
+}
+
+/// The end of a run: every rank writes its part of the trace (`trace_out`), then rank 0 prints
+/// where the trace is, the run's time and DDP's overlap summary. Every rank must call it.
+pub fn report_end(
+    trainer: &Trainer,
+    trace_out: Option<&Path>,
+    seconds: f64,
+) -> Result<(), AnyError> {
+    let trace = match trace_out {
+        Some(path) => trainer.write_trace(path)?.map(|summary| (path, summary)),
+        None => None,
+    };
+    if trainer.rank() != 0 {
+        return Ok(());
+    }
+    if let Some((path, summary)) = trace {
+        output::say(format_args!("timeline: {} ({summary})", path.display()));
+    }
+    output::say(format_args!("done in {seconds:.1} s"));
+    if let Some(ddp) = &trainer.ddp {
+        output::say(format_args!("overlap: {}", ddp.telemetry().summary()));
+    }
+    Ok(())
+}
+
+/// This process's rank and the number of ranks (0 and 1 when training alone).
+pub fn rank_and_world(group: Option<&Arc<dyn ProcessGroup>>) -> (usize, usize) {
+    group.map_or((0, 1), |g| (g.rank(), g.world_size()))
+}
+
+/// Checks that the global batch `batch_size` splits evenly over `world` ranks.
+pub fn check_global_batch(batch_size: usize, world: usize) -> Result<(), AnyError> {
+    if !batch_size.is_multiple_of(world) {
+        return Err(format!(
+            "--batch-size {batch_size} (the global batch) must be divisible by the world size \
+             {world}"
+        )
+        .into());
+    }
+    Ok(())
+}
+
+/// The training loader for the global batch `batch_size`: alone, the whole set reshuffled
+/// every epoch from `seed`; in a group, each rank its own disjoint shard (a
+/// `DistributedSampler`, reshuffled every epoch from the shared seed) in batches of
+/// `batch_size / world`.
+pub fn train_loader(
+    set: Arc<dyn Dataset>,
+    group: Option<&Arc<dyn ProcessGroup>>,
+    batch_size: usize,
+    seed: u64,
+    device: Device,
+) -> Result<DataLoader, AnyError> {
+    let (rank, world) = rank_and_world(group);
+    let config = DataLoaderConfig {
+        device,
+        batch_size: batch_size / world,
+        ..Default::default()
+    };
+    Ok(match group {
+        Some(_) => {
+            let sampler = DistributedSampler::new(set.len(), world, rank, true, seed)?;
+            DataLoader::with_sampler(set, Arc::new(sampler), config)?
+        }
+        None => DataLoader::new(
+            set,
+            DataLoaderConfig {
+                shuffle: true,
+                seed,
+                ..config
+            },
+        )?,
+    })
+}
+
+/// The test loader: the whole set in order, in batches of `batch_size`.
+pub fn test_loader(
+    set: Arc<dyn Dataset>,
+    batch_size: usize,
+    device: Device,
+) -> Result<DataLoader, AnyError> {
+    let config = DataLoaderConfig {
+        device,
+        batch_size,
+        ..Default::default()
+    };
+    Ok(DataLoader::new(set, config)?)
+}
+
+/// The trainer of `model`: through DDP when there is a `group`, with a timeline when
+/// `trace_out` is set.
+pub fn trainer(
+    model: Arc<dyn Module>,
+    group: Option<&Arc<dyn ProcessGroup>>,
+    trace_out: Option<&Path>,
+) -> Result<Trainer, AnyError> {
+    let ddp = match group {
+        Some(g) => Some(DistributedDataParallel::new(
+            model.clone(),
+            g.clone(),
+            DdpConfig::default(),
+        )?),
+        None => None,
+    };
+    Trainer {
+        model,
+        ddp,
+        timeline: None,
+    }
+    .with_timeline(trace_out)
 }
 
 /// The rest of the epoch `progress` is in: one pass over the training set from step

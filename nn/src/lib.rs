@@ -45,6 +45,7 @@ pub mod data;
 pub mod error;
 pub mod init;
 pub mod layers;
+pub mod metrics;
 pub mod models;
 pub mod module;
 pub mod resnet;

@@ -4,6 +4,11 @@
 //! -- PROGRAM ARGS…` — see [`tandem_dist::launch`] for what it does and `--help` for the
 //! options. Exits 0 when every rank succeeded; otherwise prints which rank failed and how, and
 //! exits with that rank's exit code (128 + signal for a rank killed by a signal).
+//!
+//! From a project that depends on tandem, `cargo run -p tandem-dist` cannot reach this binary
+//! (Cargo runs only the current workspace's packages); install it once with
+//! `cargo install --path path/to/tandem/dist --bin tandem-run` and run
+//! `tandem-run --nproc-per-node N -- target/release/my_program`.
 
 use std::io::Write;
 use std::process::ExitCode;

@@ -1,5 +1,32 @@
-//! Checkpoints: a model's parameters and buffers, optimizer state and string metadata in one
-//! [safetensors](https://github.com/huggingface/safetensors) file.
+//! Checkpoints: a model's parameters and buffers, optimizer state and string metadata in
+//! [safetensors](https://github.com/huggingface/safetensors) files.
+//!
+//! **The everyday API** ([`save_model`], [`load_model`], [`save_training`], [`load_training`],
+//! [`TrainingState`]; all in `tandem::prelude`) takes one argument per thing and keeps the
+//! model file loadable by PyTorch's strict `load_state_dict`: the training state goes to a
+//! file of its own beside it (see [`training_state_path`] and the layout in
+//! [`save_training`]). A model alone:
+//!
+//! ```text
+//! save_model("model.safetensors", &model)?;
+//! load_model("model.safetensors", &model)?;   // strict, like PyTorch's load_state_dict
+//! ```
+//!
+//! and a training run that resumes:
+//!
+//! ```text
+//! let state = TrainingState::new()
+//!     .with_optimizer("optimizer", optimizer.state())
+//!     .with_metadata("epoch", epoch.to_string());
+//! save_training("run/latest.safetensors", &model, &state)?;
+//! // … later, in a fresh process:
+//! let state = load_training("run/latest.safetensors", &model)?;
+//! optimizer.load_state(&state.optimizer("optimizer"))?;
+//! ```
+//!
+//! **The one-file API below** ([`save_checkpoint`], [`load_checkpoint`], [`load_state_dict`])
+//! is what the everyday one is built on, for when everything must live in one file (the
+//! examples' resumable checkpoints, written atomically as one unit).
 //!
 //! The file is exactly what PyTorch's `safetensors.torch.save_file(model.state_dict(), path)`
 //! writes: one tensor per module path (`features.0.weight`, `bn1.running_mean`,
@@ -13,10 +40,19 @@
 //! the entries of the optimizer's `state()` go under [`OPTIMIZER_PREFIX`]
 //! (`optimizer.3.momentum_buffer`, `optimizer.step`), anything else under a prefix of its
 //! own. The names of the extras are recorded in the file's metadata under
-//! [`EXTRA_KEYS_METADATA`], so [`load_state_dict`] knows they are not module state (and a
-//! PyTorch loader sees them as ordinary tensors to pick out). [`Checkpoint::extra`] gives them
-//! back with the prefix removed, ready for `optimizer.load_state(...)`. String metadata
-//! (`epoch`, a run name) lands in the safetensors `__metadata__` header.
+//! [`EXTRA_KEYS_METADATA`], so [`load_state_dict`] knows they are not module state.
+//! [`Checkpoint::extra`] gives them back with the prefix removed, ready for
+//! `optimizer.load_state(...)`. String metadata (`epoch`, a run name) lands in the
+//! safetensors `__metadata__` header. PyTorch's strict `load_state_dict` reports a file's
+//! extras as unexpected keys; leave them out by the names the file lists:
+//!
+//! ```text
+//! import json
+//! from safetensors import safe_open
+//! with safe_open(path, "pt") as f:
+//!     extras = set(json.loads((f.metadata() or {}).get("tandem.extra_keys", "[]")))
+//!     model.load_state_dict({k: f.get_tensor(k) for k in f.keys() if k not in extras})
+//! ```
 //!
 //! Saving is atomic: the bytes go to a temporary file in the target's directory, which is
 //! flushed to disk and then renamed over the target, and the directory itself is flushed. A
@@ -30,9 +66,13 @@
 
 mod atomic;
 mod rng;
+mod training;
 
 pub use atomic::{remove_stale_temporary_files, STALE_AFTER};
 pub use rng::{load_rng_state, rng_state};
+pub use training::{
+    load_model, load_training, save_model, save_training, training_state_path, TrainingState,
+};
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fs;
@@ -61,6 +101,8 @@ pub struct Checkpoint {
     module_state: BTreeMap<String, Tensor>,
     extra: BTreeMap<String, Tensor>,
     metadata: BTreeMap<String, String>,
+    /// tandem's own metadata (keys under `tandem.`, other than the extras' names).
+    reserved: BTreeMap<String, String>,
 }
 
 impl Checkpoint {
@@ -123,10 +165,21 @@ pub fn save_checkpoint(
     extra: &[(String, Tensor)],
     metadata: &BTreeMap<String, String>,
 ) -> Result<()> {
-    let path = path.as_ref();
+    write_checkpoint(path.as_ref(), Some(module), extra, metadata, &[])
+}
+
+/// What [`save_checkpoint`] does, plus tandem's own `reserved` metadata (keys under
+/// `tandem.`), for a file of module state and extras or (without a module) of extras only.
+pub(crate) fn write_checkpoint(
+    path: &Path,
+    module: Option<&dyn Module>,
+    extra: &[(String, Tensor)],
+    metadata: &BTreeMap<String, String>,
+    reserved: &[(&str, String)],
+) -> Result<()> {
     let mut names = BTreeSet::new();
     let mut encoded = Vec::new();
-    for (name, _, tensor) in module.named_tensors() {
+    for (name, _, tensor) in module.map(|m| m.named_tensors()).unwrap_or_default() {
         if !names.insert(name.clone()) {
             return Err(save_error(
                 path,
@@ -147,6 +200,20 @@ pub fn save_checkpoint(
         }
         encoded.push((name.clone(), Encoded::new(tensor)?));
     }
+    let header = header(path, extra, metadata, reserved)?;
+    let bytes = safetensors::serialize(encoded, header)
+        .map_err(|e| save_error(path, format!("cannot encode the checkpoint: {e}")))?;
+    atomic::write_atomically(path, &bytes)
+}
+
+/// The safetensors `__metadata__` of a checkpoint: the user's `metadata` (refusing tandem's
+/// reserved keys), the names of the extras and tandem's `reserved` entries; `None` when empty.
+fn header(
+    path: &Path,
+    extra: &[(String, Tensor)],
+    metadata: &BTreeMap<String, String>,
+    reserved: &[(&str, String)],
+) -> Result<Option<HashMap<String, String>>> {
     let mut header: HashMap<String, String> = HashMap::new();
     for (key, value) in metadata {
         if key.starts_with(RESERVED_METADATA_PREFIX) {
@@ -165,14 +232,14 @@ pub fn save_checkpoint(
             .map_err(|e| save_error(path, format!("cannot encode the extra names: {e}")))?;
         header.insert(EXTRA_KEYS_METADATA.to_string(), json);
     }
-    let header = if header.is_empty() {
+    for (key, value) in reserved {
+        header.insert(key.to_string(), value.clone());
+    }
+    Ok(if header.is_empty() {
         None
     } else {
         Some(header)
-    };
-    let bytes = safetensors::serialize(encoded, header)
-        .map_err(|e| save_error(path, format!("cannot encode the checkpoint: {e}")))?;
-    atomic::write_atomically(path, &bytes)
+    })
 }
 
 /// Reads a checkpoint written by [`save_checkpoint`] or by PyTorch's
@@ -207,6 +274,9 @@ pub fn load_checkpoint(path: impl AsRef<Path>) -> Result<Checkpoint> {
         })?,
         None => BTreeSet::new(),
     };
+    let (reserved, metadata): (BTreeMap<_, _>, BTreeMap<_, _>) = metadata
+        .into_iter()
+        .partition(|(key, _)| key.starts_with(RESERVED_METADATA_PREFIX));
 
     let mut module_state = BTreeMap::new();
     let mut extra = BTreeMap::new();
@@ -229,6 +299,7 @@ pub fn load_checkpoint(path: impl AsRef<Path>) -> Result<Checkpoint> {
         module_state,
         extra,
         metadata,
+        reserved,
     })
 }
 
