@@ -36,7 +36,7 @@ mod tests {
     use tandem_core::Device;
     use tandem_nn::data::Batch;
     use tandem_nn::metrics::evaluate;
-    use tandem_nn::{Linear, Module};
+    use tandem_nn::{LinearConfig, Module};
 
     use super::*;
     use crate::ThreadProcessGroup;
@@ -69,7 +69,7 @@ mod tests {
 
     #[test]
     fn two_ranks_evaluating_halves_agree_with_one_process_evaluating_all() {
-        let model = Linear::new(2, 2, true).unwrap();
+        let model = LinearConfig::new(2, 2).init().unwrap();
         let whole = evaluate(&model, batches(&test_set(), |_| true)).unwrap();
         assert_eq!(whole.total, 10);
         assert!(whole.correct > 0 && whole.correct < 10, "{whole}");

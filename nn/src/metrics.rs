@@ -126,7 +126,7 @@ mod tests {
     use tandem_core::Device;
 
     use super::*;
-    use crate::{Dropout, Linear, Sequential, TrainingFlag};
+    use crate::{DropoutConfig, Forward, LinearConfig, Sequential, TrainingFlag};
 
     fn batch(inputs: Vec<f32>, labels: Vec<i64>) -> Result<Batch> {
         let n = labels.len();
@@ -137,20 +137,18 @@ mod tests {
     }
 
     /// Passes its input through, and records the mode and grad mode of every forward.
+    #[derive(Module)]
     struct Spy {
         flag: TrainingFlag,
         seen: parking_lot::Mutex<Vec<(bool, bool)>>,
     }
 
-    impl Module for Spy {
+    impl Forward for Spy {
         fn forward(&self, x: &Tensor) -> Result<Tensor> {
             self.seen
                 .lock()
                 .push((self.is_training(), is_grad_enabled()));
             Ok(x.clone())
-        }
-        fn training_flag(&self) -> &TrainingFlag {
-            &self.flag
         }
     }
 
@@ -199,8 +197,8 @@ mod tests {
     #[test]
     fn evaluate_turns_dropout_off() {
         let model = Sequential::new()
-            .add(Dropout::new(0.99).unwrap())
-            .add(Linear::new(2, 2, false).unwrap());
+            .add(DropoutConfig::new(0.99).init().unwrap())
+            .add(LinearConfig::new(2, 2).with_bias(false).init().unwrap());
         model.train();
         // With dropout on nearly every input would be zeroed; in eval mode the result is the
         // same on every call.

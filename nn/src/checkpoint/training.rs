@@ -240,7 +240,7 @@ mod tests {
     use tandem_core::{DType, Device};
 
     use super::*;
-    use crate::{BatchNorm2d, Linear, Sequential};
+    use crate::{BatchNormConfig, LinearConfig, Sequential};
 
     fn scratch_dir(test: &str) -> PathBuf {
         let dir = std::env::temp_dir().join(format!("tandem-train-{}-{test}", std::process::id()));
@@ -251,8 +251,8 @@ mod tests {
 
     fn model() -> Sequential {
         Sequential::new()
-            .add(Linear::new(3, 2, true).unwrap())
-            .add(BatchNorm2d::new(2).unwrap())
+            .add(LinearConfig::new(3, 2).init().unwrap())
+            .add(BatchNormConfig::new(2).init().unwrap())
     }
 
     fn values(m: &dyn Module) -> Vec<Vec<f64>> {
@@ -288,7 +288,7 @@ mod tests {
         load_model(&path, &restored).unwrap();
         assert_eq!(values(&restored), values(&saved));
 
-        let without_norm = Sequential::new().add(Linear::new(3, 2, true).unwrap());
+        let without_norm = Sequential::new().add(LinearConfig::new(3, 2).init().unwrap());
         let msg = load_model(&path, &without_norm).unwrap_err().to_string();
         assert!(
             msg.contains("unexpected keys") && msg.contains("1.weight"),
