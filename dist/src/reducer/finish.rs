@@ -16,7 +16,7 @@ use tandem_autograd::BackwardSummary;
 
 use super::telemetry::PendingStep;
 use super::unused::UnreachedHere;
-use super::Reducer;
+use super::{Reducer, State};
 use crate::{DistError, Result};
 
 impl Reducer {
@@ -24,6 +24,7 @@ impl Reducer {
         let rank = self.group.rank();
         let mut st = self.state.lock();
         if !st.sync {
+            st.forward_since_backward = false;
             return Ok(());
         }
         let stream_err = |e| DistError::tensor(rank, "ending the backward of DDP", e);
@@ -107,16 +108,28 @@ impl Reducer {
         // step is waited for), and backward must never make the host wait for the device. The
         // next forward or a read of the telemetry files them.
 
-        // Reset for the next backward.
-        st.ready.iter_mut().for_each(|r| *r = false);
-        for bucket in &mut st.buckets {
-            bucket.pending = bucket.params.len();
-        }
-        st.next_launch = 0;
-        st.sync_backwards += 1;
+        let through_ddp = st.reset_for_next_backward();
+        // The bypass is reported last, once the state is ready for the next iteration: the
+        // gradients were reduced, but what only `DistributedDataParallel::forward` does (the
+        // buffer broadcast, the checks of the previous step) was skipped.
         match first_error {
             Some(e) => Err(e),
+            None if !through_ddp => Err(DistError::ForwardBypassed { rank }),
             None => Ok(()),
         }
+    }
+}
+
+impl State {
+    /// Resets the per-backward bookkeeping after a synchronised backward. Returns whether a
+    /// forward went through `DistributedDataParallel::forward` since the previous one.
+    fn reset_for_next_backward(&mut self) -> bool {
+        self.ready.iter_mut().for_each(|r| *r = false);
+        for bucket in &mut self.buckets {
+            bucket.pending = bucket.params.len();
+        }
+        self.next_launch = 0;
+        self.sync_backwards += 1;
+        std::mem::replace(&mut self.forward_since_backward, false)
     }
 }

@@ -99,6 +99,9 @@ struct State {
     unfinished: Option<Vec<String>>,
     /// When forward last returned, and the compute-stream event recorded then.
     forward_end: (Instant, Event),
+    /// Whether `DistributedDataParallel::forward` ran since the last synchronised backward;
+    /// a backward without one ran through a forward that bypassed DDP (`ddp.module().forward`).
+    forward_since_backward: bool,
     /// Collectives whose outcome was not known yet when their backward finished (a device
     /// backend completes them later); checked at the next forward.
     unchecked: Vec<Work>,
@@ -182,6 +185,7 @@ impl Reducer {
                 rebuilt: false,
                 unfinished: None,
                 forward_end,
+                forward_since_backward: false,
                 unchecked: Vec::new(),
                 pending_steps: VecDeque::new(),
                 telemetry: Telemetry::default(),
@@ -317,11 +321,15 @@ impl Reducer {
     }
 
     /// Marks the end of forward for telemetry: the host instant and an event on the compute
-    /// stream, which anchors device times to the host clock.
+    /// stream, which anchors device times to the host clock. Also notes that a forward went
+    /// through DDP, for the check at the end of the next synchronised backward.
     pub fn mark_forward_end(&self) {
         // A failed record leaves the previous anchor; timings are never worth an error.
-        if let Ok(event) = self.compute.record_event() {
-            self.state.lock().forward_end = (Instant::now(), event);
+        let event = self.compute.record_event();
+        let mut st = self.state.lock();
+        st.forward_since_backward = true;
+        if let Ok(event) = event {
+            st.forward_end = (Instant::now(), event);
         }
     }
 
