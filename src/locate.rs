@@ -134,8 +134,8 @@ enum Source {
 }
 
 /// A shipped file or folder that is not where it was looked for; the message lists every
-/// place looked at and how to name it.
-#[derive(Clone, Debug)]
+/// place looked at and how to name it. Its `Debug` is its message.
+#[derive(Clone)]
 pub struct NotFound(Box<Missing>);
 
 /// What [`NotFound`] says (boxed: errors stay small).
@@ -196,6 +196,8 @@ impl fmt::Display for NotFound {
 }
 
 impl std::error::Error for NotFound {}
+
+tandem_core::debug_as_display!(NotFound);
 
 /// The folder of the shipped MNIST files: `explicit` (`--data-dir`) if given, else
 /// `$TANDEM_DATA_DIR/mnist`, else `data/mnist` found from the current folder or the
@@ -392,6 +394,8 @@ mod tests {
         assert!(text.contains(PEERS_DIR_VAR), "{text}");
         let e = MNIST.locate_from(None, None, &[cwd]).unwrap_err();
         assert!(e.to_string().contains("pass --data-dir"), "{e}");
+        // What `unwrap()` and `main`'s error print: the message, not the fields.
+        assert_eq!(format!("{e:?}"), e.to_string());
     }
 
     #[test]

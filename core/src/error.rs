@@ -2,6 +2,14 @@
 //!
 //! Every variant names the operation that failed and what was wrong with its inputs, so the
 //! message alone tells a user what to fix.
+//!
+//! It also holds what every tandem crate uses to make an error's `Debug` read like its
+//! `Display` ([`debug_as_display!`](crate::debug_as_display) and [`write_report`]): a program
+//! whose `main` returns `Result<(), Box<dyn Error>>` prints the error it ends with through
+//! `Debug`, and a derived `Debug` (`UnusedParameters { rank: 0, paths: [..] }`) drops the
+//! message's advice.
+
+use std::fmt;
 
 use crate::{DType, Device, Shape};
 
@@ -9,7 +17,9 @@ use crate::{DType, Device, Shape};
 pub type Result<T> = std::result::Result<T, Error>;
 
 /// What went wrong in a tensor operation.
-#[derive(Debug, thiserror::Error)]
+///
+/// Its `Debug` is its message and the errors it wraps ([`write_report`]).
+#[derive(thiserror::Error)]
 pub enum Error {
     /// Input shapes that the operation cannot combine.
     #[error("{op}: shape mismatch: {msg}")]
@@ -159,7 +169,133 @@ impl Error {
     }
 }
 
+crate::debug_as_display!(Error);
+
+/// Writes `err` as a user should read it: its message, then the chain of errors it wraps
+/// ([`source`](std::error::Error::source)), one a line under `Caused by:`. A wrapped error whose
+/// text the lines above already hold (a message that quotes its cause, as most of tandem's do)
+/// is not repeated, so an error prints its message alone unless a cause has more to say.
+///
+/// ```text
+/// rank 0: forward of the wrapped module: in module `fc` (Linear): …
+///
+/// Caused by:
+///     connection refused
+/// ```
+pub fn write_report(
+    err: &(dyn std::error::Error + 'static),
+    f: &mut fmt::Formatter<'_>,
+) -> fmt::Result {
+    let mut shown = err.to_string();
+    f.write_str(&shown)?;
+    let mut heading = false;
+    let mut cause = err.source();
+    while let Some(e) = cause {
+        let text = e.to_string();
+        if !text.is_empty() && !shown.contains(&text) {
+            if !heading {
+                f.write_str("\n\nCaused by:")?;
+                heading = true;
+            }
+            write!(f, "\n    {}", text.replace('\n', "\n    "))?;
+            shown.push('\n');
+            shown.push_str(&text);
+        }
+        cause = e.source();
+    }
+    Ok(())
+}
+
+/// Implements `Debug` for error types as [`write_report`]: the message and the errors it
+/// wraps, as `Display` says them, instead of the derived field dump. Every public error type of
+/// tandem uses it, so that `fn main() -> Result<(), Box<dyn Error>>`, `unwrap()` and `{:?}` show
+/// the message with its advice.
+///
+/// ```
+/// #[derive(Clone)]
+/// struct Refused;
+/// impl std::fmt::Display for Refused {
+///     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+///         f.write_str("refused; try again")
+///     }
+/// }
+/// impl std::error::Error for Refused {}
+/// tandem_core::debug_as_display!(Refused);
+/// assert_eq!(format!("{:?}", Refused), "refused; try again");
+/// ```
+#[macro_export]
+macro_rules! debug_as_display {
+    ($($ty:ty),+ $(,)?) => {
+        $(
+            impl ::std::fmt::Debug for $ty {
+                fn fmt(&self, f: &mut ::std::fmt::Formatter<'_>) -> ::std::fmt::Result {
+                    $crate::error::write_report(self, f)
+                }
+            }
+        )+
+    };
+}
+
 /// Formats a shape as `[2, 3, 4]` for messages.
 pub fn fmt_shape(shape: &Shape) -> String {
     format!("{:?}", shape.as_slice())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A cause whose text the outer message does not repeat.
+    #[derive(Debug)]
+    struct Root;
+
+    impl fmt::Display for Root {
+        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("the root cause\nover two lines")
+        }
+    }
+
+    impl std::error::Error for Root {}
+
+    #[test]
+    fn debug_is_the_message_not_the_fields() {
+        let err = Error::DeviceMismatch {
+            op: "add",
+            lhs: Device::Cpu,
+            rhs: Device::Cuda(0),
+        };
+        assert_eq!(format!("{err:?}"), err.to_string());
+        assert!(format!("{err:?}").contains("move the tensors to one device first"));
+        assert_eq!(format!("{err:#?}"), err.to_string());
+    }
+
+    #[test]
+    fn debug_lists_causes_the_message_does_not_already_say() {
+        let err = Error::external("in a gradient-ready hook", Root);
+        // The message quotes its source: nothing more to say.
+        assert_eq!(format!("{err:?}"), err.to_string());
+
+        let err = Error::External {
+            context: "hook".into(),
+            source: Box::new(Error::external("outer", Root)),
+        };
+        assert_eq!(format!("{err:?}"), err.to_string());
+
+        struct Terse(Root);
+        impl fmt::Display for Terse {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("loading failed")
+            }
+        }
+        impl std::error::Error for Terse {
+            fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+                Some(&self.0)
+            }
+        }
+        crate::debug_as_display!(Terse);
+        assert_eq!(
+            format!("{:?}", Terse(Root)),
+            "loading failed\n\nCaused by:\n    the root cause\n    over two lines"
+        );
+    }
 }

@@ -187,7 +187,15 @@ impl DistributedDataParallel {
         out
     }
 
-    /// The wrapped module.
+    /// The wrapped module, for its parameters (the optimizer's), checkpoints and inspection.
+    ///
+    /// **Run forwards through [`DistributedDataParallel::forward`], not through
+    /// `ddp.module().forward(..)`.** DDP's forward broadcasts rank 0's buffers (BatchNorm
+    /// running statistics) and checks the previous step (parameters that got no gradient,
+    /// collectives that failed later); the module's own forward skips all of it. The gradient
+    /// hooks still fire on backward, so the gradients are still reduced, and the backward of
+    /// such a forward returns [`DistError::ForwardBypassed`] after reducing them. A forward
+    /// under `no_grad` (evaluation) has no backward and may use the module directly.
     pub fn module(&self) -> &Arc<dyn Module> {
         &self.module
     }

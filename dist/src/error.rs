@@ -24,7 +24,12 @@ use std::time::Duration;
 pub type Result<T> = std::result::Result<T, DistError>;
 
 /// What went wrong in rendezvous, a collective or the launcher.
-#[derive(Debug, Clone, thiserror::Error)]
+///
+/// Its `Debug` is its message and the errors it wraps
+/// ([`tandem_core::error::write_report`]): `fn main() -> Result<(), Box<dyn Error>>` and
+/// `unwrap()` print the advice (the `find_unused_parameters` hint of
+/// [`UnusedParameters`](DistError::UnusedParameters)), not the fields.
+#[derive(Clone, thiserror::Error)]
 pub enum DistError {
     /// A launcher environment variable is missing or malformed.
     #[error("environment variable {name}: {problem}")]
@@ -258,6 +263,22 @@ pub enum DistError {
         paths: Vec<String>,
     },
 
+    /// A synchronised backward ran through a forward that did not go through
+    /// [`DistributedDataParallel::forward`](crate::DistributedDataParallel::forward), typically
+    /// `ddp.module().forward(x)`. The gradients were reduced, but the buffer broadcast and the
+    /// checks of the previous step that only DDP's forward does were skipped.
+    #[error(
+        "rank {rank}: DistributedDataParallel: this backward ran through a forward that did not go \
+         through DistributedDataParallel::forward (was `ddp.module().forward(..)` called?): the \
+         gradients were reduced, but rank 0's buffers were not broadcast and the previous step's \
+         unused parameters and collectives were not checked; call `ddp.forward(..)` instead, or \
+         wrap a backward that should not synchronise in `ddp.no_sync(..)`"
+    )]
+    ForwardBypassed {
+        /// The reporting rank.
+        rank: usize,
+    },
+
     /// A parameter's gradient became ready twice in one backward.
     #[error("rank {rank}: DistributedDataParallel: the gradient of `{path}` arrived twice in one backward")]
     GradientReadyTwice {
@@ -312,6 +333,8 @@ pub enum DistError {
         detail: String,
     },
 }
+
+tandem_core::debug_as_display!(DistError);
 
 impl DistError {
     /// An [`DistError::Io`] from an OS error met outside a rank (the launcher, the store's
@@ -569,6 +592,34 @@ mod tests {
             "rank 2: DdpConfig: bucket_cap_mb (0) must be positive"
         );
         assert!(config.source().is_none());
+    }
+
+    #[test]
+    fn debug_prints_the_message_with_its_advice() {
+        let err = DistError::UnusedParameters {
+            rank: 0,
+            paths: vec!["branch.weight".into(), "branch.bias".into()],
+        };
+        let debug = format!("{err:?}");
+        assert_eq!(debug, err.to_string());
+        assert!(
+            debug.contains("`branch.weight`, `branch.bias`")
+                && debug.contains("DdpConfig::find_unused_parameters = true"),
+            "{debug}"
+        );
+        // What `fn main() -> Result<(), Box<dyn Error>>` prints.
+        let boxed: Box<dyn std::error::Error> = Box::new(err);
+        assert_eq!(format!("{boxed:?}"), debug);
+        // A wrapped error that the message already quotes is not repeated.
+        let err = DistError::rank_io(
+            1,
+            "connecting to rank 0",
+            std::io::Error::from(std::io::ErrorKind::ConnectionRefused),
+        );
+        assert_eq!(
+            format!("{err:?}"),
+            "rank 1: connecting to rank 0: connection refused"
+        );
     }
 
     #[test]

@@ -451,3 +451,34 @@ fn convert_sync_batch_norm_swaps_every_resnet_batch_norm_and_matches_the_full_ba
         assert!((a - b).abs() <= 1e-5 * scale, "{a} vs {b}");
     }
 }
+
+#[test]
+fn a_backward_through_the_inner_modules_forward_is_reported_naming_ddp_forward() {
+    let outcomes = run_ranks(2, |rank, group| {
+        let ddp = DistributedDataParallel::new(build(Model::Mlp, 1), group, DdpConfig::default())
+            .unwrap();
+        let (x, y) = batch(Model::Mlp, 0);
+        let (x, y) = (shard(&x, rank, 2), shard(&y, rank, 2));
+        let step = |out: Tensor| cross_entropy(&out, &y, Reduction::Mean).unwrap().backward();
+        step(ddp.forward(&x).unwrap()).expect("a step through DDP's forward");
+        // Evaluation under no_grad has no backward: the module may be used directly.
+        tandem_autograd::no_grad(|| ddp.module().forward(&x)).unwrap();
+        let bypassed = step(ddp.module().forward(&x).unwrap())
+            .expect_err("a backward through the module's own forward is reported")
+            .to_string();
+        // The gradients were reduced all the same.
+        let grads = snapshot_grads(ddp.module().as_ref());
+        // The next step through DDP's forward is not affected.
+        step(ddp.forward(&x).unwrap()).expect("the next step through DDP's forward");
+        (bypassed, grads)
+    });
+    for (rank, (err, _)) in outcomes.iter().enumerate() {
+        assert!(
+            err.contains(&format!("rank {rank}: DistributedDataParallel"))
+                && err.contains("`ddp.module().forward(..)`")
+                && err.contains("call `ddp.forward(..)` instead"),
+            "{err}"
+        );
+    }
+    assert_close("rank 1 vs rank 0", &outcomes[1].1, &outcomes[0].1, 0.0);
+}

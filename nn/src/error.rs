@@ -11,7 +11,10 @@ use std::path::PathBuf;
 pub type Result<T> = std::result::Result<T, Error>;
 
 /// What went wrong in a layer, a dataset or a data loader.
-#[derive(Debug, thiserror::Error)]
+///
+/// Its `Debug` is its message and the errors it wraps
+/// ([`tandem_core::error::write_report`]), so `unwrap()` and `main`'s error show the advice.
+#[derive(thiserror::Error)]
 pub enum Error {
     /// An error from the tensor layer (an op, a dtype, a device).
     #[error(transparent)]
@@ -99,6 +102,8 @@ pub enum Error {
     },
 }
 
+tandem_core::debug_as_display!(Error);
+
 impl Error {
     /// An input error for `layer`.
     pub fn input(layer: &'static str, msg: impl Into<String>) -> Self {
@@ -161,5 +166,25 @@ mod tests {
             msg,
             "in module `classifier.2` (Linear): Linear: expected 4 input features, got [2, 3]"
         );
+    }
+
+    #[test]
+    fn debug_prints_the_message_as_display_does() {
+        let err = Error::input("Linear", "expected 4 input features, got [2, 3]")
+            .in_module("2", "Linear")
+            .in_module("classifier", "Sequential");
+        // The sources are quoted by the message already: nothing is printed twice.
+        assert_eq!(format!("{err:?}"), err.to_string());
+        let err = Error::from(tandem_core::Error::invalid(
+            "dropout",
+            "p must be in [0, 1)",
+        ));
+        assert_eq!(format!("{err:?}"), "dropout: p must be in [0, 1)");
+        let err = Error::Io {
+            path: PathBuf::from("/data/mnist/t10k-images-idx3-ubyte"),
+            source: std::io::Error::from(std::io::ErrorKind::PermissionDenied),
+        };
+        assert_eq!(format!("{err:?}"), err.to_string());
+        assert!(format!("{err:?}").contains("/data/mnist/t10k-images-idx3-ubyte"));
     }
 }

@@ -7,7 +7,10 @@
 pub type Result<T> = std::result::Result<T, Error>;
 
 /// What went wrong in an optimizer.
-#[derive(Debug, thiserror::Error)]
+///
+/// Its `Debug` is its message and the errors it wraps
+/// ([`tandem_core::error::write_report`]), so `unwrap()` and `main`'s error show the advice.
+#[derive(thiserror::Error)]
 pub enum Error {
     /// An error from the tensor layer (a kernel, a dtype, a device).
     #[error(transparent)]
@@ -20,6 +23,18 @@ pub enum Error {
         optimizer: &'static str,
         /// What is wrong and what is allowed.
         msg: String,
+    },
+
+    /// An optimizer built over no parameters at all: almost always a mistake (the parameters
+    /// of another model, or of a model before its layers were added), so it is refused as
+    /// PyTorch refuses it.
+    #[error(
+        "{optimizer}: got an empty parameter list; pass the parameters it should update \
+         (usually `model.parameters()`)"
+    )]
+    EmptyParameterList {
+        /// The optimizer, e.g. `SGD`.
+        optimizer: &'static str,
     },
 
     /// A parameter (or its gradient) the optimizer cannot update.
@@ -62,6 +77,8 @@ pub enum Error {
         msg: String,
     },
 }
+
+tandem_core::debug_as_display!(Error);
 
 impl Error {
     /// A parameter error for `param` at `index`.

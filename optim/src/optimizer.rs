@@ -66,8 +66,12 @@ pub trait Optimizer: Send {
     }
 }
 
-/// Checks that `params` are distinct floating-point leaves that require grad.
+/// Checks that `params` is not empty and holds distinct floating-point leaves that require
+/// grad.
 pub(crate) fn check_parameters(optimizer: &'static str, params: &[Tensor]) -> Result<()> {
+    if params.is_empty() {
+        return Err(Error::EmptyParameterList { optimizer });
+    }
     let mut seen = HashSet::new();
     for (index, p) in params.iter().enumerate() {
         if !p.is_leaf() {

@@ -80,6 +80,20 @@ impl CudaLibrary {
         }
     }
 
+    /// What to do when the library is missing: how it is installed, and the folder of NVIDIA's
+    /// pip packages that holds it (for [`TANDEM_CUDA_LIBS`]).
+    fn remedy(self) -> (&'static str, Option<&'static str>) {
+        match self {
+            CudaLibrary::Driver => ("the NVIDIA driver", None),
+            CudaLibrary::Nvrtc | CudaLibrary::Cublas | CudaLibrary::CublasLt => (
+                "the CUDA 13 toolkit",
+                Some("<site-packages>/nvidia/cu13/lib"),
+            ),
+            CudaLibrary::Cudnn => ("cuDNN 9", Some("<site-packages>/nvidia/cudnn/lib")),
+            CudaLibrary::Nccl => ("NCCL 2", Some("<site-packages>/nvidia/nccl/lib")),
+        }
+    }
+
     /// The stem cudarc builds its file names from.
     fn stem(self) -> &'static str {
         match self {
@@ -328,18 +342,25 @@ pub fn search(lib: CudaLibrary, paths: &SearchPaths) -> std::result::Result<Load
         }
     }
 
-    Err(format!(
-        "{} was not found. Searched, in order: {}. Set {TANDEM_CUDA_LIBS} to the folder that \
-         holds it (for NVIDIA's pip packages: <site-packages>/nvidia/cu13/lib, …/nvidia/cudnn/lib \
-         or …/nvidia/nccl/lib)",
+    Err(not_found(lib, &searched))
+}
+
+/// The message for a library that was searched for everywhere and not found: one short line
+/// that says what to do, then every place searched, one a line.
+fn not_found(lib: CudaLibrary, searched: &[String]) -> String {
+    let (install, pip_folder) = lib.remedy();
+    let pip = pip_folder
+        .map(|folder| format!(" (for NVIDIA's pip packages: {folder})"))
+        .unwrap_or_default();
+    let mut text = format!(
+        "{} was not found: install {install}, or set {TANDEM_CUDA_LIBS} to the folder holding \
+         it{pip}\nSearched, in order:",
         lib.describe(),
-        searched
-            .iter()
-            .enumerate()
-            .map(|(i, s)| format!("({}) {s}", i + 1))
-            .collect::<Vec<_>>()
-            .join("; ")
-    ))
+    );
+    for (i, place) in searched.iter().enumerate() {
+        text.push_str(&format!("\n  ({}) {place}", i + 1));
+    }
+    text
 }
 
 /// Opens one file (a path with a `/`) or name (through the loader's search) and checks that it
@@ -461,7 +482,8 @@ fn check_cudarc_agrees(lib: CudaLibrary, ours: &LoadedLibrary) -> std::result::R
         }
         let theirs = open(lib, Path::new(name)).map_err(|e| {
             format!(
-                "{} was found at {}, but cudarc, which opens it by the name {name}, would get a                  library that {e}",
+                "{} was found at {}, but cudarc, which opens it by the name {name}, would get a \
+                 library that {e}",
                 lib.describe(),
                 ours.path.display()
             )
@@ -513,12 +535,49 @@ mod tests {
         };
         let err = search(CudaLibrary::Driver, &paths).unwrap_err();
         assert!(err.contains("the CUDA driver (libcuda.so.1)"), "{err}");
+        assert!(err.contains("\n  (1) TANDEM_CUDA_LIBS: "), "{err}");
         assert!(err.contains(&dir.path().display().to_string()), "{err}");
         assert!(err.contains("TANDEM_CUDA_LIBS"), "{err}");
         assert!(err.contains("cuda-home/lib64"), "{err}");
         assert!(err.contains("cuda-home/targets/x86_64-linux/lib"), "{err}");
         assert!(err.contains("CUDA_PATH: not set"), "{err}");
         assert!(err.contains("usual"), "{err}");
+    }
+
+    #[test]
+    fn a_missing_library_leads_with_one_short_line_saying_what_to_do() {
+        let dir = empty_dir();
+        let paths = SearchPaths {
+            tandem_cuda_libs: vec![dir.path().join("a"), dir.path().join("b")],
+            loader: false,
+            cuda_home: Some(dir.path().join("cuda-home")),
+            cuda_path: Some(dir.path().join("cuda-path")),
+            usual: SearchPaths::from_env().usual,
+        };
+        for lib in [CudaLibrary::Driver, CudaLibrary::Cudnn, CudaLibrary::Nccl] {
+            let Err(reason) = search(lib, &paths) else {
+                continue; // installed in a usual folder on this machine
+            };
+            // As the user sees it: wrapped into the device error.
+            let err = Error::DeviceUnavailable {
+                device: Device::Cuda(0),
+                reason,
+            }
+            .to_string();
+            let first = err.lines().next().unwrap_or_default();
+            assert!(first.len() <= 200, "{} characters: {first}", first.len());
+            assert!(
+                first.contains(lib.describe())
+                    && first.contains("install ")
+                    && first.contains("set TANDEM_CUDA_LIBS to the folder holding it"),
+                "{first}"
+            );
+            // The details follow, one place a line.
+            let rest: Vec<&str> = err.lines().skip(1).collect();
+            assert_eq!(rest[0], "Searched, in order:", "{err}");
+            assert!(rest[1].starts_with("  (1) TANDEM_CUDA_LIBS: "), "{err}");
+            assert!(rest.iter().any(|l| l.contains("cuda-path/lib64")), "{err}");
+        }
     }
 
     #[test]

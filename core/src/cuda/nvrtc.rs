@@ -108,8 +108,7 @@ pub struct Cubin {
     pub resources: Vec<KernelResources>,
 }
 
-/// A kernel that did not compile, with NVRTC's log.
-#[derive(Debug)]
+/// A kernel that did not compile, with NVRTC's log. Its `Debug` is its message.
 pub struct CompileError {
     /// The source file's name.
     pub source: &'static str,
@@ -130,6 +129,8 @@ impl fmt::Display for CompileError {
 }
 
 impl std::error::Error for CompileError {}
+
+crate::debug_as_display!(CompileError);
 
 /// Compiles `source` for `arch`, or returns the result cached in this process or on disk (in
 /// the folder named by the environment). Errors: NVRTC missing, or an architecture it does not

@@ -36,6 +36,7 @@ impl Reducer {
         let rank = self.group.rank();
         let mut state = self.state.lock();
         if !state.sync {
+            state.pass.forward_through_ddp = false;
             return Ok(());
         }
         let stream_err = |e| DistError::tensor(rank, "ending the backward of DDP", e);
@@ -77,9 +78,13 @@ impl Reducer {
         // elapsed time does, even for complete events, and past `MAX_PENDING_STEPS` the oldest
         // step is waited for), and backward must never make the host wait for the device. The
         // next forward or a read of the telemetry files them.
-        reset_for_next_backward(&mut state);
+        let through_ddp = reset_for_next_backward(&mut state);
+        // The bypass is reported last, once the state is ready for the next iteration: the
+        // gradients were reduced, but what only `DistributedDataParallel::forward` does (the
+        // buffer broadcast, the checks of the previous step) was skipped.
         match first_error {
             Some(e) => Err(e),
+            None if !through_ddp => Err(DistError::ForwardBypassed { rank }),
             None => Ok(()),
         }
     }
@@ -168,12 +173,14 @@ impl Reducer {
     }
 }
 
-/// Resets the pass for the next backward and counts this one.
-fn reset_for_next_backward(state: &mut State) {
+/// Resets the pass for the next backward and counts this one. Returns whether a forward went
+/// through `DistributedDataParallel::forward` since the previous synchronised backward.
+fn reset_for_next_backward(state: &mut State) -> bool {
     state.pass.ready.iter_mut().for_each(|r| *r = false);
     for bucket in &mut state.layout.buckets {
         bucket.pending = bucket.params.len();
     }
     state.pass.next_launch = 0;
     state.sync_backwards += 1;
+    std::mem::replace(&mut state.pass.forward_through_ddp, false)
 }

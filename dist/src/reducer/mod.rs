@@ -114,6 +114,9 @@ struct Pass {
     next_launch: usize,
     /// Buckets launched in this backward.
     in_flight: Vec<InFlight>,
+    /// Whether `DistributedDataParallel::forward` ran since the last synchronised backward; a
+    /// backward without one ran through a forward that bypassed DDP (`ddp.module().forward`).
+    forward_through_ddp: bool,
 }
 
 /// The bucket order observed in the first synchronised backward, and whether the buckets were
@@ -156,6 +159,7 @@ impl State {
                 ready: vec![false; params],
                 next_launch: 0,
                 in_flight: Vec::new(),
+                forward_through_ddp: false,
             },
             rebuild: Rebuild {
                 observed_order: Vec::with_capacity(params),
@@ -366,11 +370,15 @@ impl Reducer {
     }
 
     /// Marks the end of forward for telemetry: the host instant and an event on the compute
-    /// stream, which anchors device times to the host clock.
+    /// stream, which anchors device times to the host clock. Also notes that a forward went
+    /// through DDP, for the check at the end of the next synchronised backward.
     pub fn mark_forward_end(&self) {
         // A failed record leaves the previous anchor; timings are never worth an error.
-        if let Ok(event) = self.compute.record_event() {
-            self.state.lock().timing.forward_end = (Instant::now(), event);
+        let event = self.compute.record_event();
+        let mut state = self.state.lock();
+        state.pass.forward_through_ddp = true;
+        if let Ok(event) = event {
+            state.timing.forward_end = (Instant::now(), event);
         }
     }
 

@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use tandem_core::{Device, Generator, Tensor};
 
-use crate::data::dataset::check_indices;
+use crate::data::dataset::{check_data_dir, check_indices};
 use crate::data::mnist::{MNIST_MEAN, MNIST_STD};
 use crate::data::transforms::{sample_seed, transform_image, Augmentation, Normalize};
 use crate::data::{Batch, Dataset, Mnist, MnistDataset, Split};
@@ -30,10 +30,15 @@ pub struct Cifar10;
 impl Cifar10 {
     /// Reads `split` from `dir` (`data_batch_1.bin` … `data_batch_5.bin` for
     /// [`Split::Train`], `test_batch.bin` for [`Split::Test`]), normalised with CIFAR-10's
-    /// statistics and without augmentation. Errors name the file that is missing, truncated
-    /// or holds a label that is not 0–9.
+    /// statistics and without augmentation. Errors name the directory if it does not exist,
+    /// else the file that is missing, truncated or holds a label that is not 0–9.
     pub fn load(dir: impl AsRef<Path>, split: Split) -> Result<CifarDataset> {
         let dir = dir.as_ref();
+        let expected = match split {
+            Split::Train => "data_batch_1.bin … data_batch_5.bin (CIFAR-10's binary version)",
+            Split::Test => "test_batch.bin (CIFAR-10's binary version)",
+        };
+        check_data_dir("CIFAR-10", dir, expected)?;
         let files: Vec<PathBuf> = match split {
             Split::Train => (1..=5)
                 .map(|i| dir.join(format!("data_batch_{i}.bin")))
@@ -281,6 +286,27 @@ mod tests {
         let err = Cifar10::load(&dir, Split::Train).unwrap_err().to_string();
         assert!(err.contains("data_batch_1.bin"), "{err}");
         std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn a_missing_directory_is_reported_as_itself_with_the_files_it_should_hold() {
+        let dir = std::env::temp_dir().join(format!("tandem-cifar-none-{}", std::process::id()));
+        for (split, file) in [
+            (Split::Train, "data_batch_5.bin"),
+            (Split::Test, "test_batch.bin"),
+        ] {
+            let err = Cifar10::load(&dir, split).unwrap_err().to_string();
+            assert!(
+                err.starts_with(&format!(
+                    "{}: the CIFAR-10 directory does not exist",
+                    dir.display()
+                )) && err.contains(file),
+                "{err}"
+            );
+        }
+        // Mnist32 reads MNIST and reports its directory the same way.
+        let err = Mnist32::load(&dir, Split::Test).unwrap_err().to_string();
+        assert!(err.contains("the MNIST directory does not exist"), "{err}");
     }
 
     #[test]

@@ -42,6 +42,24 @@ pub(crate) fn check_indices(what: &'static str, indices: &[usize], len: usize) -
     Ok(())
 }
 
+/// Checks that the folder a data set is read from exists, so that a wrong folder is reported as
+/// itself (with the files it should hold) and not as the first file missing inside it. The
+/// error is [`Error::Io`] with [`std::io::ErrorKind::NotFound`] on `dir`.
+pub(crate) fn check_data_dir(what: &str, dir: &std::path::Path, expected: &str) -> Result<()> {
+    let problem = match std::fs::metadata(dir) {
+        Ok(meta) if meta.is_dir() => return Ok(()),
+        Ok(_) => "is not a directory",
+        Err(_) => "does not exist",
+    };
+    Err(Error::Io {
+        path: dir.to_path_buf(),
+        source: std::io::Error::new(
+            std::io::ErrorKind::NotFound,
+            format!("the {what} directory {problem}; it should hold {expected}"),
+        ),
+    })
+}
+
 /// A dataset over two in-memory tensors whose dim 0 indexes samples (`inputs[i]` goes with
 /// `targets[i]`).
 #[derive(Clone, Debug)]

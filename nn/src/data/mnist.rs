@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use tandem_core::{Device, Tensor};
 
-use crate::data::dataset::check_indices;
+use crate::data::dataset::{check_data_dir, check_indices};
 use crate::data::idx::{read_idx_u8, IMAGES_MAGIC, LABELS_MAGIC};
 use crate::data::{Batch, Dataset};
 use crate::{Error, Result};
@@ -42,11 +42,19 @@ pub struct Mnist;
 impl Mnist {
     /// Reads `split` from `dir`, which holds `train-images-idx3-ubyte` (or `….gz`),
     /// `train-labels-idx1-ubyte`, `t10k-images-idx3-ubyte` and `t10k-labels-idx1-ubyte`.
-    /// Errors name the file that is missing, truncated or corrupt.
+    /// Errors name the directory if it does not exist, else the file that is missing,
+    /// truncated or corrupt.
     pub fn load(dir: impl AsRef<Path>, split: Split) -> Result<MnistDataset> {
         let dir = dir.as_ref();
-        let images = find(dir, &format!("{}-images-idx3-ubyte", split.prefix()))?;
-        let labels = find(dir, &format!("{}-labels-idx1-ubyte", split.prefix()))?;
+        let images_name = format!("{}-images-idx3-ubyte", split.prefix());
+        let labels_name = format!("{}-labels-idx1-ubyte", split.prefix());
+        check_data_dir(
+            "MNIST",
+            dir,
+            &format!("{images_name} and {labels_name} (raw or gzipped, `.gz`)"),
+        )?;
+        let images = find(dir, &images_name)?;
+        let labels = find(dir, &labels_name)?;
         MnistDataset::from_files(&images, &labels)
     }
 }

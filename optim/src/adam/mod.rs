@@ -658,6 +658,18 @@ mod tests {
             err.contains("parameter 1") && err.contains("more than once"),
             "{err}"
         );
+        for (name, err) in [
+            ("Adam", Adam::new(vec![], AdamConfig::default()).err()),
+            ("AdamW", AdamW::new(vec![], AdamConfig::adamw(0.1)).err()),
+        ] {
+            let msg = err
+                .expect("an empty parameter list must be refused")
+                .to_string();
+            assert!(
+                msg.starts_with(&format!("{name}: got an empty parameter list")),
+                "{msg}"
+            );
+        }
     }
 
     fn copied_state(opt: &dyn Optimizer) -> Vec<(String, Tensor)> {

@@ -567,6 +567,22 @@ mod tests {
     }
 
     #[test]
+    fn an_empty_parameter_list_is_refused_naming_the_optimizer() {
+        let err = Sgd::new(vec![], SgdConfig::new(0.1))
+            .err()
+            .expect("an empty parameter list must be refused");
+        assert!(
+            matches!(err, Error::EmptyParameterList { optimizer: "SGD" }),
+            "{err}"
+        );
+        let msg = err.to_string();
+        assert!(msg.starts_with("SGD: got an empty parameter list"), "{msg}");
+        assert!(msg.contains("model.parameters()"), "{msg}");
+        // `unwrap()` and `main`'s error print the message, not the variant's fields.
+        assert_eq!(format!("{err:?}"), msg);
+    }
+
+    #[test]
     fn state_round_trips_into_a_fresh_optimizer() {
         let cfg = SgdConfig::new(0.05).with_momentum(0.9);
         let p = param(&INIT);

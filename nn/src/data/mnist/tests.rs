@@ -190,6 +190,36 @@ fn missing_files_name_both_candidates() {
 }
 
 #[test]
+fn a_missing_directory_is_reported_as_itself_with_the_files_it_should_hold() {
+    let dir = temp_dir("gone").join("no-such-mnist");
+    let err = Mnist::load(&dir, Split::Test).unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        msg.starts_with(&format!(
+            "{}: the MNIST directory does not exist",
+            dir.display()
+        )),
+        "{msg}"
+    );
+    assert!(
+        msg.contains("t10k-images-idx3-ubyte") && msg.contains("t10k-labels-idx1-ubyte"),
+        "{msg}"
+    );
+    assert!(
+        matches!(&err, Error::Io { path, source } if path == &dir && source.kind() == std::io::ErrorKind::NotFound),
+        "{msg}"
+    );
+    // A file where the directory should be.
+    let file = write(dir.parent().unwrap(), "a-file", b"");
+    let msg = Mnist::load(&file, Split::Train).unwrap_err().to_string();
+    assert!(
+        msg.contains("is not a directory") && msg.contains("train-labels-idx1-ubyte"),
+        "{msg}"
+    );
+    std::fs::remove_dir_all(dir.parent().unwrap()).ok();
+}
+
+#[test]
 fn shipped_test_set_has_ten_thousand_images_of_every_digit() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/mnist");
     let ds = Mnist::load(&dir, Split::Test).unwrap();
