@@ -23,8 +23,8 @@ mod tolerance;
 use common::{poison, run_launch, HostBuffer};
 use rand::{Rng, SeedableRng};
 use tandem_core::{DType, Device, FloatElement, Layout, Tensor};
-use tandem_ops::reduce::cuda::{plan_sum, sum_launches, SumPlan};
-use tandem_ops::unary::cuda::unary_backward_launch;
+use tandem_ops::reduce::cuda::launch::{plan_sum, sum_launches, SumPlan};
+use tandem_ops::unary::cuda::launch::unary_backward_launch;
 use tandem_ops::unary::UnaryKind;
 use tolerance::{sigmoid_backward_bound, sum_order_bound, tanh_backward_bound, within};
 

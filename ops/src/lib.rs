@@ -23,6 +23,7 @@ pub mod cat;
 pub(crate) mod checks;
 pub mod conv2d;
 pub(crate) mod cpu;
+pub(crate) mod device_address;
 pub mod dropout;
 pub(crate) mod elementwise_plan;
 pub mod linear;

@@ -1,5 +1,5 @@
 // batch_norm.cu: the phases of batch normalization on the GPU (ops/src/batch_norm/phases.rs).
-// The launches are built by ops/src/batch_norm/kernels.rs; the CPU kernels they mirror are in
+// The launches are built by ops/src/batch_norm/cuda/launch.rs; the CPU kernels they mirror are in
 // ops/src/batch_norm/cpu/.
 //
 // The input is viewed as [N, C, L] (L = H·W…), contiguous, so channel c is N runs of L
@@ -47,7 +47,7 @@ struct alignas(sizeof(T) * V) bn_vec {
     T v[V];
 };
 
-// A per-channel f32 or f64 vector (`ChannelArg` in kernels.rs): element c is at
+// A per-channel f32 or f64 vector (`ChannelArg` in cuda/launch.rs): element c is at
 // address + c·stride elements. `present` = 0: no vector (a default value is used instead).
 struct bn_channel {
     tandem_u64 address;
@@ -75,7 +75,7 @@ TANDEM_FN void bn_set(const bn_channel& p, tandem_u64 c, double value) {
     }
 }
 
-// Division by a fixed divisor (`Divider` in kernels.rs). For dividends below 2^32 and divisors
+// Division by a fixed divisor (`Divider` in cuda/launch.rs). For dividends below 2^32 and divisors
 // below 2^32 (shift < 64): q = (hi32(n·multiplier) + n) >> shift, the round-up multiply-shift
 // of Granlund and Montgomery, exact for every such n. Otherwise a plain 64-bit division.
 struct bn_divider {
@@ -424,7 +424,7 @@ TANDEM_FN void bn_backward_apply(const T* g, const T* x, T* out, const T* coeffi
 // ---------------------------------------------------------------------------------------------
 
 // The count a kernel divides by: the host's value, or an f64 in device memory (`at`, the first
-// element of all-reduced statistic sums) that the host has not read (`CountArg` in kernels.rs).
+// element of all-reduced statistic sums) that the host has not read (`CountArg` in cuda/launch.rs).
 TANDEM_FN double bn_count(double host, const bn_channel& at) {
     return at.present ? bn_get(at, 0, host) : host;
 }

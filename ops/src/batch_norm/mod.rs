@@ -20,16 +20,16 @@
 //! gradient reduction, writing the residual's gradient there for the input-gradient pass.
 //!
 //! Every phase runs on the CPU (`cpu/`) and on CUDA devices (`cuda.rs`, with the kernels of
-//! `batch_norm.cu` launched through the plans of [`kernels`]).
+//! `batch_norm.cu` launched through the plans of [`cuda::launch`]).
 
 #[cfg(test)]
 mod add_relu_tests;
 mod cpu;
-mod cuda;
-pub mod kernels;
+pub mod cuda;
 pub mod phases;
 #[cfg(test)]
 mod relu_tests;
+mod shape;
 
 use tandem_autograd::record_fn;
 use tandem_core::{Error, Result, Tensor};
@@ -39,6 +39,7 @@ use phases::{
     ApplyArgs, BackwardApplyArgs, BackwardReduceArgs, Count, GradMask, GradSums, NormalizationArgs,
     RunningUpdate,
 };
+pub use shape::{Dims, Epilogue};
 
 /// Checks that a per-channel argument is `[C]` with the input's dtype and device.
 fn check_channel_param(op: &'static str, name: &str, x: &Tensor, t: Option<&Tensor>) -> Result<()> {
@@ -189,28 +190,6 @@ pub fn batch_norm_add_relu(
         eps,
     };
     batch_norm_fused(x, Epilogue::AddRelu(residual), &args)
-}
-
-/// What is fused onto batch norm's output (see [`batch_norm_fused`]).
-#[derive(Clone, Copy, Debug)]
-pub enum Epilogue<'a> {
-    /// Nothing: [`batch_norm`].
-    Plain,
-    /// A ReLU: [`batch_norm_relu`].
-    Relu,
-    /// A residual add and then a ReLU: [`batch_norm_add_relu`].
-    AddRelu(&'a Tensor),
-}
-
-impl Epilogue<'_> {
-    /// The op's name (in errors, the graph and the profiler).
-    fn name(self) -> &'static str {
-        match self {
-            Epilogue::Plain => "batch_norm",
-            Epilogue::Relu => "batch_norm_relu",
-            Epilogue::AddRelu(_) => "batch_norm_add_relu",
-        }
-    }
 }
 
 /// [`batch_norm`], [`batch_norm_relu`] or [`batch_norm_add_relu`], chosen by `epilogue`, with

@@ -1,6 +1,6 @@
 // conv2d.cu: the kernels of conv2d's im2col + cuBLAS path (used where cuDNN does not load, or
 // when forced with `set_cuda_conv_backend`), and the bias kernels both CUDA paths share. Their
-// launches are built in ops/src/conv2d/cuda/launches.rs; the semantics are the CPU's
+// launches are built in ops/src/conv2d/cuda/launch.rs; the semantics are the CPU's
 // (ops/src/conv2d/cpu/im2col.rs: row `(c·kh + ki)·kw + kj` of a sample's column matrix holds,
 // for every output pixel, the input element kernel tap (c, ki, kj) reads there, zero in the
 // padding).
@@ -25,7 +25,7 @@
 
 #include "tandem.cuh"
 
-// `ConvShape` in launches.rs.
+// `ConvShape` in cuda/launch.rs.
 struct conv2d_shape {
     tandem_u32 channels;
     tandem_u32 in_h;

@@ -1,7 +1,7 @@
 //! 2-D convolution (cross-correlation, like `torch.nn.functional.conv2d` with groups = 1) with
 //! stride, zero padding and dilation.
 //!
-//! `geometry.rs` works out the sizes once; the CPU kernels (`cpu/`) plan each pass into one
+//! `shape.rs` works out the sizes once; the CPU kernels (`cpu/`) plan each pass into one
 //! algorithm — Winograd F(2×2, 3×3) for the 3×3 unit-stride layers with 16 or more channels, an
 //! implicit GEMM with a register-blocked AVX-512 kernel, pixel-major weight-gradient columns,
 //! or im2col + gemm — and run it over the batch in parallel (see `cpu/mod.rs`). With unit
@@ -17,20 +17,19 @@
 //! turns TF32 off (it is on by default for convolutions, as in PyTorch).
 
 mod cpu;
-mod cuda;
-mod geometry;
+pub mod cuda;
+mod shape;
 
 use tandem_autograd::record_fn;
 use tandem_core::{Device, Error, Result, Tensor};
 
 use crate::checks::{float_dtype, same_dtype_device};
-pub use cuda::launches;
 pub use cuda::{
     cuda_conv_backend, cudnn_algorithm_search, cudnn_available, cudnn_cache_stats,
     set_cuda_conv_backend, set_cudnn_algorithm_search, CudaConvBackend, CudnnAlgorithmSearch,
     CudnnCacheStats,
 };
-pub use geometry::Geometry;
+pub use shape::Geometry;
 
 /// Stride, padding and dilation of a 2-D convolution, each as `(height, width)`.
 ///

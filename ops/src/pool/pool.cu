@@ -47,7 +47,7 @@ struct pool_range {
     tandem_u64 end;
 };
 
-// The input range that output `o` covers along one dim (as `windows.rs` computes it).
+// The input range that output `o` covers along one dim (as `shape.rs` computes it).
 TANDEM_FN pool_range pool_window(tandem_u64 o, tandem_u64 in, tandem_u64 out, tandem_u64 kernel,
                                  tandem_u64 stride, tandem_u64 pad, bool adaptive) {
     pool_range r;

@@ -20,19 +20,20 @@
 
 mod cudnn;
 mod im2col;
-pub mod launches;
+pub mod launch;
 
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Once};
 
 use tandem_core::cuda::blas::allow_tf32_conv;
-use tandem_core::cuda::{device_pointer, launch_on_compute, CudaDevice, DeviceBuffer};
+use tandem_core::cuda::{launch_on_compute, CudaDevice, DeviceBuffer};
 use tandem_core::{DType, Device, Error, Result, Tensor};
 
-use super::geometry::Geometry;
+use super::shape::Geometry;
 use super::Needs;
 use crate::checks::{float_dtype, same_dtype_device};
-use launches::{bias_add_launch, bias_grad_launches, BiasGradSplit};
+use crate::device_address::first_element as address;
+use launch::{bias_add_launch, bias_grad_launches, BiasGradSplit};
 
 pub use cudnn::{cudnn_cache_stats, CudnnCacheStats};
 
@@ -122,13 +123,6 @@ fn notice_cudnn_unavailable(reason: &str) {
             "tandem: cuDNN cannot be used ({reason}); conv2d on CUDA runs through im2col + cuBLAS"
         )
     });
-}
-
-/// A contiguous tensor's device and the address of its element 0.
-fn address(op: &'static str, t: &Tensor) -> Result<(Arc<CudaDevice>, u64)> {
-    let (dev, base) = device_pointer(op, t)?;
-    let offset = t.layout().offset() as u64 * t.dtype().size_in_bytes() as u64;
-    Ok((dev, base + offset))
 }
 
 /// Whether the f32 products of this call may use TF32.

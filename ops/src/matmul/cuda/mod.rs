@@ -2,12 +2,14 @@
 //! batched product that matmul, its backward and linear are built on, and the row sums that
 //! reduce a product over a summed batch (and give linear's bias gradient).
 //!
-//! `blas_plan.rs` turns the operands' layouts into cuBLAS calls; this file prepares the
+//! `launch.rs` turns the operands' layouts into cuBLAS calls; this file prepares the
 //! operands (a dense copy only where cuBLAS cannot read one in place), allocates the output
 //! from the stream-ordered allocator and issues the calls. f32 products use TF32 only when
 //! `tandem_core::cuda::blas::allow_tf32_matmul()` says so (off by default, as in PyTorch). A
 //! bias is copied into every output row by one broadcast copy and the product accumulates onto
 //! it (`beta = 1`), as the CPU does. Nothing here waits for the device.
+
+mod launch;
 
 use cudarc::cublas::result as cublas;
 use cudarc::cublas::sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
@@ -15,7 +17,7 @@ use tandem_core::cuda::sanitizer::{self, Use};
 use tandem_core::cuda::{blas, device_pointer};
 use tandem_core::{checked_numel, DType, Error, Result, Tensor};
 
-use super::blas_plan::{plan, GemmCall, Mat, Operand, Plan};
+use launch::{plan, GemmCall, Mat, Operand, Plan};
 
 /// Describes `t` (`[own_batch.., r, c]`) as an operand of a product over the full `batch`,
 /// transposed when `trans` (the CPU's `operand`, in elements).
@@ -214,7 +216,7 @@ fn gemms(op: &'static str, x: &Tensor, y: &Tensor, out: &Tensor, calls: &[GemmCa
                     let beta = if c.accumulate { 1.0f32 } else { 0.0 };
                     // SAFETY: the plan keeps every matrix of every call inside its tensor's
                     // storage (offsets, leading dimensions and batch strides come from the
-                    // tensors' layouts, checked in blas_plan.rs), the tensors live until the
+                    // tensors' layouts, checked in launch.rs), the tensors live until the
                     // stream-ordered allocator sees them freed after this work, and alpha and
                     // beta are host scalars (the handle's default pointer mode).
                     unsafe {

@@ -17,10 +17,12 @@ use tandem_core::cuda::launch::{
 };
 use tandem_core::{DType, Error, Result};
 
+use crate::batch_norm::shape::Dims;
+
 /// `batch_norm.cu`, embedded.
 pub static BATCH_NORM: KernelSource = KernelSource {
     name: "batch_norm",
-    source: include_str!("batch_norm.cu"),
+    source: include_str!("../batch_norm.cu"),
     headers: &[],
 };
 
@@ -40,39 +42,6 @@ const MAX_SPLITS: usize = 1024;
 
 /// Bytes of a vector load.
 const VECTOR_BYTES: usize = 16;
-
-/// The input of a batch-norm kernel viewed as `[n, c, l]` (`l` = the product of the dims after
-/// the channel dim, 1 for `[N, C]`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Dims {
-    /// Samples.
-    pub n: usize,
-    /// Channels.
-    pub c: usize,
-    /// Elements of one channel of one sample.
-    pub l: usize,
-}
-
-impl Dims {
-    /// The dims of an `[N, C, …]` shape (rank ≥ 2, checked by the caller).
-    pub fn of(shape: &[usize]) -> Dims {
-        Dims {
-            n: shape[0],
-            c: shape[1],
-            l: shape[2..].iter().product(),
-        }
-    }
-
-    /// Elements of one channel over the batch (`n·l`).
-    pub fn per_channel(&self) -> usize {
-        self.n * self.l
-    }
-
-    /// Elements in all (`n·c·l`).
-    pub fn numel(&self) -> usize {
-        self.n * self.c * self.l
-    }
-}
 
 /// A per-channel vector as the kernels take it (`bn_channel` in `batch_norm.cu`): element `c`
 /// at `address + c·stride` elements, f32 or f64; or no vector at all.
