@@ -166,10 +166,8 @@ fn check_sum<T: Element>(c: &Case, scale_for_mean: bool) {
         let dense = Layout::contiguous(&[0]);
         let launches = sum_launches(
             "sum",
-            T::DTYPE,
             &plan,
-            input.view(&dense).ptr,
-            c.layout.offset(),
+            input.view(&c.layout),
             out.view(&dense).ptr,
             partials.view(&dense).ptr,
             scale,

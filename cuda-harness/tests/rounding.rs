@@ -59,10 +59,8 @@ fn rows_that_differ<T: FloatElement>(len: usize, rows: usize, seed: u64) -> usiz
     let dense = Layout::contiguous(&[0]);
     let launches = sum_launches(
         "sum",
-        T::DTYPE,
         &plan,
-        input.view(&dense).ptr,
-        0,
+        input.view(&dense),
         out.view(&dense).ptr,
         0,
         1.0,

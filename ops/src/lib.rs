@@ -17,6 +17,8 @@
 //! (`tests/seam.rs` checks it). Ops run where their inputs are, return `Result`, and name
 //! themselves and the offending shapes in errors.
 
+#![warn(missing_docs)]
+
 pub mod batch_norm;
 pub mod binary;
 pub mod cat;

@@ -35,6 +35,7 @@ use crate::checks::{float_dtype, same_dtype_device};
 use crate::device_address::first_element as address;
 use launch::{bias_add_launch, bias_grad_launches, BiasGradSplit};
 
+use cudnn::Engine;
 pub use cudnn::{cudnn_cache_stats, CudnnCacheStats};
 
 /// Which engine runs conv2d on CUDA devices (a process-wide setting).
@@ -151,8 +152,12 @@ pub(crate) fn conv2d(
         let (x, weight) = (x.contiguous_detached()?, weight.contiguous_detached()?);
         let (_, xa) = address(OP, &x)?;
         let (_, wa) = address(OP, &weight)?;
-        let done = cudnn_in_use(&dev) && cudnn::forward(&dev, g, dtype, xa, wa, y)?;
-        if !done {
+        let engine = if cudnn_in_use(&dev) {
+            cudnn::forward(&dev, g, dtype, xa, wa, y)?
+        } else {
+            Engine::Im2col
+        };
+        if engine == Engine::Im2col {
             im2col::forward(&dev, g, dtype, xa, wa, y)?;
         }
     }
@@ -204,8 +209,12 @@ pub(crate) fn conv2d_backward(
                 } else {
                     let w = weight.contiguous_detached()?;
                     let (_, wa) = address(OP, &w)?;
-                    let done = use_cudnn && cudnn::input_grad(&dev, g, dtype, wa, gya, dxa)?;
-                    if !done {
+                    let engine = if use_cudnn {
+                        cudnn::input_grad(&dev, g, dtype, wa, gya, dxa)?
+                    } else {
+                        Engine::Im2col
+                    };
+                    if engine == Engine::Im2col {
                         im2col::input_grad(&dev, g, dtype, wa, gya, dxa)?;
                     }
                 }
@@ -225,8 +234,12 @@ pub(crate) fn conv2d_backward(
                 } else {
                     let xc = x.contiguous_detached()?;
                     let (_, xa) = address(OP, &xc)?;
-                    let done = use_cudnn && cudnn::weight_grad(&dev, g, dtype, xa, gya, dwa)?;
-                    if !done {
+                    let engine = if use_cudnn {
+                        cudnn::weight_grad(&dev, g, dtype, xa, gya, dwa)?
+                    } else {
+                        Engine::Im2col
+                    };
+                    if engine == Engine::Im2col {
                         im2col::weight_grad(&dev, g, dtype, xa, &gy, dwa)?;
                     }
                 }

@@ -17,6 +17,7 @@ use tandem_core::cuda::sanitizer::{self, Use};
 use tandem_core::cuda::{blas, device_pointer};
 use tandem_core::{checked_numel, DType, Error, Result, Tensor};
 
+use crate::device_address::{first_element, first_element_address};
 use launch::{plan, GemmCall, Mat, Operand, Plan};
 
 /// Describes `t` (`[own_batch.., r, c]`) as an operand of a product over the full `batch`,
@@ -363,14 +364,9 @@ pub(crate) fn sum_rows_into(
         int(op, "a row count", rows)?,
     );
     let ones = Tensor::full(&[rows], 1.0, t.dtype(), t.device())?;
-    let (dev, tp) = device_pointer(op, t)?;
+    let (dev, tp) = first_element(op, t)?;
     let (_, onesp) = device_pointer(op, &ones)?;
-    let (_, yp) = device_pointer(op, out)?;
-    let size = t.dtype().size_in_bytes() as u64;
-    let (tp, yp) = (
-        tp + t.layout().offset() as u64 * size,
-        yp + out.layout().offset() as u64 * size,
-    );
+    let yp = first_element_address(op, out)?;
     let call = if t.dtype() == DType::F64 {
         "cublasDgemv"
     } else {

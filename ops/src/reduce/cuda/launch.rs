@@ -3,6 +3,7 @@
 //! row configuration and dtype checks here are shared with softmax's and the losses' plans.
 
 use tandem_core::cuda::launch::{KernelArg, KernelSource, Launch, LaunchConfig, StridedLayout};
+use tandem_core::cuda::runtime_kernels::DeviceView;
 use tandem_core::{DType, Error, Layout, Result, Shape};
 
 /// `reduce.cu`, embedded.
@@ -362,21 +363,19 @@ pub fn plan_sum(op: &'static str, layout: &Layout, dims: &[usize]) -> Result<Sum
     })
 }
 
-/// The launches of `plan` for an input whose storage starts at `base` (its layout's offset
-/// counts from there) with `offset`, into the dense `out`; `partials` (for
-/// [`SumPlan::Partial`], `blocks` elements of the dtype) is scratch memory.
-#[allow(clippy::too_many_arguments)]
+/// The launches of `plan` (made by [`plan_sum`] from `input`'s layout) for `input`, into the
+/// dense `out`; `partials` (for [`SumPlan::Partial`], `blocks` elements of the dtype) is scratch
+/// memory.
 pub fn sum_launches(
     op: &'static str,
-    dtype: DType,
     plan: &SumPlan,
-    base: u64,
-    offset: usize,
+    input: DeviceView,
     out: u64,
     partials: u64,
     scale: f64,
 ) -> Result<Vec<Launch>> {
-    let first = base + (offset * dtype.size_in_bytes()) as u64;
+    let (dtype, base) = (input.dtype, input.ptr);
+    let first = input.first_element(op)?;
     Ok(match plan {
         SumPlan::Columns { outer, len, inner } => vec![sum_columns_launch(
             op,

@@ -13,7 +13,7 @@
 pub mod launch;
 
 use tandem_core::cuda::launch::StridedLayout;
-use tandem_core::cuda::{device_pointer, launch_on_compute};
+use tandem_core::cuda::{device_pointer, device_view, launch_on_compute};
 use tandem_core::{DType, Result, Tensor};
 
 use crate::device_address::first_element_address;
@@ -41,22 +41,13 @@ pub(crate) fn sum(
         SumPlan::Partial { blocks, .. } => Some(Tensor::empty(&[blocks], x.dtype(), x.device())?),
         _ => None,
     };
-    let (dev, base) = device_pointer(op, x)?;
+    let (dev, input) = device_view(op, x)?;
     let (_, out_ptr) = device_pointer(op, &out)?;
     let partials_ptr = match &partials {
         Some(p) => device_pointer(op, p)?.1,
         None => 0,
     };
-    let launches = sum_launches(
-        op,
-        x.dtype(),
-        &plan,
-        base,
-        x.layout().offset(),
-        out_ptr,
-        partials_ptr,
-        scale,
-    )?;
+    let launches = sum_launches(op, &plan, input, out_ptr, partials_ptr, scale)?;
     for launch in &launches {
         launch_on_compute(&dev, launch, rows)?;
     }
