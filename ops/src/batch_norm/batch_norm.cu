@@ -92,8 +92,6 @@ TANDEM_FN tandem_u64 bn_div(tandem_u64 n, const bn_divider& d) {
     return n / d.divisor;
 }
 
-TANDEM_FN tandem_u64 bn_min(tandem_u64 a, tandem_u64 b) { return a < b ? a : b; }
-
 // ReLU of a normalised value as the CPU computes it: 0 where negative, else the value (NaN and
 // -0.0 pass).
 template <typename T>
@@ -182,7 +180,7 @@ TANDEM_FN void bn_statistics(const T* x, tandem_u64 channels, tandem_u64 vectors
     for (tandem_u64 b = blockIdx.x; b < blocks; b += gridDim.x) {
         tandem_u64 c = b / splits;
         tandem_u64 begin = (b - c * splits) * chunk;
-        tandem_u64 end = bn_min(begin + chunk, vectors);
+        tandem_u64 end = tandem_min_u64(begin + chunk, vectors);
         T shift = bn_shift(x, c, run, vectors);
         double sum = 0.0, squares = 0.0;
         if (vector == W) {
@@ -294,7 +292,7 @@ TANDEM_FN void bn_backward_reduce(const T* g, const T* x, const T* y, T* masked,
     for (tandem_u64 b = blockIdx.x; b < blocks; b += gridDim.x) {
         tandem_u64 c = b / splits;
         tandem_u64 begin = (b - c * splits) * chunk;
-        tandem_u64 end = bn_min(begin + chunk, vectors);
+        tandem_u64 end = tandem_min_u64(begin + chunk, vectors);
         T mean = (T)table[c];
         T scale = (T)table[2 * channels + c];
         T shift = (T)table[3 * channels + c];
@@ -462,18 +460,7 @@ extern "C" __global__ void batch_norm_from_sums(bn_channel sums, tandem_u64 chan
                                                 tandem_i64* record, tandem_u32 code) {
     double n = bn_get(sums, 0, 0.0);
     if (blockIdx.x == 0 && threadIdx.x == 0 && !bn_count_ok(n)) {
-        if (atomicCAS(claim, 0u, 1u) == 0u) {
-            volatile tandem_i64* words = record;
-            words[1] = 0;
-            words[2] = __double_as_longlong(n);
-            words[3] = 2;
-#ifdef __CUDA_ARCH__
-            __threadfence_system();
-#else
-            __threadfence();
-#endif
-            words[0] = (tandem_i64)code;
-        }
+        tandem_deferred_record(claim, record, code, 0, __double_as_longlong(n), 2);
     }
     TANDEM_GRID_STRIDE_LOOP(c, channels) {
         double m = bn_get(sums, 1 + c, 0.0) / n;
