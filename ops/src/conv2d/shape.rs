@@ -6,7 +6,7 @@ use tandem_core::{checked_numel, Error, Result};
 
 use super::Conv2dParams;
 
-/// Sizes of one convolution. Built by [`Geometry::of`] (or [`Geometry::new`] inside the crate),
+/// Sizes of one convolution. Built by [`Geometry::of`] (or `Geometry::new` inside the crate),
 /// which checks that they are consistent (the dilated kernel fits the padded input, strides and
 /// dilations are positive) and that no size overflows, so kernels can compute with them freely.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -413,7 +413,7 @@ fn per_channel(op: &'static str, channels: usize) -> Result<LaunchConfig> {
     LaunchConfig::for_elements(op, channels, THREADS_PER_BLOCK)
 }
 
-/// [`Statistics::to_sums`](super::phases::Statistics::to_sums): the `[1 + 2c]` f64 sums at
+/// [`Statistics::to_sums`](crate::batch_norm::phases::Statistics::to_sums): the `[1 + 2c]` f64 sums at
 /// `sums` from the mean and variance vectors and the count. Covers `c + 1` items (run it
 /// even for no channels: it writes the count).
 pub fn to_sums_launch(
@@ -443,7 +443,7 @@ pub fn to_sums_launch(
     ))
 }
 
-/// [`Statistics::from_sums`](super::phases::Statistics::from_sums): the f64 `[c]` mean and
+/// [`Statistics::from_sums`](crate::batch_norm::phases::Statistics::from_sums): the f64 `[c]` mean and
 /// biased variance at `mean`, `var` from the `[1 + 2c]` f64 sums, whose count (element 0) is
 /// checked on the device: one that is not a whole number above 1 is recorded in `check`'s
 /// deferred-error record (position 0, value the count's f64 bits, bound 2). Covers `c + 1`

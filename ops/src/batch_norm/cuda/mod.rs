@@ -2,7 +2,7 @@
 //! where a kernel needs them so (the fused ops pass contiguous inputs already), allocates its
 //! outputs on the device, builds the launches of `launch.rs` and runs them on the device's
 //! compute stream. Nothing waits for the device: the count of all-reduced statistic sums stays
-//! on the device, where [`from_sums`]'s kernel checks it (reporting a bad one through the
+//! on the device, where `from_sums`'s kernel checks it (reporting a bad one through the
 //! deferred-error record) and the kernels that divide by it read it.
 
 pub mod launch;
