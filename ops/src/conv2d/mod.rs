@@ -29,30 +29,8 @@ pub use cuda::{
     set_cuda_conv_backend, set_cudnn_algorithm_search, CudaConvBackend, CudnnAlgorithmSearch,
     CudnnCacheStats,
 };
-pub use shape::Geometry;
-
-/// Stride, padding and dilation of a 2-D convolution, each as `(height, width)`.
-///
-/// Defaults: stride `(1, 1)`, padding `(0, 0)`, dilation `(1, 1)`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Conv2dParams {
-    /// Step between neighbouring output positions, in input pixels (at least 1).
-    pub stride: (usize, usize),
-    /// Zeros added on each side of the input.
-    pub padding: (usize, usize),
-    /// Spacing between kernel taps (1 = a dense kernel).
-    pub dilation: (usize, usize),
-}
-
-impl Default for Conv2dParams {
-    fn default() -> Self {
-        Conv2dParams {
-            stride: (1, 1),
-            padding: (0, 0),
-            dilation: (1, 1),
-        }
-    }
-}
+use shape::Needs;
+pub use shape::{Conv2dParams, Geometry};
 
 /// Checks the inputs and derives the sizes of the convolution.
 fn geometry(
@@ -80,14 +58,6 @@ fn geometry(
         }
     }
     Ok(geometry)
-}
-
-/// Which gradients the backward must produce.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Needs {
-    pub input: bool,
-    pub weight: bool,
-    pub bias: bool,
 }
 
 /// 2-D convolution of `x` with `weight`, plus `bias` per output channel.

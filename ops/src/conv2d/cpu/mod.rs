@@ -36,7 +36,7 @@ use rayon::prelude::*;
 use tandem_core::{alloc, with_float_type, FloatElement, Result, Tensor};
 
 use crate::conv2d::shape::Geometry;
-use crate::conv2d::Needs;
+use crate::conv2d::shape::Needs;
 use crate::cpu::memory::{self, Scratch};
 use im2col::{tile_bounds, Im2col};
 use plan::{Forward, InputGrad, Split, WeightGrad};

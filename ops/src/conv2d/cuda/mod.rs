@@ -29,8 +29,7 @@ use tandem_core::cuda::blas::allow_tf32_conv;
 use tandem_core::cuda::{launch_on_compute, CudaDevice, DeviceBuffer};
 use tandem_core::{DType, Device, Error, Result, Tensor};
 
-use super::shape::Geometry;
-use super::Needs;
+use super::shape::{Geometry, Needs};
 use crate::checks::{float_dtype, same_dtype_device};
 use crate::device_address::first_element as address;
 use launch::{bias_add_launch, bias_grad_launches, BiasGradSplit};
