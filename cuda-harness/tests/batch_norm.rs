@@ -1,5 +1,5 @@
 //! Batch norm's kernels (`ops/src/batch_norm/batch_norm.cu`), run on the CPU by the host
-//! harness through the launch plans the CUDA path uses (`tandem_ops::batch_norm::kernels`),
+//! harness through the launch plans the CUDA path uses (`tandem_ops::batch_norm::cuda::launch`),
 //! against the CPU phases (`tandem_ops::batch_norm::phases` on CPU tensors).
 //!
 //! Every output starts poisoned inside guard elements: a value left unwritten or a write
@@ -20,17 +20,17 @@ use rand::{Rng, SeedableRng};
 use tandem_core::cuda::deferred::DeferredSlot;
 use tandem_core::cuda::launch::Launch;
 use tandem_core::{DType, Device, Element, Layout, Tensor};
-use tandem_ops::batch_norm::kernels::{
+use tandem_ops::batch_norm::cuda::launch::{
     apply_launch, backward_apply_launches, backward_reduce_launches, count_batch_launch,
     from_sums_launch, normalization_launch, parameter_gradients_launch, statistics_launches,
-    to_sums_launch, update_running_launch, ApplyEpilogue, ChannelArg, CountArg, Dims, ReduceMask,
-    Split, SumsArg,
+    to_sums_launch, update_running_launch, ApplyEpilogue, ChannelArg, CountArg, ReduceMask, Split,
+    SumsArg,
 };
 use tandem_ops::batch_norm::phases::{
     self, ApplyArgs, BackwardApplyArgs, BackwardReduceArgs, Count, GradMask, Normalization,
     NormalizationArgs, RunningUpdate, Statistics,
 };
-use tandem_ops::batch_norm::Epilogue;
+use tandem_ops::batch_norm::{Dims, Epilogue};
 
 const OP: &str = "batch_norm test";
 

@@ -1,5 +1,5 @@
 //! conv2d's kernels (`ops/src/conv2d/conv2d.cu`) run on the CPU by the host harness through the
-//! launch plans the CUDA path uses (`tandem_ops::conv2d::launches`), checked two ways:
+//! launch plans the CUDA path uses (`tandem_ops::conv2d::cuda::launch`), checked two ways:
 //!
 //! - exactly, against a direct formula written here (im2col is a copy; col2im and the bias
 //!   gradient sum values chosen so that every sum is exact; the bias add of such values is
@@ -22,7 +22,7 @@ use rand::{Rng, SeedableRng};
 use tandem_autograd::{backward, BackwardOptions};
 use tandem_core::cuda::launch::Launch;
 use tandem_core::{Device, Element, Layout, Tensor};
-use tandem_ops::conv2d::launches::{
+use tandem_ops::conv2d::cuda::launch::{
     bias_add_launch, bias_grad_launches, col2im_launch, im2col_launch, BiasGradSplit, ColumnLayout,
 };
 use tandem_ops::conv2d::{Conv2dParams, Geometry};

@@ -21,11 +21,11 @@ use common::*;
 use tandem_core::cuda::launch::Launch;
 use tandem_core::cuda::runtime_kernels::DeviceView;
 use tandem_core::{DType, Element, FloatElement, Layout, Result, Tensor};
-use tandem_ops::binary::cuda::{add_relu_launch, binary_launch, scalar_launch};
+use tandem_ops::binary::cuda::launch::{add_relu_launch, binary_launch, scalar_launch};
 use tandem_ops::binary::{BinaryKind, ScalarKind};
-use tandem_ops::dropout::cuda::{dropout_backward_launch, dropout_forward_launch};
+use tandem_ops::dropout::cuda::launch::{dropout_backward_launch, dropout_forward_launch};
 use tandem_ops::dropout::keep_threshold;
-use tandem_ops::unary::cuda::{unary_backward_launch, unary_launch};
+use tandem_ops::unary::cuda::launch::{unary_backward_launch, unary_launch};
 use tandem_ops::unary::UnaryKind;
 
 /// A dense output of `shape`.

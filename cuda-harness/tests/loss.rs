@@ -1,5 +1,5 @@
 //! The loss kernels (`ops/src/loss/loss.cu`), run on the CPU by the host harness through the
-//! launches the CUDA ops use (`tandem_ops::loss::cuda`), against tandem's CPU losses
+//! launches the CUDA ops use (`tandem_ops::loss::cuda::launch`), against tandem's CPU losses
 //! (`cross_entropy`, `nll_loss`, `mse_loss` with `Reduction::None`, their gradients through
 //! autograd), and the device-side label check against the deferred-error record's contract.
 //!
@@ -15,7 +15,7 @@ use rand::{Rng, SeedableRng};
 use tandem_autograd::{BackwardOptions, TensorBackward};
 use tandem_core::cuda::deferred::DeferredSlot;
 use tandem_core::{DType, Device, Element, Layout, Tensor};
-use tandem_ops::loss::cuda::{
+use tandem_ops::loss::cuda::launch::{
     cross_entropy_backward_launch, cross_entropy_rows_launch, mse_backward_launch,
     mse_forward_launch, nll_backward_launch, nll_forward_launch, Labels, Scales,
 };

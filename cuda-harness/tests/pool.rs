@@ -19,10 +19,11 @@ use rand::{Rng, SeedableRng};
 use tandem_autograd::backward;
 use tandem_core::cuda::launch::Launch;
 use tandem_core::{Device, Element, Layout, Tensor};
-use tandem_ops::pool::launch::{
+use tandem_ops::pool::cuda::launch::{
     avg_pool2d_backward_launch, avg_pool2d_launch, max_pool2d_backward_launch, max_pool2d_launch,
-    PoolGeometry, PoolWindows,
+    PoolGeometry,
 };
+use tandem_ops::pool::PoolWindows;
 use tandem_ops::{adaptive_avg_pool2d, avg_pool2d, max_pool2d};
 
 type Pair = (usize, usize);

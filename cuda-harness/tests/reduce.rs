@@ -1,5 +1,5 @@
 //! The reduction kernels (`ops/src/reduce/reduce.cu`), run on the CPU by the host harness
-//! through the plans and launches the CUDA ops use (`tandem_ops::reduce::cuda`), against
+//! through the plans and launches the CUDA ops use (`tandem_ops::reduce::cuda::launch`), against
 //! tandem's CPU ops (`sum`, `mean`, `max`, `argmax`) and direct loops.
 //!
 //! Inputs hold multiples of 1/8 in [-2, 2], so every sum is exact in f32 whatever the order of
@@ -16,7 +16,7 @@ use common::{parts, poison, run_launch, small_grid, HostBuffer};
 use rand::{Rng, SeedableRng};
 use tandem_autograd::{BackwardOptions, TensorBackward};
 use tandem_core::{DType, Device, Element, Layout, Tensor};
-use tandem_ops::reduce::cuda::{
+use tandem_ops::reduce::cuda::launch::{
     broadcast_scaled_launch, expanded_gradient, grouped_layout, max_rows_launch,
     max_scatter_launch, max_scatter_layouts, plan_sum, sum_launches, SumPlan, PARTIAL_MIN_LEN,
 };
@@ -166,10 +166,8 @@ fn check_sum<T: Element>(c: &Case, scale_for_mean: bool) {
         let dense = Layout::contiguous(&[0]);
         let launches = sum_launches(
             "sum",
-            T::DTYPE,
             &plan,
-            input.view(&dense).ptr,
-            c.layout.offset(),
+            input.view(&c.layout),
             out.view(&dense).ptr,
             partials.view(&dense).ptr,
             scale,
@@ -495,9 +493,10 @@ fn max_backward_writes_each_gradient_at_its_first_maximum() {
 #[test]
 fn unsupported_dtypes_are_refused_by_name() {
     let l = Layout::contiguous(&[4]);
-    let err = tandem_ops::reduce::cuda::sum_rows_launch("sum", DType::F16, 1, &l, 2, 1, 4, 1.0)
-        .unwrap_err()
-        .to_string();
+    let err =
+        tandem_ops::reduce::cuda::launch::sum_rows_launch("sum", DType::F16, 1, &l, 2, 1, 4, 1.0)
+            .unwrap_err()
+            .to_string();
     assert!(err.contains("sum") && err.contains("f16"), "{err}");
     let err = max_rows_launch("max", DType::F32, 1, &l, 2, 3, 3, 2)
         .unwrap_err()

@@ -23,8 +23,8 @@ mod tolerance;
 use common::{poison, run_launch, HostBuffer};
 use rand::{Rng, SeedableRng};
 use tandem_core::{DType, Device, FloatElement, Layout, Tensor};
-use tandem_ops::reduce::cuda::{plan_sum, sum_launches, SumPlan};
-use tandem_ops::unary::cuda::unary_backward_launch;
+use tandem_ops::reduce::cuda::launch::{plan_sum, sum_launches, SumPlan};
+use tandem_ops::unary::cuda::launch::unary_backward_launch;
 use tandem_ops::unary::UnaryKind;
 use tolerance::{sigmoid_backward_bound, sum_order_bound, tanh_backward_bound, within};
 
@@ -59,10 +59,8 @@ fn rows_that_differ<T: FloatElement>(len: usize, rows: usize, seed: u64) -> usiz
     let dense = Layout::contiguous(&[0]);
     let launches = sum_launches(
         "sum",
-        T::DTYPE,
         &plan,
-        input.view(&dense).ptr,
-        0,
+        input.view(&dense),
         out.view(&dense).ptr,
         0,
         1.0,

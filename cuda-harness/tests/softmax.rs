@@ -1,5 +1,5 @@
 //! The softmax kernels (`ops/src/softmax/softmax.cu`), run on the CPU by the host harness
-//! through the launches the CUDA ops use (`tandem_ops::softmax::cuda::softmax_launch`), against
+//! through the launches the CUDA ops use (`tandem_ops::softmax::cuda::launch::softmax_launch`), against
 //! tandem's CPU `softmax` and `log_softmax`, forward and backward (through autograd): rows for
 //! one warp and for one block, columns (a dim other than the last), one element per group,
 //! empty groups, huge logits and rows of -inf and NaN. Outputs start poisoned between guard
@@ -11,7 +11,7 @@ use common::{poison, run_launch, small_grid, HostBuffer};
 use rand::{Rng, SeedableRng};
 use tandem_autograd::{BackwardOptions, TensorBackward};
 use tandem_core::{Device, Element, Layout, Tensor};
-use tandem_ops::softmax::cuda::softmax_launch;
+use tandem_ops::softmax::cuda::launch::softmax_launch;
 
 fn values<T: Element>(n: usize, seed: u64) -> Vec<T> {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);

@@ -73,15 +73,6 @@ fn check(op: &'static str, out: &DeviceView, inputs: &[DeviceView]) -> Result<()
     Ok(())
 }
 
-/// The address of a view's first element. The overlap check has already refused null
-/// pointers and layouts that reach past the address space.
-fn first_element(op: &'static str, v: &DeviceView) -> Result<u64> {
-    (v.layout.offset() as u64)
-        .checked_mul(v.dtype.size_in_bytes() as u64)
-        .and_then(|bytes| v.ptr.checked_add(bytes))
-        .ok_or_else(|| Error::invalid(op, format!("layout {:?} overflows an address", v.layout)))
-}
-
 /// The launch of kernel `name` from `source` writing `out` from `inputs` (all of `out`'s shape
 /// and dtype), followed by `scalars`: the dense form when every input is dense, the strided
 /// form otherwise (see the module documentation).
@@ -101,10 +92,10 @@ pub(crate) fn elementwise_launch(
         .collect::<Result<_>>()?;
     let dense = layouts.iter().all(StridedLayout::is_contiguous);
     let mut args = Vec::with_capacity(2 + 2 * inputs.len() + scalars.len());
-    args.push(KernelArg::Out(first_element(op, &out)?));
+    args.push(KernelArg::Out(out.first_element(op)?));
     let (kernel, config) = if dense {
         for x in inputs {
-            args.push(KernelArg::In(first_element(op, x)?));
+            args.push(KernelArg::In(x.first_element(op)?));
         }
         let width = PACK_BYTES / out.dtype.size_in_bytes();
         (

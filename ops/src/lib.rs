@@ -11,11 +11,27 @@
 //! }
 //! ```
 //!
-//! `cpu.rs` (or a `cpu/` folder) holds the CPU kernel and `cuda.rs` (or `cuda/`) the CUDA one,
-//! with the CUDA C source beside it (`<op>.cu`, compiled by NVRTC at first use); `cpu/` at the
-//! crate root holds the helpers the CPU kernels share. Only kernel files touch host memory
-//! (`tests/seam.rs` checks it). Ops run where their inputs are, return `Result`, and name
-//! themselves and the offending shapes in errors.
+//! Every op folder uses the same file names for the same roles:
+//!
+//! | file | role |
+//! |------|------|
+//! | `mod.rs` | the public functions (with `# Shapes`), their checks, their backward, their tests |
+//! | `shape.rs` | the device-neutral types both devices take (kinds, splits, dims, argument structs); it imports from neither device |
+//! | `cpu.rs` or `cpu/` | the CPU kernels |
+//! | `cuda/mod.rs` | the CUDA side: tensors in, device buffers allocated, launches run on the compute stream |
+//! | `cuda/launch.rs` | the launch plans: pure functions from device addresses, dtypes and sizes to launches (or cuBLAS/cuDNN calls), which the host harness (`tandem-cuda-harness`) runs on the CPU |
+//! | `<op>.cu` | the CUDA C source, compiled by NVRTC at first use; helpers several ops share live in `tandem.cuh` (`core/src/cuda/kernels/`) |
+//!
+//! A folder has only the files its op needs (`views/` has no kernels; `cat/` and `linear/`
+//! reuse other ops' kernels and have no `shape.rs` or launch plans). Imports go from `mod.rs`
+//! to the devices and from the devices to `shape.rs`, never between `cpu` and `cuda`; ops reuse
+//! other ops (in backward, and the shared row-reduction plans of `reduce`). `cpu/` at the crate
+//! root holds the helpers the CPU kernels share, `device_address.rs` the first-element address
+//! every CUDA side takes. Only kernel files touch host memory (`tests/seam.rs` checks it). Ops
+//! run where their inputs are, return `Result`, and name themselves and the offending shapes
+//! in errors.
+
+#![warn(missing_docs)]
 
 pub mod batch_norm;
 pub mod binary;
@@ -23,6 +39,7 @@ pub mod cat;
 pub(crate) mod checks;
 pub mod conv2d;
 pub(crate) mod cpu;
+pub(crate) mod device_address;
 pub mod dropout;
 pub(crate) mod elementwise_plan;
 pub mod linear;

@@ -37,6 +37,23 @@ pub struct DeviceView<'a> {
 }
 
 impl DeviceView<'_> {
+    /// The device address of the view's first element (`ptr + offset·size`); errors when the
+    /// address would overflow. The one place the offset-to-bytes arithmetic is written.
+    pub fn first_element(&self, op: &'static str) -> Result<u64> {
+        (self.layout.offset() as u64)
+            .checked_mul(self.dtype.size_in_bytes() as u64)
+            .and_then(|bytes| self.ptr.checked_add(bytes))
+            .ok_or_else(|| {
+                Error::invalid(
+                    op,
+                    format!(
+                        "layout {:?} at address {:#x} overflows a 64-bit address",
+                        self.layout, self.ptr
+                    ),
+                )
+            })
+    }
+
     /// The byte range `[start, end)` the view touches (empty for no elements); errors when an
     /// address would overflow or the base is null.
     fn byte_range(&self, op: &'static str) -> Result<(u64, u64)> {
@@ -439,6 +456,24 @@ mod tests {
 
     fn view(ptr: u64, dtype: DType, layout: &Layout) -> DeviceView<'_> {
         DeviceView { ptr, dtype, layout }
+    }
+
+    #[test]
+    fn first_element_adds_the_offset_in_bytes_and_refuses_overflow() {
+        let l = Layout::contiguous(&[3, 4]).narrow("t", 0, 1, 2).unwrap();
+        assert_eq!(
+            view(0x1000, DType::F64, &l).first_element("t").unwrap(),
+            0x1000 + 4 * 8
+        );
+        assert_eq!(
+            view(0x1000, DType::F16, &l).first_element("t").unwrap(),
+            0x1000 + 4 * 2
+        );
+        let err = view(u64::MAX - 8, DType::F32, &l)
+            .first_element("t")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("overflows"), "{err}");
     }
 
     #[test]

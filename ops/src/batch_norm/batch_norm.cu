@@ -1,5 +1,5 @@
 // batch_norm.cu: the phases of batch normalization on the GPU (ops/src/batch_norm/phases.rs).
-// The launches are built by ops/src/batch_norm/kernels.rs; the CPU kernels they mirror are in
+// The launches are built by ops/src/batch_norm/cuda/launch.rs; the CPU kernels they mirror are in
 // ops/src/batch_norm/cpu/.
 //
 // The input is viewed as [N, C, L] (L = H·W…), contiguous, so channel c is N runs of L
@@ -47,7 +47,7 @@ struct alignas(sizeof(T) * V) bn_vec {
     T v[V];
 };
 
-// A per-channel f32 or f64 vector (`ChannelArg` in kernels.rs): element c is at
+// A per-channel f32 or f64 vector (`ChannelArg` in cuda/launch.rs): element c is at
 // address + c·stride elements. `present` = 0: no vector (a default value is used instead).
 struct bn_channel {
     tandem_u64 address;
@@ -75,7 +75,7 @@ TANDEM_FN void bn_set(const bn_channel& p, tandem_u64 c, double value) {
     }
 }
 
-// Division by a fixed divisor (`Divider` in kernels.rs). For dividends below 2^32 and divisors
+// Division by a fixed divisor (`Divider` in cuda/launch.rs). For dividends below 2^32 and divisors
 // below 2^32 (shift < 64): q = (hi32(n·multiplier) + n) >> shift, the round-up multiply-shift
 // of Granlund and Montgomery, exact for every such n. Otherwise a plain 64-bit division.
 struct bn_divider {
@@ -91,8 +91,6 @@ TANDEM_FN tandem_u64 bn_div(tandem_u64 n, const bn_divider& d) {
     }
     return n / d.divisor;
 }
-
-TANDEM_FN tandem_u64 bn_min(tandem_u64 a, tandem_u64 b) { return a < b ? a : b; }
 
 // ReLU of a normalised value as the CPU computes it: 0 where negative, else the value (NaN and
 // -0.0 pass).
@@ -182,7 +180,7 @@ TANDEM_FN void bn_statistics(const T* x, tandem_u64 channels, tandem_u64 vectors
     for (tandem_u64 b = blockIdx.x; b < blocks; b += gridDim.x) {
         tandem_u64 c = b / splits;
         tandem_u64 begin = (b - c * splits) * chunk;
-        tandem_u64 end = bn_min(begin + chunk, vectors);
+        tandem_u64 end = tandem_min_u64(begin + chunk, vectors);
         T shift = bn_shift(x, c, run, vectors);
         double sum = 0.0, squares = 0.0;
         if (vector == W) {
@@ -294,7 +292,7 @@ TANDEM_FN void bn_backward_reduce(const T* g, const T* x, const T* y, T* masked,
     for (tandem_u64 b = blockIdx.x; b < blocks; b += gridDim.x) {
         tandem_u64 c = b / splits;
         tandem_u64 begin = (b - c * splits) * chunk;
-        tandem_u64 end = bn_min(begin + chunk, vectors);
+        tandem_u64 end = tandem_min_u64(begin + chunk, vectors);
         T mean = (T)table[c];
         T scale = (T)table[2 * channels + c];
         T shift = (T)table[3 * channels + c];
@@ -424,7 +422,7 @@ TANDEM_FN void bn_backward_apply(const T* g, const T* x, T* out, const T* coeffi
 // ---------------------------------------------------------------------------------------------
 
 // The count a kernel divides by: the host's value, or an f64 in device memory (`at`, the first
-// element of all-reduced statistic sums) that the host has not read (`CountArg` in kernels.rs).
+// element of all-reduced statistic sums) that the host has not read (`CountArg` in cuda/launch.rs).
 TANDEM_FN double bn_count(double host, const bn_channel& at) {
     return at.present ? bn_get(at, 0, host) : host;
 }
@@ -462,18 +460,7 @@ extern "C" __global__ void batch_norm_from_sums(bn_channel sums, tandem_u64 chan
                                                 tandem_i64* record, tandem_u32 code) {
     double n = bn_get(sums, 0, 0.0);
     if (blockIdx.x == 0 && threadIdx.x == 0 && !bn_count_ok(n)) {
-        if (atomicCAS(claim, 0u, 1u) == 0u) {
-            volatile tandem_i64* words = record;
-            words[1] = 0;
-            words[2] = __double_as_longlong(n);
-            words[3] = 2;
-#ifdef __CUDA_ARCH__
-            __threadfence_system();
-#else
-            __threadfence();
-#endif
-            words[0] = (tandem_i64)code;
-        }
+        tandem_deferred_record(claim, record, code, 0, __double_as_longlong(n), 2);
     }
     TANDEM_GRID_STRIDE_LOOP(c, channels) {
         double m = bn_get(sums, 1 + c, 0.0) / n;

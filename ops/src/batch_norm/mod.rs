@@ -20,25 +20,26 @@
 //! gradient reduction, writing the residual's gradient there for the input-gradient pass.
 //!
 //! Every phase runs on the CPU (`cpu/`) and on CUDA devices (`cuda.rs`, with the kernels of
-//! `batch_norm.cu` launched through the plans of [`kernels`]).
+//! `batch_norm.cu` launched through the plans of [`cuda::launch`]).
 
 #[cfg(test)]
 mod add_relu_tests;
 mod cpu;
-mod cuda;
-pub mod kernels;
+pub mod cuda;
 pub mod phases;
 #[cfg(test)]
 mod relu_tests;
+mod shape;
 
 use tandem_autograd::record_fn;
 use tandem_core::{Error, Result, Tensor};
 
 use crate::checks::{float_dtype, same_dtype_device};
 use phases::{
-    ApplyArgs, BackwardApplyArgs, BackwardReduceArgs, Count, GradMask, GradSums, NormalizationArgs,
-    RunningUpdate,
+    ApplyArgs, BackwardApplyArgs, BackwardReduceArgs, Count, GradMask, GradSums, Normalization,
+    NormalizationArgs, RunningUpdate,
 };
+pub use shape::{Dims, Epilogue};
 
 /// Checks that a per-channel argument is `[C]` with the input's dtype and device.
 fn check_channel_param(op: &'static str, name: &str, x: &Tensor, t: Option<&Tensor>) -> Result<()> {
@@ -191,28 +192,6 @@ pub fn batch_norm_add_relu(
     batch_norm_fused(x, Epilogue::AddRelu(residual), &args)
 }
 
-/// What is fused onto batch norm's output (see [`batch_norm_fused`]).
-#[derive(Clone, Copy, Debug)]
-pub enum Epilogue<'a> {
-    /// Nothing: [`batch_norm`].
-    Plain,
-    /// A ReLU: [`batch_norm_relu`].
-    Relu,
-    /// A residual add and then a ReLU: [`batch_norm_add_relu`].
-    AddRelu(&'a Tensor),
-}
-
-impl Epilogue<'_> {
-    /// The op's name (in errors, the graph and the profiler).
-    fn name(self) -> &'static str {
-        match self {
-            Epilogue::Plain => "batch_norm",
-            Epilogue::Relu => "batch_norm_relu",
-            Epilogue::AddRelu(_) => "batch_norm_add_relu",
-        }
-    }
-}
-
 /// [`batch_norm`], [`batch_norm_relu`] or [`batch_norm_add_relu`], chosen by `epilogue`, with
 /// their arguments in one struct: for callers (a layer) that pick the fusion at run time. Same
 /// semantics, shapes and errors as the op it stands for.
@@ -231,6 +210,51 @@ pub fn batch_norm_fused(
     let count = x.numel() / x.dims()[1].max(1);
     // Contiguous once: every phase, forward and backward, reads the input.
     let xc = x.contiguous_detached()?;
+    let norm = forward_normalization(op, x, &xc, count, args)?;
+    let out = phases::apply(&ApplyArgs {
+        x: &xc,
+        norm: &norm,
+        epilogue,
+    })?;
+    // With a residual, the backward's mask is `y > 0` of the output itself.
+    let residual = match epilogue {
+        Epilogue::AddRelu(r) => Some(r),
+        _ => None,
+    };
+    let saved = Saved {
+        saved_out: residual.is_some().then(|| out.detach()),
+        relu: matches!(epilogue, Epilogue::Relu),
+        needs: Needs {
+            x: x.requires_grad(),
+            residual: residual.is_some_and(|t| t.requires_grad()),
+            weight: args.weight.is_some_and(|t| t.requires_grad()),
+            bias: args.bias.is_some_and(|t| t.requires_grad()),
+        },
+        has_weight: args.weight.is_some(),
+        has_bias: args.bias.is_some(),
+        training: args.training,
+        count,
+        xc,
+        norm,
+    };
+    let mut inputs = vec![x];
+    inputs.extend(residual);
+    inputs.extend(args.weight);
+    inputs.extend(args.bias);
+    Ok(record_fn(out, &inputs, op, move || {
+        move |g: &Tensor| saved.backward(g)
+    }))
+}
+
+/// The normalization constants of a forward: from the batch statistics in training (after
+/// folding them into the running statistics), from the running statistics in evaluation.
+fn forward_normalization(
+    op: &'static str,
+    x: &Tensor,
+    xc: &Tensor,
+    count: usize,
+    args: &BatchNormArgs<'_>,
+) -> Result<Normalization> {
     let stats = if args.training {
         if count <= 1 {
             return Err(Error::invalid(
@@ -241,7 +265,7 @@ pub fn batch_norm_fused(
                 ),
             ));
         }
-        let stats = phases::statistics(&xc)?;
+        let stats = phases::statistics(xc)?;
         phases::update_running(&RunningUpdate {
             running_mean: args.running_mean,
             running_var: args.running_var,
@@ -265,86 +289,93 @@ pub fn batch_norm_fused(
             ))
         }
     };
-    let norm = phases::normalization(&NormalizationArgs {
+    phases::normalization(&NormalizationArgs {
         mean,
         var,
         weight: args.weight,
         bias: args.bias,
         eps: args.eps,
-    })?;
-    let out = phases::apply(&ApplyArgs {
-        x: &xc,
-        norm: &norm,
-        epilogue,
-    })?;
-    // With a residual, the backward's mask is `y > 0` of the output itself.
-    let residual = match epilogue {
-        Epilogue::AddRelu(r) => Some(r),
-        _ => None,
-    };
-    let saved_out = residual.is_some().then(|| out.detach());
-    let relu = matches!(epilogue, Epilogue::Relu);
+    })
+}
 
-    let needs = (
-        x.requires_grad(),
-        residual.is_some_and(|t| t.requires_grad()),
-        args.weight.is_some_and(|t| t.requires_grad()),
-        args.bias.is_some_and(|t| t.requires_grad()),
-    );
-    let (has_weight, has_bias, training) =
-        (args.weight.is_some(), args.bias.is_some(), args.training);
-    let mut inputs = vec![x];
-    inputs.extend(residual);
-    inputs.extend(args.weight);
-    inputs.extend(args.bias);
-    Ok(record_fn(out, &inputs, op, move || {
-        move |g: &Tensor| {
-            let mask = match (&saved_out, relu) {
-                (Some(y), _) => GradMask::Output(y),
-                (None, true) => GradMask::Relu,
-                (None, false) => GradMask::None,
-            };
-            let GradSums { sums, grad: masked } = phases::backward_reduce(&BackwardReduceArgs {
-                grad: g,
-                x: &xc,
-                norm: &norm,
-                mask,
-            })?;
-            // The gradient batch norm itself sees: g, or behind an add+ReLU the masked g
-            // (which is also the residual's gradient).
-            let g_bn = masked.as_ref().unwrap_or(g);
-            let grad_x = if needs.0 {
-                Some(phases::backward_apply(&BackwardApplyArgs {
-                    grad: g_bn,
-                    x: &xc,
-                    norm: &norm,
-                    sums: &sums,
-                    count: &Count::Host(count),
-                    training,
-                    relu_mask: relu,
-                })?)
-            } else {
-                None
-            };
-            let (grad_w, grad_b) = if (has_weight && needs.2) || (has_bias && needs.3) {
-                let (w, b) = phases::parameter_gradients(&sums, &norm, g.dtype())?;
-                (needs.2.then_some(w), needs.3.then_some(b))
-            } else {
-                (None, None)
-            };
-            let mut grads = vec![grad_x];
-            if saved_out.is_some() {
-                grads.push(if needs.1 { masked } else { None });
-            }
-            if has_weight {
-                grads.push(grad_w);
-            }
-            if has_bias {
-                grads.push(grad_b);
-            }
-            Ok(grads)
+/// Which inputs of a batch-norm op want a gradient.
+#[derive(Clone, Copy, Debug)]
+struct Needs {
+    x: bool,
+    residual: bool,
+    weight: bool,
+    bias: bool,
+}
+
+/// What a batch-norm op's backward reads, kept by its forward.
+struct Saved {
+    /// The contiguous input.
+    xc: Tensor,
+    /// The forward's normalization constants.
+    norm: Normalization,
+    /// The output, behind an add+ReLU (its mask is `y > 0`).
+    saved_out: Option<Tensor>,
+    /// Whether a ReLU (without a residual) follows batch norm.
+    relu: bool,
+    needs: Needs,
+    has_weight: bool,
+    has_bias: bool,
+    training: bool,
+    /// Values per channel.
+    count: usize,
+}
+
+impl Saved {
+    /// The gradients of the recorded inputs (x, the residual, weight, bias: those present)
+    /// from the output gradient `g`.
+    fn backward(&self, g: &Tensor) -> Result<Vec<Option<Tensor>>> {
+        let mask = match (&self.saved_out, self.relu) {
+            (Some(y), _) => GradMask::Output(y),
+            (None, true) => GradMask::Relu,
+            (None, false) => GradMask::None,
+        };
+        let GradSums { sums, grad: masked } = phases::backward_reduce(&BackwardReduceArgs {
+            grad: g,
+            x: &self.xc,
+            norm: &self.norm,
+            mask,
+        })?;
+        // The gradient batch norm itself sees: g, or behind an add+ReLU the masked g
+        // (which is also the residual's gradient).
+        let g_bn = masked.as_ref().unwrap_or(g);
+        let grad_x = if self.needs.x {
+            Some(phases::backward_apply(&BackwardApplyArgs {
+                grad: g_bn,
+                x: &self.xc,
+                norm: &self.norm,
+                sums: &sums,
+                count: &Count::Host(self.count),
+                training: self.training,
+                relu_mask: self.relu,
+            })?)
+        } else {
+            None
+        };
+        let needs = self.needs;
+        let (grad_w, grad_b) = if (self.has_weight && needs.weight) || (self.has_bias && needs.bias)
+        {
+            let (w, b) = phases::parameter_gradients(&sums, &self.norm, g.dtype())?;
+            (needs.weight.then_some(w), needs.bias.then_some(b))
+        } else {
+            (None, None)
+        };
+        let mut grads = vec![grad_x];
+        if self.saved_out.is_some() {
+            grads.push(if needs.residual { masked } else { None });
         }
-    }))
+        if self.has_weight {
+            grads.push(grad_w);
+        }
+        if self.has_bias {
+            grads.push(grad_b);
+        }
+        Ok(grads)
+    }
 }
 
 /// Checks the input, the per-channel arguments, the residual and `eps` of a batch-norm op.

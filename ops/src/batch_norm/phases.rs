@@ -20,20 +20,16 @@
 
 use tandem_core::{DType, Device, Error, Result, Tensor};
 
-use super::{cpu, cuda, Epilogue};
+use super::shape::{bad_count, count_ok, Epilogue};
+use super::{cpu, cuda};
 use crate::checks::{float_dtype, same_dtype_device};
 
-/// How many values each channel's statistics cover (`N·H·W…`, summed over processes for
-/// all-reduced statistics).
-#[derive(Clone, Debug)]
-pub enum Count {
-    /// A number the host knows: one process's batch, or sums read on the CPU.
-    Host(usize),
-    /// A one-element f64 tensor on the statistics' device that the host has not read: the
-    /// first element of statistic sums all-reduced on a GPU ([`Statistics::from_sums`]). The
-    /// kernels that need the count read it from there; it was checked on the device.
-    Device(Tensor),
-}
+// The phases' types live in `shape.rs` (so that the kernels of both devices can take them
+// without importing this module, which dispatches to them); they are part of this module's API.
+pub use super::shape::{
+    check_count, ApplyArgs, BackwardApplyArgs, BackwardReduceArgs, Count, GradMask, GradSums,
+    Normalization, NormalizationArgs, RunningUpdate, Statistics,
+};
 
 impl Count {
     /// The count when the host knows it.
@@ -73,23 +69,6 @@ impl Count {
         }
         Ok(())
     }
-}
-
-impl From<usize> for Count {
-    fn from(n: usize) -> Self {
-        Count::Host(n)
-    }
-}
-
-/// Per-channel statistics of a batch: what batch norm normalises with.
-#[derive(Clone, Debug)]
-pub struct Statistics {
-    /// How many values each channel's statistics cover (`N·H·W…`).
-    pub count: Count,
-    /// The mean of each channel, `[C]` f64.
-    pub mean: Tensor,
-    /// The biased variance of each channel, `[C]` f64.
-    pub var: Tensor,
 }
 
 impl Statistics {
@@ -157,31 +136,6 @@ impl Statistics {
     }
 }
 
-/// Whether statistics can be taken of `count` values: a whole number above 1, exact in f64
-/// (counts are exact up to 2⁵³, far beyond any batch). The CUDA kernel's `bn_count_ok` is the
-/// same test.
-fn count_ok(count: f64) -> bool {
-    count.is_finite() && count.fract() == 0.0 && count < 2f64.powi(53) && count >= 2.0
-}
-
-/// Errors, as [`Statistics::from_sums`] does, when statistics cannot be taken of `count`
-/// values: for a caller that knows the count on the host (SyncBatchNorm on one process).
-pub fn check_count(count: f64) -> Result<()> {
-    if count_ok(count) {
-        Ok(())
-    } else {
-        Err(bad_count("batch_norm_statistics", count))
-    }
-}
-
-/// The error for statistics of `count` values (also how the GPU's deferred check words it).
-pub(crate) fn bad_count(op: &'static str, count: f64) -> Error {
-    Error::invalid(
-        op,
-        format!("batch statistics need more than one value per channel, got a count of {count}"),
-    )
-}
-
 /// Checks that `x` is a float `[N, C, …]` tensor; returns `C`.
 fn channels(op: &'static str, x: &Tensor) -> Result<usize> {
     float_dtype(op, x)?;
@@ -227,19 +181,6 @@ pub fn statistics(x: &Tensor) -> Result<Statistics> {
     }
 }
 
-/// Arguments of [`update_running`].
-#[derive(Clone, Copy, Debug)]
-pub struct RunningUpdate<'a> {
-    /// The running mean to update in place, if tracked.
-    pub running_mean: Option<&'a Tensor>,
-    /// The running (unbiased) variance to update in place, if tracked.
-    pub running_var: Option<&'a Tensor>,
-    /// The batch statistics to fold in (a count above 1).
-    pub stats: &'a Statistics,
-    /// Weight of the batch: `running = (1 − momentum)·running + momentum·batch`.
-    pub momentum: f64,
-}
-
 /// Folds batch statistics into the running ones, in place: the mean as it is, the variance
 /// unbiased (`var·count/(count − 1)`), as PyTorch does.
 pub fn update_running(args: &RunningUpdate<'_>) -> Result<()> {
@@ -264,46 +205,6 @@ pub fn update_running(args: &RunningUpdate<'_>) -> Result<()> {
     match args.stats.mean.device() {
         Device::Cpu => cpu::update_running(OP, args),
         Device::Cuda(_) => cuda::update_running(OP, args),
-    }
-}
-
-/// Arguments of [`normalization`].
-#[derive(Clone, Copy, Debug)]
-pub struct NormalizationArgs<'a> {
-    /// Per-channel mean `[C]` (batch or running statistics; any float dtype).
-    pub mean: &'a Tensor,
-    /// Per-channel biased variance `[C]`.
-    pub var: &'a Tensor,
-    /// Per-channel scale `[C]`; ones when absent.
-    pub weight: Option<&'a Tensor>,
-    /// Per-channel shift `[C]`; zeros when absent.
-    pub bias: Option<&'a Tensor>,
-    /// Added to the variance before the square root (≥ 0).
-    pub eps: f64,
-}
-
-/// The per-channel constants of a normalization: the mean, `1/σ = 1/sqrt(var + eps)`, and the
-/// affine map `y = x·scale + shift` that [`apply`] computes (`scale = w/σ`,
-/// `shift = b − mean·scale`), as one `[4, C]` f64 tensor.
-#[derive(Clone, Debug)]
-pub struct Normalization {
-    table: Tensor,
-}
-
-impl Normalization {
-    /// The `[4, C]` f64 table: rows mean, 1/σ, scale, shift.
-    pub fn table(&self) -> &Tensor {
-        &self.table
-    }
-
-    /// Number of channels.
-    pub fn channels(&self) -> usize {
-        self.table.dims()[1]
-    }
-
-    /// The device the constants live on.
-    pub fn device(&self) -> Device {
-        self.table.device()
     }
 }
 
@@ -366,17 +267,6 @@ fn check_like(op: &'static str, what: &str, x: &Tensor, t: &Tensor) -> Result<()
     Ok(())
 }
 
-/// Arguments of [`apply`].
-#[derive(Clone, Copy, Debug)]
-pub struct ApplyArgs<'a> {
-    /// The input `[N, C, …]`.
-    pub x: &'a Tensor,
-    /// The constants to normalise with.
-    pub norm: &'a Normalization,
-    /// What is fused onto the output.
-    pub epilogue: Epilogue<'a>,
-}
-
 /// `y = x·scale + shift` per channel, then the epilogue (a ReLU, or a residual add and a
 /// ReLU), in one pass. Not recorded by autograd.
 ///
@@ -394,43 +284,6 @@ pub fn apply(args: &ApplyArgs<'_>) -> Result<Tensor> {
     }
 }
 
-/// How the forward's epilogue masks the output gradient, for the backward phases.
-#[derive(Clone, Copy, Debug)]
-pub enum GradMask<'a> {
-    /// No epilogue: the gradient passes as it is.
-    None,
-    /// A ReLU on the normalised value: the gradient counts where `x·scale + shift > 0`, which
-    /// is recomputed from the input with the forward's own constants.
-    Relu,
-    /// A residual add and a ReLU: the gradient counts where this saved output is positive.
-    Output(&'a Tensor),
-}
-
-/// Arguments of [`backward_reduce`].
-#[derive(Clone, Copy, Debug)]
-pub struct BackwardReduceArgs<'a> {
-    /// The gradient of the output.
-    pub grad: &'a Tensor,
-    /// The forward's input.
-    pub x: &'a Tensor,
-    /// The forward's constants.
-    pub norm: &'a Normalization,
-    /// The epilogue's mask.
-    pub mask: GradMask<'a>,
-}
-
-/// What [`backward_reduce`] returns.
-#[derive(Clone, Debug)]
-pub struct GradSums {
-    /// `[2, C]` f64: per channel `Σ g'` and `Σ g'·(x − mean)` of the masked gradient `g'`.
-    /// Additive over batches normalised with the same mean: all-reduce it across processes
-    /// for the gradient of a global batch.
-    pub sums: Tensor,
-    /// The masked gradient itself under [`GradMask::Output`] (it is the residual's gradient
-    /// and the gradient [`backward_apply`] takes), None otherwise.
-    pub grad: Option<Tensor>,
-}
-
 /// The per-channel reductions of the backward (see [`GradSums`]), with the epilogue's mask
 /// applied on the way.
 pub fn backward_reduce(args: &BackwardReduceArgs<'_>) -> Result<GradSums> {
@@ -444,28 +297,6 @@ pub fn backward_reduce(args: &BackwardReduceArgs<'_>) -> Result<GradSums> {
         Device::Cpu => cpu::backward_reduce(OP, args),
         Device::Cuda(_) => cuda::backward_reduce(OP, args),
     }
-}
-
-/// Arguments of [`backward_apply`].
-#[derive(Clone, Copy, Debug)]
-pub struct BackwardApplyArgs<'a> {
-    /// The gradient batch norm itself sees: [`GradSums::grad`] where the reduce returned one,
-    /// else the output gradient.
-    pub grad: &'a Tensor,
-    /// The forward's input.
-    pub x: &'a Tensor,
-    /// The forward's constants.
-    pub norm: &'a Normalization,
-    /// [`GradSums::sums`] (all-reduced where the statistics were).
-    pub sums: &'a Tensor,
-    /// How many values the statistics covered (the global batch's count where they were
-    /// all-reduced: [`Statistics::count`] of [`Statistics::from_sums`]).
-    pub count: &'a Count,
-    /// Whether the forward normalised with batch statistics (whose dependence on `x` the
-    /// gradient then includes) or with running ones.
-    pub training: bool,
-    /// Whether to mask `grad` by the recomputed ReLU mask ([`GradMask::Relu`]).
-    pub relu_mask: bool,
 }
 
 /// The gradient of the input: `(w/σ)·(g − Σg/m − x̂·Σg·x̂/m)` per channel in training,

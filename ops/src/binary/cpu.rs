@@ -9,18 +9,7 @@ use crate::cpu::elementwise::{map_slice, zip_slices};
 use crate::cpu::memory::{self, host_slice};
 use crate::cpu::strided::for_each_index2;
 
-/// Which binary operation a kernel applies.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum BinaryKind {
-    /// `a + b`.
-    Add,
-    /// `a - b`.
-    Sub,
-    /// `a * b`.
-    Mul,
-    /// `a / b`.
-    Div,
-}
+use super::shape::BinaryKind;
 
 #[inline(always)]
 fn apply<T: FloatElement>(kind: BinaryKind, x: T, y: T) -> T {

@@ -8,6 +8,7 @@
 
 mod cpu;
 pub mod cuda;
+mod shape;
 
 use tandem_autograd::record_fn;
 use tandem_core::{broadcast_shapes, Device, Result, Tensor};
@@ -15,26 +16,7 @@ use tandem_core::{broadcast_shapes, Device, Result, Tensor};
 use crate::checks::{float_dtype, same_dtype_device};
 use crate::reduce::sum_to_shape;
 
-pub use cpu::BinaryKind;
-
-/// Which scalar operation [`add_scalar`] or [`mul_scalar`] applies.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ScalarKind {
-    /// `x + c`.
-    Add,
-    /// `x * c`.
-    Mul,
-}
-
-impl ScalarKind {
-    /// The op's name.
-    pub fn name(self) -> &'static str {
-        match self {
-            ScalarKind::Add => "add_scalar",
-            ScalarKind::Mul => "mul_scalar",
-        }
-    }
-}
+pub use shape::{BinaryKind, ScalarKind};
 
 fn binary(op: &'static str, kind: BinaryKind, a: &Tensor, b: &Tensor) -> Result<Tensor> {
     let _profile = tandem_core::profile::scope(op, tandem_core::profile::Phase::Forward);

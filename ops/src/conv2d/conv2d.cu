@@ -1,6 +1,6 @@
 // conv2d.cu: the kernels of conv2d's im2col + cuBLAS path (used where cuDNN does not load, or
 // when forced with `set_cuda_conv_backend`), and the bias kernels both CUDA paths share. Their
-// launches are built in ops/src/conv2d/cuda/launches.rs; the semantics are the CPU's
+// launches are built in ops/src/conv2d/cuda/launch.rs; the semantics are the CPU's
 // (ops/src/conv2d/cpu/im2col.rs: row `(c·kh + ki)·kw + kj` of a sample's column matrix holds,
 // for every output pixel, the input element kernel tap (c, ki, kj) reads there, zero in the
 // padding).
@@ -25,7 +25,7 @@
 
 #include "tandem.cuh"
 
-// `ConvShape` in launches.rs.
+// `ConvShape` in cuda/launch.rs.
 struct conv2d_shape {
     tandem_u32 channels;
     tandem_u32 in_h;
@@ -43,11 +43,6 @@ struct conv2d_shape {
     tandem_u32 padding_;
 };
 
-// a / b, dividing in 32 bits while both fit (a 64-bit division is several times slower).
-TANDEM_FN tandem_u64 conv2d_div(tandem_u64 a, tandem_u64 b) {
-    return ((a | b) >> 32) == 0 ? (tandem_u64)((tandem_u32)a / (tandem_u32)b) : a / b;
-}
-
 template <typename T>
 TANDEM_FN void im2col_impl(const T* x, T* cols, const conv2d_shape& g, tandem_u64 samples,
                            tandem_u64 row_step, tandem_u64 sample_step) {
@@ -56,7 +51,7 @@ TANDEM_FN void im2col_impl(const T* x, T* cols, const conv2d_shape& g, tandem_u6
     const tandem_u64 in_plane = (tandem_u64)g.in_h * g.in_w;
     const tandem_u32 taps = g.kernel_h * g.kernel_w;
     TANDEM_GRID_STRIDE_LOOP(i, samples * per_sample) {
-        tandem_u64 s = conv2d_div(i, per_sample);
+        tandem_u64 s = tandem_div_u64(i, per_sample);
         tandem_u32 r = (tandem_u32)(i - s * per_sample);
         tandem_u32 c = r / pixels;
         tandem_u32 p = r - c * pixels;
@@ -90,7 +85,7 @@ TANDEM_FN void col2im_impl(const T* cols, T* dx, const conv2d_shape& g, tandem_u
     const tandem_u64 per_sample = (tandem_u64)g.channels * in_plane;
     const tandem_u32 taps = g.kernel_h * g.kernel_w;
     TANDEM_GRID_STRIDE_LOOP(i, samples * per_sample) {
-        tandem_u64 s = conv2d_div(i, per_sample);
+        tandem_u64 s = tandem_div_u64(i, per_sample);
         tandem_u32 r = (tandem_u32)(i - s * per_sample);
         tandem_u32 c = r / in_plane;
         tandem_u32 q = r - c * in_plane;
@@ -136,8 +131,8 @@ template <typename T>
 TANDEM_FN void bias_add_impl(T* out, const T* bias, tandem_u64 n, tandem_u64 channels,
                              tandem_u64 pixels) {
     TANDEM_GRID_STRIDE_LOOP(i, n) {
-        tandem_u64 row = conv2d_div(i, pixels);
-        tandem_u64 o = row - conv2d_div(row, channels) * channels;
+        tandem_u64 row = tandem_div_u64(i, pixels);
+        tandem_u64 o = row - tandem_div_u64(row, channels) * channels;
         out[i] = out[i] + bias[o];
     }
 }
@@ -152,13 +147,13 @@ TANDEM_FN void bias_grad_partial_impl(const T* gy, T* partials, tandem_u64 sampl
     __shared__ T scratch[32];
     const tandem_u64 total = samples * pixels;
     for (tandem_u64 b = blockIdx.x; b < channels * splits; b += gridDim.x) {
-        tandem_u64 o = conv2d_div(b, splits);
+        tandem_u64 o = tandem_div_u64(b, splits);
         tandem_u64 t = b - o * splits;
         tandem_u64 first = t * span;
         tandem_u64 end = first + span < total ? first + span : total;
         T acc = (T)0;
         for (tandem_u64 j = first + threadIdx.x; j < end; j += blockDim.x) {
-            tandem_u64 s = conv2d_div(j, pixels);
+            tandem_u64 s = tandem_div_u64(j, pixels);
             tandem_u64 p = j - s * pixels;
             acc += gy[(s * channels + o) * pixels + p];
         }

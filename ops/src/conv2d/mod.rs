@@ -1,7 +1,7 @@
 //! 2-D convolution (cross-correlation, like `torch.nn.functional.conv2d` with groups = 1) with
 //! stride, zero padding and dilation.
 //!
-//! `geometry.rs` works out the sizes once; the CPU kernels (`cpu/`) plan each pass into one
+//! `shape.rs` works out the sizes once; the CPU kernels (`cpu/`) plan each pass into one
 //! algorithm — Winograd F(2×2, 3×3) for the 3×3 unit-stride layers with 16 or more channels, an
 //! implicit GEMM with a register-blocked AVX-512 kernel, pixel-major weight-gradient columns,
 //! or im2col + gemm — and run it over the batch in parallel (see `cpu/mod.rs`). With unit
@@ -17,43 +17,20 @@
 //! turns TF32 off (it is on by default for convolutions, as in PyTorch).
 
 mod cpu;
-mod cuda;
-mod geometry;
+pub mod cuda;
+mod shape;
 
 use tandem_autograd::record_fn;
 use tandem_core::{Device, Error, Result, Tensor};
 
 use crate::checks::{float_dtype, same_dtype_device};
-pub use cuda::launches;
 pub use cuda::{
     cuda_conv_backend, cudnn_algorithm_search, cudnn_available, cudnn_cache_stats,
     set_cuda_conv_backend, set_cudnn_algorithm_search, CudaConvBackend, CudnnAlgorithmSearch,
     CudnnCacheStats,
 };
-pub use geometry::Geometry;
-
-/// Stride, padding and dilation of a 2-D convolution, each as `(height, width)`.
-///
-/// Defaults: stride `(1, 1)`, padding `(0, 0)`, dilation `(1, 1)`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Conv2dParams {
-    /// Step between neighbouring output positions, in input pixels (at least 1).
-    pub stride: (usize, usize),
-    /// Zeros added on each side of the input.
-    pub padding: (usize, usize),
-    /// Spacing between kernel taps (1 = a dense kernel).
-    pub dilation: (usize, usize),
-}
-
-impl Default for Conv2dParams {
-    fn default() -> Self {
-        Conv2dParams {
-            stride: (1, 1),
-            padding: (0, 0),
-            dilation: (1, 1),
-        }
-    }
-}
+use shape::Needs;
+pub use shape::{Conv2dParams, Geometry};
 
 /// Checks the inputs and derives the sizes of the convolution.
 fn geometry(
@@ -81,14 +58,6 @@ fn geometry(
         }
     }
     Ok(geometry)
-}
-
-/// Which gradients the backward must produce.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Needs {
-    pub input: bool,
-    pub weight: bool,
-    pub bias: bool,
 }
 
 /// 2-D convolution of `x` with `weight`, plus `bias` per output channel.

@@ -9,7 +9,7 @@
 use rayon::prelude::*;
 use tandem_core::{with_float_type, Element, Error, FloatElement, Result, Tensor};
 
-use super::{Classes, Reduction};
+use super::shape::{Classes, CrossEntropySaved, Reduction};
 use crate::cpu::elementwise::{map, zip_map, zip_slices};
 use crate::cpu::exp::ExpFloat;
 use crate::cpu::lanes::{lanes_max, lanes_sum, lanes_sum_exp};
@@ -116,14 +116,6 @@ pub(crate) fn nll_backward(
         let scales = grad_scales::<T>(op, g, mean_count(k.reduction, k.n))?;
         Tensor::from_vec(nll_grad(op, &labels, k.c, &scales)?, &[k.n, k.c], g.device())
     })
-}
-
-/// What cross entropy's backward reads: the contiguous logits and, per row, the maximum and
-/// `ln Σ e^(x − max)` (tensors of `[n]`).
-pub(crate) struct CrossEntropySaved {
-    pub(crate) logits: Tensor,
-    pub(crate) max: Tensor,
-    pub(crate) log_sum: Tensor,
 }
 
 /// Cross entropy of `logits` (`[n, c]`) against `targets`, reduced, and what its backward

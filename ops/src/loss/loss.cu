@@ -14,63 +14,15 @@
 
 #include "tandem.cuh"
 
-TANDEM_FN float loss_exp(float v) { return expf(v); }
-TANDEM_FN double loss_exp(double v) { return exp(v); }
-TANDEM_FN float loss_log(float v) { return logf(v); }
-TANDEM_FN double loss_log(double v) { return log(v); }
-TANDEM_FN float loss_nan(float) { return __uint_as_float(0x7fc00000u); }
-TANDEM_FN double loss_nan(double) { return __longlong_as_double((tandem_i64)0x7ff8000000000000ull); }
-
 // Whether `label` is a class index in 0..classes.
 TANDEM_FN bool loss_label_ok(tandem_i64 label, tandem_u64 classes) {
     return label >= 0 && (tandem_u64)label < classes;
 }
 
-// Records a bad label in the deferred-error record (see deferred.rs): the thread that claims
-// the record writes position, value and bound, makes them visible to the host, then the code.
+// Records a bad label in the deferred-error record (see deferred.rs).
 TANDEM_FN void loss_record_label(tandem_u32* claim, tandem_i64* record, tandem_u32 code,
                                  tandem_u64 position, tandem_i64 label, tandem_u64 classes) {
-    if (atomicCAS(claim, 0u, 1u) == 0u) {
-        volatile tandem_i64* words = record;
-        words[1] = (tandem_i64)position;
-        words[2] = label;
-        words[3] = (tandem_i64)classes;
-#ifdef __CUDA_ARCH__
-        __threadfence_system();
-#else
-        __threadfence();
-#endif
-        words[0] = (tandem_i64)code;
-    }
-}
-
-struct loss_group {
-    tandem_u64 first;
-    tandem_u64 step;
-    tandem_u32 rank;
-    tandem_u32 size;
-};
-
-TANDEM_FN loss_group loss_group_of(int warp_per_row) {
-    loss_group g;
-    if (warp_per_row) {
-        g.first = ((tandem_u64)blockIdx.x * blockDim.x + threadIdx.x) / 32u;
-        g.step = (tandem_u64)gridDim.x * blockDim.x / 32u;
-        g.rank = threadIdx.x % 32u;
-        g.size = 32u;
-    } else {
-        g.first = blockIdx.x;
-        g.step = gridDim.x;
-        g.rank = threadIdx.x;
-        g.size = blockDim.x;
-    }
-    return g;
-}
-
-template <typename C, typename Op>
-TANDEM_FN C loss_group_reduce(C value, Op op, C identity, C* scratch, int warp_per_row) {
-    return warp_per_row ? tandem_warp_reduce(value, op)
-                        : tandem_block_reduce(value, op, identity, scratch);
+    tandem_deferred_record(claim, record, code, (tandem_i64)position, label, (tandem_i64)classes);
 }
 
 // Per row of the dense [rows, classes] logits: losses[r] = ls - (x[t] - m), row_max[r] = m,
@@ -84,27 +36,27 @@ TANDEM_FN void cross_entropy_rows_impl(const T* x, const tandem_i64* targets,
                                        tandem_u32 code) {
     typedef typename tandem_compute<T>::type C;
     __shared__ C scratch[32];
-    loss_group g = loss_group_of(warp_per_row);
+    tandem_row_group g = tandem_row_group_of(warp_per_row);
     for (tandem_u64 row = g.first; row < rows; row += g.step) {
         const T* xr = x + row * classes;
         C m = tandem_load(xr[0]);
         for (tandem_u64 k = g.rank; k < classes; k += g.size) {
             m = tandem_max_nan_op()(m, tandem_load(xr[k]));
         }
-        m = loss_group_reduce(m, tandem_max_nan_op(), m, scratch, warp_per_row);
+        m = tandem_row_group_reduce(m, tandem_max_nan_op(), m, scratch, warp_per_row);
         C s = (C)0;
         for (tandem_u64 k = g.rank; k < classes; k += g.size) {
-            s += loss_exp(tandem_load(xr[k]) - m);
+            s += tandem_exp(tandem_load(xr[k]) - m);
         }
-        s = loss_group_reduce(s, tandem_sum_op(), (C)0, scratch, warp_per_row);
+        s = tandem_row_group_reduce(s, tandem_sum_op(), (C)0, scratch, warp_per_row);
         if (g.rank == 0) {
-            C ls = loss_log(s);
+            C ls = tandem_log(s);
             tandem_i64 t = targets[row * target_stride];
             C loss;
             if (loss_label_ok(t, classes)) {
                 loss = ls - (tandem_load(xr[t]) - m);
             } else {
-                loss = loss_nan(m);
+                loss = tandem_nan(m);
                 loss_record_label(claim, record, code, row, t, classes);
             }
             losses[row] = tandem_store<T>(loss);
@@ -129,10 +81,10 @@ TANDEM_FN void cross_entropy_backward_impl(const T* x, const tandem_i64* targets
         tandem_u64 k = i - row * classes;
         tandem_i64 t = targets[row * target_stride];
         C s = tandem_load(g[row * g_stride]) * scale;
-        C v = s * loss_exp((tandem_load(x[i]) - tandem_load(row_max[row])) -
+        C v = s * tandem_exp((tandem_load(x[i]) - tandem_load(row_max[row])) -
                            tandem_load(row_log_sum[row]));
         if (!loss_label_ok(t, classes)) {
-            v = loss_nan(v);
+            v = tandem_nan(v);
             if (k == 0) {
                 loss_record_label(claim, record, code, row, t, classes);
             }
@@ -156,7 +108,7 @@ TANDEM_FN void nll_forward_impl(const T* log_probs, tandem_u64 s0, tandem_u64 s1
         if (loss_label_ok(t, classes)) {
             loss = -tandem_load(log_probs[row * s0 + (tandem_u64)t * s1]);
         } else {
-            loss = loss_nan((C)0);
+            loss = tandem_nan((C)0);
             loss_record_label(claim, record, code, row, t, classes);
         }
         losses[row] = tandem_store<T>(loss);
@@ -177,7 +129,7 @@ TANDEM_FN void nll_backward_impl(const tandem_i64* targets, tandem_u64 target_st
         tandem_i64 t = targets[row * target_stride];
         C v = (C)0;
         if (!loss_label_ok(t, classes)) {
-            v = loss_nan(v);
+            v = tandem_nan(v);
             if (k == 0) {
                 loss_record_label(claim, record, code, row, t, classes);
             }

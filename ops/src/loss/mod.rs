@@ -13,24 +13,14 @@
 
 mod cpu;
 pub mod cuda;
+mod shape;
 
 use tandem_autograd::record_fn;
 use tandem_core::{DType, Device, Error, Result, Tensor};
 
 use crate::checks::{float_dtype, same_dtype_device};
-
-/// How a loss combines the losses of the individual samples (or elements).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Reduction {
-    /// The average over samples (elements for `mse_loss`): the default, as in PyTorch. The
-    /// mean of zero samples is an error rather than NaN.
-    #[default]
-    Mean,
-    /// The sum over samples (elements).
-    Sum,
-    /// No reduction: one loss per sample (element).
-    None,
-}
+use shape::Classes;
+pub use shape::Reduction;
 
 /// Checks `[N, C]` float scores against `[N]` i64 targets; returns `(N, C)`.
 fn check_class_inputs(
@@ -69,16 +59,6 @@ fn check_class_inputs(
         ));
     }
     Ok((n, c))
-}
-
-/// The sizes of a classification loss and its reduction, as its kernels need them.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Classes {
-    /// Samples.
-    pub n: usize,
-    /// Classes.
-    pub c: usize,
-    pub reduction: Reduction,
 }
 
 /// Errors (naming `op`) on a `Reduction::Mean` over no samples.

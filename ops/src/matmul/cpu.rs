@@ -160,56 +160,89 @@ fn product_kernel<T: FloatElement>(
     if batch_count == 0 {
         return Ok(out);
     }
-    let dense = MatRef::row_major(0, n);
-    let reduced = out_count != batch_count;
-
-    if !reduced {
-        // Fold the batch into the rows: a batch of matrices times one matrix is one product
-        // with `batch·m` rows.
-        let rhs_fixed = rhs.batch_strides.iter().all(|&s| s == 0);
-        if batch_count > 1 && rhs_fixed && lhs.batch_extends(batch, m, lhs.mat.rs) {
-            let l = lhs.at(&vec![0; batch.len()]);
-            gemm_into(
-                (batch_count * m, n, k),
-                &mut out,
-                dense,
-                lhs.data,
-                l,
-                rhs.data,
-                rhs.mat,
-                accumulate,
-                true,
-            );
-            return Ok(out);
-        }
-        let work = m * n * k;
-        let run = |b: usize, dst: &mut [T], parallel: bool| {
-            let mut idx: SmallVec<[usize; 6]> = SmallVec::from_elem(0, batch.len());
-            unravel(b, batch, &mut idx);
-            gemm_into(
-                (m, n, k),
-                dst,
-                dense,
-                lhs.data,
-                lhs.at(&idx),
-                rhs.data,
-                rhs.at(&idx),
-                accumulate,
-                parallel,
-            );
-        };
-        if batch_count > 1 && work < GEMM_PARALLEL_WORK {
-            out.par_chunks_mut(m * n)
-                .enumerate()
-                .for_each(|(b, dst)| run(b, dst, false));
-        } else {
-            out.chunks_mut(m * n)
-                .enumerate()
-                .for_each(|(b, dst)| run(b, dst, true));
-        }
-        return Ok(out);
+    if out_count == batch_count {
+        batched_products(lhs, rhs, (m, n, k), batch, &mut out, accumulate);
+    } else {
+        summed_products(
+            lhs,
+            rhs,
+            (m, n, k),
+            (batch, out_batch),
+            &mut out,
+            accumulate,
+        );
     }
+    Ok(out)
+}
 
+/// The products of a batch that does not sum (`out` holds one `m×n` matrix per batch entry).
+fn batched_products<T: FloatElement>(
+    lhs: &Operand<'_, T>,
+    rhs: &Operand<'_, T>,
+    (m, n, k): (usize, usize, usize),
+    batch: &[usize],
+    out: &mut [T],
+    accumulate: bool,
+) {
+    let batch_count: usize = batch.iter().product();
+    let dense = MatRef::row_major(0, n);
+    // Fold the batch into the rows: a batch of matrices times one matrix is one product
+    // with `batch·m` rows.
+    let rhs_fixed = rhs.batch_strides.iter().all(|&s| s == 0);
+    if batch_count > 1 && rhs_fixed && lhs.batch_extends(batch, m, lhs.mat.rs) {
+        let l = lhs.at(&vec![0; batch.len()]);
+        gemm_into(
+            (batch_count * m, n, k),
+            out,
+            dense,
+            lhs.data,
+            l,
+            rhs.data,
+            rhs.mat,
+            accumulate,
+            true,
+        );
+        return;
+    }
+    let work = m * n * k;
+    let run = |b: usize, dst: &mut [T], parallel: bool| {
+        let mut idx: SmallVec<[usize; 6]> = SmallVec::from_elem(0, batch.len());
+        unravel(b, batch, &mut idx);
+        gemm_into(
+            (m, n, k),
+            dst,
+            dense,
+            lhs.data,
+            lhs.at(&idx),
+            rhs.data,
+            rhs.at(&idx),
+            accumulate,
+            parallel,
+        );
+    };
+    if batch_count > 1 && work < GEMM_PARALLEL_WORK {
+        out.par_chunks_mut(m * n)
+            .enumerate()
+            .for_each(|(b, dst)| run(b, dst, false));
+    } else {
+        out.chunks_mut(m * n)
+            .enumerate()
+            .for_each(|(b, dst)| run(b, dst, true));
+    }
+}
+
+/// The products of a batch whose broadcast batch dims sum into `out`.
+fn summed_products<T: FloatElement>(
+    lhs: &Operand<'_, T>,
+    rhs: &Operand<'_, T>,
+    (m, n, k): (usize, usize, usize),
+    (batch, out_batch): (&[usize], &[usize]),
+    out: &mut [T],
+    accumulate: bool,
+) {
+    let out_count: usize = out_batch.iter().product();
+    let batch_count: usize = batch.iter().product();
+    let dense = MatRef::row_major(0, n);
     // Reduction over broadcast batch dims. When the whole batch is summed and both operands'
     // batch dims continue their contraction dim, the sum is one product with `batch·k` depth.
     if out_count == 1
@@ -219,7 +252,7 @@ fn product_kernel<T: FloatElement>(
         let zero = vec![0; batch.len()];
         gemm_into(
             (m, n, batch_count * k),
-            &mut out,
+            out,
             dense,
             lhs.data,
             lhs.at(&zero),
@@ -228,7 +261,7 @@ fn product_kernel<T: FloatElement>(
             accumulate,
             true,
         );
-        return Ok(out);
+        return;
     }
     // General case: accumulate each batch entry's product into its output entry.
     let lead = batch.len() - out_batch.len();
@@ -245,7 +278,7 @@ fn product_kernel<T: FloatElement>(
         let off: usize = idx.iter().zip(&out_strides).map(|(i, s)| i * s).sum();
         gemm_into(
             (m, n, k),
-            &mut out,
+            out,
             MatRef::row_major(off, n),
             lhs.data,
             lhs.at(&idx),
@@ -255,5 +288,4 @@ fn product_kernel<T: FloatElement>(
             true,
         );
     }
-    Ok(out)
 }

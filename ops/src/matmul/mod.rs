@@ -1,14 +1,13 @@
 //! Matrix products with `torch.matmul` semantics: vector·vector, matrix·matrix, and batched
 //! products whose batch dims broadcast, through the `gemm` crate on the CPU and cuBLAS on CUDA
-//! (`blas_plan.rs` maps the layouts to cuBLAS calls, `cuda.rs` issues them).
+//! (`cuda/launch.rs` maps the layouts to cuBLAS calls, `cuda/mod.rs` issues them).
 //!
 //! Operands are read in place through their strides, so transposed views cost no copy. The
 //! backward is two more products, `grad_a = g·bᵀ` and `grad_b = aᵀ·g`, each summed over the
 //! batch dims its operand was broadcast along.
 
-mod blas_plan;
 mod cpu;
-pub(crate) mod cuda;
+pub mod cuda;
 
 use tandem_autograd::record_fn;
 use tandem_core::{broadcast_shapes, Device, Error, Result, Tensor};

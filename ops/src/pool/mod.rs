@@ -8,16 +8,15 @@
 //! `OH = (H + 2·padding.0 − kernel.0) / stride.0 + 1` (floor) and likewise `OW`.
 
 mod cpu;
-mod cuda;
-pub mod launch;
-mod windows;
+pub mod cuda;
+mod shape;
 
 use tandem_autograd::{needs_grad, record_fn};
 use tandem_core::{checked_numel, Device, Error, Result, Tensor};
 
 use crate::checks::float_dtype;
-use launch::PoolWindows;
-use windows::Windows;
+pub use shape::PoolWindows;
+use shape::Windows;
 
 /// The maxima a max pool's forward saved for its backward, on the device it ran on.
 enum MaxIndices {
@@ -87,8 +86,8 @@ fn sliding_windows(
         ));
     }
     Ok(Windows {
-        rows: windows::sliding(op, h, kernel.0, stride.0, padding.0)?,
-        cols: windows::sliding(op, w, kernel.1, stride.1, padding.1)?,
+        rows: shape::sliding(op, h, kernel.0, stride.0, padding.0)?,
+        cols: shape::sliding(op, w, kernel.1, stride.1, padding.1)?,
         divisor,
     })
 }
@@ -216,8 +215,8 @@ pub fn adaptive_avg_pool2d(x: &Tensor, output: (usize, usize)) -> Result<Tensor>
     (shape[r - 2], shape[r - 1]) = output;
     checked_numel(OP, &shape)?;
     let win = Windows {
-        rows: windows::adaptive(OP, h, output.0)?,
-        cols: windows::adaptive(OP, w, output.1)?,
+        rows: shape::adaptive(OP, h, output.0)?,
+        cols: shape::adaptive(OP, w, output.1)?,
         divisor: None,
     };
     average(OP, x, win, PoolWindows::Adaptive)

@@ -34,31 +34,24 @@ struct pool_geometry {
     tandem_u64 adaptive;
 };
 
-// a / b, dividing in 32 bits when both fit (a 64-bit division is several times slower).
-TANDEM_FN tandem_u64 pool_div(tandem_u64 a, tandem_u64 b) {
-    return ((a | b) >> 32) == 0 ? (tandem_u64)((tandem_u32)a / (tandem_u32)b) : a / b;
-}
-
-TANDEM_FN tandem_u64 pool_min(tandem_u64 a, tandem_u64 b) { return a < b ? a : b; }
-
 // A half-open range [begin, end), empty when end <= begin.
 struct pool_range {
     tandem_u64 begin;
     tandem_u64 end;
 };
 
-// The input range that output `o` covers along one dim (as `windows.rs` computes it).
+// The input range that output `o` covers along one dim (as `shape.rs` computes it).
 TANDEM_FN pool_range pool_window(tandem_u64 o, tandem_u64 in, tandem_u64 out, tandem_u64 kernel,
                                  tandem_u64 stride, tandem_u64 pad, bool adaptive) {
     pool_range r;
     if (adaptive) {
-        r.begin = pool_div(o * in, out);
-        r.end = pool_div((o + 1) * in + out - 1, out);
+        r.begin = tandem_div_u64(o * in, out);
+        r.end = tandem_div_u64((o + 1) * in + out - 1, out);
     } else {
         tandem_u64 start = o * stride;
         r.begin = start > pad ? start - pad : 0;
         // start + kernel >= pad: the builder checked pad <= kernel / 2.
-        r.end = pool_min(start + kernel - pad, in);
+        r.end = tandem_min_u64(start + kernel - pad, in);
     }
     return r;
 }
@@ -71,12 +64,12 @@ TANDEM_FN pool_range pool_covering(tandem_u64 x, tandem_u64 in, tandem_u64 out, 
                                    tandem_u64 stride, tandem_u64 pad, bool adaptive) {
     pool_range r;
     if (adaptive) {
-        r.begin = pool_div(x * out, in);
-        r.end = pool_min(pool_div((x + 1) * out + in - 1, in), out);
+        r.begin = tandem_div_u64(x * out, in);
+        r.end = tandem_min_u64(tandem_div_u64((x + 1) * out + in - 1, in), out);
     } else {
         tandem_u64 padded = x + pad;
-        r.begin = padded < kernel ? 0 : pool_div(padded - kernel, stride) + 1;
-        r.end = pool_min(pool_div(padded, stride) + 1, out);
+        r.begin = padded < kernel ? 0 : tandem_div_u64(padded - kernel, stride) + 1;
+        r.end = tandem_min_u64(tandem_div_u64(padded, stride) + 1, out);
     }
     return r;
 }
@@ -97,17 +90,12 @@ TANDEM_FN T pool_divisor(const pool_geometry& g, pool_range rows, pool_range col
     return (T)(double)d;
 }
 
-TANDEM_FN float pool_negative_infinity(float) { return __uint_as_float(0xff800000u); }
-TANDEM_FN double pool_negative_infinity(double) {
-    return __longlong_as_double((tandem_i64)0xfff0000000000000ull);
-}
-
 // Splits a flat index over [planes, rows, cols] into (plane, row, col).
 TANDEM_FN void pool_unravel(tandem_u64 flat, tandem_u64 rows, tandem_u64 cols, tandem_u64* plane,
                             tandem_u64* row, tandem_u64* col) {
-    tandem_u64 q = pool_div(flat, cols);
+    tandem_u64 q = tandem_div_u64(flat, cols);
     *col = flat - q * cols;
-    *plane = pool_div(q, rows);
+    *plane = tandem_div_u64(q, rows);
     *row = q - *plane * rows;
 }
 
@@ -124,7 +112,7 @@ TANDEM_FN void max_pool2d_impl(const T* x, T* out, tandem_u32* indices, const po
         pool_range rows = pool_rows(g, i);
         pool_range cols = pool_cols(g, j);
         const T* plane = x + p * g.in_h * g.in_w;
-        T best = pool_negative_infinity(T());
+        T best = tandem_negative_infinity(T());
         tandem_u64 at = rows.begin * g.in_w + cols.begin;
         bool found_nan = false;
         for (tandem_u64 r = rows.begin; r < rows.end && !found_nan; ++r) {

@@ -17,30 +17,6 @@
 
 #include "tandem.cuh"
 
-// The thread's group (a warp or the whole block) for block-per-row or warp-per-row kernels.
-struct reduce_group {
-    tandem_u64 first;  // the first row of this group
-    tandem_u64 step;   // rows between two rows of this group
-    tandem_u32 rank;   // this thread's position in the group
-    tandem_u32 size;   // threads in the group
-};
-
-TANDEM_FN reduce_group reduce_group_of(int warp_per_row) {
-    reduce_group g;
-    if (warp_per_row) {
-        g.first = ((tandem_u64)blockIdx.x * blockDim.x + threadIdx.x) / 32u;
-        g.step = (tandem_u64)gridDim.x * blockDim.x / 32u;
-        g.rank = threadIdx.x % 32u;
-        g.size = 32u;
-    } else {
-        g.first = blockIdx.x;
-        g.step = gridDim.x;
-        g.rank = threadIdx.x;
-        g.size = blockDim.x;
-    }
-    return g;
-}
-
 // out[r] = scale * sum of row r. The row loop is uniform over the group (a warp or a block),
 // so every thread of the group reaches each shuffle and barrier.
 template <typename T>
@@ -49,7 +25,7 @@ TANDEM_FN void sum_rows_impl(const T* x, const tandem_layout& layout, T* out, ta
                              typename tandem_compute<T>::type scale) {
     typedef typename tandem_compute<T>::type C;
     __shared__ C scratch[32];
-    reduce_group g = reduce_group_of(warp_per_row);
+    tandem_row_group g = tandem_row_group_of(warp_per_row);
     for (tandem_u64 row = g.first; row < rows; row += g.step) {
         C acc = (C)0;
         tandem_u64 base = row * len;
@@ -120,12 +96,6 @@ TANDEM_FN void sum_partial_impl(const T* x, tandem_u64 n, T* partials) {
     }
 }
 
-// -infinity in the compute type (no INFINITY macro: kernels include no toolkit header).
-TANDEM_FN float reduce_negative_infinity(float) { return __uint_as_float(0xff800000u); }
-TANDEM_FN double reduce_negative_infinity(double) {
-    return __longlong_as_double((tandem_i64)0xfff0000000000000ull);
-}
-
 // Whether (value, index) comes before (best, best_index) as the group's maximum: a NaN beats
 // every number, a larger value beats a smaller one, and among equals the first index wins.
 template <typename C>
@@ -165,9 +135,9 @@ TANDEM_FN void max_rows_impl(const T* x, const tandem_layout& layout, T* values,
     __shared__ C scratch_values[32];
     __shared__ tandem_u64 scratch_indices[32];
     const tandem_u64 none = ~0ull;
-    reduce_group g = reduce_group_of(warp_per_row);
+    tandem_row_group g = tandem_row_group_of(warp_per_row);
     for (tandem_u64 row = g.first; row < rows; row += g.step) {
-        C best = reduce_negative_infinity((C)0);
+        C best = tandem_negative_infinity((C)0);
         tandem_u64 at = none;
         tandem_u64 base = row * len;
         for (tandem_u64 k = g.rank; k < len; k += g.size) {
@@ -187,7 +157,7 @@ TANDEM_FN void max_rows_impl(const T* x, const tandem_layout& layout, T* values,
             }
             __syncthreads();
             bool present = lane < blockDim.x / 32u;
-            best = present ? scratch_values[lane] : reduce_negative_infinity((C)0);
+            best = present ? scratch_values[lane] : tandem_negative_infinity((C)0);
             at = present ? scratch_indices[lane] : none;
             max_warp_reduce(best, at);
             __syncthreads();

@@ -15,24 +15,7 @@ use crate::cpu::lanes::{lanes_max, lanes_sum, lanes_sum_exp};
 use crate::cpu::memory;
 use crate::cpu::parallel::parallel;
 
-/// The split of a contiguous tensor around the softmax dim.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Split {
-    pub outer: usize,
-    pub n: usize,
-    pub inner: usize,
-}
-
-impl Split {
-    /// The split of `dims` around `dim`.
-    pub(crate) fn around(dims: &[usize], dim: usize) -> Self {
-        Split {
-            outer: dims[..dim].iter().product(),
-            n: dims[dim],
-            inner: dims[dim + 1..].iter().product(),
-        }
-    }
-}
+use super::shape::Split;
 
 /// Runs `f` on each `[n, inner]` block of the input and output (and of a third operand for
 /// backward), in parallel when the tensor is large.

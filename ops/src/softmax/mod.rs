@@ -11,12 +11,13 @@
 
 mod cpu;
 pub mod cuda;
+mod shape;
 
 use tandem_autograd::record_fn;
 use tandem_core::{normalize_dim, with_float_type, Device, Result, Tensor};
 
 use crate::checks::float_dtype;
-use cpu::Split;
+use shape::Split;
 
 fn softmax_impl(op: &'static str, x: &Tensor, dim: isize, log: bool) -> Result<Tensor> {
     float_dtype(op, x)?;

@@ -11,49 +11,12 @@
 
 #include "tandem.cuh"
 
-TANDEM_FN float softmax_exp(float v) { return expf(v); }
-TANDEM_FN double softmax_exp(double v) { return exp(v); }
-TANDEM_FN float softmax_log(float v) { return logf(v); }
-TANDEM_FN double softmax_log(double v) { return log(v); }
-
-// The thread's group (a warp or the whole block) for row kernels.
-struct softmax_group {
-    tandem_u64 first;
-    tandem_u64 step;
-    tandem_u32 rank;
-    tandem_u32 size;
-};
-
-TANDEM_FN softmax_group softmax_group_of(int warp_per_row) {
-    softmax_group g;
-    if (warp_per_row) {
-        g.first = ((tandem_u64)blockIdx.x * blockDim.x + threadIdx.x) / 32u;
-        g.step = (tandem_u64)gridDim.x * blockDim.x / 32u;
-        g.rank = threadIdx.x % 32u;
-        g.size = 32u;
-    } else {
-        g.first = blockIdx.x;
-        g.step = gridDim.x;
-        g.rank = threadIdx.x;
-        g.size = blockDim.x;
-    }
-    return g;
-}
-
-// The group-wide reduction; a block reduction has barriers, so every thread of the block must
-// call it (the row loops are uniform over the group).
-template <typename C, typename Op>
-TANDEM_FN C softmax_group_reduce(C value, Op op, C identity, C* scratch, int warp_per_row) {
-    return warp_per_row ? tandem_warp_reduce(value, op)
-                        : tandem_block_reduce(value, op, identity, scratch);
-}
-
 template <typename T>
 TANDEM_FN void softmax_rows_impl(const T* x, T* y, tandem_u64 rows, tandem_u64 len, int log_out,
                                  int warp_per_row) {
     typedef typename tandem_compute<T>::type C;
     __shared__ C scratch[32];
-    softmax_group g = softmax_group_of(warp_per_row);
+    tandem_row_group g = tandem_row_group_of(warp_per_row);
     for (tandem_u64 row = g.first; row < rows; row += g.step) {
         if (len == 0) {
             break;  // uniform over the grid: nothing to normalise
@@ -66,21 +29,21 @@ TANDEM_FN void softmax_rows_impl(const T* x, T* y, tandem_u64 rows, tandem_u64 l
         for (tandem_u64 k = g.rank; k < len; k += g.size) {
             m = tandem_max_nan_op()(m, tandem_load(xr[k]));
         }
-        m = softmax_group_reduce(m, tandem_max_nan_op(), m, scratch, warp_per_row);
+        m = tandem_row_group_reduce(m, tandem_max_nan_op(), m, scratch, warp_per_row);
         C s = (C)0;
         for (tandem_u64 k = g.rank; k < len; k += g.size) {
-            s += softmax_exp(tandem_load(xr[k]) - m);
+            s += tandem_exp(tandem_load(xr[k]) - m);
         }
-        s = softmax_group_reduce(s, tandem_sum_op(), (C)0, scratch, warp_per_row);
+        s = tandem_row_group_reduce(s, tandem_sum_op(), (C)0, scratch, warp_per_row);
         if (log_out) {
-            C ls = softmax_log(s);
+            C ls = tandem_log(s);
             for (tandem_u64 k = g.rank; k < len; k += g.size) {
                 yr[k] = tandem_store<T>((tandem_load(xr[k]) - m) - ls);
             }
         } else {
             C inv = (C)1 / s;
             for (tandem_u64 k = g.rank; k < len; k += g.size) {
-                yr[k] = tandem_store<T>(softmax_exp(tandem_load(xr[k]) - m) * inv);
+                yr[k] = tandem_store<T>(tandem_exp(tandem_load(xr[k]) - m) * inv);
             }
         }
     }
@@ -104,17 +67,17 @@ TANDEM_FN void softmax_columns_impl(const T* x, T* y, tandem_u64 outer, tandem_u
         }
         C s = (C)0;
         for (tandem_u64 k = 0; k < len; ++k) {
-            s += softmax_exp(tandem_load(xc[k * inner]) - m);
+            s += tandem_exp(tandem_load(xc[k * inner]) - m);
         }
         if (log_out) {
-            C ls = softmax_log(s);
+            C ls = tandem_log(s);
             for (tandem_u64 k = 0; k < len; ++k) {
                 yc[k * inner] = tandem_store<T>((tandem_load(xc[k * inner]) - m) - ls);
             }
         } else {
             C inv = (C)1 / s;
             for (tandem_u64 k = 0; k < len; ++k) {
-                yc[k * inner] = tandem_store<T>(softmax_exp(tandem_load(xc[k * inner]) - m) * inv);
+                yc[k * inner] = tandem_store<T>(tandem_exp(tandem_load(xc[k * inner]) - m) * inv);
             }
         }
     }
@@ -126,7 +89,7 @@ TANDEM_FN void softmax_backward_rows_impl(const T* g, const T* y, T* dx, tandem_
                                           tandem_u64 len, int log_out, int warp_per_row) {
     typedef typename tandem_compute<T>::type C;
     __shared__ C scratch[32];
-    softmax_group grp = softmax_group_of(warp_per_row);
+    tandem_row_group grp = tandem_row_group_of(warp_per_row);
     for (tandem_u64 row = grp.first; row < rows; row += grp.step) {
         const T* gr = g + row * len;
         const T* yr = y + row * len;
@@ -136,11 +99,11 @@ TANDEM_FN void softmax_backward_rows_impl(const T* g, const T* y, T* dx, tandem_
             C gv = tandem_load(gr[k]);
             acc += log_out ? gv : gv * tandem_load(yr[k]);
         }
-        acc = softmax_group_reduce(acc, tandem_sum_op(), (C)0, scratch, warp_per_row);
+        acc = tandem_row_group_reduce(acc, tandem_sum_op(), (C)0, scratch, warp_per_row);
         for (tandem_u64 k = grp.rank; k < len; k += grp.size) {
             C gv = tandem_load(gr[k]);
             C yv = tandem_load(yr[k]);
-            dr[k] = tandem_store<T>(log_out ? gv - softmax_exp(yv) * acc : yv * (gv - acc));
+            dr[k] = tandem_store<T>(log_out ? gv - tandem_exp(yv) * acc : yv * (gv - acc));
         }
     }
 }
@@ -162,7 +125,7 @@ TANDEM_FN void softmax_backward_columns_impl(const T* g, const T* y, T* dx, tand
             tandem_u64 at = start + k * inner;
             C gv = tandem_load(g[at]);
             C yv = tandem_load(y[at]);
-            dx[at] = tandem_store<T>(log_out ? gv - softmax_exp(yv) * acc : yv * (gv - acc));
+            dx[at] = tandem_store<T>(log_out ? gv - tandem_exp(yv) * acc : yv * (gv - acc));
         }
     }
 }

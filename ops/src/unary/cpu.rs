@@ -13,57 +13,7 @@ use tandem_core::{with_float_type, FloatElement, Result, Tensor};
 use crate::cpu::elementwise::{map, zip_map};
 use crate::cpu::exp::ExpFloat;
 
-use super::integer_exponent;
-
-/// Which unary operation a kernel applies.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum UnaryKind {
-    /// `−x`.
-    Neg,
-    /// `eˣ`.
-    Exp,
-    /// `ln x`.
-    Log,
-    /// `√x`.
-    Sqrt,
-    /// `xᵖ` for a finite scalar `p`.
-    Pow(f64),
-    /// `max(x, 0)`.
-    Relu,
-    /// `1 / (1 + e⁻ˣ)`.
-    Sigmoid,
-    /// `tanh x`.
-    Tanh,
-}
-
-impl UnaryKind {
-    /// The op name used in errors and in the graph.
-    pub fn name(self) -> &'static str {
-        match self {
-            UnaryKind::Neg => "neg",
-            UnaryKind::Exp => "exp",
-            UnaryKind::Log => "log",
-            UnaryKind::Sqrt => "sqrt",
-            UnaryKind::Pow(_) => "pow_scalar",
-            UnaryKind::Relu => "relu",
-            UnaryKind::Sigmoid => "sigmoid",
-            UnaryKind::Tanh => "tanh",
-        }
-    }
-
-    /// Whether the backward is cheaper from the output than from the input (then the output
-    /// is what the op saves, and the input can be freed).
-    pub fn saves_output(self) -> bool {
-        matches!(
-            self,
-            UnaryKind::Exp
-                | UnaryKind::Sqrt
-                | UnaryKind::Relu
-                | UnaryKind::Sigmoid
-                | UnaryKind::Tanh
-        )
-    }
-}
+use super::shape::{integer_exponent, UnaryKind};
 
 /// The forward of `kind` on `x`.
 pub(crate) fn forward(kind: UnaryKind, x: &Tensor) -> Result<Tensor> {

@@ -8,19 +8,14 @@
 
 mod cpu;
 pub mod cuda;
+mod shape;
 
 use tandem_autograd::record_fn;
 use tandem_core::{Device, Result, Tensor};
 
 use crate::checks::float_dtype;
 
-pub use cpu::UnaryKind;
-
-/// `p` as a small integer exponent when it is one (then `powi` is exact and faster); both
-/// devices' kernels pick their method for `pow_scalar` by it.
-pub(crate) fn integer_exponent(p: f64) -> Option<i32> {
-    (p.fract() == 0.0 && p.abs() <= 64.0).then_some(p as i32)
-}
+pub use shape::UnaryKind;
 
 fn unary(kind: UnaryKind, x: &Tensor) -> Result<Tensor> {
     let name = kind.name();

@@ -14,10 +14,6 @@
 
 #include "tandem.cuh"
 
-TANDEM_FN float unary_exp(float x) { return expf(x); }
-TANDEM_FN double unary_exp(double x) { return exp(x); }
-TANDEM_FN float unary_log(float x) { return logf(x); }
-TANDEM_FN double unary_log(double x) { return log(x); }
 TANDEM_FN float unary_sqrt(float x) { return sqrtf(x); }
 TANDEM_FN double unary_sqrt(double x) { return sqrt(x); }
 TANDEM_FN float unary_tanh(float x) { return tanhf(x); }
@@ -57,14 +53,14 @@ struct unary_neg {
 struct unary_exp_op {
     template <typename T>
     TANDEM_FN T operator()(T x) const {
-        return unary_exp(x);
+        return tandem_exp(x);
     }
 };
 
 struct unary_log_op {
     template <typename T>
     TANDEM_FN T operator()(T x) const {
-        return unary_log(x);
+        return tandem_log(x);
     }
 };
 
@@ -86,7 +82,7 @@ struct unary_relu {
 struct unary_sigmoid {
     template <typename T>
     TANDEM_FN T operator()(T x) const {
-        return (T)1 / ((T)1 + unary_exp(-x));
+        return (T)1 / ((T)1 + tandem_exp(-x));
     }
 };
 

@@ -305,6 +305,21 @@ TANDEM_FN tandem_bf16 tandem_store<tandem_bf16>(float v) { return tandem_f32_to_
 TANDEM_FN float tandem_mul_rn(float a, float b) { return __fmul_rn(a, b); }
 TANDEM_FN double tandem_mul_rn(double a, double b) { return __dmul_rn(a, b); }
 
+// e^v and ln v in the compute type (float or double).
+TANDEM_FN float tandem_exp(float v) { return expf(v); }
+TANDEM_FN double tandem_exp(double v) { return exp(v); }
+TANDEM_FN float tandem_log(float v) { return logf(v); }
+TANDEM_FN double tandem_log(double v) { return log(v); }
+
+// A quiet NaN and -infinity in the compute type, whose value the argument's type selects (no
+// NAN or INFINITY macros: kernels include no toolkit header).
+TANDEM_FN float tandem_nan(float) { return __uint_as_float(0x7fc00000u); }
+TANDEM_FN double tandem_nan(double) { return __longlong_as_double((tandem_i64)0x7ff8000000000000ull); }
+TANDEM_FN float tandem_negative_infinity(float) { return __uint_as_float(0xff800000u); }
+TANDEM_FN double tandem_negative_infinity(double) {
+    return __longlong_as_double((tandem_i64)0xfff0000000000000ull);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Layouts and loops.
 // ---------------------------------------------------------------------------------------------
@@ -322,6 +337,14 @@ struct tandem_layout {
     tandem_u64 strides[TANDEM_MAX_RANK];
 };
 
+// a / b, dividing in 32 bits while both fit (a 64-bit division is several times slower on the
+// GPU). `b` is not 0.
+TANDEM_FN tandem_u64 tandem_div_u64(tandem_u64 a, tandem_u64 b) {
+    return ((a | b) >> 32) == 0 ? (tandem_u64)((tandem_u32)a / (tandem_u32)b) : a / b;
+}
+
+TANDEM_FN tandem_u64 tandem_min_u64(tandem_u64 a, tandem_u64 b) { return a < b ? a : b; }
+
 // The storage index of the i-th element in row-major order. The unravel divides in 32 bits
 // while the numbers fit (a 64-bit division is several times slower on the GPU), and the loop is
 // not unrolled: unrolled, it doubled NVRTC's compile time of runtime.cu for no register saving.
@@ -334,8 +357,7 @@ TANDEM_FN tandem_u64 tandem_layout_index(const tandem_layout& layout, tandem_u64
     for (int d = TANDEM_MAX_RANK - 1; d >= 0; --d) {
         if (d < (int)layout.rank) {
             tandem_u64 size = layout.shape[d];
-            tandem_u64 quotient = ((i | size) >> 32) == 0 ? (tandem_u64)((tandem_u32)i / (tandem_u32)size)
-                                                         : i / size;
+            tandem_u64 quotient = tandem_div_u64(i, size);
             index += (i - quotient * size) * layout.strides[d];
             i = quotient;
         }
@@ -482,6 +504,65 @@ TANDEM_FN T tandem_block_reduce(T value, Op op, T identity, T* scratch) {
     // reuse it.
     __syncthreads();
     return value;
+}
+
+// The threads that reduce one row together in a row kernel: a warp per row (short rows) or the
+// whole block per row. Row r of a kernel's rows is handled by the group with
+// `first + k·step == r`; `rank` is the thread's position in its group of `size` threads.
+struct tandem_row_group {
+    tandem_u64 first;  // the first row of this group
+    tandem_u64 step;   // rows between two rows of this group
+    tandem_u32 rank;   // this thread's position in the group
+    tandem_u32 size;   // threads in the group
+};
+
+TANDEM_FN tandem_row_group tandem_row_group_of(int warp_per_row) {
+    tandem_row_group g;
+    if (warp_per_row) {
+        g.first = ((tandem_u64)blockIdx.x * blockDim.x + threadIdx.x) / 32u;
+        g.step = (tandem_u64)gridDim.x * blockDim.x / 32u;
+        g.rank = threadIdx.x % 32u;
+        g.size = 32u;
+    } else {
+        g.first = blockIdx.x;
+        g.step = gridDim.x;
+        g.rank = threadIdx.x;
+        g.size = blockDim.x;
+    }
+    return g;
+}
+
+// The reduction over the thread's row group. A block reduction has barriers, so every thread of
+// the block must call it: the row loops are uniform over the group.
+template <typename C, typename Op>
+TANDEM_FN C tandem_row_group_reduce(C value, Op op, C identity, C* scratch, int warp_per_row) {
+    return warp_per_row ? tandem_warp_reduce(value, op)
+                        : tandem_block_reduce(value, op, identity, scratch);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Deferred errors: what a kernel found wrong in data the host never reads (class labels, a
+// count all-reduced on the device), reported by the host at its next read of the device
+// (core/src/cuda/deferred.rs).
+// ---------------------------------------------------------------------------------------------
+
+// Records a finding in the calling thread's deferred-error record (`claim`, `record`, `code` are
+// the launch's `DeferredSlot`): the thread that claims the record writes position, value and
+// bound, makes them visible to the host, then the code. Findings after the first are dropped.
+TANDEM_FN void tandem_deferred_record(tandem_u32* claim, tandem_i64* record, tandem_u32 code,
+                                      tandem_i64 position, tandem_i64 value, tandem_i64 bound) {
+    if (atomicCAS(claim, 0u, 1u) == 0u) {
+        volatile tandem_i64* words = record;
+        words[1] = position;
+        words[2] = value;
+        words[3] = bound;
+#ifdef __CUDA_ARCH__
+        __threadfence_system();
+#else
+        __threadfence();
+#endif
+        words[0] = (tandem_i64)code;
+    }
 }
 
 #endif  // TANDEM_CUH

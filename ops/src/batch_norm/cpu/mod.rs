@@ -6,21 +6,15 @@ mod passes;
 
 use tandem_core::{with_float_type, DType, Element, Result, Tensor};
 
-use super::phases::{
-    ApplyArgs, BackwardApplyArgs, BackwardReduceArgs, Count, GradMask, GradSums, Normalization,
-    NormalizationArgs, RunningUpdate, Statistics,
+use super::shape::{
+    ApplyArgs, BackwardApplyArgs, BackwardReduceArgs, Count, Dims, Epilogue, GradMask, GradSums,
+    Normalization, NormalizationArgs, RunningUpdate, Statistics,
 };
-use super::Epilogue;
 use crate::cpu::memory;
-use passes::Dims;
 
 /// The input `[N, C, ...]` viewed as `[n, c, l]`.
 fn dims(x: &Tensor) -> Dims {
-    Dims {
-        n: x.dims()[0],
-        c: x.dims()[1],
-        l: x.dims()[2..].iter().product(),
-    }
+    Dims::of(x.dims())
 }
 
 /// A `[len]` f64 tensor on the CPU.

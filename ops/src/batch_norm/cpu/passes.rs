@@ -22,17 +22,10 @@
 use rayon::prelude::*;
 use tandem_core::{FloatElement, Result};
 
+use crate::batch_norm::shape::Dims;
 use crate::cpu::memory;
 use crate::cpu::parallel::parallel;
 use crate::cpu::simd::wide_simd_fn;
-
-/// The input viewed as `[n, c, l]`.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Dims {
-    pub n: usize,
-    pub c: usize,
-    pub l: usize,
-}
 
 /// Independent accumulators of a run sum: two AVX-512 registers of f32, enough to hide the
 /// latency of the vector add.

@@ -16,7 +16,7 @@ use tandem_core::FloatElement;
 
 use super::tile_product::TileShape;
 use super::ConvElement;
-use crate::conv2d::geometry::Geometry;
+use crate::conv2d::shape::Geometry;
 use crate::cpu::gemm::{gemm_into, MatRef};
 use crate::cpu::simd::wide_simd_method;
 

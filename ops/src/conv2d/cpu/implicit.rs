@@ -20,7 +20,7 @@ use tandem_core::FloatElement;
 
 use super::im2col::copy_run;
 use super::tile_product::{self, Avx512, TileShape};
-use crate::conv2d::geometry::Geometry;
+use crate::conv2d::shape::Geometry;
 use crate::cpu::simd::wide_simd_method;
 
 /// Tiles are at most this many output columns wide (whole output rows, over the padded

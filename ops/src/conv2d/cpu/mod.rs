@@ -35,8 +35,8 @@ mod winograd;
 use rayon::prelude::*;
 use tandem_core::{alloc, with_float_type, FloatElement, Result, Tensor};
 
-use crate::conv2d::geometry::Geometry;
-use crate::conv2d::Needs;
+use crate::conv2d::shape::Geometry;
+use crate::conv2d::shape::Needs;
 use crate::cpu::memory::{self, Scratch};
 use im2col::{tile_bounds, Im2col};
 use plan::{Forward, InputGrad, Split, WeightGrad};
@@ -423,6 +423,61 @@ impl<T: ConvElement> SamplePass<'_, T> {
     }
 }
 
+/// The scratch buffers of one task of a sample pass.
+struct SampleScratch<'a, T: tandem_core::Element> {
+    padded: &'a mut Scratch<T>,
+    spread: &'a mut Scratch<T>,
+    cols: &'a mut Scratch<T>,
+}
+
+/// Adds the weight gradient of one sample (input `xn`, output gradient `gn`) to `gw` by
+/// `weight`'s per-sample algorithm (nothing for Winograd, which runs over the whole batch).
+#[allow(clippy::too_many_arguments)]
+fn weight_sample<T: ConvElement>(
+    weight: Option<&WeightGrad<T>>,
+    table: Option<&Im2col>,
+    g: &Geometry,
+    bounds: &[usize],
+    (xn, gn): (&[T], &[T]),
+    scratch: SampleScratch<'_, T>,
+    gw: &mut [T],
+    parallel_gemm: bool,
+) {
+    match weight {
+        Some(&WeightGrad::RowsInPlace(k, ref rows)) => rows.weight_sample_in_place(
+            k,
+            xn,
+            gn,
+            &mut scratch.padded.buf,
+            &mut scratch.spread.buf,
+            gw,
+        ),
+        Some(&WeightGrad::Implicit(k, ref implicit)) => implicit.weight_sample(
+            T::f32s(k, xn),
+            T::f32s(k, gn),
+            T::f32s_mut(k, &mut scratch.padded.buf),
+            T::f32s_mut(k, &mut scratch.spread.buf),
+            T::f32s_mut(k, gw),
+        ),
+        Some(&WeightGrad::Rows(kernels, ref rows)) => rows.weight_sample(
+            kernels,
+            xn,
+            gn,
+            bounds,
+            &mut scratch.padded.buf,
+            &mut scratch.cols.buf,
+            gw,
+            parallel_gemm,
+        ),
+        Some(WeightGrad::Im2col) => {
+            if let Some(table) = table {
+                table.weight_sample(g, xn, gn, &mut scratch.cols.buf, gw, parallel_gemm);
+            }
+        }
+        Some(WeightGrad::Winograd(..)) | None => {}
+    }
+}
+
 /// Runs `pass` over the samples, a chunk of them per task: the input gradient straight into
 /// `grad_x` (`[N, C, H, W]`, zeroed; each chunk owns its samples), and per chunk the partial
 /// weight gradient (in the algorithm's own order, see [`backward`]) and bias gradient.
@@ -476,39 +531,21 @@ fn sample_pass<T: ConvElement>(
                     *acc += plane_sum(plane);
                 }
             }
-            match pass.weight {
-                Some(&WeightGrad::RowsInPlace(k, ref rows)) => rows.weight_sample_in_place(
-                    k,
-                    xn,
-                    gn,
-                    &mut padded.buf,
-                    &mut spread.buf,
-                    &mut gw,
-                ),
-                Some(&WeightGrad::Implicit(k, ref implicit)) => implicit.weight_sample(
-                    T::f32s(k, xn),
-                    T::f32s(k, gn),
-                    T::f32s_mut(k, &mut padded.buf),
-                    T::f32s_mut(k, &mut spread.buf),
-                    T::f32s_mut(k, &mut gw),
-                ),
-                Some(&WeightGrad::Rows(kernels, ref rows)) => rows.weight_sample(
-                    kernels,
-                    xn,
-                    gn,
-                    &bounds,
-                    &mut padded.buf,
-                    &mut cols.buf,
-                    &mut gw,
-                    split.parallel_gemm,
-                ),
-                Some(WeightGrad::Im2col) => {
-                    if let Some(table) = &table {
-                        table.weight_sample(g, xn, gn, &mut cols.buf, &mut gw, split.parallel_gemm);
-                    }
-                }
-                Some(WeightGrad::Winograd(..)) | None => {}
-            }
+            let scratch = SampleScratch {
+                padded: &mut padded,
+                spread: &mut spread,
+                cols: &mut cols,
+            };
+            weight_sample(
+                pass.weight,
+                table.as_ref(),
+                g,
+                &bounds,
+                (xn, gn),
+                scratch,
+                &mut gw,
+                split.parallel_gemm,
+            );
             if let (Some(kernels), Some(table), Some(gx)) =
                 (pass.col2im, &table, gx_chunk.as_deref_mut())
             {

@@ -22,7 +22,7 @@ use super::implicit::Implicit;
 use super::pixel_rows::PixelRows;
 use super::winograd::Winograd;
 use super::ConvElement;
-use crate::conv2d::geometry::Geometry;
+use crate::conv2d::shape::Geometry;
 
 /// Aim for a tile's column matrix of about this many elements (32 KiB of f32: L1-sized).
 const TILE_ELEMENTS: usize = 8192;

@@ -24,7 +24,7 @@ use tandem_core::{alloc, Result};
 
 use super::tile_product::{self, Avx512, TileShape};
 use super::OP;
-use crate::conv2d::geometry::Geometry;
+use crate::conv2d::shape::Geometry;
 use crate::cpu::memory::{self, Scratch};
 use crate::cpu::parallel::parallel;
 

@@ -27,9 +27,10 @@ use tandem_core::cuda::sanitizer::{self, Use};
 use tandem_core::cuda::{launch_on_compute, CudaDevice, DeviceBuffer};
 use tandem_core::{DType, Error, Layout, Result, Shape, Tensor};
 
-use super::launches::{col2im_launch, column_len, im2col_launch, ColumnLayout};
-use super::{address, tf32};
+use super::launch::{col2im_launch, column_len, im2col_launch, ColumnLayout};
+use super::tf32;
 use crate::conv2d::Geometry;
+use crate::device_address::first_element as address;
 
 /// The op named in this engine's errors.
 const OP: &str = "conv2d (im2col)";

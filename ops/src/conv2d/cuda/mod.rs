@@ -20,20 +20,21 @@
 
 mod cudnn;
 mod im2col;
-pub mod launches;
+pub mod launch;
 
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Once};
 
 use tandem_core::cuda::blas::allow_tf32_conv;
-use tandem_core::cuda::{device_pointer, launch_on_compute, CudaDevice, DeviceBuffer};
+use tandem_core::cuda::{launch_on_compute, CudaDevice, DeviceBuffer};
 use tandem_core::{DType, Device, Error, Result, Tensor};
 
-use super::geometry::Geometry;
-use super::Needs;
+use super::shape::{Geometry, Needs};
 use crate::checks::{float_dtype, same_dtype_device};
-use launches::{bias_add_launch, bias_grad_launches, BiasGradSplit};
+use crate::device_address::first_element as address;
+use launch::{bias_add_launch, bias_grad_launches, BiasGradSplit};
 
+use cudnn::Engine;
 pub use cudnn::{cudnn_cache_stats, CudnnCacheStats};
 
 /// Which engine runs conv2d on CUDA devices (a process-wide setting).
@@ -124,13 +125,6 @@ fn notice_cudnn_unavailable(reason: &str) {
     });
 }
 
-/// A contiguous tensor's device and the address of its element 0.
-fn address(op: &'static str, t: &Tensor) -> Result<(Arc<CudaDevice>, u64)> {
-    let (dev, base) = device_pointer(op, t)?;
-    let offset = t.layout().offset() as u64 * t.dtype().size_in_bytes() as u64;
-    Ok((dev, base + offset))
-}
-
 /// Whether the f32 products of this call may use TF32.
 fn tf32(dtype: DType) -> bool {
     dtype == DType::F32 && allow_tf32_conv()
@@ -157,8 +151,12 @@ pub(crate) fn conv2d(
         let (x, weight) = (x.contiguous_detached()?, weight.contiguous_detached()?);
         let (_, xa) = address(OP, &x)?;
         let (_, wa) = address(OP, &weight)?;
-        let done = cudnn_in_use(&dev) && cudnn::forward(&dev, g, dtype, xa, wa, y)?;
-        if !done {
+        let engine = if cudnn_in_use(&dev) {
+            cudnn::forward(&dev, g, dtype, xa, wa, y)?
+        } else {
+            Engine::Im2col
+        };
+        if engine == Engine::Im2col {
             im2col::forward(&dev, g, dtype, xa, wa, y)?;
         }
     }
@@ -210,8 +208,12 @@ pub(crate) fn conv2d_backward(
                 } else {
                     let w = weight.contiguous_detached()?;
                     let (_, wa) = address(OP, &w)?;
-                    let done = use_cudnn && cudnn::input_grad(&dev, g, dtype, wa, gya, dxa)?;
-                    if !done {
+                    let engine = if use_cudnn {
+                        cudnn::input_grad(&dev, g, dtype, wa, gya, dxa)?
+                    } else {
+                        Engine::Im2col
+                    };
+                    if engine == Engine::Im2col {
                         im2col::input_grad(&dev, g, dtype, wa, gya, dxa)?;
                     }
                 }
@@ -231,8 +233,12 @@ pub(crate) fn conv2d_backward(
                 } else {
                     let xc = x.contiguous_detached()?;
                     let (_, xa) = address(OP, &xc)?;
-                    let done = use_cudnn && cudnn::weight_grad(&dev, g, dtype, xa, gya, dwa)?;
-                    if !done {
+                    let engine = if use_cudnn {
+                        cudnn::weight_grad(&dev, g, dtype, xa, gya, dwa)?
+                    } else {
+                        Engine::Im2col
+                    };
+                    if engine == Engine::Im2col {
                         im2col::weight_grad(&dev, g, dtype, xa, &gy, dwa)?;
                     }
                 }

@@ -9,7 +9,7 @@ mod max2x2;
 use rayon::prelude::*;
 use tandem_core::{with_float_type, FloatElement, Result, Tensor};
 
-use super::windows::Windows;
+use super::shape::Windows;
 use crate::cpu::memory;
 use crate::cpu::parallel::parallel;
 

@@ -94,9 +94,11 @@ pub(super) enum Ran {
     NotSupported,
 }
 
-/// Which engine a call ended on.
+/// Which engine a call of a pass ended on: what the cuDNN path returns instead of a bare
+/// "declined" flag, as the CPU plan names the algorithm it takes. `Im2col` is the decline.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Engine {
+#[must_use]
+pub(in crate::conv2d::cuda) enum Engine {
     /// cuDNN ran the pass.
     Cudnn,
     /// The caller must run the pass through im2col.
@@ -314,7 +316,7 @@ mod tests {
     fn not_supported_from_a_cached_choice_makes_a_fresh_choice_that_skips_it() {
         let mut fake = Fake::new(&[], &[1, 2]);
         let mut slot = None;
-        fake.call(&mut slot).unwrap();
+        assert_eq!(fake.call(&mut slot), Ok(Engine::Cudnn));
         // The same plan now meets buffers algorithm 1 refuses.
         fake.refuses = vec![1];
         assert_eq!(fake.call(&mut slot), Ok(Engine::Cudnn));
@@ -326,7 +328,7 @@ mod tests {
             [Event::Chose, Event::NotSupported, Event::Chose]
         );
         // Later calls run the new choice at once.
-        fake.call(&mut slot).unwrap();
+        assert_eq!(fake.call(&mut slot), Ok(Engine::Cudnn));
         assert_eq!(fake.ran, [1, 1, 2, 2]);
     }
 

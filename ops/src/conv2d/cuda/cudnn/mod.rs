@@ -36,7 +36,8 @@ use tandem_core::{DType, Device, Error, Result};
 
 use super::{cudnn_algorithm_search, notice_cudnn_unavailable, tf32};
 use crate::conv2d::Geometry;
-use choice::{run_pass as run_choice, Alignments, Engine, Event, PlanKey};
+pub(super) use choice::Engine;
+use choice::{run_pass as run_choice, Alignments, Event, PlanKey};
 use descriptors::{fits, Plan};
 use passes::{BackwardData, BackwardFilter, Forward, Operands, Pass};
 
@@ -204,14 +205,14 @@ fn with_state<R>(dev: &CudaDevice, f: impl FnOnce(&mut State) -> Result<R>) -> R
 impl State {
     /// Runs pass `P` of `g` on `ops`, creating the plan and choosing the algorithm on first
     /// use, choosing again when cuDNN refuses the choice on these buffers (`choice.rs`).
-    /// `Ok(false)` when cuDNN declines the pass (the caller runs it by im2col).
+    /// [`Engine::Im2col`] when cuDNN declines the pass (the caller runs it by im2col).
     fn pass<P: Pass>(
         &mut self,
         dev: &Arc<CudaDevice>,
         g: &Geometry,
         dtype: DType,
         ops: Operands,
-    ) -> Result<bool> {
+    ) -> Result<Engine> {
         let key = PlanKey {
             geometry: *g,
             dtype,
@@ -265,7 +266,7 @@ impl State {
                 Event::Declined => stats.declined_calls += 1,
             },
         )?;
-        Ok(engine == Engine::Cudnn)
+        Ok(engine)
     }
 }
 
@@ -294,21 +295,21 @@ fn notice_not_supported(pass: &str, g: &Geometry, dtype: DType, alignments: Alig
     });
 }
 
-/// Runs pass `P` through cuDNN if it can take `g`; `Ok(false)` otherwise.
+/// Runs pass `P` through cuDNN if it can take `g`; [`Engine::Im2col`] otherwise.
 fn run_pass<P: Pass>(
     dev: &Arc<CudaDevice>,
     g: &Geometry,
     dtype: DType,
     ops: Operands,
-) -> Result<bool> {
+) -> Result<Engine> {
     if !fits(g) {
-        return Ok(false);
+        return Ok(Engine::Im2col);
     }
-    Ok(with_state(dev, |state| state.pass::<P>(dev, g, dtype, ops))?.unwrap_or(false))
+    Ok(with_state(dev, |state| state.pass::<P>(dev, g, dtype, ops))?.unwrap_or(Engine::Im2col))
 }
 
-/// `y = conv(x, w)` (contiguous buffers of `g`'s shapes). `Ok(false)` when cuDNN cannot take
-/// it and im2col must.
+/// `y = conv(x, w)` (contiguous buffers of `g`'s shapes). [`Engine::Im2col`] when cuDNN cannot
+/// take it and im2col must.
 pub(super) fn forward(
     dev: &Arc<CudaDevice>,
     g: &Geometry,
@@ -316,7 +317,7 @@ pub(super) fn forward(
     x: u64,
     w: u64,
     y: u64,
-) -> Result<bool> {
+) -> Result<Engine> {
     run_pass::<Forward>(dev, g, dtype, Operands { a: x, b: w, out: y })
 }
 
@@ -328,7 +329,7 @@ pub(super) fn input_grad(
     w: u64,
     dy: u64,
     dx: u64,
-) -> Result<bool> {
+) -> Result<Engine> {
     run_pass::<BackwardData>(
         dev,
         g,
@@ -349,7 +350,7 @@ pub(super) fn weight_grad(
     x: u64,
     dy: u64,
     dw: u64,
-) -> Result<bool> {
+) -> Result<Engine> {
     run_pass::<BackwardFilter>(
         dev,
         g,

@@ -592,43 +592,16 @@ pub(super) fn select<P: Pass>(
             // SAFETY: live handle and descriptors; `results` holds COUNT entries.
             unsafe { P::heuristic(handle, plan, &conv, &mut results, &mut returned) }
         }
-        CudnnAlgorithmSearch::Measured => {
-            // The largest workspace any algorithm wants, within the limit: the search then
-            // tries every algorithm that fits.
-            let mut bytes = (0..P::COUNT)
-                .filter_map(P::algo)
-                // SAFETY: live handle and descriptors.
-                .filter_map(|a| unsafe { P::workspace(handle, plan, &conv, a) }.ok())
-                .filter(|&b| b <= limit)
-                .max()
-                .unwrap_or(0);
-            let workspace = match DeviceBuffer::alloc(OP, dev, bytes, dev.compute_stream()) {
-                Ok(w) => w,
-                Err(Error::OutOfMemory { .. }) => {
-                    // Search among the algorithms that need no workspace.
-                    bytes = 0;
-                    DeviceBuffer::alloc(OP, dev, 0, dev.compute_stream())?
-                }
-                Err(e) => return Err(e),
-            };
-            declare::<P>("Find", dev, ops, &workspace)?;
-            dev.bind(OP)?;
-            // SAFETY: live handle and descriptors; `ops` are the caller's live buffers of the
-            // plan's shapes; the workspace holds `bytes` bytes and outlives the call (its free
-            // is ordered after the search's kernels on the compute stream, where cuDNN runs).
-            unsafe {
-                P::find(
-                    handle,
-                    plan,
-                    &conv,
-                    ops,
-                    &mut results,
-                    &mut returned,
-                    workspace.ptr(),
-                    bytes,
-                )
-            }
-        }
+        CudnnAlgorithmSearch::Measured => measured_ranking::<P>(
+            dev,
+            handle,
+            plan,
+            &conv,
+            ops,
+            limit,
+            &mut results,
+            &mut returned,
+        )?,
     };
     if let Err(e) = ranked {
         let call = match search {
@@ -674,6 +647,59 @@ pub(super) fn select<P: Pass>(
         },
         if tf32 { "allowed" } else { "off" }
     )))
+}
+
+/// Ranks pass `P`'s algorithms by running them (cuDNN's Find) with the largest workspace any of
+/// them wants within `limit` (none when that cannot be allocated), into `results` and
+/// `returned`. The outer `Err` is tandem's own failure (binding, allocating); the inner one
+/// cuDNN's.
+#[allow(clippy::too_many_arguments)]
+fn measured_ranking<P: Pass>(
+    dev: &std::sync::Arc<CudaDevice>,
+    handle: sys::cudnnHandle_t,
+    plan: &Descriptors,
+    conv: &ConvDesc,
+    ops: Operands,
+    limit: usize,
+    results: &mut [RawPerf],
+    returned: &mut c_int,
+) -> Result<CudnnResult<()>> {
+    const OP: &str = "conv2d (cuDNN algorithm search)";
+    // The largest workspace any algorithm wants, within the limit: the search then
+    // tries every algorithm that fits.
+    let mut bytes = (0..P::COUNT)
+        .filter_map(P::algo)
+        // SAFETY: live handle and descriptors.
+        .filter_map(|a| unsafe { P::workspace(handle, plan, conv, a) }.ok())
+        .filter(|&b| b <= limit)
+        .max()
+        .unwrap_or(0);
+    let workspace = match DeviceBuffer::alloc(OP, dev, bytes, dev.compute_stream()) {
+        Ok(w) => w,
+        Err(Error::OutOfMemory { .. }) => {
+            // Search among the algorithms that need no workspace.
+            bytes = 0;
+            DeviceBuffer::alloc(OP, dev, 0, dev.compute_stream())?
+        }
+        Err(e) => return Err(e),
+    };
+    declare::<P>("Find", dev, ops, &workspace)?;
+    dev.bind(OP)?;
+    // SAFETY: live handle and descriptors; `ops` are the caller's live buffers of the
+    // plan's shapes; the workspace holds `bytes` bytes and outlives the call (its free
+    // is ordered after the search's kernels on the compute stream, where cuDNN runs).
+    Ok(unsafe {
+        P::find(
+            handle,
+            plan,
+            conv,
+            ops,
+            results,
+            returned,
+            workspace.ptr(),
+            bytes,
+        )
+    })
 }
 
 /// Declares pass `P`'s accesses on the compute stream to the stream sanitizer: the two operands

@@ -1,21 +1,17 @@
-//! Dropout on a CUDA device (`dropout.cu`): one launch draws the keep-mask from the
-//! counter-based generator and writes the output, one launch applies the mask in backward. The
-//! mask equals the CPU's for the same seed (both devices use the same generator).
-//!
-//! The `*_launch` builders are pure functions from device views to a [`Launch`], public so that
-//! the host harness (`tandem-cuda-harness`) runs the very plans the op runs on a GPU.
+//! Launch plans of dropout (`dropout.cu`): pure functions from device views to a [`Launch`],
+//! public so that the host harness (`tandem-cuda-harness`) runs the very plans the op runs on a
+//! GPU.
 
 use tandem_core::cuda::launch::{KernelArg, KernelSource, Launch, LaunchConfig, StridedLayout};
 use tandem_core::cuda::runtime_kernels::{views_share_memory, DeviceView};
-use tandem_core::cuda::{device_pointer, device_view, launch_on_compute};
-use tandem_core::{DType, Error, Result, Tensor};
+use tandem_core::{DType, Error, Result};
 
 use crate::elementwise_plan::THREADS_PER_BLOCK;
 
 /// `dropout.cu`, embedded.
 pub static DROPOUT_KERNELS: KernelSource = KernelSource {
     name: "dropout",
-    source: include_str!("dropout.cu"),
+    source: include_str!("../dropout.cu"),
     headers: &[],
 };
 
@@ -75,14 +71,6 @@ fn check_disjoint(op: &'static str, a: (&str, &DeviceView), b: (&str, &DeviceVie
     Ok(())
 }
 
-/// The address of a dense view's first element.
-fn first_element(op: &'static str, v: &DeviceView) -> Result<u64> {
-    (v.layout.offset() as u64)
-        .checked_mul(v.dtype.size_in_bytes() as u64)
-        .and_then(|bytes| v.ptr.checked_add(bytes))
-        .ok_or_else(|| Error::invalid(op, format!("layout {:?} overflows an address", v.layout)))
-}
-
 fn float(op: &'static str, dtype: DType) -> Result<()> {
     if matches!(dtype, DType::F32 | DType::F64) {
         Ok(())
@@ -121,8 +109,8 @@ pub fn dropout_forward_launch(
         kernel: format!("dropout_forward_{}", x.dtype),
         config: LaunchConfig::for_elements(OP, n.div_ceil(2), THREADS_PER_BLOCK)?,
         args: vec![
-            KernelArg::Out(first_element(OP, &out)?),
-            KernelArg::Out(first_element(OP, &mask)?),
+            KernelArg::Out(out.first_element(OP)?),
+            KernelArg::Out(mask.first_element(OP)?),
             KernelArg::In(x.ptr),
             KernelArg::pod(&x_layout),
             KernelArg::U64(n as u64),
@@ -155,60 +143,14 @@ pub fn dropout_backward_launch(
         kernel: format!("dropout_backward_{}", g.dtype),
         config: LaunchConfig::for_elements(OP, n, THREADS_PER_BLOCK)?,
         args: vec![
-            KernelArg::Out(first_element(OP, &out)?),
+            KernelArg::Out(out.first_element(OP)?),
             KernelArg::In(g.ptr),
             KernelArg::pod(&g_layout),
-            KernelArg::In(first_element(OP, &mask)?),
+            KernelArg::In(mask.first_element(OP)?),
             KernelArg::U64(n as u64),
             value_arg(g.dtype, scale),
         ],
     })
-}
-
-/// The view of a CUDA tensor.
-fn view<'a>(op: &'static str, t: &'a Tensor) -> Result<DeviceView<'a>> {
-    device_view(op, t).map(|(_, v)| v)
-}
-
-/// Inverted dropout of `x` with the mask of `seed`: the output and the u8 keep-mask.
-pub(crate) fn forward(
-    x: &Tensor,
-    seed: u64,
-    threshold: u32,
-    scale: f64,
-) -> Result<(Tensor, Tensor)> {
-    const OP: &str = "dropout";
-    let out = Tensor::empty(x.dims(), x.dtype(), x.device())?;
-    let mask = Tensor::empty(x.dims(), DType::U8, x.device())?;
-    if x.numel() == 0 {
-        // Nothing to draw or write; the builder below accepts empty views too.
-        return Ok((out, mask));
-    }
-    let (dev, _) = device_pointer(OP, &out)?;
-    let launch = dropout_forward_launch(
-        view(OP, &out)?,
-        view(OP, &mask)?,
-        view(OP, x)?,
-        seed,
-        threshold,
-        scale,
-    )?;
-    launch_on_compute(&dev, &launch, x.numel())?;
-    Ok((out, mask))
-}
-
-/// `g · scale` where `mask` keeps an element, 0 elsewhere.
-pub(crate) fn apply_mask(g: &Tensor, mask: &Tensor, scale: f64) -> Result<Tensor> {
-    const OP: &str = "dropout backward";
-    g.device().same_as(mask.device(), OP)?;
-    let out = Tensor::empty(g.dims(), g.dtype(), g.device())?;
-    if g.numel() == 0 {
-        return Ok(out);
-    }
-    let (dev, _) = device_pointer(OP, &out)?;
-    let launch = dropout_backward_launch(view(OP, &out)?, view(OP, g)?, view(OP, mask)?, scale)?;
-    launch_on_compute(&dev, &launch, g.numel())?;
-    Ok(out)
 }
 
 #[cfg(test)]

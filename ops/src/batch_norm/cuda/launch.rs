@@ -17,10 +17,12 @@ use tandem_core::cuda::launch::{
 };
 use tandem_core::{DType, Error, Result};
 
+use crate::batch_norm::shape::Dims;
+
 /// `batch_norm.cu`, embedded.
 pub static BATCH_NORM: KernelSource = KernelSource {
     name: "batch_norm",
-    source: include_str!("batch_norm.cu"),
+    source: include_str!("../batch_norm.cu"),
     headers: &[],
 };
 
@@ -40,39 +42,6 @@ const MAX_SPLITS: usize = 1024;
 
 /// Bytes of a vector load.
 const VECTOR_BYTES: usize = 16;
-
-/// The input of a batch-norm kernel viewed as `[n, c, l]` (`l` = the product of the dims after
-/// the channel dim, 1 for `[N, C]`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Dims {
-    /// Samples.
-    pub n: usize,
-    /// Channels.
-    pub c: usize,
-    /// Elements of one channel of one sample.
-    pub l: usize,
-}
-
-impl Dims {
-    /// The dims of an `[N, C, …]` shape (rank ≥ 2, checked by the caller).
-    pub fn of(shape: &[usize]) -> Dims {
-        Dims {
-            n: shape[0],
-            c: shape[1],
-            l: shape[2..].iter().product(),
-        }
-    }
-
-    /// Elements of one channel over the batch (`n·l`).
-    pub fn per_channel(&self) -> usize {
-        self.n * self.l
-    }
-
-    /// Elements in all (`n·c·l`).
-    pub fn numel(&self) -> usize {
-        self.n * self.c * self.l
-    }
-}
 
 /// A per-channel vector as the kernels take it (`bn_channel` in `batch_norm.cu`): element `c`
 /// at `address + c·stride` elements, f32 or f64; or no vector at all.
@@ -444,7 +413,7 @@ fn per_channel(op: &'static str, channels: usize) -> Result<LaunchConfig> {
     LaunchConfig::for_elements(op, channels, THREADS_PER_BLOCK)
 }
 
-/// [`Statistics::to_sums`](super::phases::Statistics::to_sums): the `[1 + 2c]` f64 sums at
+/// [`Statistics::to_sums`](crate::batch_norm::phases::Statistics::to_sums): the `[1 + 2c]` f64 sums at
 /// `sums` from the mean and variance vectors and the count. Covers `c + 1` items (run it
 /// even for no channels: it writes the count).
 pub fn to_sums_launch(
@@ -474,7 +443,7 @@ pub fn to_sums_launch(
     ))
 }
 
-/// [`Statistics::from_sums`](super::phases::Statistics::from_sums): the f64 `[c]` mean and
+/// [`Statistics::from_sums`](crate::batch_norm::phases::Statistics::from_sums): the f64 `[c]` mean and
 /// biased variance at `mean`, `var` from the `[1 + 2c]` f64 sums, whose count (element 0) is
 /// checked on the device: one that is not a whole number above 1 is recorded in `check`'s
 /// deferred-error record (position 0, value the count's f64 bits, bound 2). Covers `c + 1`

@@ -1,4 +1,5 @@
-//! The windows of a 2-D pool: for each output row and column, the range of input rows and
+//! The device-neutral description of a 2-D pool's windows ([`Windows`] for the kernels of
+//! both devices, [`PoolWindows`] for the CUDA launch plans). The windows: for each output row and column, the range of input rows and
 //! columns it covers, clipped to the input. They describe every pool (sliding max and average,
 //! adaptive average) to the kernels, and their lengths are the output's spatial size.
 
@@ -84,4 +85,22 @@ pub(crate) fn adaptive(op: &'static str, len: usize, out: usize) -> Result<Vec<(
         let i = i as u128;
         ((i * l / n) as usize, ((i + 1) * l).div_ceil(n) as usize)
     })
+}
+
+/// How windows are laid over the input.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PoolWindows {
+    /// `kernel`-sized windows moved by `stride` over the input padded by `padding` on each side
+    /// (rows, columns), clipped to the input.
+    Sliding {
+        /// Window size.
+        kernel: (usize, usize),
+        /// Step between windows.
+        stride: (usize, usize),
+        /// Implicit padding on each side (at most half the kernel).
+        padding: (usize, usize),
+    },
+    /// PyTorch's adaptive windows: output `i` of `out` covers `floor(i·in/out) ..
+    /// ceil((i+1)·in/out)`.
+    Adaptive,
 }

@@ -1,21 +1,16 @@
-//! softmax and log_softmax on a CUDA device: launch plans for `softmax.cu` (pure, run on a
-//! device by the ops and on the CPU by the host harness) and the device side of the ops.
-//!
-//! Inputs are made dense first (`contiguous_detached`, a copy only for a strided input), then
-//! read as `[outer, len, inner]` around the softmax dim: rows (`inner == 1`) get one warp or
-//! one block each, columns (`inner > 1`) one thread each. Nothing here waits for the device.
+//! Launch plans of softmax and log_softmax (`softmax.cu`): pure functions from device
+//! addresses to a [`Launch`], run on a device by the ops and on the CPU by the host harness.
 
 use tandem_core::cuda::launch::{KernelArg, KernelSource, Launch, LaunchConfig};
-use tandem_core::cuda::{device_pointer, launch_on_compute};
-use tandem_core::{DType, Error, Result, Tensor};
+use tandem_core::{DType, Error, Result};
 
-use super::cpu::Split;
-use crate::reduce::cuda::{check_dtype, rows_config, THREADS_PER_BLOCK};
+use crate::reduce::cuda::launch::{check_dtype, rows_config, THREADS_PER_BLOCK};
+use crate::softmax::shape::Split;
 
 /// `softmax.cu`, embedded.
 pub static SOFTMAX: KernelSource = KernelSource {
     name: "softmax",
-    source: include_str!("softmax.cu"),
+    source: include_str!("../softmax.cu"),
     headers: &[],
 };
 
@@ -93,58 +88,4 @@ pub fn softmax_launch(
         config,
         args,
     })
-}
-
-/// The address of the first element of a CUDA tensor.
-pub(crate) fn element_address(op: &'static str, t: &Tensor) -> Result<u64> {
-    let (_, base) = device_pointer(op, t)?;
-    Ok(base + (t.layout().offset() * t.dtype().size_in_bytes()) as u64)
-}
-
-/// softmax (log_softmax when `log`) of `x` along the middle dim of `split`.
-pub(crate) fn forward(op: &'static str, x: &Tensor, split: Split, log: bool) -> Result<Tensor> {
-    let y = Tensor::empty(x.dims(), x.dtype(), x.device())?;
-    if x.numel() == 0 {
-        return Ok(y);
-    }
-    let x = x.contiguous_detached()?;
-    let (dev, _) = device_pointer(op, &x)?;
-    let launch = softmax_launch(
-        op,
-        x.dtype(),
-        &[element_address(op, &x)?],
-        element_address(op, &y)?,
-        (split.outer, split.n, split.inner),
-        log,
-        false,
-    )?;
-    launch_on_compute(&dev, &launch, x.numel())?;
-    Ok(y)
-}
-
-/// The input gradient from the output gradient `g` and the saved output `y`.
-pub(crate) fn backward(
-    op: &'static str,
-    g: &Tensor,
-    y: &Tensor,
-    split: Split,
-    log: bool,
-) -> Result<Tensor> {
-    let dx = Tensor::empty(g.dims(), g.dtype(), g.device())?;
-    if g.numel() == 0 {
-        return Ok(dx);
-    }
-    let (g, y) = (g.contiguous_detached()?, y.contiguous_detached()?);
-    let (dev, _) = device_pointer(op, &g)?;
-    let launch = softmax_launch(
-        op,
-        g.dtype(),
-        &[element_address(op, &g)?, element_address(op, &y)?],
-        element_address(op, &dx)?,
-        (split.outer, split.n, split.inner),
-        log,
-        true,
-    )?;
-    launch_on_compute(&dev, &launch, g.numel())?;
-    Ok(dx)
 }

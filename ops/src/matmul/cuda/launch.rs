@@ -235,7 +235,6 @@ pub(crate) fn plan(
     out_batch: &[usize],
     accumulate: bool,
 ) -> Result<Plan> {
-    let (m, k, n) = (x.mat.rows, x.mat.cols, y.mat.cols);
     let need = (
         transposed_operand(x.mat).is_none(),
         transposed_operand(y.mat).is_none(),
@@ -245,87 +244,126 @@ pub(crate) fn plan(
     }
     let batch_count: usize = batch.iter().product();
     let out_count: usize = out_batch.iter().product();
-    let mn = m * n;
-    let gemms = |calls: Vec<Option<GemmCall>>, zero_first: bool| -> Plan {
-        match calls.into_iter().collect::<Option<Vec<_>>>() {
-            Some(calls) => Plan::Gemms { calls, zero_first },
-            // Unreachable: both operands were checked above and folding keeps their layout.
-            None => Plan::Copy(true, true),
-        }
-    };
-
     if out_count == batch_count {
-        // Fold the batch into the rows: a batch of row-major matrices whose rows continue
-        // from one entry to the next, times one matrix, is one product with batch·m rows.
-        let y_fixed = y.batch_strides.iter().all(|&s| s == 0);
-        if batch_count > 1 && y_fixed && x.mat.cs == 1 {
-            if let Some(s) = uniform_stride(batch, &x.batch_strides) {
-                if s != 0 && s == m * x.mat.rs {
-                    let rows = Mat {
-                        rows: batch_count * m,
-                        ..x.mat
-                    };
-                    if let Some(c) = call(op, rows, y.mat, 0, (0, 0, 0), 1, accumulate)? {
-                        return Ok(gemms(vec![Some(c)], false));
-                    }
+        plan_batched(op, x, y, batch, accumulate)
+    } else if out_count == 1 {
+        plan_summed(op, x, y, batch, accumulate)
+    } else {
+        plan_partly_summed(op, x, y, batch, out_batch)
+    }
+}
+
+/// The plan of calls (`None` for one that could not be made, which the operand checks rule
+/// out), or a dense copy of both operands.
+fn gemms(calls: Vec<Option<GemmCall>>, zero_first: bool) -> Plan {
+    match calls.into_iter().collect::<Option<Vec<_>>>() {
+        Some(calls) => Plan::Gemms { calls, zero_first },
+        // Unreachable: both operands were checked and folding keeps their layout.
+        None => Plan::Copy(true, true),
+    }
+}
+
+/// [`plan`] where no batch entry sums: one output matrix per batch entry.
+fn plan_batched(
+    op: &'static str,
+    x: &Operand,
+    y: &Operand,
+    batch: &[usize],
+    accumulate: bool,
+) -> Result<Plan> {
+    let (m, n) = (x.mat.rows, y.mat.cols);
+    let mn = m * n;
+    let batch_count: usize = batch.iter().product();
+    // Fold the batch into the rows: a batch of row-major matrices whose rows continue
+    // from one entry to the next, times one matrix, is one product with batch·m rows.
+    let y_fixed = y.batch_strides.iter().all(|&s| s == 0);
+    if batch_count > 1 && y_fixed && x.mat.cs == 1 {
+        if let Some(s) = uniform_stride(batch, &x.batch_strides) {
+            if s != 0 && s == m * x.mat.rs {
+                let rows = Mat {
+                    rows: batch_count * m,
+                    ..x.mat
+                };
+                if let Some(c) = call(op, rows, y.mat, 0, (0, 0, 0), 1, accumulate)? {
+                    return Ok(gemms(vec![Some(c)], false));
                 }
             }
         }
-        // The longest suffix of batch dims over which every operand has one stride runs as
-        // one strided-batched call; the dims before it loop on the host.
-        let out_strides = dense_strides(batch, mn);
-        let split = (0..=batch.len())
-            .find(|&p| {
-                let tail = &batch[p..];
-                uniform_stride(tail, &x.batch_strides[p..]).is_some()
-                    && uniform_stride(tail, &y.batch_strides[p..]).is_some()
-            })
-            .unwrap_or(batch.len());
-        let (head, tail) = batch.split_at(split);
-        let inner: usize = tail.iter().product();
-        let sx = uniform_stride(tail, &x.batch_strides[split..]).unwrap_or(0);
-        let sy = uniform_stride(tail, &y.batch_strides[split..]).unwrap_or(0);
-        let outer: usize = head.iter().product();
-        let mut idx: SmallVec<[usize; 6]> = SmallVec::from_elem(0, head.len());
-        let mut calls = Vec::new();
-        for o in 0..outer {
-            unravel(o, head, &mut idx);
-            let a = Mat {
-                offset: x.mat.offset + batch_offset(&x.batch_strides, &idx),
-                ..x.mat
-            };
-            let b = Mat {
-                offset: y.mat.offset + batch_offset(&y.batch_strides, &idx),
-                ..y.mat
-            };
-            let c_offset = batch_offset(&out_strides, &idx);
-            calls.push(call(op, a, b, c_offset, (sx, sy, mn), inner, accumulate)?);
-        }
-        return Ok(gemms(calls, false));
     }
-
-    if out_count == 1 {
-        // The whole batch sums: when both operands' batch dims continue their contraction dim,
-        // the sum is one product with batch·k depth.
-        let sx = uniform_stride(batch, &x.batch_strides);
-        let sy = uniform_stride(batch, &y.batch_strides);
-        if sx == Some(k * x.mat.cs) && sy == Some(k * y.mat.rs) {
-            let a = Mat {
-                cols: batch_count * k,
-                ..x.mat
-            };
-            let b = Mat {
-                rows: batch_count * k,
-                ..y.mat
-            };
-            if transposed_operand(a).is_some() && transposed_operand(b).is_some() {
-                let c = call(op, a, b, 0, (0, 0, 0), 1, accumulate)?;
-                return Ok(gemms(vec![c], false));
-            }
-        }
-        return Ok(Plan::SumThroughTemporary);
+    // The longest suffix of batch dims over which every operand has one stride runs as
+    // one strided-batched call; the dims before it loop on the host.
+    let out_strides = dense_strides(batch, mn);
+    let split = (0..=batch.len())
+        .find(|&p| {
+            let tail = &batch[p..];
+            uniform_stride(tail, &x.batch_strides[p..]).is_some()
+                && uniform_stride(tail, &y.batch_strides[p..]).is_some()
+        })
+        .unwrap_or(batch.len());
+    let (head, tail) = batch.split_at(split);
+    let inner: usize = tail.iter().product();
+    let sx = uniform_stride(tail, &x.batch_strides[split..]).unwrap_or(0);
+    let sy = uniform_stride(tail, &y.batch_strides[split..]).unwrap_or(0);
+    let outer: usize = head.iter().product();
+    let mut idx: SmallVec<[usize; 6]> = SmallVec::from_elem(0, head.len());
+    let mut calls = Vec::new();
+    for o in 0..outer {
+        unravel(o, head, &mut idx);
+        let a = Mat {
+            offset: x.mat.offset + batch_offset(&x.batch_strides, &idx),
+            ..x.mat
+        };
+        let b = Mat {
+            offset: y.mat.offset + batch_offset(&y.batch_strides, &idx),
+            ..y.mat
+        };
+        let c_offset = batch_offset(&out_strides, &idx);
+        calls.push(call(op, a, b, c_offset, (sx, sy, mn), inner, accumulate)?);
     }
+    Ok(gemms(calls, false))
+}
 
+/// [`plan`] where the whole batch sums into one output matrix.
+fn plan_summed(
+    op: &'static str,
+    x: &Operand,
+    y: &Operand,
+    batch: &[usize],
+    accumulate: bool,
+) -> Result<Plan> {
+    let k = x.mat.cols;
+    let batch_count: usize = batch.iter().product();
+    // The whole batch sums: when both operands' batch dims continue their contraction dim,
+    // the sum is one product with batch·k depth.
+    let sx = uniform_stride(batch, &x.batch_strides);
+    let sy = uniform_stride(batch, &y.batch_strides);
+    if sx == Some(k * x.mat.cs) && sy == Some(k * y.mat.rs) {
+        let a = Mat {
+            cols: batch_count * k,
+            ..x.mat
+        };
+        let b = Mat {
+            rows: batch_count * k,
+            ..y.mat
+        };
+        if transposed_operand(a).is_some() && transposed_operand(b).is_some() {
+            let c = call(op, a, b, 0, (0, 0, 0), 1, accumulate)?;
+            return Ok(gemms(vec![c], false));
+        }
+    }
+    Ok(Plan::SumThroughTemporary)
+}
+
+/// [`plan`] where some batch dims sum and others do not.
+fn plan_partly_summed(
+    op: &'static str,
+    x: &Operand,
+    y: &Operand,
+    batch: &[usize],
+    out_batch: &[usize],
+) -> Result<Plan> {
+    let mn = x.mat.rows * y.mat.cols;
+    let batch_count: usize = batch.iter().product();
     // Some batch dims sum and others do not: accumulate each entry's product into its output.
     let lead = batch.len() - out_batch.len();
     let mut out_strides: SmallVec<[usize; 6]> = SmallVec::from_elem(0, batch.len());

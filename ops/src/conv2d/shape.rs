@@ -1,12 +1,12 @@
 //! The sizes of one convolution, worked out once from the shapes of its input and weight and
 //! its parameters: what every kernel (and every device) of conv2d reads, and the key under which
-//! the CUDA path caches its cuDNN descriptors and algorithms.
+//! the CUDA path caches its cuDNN descriptors and algorithms; with the parameters it is built
+//! from ([`Conv2dParams`]) and which gradients a backward produces (`Needs`), the device-neutral
+//! types both devices take.
 
 use tandem_core::{checked_numel, Error, Result};
 
-use super::Conv2dParams;
-
-/// Sizes of one convolution. Built by [`Geometry::of`] (or [`Geometry::new`] inside the crate),
+/// Sizes of one convolution. Built by [`Geometry::of`] (or `Geometry::new` inside the crate),
 /// which checks that they are consistent (the dilated kernel fits the padded input, strides and
 /// dilations are positive) and that no size overflows, so kernels can compute with them freely.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -198,4 +198,38 @@ impl Geometry {
             out_w: self.in_w,
         })
     }
+}
+
+/// Stride, padding and dilation of a 2-D convolution, each as `(height, width)`.
+///
+/// Defaults: stride `(1, 1)`, padding `(0, 0)`, dilation `(1, 1)`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Conv2dParams {
+    /// Step between neighbouring output positions, in input pixels (at least 1).
+    pub stride: (usize, usize),
+    /// Zeros added on each side of the input.
+    pub padding: (usize, usize),
+    /// Spacing between kernel taps (1 = a dense kernel).
+    pub dilation: (usize, usize),
+}
+
+impl Default for Conv2dParams {
+    fn default() -> Self {
+        Conv2dParams {
+            stride: (1, 1),
+            padding: (0, 0),
+            dilation: (1, 1),
+        }
+    }
+}
+
+/// Which gradients the backward must produce.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Needs {
+    /// The input's.
+    pub input: bool,
+    /// The weight's.
+    pub weight: bool,
+    /// The bias's.
+    pub bias: bool,
 }

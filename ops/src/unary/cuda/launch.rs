@@ -1,21 +1,18 @@
-//! The unary ops and their backward on a CUDA device (`unary.cu`): one launch each, writing a
-//! fresh dense output. Dense inputs take the kernels' dense form (128-bit packs when aligned),
-//! strided ones are read through their layouts.
-//!
-//! The `*_launch` builders are pure functions from device views to a [`Launch`], public so that
-//! the host harness (`tandem-cuda-harness`) runs the very plans the ops run on a GPU.
+//! Launch plans of the unary ops and their backward (`unary.cu`): pure functions from device
+//! views to a [`Launch`], public so that the host harness (`tandem-cuda-harness`) runs the very
+//! plans the ops run on a GPU.
 
 use tandem_core::cuda::launch::{KernelArg, KernelSource, Launch};
 use tandem_core::cuda::runtime_kernels::DeviceView;
-use tandem_core::{DType, Result, Tensor};
+use tandem_core::{DType, Result};
 
-use super::{integer_exponent, UnaryKind};
-use crate::elementwise_plan::{elementwise_launch, run_into_new};
+use crate::elementwise_plan::elementwise_launch;
+use crate::unary::shape::{integer_exponent, UnaryKind};
 
 /// `unary.cu`, embedded.
 pub static UNARY_KERNELS: KernelSource = KernelSource {
     name: "unary",
-    source: include_str!("unary.cu"),
+    source: include_str!("../unary.cu"),
     headers: &[],
 };
 
@@ -99,7 +96,7 @@ pub fn unary_launch(kind: UnaryKind, out: DeviceView, x: DeviceView) -> Result<L
 }
 
 /// The kernels' name for `kind`'s backward, which is also the op name in its errors.
-fn backward_name(kind: UnaryKind) -> &'static str {
+pub(crate) fn backward_name(kind: UnaryKind) -> &'static str {
     match kind {
         UnaryKind::Neg => "neg",
         UnaryKind::Exp => "exp_backward",
@@ -130,35 +127,4 @@ pub fn unary_backward_launch(
         }
         _ => elementwise_launch(name, &UNARY_KERNELS, name, out, &[g, saved], &[]),
     }
-}
-
-/// `kind(x)` as a fresh tensor on `x`'s device.
-pub(crate) fn forward(kind: UnaryKind, x: &Tensor) -> Result<Tensor> {
-    run_into_new(
-        kind.name(),
-        x.dims(),
-        x.dtype(),
-        x.device(),
-        &[(x, x.layout())],
-        |out, v| unary_launch(kind, out, v[0]),
-    )
-}
-
-/// The gradient of `kind`'s input from `g` and the saved tensor.
-pub(crate) fn backward(kind: UnaryKind, g: &Tensor, saved: &Tensor) -> Result<Tensor> {
-    let op = backward_name(kind);
-    if saved.dims() != g.dims() {
-        return Err(tandem_core::Error::shape(
-            op,
-            format!("gradient {:?} vs saved tensor {:?}", g.dims(), saved.dims()),
-        ));
-    }
-    run_into_new(
-        op,
-        g.dims(),
-        g.dtype(),
-        g.device(),
-        &[(g, g.layout()), (saved, saved.layout())],
-        |out, v| unary_backward_launch(kind, out, v[0], v[1]),
-    )
 }

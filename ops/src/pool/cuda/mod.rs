@@ -4,12 +4,15 @@
 //! what a fast implementation does anyway, as PyTorch's `.contiguous()` does). The max pool's
 //! saved maxima are u32 plane indices in a device buffer that lives in the backward closure.
 
+pub mod launch;
+
 use tandem_core::cuda::{device_view, launch_on_compute, DeviceBuffer};
 use tandem_core::{Error, Result, Tensor};
 
-use super::launch::{
+use super::shape::PoolWindows;
+use launch::{
     avg_pool2d_backward_launch, avg_pool2d_launch, max_pool2d_backward_launch, max_pool2d_launch,
-    PoolGeometry, PoolWindows,
+    PoolGeometry,
 };
 
 /// Where each window's maximum came from (its index within the plane, as u32), in device

@@ -1,24 +1,15 @@
-//! The reductions on a CUDA device: launch plans for `reduce.cu` (pure functions of addresses,
-//! layouts and sizes, run on a device by the ops and on the CPU by the host harness) and the
-//! device side of `sum`, `mean`, `max` and their backward.
-//!
-//! The input is read as `rows` groups of `len` elements: the input viewed with the kept dims
-//! first and the reduced dims last. That view is passed to the kernel as a [`StridedLayout`],
-//! whose merging makes it dense (rank 1) whenever the reduced dims are trailing dims of a
-//! contiguous input, so no copy is made for any layout. Two shapes get their own kernels: a
-//! contiguous input reduced over a middle block of dims (`[outer, len, inner]`, `inner > 1`,
-//! e.g. the batch dim of `[N, C]`) is summed column-wise with coalesced loads, and one long row
-//! (a sum of everything) is split over many blocks and their partial sums added by a second
-//! launch. Nothing here waits for the device.
+//! Launch plans of the reductions (`reduce.cu`): pure functions of addresses, layouts and
+//! sizes to [`Launch`]es, run on a device by the ops and on the CPU by the host harness. The
+//! row configuration and dtype checks here are shared with softmax's and the losses' plans.
 
 use tandem_core::cuda::launch::{KernelArg, KernelSource, Launch, LaunchConfig, StridedLayout};
-use tandem_core::cuda::{device_pointer, launch_on_compute};
-use tandem_core::{DType, Error, Layout, Result, Shape, Tensor};
+use tandem_core::cuda::runtime_kernels::DeviceView;
+use tandem_core::{DType, Error, Layout, Result, Shape};
 
 /// `reduce.cu`, embedded.
 pub static REDUCE: KernelSource = KernelSource {
     name: "reduce",
-    source: include_str!("reduce.cu"),
+    source: include_str!("../reduce.cu"),
     headers: &[],
 };
 
@@ -372,21 +363,19 @@ pub fn plan_sum(op: &'static str, layout: &Layout, dims: &[usize]) -> Result<Sum
     })
 }
 
-/// The launches of `plan` for an input whose storage starts at `base` (its layout's offset
-/// counts from there) with `offset`, into the dense `out`; `partials` (for
-/// [`SumPlan::Partial`], `blocks` elements of the dtype) is scratch memory.
-#[allow(clippy::too_many_arguments)]
+/// The launches of `plan` (made by [`plan_sum`] from `input`'s layout) for `input`, into the
+/// dense `out`; `partials` (for [`SumPlan::Partial`], `blocks` elements of the dtype) is scratch
+/// memory.
 pub fn sum_launches(
     op: &'static str,
-    dtype: DType,
     plan: &SumPlan,
-    base: u64,
-    offset: usize,
+    input: DeviceView,
     out: u64,
     partials: u64,
     scale: f64,
 ) -> Result<Vec<Launch>> {
-    let first = base + (offset * dtype.size_in_bytes()) as u64;
+    let (dtype, base) = (input.dtype, input.ptr);
+    let first = input.first_element(op)?;
     Ok(match plan {
         SumPlan::Columns { outer, len, inner } => vec![sum_columns_launch(
             op,
@@ -477,138 +466,4 @@ pub fn max_scatter_layouts(
         g_layout.offset(),
     );
     (g_kept, kept, reduced)
-}
-
-// ---- the device side of the ops ------------------------------------------------------------
-
-/// `scale ·` the sum of `x` over `dims`, as a dense tensor of shape `kept`.
-pub(crate) fn sum(
-    op: &'static str,
-    x: &Tensor,
-    dims: &[usize],
-    kept: &[usize],
-    scale: f64,
-) -> Result<Tensor> {
-    let out = Tensor::empty(kept, x.dtype(), x.device())?;
-    let rows = out.numel();
-    if rows == 0 {
-        return Ok(out);
-    }
-    let plan = plan_sum(op, x.layout(), dims)?;
-    let partials = match plan {
-        SumPlan::Copy => return sum(op, &x.contiguous_detached()?, dims, kept, scale),
-        SumPlan::Partial { blocks, .. } => Some(Tensor::empty(&[blocks], x.dtype(), x.device())?),
-        _ => None,
-    };
-    let (dev, base) = device_pointer(op, x)?;
-    let (_, out_ptr) = device_pointer(op, &out)?;
-    let partials_ptr = match &partials {
-        Some(p) => device_pointer(op, p)?.1,
-        None => 0,
-    };
-    let launches = sum_launches(
-        op,
-        x.dtype(),
-        &plan,
-        base,
-        x.layout().offset(),
-        out_ptr,
-        partials_ptr,
-        scale,
-    )?;
-    for launch in &launches {
-        launch_on_compute(&dev, launch, rows)?;
-    }
-    Ok(out)
-}
-
-/// The gradient of `scale · sum(x, dims)` (input of `in_shape`) from the output gradient `g`
-/// (of the kept shape, with or without the reduced dims): `g` broadcast back, times `scale`.
-pub(crate) fn sum_backward(
-    op: &'static str,
-    g: &Tensor,
-    in_shape: &[usize],
-    dims: &[usize],
-    scale: f64,
-) -> Result<Tensor> {
-    let out = Tensor::empty(in_shape, g.dtype(), g.device())?;
-    let n = out.numel();
-    if n == 0 {
-        return Ok(out);
-    }
-    let g_layout = expanded_gradient(g.layout(), in_shape, dims);
-    let (dev, g_ptr) = device_pointer(op, g)?;
-    let (_, out_ptr) = device_pointer(op, &out)?;
-    let launch = broadcast_scaled_launch(op, g.dtype(), out_ptr, g_ptr, &g_layout, scale)?;
-    launch_on_compute(&dev, &launch, n)?;
-    Ok(out)
-}
-
-/// The maximum of each group of `x` over `dims` and the position of its first maximum (tensors
-/// of shape `kept`, of `x`'s dtype and i64). The caller has checked that no group is empty.
-pub(crate) fn max(
-    op: &'static str,
-    x: &Tensor,
-    dims: &[usize],
-    kept: &[usize],
-) -> Result<(Tensor, Tensor)> {
-    let values = Tensor::empty(kept, x.dtype(), x.device())?;
-    let positions = Tensor::empty(kept, DType::I64, x.device())?;
-    let rows = values.numel();
-    if rows == 0 {
-        return Ok((values, positions));
-    }
-    let len: usize = dims.iter().map(|&d| x.dims()[d]).product();
-    let layout = grouped_layout(op, x.layout(), dims)?;
-    if StridedLayout::new(op, &layout).is_err() {
-        return max(op, &x.contiguous_detached()?, dims, kept);
-    }
-    let (dev, base) = device_pointer(op, x)?;
-    let (_, values_ptr) = device_pointer(op, &values)?;
-    let (_, positions_ptr) = device_pointer(op, &positions)?;
-    let launch = max_rows_launch(
-        op,
-        x.dtype(),
-        base,
-        &layout,
-        values_ptr,
-        positions_ptr,
-        rows,
-        len,
-    )?;
-    launch_on_compute(&dev, &launch, rows)?;
-    Ok((values, positions))
-}
-
-/// The backward of `max`: zeros of `in_shape` with each element of `g` at its group's first
-/// maximum (`positions`, as [`max`] returns them: dense).
-pub(crate) fn max_backward(
-    op: &'static str,
-    g: &Tensor,
-    positions: &Tensor,
-    in_shape: &[usize],
-    dims: &[usize],
-) -> Result<Tensor> {
-    let grad = Tensor::zeros(in_shape, g.dtype(), g.device())?;
-    let (g_kept, kept, reduced) = max_scatter_layouts(g.layout(), in_shape, dims);
-    let rows = kept.numel();
-    if rows == 0 || grad.numel() == 0 {
-        return Ok(grad);
-    }
-    let (dev, grad_ptr) = device_pointer(op, &grad)?;
-    let (_, g_ptr) = device_pointer(op, g)?;
-    let (_, p_base) = device_pointer(op, positions)?;
-    let p_ptr = p_base + (positions.layout().offset() * 8) as u64;
-    let launch = max_scatter_launch(
-        op,
-        g.dtype(),
-        grad_ptr,
-        g_ptr,
-        &g_kept,
-        p_ptr,
-        &kept,
-        &reduced,
-    )?;
-    launch_on_compute(&dev, &launch, rows)?;
-    Ok(grad)
 }

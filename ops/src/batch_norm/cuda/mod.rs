@@ -1,23 +1,23 @@
 //! CUDA kernels of the batch-norm phases (see `phases.rs`): each makes its inputs contiguous
 //! where a kernel needs them so (the fused ops pass contiguous inputs already), allocates its
-//! outputs on the device, builds the launches of `kernels.rs` and runs them on the device's
+//! outputs on the device, builds the launches of `launch.rs` and runs them on the device's
 //! compute stream. Nothing waits for the device: the count of all-reduced statistic sums stays
-//! on the device, where [`from_sums`]'s kernel checks it (reporting a bad one through the
+//! on the device, where `from_sums`'s kernel checks it (reporting a bad one through the
 //! deferred-error record) and the kernels that divide by it read it.
 
-use std::sync::Arc;
+pub mod launch;
 
 use tandem_core::cuda::deferred::{self, DeferredCheck, Finding};
 use tandem_core::cuda::launch::Launch;
 use tandem_core::cuda::{device_pointer, launch_on_compute, CudaDevice};
 use tandem_core::{DType, Layout, Result, Shape, Tensor};
 
-use super::kernels::{self, ApplyEpilogue, ChannelArg, CountArg, Dims, ReduceMask, Split, SumsArg};
-use super::phases::{
-    bad_count, ApplyArgs, BackwardApplyArgs, BackwardReduceArgs, Count, GradMask, GradSums,
-    Normalization, NormalizationArgs, RunningUpdate, Statistics,
+use super::shape::{
+    bad_count, ApplyArgs, BackwardApplyArgs, BackwardReduceArgs, Count, Dims, Epilogue, GradMask,
+    GradSums, Normalization, NormalizationArgs, RunningUpdate, Statistics,
 };
-use super::Epilogue;
+use crate::device_address::{first_element as address, first_element_address as ptr};
+use launch::{ApplyEpilogue, ChannelArg, CountArg, ReduceMask, Split, SumsArg};
 
 /// A count of all-reduced statistic sums that is not a whole number above 1, found by
 /// `batch_norm_from_sums` (the finding's value holds the count's f64 bits).
@@ -39,19 +39,6 @@ fn count_arg(op: &'static str, count: &Count) -> Result<CountArg> {
         Count::Host(n) => CountArg::Host(*n),
         Count::Device(t) => CountArg::Device(ptr(op, t)?),
     })
-}
-
-/// The device of a CUDA tensor and the address of its first element (the storage's base
-/// plus the layout offset).
-fn address(op: &'static str, t: &Tensor) -> Result<(Arc<CudaDevice>, u64)> {
-    let (dev, base) = device_pointer(op, t)?;
-    let offset = (t.layout().offset() * t.dtype().size_in_bytes()) as u64;
-    Ok((dev, base + offset))
-}
-
-/// The address of a CUDA tensor's first element.
-fn ptr(op: &'static str, t: &Tensor) -> Result<u64> {
-    Ok(address(op, t)?.1)
 }
 
 /// A `[C]` tensor (any stride) as a kernel's per-channel vector; absent for `None`.
@@ -117,7 +104,7 @@ pub(crate) fn statistics(op: &'static str, x: &Tensor) -> Result<Statistics> {
     let var = f64_like(x, &[dims.c])?;
     let split = Split::for_dims(dims);
     let (_scratch, scratch_at) = partials(op, x, dims, split)?;
-    let launches = kernels::statistics_launches(
+    let launches = launch::statistics_launches(
         op,
         xa,
         x.dtype(),
@@ -141,7 +128,7 @@ pub(crate) fn to_sums(op: &'static str, stats: &Statistics) -> Result<Tensor> {
     let c = stats.mean.numel();
     let (dev, _) = device_pointer(op, &stats.mean)?;
     let sums = f64_like(&stats.mean, &[1 + 2 * c])?;
-    let launch = kernels::to_sums_launch(
+    let launch = launch::to_sums_launch(
         op,
         channel(op, "mean", Some(&stats.mean))?,
         channel(op, "var", Some(&stats.var))?,
@@ -161,7 +148,7 @@ pub(crate) fn from_sums(op: &'static str, sums: &Tensor) -> Result<(Tensor, Tens
     let mean = f64_like(sums, &[c])?;
     let var = f64_like(sums, &[c])?;
     let stride = sums.layout().strides()[0];
-    let launch = kernels::from_sums_launch(
+    let launch = launch::from_sums_launch(
         op,
         ChannelArg::new(op, "the statistic sums", ptr(op, sums)?, stride, DType::F64)?,
         c,
@@ -187,7 +174,7 @@ pub(crate) fn update_running(op: &'static str, args: &RunningUpdate<'_>) -> Resu
         return Ok(());
     }
     let (dev, _) = device_pointer(op, &stats.mean)?;
-    let launch = kernels::update_running_launch(
+    let launch = launch::update_running_launch(
         op,
         channel(op, "running_mean", args.running_mean)?,
         channel(op, "running_var", args.running_var)?,
@@ -205,7 +192,7 @@ pub(crate) fn normalization(op: &'static str, args: &NormalizationArgs<'_>) -> R
     let c = args.mean.numel();
     let (dev, _) = device_pointer(op, args.mean)?;
     let table = f64_like(args.mean, &[4, c])?;
-    let launch = kernels::normalization_launch(
+    let launch = launch::normalization_launch(
         op,
         channel(op, "mean", Some(args.mean))?,
         channel(op, "var", Some(args.var))?,
@@ -234,7 +221,7 @@ pub(crate) fn apply(op: &'static str, args: &ApplyArgs<'_>) -> Result<Tensor> {
         (Epilogue::Relu, _) => ApplyEpilogue::Relu,
         _ => ApplyEpilogue::Plain,
     };
-    let launch = kernels::apply_launch(
+    let launch = launch::apply_launch(
         op,
         xa,
         epilogue,
@@ -272,7 +259,7 @@ pub(crate) fn backward_reduce(op: &'static str, args: &BackwardReduceArgs<'_>) -
     };
     let split = Split::for_dims(dims);
     let (_scratch, scratch_at) = partials(op, &xc, dims, split)?;
-    let launches = kernels::backward_reduce_launches(
+    let launches = launch::backward_reduce_launches(
         op,
         ptr(op, &gc)?,
         xa,
@@ -297,7 +284,7 @@ pub(crate) fn backward_apply(op: &'static str, args: &BackwardApplyArgs<'_>) -> 
     let (dev, xa) = address(op, &xc)?;
     let out = Tensor::empty(xc.dims(), xc.dtype(), xc.device())?;
     let coefficients = Tensor::empty(&[4, dims.c], xc.dtype(), xc.device())?;
-    let [coefs, apply] = kernels::backward_apply_launches(
+    let [coefs, apply] = launch::backward_apply_launches(
         op,
         ptr(op, &gc)?,
         xa,
@@ -327,7 +314,7 @@ pub(crate) fn parameter_gradients(
     let (dev, _) = device_pointer(op, sums)?;
     let grad_weight = Tensor::empty(&[c], dtype, sums.device())?;
     let grad_bias = Tensor::empty(&[c], dtype, sums.device())?;
-    let launch = kernels::parameter_gradients_launch(
+    let launch = launch::parameter_gradients_launch(
         op,
         sums_arg(op, sums)?,
         ptr(op, norm.table())?,
@@ -343,5 +330,5 @@ pub(crate) fn parameter_gradients(
 /// `counter += 1` for a one-element i64 tensor.
 pub(crate) fn count_batch(op: &'static str, counter: &Tensor) -> Result<()> {
     let (dev, at) = address(op, counter)?;
-    run(&dev, &[kernels::count_batch_launch(op, at)?], 1)
+    run(&dev, &[launch::count_batch_launch(op, at)?], 1)
 }

@@ -2,12 +2,14 @@
 //! batched product that matmul, its backward and linear are built on, and the row sums that
 //! reduce a product over a summed batch (and give linear's bias gradient).
 //!
-//! `blas_plan.rs` turns the operands' layouts into cuBLAS calls; this file prepares the
+//! `launch.rs` turns the operands' layouts into cuBLAS calls; this file prepares the
 //! operands (a dense copy only where cuBLAS cannot read one in place), allocates the output
 //! from the stream-ordered allocator and issues the calls. f32 products use TF32 only when
 //! `tandem_core::cuda::blas::allow_tf32_matmul()` says so (off by default, as in PyTorch). A
 //! bias is copied into every output row by one broadcast copy and the product accumulates onto
 //! it (`beta = 1`), as the CPU does. Nothing here waits for the device.
+
+mod launch;
 
 use cudarc::cublas::result as cublas;
 use cudarc::cublas::sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
@@ -15,7 +17,8 @@ use tandem_core::cuda::sanitizer::{self, Use};
 use tandem_core::cuda::{blas, device_pointer};
 use tandem_core::{checked_numel, DType, Error, Result, Tensor};
 
-use super::blas_plan::{plan, GemmCall, Mat, Operand, Plan};
+use crate::device_address::{first_element, first_element_address};
+use launch::{plan, GemmCall, Mat, Operand, Plan};
 
 /// Describes `t` (`[own_batch.., r, c]`) as an operand of a product over the full `batch`,
 /// transposed when `trans` (the CPU's `operand`, in elements).
@@ -186,9 +189,6 @@ fn gemms(op: &'static str, x: &Tensor, y: &Tensor, out: &Tensor, calls: &[GemmCa
     let (dev, xp) = device_pointer(op, x)?;
     let (_, yp) = device_pointer(op, y)?;
     let (_, cp) = device_pointer(op, out)?;
-    let size = out.dtype().size_in_bytes() as u64;
-    let at = |base: u64, offset: usize| base + offset as u64 * size;
-    let trans = |t: bool| if t { CUBLAS_OP_T } else { CUBLAS_OP_N };
     if sanitizer::enabled() {
         let call = match (out.dtype(), calls.iter().any(|c| c.batch > 1)) {
             (DType::F64, false) => "cublasDgemm",
@@ -205,111 +205,25 @@ fn gemms(op: &'static str, x: &Tensor, y: &Tensor, out: &Tensor, calls: &[GemmCa
             &[(yp, Use::Read), (xp, Use::Read), (cp, Use::Write)],
         )?;
     }
+    let size = out.dtype().size_in_bytes() as u64;
+    let at = |base: u64, offset: usize| base + offset as u64 * size;
+    let matrices = |c: &GemmCall| (at(yp, c.a_offset), at(xp, c.b_offset), at(cp, c.c_offset));
+    let stream = dev.compute_stream();
     match out.dtype() {
-        DType::F32 => {
-            let tf32 = blas::allow_tf32_matmul();
-            blas::with_blas(op, &dev, dev.compute_stream(), tf32, |h| {
-                for c in calls {
-                    let (a, b, cc) = (at(yp, c.a_offset), at(xp, c.b_offset), at(cp, c.c_offset));
-                    let beta = if c.accumulate { 1.0f32 } else { 0.0 };
-                    // SAFETY: the plan keeps every matrix of every call inside its tensor's
-                    // storage (offsets, leading dimensions and batch strides come from the
-                    // tensors' layouts, checked in blas_plan.rs), the tensors live until the
-                    // stream-ordered allocator sees them freed after this work, and alpha and
-                    // beta are host scalars (the handle's default pointer mode).
-                    unsafe {
-                        if c.batch == 1 {
-                            cublas::sgemm(
-                                h,
-                                trans(c.trans_a),
-                                trans(c.trans_b),
-                                c.m,
-                                c.n,
-                                c.k,
-                                &1.0,
-                                a as *const f32,
-                                c.lda,
-                                b as *const f32,
-                                c.ldb,
-                                &beta,
-                                cc as *mut f32,
-                                c.ldc,
-                            )?;
-                        } else {
-                            cublas::sgemm_strided_batched(
-                                h,
-                                trans(c.trans_a),
-                                trans(c.trans_b),
-                                c.m,
-                                c.n,
-                                c.k,
-                                &1.0,
-                                a as *const f32,
-                                c.lda,
-                                c.stride_a,
-                                b as *const f32,
-                                c.ldb,
-                                c.stride_b,
-                                &beta,
-                                cc as *mut f32,
-                                c.ldc,
-                                c.stride_c,
-                                c.batch,
-                            )?;
-                        }
-                    }
-                }
-                Ok(())
-            })
-        }
-        DType::F64 => blas::with_blas(op, &dev, dev.compute_stream(), false, |h| {
-            for c in calls {
-                let (a, b, cc) = (at(yp, c.a_offset), at(xp, c.b_offset), at(cp, c.c_offset));
-                let beta = if c.accumulate { 1.0f64 } else { 0.0 };
-                // SAFETY: as for f32 above.
-                unsafe {
-                    if c.batch == 1 {
-                        cublas::dgemm(
-                            h,
-                            trans(c.trans_a),
-                            trans(c.trans_b),
-                            c.m,
-                            c.n,
-                            c.k,
-                            &1.0,
-                            a as *const f64,
-                            c.lda,
-                            b as *const f64,
-                            c.ldb,
-                            &beta,
-                            cc as *mut f64,
-                            c.ldc,
-                        )?;
-                    } else {
-                        cublas::dgemm_strided_batched(
-                            h,
-                            trans(c.trans_a),
-                            trans(c.trans_b),
-                            c.m,
-                            c.n,
-                            c.k,
-                            &1.0,
-                            a as *const f64,
-                            c.lda,
-                            c.stride_a,
-                            b as *const f64,
-                            c.ldb,
-                            c.stride_b,
-                            &beta,
-                            cc as *mut f64,
-                            c.ldc,
-                            c.stride_c,
-                            c.batch,
-                        )?;
-                    }
-                }
-            }
-            Ok(())
+        DType::F32 => blas::with_blas(op, &dev, stream, blas::allow_tf32_matmul(), |h| {
+            // SAFETY: the plan keeps every matrix of every call inside its tensor's storage
+            // (offsets, leading dimensions and batch strides come from the tensors' layouts,
+            // checked in launch.rs), and the tensors live until the stream-ordered allocator
+            // sees them freed after this work.
+            calls
+                .iter()
+                .try_for_each(|c| unsafe { sgemm(h, c, matrices(c)) })
+        }),
+        DType::F64 => blas::with_blas(op, &dev, stream, false, |h| {
+            // SAFETY: as for f32.
+            calls
+                .iter()
+                .try_for_each(|c| unsafe { dgemm(h, c, matrices(c)) })
         }),
         other => Err(Error::UnsupportedDType {
             op,
@@ -319,20 +233,141 @@ fn gemms(op: &'static str, x: &Tensor, y: &Tensor, out: &Tensor, calls: &[GemmCa
     }
 }
 
+/// cuBLAS's operation flag for a transposed operand or not.
+fn trans(t: bool) -> cudarc::cublas::sys::cublasOperation_t {
+    if t {
+        CUBLAS_OP_T
+    } else {
+        CUBLAS_OP_N
+    }
+}
+
+/// Enqueues one f32 call (`gemm`, or `gemmStridedBatched` for a batch) on `h`'s stream, with
+/// `(a, b, cc)` the device addresses of its matrices; alpha and beta are host scalars (the
+/// handle's default pointer mode).
+///
+/// # Safety
+/// Every matrix the call reads or writes (sizes, leading dimensions, batch strides) lies in
+/// live device memory of `h`'s device, until the call has run in stream order.
+unsafe fn sgemm(
+    h: cudarc::cublas::sys::cublasHandle_t,
+    c: &GemmCall,
+    (a, b, cc): (u64, u64, u64),
+) -> std::result::Result<(), cublas::CublasError> {
+    let beta = if c.accumulate { 1.0f32 } else { 0.0 };
+    // SAFETY: the caller's contract.
+    unsafe {
+        if c.batch == 1 {
+            cublas::sgemm(
+                h,
+                trans(c.trans_a),
+                trans(c.trans_b),
+                c.m,
+                c.n,
+                c.k,
+                &1.0,
+                a as *const f32,
+                c.lda,
+                b as *const f32,
+                c.ldb,
+                &beta,
+                cc as *mut f32,
+                c.ldc,
+            )?;
+        } else {
+            cublas::sgemm_strided_batched(
+                h,
+                trans(c.trans_a),
+                trans(c.trans_b),
+                c.m,
+                c.n,
+                c.k,
+                &1.0,
+                a as *const f32,
+                c.lda,
+                c.stride_a,
+                b as *const f32,
+                c.ldb,
+                c.stride_b,
+                &beta,
+                cc as *mut f32,
+                c.ldc,
+                c.stride_c,
+                c.batch,
+            )?;
+        }
+    }
+    Ok(())
+}
+
+/// [`sgemm`] for f64.
+///
+/// # Safety
+/// As for [`sgemm`].
+unsafe fn dgemm(
+    h: cudarc::cublas::sys::cublasHandle_t,
+    c: &GemmCall,
+    (a, b, cc): (u64, u64, u64),
+) -> std::result::Result<(), cublas::CublasError> {
+    let beta = if c.accumulate { 1.0f64 } else { 0.0 };
+    // SAFETY: the caller's contract.
+    unsafe {
+        if c.batch == 1 {
+            cublas::dgemm(
+                h,
+                trans(c.trans_a),
+                trans(c.trans_b),
+                c.m,
+                c.n,
+                c.k,
+                &1.0,
+                a as *const f64,
+                c.lda,
+                b as *const f64,
+                c.ldb,
+                &beta,
+                cc as *mut f64,
+                c.ldc,
+            )?;
+        } else {
+            cublas::dgemm_strided_batched(
+                h,
+                trans(c.trans_a),
+                trans(c.trans_b),
+                c.m,
+                c.n,
+                c.k,
+                &1.0,
+                a as *const f64,
+                c.lda,
+                c.stride_a,
+                b as *const f64,
+                c.ldb,
+                c.stride_b,
+                &beta,
+                cc as *mut f64,
+                c.ldc,
+                c.stride_c,
+                c.batch,
+            )?;
+        }
+    }
+    Ok(())
+}
+
 fn int(op: &'static str, what: &str, v: usize) -> Result<i32> {
     i32::try_from(v)
         .map_err(|_| Error::invalid(op, format!("{what} {v} exceeds cuBLAS's 32-bit sizes")))
 }
 
-/// `out[j] (+)= Σ_i t[i, j]` over a dense `t` viewed as `[rows, cols]`, into the dense `out`
-/// of `cols` elements: one `gemv` with a vector of ones (column-major, `t` is `cols × rows`).
-pub(crate) fn sum_rows_into(
+/// Checks the operands of [`sum_rows_into`]: one device, a dense `[rows, cols]` input and a
+/// dense `[cols]` output.
+fn check_row_sums(
     op: &'static str,
     t: &Tensor,
     rows: usize,
     cols: usize,
     out: &Tensor,
-    accumulate: bool,
 ) -> Result<()> {
     check_device(op, t, out)?;
     if !t.is_contiguous() || t.numel() != rows * cols || out.numel() != cols || !out.is_contiguous()
@@ -347,6 +382,20 @@ pub(crate) fn sum_rows_into(
             ),
         ));
     }
+    Ok(())
+}
+
+/// `out[j] (+)= Σ_i t[i, j]` over a dense `t` viewed as `[rows, cols]`, into the dense `out`
+/// of `cols` elements: one `gemv` with a vector of ones (column-major, `t` is `cols × rows`).
+pub(crate) fn sum_rows_into(
+    op: &'static str,
+    t: &Tensor,
+    rows: usize,
+    cols: usize,
+    out: &Tensor,
+    accumulate: bool,
+) -> Result<()> {
+    check_row_sums(op, t, rows, cols, out)?;
     if cols == 0 {
         return Ok(());
     }
@@ -361,14 +410,9 @@ pub(crate) fn sum_rows_into(
         int(op, "a row count", rows)?,
     );
     let ones = Tensor::full(&[rows], 1.0, t.dtype(), t.device())?;
-    let (dev, tp) = device_pointer(op, t)?;
+    let (dev, tp) = first_element(op, t)?;
     let (_, onesp) = device_pointer(op, &ones)?;
-    let (_, yp) = device_pointer(op, out)?;
-    let size = t.dtype().size_in_bytes() as u64;
-    let (tp, yp) = (
-        tp + t.layout().offset() as u64 * size,
-        yp + out.layout().offset() as u64 * size,
-    );
+    let yp = first_element_address(op, out)?;
     let call = if t.dtype() == DType::F64 {
         "cublasDgemv"
     } else {

@@ -13,33 +13,17 @@ use tandem_core::cuda::launch::{
 use tandem_core::cuda::runtime_kernels::{byte_ranges_overlap, DeviceView};
 use tandem_core::{DType, Error, Result};
 
+use crate::pool::shape::PoolWindows;
+
 /// `pool.cu`, embedded.
 pub static POOL_SOURCE: KernelSource = KernelSource {
     name: "pool",
-    source: include_str!("pool.cu"),
+    source: include_str!("../pool.cu"),
     headers: &[],
 };
 
 /// Threads per block of the pooling kernels (one element per thread).
 pub const THREADS_PER_BLOCK: u32 = 256;
-
-/// How windows are laid over the input.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum PoolWindows {
-    /// `kernel`-sized windows moved by `stride` over the input padded by `padding` on each side
-    /// (rows, columns), clipped to the input.
-    Sliding {
-        /// Window size.
-        kernel: (usize, usize),
-        /// Step between windows.
-        stride: (usize, usize),
-        /// Implicit padding on each side (at most half the kernel).
-        padding: (usize, usize),
-    },
-    /// PyTorch's adaptive windows: output `i` of `out` covers `floor(i·in/out) ..
-    /// ceil((i+1)·in/out)`.
-    Adaptive,
-}
 
 /// The geometry of a 2-D pool as the kernels take it (`pool_geometry` in `pool.cu`): `planes`
 /// planes of `in_h × in_w` pooled to `out_h × out_w`.
