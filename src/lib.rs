@@ -43,9 +43,9 @@ pub mod prelude {
     pub use tandem_nn::models::lenet5;
     pub use tandem_nn::{
         AdaptiveAvgPool2d, AdaptiveAvgPool2dConfig, AvgPool2d, AvgPool2dConfig, BatchNorm2d,
-        BatchNormConfig, Conv2d, Conv2dConfig, Dropout, DropoutConfig, Flatten, FlattenConfig,
-        Child, Forward, Fused, Linear, LinearConfig, MaxPool2d, MaxPool2dConfig, Module, ReLU,
-        Sequential, TrainingFlag,
+        BatchNormConfig, Child, Conv2d, Conv2dConfig, Dropout, DropoutConfig, Flatten,
+        FlattenConfig, Forward, Fused, Linear, LinearConfig, MaxPool2d, MaxPool2dConfig, Module,
+        ReLU, Sequential, TrainingFlag,
     };
     pub use tandem_ops::TensorOps;
     pub use tandem_optim::{

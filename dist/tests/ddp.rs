@@ -13,8 +13,8 @@ use tandem_dist::{
     CompressionHook, DdpConfig, DistributedDataParallel, GradReduction, ProcessGroup,
 };
 use tandem_nn::loss::{cross_entropy, Reduction};
-use tandem_nn::module::{ParamKind, TrainingFlag};
-use tandem_nn::{Linear, LinearConfig, Module};
+use tandem_nn::{Child, Forward, TrainingFlag};
+use tandem_nn::{LinearConfig, Module};
 
 const STEPS: usize = 5;
 
@@ -223,14 +223,15 @@ fn buckets_launch_in_bucket_order_and_the_first_before_backward_finishes() {
 }
 
 /// A model whose second layer is only used when asked to.
+#[derive(Module)]
 struct Branchy {
-    used: Linear,
-    branch: Linear,
+    used: Child,
+    branch: Child,
     use_both: bool,
     training: TrainingFlag,
 }
 
-impl Module for Branchy {
+impl Forward for Branchy {
     fn forward(&self, x: &Tensor) -> tandem_nn::Result<Tensor> {
         let h = self.used.forward(x)?;
         if self.use_both {
@@ -238,13 +239,6 @@ impl Module for Branchy {
         } else {
             Ok(h)
         }
-    }
-    fn training_flag(&self) -> &TrainingFlag {
-        &self.training
-    }
-    fn visit_own(&self, visitor: &mut dyn FnMut(&str, ParamKind, &Tensor)) {
-        self.used.visit("used", visitor);
-        self.branch.visit("branch", visitor);
     }
 }
 
@@ -255,8 +249,8 @@ fn branchy_steps(find_unused: bool) -> Vec<Result<Grads, String>> {
     run_ranks(2, move |rank, group| {
         tandem_core::rng::manual_seed(3);
         let model = Branchy {
-            used: LinearConfig::new(12, CLASSES).init().unwrap(),
-            branch: LinearConfig::new(12, CLASSES).init().unwrap(),
+            used: LinearConfig::new(12, CLASSES).init().unwrap().into(),
+            branch: LinearConfig::new(12, CLASSES).init().unwrap().into(),
             use_both: false,
             training: TrainingFlag::new(),
         };

@@ -11,8 +11,8 @@ use tandem_autograd::TensorBackward;
 use tandem_core::{Device, Tensor};
 use tandem_dist::{DdpConfig, DistributedDataParallel};
 use tandem_nn::loss::{cross_entropy, Reduction};
-use tandem_nn::module::{ParamKind, TrainingFlag};
-use tandem_nn::{Linear, LinearConfig, Module};
+use tandem_nn::{Child, Forward, TrainingFlag};
+use tandem_nn::{LinearConfig, Module};
 use tandem_optim::{AdamConfig, AdamW, Optimizer, Sgd, SgdConfig};
 
 const STEPS: usize = 4;
@@ -22,10 +22,11 @@ const GATE: f32 = 5.0;
 
 /// `used(x)`, plus `gated(x)` on the rows whose last feature exceeds [`GATE`] (the layer is
 /// not touched at all when no row does), and a layer `never` that forward never touches.
+#[derive(Module)]
 struct Gated {
-    used: Linear,
-    gated: Linear,
-    never: Linear,
+    used: Child,
+    gated: Child,
+    never: Child,
     training: TrainingFlag,
 }
 
@@ -33,15 +34,15 @@ impl Gated {
     fn new() -> Self {
         tandem_core::rng::manual_seed(21);
         Gated {
-            used: LinearConfig::new(FEATURES, CLASSES).init().unwrap(),
-            gated: LinearConfig::new(FEATURES, CLASSES).init().unwrap(),
-            never: LinearConfig::new(FEATURES, CLASSES).init().unwrap(),
+            used: LinearConfig::new(FEATURES, CLASSES).init().unwrap().into(),
+            gated: LinearConfig::new(FEATURES, CLASSES).init().unwrap().into(),
+            never: LinearConfig::new(FEATURES, CLASSES).init().unwrap().into(),
             training: TrainingFlag::new(),
         }
     }
 }
 
-impl Module for Gated {
+impl Forward for Gated {
     fn forward(&self, x: &Tensor) -> tandem_nn::Result<Tensor> {
         let h = self.used.forward(x)?;
         let rows = x.dims()[0];
@@ -55,14 +56,6 @@ impl Module for Gated {
         let mask = Tensor::from_vec(mask, &[rows, 1], Device::Cpu)?;
         let gated = tandem_ops::mul(&self.gated.forward(x)?, &mask)?;
         Ok(tandem_ops::add(&h, &gated)?)
-    }
-    fn training_flag(&self) -> &TrainingFlag {
-        &self.training
-    }
-    fn visit_own(&self, visitor: &mut dyn FnMut(&str, ParamKind, &Tensor)) {
-        self.used.visit("used", visitor);
-        self.gated.visit("gated", visitor);
-        self.never.visit("never", visitor);
     }
 }
 

@@ -8,8 +8,8 @@ use tandem_autograd::TensorBackward;
 use tandem_core::{Device, Tensor};
 use tandem_dist::{DdpConfig, DistributedDataParallel, ProcessGroup};
 use tandem_nn::loss::{cross_entropy, Reduction};
-use tandem_nn::module::{ParamKind, TrainingFlag};
-use tandem_nn::{Linear, LinearConfig, Module};
+use tandem_nn::{Child, Forward, TrainingFlag};
+use tandem_nn::{LinearConfig, Module};
 use tandem_optim::{Optimizer, Sgd, SgdConfig};
 
 use super::ddp::{on, tolerance};
@@ -17,9 +17,10 @@ use super::{on_ranks, Backend};
 use crate::ddp_common::{assert_close, batch, shard, snapshot_params, Model, Snapshot, CLASSES};
 
 /// A model with a layer forward never uses.
+#[derive(Module)]
 struct WithUnused {
-    used: Linear,
-    never: Linear,
+    used: Child,
+    never: Child,
     training: TrainingFlag,
 }
 
@@ -27,8 +28,8 @@ impl WithUnused {
     fn new(device: Device) -> Self {
         tandem_core::rng::manual_seed(3);
         let m = WithUnused {
-            used: LinearConfig::new(12, CLASSES).init().unwrap(),
-            never: LinearConfig::new(12, CLASSES).init().unwrap(),
+            used: LinearConfig::new(12, CLASSES).init().unwrap().into(),
+            never: LinearConfig::new(12, CLASSES).init().unwrap().into(),
             training: TrainingFlag::new(),
         };
         m.to_device(device).unwrap();
@@ -36,16 +37,9 @@ impl WithUnused {
     }
 }
 
-impl Module for WithUnused {
+impl Forward for WithUnused {
     fn forward(&self, x: &Tensor) -> tandem_nn::Result<Tensor> {
         self.used.forward(x)
-    }
-    fn training_flag(&self) -> &TrainingFlag {
-        &self.training
-    }
-    fn visit_own(&self, visitor: &mut dyn FnMut(&str, ParamKind, &Tensor)) {
-        self.used.visit("used", visitor);
-        self.never.visit("never", visitor);
     }
 }
 

@@ -509,6 +509,8 @@ mod tests {
     use crate::{BatchNormConfig, LinearConfig, ParamKind, TrainingFlag};
 
     /// A module owning one tensor of every dtype, plus a BatchNorm child for buffers.
+    // Written by hand, not derived: its tensors are a table (name, kind, dtype) that the tests
+    // walk, not fixed fields.
     struct EveryDtype {
         tensors: Vec<(&'static str, ParamKind, Tensor)>,
         norm: Arc<dyn Module>,
