@@ -443,3 +443,63 @@ fn bind_names(members: &[Member]) -> Tokens {
     }
     body
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The compile error the derive gives for `src`, or `None` when it expands.
+    fn refusal(src: &str) -> Option<String> {
+        let input: DeriveInput = syn::parse_str(src).unwrap();
+        expand(&input).err().map(|e| e.to_string())
+    }
+
+    #[test]
+    fn a_model_with_every_kind_of_field_expands() {
+        let ok = refusal(
+            "struct Net { #[param] w: Tensor, #[buffer] b: Option<Tensor>, a: Child, \
+             o: Option<Child>, l: Vec<Child>, t: TrainingFlag, n: usize, \
+             #[module(skip)] cache: Tensor }",
+        );
+        assert_eq!(ok, None);
+        let wrapper = "#[module(fused)] struct W { #[module(delegate)] bn: Arc<BatchNorm2d> }";
+        assert_eq!(refusal(wrapper), None);
+    }
+
+    #[test]
+    fn forgotten_tensors_and_children_are_refused() {
+        let tensor = refusal("struct Net { w: Tensor, t: TrainingFlag }").unwrap();
+        assert!(
+            tensor.contains("#[param]") && tensor.contains("#[buffer]"),
+            "{tensor}"
+        );
+        let child = refusal("struct Net { c: Arc<dyn Module>, t: TrainingFlag }").unwrap();
+        assert!(child.contains("Child"), "{child}");
+        let optional = refusal("struct Net { c: Option<Tensor>, t: TrainingFlag }").unwrap();
+        assert!(optional.contains("#[param]"), "{optional}");
+    }
+
+    #[test]
+    fn the_training_flag_must_be_there_once() {
+        let none = refusal("struct Net { c: Child }").unwrap();
+        assert!(none.contains("TrainingFlag"), "{none}");
+        let two = refusal("struct Net { a: TrainingFlag, b: TrainingFlag }").unwrap();
+        assert!(two.contains("exactly one"), "{two}");
+        let both = "struct W { #[module(delegate)] bn: Arc<BatchNorm2d>, t: TrainingFlag }";
+        assert!(refusal(both).unwrap().contains("exactly one"));
+    }
+
+    #[test]
+    fn misplaced_attributes_are_refused() {
+        let param = refusal("struct Net { #[param] n: usize, t: TrainingFlag }").unwrap();
+        assert!(param.contains("Tensor"), "{param}");
+        let both = refusal("struct Net { #[param] #[buffer] w: Tensor, t: TrainingFlag }");
+        assert!(both.unwrap().contains("not both"));
+        let word = refusal("struct Net { #[module(child)] c: Child, t: TrainingFlag }");
+        assert!(word.unwrap().contains("skip"));
+        let on_struct = refusal("#[module(fast)] struct Net { t: TrainingFlag }");
+        assert!(on_struct.unwrap().contains("fused"));
+        let tuple = refusal("struct Net(TrainingFlag);").unwrap();
+        assert!(tuple.contains("named fields"), "{tuple}");
+    }
+}
