@@ -36,6 +36,7 @@
 //! Containers follow the same rule: [`Sequential::add`] names a child by its position and
 //! cannot fail, [`Sequential::add_named`] takes a user's name, which can be invalid, and
 //! returns `Result`.
+#![warn(missing_docs)]
 
 // The derive names this crate `::tandem_nn`; inside it, that is the crate itself.
 extern crate self as tandem_nn;

@@ -35,14 +35,14 @@ fn conv3x3(in_channels: usize, out_channels: usize, stride: usize) -> Result<Con
 /// `downsample`: a 1×1 convolution with the block's stride and no bias (`downsample.0`) and a
 /// batch norm (`downsample.1`).
 ///
-/// The ReLUs run fused: `bn1` through [`Module::forward_relu`] (one pass with the
-/// normalisation when it is a `BatchNorm2d`, `relu(forward)` for any other module such as a
-/// synchronised batch norm), and the join through `bn2`'s [`Module::forward_add_relu`]
-/// (batch norm, residual add and ReLU in one pass for a `BatchNorm2d`,
-/// `add_relu(forward, shortcut)` for any other module).
+/// The ReLUs run fused: `bn1` through [`Child::forward_relu`] (one pass with the
+/// normalisation when the child is [`Fused`](crate::Fused), a `BatchNorm2d` or a synchronised
+/// one; `relu(forward)` for any other module), and the join through `bn2`'s
+/// [`Child::forward_add_relu`] (batch norm, residual add and ReLU in one pass where fused,
+/// `add_relu(forward, shortcut)` otherwise).
 ///
 /// Children can be swapped through [`Module::replace_child`] (so that a `BatchNorm2d` can
-/// become a synchronised one); they sit behind a lock, and `forward` runs on a snapshot.
+/// become a synchronised one); each is a [`Child`], and `forward` runs on a snapshot of it.
 ///
 /// # Shapes
 /// `[N, in, H, W]` → `[N, out, H / stride, W / stride]` (rounded up).

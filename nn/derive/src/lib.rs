@@ -3,6 +3,7 @@
 //! The derive reads a struct's fields and writes everything of `tandem_nn::Module` except the
 //! computation, which the struct gives in `impl Forward for … { fn forward(..) }`. See the
 //! documentation of `tandem_nn::Module` for the field rules; this crate is not used directly.
+#![warn(missing_docs)]
 
 use proc_macro::TokenStream;
 use proc_macro2::{Span, TokenStream as Tokens};
