@@ -102,5 +102,11 @@ fn moving_a_model_to_cuda_without_cuda_names_what_is_missing() {
         err.contains("cuda:0") && err.contains("libcuda.so.1"),
         "{err}"
     );
+    // the failing tensor is named as a tensor, not as a module
+    assert!(
+        err.starts_with("tensor `features.0.weight` of the Sequential: ")
+            && !err.contains("module"),
+        "{err}"
+    );
     assert!(model.parameters().iter().all(|p| p.device() == Device::Cpu));
 }
