@@ -441,27 +441,7 @@ pub unsafe extern "C" fn cuLaunchKernel(
             ));
             E::CUDA_ERROR_INVALID_VALUE
         };
-        if grid.contains(&0) || block.contains(&0) {
-            return Err(invalid("a dimension is 0".into()));
-        }
-        let threads = block.iter().map(|&b| b as u64).product::<u64>();
-        if threads > 1024 || block_x > 1024 || block_y > 1024 || block_z > 64 {
-            return Err(invalid(
-                "at most 1024 threads per block, (1024, 1024, 64) per dimension".into(),
-            ));
-        }
-        if grid_x > i32::MAX as u32 || grid_y > 65535 || grid_z > 65535 {
-            return Err(invalid(
-                "the grid is larger than (2^31 - 1, 65535, 65535)".into(),
-            ));
-        }
-        let allowed = f.max_dynamic_shared.load(Ordering::Acquire);
-        if shared_bytes as i64 > allowed as i64 {
-            return Err(invalid(format!(
-                "more dynamic shared memory than the {allowed} bytes allowed (opt in with \
-                 cuFuncSetAttribute)"
-            )));
-        }
+        check_launch_shape(&f, grid, block, shared_bytes).map_err(invalid)?;
         if !extra.is_null() {
             say("cuLaunchKernel: arguments through `extra` are not emulated");
             return Err(E::CUDA_ERROR_NOT_SUPPORTED);
@@ -473,28 +453,9 @@ pub unsafe extern "C" fn cuLaunchKernel(
             )));
         }
         // Copy the arguments now: the caller may reuse its storage once the call returns.
-        let mut offsets = Vec::with_capacity(f.params.len());
-        let mut total = 0;
-        for &size in &f.params {
-            offsets.push(total);
-            total += size.div_ceil(16) * 16;
-        }
-        let mut args = Arguments {
-            storage: vec![0u128; total / 16 + 1],
-            offsets,
-        };
-        let base = args.storage.as_mut_ptr().cast::<u8>();
-        for (i, &size) in f.params.iter().enumerate() {
-            // SAFETY: `params` has one pointer per parameter, each to a value of the
-            // parameter's size (the driver's contract); the destination has room (sized above).
-            unsafe {
-                let src = *params.add(i);
-                if src.is_null() {
-                    return Err(invalid(format!("argument {i} is a null pointer")));
-                }
-                std::ptr::copy_nonoverlapping(src.cast::<u8>(), base.add(args.offsets[i]), size);
-            }
-        }
+        // SAFETY: `params` is not null when `f` has parameters (checked above), and then has one
+        // pointer per parameter, each to a value of the parameter's size (the driver's contract).
+        let args = unsafe { copy_arguments(&f, params) }.map_err(invalid)?;
         let running = RunningLaunch {
             config: HostLaunchConfig {
                 grid,
@@ -505,51 +466,115 @@ pub unsafe extern "C" fn cuLaunchKernel(
             kernel: f.name.clone(),
             stream: stream.id,
         };
-        let stream_id = stream.id;
         crate::counters::count(crate::counters::Counter::launches);
-        stream.enqueue(Box::new(move || {
-            let running = running;
-            let config = &running.config;
-            let mut args = args;
-            let base = args.storage.as_mut_ptr().cast::<u8>();
-            let mut pointers: Vec<*mut c_void> = args
-                .offsets
-                .iter()
-                // SAFETY: each offset lies inside `storage`.
-                .map(|&o| unsafe { base.add(o) }.cast())
-                .collect();
-            let mut message = vec![0u8; 1024];
-            // Other kernels run beside this one; another launch of this kernel does not.
-            let _kernel_alone = f.running.lock();
-            // SAFETY: the entry reads the config and one value per parameter; the kernel's
-            // memory accesses are to device memory the caller passed (host memory here). The
-            // config is the first field of `running` (the worker hook relies on it).
-            let status = unsafe {
-                (f.entry)(
-                    config,
-                    pointers.as_mut_ptr(),
-                    message.as_mut_ptr().cast(),
-                    message.len(),
-                )
-            };
-            if status != 0 {
-                let end = message
-                    .iter()
-                    .position(|&b| b == 0)
-                    .unwrap_or(message.len());
-                fault(
-                    E::CUDA_ERROR_LAUNCH_FAILED,
-                    format!(
-                        "kernel {} (grid {:?}, block {:?}) on stream {stream_id} failed: {}",
-                        f.name,
-                        config.grid,
-                        config.block,
-                        String::from_utf8_lossy(&message[..end])
-                    ),
-                    true,
-                );
-            }
-        }));
+        stream.enqueue(Box::new(move || run_launch(&f, running, args)));
         Ok(())
     })
+}
+
+/// Checks a launch's grid, block and dynamic shared memory against an H100's limits and `f`'s
+/// shared memory allowance; the error says which limit, for `cuLaunchKernel`'s message.
+fn check_launch_shape(
+    f: &Function,
+    grid: [u32; 3],
+    block: [u32; 3],
+    shared_bytes: u32,
+) -> Result<(), String> {
+    let [grid_x, grid_y, grid_z] = grid;
+    let [block_x, block_y, block_z] = block;
+    if grid.contains(&0) || block.contains(&0) {
+        return Err("a dimension is 0".into());
+    }
+    let threads = block.iter().map(|&b| b as u64).product::<u64>();
+    if threads > 1024 || block_x > 1024 || block_y > 1024 || block_z > 64 {
+        return Err("at most 1024 threads per block, (1024, 1024, 64) per dimension".into());
+    }
+    if grid_x > i32::MAX as u32 || grid_y > 65535 || grid_z > 65535 {
+        return Err("the grid is larger than (2^31 - 1, 65535, 65535)".into());
+    }
+    let allowed = f.max_dynamic_shared.load(Ordering::Acquire);
+    if shared_bytes as i64 > allowed as i64 {
+        return Err(format!(
+            "more dynamic shared memory than the {allowed} bytes allowed (opt in with \
+             cuFuncSetAttribute)"
+        ));
+    }
+    Ok(())
+}
+
+/// Copies one argument per parameter of `f` into 16-byte aligned storage of its own; the error
+/// names a null argument pointer.
+///
+/// # Safety
+/// When `f` has parameters, `params` holds one pointer per parameter, each null or pointing to
+/// a value of the parameter's size.
+unsafe fn copy_arguments(f: &Function, params: *mut *mut c_void) -> Result<Arguments, String> {
+    let mut offsets = Vec::with_capacity(f.params.len());
+    let mut total = 0;
+    for &size in &f.params {
+        offsets.push(total);
+        total += size.div_ceil(16) * 16;
+    }
+    let mut args = Arguments {
+        storage: vec![0u128; total / 16 + 1],
+        offsets,
+    };
+    let base = args.storage.as_mut_ptr().cast::<u8>();
+    for (i, &size) in f.params.iter().enumerate() {
+        // SAFETY: `params` has one pointer per parameter, each to a value of the
+        // parameter's size (the caller's contract); the destination has room (sized above).
+        unsafe {
+            let src = *params.add(i);
+            if src.is_null() {
+                return Err(format!("argument {i} is a null pointer"));
+            }
+            std::ptr::copy_nonoverlapping(src.cast::<u8>(), base.add(args.offsets[i]), size);
+        }
+    }
+    Ok(args)
+}
+
+/// Runs one launch of `f` on the stream's worker: never beside another launch of the same
+/// kernel; a failing kernel becomes a sticky `CUDA_ERROR_LAUNCH_FAILED`.
+fn run_launch(f: &Function, running: RunningLaunch, mut args: Arguments) {
+    let config = &running.config;
+    let base = args.storage.as_mut_ptr().cast::<u8>();
+    let mut pointers: Vec<*mut c_void> = args
+        .offsets
+        .iter()
+        // SAFETY: each offset lies inside `storage`.
+        .map(|&o| unsafe { base.add(o) }.cast())
+        .collect();
+    let mut message = vec![0u8; 1024];
+    // Other kernels run beside this one; another launch of this kernel does not.
+    let _kernel_alone = f.running.lock();
+    // SAFETY: the entry reads the config and one value per parameter; the kernel's
+    // memory accesses are to device memory the caller passed (host memory here). The
+    // config is the first field of `running` (the worker hook relies on it).
+    let status = unsafe {
+        (f.entry)(
+            config,
+            pointers.as_mut_ptr(),
+            message.as_mut_ptr().cast(),
+            message.len(),
+        )
+    };
+    if status != 0 {
+        let end = message
+            .iter()
+            .position(|&b| b == 0)
+            .unwrap_or(message.len());
+        fault(
+            E::CUDA_ERROR_LAUNCH_FAILED,
+            format!(
+                "kernel {} (grid {:?}, block {:?}) on stream {} failed: {}",
+                f.name,
+                config.grid,
+                config.block,
+                running.stream,
+                String::from_utf8_lossy(&message[..end])
+            ),
+            true,
+        );
+    }
 }

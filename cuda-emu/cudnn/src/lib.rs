@@ -1406,11 +1406,54 @@ fn role_names(pass: Pass) -> (&'static str, &'static str, &'static str) {
 
 /// Checks the descriptors of one pass against each other, as cuDNN does (see the crate doc).
 fn check(name: &str, pass: Pass, d: &Descs) -> Result<Checked, Status> {
-    let (xn, wn, yn) = role_names(pass);
+    let roles = role_names(pass);
+    let (xn, wn, yn) = roles;
     let x = tensor(name, xn, d.x)?;
     let w = filter(name, wn, d.w)?;
     let y = tensor(name, yn, d.y)?;
     let (c, g) = geometry(name, d.conv)?;
+    check_ranks_and_types(name, roles, &x, &w, &y, &g)?;
+    check_output(name, roles, &x, &w, &y, &c, &g)?;
+    let elem = element_type(name, x.dtype, g.compute)?;
+    let t4 = |t: &TensorDesc| Tensor4 {
+        dims: [t.dims[0], t.dims[1], t.dims[2], t.dims[3]],
+        strides: [t.strides[0], t.strides[1], t.strides[2], t.strides[3]],
+    };
+    let [fk, fc, fr, fs] = [w.dims[0], w.dims[1], w.dims[2], w.dims[3]];
+    let filter = if w.format == 1 {
+        Tensor4::nhwc([fk, fc, fr, fs])
+    } else {
+        Tensor4::nchw([fk, fc, fr, fs])
+    };
+    Ok(Checked {
+        problem: Problem {
+            x: t4(&x),
+            w: filter,
+            y: t4(&y),
+            conv: Conv {
+                pad: [g.pad[0], g.pad[1]],
+                stride: [g.stride[0], g.stride[1]],
+                dilation: [g.dilation[0], g.dilation[1]],
+                groups: c.groups,
+                flip: g.mode == 0,
+            },
+            elem,
+        },
+        math: c.math,
+        double: elem == Elem::F64,
+    })
+}
+
+/// Checks that the three tensors and the convolution agree on the rank and the tensors on the
+/// data type; `roles` names the arguments in messages.
+fn check_ranks_and_types(
+    name: &str,
+    (xn, wn, yn): (&str, &str, &str),
+    x: &TensorDesc,
+    w: &FilterDesc,
+    y: &TensorDesc,
+    g: &ConvGeometry,
+) -> Result<(), Status> {
     if x.dims.len() != y.dims.len() || x.dims.len() != w.dims.len() {
         return fail(
             S::CUDNN_STATUS_BAD_PARAM,
@@ -1443,8 +1486,22 @@ fn check(name: &str, pass: Pass, d: &Descs) -> Result<Checked, Status> {
             ),
         );
     }
+    Ok(())
+}
+
+/// Checks the filter count against the groups and `y`'s shape against the convolution of `x`
+/// by `w`, and that the convolution is one the emulator runs (2-d).
+fn check_output(
+    name: &str,
+    (xn, wn, yn): (&str, &str, &str),
+    x: &TensorDesc,
+    w: &FilterDesc,
+    y: &TensorDesc,
+    c: &ConvDesc,
+    g: &ConvGeometry,
+) -> Result<(), Status> {
     let k = w.dims[0];
-    if k % c.groups != 0 {
+    if !k.is_multiple_of(c.groups) {
         return fail(
             S::CUDNN_STATUS_BAD_PARAM,
             format!(
@@ -1453,7 +1510,7 @@ fn check(name: &str, pass: Pass, d: &Descs) -> Result<Checked, Status> {
             ),
         );
     }
-    let expected = output_dims(name, &x, &w, &c)?;
+    let expected = output_dims(name, x, w, c)?;
     if y.dims[0] != x.dims[0] || y.dims[1] != k {
         return fail(
             S::CUDNN_STATUS_BAD_PARAM,
@@ -1482,50 +1539,27 @@ fn check(name: &str, pass: Pass, d: &Descs) -> Result<Checked, Status> {
             ),
         );
     }
-    let elem = match (x.dtype, g.compute) {
-        (0, 0) => Elem::F32,
-        (1, 1) => Elem::F64,
-        (2, 0 | 2) => Elem::F16,
-        (9, 0) => Elem::BF16,
-        (data, compute) => {
-            return fail(
-                S::CUDNN_STATUS_NOT_SUPPORTED,
-                format!(
-                    "{name}: {} data with {} compute is not supported (f32/f32, f64/f64, \
-                     f16/f16 or f32, bf16/f32 are)",
-                    dtype_name(data),
-                    dtype_name(compute)
-                ),
-            )
-        }
-    };
-    let t4 = |t: &TensorDesc| Tensor4 {
-        dims: [t.dims[0], t.dims[1], t.dims[2], t.dims[3]],
-        strides: [t.strides[0], t.strides[1], t.strides[2], t.strides[3]],
-    };
-    let [fk, fc, fr, fs] = [w.dims[0], w.dims[1], w.dims[2], w.dims[3]];
-    let filter = if w.format == 1 {
-        Tensor4::nhwc([fk, fc, fr, fs])
-    } else {
-        Tensor4::nchw([fk, fc, fr, fs])
-    };
-    Ok(Checked {
-        problem: Problem {
-            x: t4(&x),
-            w: filter,
-            y: t4(&y),
-            conv: Conv {
-                pad: [g.pad[0], g.pad[1]],
-                stride: [g.stride[0], g.stride[1]],
-                dilation: [g.dilation[0], g.dilation[1]],
-                groups: c.groups,
-                flip: g.mode == 0,
-            },
-            elem,
-        },
-        math: c.math,
-        double: elem == Elem::F64,
-    })
+    Ok(())
+}
+
+/// The element type of a convolution with `data` tensors and `compute` arithmetic, for the
+/// combinations cuDNN supports.
+fn element_type(name: &str, data: u32, compute: u32) -> Result<Elem, Status> {
+    match (data, compute) {
+        (0, 0) => Ok(Elem::F32),
+        (1, 1) => Ok(Elem::F64),
+        (2, 0 | 2) => Ok(Elem::F16),
+        (9, 0) => Ok(Elem::BF16),
+        _ => fail(
+            S::CUDNN_STATUS_NOT_SUPPORTED,
+            format!(
+                "{name}: {} data with {} compute is not supported (f32/f32, f64/f64, \
+                 f16/f16 or f32, bf16/f32 are)",
+                dtype_name(data),
+                dtype_name(compute)
+            ),
+        ),
+    }
 }
 
 fn dtype_name(dtype: u32) -> String {

@@ -931,90 +931,16 @@ fn submit(
 ) -> Res {
     let name = kind.name();
     let c = lookup(name, comm)?;
-    match c.init.load(Ordering::Acquire) {
-        SUCCESS => {}
-        IN_PROGRESS => {
-            return fail(
-                INVALID_USAGE,
-                format!("{name}: the communicator's initialisation is still in progress"),
-            )
-        }
-        status => return Err(status),
-    }
-    let error = c.error.load(Ordering::Acquire);
-    if error != SUCCESS {
-        return fail(
-            error,
-            format!(
-                "{name}: the communicator failed before: {}",
-                c.message.lock()
-            ),
-        );
-    }
+    check_usable(name, &c)?;
     let Some(dtype) = DataType::from_raw(dtype) else {
         return fail(
             INVALID_ARGUMENT,
             format!("{name}: data type {dtype} is not one the emulated NCCL knows"),
         );
     };
-    let reduces = matches!(kind, Kind::AllReduce | Kind::Reduce | Kind::ReduceScatter);
-    let op = match RedOp::from_raw(op) {
-        Some(op) => op,
-        None if reduces => {
-            return fail(
-                INVALID_ARGUMENT,
-                format!("{name}: reduction operator {op} is not one the emulated NCCL knows"),
-            )
-        }
-        None => RedOp::Sum,
-    };
-    let has_root = matches!(
-        kind,
-        Kind::Broadcast | Kind::Reduce | Kind::Send | Kind::Recv
-    );
-    if has_root && (root < 0 || root as usize >= c.nranks) {
-        let what = if matches!(kind, Kind::Send | Kind::Recv) {
-            "peer"
-        } else {
-            "root"
-        };
-        return fail(
-            INVALID_ARGUMENT,
-            format!(
-                "{name}: {what} {root} is not a rank of this communicator of {}",
-                c.nranks
-            ),
-        );
-    }
-    let root = if has_root { root as usize } else { 0 };
-    let n = c.nranks;
-    let call = |what: &str| format!("{name}(count {count}, {}) {what}", dtype.name());
-    let bytes = |elements: Option<usize>| -> Result<usize, Status> {
-        elements
-            .and_then(|e| e.checked_mul(dtype.size()))
-            .map_or_else(|| fail(INVALID_ARGUMENT, call("overflows")), Ok)
-    };
-    let one = bytes(Some(count))?;
-    let all = bytes(count.checked_mul(n))?;
-    let (send_bytes, recv_bytes) = match kind {
-        Kind::AllReduce => (one, one),
-        Kind::Broadcast => (if c.rank == root { one } else { 0 }, one),
-        Kind::Reduce => (one, if c.rank == root { one } else { 0 }),
-        Kind::AllGather => (one, all),
-        Kind::ReduceScatter => (all, one),
-        Kind::Send => (one, 0),
-        Kind::Recv => (0, one),
-    };
-    if send_bytes > 0 {
-        check_range(send as u64, send_bytes, || {
-            call(&format!("sendbuff {send:p} ({send_bytes} bytes)"))
-        })?;
-    }
-    if recv_bytes > 0 {
-        check_range(recv as u64, recv_bytes, || {
-            call(&format!("recvbuff {recv:p} ({recv_bytes} bytes)"))
-        })?;
-    }
+    let op = reduction(name, kind, op)?;
+    let root = root_rank(name, kind, root, c.nranks)?;
+    check_buffers(&c, kind, root, send, recv, count, dtype)?;
     let op = Op {
         kind,
         send: send as u64,
@@ -1038,6 +964,110 @@ fn submit(
         return Ok(());
     }
     issue(&c, stream as usize, vec![op])
+}
+
+/// Errors when `c` cannot take operations: its initialisation is unfinished or failed, or an
+/// earlier operation failed (NCCL's errors are sticky on the communicator).
+fn check_usable(name: &str, c: &Comm) -> Res {
+    match c.init.load(Ordering::Acquire) {
+        SUCCESS => {}
+        IN_PROGRESS => {
+            return fail(
+                INVALID_USAGE,
+                format!("{name}: the communicator's initialisation is still in progress"),
+            )
+        }
+        status => return Err(status),
+    }
+    let error = c.error.load(Ordering::Acquire);
+    if error != SUCCESS {
+        return fail(
+            error,
+            format!(
+                "{name}: the communicator failed before: {}",
+                c.message.lock()
+            ),
+        );
+    }
+    Ok(())
+}
+
+/// The reduction operator of a `kind` operation; operations that do not reduce ignore it, as
+/// NCCL does, so any value passes for them.
+fn reduction(name: &str, kind: Kind, op: c_int) -> Result<RedOp, Status> {
+    let reduces = matches!(kind, Kind::AllReduce | Kind::Reduce | Kind::ReduceScatter);
+    match RedOp::from_raw(op) {
+        Some(op) => Ok(op),
+        None if reduces => fail(
+            INVALID_ARGUMENT,
+            format!("{name}: reduction operator {op} is not one the emulated NCCL knows"),
+        ),
+        None => Ok(RedOp::Sum),
+    }
+}
+
+/// The root (or, for a send or receive, the peer) of a `kind` operation, checked to be a rank
+/// of a communicator of `nranks`; 0 for operations without one.
+fn root_rank(name: &str, kind: Kind, root: c_int, nranks: usize) -> Result<usize, Status> {
+    let has_root = matches!(
+        kind,
+        Kind::Broadcast | Kind::Reduce | Kind::Send | Kind::Recv
+    );
+    if has_root && (root < 0 || root as usize >= nranks) {
+        let what = if matches!(kind, Kind::Send | Kind::Recv) {
+            "peer"
+        } else {
+            "root"
+        };
+        return fail(
+            INVALID_ARGUMENT,
+            format!("{name}: {what} {root} is not a rank of this communicator of {nranks}"),
+        );
+    }
+    Ok(if has_root { root as usize } else { 0 })
+}
+
+/// Checks that the send and receive buffers a `kind` operation on this rank touches lie in
+/// live allocations: the worker copies through them later, when the caller's check can no
+/// longer fail the call.
+fn check_buffers(
+    c: &Comm,
+    kind: Kind,
+    root: usize,
+    send: *const c_void,
+    recv: *mut c_void,
+    count: usize,
+    dtype: DataType,
+) -> Res {
+    let name = kind.name();
+    let call = |what: &str| format!("{name}(count {count}, {}) {what}", dtype.name());
+    let bytes = |elements: Option<usize>| -> Result<usize, Status> {
+        elements
+            .and_then(|e| e.checked_mul(dtype.size()))
+            .map_or_else(|| fail(INVALID_ARGUMENT, call("overflows")), Ok)
+    };
+    let one = bytes(Some(count))?;
+    let all = bytes(count.checked_mul(c.nranks))?;
+    let (send_bytes, recv_bytes) = match kind {
+        Kind::AllReduce => (one, one),
+        Kind::Broadcast => (if c.rank == root { one } else { 0 }, one),
+        Kind::Reduce => (one, if c.rank == root { one } else { 0 }),
+        Kind::AllGather => (one, all),
+        Kind::ReduceScatter => (all, one),
+        Kind::Send => (one, 0),
+        Kind::Recv => (0, one),
+    };
+    if send_bytes > 0 {
+        check_range(send as u64, send_bytes, || {
+            call(&format!("sendbuff {send:p} ({send_bytes} bytes)"))
+        })?;
+    }
+    if recv_bytes > 0 {
+        check_range(recv as u64, recv_bytes, || {
+            call(&format!("recvbuff {recv:p} ({recv_bytes} bytes)"))
+        })?;
+    }
+    Ok(())
 }
 
 /// Takes a ticket and enqueues `ops` (one collective, or the sends and receives of a group) on
@@ -1132,7 +1162,6 @@ fn consumed(c: &Comm, s: &Segment, r: u64) {
 /// Runs one collective in rounds of one chunk.
 fn collective(c: &Comm, s: &Segment, op: &Op) -> Result<(), Stop> {
     let n = c.nranks;
-    let me = c.rank;
     let es = op.dtype.size();
     if op.count == 0 {
         return Ok(());
@@ -1143,92 +1172,132 @@ fn collective(c: &Comm, s: &Segment, op: &Op) -> Result<(), Stop> {
         _ => CHUNK / es,
     };
     let parts = op.count.div_ceil(per);
-    let send = op.send as *mut u8;
-    let recv = op.recv as *mut u8;
     for part in 0..parts {
         let off = part * per;
         let len = per.min(op.count - off);
-        let bytes = len * es;
-        let desc = Desc {
-            kind: op.kind as u64,
-            dtype: op.dtype.raw() as u64,
-            op: if matches!(
-                op.kind,
-                Kind::AllReduce | Kind::Reduce | Kind::ReduceScatter
-            ) {
-                op.op.raw() as u64
-            } else {
-                0
-            },
-            root: op.root as u64,
-            count: op.count as u64,
-            seq: op.seq,
-            part: part as u64,
-            len: if op.kind == Kind::ReduceScatter {
-                (bytes * n) as u64
-            } else {
-                bytes as u64
-            },
+        let chunk = Chunk {
+            part,
+            per,
+            off,
+            len,
+            bytes: len * es,
         };
-        // SAFETY (every copy below): the device ranges were checked at the call to lie in live
-        // allocations of count (or nranks × count) elements, and the caller keeps them alive
-        // until the stream passes this operation; staging areas hold CHUNK bytes and every
-        // length here is at most that (per ≤ CHUNK / es, and nranks × per × es ≤ CHUNK for
-        // reduce-scatter).
+        let desc = chunk_desc(op, n, &chunk);
+        // SAFETY (the staging and the combining): the device ranges were checked at the call
+        // to lie in live allocations of count (or nranks × count) elements, and the caller
+        // keeps them alive until the stream passes this operation; staging areas hold CHUNK
+        // bytes and every length here is at most that (per ≤ CHUNK / es, and
+        // nranks × per × es ≤ CHUNK for reduce-scatter).
         let r = round(c, s, &desc, |staging| unsafe {
-            match op.kind {
-                Kind::AllReduce | Kind::Reduce | Kind::AllGather => {
-                    std::ptr::copy(send.add(off * es), staging, bytes)
-                }
-                Kind::Broadcast if me == op.root => {
-                    std::ptr::copy(send.add(off * es), staging, bytes)
-                }
-                Kind::ReduceScatter => {
-                    for q in 0..n {
-                        std::ptr::copy(
-                            send.add((q * op.count + off) * es),
-                            staging.add(q * per * es),
-                            bytes,
-                        )
-                    }
-                }
-                _ => {}
-            }
+            stage_chunk(op, c.rank, n, &chunk, staging)
         })?;
         // SAFETY: as above.
-        unsafe {
-            match op.kind {
-                Kind::AllReduce | Kind::Reduce => {
-                    if op.kind == Kind::AllReduce || me == op.root {
-                        for q in 0..n {
-                            reduce::combine(
-                                op.dtype,
-                                op.op,
-                                recv.add(off * es),
-                                s.staging(q),
-                                len,
-                                q == 0,
-                                q + 1 == n,
-                                n,
-                            );
-                        }
-                    }
+        unsafe { combine_chunk(op, s, c.rank, n, &chunk) };
+        consumed(c, s, r);
+    }
+    Ok(())
+}
+
+/// One round's share of a collective, in elements of each rank's buffer.
+#[derive(Clone, Copy)]
+struct Chunk {
+    /// The round's number within the operation.
+    part: usize,
+    /// Elements per rank and round.
+    per: usize,
+    /// The first element of this round.
+    off: usize,
+    /// Elements in this round.
+    len: usize,
+    /// `len` in bytes.
+    bytes: usize,
+}
+
+/// The description of one round of `op`, which every rank posts and checks against the others'
+/// (a mismatch means the ranks called different collectives).
+fn chunk_desc(op: &Op, n: usize, chunk: &Chunk) -> Desc {
+    Desc {
+        kind: op.kind as u64,
+        dtype: op.dtype.raw() as u64,
+        op: if matches!(
+            op.kind,
+            Kind::AllReduce | Kind::Reduce | Kind::ReduceScatter
+        ) {
+            op.op.raw() as u64
+        } else {
+            0
+        },
+        root: op.root as u64,
+        count: op.count as u64,
+        seq: op.seq,
+        part: chunk.part as u64,
+        len: if op.kind == Kind::ReduceScatter {
+            (chunk.bytes * n) as u64
+        } else {
+            chunk.bytes as u64
+        },
+    }
+}
+
+/// Copies what rank `me` contributes to one round of `op` into its staging area.
+///
+/// # Safety
+/// `op`'s send buffer holds `count` (for reduce-scatter `n × count`) elements and `staging`
+/// holds CHUNK bytes, which the round's data fits.
+unsafe fn stage_chunk(op: &Op, me: usize, n: usize, chunk: &Chunk, staging: *mut u8) {
+    let es = op.dtype.size();
+    let send = op.send as *mut u8;
+    let Chunk {
+        per, off, bytes, ..
+    } = *chunk;
+    // SAFETY: the ranges lie in the buffers the caller vouches for (see the function's doc).
+    unsafe {
+        match op.kind {
+            Kind::AllReduce | Kind::Reduce | Kind::AllGather => {
+                std::ptr::copy(send.add(off * es), staging, bytes)
+            }
+            Kind::Broadcast if me == op.root => std::ptr::copy(send.add(off * es), staging, bytes),
+            Kind::ReduceScatter => {
+                for q in 0..n {
+                    std::ptr::copy(
+                        send.add((q * op.count + off) * es),
+                        staging.add(q * per * es),
+                        bytes,
+                    )
                 }
-                Kind::Broadcast => {
-                    std::ptr::copy(s.staging(op.root), recv.add(off * es), bytes);
-                }
-                Kind::AllGather => {
-                    for q in 0..n {
-                        std::ptr::copy(s.staging(q), recv.add((q * op.count + off) * es), bytes);
-                    }
-                }
-                Kind::ReduceScatter => {
+            }
+            _ => {}
+        }
+    }
+}
+
+/// Combines every rank's staged data of one round of `op` into rank `me`'s receive buffer.
+///
+/// # Safety
+/// `op`'s receive buffer holds `count` (for all-gather `n × count`) elements, and every rank
+/// has staged this round in `s`.
+unsafe fn combine_chunk(op: &Op, s: &Segment, me: usize, n: usize, chunk: &Chunk) {
+    let es = op.dtype.size();
+    let recv = op.recv as *mut u8;
+    let Chunk {
+        per,
+        off,
+        len,
+        bytes,
+        ..
+    } = *chunk;
+    // SAFETY: the ranges lie in the buffers the caller vouches for (see the function's doc);
+    // staging areas hold CHUNK bytes.
+    unsafe {
+        match op.kind {
+            Kind::AllReduce | Kind::Reduce => {
+                if op.kind == Kind::AllReduce || me == op.root {
                     for q in 0..n {
                         reduce::combine(
                             op.dtype,
                             op.op,
                             recv.add(off * es),
-                            s.staging(q).add(me * per * es),
+                            s.staging(q),
                             len,
                             q == 0,
                             q + 1 == n,
@@ -1236,12 +1305,32 @@ fn collective(c: &Comm, s: &Segment, op: &Op) -> Result<(), Stop> {
                         );
                     }
                 }
-                Kind::Send | Kind::Recv => {}
             }
+            Kind::Broadcast => {
+                std::ptr::copy(s.staging(op.root), recv.add(off * es), bytes);
+            }
+            Kind::AllGather => {
+                for q in 0..n {
+                    std::ptr::copy(s.staging(q), recv.add((q * op.count + off) * es), bytes);
+                }
+            }
+            Kind::ReduceScatter => {
+                for q in 0..n {
+                    reduce::combine(
+                        op.dtype,
+                        op.op,
+                        recv.add(off * es),
+                        s.staging(q).add(me * per * es),
+                        len,
+                        q == 0,
+                        q + 1 == n,
+                        n,
+                    );
+                }
+            }
+            Kind::Send | Kind::Recv => {}
         }
-        consumed(c, s, r);
     }
-    Ok(())
 }
 
 /// A send or receive in progress.
@@ -1255,7 +1344,6 @@ struct Transfer {
 /// (this rank's mailbox holds one message at a time; a receive takes the message addressed to
 /// it from its peer's mailbox), so sends and receives in any order complete.
 fn point_to_point(c: &Comm, s: &Segment, ops: &[Op]) -> Result<(), Stop> {
-    let me = c.rank;
     let mut sends: Vec<Transfer> = Vec::new();
     let mut recvs: Vec<Transfer> = Vec::new();
     for op in ops {
@@ -1266,95 +1354,126 @@ fn point_to_point(c: &Comm, s: &Segment, ops: &[Op]) -> Result<(), Stop> {
             recvs.push(t);
         }
     }
-    let total = |t: &Transfer| t.op.count * t.op.dtype.size();
     let mut sent = c.sent.lock();
     let mut received = c.received.lock();
-    let mailbox = s.mailbox(me);
+    let mailbox = s.mailbox(c.rank);
     // Messages this rank posted and whether the last was taken.
     let mut next_send = 0;
     c.wait(|| {
-        // Sends, in order: post the next chunk when the mailbox is free.
-        while next_send < sends.len() {
-            let t = &mut sends[next_send];
-            if t.done >= total(t) && t.done > 0 || total(t) == 0 {
-                next_send += 1;
-                continue;
-            }
-            if mailbox.taken.load(Ordering::Acquire) < mailbox.posted.load(Ordering::Acquire) {
-                break;
-            }
-            let len = (total(t) - t.done).min(CHUNK);
-            let peer = t.op.root;
-            sent[peer] += 1;
-            // SAFETY: the send buffer was checked at the call; the staging area holds CHUNK.
-            unsafe {
-                std::ptr::copy(
-                    (t.op.send as *const u8).add(t.done),
-                    s.mailbox_staging(me),
-                    len,
-                )
-            };
-            mailbox.dst.store(peer as u64, Ordering::Relaxed);
-            mailbox.index.store(sent[peer], Ordering::Relaxed);
-            mailbox.len.store(len as u64, Ordering::Relaxed);
-            mailbox.posted.fetch_add(1, Ordering::Release);
-            t.done += len;
-            if t.done < total(t) {
-                break;
-            }
-        }
-        // Receives: take every message addressed to this rank that is next from its sender.
-        let mut waiting = vec![false; c.nranks];
-        for t in recvs.iter_mut() {
-            let peer = t.op.root;
-            // Messages from one peer arrive in order: only its first unfinished receive takes.
-            if waiting[peer] {
-                continue;
-            }
-            while t.done < total(t) {
-                let theirs = s.mailbox(peer);
-                let posted = theirs.posted.load(Ordering::Acquire);
-                if theirs.taken.load(Ordering::Acquire) >= posted
-                    || theirs.dst.load(Ordering::Relaxed) != me as u64
-                    || theirs.index.load(Ordering::Relaxed) != received[peer] + 1
-                {
-                    break;
-                }
-                let len = theirs.len.load(Ordering::Relaxed) as usize;
-                let room = total(t) - t.done;
-                if len > CHUNK || len > room || len == 0 {
-                    return Err(Stop::Error(
-                        INVALID_USAGE,
-                        format!(
-                            "ncclRecv(count {}, {}) from rank {peer}: rank {peer} sent {len} bytes \
-                             where {room} remain (mismatched send and receive, or a segment \
-                             written by something else)",
-                            t.op.count,
-                            t.op.dtype.name()
-                        ),
-                    ));
-                }
-                // SAFETY: the receive buffer was checked at the call and `len` fits what remains
-                // of it; the mailbox's staging area holds CHUNK ≥ len bytes.
-                unsafe {
-                    std::ptr::copy(
-                        s.mailbox_staging(peer),
-                        (t.op.recv as *mut u8).add(t.done),
-                        len,
-                    )
-                };
-                t.done += len;
-                received[peer] += 1;
-                theirs.taken.store(posted, Ordering::Release);
-            }
-            waiting[peer] = t.done < total(t);
-        }
+        post_sends(c, s, &mut sends, &mut next_send, &mut sent);
+        take_receives(c, s, &mut recvs, &mut received)?;
         let sends_done = next_send >= sends.len();
-        let recvs_done = recvs.iter().all(|t| t.done >= total(t));
+        let recvs_done = recvs.iter().all(|t| t.done >= t.total());
         // The last message must be taken before the mailbox may be reused by a later group.
         let taken = mailbox.taken.load(Ordering::Acquire) >= mailbox.posted.load(Ordering::Acquire);
         Ok(sends_done && recvs_done && taken)
     })
+}
+
+impl Transfer {
+    /// The bytes the whole transfer moves.
+    fn total(&self) -> usize {
+        self.op.count * self.op.dtype.size()
+    }
+}
+
+/// Sends, in order: posts the next chunk in this rank's mailbox whenever it is free, and moves
+/// `next_send` past finished sends. `sent` counts the messages posted to each peer.
+fn post_sends(
+    c: &Comm,
+    s: &Segment,
+    sends: &mut [Transfer],
+    next_send: &mut usize,
+    sent: &mut [u64],
+) {
+    let me = c.rank;
+    let mailbox = s.mailbox(me);
+    while *next_send < sends.len() {
+        let t = &mut sends[*next_send];
+        if t.done >= t.total() && t.done > 0 || t.total() == 0 {
+            *next_send += 1;
+            continue;
+        }
+        if mailbox.taken.load(Ordering::Acquire) < mailbox.posted.load(Ordering::Acquire) {
+            break;
+        }
+        let len = (t.total() - t.done).min(CHUNK);
+        let peer = t.op.root;
+        sent[peer] += 1;
+        // SAFETY: the send buffer was checked at the call; the staging area holds CHUNK.
+        unsafe {
+            std::ptr::copy(
+                (t.op.send as *const u8).add(t.done),
+                s.mailbox_staging(me),
+                len,
+            )
+        };
+        mailbox.dst.store(peer as u64, Ordering::Relaxed);
+        mailbox.index.store(sent[peer], Ordering::Relaxed);
+        mailbox.len.store(len as u64, Ordering::Relaxed);
+        mailbox.posted.fetch_add(1, Ordering::Release);
+        t.done += len;
+        if t.done < t.total() {
+            break;
+        }
+    }
+}
+
+/// Receives: takes every message addressed to this rank that is next from its sender.
+/// `received` counts the messages taken from each peer.
+fn take_receives(
+    c: &Comm,
+    s: &Segment,
+    recvs: &mut [Transfer],
+    received: &mut [u64],
+) -> Result<(), Stop> {
+    let me = c.rank;
+    let mut waiting = vec![false; c.nranks];
+    for t in recvs.iter_mut() {
+        let peer = t.op.root;
+        // Messages from one peer arrive in order: only its first unfinished receive takes.
+        if waiting[peer] {
+            continue;
+        }
+        while t.done < t.total() {
+            let theirs = s.mailbox(peer);
+            let posted = theirs.posted.load(Ordering::Acquire);
+            if theirs.taken.load(Ordering::Acquire) >= posted
+                || theirs.dst.load(Ordering::Relaxed) != me as u64
+                || theirs.index.load(Ordering::Relaxed) != received[peer] + 1
+            {
+                break;
+            }
+            let len = theirs.len.load(Ordering::Relaxed) as usize;
+            let room = t.total() - t.done;
+            if len > CHUNK || len > room || len == 0 {
+                return Err(Stop::Error(
+                    INVALID_USAGE,
+                    format!(
+                        "ncclRecv(count {}, {}) from rank {peer}: rank {peer} sent {len} bytes \
+                         where {room} remain (mismatched send and receive, or a segment \
+                         written by something else)",
+                        t.op.count,
+                        t.op.dtype.name()
+                    ),
+                ));
+            }
+            // SAFETY: the receive buffer was checked at the call and `len` fits what remains
+            // of it; the mailbox's staging area holds CHUNK ≥ len bytes.
+            unsafe {
+                std::ptr::copy(
+                    s.mailbox_staging(peer),
+                    (t.op.recv as *mut u8).add(t.done),
+                    len,
+                )
+            };
+            t.done += len;
+            received[peer] += 1;
+            theirs.taken.store(posted, Ordering::Release);
+        }
+        waiting[peer] = t.done < t.total();
+    }
+    Ok(())
 }
 
 macro_rules! collective_entry {

@@ -214,77 +214,118 @@ impl AdamCore {
     }
 
     fn load_state(&mut self, state: &[(String, Tensor)]) -> Result<()> {
-        let name = self.name;
-        let bad = |msg: String| Error::State {
-            optimizer: name,
-            msg,
-        };
-        let read_step = |entry: &str, tensor: &Tensor| -> Result<u64> {
-            if tensor.dtype() != DType::I64 || tensor.numel() != 1 {
-                return Err(bad(format!(
-                    "`{entry}` must be one i64, got {:?} {}",
-                    tensor.dims(),
-                    tensor.dtype()
-                )));
-            }
-            let value = tensor.item()?;
-            if value < 0.0 {
-                return Err(bad(format!("`{entry}` must be >= 0, got {value}")));
-            }
-            Ok(value as u64)
-        };
-        /// The entries found for one parameter.
-        #[derive(Default)]
-        struct Found {
-            step: Option<u64>,
-            exp_avg: Option<Tensor>,
-            exp_avg_sq: Option<Tensor>,
-            max_exp_avg_sq: Option<Tensor>,
-        }
-        let mut found: Vec<Found> = (0..self.params.len()).map(|_| Found::default()).collect();
+        let mut found: Vec<FoundState> = (0..self.params.len())
+            .map(|_| FoundState::default())
+            .collect();
         let mut steps = self.steps;
         for (entry, tensor) in state {
             if entry == "step" {
-                steps = read_step(entry, tensor)?;
+                steps = read_step(self.name, entry, tensor)?;
                 continue;
             }
-            let (index, what) = entry
-                .split_once('.')
-                .and_then(|(i, what)| Some((i.parse::<usize>().ok()?, what)))
-                .ok_or_else(|| bad(format!("unknown entry `{entry}`")))?;
-            let param = self.params.get(index).ok_or_else(|| {
-                bad(format!(
-                    "`{entry}` refers to parameter {index}, but there are {} parameters",
-                    self.params.len()
-                ))
-            })?;
-            let slot = &mut found[index];
-            if what == "step" {
-                slot.step = Some(read_step(entry, tensor)?);
-                continue;
-            }
-            let target = match what {
-                "exp_avg" => &mut slot.exp_avg,
-                "exp_avg_sq" => &mut slot.exp_avg_sq,
-                "max_exp_avg_sq" if self.config.amsgrad => &mut slot.max_exp_avg_sq,
-                "max_exp_avg_sq" => {
-                    return Err(bad(format!(
-                        "`{entry}` is AMSGrad state, but this optimizer has amsgrad off"
-                    )))
-                }
-                _ => return Err(bad(format!("unknown entry `{entry}`"))),
-            };
-            if tensor.dims() != param.dims() || tensor.dtype() != param.dtype() {
-                return Err(bad(format!(
-                    "`{entry}` is {:?} {} but parameter {index} is {:?} {}",
-                    tensor.dims(),
-                    tensor.dtype(),
-                    param.dims(),
-                    param.dtype()
-                )));
-            }
-            *target = Some(state_for_parameter(tensor, param)?);
+            self.load_entry(&mut found, entry, tensor)?;
         }
+        // Validate everything before assigning: a rejected state leaves the optimizer as it was.
+        self.states = self.assemble_states(found)?;
+        self.steps = steps;
+        Ok(())
+    }
+
+    fn exp_avg(&self, index: usize) -> Option<&Tensor> {
+        self.states.get(index)?.as_ref().map(|s| &s.exp_avg)
+    }
+
+    fn exp_avg_sq(&self, index: usize) -> Option<&Tensor> {
+        self.states.get(index)?.as_ref().map(|s| &s.exp_avg_sq)
+    }
+}
+
+/// The entries of a loaded state found for one parameter, checked for completeness once all
+/// entries are read.
+#[derive(Default)]
+struct FoundState {
+    step: Option<u64>,
+    exp_avg: Option<Tensor>,
+    exp_avg_sq: Option<Tensor>,
+    max_exp_avg_sq: Option<Tensor>,
+}
+
+/// The error for a state `optimizer` cannot load.
+fn state_error(optimizer: &'static str, msg: String) -> Error {
+    Error::State { optimizer, msg }
+}
+
+/// Reads a step count entry: one non-negative i64.
+fn read_step(optimizer: &'static str, entry: &str, tensor: &Tensor) -> Result<u64> {
+    if tensor.dtype() != DType::I64 || tensor.numel() != 1 {
+        return Err(state_error(
+            optimizer,
+            format!(
+                "`{entry}` must be one i64, got {:?} {}",
+                tensor.dims(),
+                tensor.dtype()
+            ),
+        ));
+    }
+    let value = tensor.item()?;
+    if value < 0.0 {
+        return Err(state_error(
+            optimizer,
+            format!("`{entry}` must be >= 0, got {value}"),
+        ));
+    }
+    Ok(value as u64)
+}
+
+/// The halves of [`Optimizer::load_state`]: reading one entry, then checking each parameter's
+/// entries form a whole state.
+impl AdamCore {
+    /// Records one per-parameter entry (`<index>.<what>`) in `found`, checked against its
+    /// parameter.
+    fn load_entry(&self, found: &mut [FoundState], entry: &str, tensor: &Tensor) -> Result<()> {
+        let bad = |msg: String| state_error(self.name, msg);
+        let (index, what) = entry
+            .split_once('.')
+            .and_then(|(i, what)| Some((i.parse::<usize>().ok()?, what)))
+            .ok_or_else(|| bad(format!("unknown entry `{entry}`")))?;
+        let param = self.params.get(index).ok_or_else(|| {
+            bad(format!(
+                "`{entry}` refers to parameter {index}, but there are {} parameters",
+                self.params.len()
+            ))
+        })?;
+        let slot = &mut found[index];
+        if what == "step" {
+            slot.step = Some(read_step(self.name, entry, tensor)?);
+            return Ok(());
+        }
+        let target = match what {
+            "exp_avg" => &mut slot.exp_avg,
+            "exp_avg_sq" => &mut slot.exp_avg_sq,
+            "max_exp_avg_sq" if self.config.amsgrad => &mut slot.max_exp_avg_sq,
+            "max_exp_avg_sq" => {
+                return Err(bad(format!(
+                    "`{entry}` is AMSGrad state, but this optimizer has amsgrad off"
+                )))
+            }
+            _ => return Err(bad(format!("unknown entry `{entry}`"))),
+        };
+        if tensor.dims() != param.dims() || tensor.dtype() != param.dtype() {
+            return Err(bad(format!(
+                "`{entry}` is {:?} {} but parameter {index} is {:?} {}",
+                tensor.dims(),
+                tensor.dtype(),
+                param.dims(),
+                param.dtype()
+            )));
+        }
+        *target = Some(state_for_parameter(tensor, param)?);
+        Ok(())
+    }
+
+    /// Turns the entries found into per-parameter states: a parameter with no entries has no
+    /// state yet; one with some must have all of them.
+    fn assemble_states(&self, found: Vec<FoundState>) -> Result<Vec<Option<ParamState>>> {
         let mut states = Vec::with_capacity(found.len());
         for (index, f) in found.into_iter().enumerate() {
             let any = f.step.is_some()
@@ -296,9 +337,10 @@ impl AdamCore {
                 continue;
             }
             let missing = |what: &str| {
-                bad(format!(
-                    "parameter {index} has state but no `{index}.{what}`"
-                ))
+                state_error(
+                    self.name,
+                    format!("parameter {index} has state but no `{index}.{what}`"),
+                )
             };
             let max_exp_avg_sq = match (self.config.amsgrad, f.max_exp_avg_sq) {
                 (true, None) => return Err(missing("max_exp_avg_sq")),
@@ -311,17 +353,7 @@ impl AdamCore {
                 max_exp_avg_sq,
             }));
         }
-        self.states = states;
-        self.steps = steps;
-        Ok(())
-    }
-
-    fn exp_avg(&self, index: usize) -> Option<&Tensor> {
-        self.states.get(index)?.as_ref().map(|s| &s.exp_avg)
-    }
-
-    fn exp_avg_sq(&self, index: usize) -> Option<&Tensor> {
-        self.states.get(index)?.as_ref().map(|s| &s.exp_avg_sq)
+        Ok(states)
     }
 }
 

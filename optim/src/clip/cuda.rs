@@ -13,6 +13,9 @@
 //! Dense f32 and f64 gradients are measured and scaled where they are; a strided gradient is
 //! measured and scaled as a dense copy, which is then copied back into it.
 
+use std::sync::Arc;
+
+use tandem_core::cuda::device::CudaDevice;
 use tandem_core::cuda::runtime_kernels::{norm_finish_launch, NormKind};
 use tandem_core::cuda::sanitizer::Use;
 use tandem_core::{DType, Error as TensorError, Tensor};
@@ -30,6 +33,83 @@ const OP: &str = "clip_grad_norm";
 pub(super) fn clip(ordinal: usize, grads: &[Tensor], max_norm: f64, norm_type: f64) -> Result<f64> {
     let kind = NormKind::for_order(norm_type);
     // Dense stand-ins for strided gradients, copied back at the end.
+    let dense = dense_gradients(grads)?;
+    let Some(plan) = plan_tables(&dense)? else {
+        // Every gradient is empty: the norm of nothing is 0, and nothing needs scaling.
+        return Ok(0.0);
+    };
+    let total_chunks = plan.total_chunks;
+
+    // partials[0..total_chunks), then the reduced value, then the finished norm.
+    let slots = usize::try_from(total_chunks + 2)
+        .map_err(|_| TensorError::invalid(OP, "too many chunks for one norm"))?;
+    let partials = Tensor::empty(&[slots], DType::F64, tandem_core::Device::Cuda(ordinal))?;
+    let (_, base) = element_address(OP, &partials)?;
+    let slots_at = NormSlots {
+        base,
+        reduced: base + 8 * total_chunks,
+        norm: base + 8 * (total_chunks + 1),
+    };
+
+    // Leases on the tables, held until the last launch reading them (the scaling) is queued:
+    // another thread may evict from the shared cache as soon as the lock goes.
+    let mut leases = Vec::with_capacity(plan.tables.len());
+    {
+        let mut cache = shared_cache();
+        for t in &plan.tables {
+            leases.push(cache.lease(ordinal, &t.table, |table| {
+                disjoint(table, grads, &t.members)
+            })?);
+        }
+    }
+    let table_addresses: Vec<u64> = leases.iter().map(|lease| lease.address()).collect();
+    measure(&plan, &table_addresses, kind, &slots_at)?;
+    scale(&plan, &table_addresses, kind, max_norm, &slots_at)?;
+    drop(leases);
+    for (g, d) in grads.iter().zip(&dense) {
+        if !d.same_tensor(g) && !d.storage().same_buffer(g.storage()) {
+            g.copy_(d)?;
+        }
+    }
+
+    // The one host read: the contract returns the norm. It waits for the kernels above.
+    let last = partials.layout().narrow(OP, 0, slots - 1, 1)?;
+    let total = partials.view_detached(last)?.item()?;
+    count_host_read();
+    if !total.is_finite() {
+        return Err(non_finite(total, norm_type, grads.len()));
+    }
+    Ok(total)
+}
+
+/// The gradients of one dtype, as one table.
+struct DtypeTable {
+    table: TensorTable,
+    /// Maps table positions to indices into the gradients.
+    members: Vec<usize>,
+    /// Where this table's chunks' partials start in the shared array.
+    first_partial: u64,
+}
+
+/// The tables of one clip; their chunks share one array of partials.
+struct ClipPlan {
+    dev: Arc<CudaDevice>,
+    tables: Vec<DtypeTable>,
+    total_chunks: u64,
+}
+
+/// Device addresses in the f64 array of partials.
+struct NormSlots {
+    /// The first partial.
+    base: u64,
+    /// The partials reduced to one value (before the norm's final root).
+    reduced: u64,
+    /// The finished norm, which block 0 of the first scaling stores.
+    norm: u64,
+}
+
+/// Dense copies of strided gradients (the gradients themselves when dense), all f32 or f64.
+fn dense_gradients(grads: &[Tensor]) -> Result<Vec<Tensor>> {
     let dense: Vec<Tensor> = grads
         .iter()
         .map(|g| g.contiguous_detached())
@@ -46,9 +126,12 @@ pub(super) fn clip(ordinal: usize, grads: &[Tensor], max_norm: f64, norm_type: f
         }
         .into());
     }
+    Ok(dense)
+}
 
-    // One table per dtype, with the gradients' indices; their chunks share one array of
-    // partials, each table's from `first_partial` on.
+/// One table per dtype present, with the gradients' indices; `None` when there is no element
+/// to measure.
+fn plan_tables(dense: &[Tensor]) -> Result<Option<ClipPlan>> {
     let mut tables = Vec::new();
     let mut device = None;
     let mut total_chunks: u64 = 0;
@@ -69,36 +152,34 @@ pub(super) fn clip(ordinal: usize, grads: &[Tensor], max_norm: f64, norm_type: f
         if !table.is_empty() {
             let first_partial = total_chunks;
             total_chunks += table.chunks();
-            tables.push((table, members, first_partial));
+            tables.push(DtypeTable {
+                table,
+                members,
+                first_partial,
+            });
         }
     }
-    let Some(dev) = device.filter(|_| total_chunks > 0) else {
-        // Every gradient is empty: the norm of nothing is 0, and nothing needs scaling.
-        return Ok(0.0);
-    };
+    Ok(device.filter(|_| total_chunks > 0).map(|dev| ClipPlan {
+        dev,
+        tables,
+        total_chunks,
+    }))
+}
 
-    // partials[0..total_chunks), then the reduced value, then the finished norm.
-    let slots = usize::try_from(total_chunks + 2)
-        .map_err(|_| TensorError::invalid(OP, "too many chunks for one norm"))?;
-    let partials = Tensor::empty(&[slots], DType::F64, tandem_core::Device::Cuda(ordinal))?;
-    let (_, base) = element_address(OP, &partials)?;
-    let slot = |i: u64| base + 8 * i;
-    let (reduced, norm) = (slot(total_chunks), slot(total_chunks + 1));
-
-    // Leases on the tables, held until the last launch reading them (the scaling) is queued:
-    // another thread may evict from the shared cache as soon as the lock goes.
-    let mut leases = Vec::with_capacity(tables.len());
-    {
-        let mut cache = shared_cache();
-        for (table, members, _) in &tables {
-            leases.push(cache.lease(ordinal, table, |t| disjoint(t, grads, members))?);
-        }
-    }
-    for ((table, _, first_partial), lease) in tables.iter().zip(&leases) {
+/// Queues the partial norms of every chunk and their reduction to one value at
+/// `slots.reduced`; `table_addresses` are the leased tables' device copies.
+fn measure(
+    plan: &ClipPlan,
+    table_addresses: &[u64],
+    kind: NormKind,
+    slots: &NormSlots,
+) -> Result<()> {
+    for (t, &address) in plan.tables.iter().zip(table_addresses) {
+        let first = slots.base + 8 * t.first_partial;
         run_on_table(
-            &dev,
-            &grad_norm_partial_launch(table, lease.address(), kind, slot(*first_partial))?,
-            table,
+            &plan.dev,
+            &grad_norm_partial_launch(&t.table, address, kind, first)?,
+            &t.table,
             Roles {
                 param: None,
                 grad: Some(Use::Read),
@@ -106,15 +187,29 @@ pub(super) fn clip(ordinal: usize, grads: &[Tensor], max_norm: f64, norm_type: f
             },
         )?;
     }
-    let count = usize::try_from(total_chunks)
+    let count = usize::try_from(plan.total_chunks)
         .map_err(|_| TensorError::invalid(OP, "too many chunks for one norm"))?;
-    run(&dev, &norm_finish_launch(base, count, kind, reduced)?)?;
-    for (i, ((table, _, _), lease)) in tables.iter().zip(&leases).enumerate() {
-        let norm_out = if i == 0 { norm } else { 0 };
+    run(
+        &plan.dev,
+        &norm_finish_launch(slots.base, count, kind, slots.reduced)?,
+    )
+}
+
+/// Queues the scaling of every gradient by the reduced norm; the first table's launch also
+/// stores the finished norm.
+fn scale(
+    plan: &ClipPlan,
+    table_addresses: &[u64],
+    kind: NormKind,
+    max_norm: f64,
+    slots: &NormSlots,
+) -> Result<()> {
+    for (i, (t, &address)) in plan.tables.iter().zip(table_addresses).enumerate() {
+        let norm_out = if i == 0 { slots.norm } else { 0 };
         run_on_table(
-            &dev,
-            &grad_clip_scale_launch(table, lease.address(), reduced, kind, max_norm, norm_out)?,
-            table,
+            &plan.dev,
+            &grad_clip_scale_launch(&t.table, address, slots.reduced, kind, max_norm, norm_out)?,
+            &t.table,
             Roles {
                 param: None,
                 grad: Some(Use::Write),
@@ -122,21 +217,7 @@ pub(super) fn clip(ordinal: usize, grads: &[Tensor], max_norm: f64, norm_type: f
             },
         )?;
     }
-    drop(leases);
-    for (g, d) in grads.iter().zip(&dense) {
-        if !d.same_tensor(g) && !d.storage().same_buffer(g.storage()) {
-            g.copy_(d)?;
-        }
-    }
-
-    // The one host read: the contract returns the norm. It waits for the kernels above.
-    let last = partials.layout().narrow(OP, 0, slots - 1, 1)?;
-    let total = partials.view_detached(last)?.item()?;
-    count_host_read();
-    if !total.is_finite() {
-        return Err(non_finite(total, norm_type, grads.len()));
-    }
-    Ok(total)
+    Ok(())
 }
 
 /// Errors when two gradients share memory: they are scaled at once, not one after the other.
