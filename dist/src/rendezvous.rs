@@ -52,10 +52,8 @@ use crate::{DistError, Result};
 /// Set to `1` by a launcher that serves the rendezvous store itself (so rank 0 must not).
 pub const STORE_HOSTED_VAR: &str = "TANDEM_STORE_HOSTED";
 
-/// The largest world size tandem accepts. The TCP backend connects every pair of ranks, so a
-/// rank holds a connection to each other rank; a larger `WORLD_SIZE` is refused before anything
-/// proportional to it is allocated.
-pub const MAX_WORLD_SIZE: usize = 65536;
+/// The largest world size tandem accepts (defined by the process groups, which enforce it).
+pub use crate::process_group::MAX_WORLD_SIZE;
 
 /// Which launcher's variables described this process.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

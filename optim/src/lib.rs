@@ -19,10 +19,12 @@
 pub mod adam;
 pub mod clip;
 pub mod error;
+mod grouping;
 pub mod multi_tensor;
 pub mod optimizer;
 pub mod schedule;
 pub mod sgd;
+mod update_rule;
 mod zero_grad;
 
 pub use adam::{Adam, AdamConfig, AdamW};

@@ -31,6 +31,12 @@ pub use work::Work;
 
 use crate::{DistError, Result};
 
+/// The largest world size tandem accepts. The TCP backend connects every pair of ranks, so a
+/// rank holds a connection to each other rank; a larger `WORLD_SIZE` is refused before anything
+/// proportional to it is allocated. Defined here, where the
+/// backends check it, and re-exported by `rendezvous`, which checks `WORLD_SIZE` against it.
+pub const MAX_WORLD_SIZE: usize = 65536;
+
 /// How `all_reduce` and `reduce_scatter` combine the ranks' contributions.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ReduceOp {

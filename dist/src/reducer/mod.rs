@@ -27,6 +27,7 @@
 mod bucket;
 pub mod comm_hook;
 mod finish;
+pub mod overlap;
 mod ready;
 pub mod telemetry;
 mod unused;

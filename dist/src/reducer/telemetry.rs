@@ -23,7 +23,8 @@ use std::time::{Duration, Instant};
 
 use tandem_core::Event;
 
-use crate::timeline::overlap::{self, StepOverlap};
+pub use super::overlap::OverlapSummary;
+use super::overlap::{self, StepOverlap};
 
 /// Timing of one bucket's reduction.
 #[derive(Clone, Debug)]
@@ -150,7 +151,7 @@ impl StepTiming {
 
     /// The step's overlap, in seconds from the end of forward: backward's computation and the
     /// spans of the buckets whose events could be timed. [`Telemetry::summary`] and the
-    /// timeline's [`summarize_spans`](crate::timeline::summarize_spans) both measure a step
+    /// [`Timeline`](crate::Timeline)'s `summarize_spans` both measure a step
     /// this way, so they agree on the same run.
     pub fn overlap(&self) -> StepOverlap {
         let secs = |t: Instant| t.saturating_duration_since(self.forward_end).as_secs_f64();
@@ -243,43 +244,6 @@ impl Telemetry {
         let tmp = path.with_extension("tmp");
         std::fs::write(&tmp, out)?;
         std::fs::rename(tmp, path)
-    }
-}
-
-/// Totals over the recorded steps.
-#[derive(Clone, Debug)]
-pub struct OverlapSummary {
-    /// Number of steps.
-    pub steps: usize,
-    /// Total backward computation.
-    pub backward_compute: Duration,
-    /// Total communication (buckets' busy time on the comm stream).
-    pub comm: Duration,
-    /// Total communication the steps waited for after backward's computation.
-    pub exposed: Duration,
-    /// Share of communication hidden behind backward, in [0, 1].
-    pub hidden_fraction: f64,
-}
-
-impl std::fmt::Display for OverlapSummary {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "{} steps: backward compute {:.1} ms/step, communication {:.1} ms/step, exposed {:.1} ms/step, {:.0}% of communication hidden behind backward",
-            self.steps,
-            per_step(self.backward_compute, self.steps),
-            per_step(self.comm, self.steps),
-            per_step(self.exposed, self.steps),
-            100.0 * self.hidden_fraction.clamp(0.0, 1.0)
-        )
-    }
-}
-
-fn per_step(d: Duration, steps: usize) -> f64 {
-    if steps == 0 {
-        0.0
-    } else {
-        d.as_secs_f64() * 1e3 / steps as f64
     }
 }
 

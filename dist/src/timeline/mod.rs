@@ -39,7 +39,7 @@
 //! shows the same phases; without a profiler attached a range costs nothing worth measuring.
 
 mod chrome;
-pub mod overlap;
+pub use crate::reducer::overlap;
 
 use std::collections::VecDeque;
 use std::path::{Path, PathBuf};

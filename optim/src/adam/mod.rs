@@ -28,10 +28,9 @@
 mod config;
 mod cpu;
 mod cuda;
-mod rule;
 
+pub(crate) use crate::update_rule::UpdateRule;
 pub use config::AdamConfig;
-pub(crate) use rule::UpdateRule;
 
 use tandem_core::{DType, Device, Tensor};
 

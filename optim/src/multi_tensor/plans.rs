@@ -15,7 +15,7 @@ use tandem_core::cuda::runtime_kernels::NormKind;
 use tandem_core::{DType, Error as TensorError};
 
 use super::table::{TensorTable, ENTRY_WORDS};
-use crate::adam::UpdateRule;
+use crate::update_rule::UpdateRule;
 use crate::{AdamConfig, Result, SgdConfig};
 
 /// Threads per block of every optim kernel.

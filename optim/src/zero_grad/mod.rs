@@ -6,7 +6,7 @@ mod cuda;
 
 use tandem_core::{Device, Tensor};
 
-use crate::optimizer::by_device;
+use crate::grouping::by_device;
 use crate::Result;
 
 /// Zeroes the gradients of `params` in place (the gradient tensors are kept).

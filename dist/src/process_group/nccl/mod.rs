@@ -72,7 +72,7 @@ pub use self::ffi::{NcclVersion, MIN_VERSION, UNIQUE_ID_BYTES};
 use self::monitor::{Monitor, MonitorSetup, Timing};
 pub use self::unique_id::{exchange_unique_id, library_path, version, UniqueId};
 use super::{CollectiveDesc, GroupConfig, Work};
-use crate::rendezvous::MAX_WORLD_SIZE;
+use crate::process_group::MAX_WORLD_SIZE;
 use crate::store::{StoreServer, TcpStore};
 use crate::{DistError, Result};
 

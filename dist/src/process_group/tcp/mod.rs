@@ -46,7 +46,7 @@ use super::{
     ProcessGroup, ReduceOp, Work,
 };
 use crate::failure_report;
-use crate::rendezvous::MAX_WORLD_SIZE;
+use crate::process_group::MAX_WORLD_SIZE;
 use crate::store::{StoreServer, TcpStore};
 use crate::{DistError, Result};
 

@@ -8,10 +8,11 @@
 //! itself (an idle gap on the comm stream is not communication); the rest was *hidden* behind
 //! backward. This is the definition [`Telemetry::summary`](crate::Telemetry::summary) uses too,
 //! so the two agree on the same step.
+//!
+//! It lives in `reducer` (next to the telemetry that measures it) and the timeline reaches it
+//! as `timeline::overlap`, so that `timeline` depends on `reducer` and not the other way.
 
 use std::time::Duration;
-
-use crate::reducer::telemetry::OverlapSummary;
 
 /// Overlap of one step, in seconds.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -71,6 +72,43 @@ pub fn union_length(spans: &[(f64, f64)]) -> f64 {
         total += ce - cs;
     }
     total
+}
+
+/// Totals over the recorded steps.
+#[derive(Clone, Debug)]
+pub struct OverlapSummary {
+    /// Number of steps.
+    pub steps: usize,
+    /// Total backward computation.
+    pub backward_compute: Duration,
+    /// Total communication (buckets' busy time on the comm stream).
+    pub comm: Duration,
+    /// Total communication the steps waited for after backward's computation.
+    pub exposed: Duration,
+    /// Share of communication hidden behind backward, in [0, 1].
+    pub hidden_fraction: f64,
+}
+
+impl std::fmt::Display for OverlapSummary {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} steps: backward compute {:.1} ms/step, communication {:.1} ms/step, exposed {:.1} ms/step, {:.0}% of communication hidden behind backward",
+            self.steps,
+            per_step(self.backward_compute, self.steps),
+            per_step(self.comm, self.steps),
+            per_step(self.exposed, self.steps),
+            100.0 * self.hidden_fraction.clamp(0.0, 1.0)
+        )
+    }
+}
+
+fn per_step(d: Duration, steps: usize) -> f64 {
+    if steps == 0 {
+        0.0
+    } else {
+        d.as_secs_f64() * 1e3 / steps as f64
+    }
 }
 
 /// Sums the overlap of several steps into the summary the examples print.

@@ -1,7 +1,8 @@
-//! The scalars of one Adam(W) update, shared by the CPU kernel and the CUDA launch so both
-//! use the very same values.
+//! The scalars of one Adam(W) update, shared by the CPU kernel (`adam`) and the CUDA launch
+//! plan (`multi_tensor::plans`) so both use the very same values. A module of its own so that
+//! `multi_tensor` does not import `adam`, which launches through it.
 
-use super::AdamConfig;
+use crate::AdamConfig;
 
 /// The scalars of one update, computed once in f64 as PyTorch does on the host.
 pub(crate) struct UpdateRule {
