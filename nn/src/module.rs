@@ -134,11 +134,9 @@ pub trait Fused: Module {
 }
 
 /// A child module held by a `#[derive(Module)]` struct: visited, named after its field, and
-/// replaceable through `&self` (so [`convert_sync_batch_norm`] can swap a batch norm on a shared
-/// model). `forward` runs on a snapshot, so no lock is held while the child runs, and wraps an
-/// error with the child's path.
-///
-/// [`convert_sync_batch_norm`]: https://docs.rs/tandem-dist
+/// replaceable through `&self` (so tandem-dist's `convert_sync_batch_norm` can swap a batch
+/// norm on a shared model). `forward` runs on a snapshot, so no lock is held while the child
+/// runs, and wraps an error with the child's path.
 pub struct Child {
     module: RwLock<Arc<dyn Module>>,
     name: OnceLock<Box<str>>,
@@ -197,8 +195,13 @@ impl Child {
         }
     }
 
+    /// `e` wrapped with this child's path; unchanged while the child has no name yet (a child
+    /// run by hand before its parent ever ran or was visited), rather than an empty path.
     fn in_path(&self, m: &dyn Module, e: Error) -> Error {
-        e.in_module(self.name(), m.type_name())
+        match self.name() {
+            "" => e,
+            name => e.in_module(name, m.type_name()),
+        }
     }
 
     /// The child's output for `x`; an error names the child's path.

@@ -286,3 +286,15 @@ fn small_mlp_learns_a_synthetic_classification_task() {
         "loss {before} -> {after}"
     );
 }
+
+#[test]
+fn a_child_run_before_its_parent_named_it_reports_the_error_without_an_empty_path() {
+    use crate::{Child, Conv2dConfig};
+    let child = Child::new(Conv2dConfig::new(3, 4, 3).init().unwrap());
+    let x = Tensor::zeros(&[1, 2, 5, 5], DType::F32, Device::Cpu).unwrap();
+    let err = child.forward(&x).unwrap_err().to_string();
+    assert!(err.starts_with("Conv2d: ") && !err.contains("``"), "{err}");
+    child.bind_name("conv");
+    let err = child.forward(&x).unwrap_err().to_string();
+    assert!(err.starts_with("in module `conv` (Conv2d): "), "{err}");
+}
