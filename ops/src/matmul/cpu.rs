@@ -7,6 +7,7 @@
 //! product (a batch of matrices times one matrix) or into its contraction (the gradient of a
 //! broadcast operand), one large gemm replaces many small ones.
 
+use super::shape::batch_strides;
 use rayon::prelude::*;
 use smallvec::SmallVec;
 use tandem_core::{checked_numel, with_float_type, FloatElement, Result, Tensor};
@@ -56,17 +57,8 @@ impl<T> Operand<'_, T> {
 /// batch `batch`, transposed when `trans`.
 fn operand<'a, T>(t: &Tensor, data: &'a [T], batch: &[usize], trans: bool) -> Operand<'a, T> {
     let rank = t.rank();
-    let (st, dims) = (t.layout().strides(), t.dims());
-    let lead = batch.len() + 2 - rank;
-    let batch_strides = (0..batch.len())
-        .map(|d| {
-            if d < lead || dims[d - lead] == 1 {
-                0
-            } else {
-                st[d - lead]
-            }
-        })
-        .collect();
+    let st = t.layout().strides();
+    let batch_strides = batch_strides(t, batch);
     let mat = MatRef {
         offset: t.layout().offset(),
         rs: st[rank - 2],

@@ -8,6 +8,7 @@
 
 mod cpu;
 pub mod cuda;
+mod shape;
 
 use tandem_autograd::record_fn;
 use tandem_core::{broadcast_shapes, Device, Error, Result, Tensor};

@@ -11,6 +11,7 @@
 
 mod launch;
 
+use super::shape::batch_strides;
 use cudarc::cublas::result as cublas;
 use cudarc::cublas::sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
 use tandem_core::cuda::sanitizer::{self, Use};
@@ -25,16 +26,7 @@ use launch::{plan, GemmCall, Mat, Operand, Plan};
 fn describe(t: &Tensor, trans: bool, batch: &[usize]) -> Operand {
     let rank = t.rank();
     let (st, dims) = (t.layout().strides(), t.dims());
-    let lead = batch.len() + 2 - rank;
-    let batch_strides = (0..batch.len())
-        .map(|d| {
-            if d < lead || dims[d - lead] == 1 {
-                0
-            } else {
-                st[d - lead]
-            }
-        })
-        .collect();
+    let batch_strides = batch_strides(t, batch);
     let (rows, cols, rs, cs) = if trans {
         (dims[rank - 1], dims[rank - 2], st[rank - 1], st[rank - 2])
     } else {
