@@ -5,11 +5,13 @@
 //! shuffle, or — in distributed training — one rank's share). A [`DataLoader`] cuts the
 //! sampler's order into batches and builds them on a background thread while the caller
 //! trains on the previous ones. [`cifar`] reads CIFAR-10 (and shapes MNIST like it), with the
-//! augmentations of [`transforms`].
+//! augmentations of [`transforms`]. [`image`] decodes JPEG and PNG files and applies the
+//! ImageNet transforms.
 
 pub mod cifar;
 mod dataset;
 pub mod idx;
+pub mod image;
 mod loader;
 pub mod mnist;
 mod sampler;
