@@ -375,7 +375,8 @@ pub fn trainer(
 /// `progress.epoch_step` on (cross entropy; the test accuracy is filled in by the caller),
 /// advancing `progress` step by step and writing the checkpoints that fall due.
 /// `lr_at(g)`, when given, sets the learning rate of global step `g`. Rank 0 shows a progress
-/// bar (on a terminal) with the running loss and the global throughput.
+/// bar (on a terminal) with the running loss, the global throughput and the share of the
+/// epoch spent waiting for the loader (data wait).
 pub fn train_epoch(
     trainer: &Trainer,
     optimizer: &mut dyn Optimizer,
@@ -426,10 +427,15 @@ pub fn train_epoch(
         images += batch.targets.numel() * trainer.world_size();
         if progress.epoch_step.is_multiple_of(10) {
             progress.loss_sum += losses.take()?;
-            let rate = images as f64 / started.elapsed().as_secs_f64();
+            let elapsed = started.elapsed().as_secs_f64();
+            // A large share of waiting for the loader means the input pipeline (decoding,
+            // augmentation), not the model, bounds the step.
+            let data_wait = batches.wait_time().as_secs_f64();
             bar.set_message(format!(
-                "loss {:.4}, {rate:.0} images/s",
-                progress.loss_sum / progress.epoch_step as f64
+                "loss {:.4}, {:.0} images/s, data wait {:.0}%",
+                progress.loss_sum / progress.epoch_step as f64,
+                images as f64 / elapsed,
+                100.0 * data_wait / elapsed
             ));
         }
         bar.inc(1);
