@@ -1,0 +1,1091 @@
+//! The ImageNet transforms of torchvision's reference recipe, on [`RgbImage`]s: for training
+//! `RandomResizedCrop(size)` and a random horizontal flip, for evaluation `Resize(s)` +
+//! `CenterCrop(size)`.
+//!
+//! torchvision applies these to PIL images, so "the same transform" means PIL's pixels:
+//! `img.crop(box).resize(size, BILINEAR)`, where PIL's bilinear filter is antialiased (its
+//! triangle widens with the downscale factor) and computed in 22-bit fixed point, one
+//! horizontal pass rounded to bytes, then one vertical pass. [`resize_box_into`] is that
+//! resampling, written once: the crop, the resize, the flip and the HWC → CHW layout happen in
+//! one pass over only the source rows the box needs, with the weights computed once per output
+//! column and row. The evaluation transform's resize-then-crop runs as the same single pass
+//! (only the output pixels the crop keeps are computed), with the pixels of resizing the whole
+//! image and cropping.
+//!
+//! Randomness is explicit: [`ImageTransform::apply_into`] takes a per-sample seed (the caller
+//! passes [`crate::data::transforms::sample_seed`]`(run_seed, epoch, index)`), so a sample gets
+//! the same crop and flip whichever worker builds it, and a new one every epoch. The crop box
+//! is drawn by torchvision's algorithm from tandem's [`Generator`], whose stream differs from
+//! torch's: the boxes have torchvision's distribution, not its exact sequence.
+
+use tandem_core::Generator;
+
+use super::RgbImage;
+use crate::{Error, Result};
+
+/// A rectangle of the source image in pixel coordinates: the pixels `left .. left + width`
+/// of rows `top .. top + height`. Fractional values are allowed (pixel `x` covers
+/// `[x, x + 1)`), so that a resize followed by a crop can be expressed as one box on the
+/// source, as PIL's `Image.resize(size, box=...)` takes it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CropBox {
+    /// Left edge, in source pixels from the left of the image.
+    pub left: f64,
+    /// Top edge, in source pixels from the top of the image.
+    pub top: f64,
+    /// Width in source pixels (> 0).
+    pub width: f64,
+    /// Height in source pixels (> 0).
+    pub height: f64,
+}
+
+impl CropBox {
+    /// Checks the box lies inside a `width × height` image and is not empty.
+    fn check(&self, width: usize, height: usize) -> Result<()> {
+        let finite = [self.left, self.top, self.width, self.height]
+            .iter()
+            .all(|v| v.is_finite());
+        let inside = self.left >= 0.0
+            && self.top >= 0.0
+            && self.left + self.width <= width as f64
+            && self.top + self.height <= height as f64;
+        if finite && self.width > 0.0 && self.height > 0.0 && inside {
+            return Ok(());
+        }
+        Err(Error::input(
+            "resize_box_into",
+            format!("crop box {self:?} is empty or leaves the {width}×{height} image"),
+        ))
+    }
+}
+
+/// torchvision's `RandomResizedCrop`: a box of a random area fraction (uniform in `scale`) and
+/// aspect ratio (log-uniform in `ratio`) of the source, resized to `size`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RandomResizedCrop {
+    size: (usize, usize),
+    scale: (f64, f64),
+    ratio: (f64, f64),
+}
+
+/// An integer crop (what `get_params` returns as `(i, j, h, w)`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct PixelRect {
+    top: usize,
+    left: usize,
+    height: usize,
+    width: usize,
+}
+
+impl RandomResizedCrop {
+    /// Crops resized to `size` = (height, width), with torchvision's default ranges: area
+    /// fraction in (0.08, 1.0), aspect ratio (width / height) in (3/4, 4/3). Errors if a side
+    /// is 0.
+    pub fn new(size: (usize, usize)) -> Result<Self> {
+        if size.0 == 0 || size.1 == 0 {
+            return Err(Error::config(
+                "RandomResizedCrop",
+                format!("output size (height, width) {size:?} has a side of 0"),
+            ));
+        }
+        Ok(RandomResizedCrop {
+            size,
+            scale: (0.08, 1.0),
+            ratio: (3.0 / 4.0, 4.0 / 3.0),
+        })
+    }
+
+    /// Draws the area fraction from `scale` = (low, high) instead. Errors unless
+    /// `0 < low <= high` and both are finite.
+    pub fn with_scale(mut self, scale: (f64, f64)) -> Result<Self> {
+        check_range("scale", scale)?;
+        self.scale = scale;
+        Ok(self)
+    }
+
+    /// Draws the aspect ratio (width / height) log-uniformly from `ratio` = (low, high)
+    /// instead. Errors unless `0 < low <= high` and both are finite.
+    pub fn with_ratio(mut self, ratio: (f64, f64)) -> Result<Self> {
+        check_range("ratio", ratio)?;
+        self.ratio = ratio;
+        Ok(self)
+    }
+
+    /// Output size, (height, width).
+    pub fn size(&self) -> (usize, usize) {
+        self.size
+    }
+
+    /// The range of the area fraction.
+    pub fn scale(&self) -> (f64, f64) {
+        self.scale
+    }
+
+    /// The range of the aspect ratio (width / height).
+    pub fn ratio(&self) -> (f64, f64) {
+        self.ratio
+    }
+
+    /// A crop box of a `width × height` image, drawn as torchvision's
+    /// `RandomResizedCrop.get_params` draws it: up to 10 tries of an area `scale`-uniform and a
+    /// ratio log-uniform, sides rounded half to even, kept if the box fits, placed uniformly;
+    /// else the centred box of the whole image clamped to the ratio range. The box has whole
+    /// pixel coordinates and sides of at least 1 (for an image of at least 1×1).
+    pub fn sample_box(&self, width: usize, height: usize, rng: &mut Generator) -> CropBox {
+        let rect = self.sample_rect(width, height, rng);
+        CropBox {
+            left: rect.left as f64,
+            top: rect.top as f64,
+            width: rect.width as f64,
+            height: rect.height as f64,
+        }
+    }
+
+    fn sample_rect(&self, width: usize, height: usize, rng: &mut Generator) -> PixelRect {
+        let area = (width * height) as f64;
+        let (log_lo, log_hi) = (self.ratio.0.ln(), self.ratio.1.ln());
+        for _ in 0..10 {
+            let target_area = area * (self.scale.0 + (self.scale.1 - self.scale.0) * rng.uniform());
+            let aspect = (log_lo + (log_hi - log_lo) * rng.uniform()).exp();
+            // Python's round(); the casts saturate, and anything too big fails the test below.
+            let w = (target_area * aspect).sqrt().round_ties_even() as usize;
+            let h = (target_area / aspect).sqrt().round_ties_even() as usize;
+            if 0 < w && w <= width && 0 < h && h <= height {
+                let top = rng.below(height - h + 1);
+                let left = rng.below(width - w + 1);
+                return PixelRect {
+                    top,
+                    left,
+                    height: h,
+                    width: w,
+                };
+            }
+        }
+        self.fallback_rect(width, height)
+    }
+
+    /// torchvision's fallback: the whole image, narrowed to the nearest ratio in range.
+    fn fallback_rect(&self, width: usize, height: usize) -> PixelRect {
+        let in_ratio = width as f64 / height as f64;
+        let (w, h) = if in_ratio < self.ratio.0 {
+            let h = (width as f64 / self.ratio.0).round_ties_even() as usize;
+            (width, h.clamp(1.min(height), height))
+        } else if in_ratio > self.ratio.1 {
+            let w = (height as f64 * self.ratio.1).round_ties_even() as usize;
+            (w.clamp(1.min(width), width), height)
+        } else {
+            (width, height)
+        };
+        PixelRect {
+            top: (height - h) / 2,
+            left: (width - w) / 2,
+            height: h,
+            width: w,
+        }
+    }
+}
+
+fn check_range(what: &str, (lo, hi): (f64, f64)) -> Result<()> {
+    if lo.is_finite() && hi.is_finite() && 0.0 < lo && lo <= hi {
+        return Ok(());
+    }
+    Err(Error::config(
+        "RandomResizedCrop",
+        format!("{what} range ({lo}, {hi}) needs finite 0 < low <= high"),
+    ))
+}
+
+/// A per-sample image transform producing a fixed-size image.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum ImageTransform {
+    /// Training: a random resized crop, then (if `flip`) a horizontal mirror with
+    /// probability ½.
+    Train {
+        /// The crop and the output size.
+        crop: RandomResizedCrop,
+        /// Whether to mirror left–right with probability ½.
+        flip: bool,
+    },
+    /// Evaluation: torchvision's `Resize(resize)` (shorter side to `resize`, longer side
+    /// `int(resize · long / short)`) then `CenterCrop(crop)` with `crop` = (height, width); a
+    /// crop larger than the resized image is padded with black (zeros), as torchvision pads.
+    Eval {
+        /// Length of the shorter side after resizing.
+        resize: usize,
+        /// Output size, (height, width).
+        crop: (usize, usize),
+    },
+}
+
+impl ImageTransform {
+    /// The training recipe: `RandomResizedCrop(size)` + `RandomHorizontalFlip()`. Errors if
+    /// `size` is 0.
+    pub fn imagenet_train(size: usize) -> Result<Self> {
+        Ok(ImageTransform::Train {
+            crop: RandomResizedCrop::new((size, size))?,
+            flip: true,
+        })
+    }
+
+    /// The evaluation recipe: `Resize(round(size · 256 / 224))` + `CenterCrop(size)` (256 and
+    /// 224 for `size` 224). Errors if `size` is 0.
+    pub fn imagenet_eval(size: usize) -> Result<Self> {
+        if size == 0 {
+            return Err(Error::config("ImageTransform", "eval crop size is 0"));
+        }
+        let resize = ((size * 256) as f64 / 224.0).round_ties_even() as usize;
+        Ok(ImageTransform::Eval {
+            resize,
+            crop: (size, size),
+        })
+    }
+
+    /// Size of the output image, (height, width).
+    pub fn output_size(&self) -> (usize, usize) {
+        match self {
+            ImageTransform::Train { crop, .. } => crop.size,
+            ImageTransform::Eval { crop, .. } => *crop,
+        }
+    }
+
+    /// Transforms `image` with the randomness of `seed` and writes the result as CHW bytes
+    /// (3 planes of `output_size()` pixels) into `out_chw`. The same image and seed always
+    /// give the same bytes. Errors if `out_chw` is not `3 · height · width` long or the
+    /// transform's sizes are 0.
+    pub fn apply_into(&self, image: &RgbImage, seed: u64, out_chw: &mut [u8]) -> Result<()> {
+        let (out_h, out_w) = self.output_size();
+        check_output("ImageTransform::apply_into", out_h, out_w, out_chw)?;
+        let (rows, columns, flip) = match *self {
+            ImageTransform::Train { crop, flip } => {
+                let mut rng = Generator::new(seed);
+                let rect = crop.sample_rect(image.width(), image.height(), &mut rng);
+                // Drawn after the box, as RandomHorizontalFlip runs after RandomResizedCrop.
+                let flip = flip && rng.uniform() < 0.5;
+                (
+                    Axis::cropped(rect.top, rect.height, out_h),
+                    Axis::cropped(rect.left, rect.width, out_w),
+                    flip,
+                )
+            }
+            ImageTransform::Eval { resize, crop } => {
+                if resize == 0 {
+                    return Err(Error::config("ImageTransform", "eval resize is 0"));
+                }
+                let (new_h, new_w) = resized_size(image.width(), image.height(), resize);
+                (
+                    Axis::resized_then_cropped(image.height(), new_h, crop.0),
+                    Axis::resized_then_cropped(image.width(), new_w, crop.1),
+                    false,
+                )
+            }
+        };
+        resample(image, &rows, &columns, flip, out_chw);
+        Ok(())
+    }
+
+    /// [`ImageTransform::apply_into`] returning an [`RgbImage`] (interleaved, for tests and
+    /// tools).
+    pub fn apply(&self, image: &RgbImage, seed: u64) -> Result<RgbImage> {
+        let (h, w) = self.output_size();
+        let mut chw = vec![0u8; 3 * h * w];
+        self.apply_into(image, seed, &mut chw)?;
+        RgbImage::new(w, h, chw_to_hwc(&chw, h, w))
+    }
+}
+
+/// torchvision's `Resize(size)` output (height, width) for a `width × height` image.
+fn resized_size(width: usize, height: usize, size: usize) -> (usize, usize) {
+    let (short, long) = if width <= height {
+        (width, height)
+    } else {
+        (height, width)
+    };
+    // Python's `int(size * long / short)`: a float division, truncated.
+    let new_long = ((size * long) as f64 / short as f64) as usize;
+    if width <= height {
+        (new_long, size)
+    } else {
+        (size, new_long)
+    }
+}
+
+/// Resamples the `crop` box of `image` to `out_h × out_w` pixels, mirrored left–right if
+/// `flip`, into `out_chw` as CHW bytes. The pixels are PIL's
+/// `image.resize((out_w, out_h), Image.BILINEAR, box=(left, top, left + width, top + height))`
+/// (antialiased bilinear in fixed point; source pixels just outside the box contribute to the
+/// edge pixels, as they do in PIL). Errors if the box is empty or leaves the image, or
+/// `out_chw` is not `3 · out_h · out_w` long.
+pub fn resize_box_into(
+    image: &RgbImage,
+    crop: CropBox,
+    out_h: usize,
+    out_w: usize,
+    flip: bool,
+    out_chw: &mut [u8],
+) -> Result<()> {
+    crop.check(image.width(), image.height())?;
+    check_output("resize_box_into", out_h, out_w, out_chw)?;
+    let rows = Axis::boxed(image.height(), crop.top, crop.height, out_h);
+    let columns = Axis::boxed(image.width(), crop.left, crop.width, out_w);
+    resample(image, &rows, &columns, flip, out_chw);
+    Ok(())
+}
+
+fn check_output(what: &'static str, out_h: usize, out_w: usize, out_chw: &[u8]) -> Result<()> {
+    if out_h == 0 || out_w == 0 || out_chw.len() != 3 * out_h * out_w {
+        return Err(Error::input(
+            what,
+            format!(
+                "a 3×{out_h}×{out_w} output needs {} bytes, the buffer has {}",
+                3 * out_h * out_w,
+                out_chw.len()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+fn chw_to_hwc(chw: &[u8], h: usize, w: usize) -> Vec<u8> {
+    let plane = h * w;
+    let mut hwc = vec![0u8; 3 * plane];
+    for (i, px) in hwc.chunks_exact_mut(3).enumerate() {
+        for (c, v) in px.iter_mut().enumerate() {
+            *v = chw[c * plane + i];
+        }
+    }
+    hwc
+}
+
+/// How one axis (rows or columns) of the output maps onto the source, in PIL's terms: the
+/// source pixels `origin .. origin + extent` are the image PIL resizes (the filter never reads
+/// outside them), `box_start .. box_end` (relative to `origin`) the box it resizes onto
+/// `out_full` pixels, of which the output keeps `out_first .. out_first + out_len` (indices
+/// outside `0 .. out_full` are padding, written as 0).
+struct Axis {
+    origin: usize,
+    extent: usize,
+    box_start: f64,
+    box_len: f64,
+    out_full: usize,
+    out_first: isize,
+    out_len: usize,
+}
+
+impl Axis {
+    /// `img.crop(...)` to `start .. start + len`, then resize to `out`.
+    fn cropped(start: usize, len: usize, out: usize) -> Axis {
+        Axis {
+            origin: start,
+            extent: len,
+            box_start: 0.0,
+            box_len: len as f64,
+            out_full: out,
+            out_first: 0,
+            out_len: out,
+        }
+    }
+
+    /// `img.resize(..., box=...)` of the span `start .. start + len` of `size` pixels. PIL
+    /// takes the box as C floats and subtracts its edges in single precision; so does this,
+    /// else a fractional box can move a filter centre enough to change a byte.
+    fn boxed(size: usize, start: f64, len: f64, out: usize) -> Axis {
+        let (start, end) = (start as f32, (start + len) as f32);
+        Axis {
+            origin: 0,
+            extent: size,
+            box_start: f64::from(start),
+            box_len: f64::from(end - start),
+            out_full: out,
+            out_first: 0,
+            out_len: out,
+        }
+    }
+
+    /// Resize all `size` pixels to `resized`, then torchvision's `CenterCrop` to `crop`
+    /// (centred with Python's round, zero-padded if the crop is larger).
+    fn resized_then_cropped(size: usize, resized: usize, crop: usize) -> Axis {
+        let out_first = if crop > resized {
+            -(((crop - resized) / 2) as isize)
+        } else {
+            ((resized - crop) as f64 / 2.0).round_ties_even() as isize
+        };
+        Axis {
+            origin: 0,
+            extent: size,
+            box_start: 0.0,
+            box_len: size as f64,
+            out_full: resized,
+            out_first,
+            out_len: crop,
+        }
+    }
+}
+
+/// Fixed-point bits of the weights, PIL's `PRECISION_BITS` for 8-bit images (32 − 8 − 2).
+const PRECISION_BITS: u32 = 22;
+
+/// The filter taps of every output pixel along one axis: output `i` is
+/// `Σ_t source[first[i] + t] · weights[i · stride + t]` for `t < count[i]`.
+struct Taps {
+    first: Vec<usize>,
+    count: Vec<usize>,
+    stride: usize,
+    weights: Vec<i32>,
+}
+
+/// PIL's `precompute_coeffs` (bilinear: the triangle of half-width 1, widened by the downscale
+/// factor) plus `normalize_coeffs_8bpc`, computed in the same order and precision so the
+/// fixed-point weights are PIL's exactly. `first` is absolute (includes `origin`).
+fn taps(axis: &Axis) -> Taps {
+    let scale = axis.box_len / axis.out_full as f64;
+    let filter_scale = scale.max(1.0);
+    let support = filter_scale;
+    let stride = support.ceil() as usize * 2 + 1;
+    let inv = 1.0 / filter_scale;
+    let mut taps = Taps {
+        first: vec![0; axis.out_len],
+        count: vec![0; axis.out_len],
+        stride,
+        weights: vec![0; axis.out_len * stride],
+    };
+    let mut w = vec![0f64; stride];
+    for i in 0..axis.out_len {
+        let xx = axis.out_first + i as isize;
+        if xx < 0 || xx >= axis.out_full as isize {
+            continue; // padding: no taps, so the pixel is 0
+        }
+        let center = axis.box_start + (xx as f64 + 0.5) * scale;
+        // C's (int) truncates toward zero; the clamp to 0 makes that the same as floor.
+        let xmin = ((center - support + 0.5) as i64).max(0) as usize;
+        let xmax = ((center + support + 0.5) as i64)
+            .min(axis.extent as i64)
+            .max(0) as usize;
+        let n = xmax.saturating_sub(xmin).min(stride);
+        let mut total = 0.0;
+        for (x, wx) in w[..n].iter_mut().enumerate() {
+            let d = ((x + xmin) as f64 - center + 0.5) * inv;
+            *wx = (1.0 - d.abs()).max(0.0);
+            total += *wx;
+        }
+        let row = &mut taps.weights[i * stride..i * stride + n];
+        for (k, &wx) in row.iter_mut().zip(&w[..n]) {
+            let wx = if total != 0.0 { wx / total } else { wx };
+            // Weights are never negative for the triangle, so PIL's +0.5 branch is the one.
+            *k = (0.5 + wx * f64::from(1u32 << PRECISION_BITS)) as i32;
+        }
+        taps.first[i] = axis.origin + xmin;
+        taps.count[i] = n;
+    }
+    taps
+}
+
+/// PIL's `clip8`: a fixed-point sum back to a byte.
+#[inline]
+fn clip8(sum: i32) -> u8 {
+    (sum >> PRECISION_BITS).clamp(0, 255) as u8
+}
+
+/// The resampling shared by every transform, in two separable passes rounded to bytes in
+/// between, as PIL does. PIL (since 13.0) runs the vertical pass first when the height shrinks
+/// by more than twice as many pixels as the width, else the horizontal pass first; the order
+/// changes a few bytes by 1, so it is followed here. Either way only the source rows and
+/// columns some tap reads are touched. The mirror (`flip`) is applied when the horizontal
+/// pass writes: the filter is symmetric, so mirroring the output is mirroring the input.
+fn resample(image: &RgbImage, rows: &Axis, columns: &Axis, flip: bool, out_chw: &mut [u8]) {
+    let (row_taps, col_taps) = (taps(rows), taps(columns));
+    let shrink_y = rows.extent as i64 - rows.out_full as i64;
+    let shrink_x = columns.extent as i64 - columns.out_full as i64;
+    if shrink_y > 0 && shrink_y > 2 * shrink_x {
+        resample_vertical_first(image, &row_taps, &col_taps, flip, out_chw);
+    } else {
+        resample_horizontal_first(image, &row_taps, &col_taps, flip, out_chw);
+    }
+}
+
+/// The source span `first .. end` that the taps read (empty if every output is padding).
+fn used_span(taps: &Taps) -> (usize, usize) {
+    let used = (0..taps.count.len()).filter(|&i| taps.count[i] > 0);
+    let first = used.clone().map(|i| taps.first[i]).min().unwrap_or(0);
+    let end = used.map(|i| taps.first[i] + taps.count[i]).max();
+    (first, end.unwrap_or(first))
+}
+
+/// One horizontal pass over an interleaved row whose pixel 0 is source column `offset`:
+/// writes `taps.count.len()` interleaved pixels to `dst`, mirrored if `flip`.
+fn horizontal_row(row: &[u8], offset: usize, taps: &Taps, flip: bool, dst: &mut [u8]) {
+    let out_w = taps.count.len();
+    for x in 0..out_w {
+        let xo = if flip { out_w - 1 - x } else { x };
+        let (first, n) = (taps.first[x].saturating_sub(offset), taps.count[x]);
+        let weights = &taps.weights[x * taps.stride..x * taps.stride + n];
+        let mut sum = [1i32 << (PRECISION_BITS - 1); 3];
+        for (px, &k) in row[first * 3..(first + n) * 3].chunks_exact(3).zip(weights) {
+            sum[0] += i32::from(px[0]) * k;
+            sum[1] += i32::from(px[1]) * k;
+            sum[2] += i32::from(px[2]) * k;
+        }
+        dst[xo * 3] = clip8(sum[0]);
+        dst[xo * 3 + 1] = clip8(sum[1]);
+        dst[xo * 3 + 2] = clip8(sum[2]);
+    }
+}
+
+/// Output row `y` of a vertical pass over `src`, rows of `line` bytes of which row 0 is source
+/// row `offset`: the fixed-point sums of output row `y`, one per byte of a row, in `sums`.
+fn vertical_row(src: &[u8], line: usize, offset: usize, taps: &Taps, y: usize, sums: &mut [i32]) {
+    let (first, n) = (taps.first[y], taps.count[y]);
+    let weights = &taps.weights[y * taps.stride..y * taps.stride + n];
+    sums.fill(1 << (PRECISION_BITS - 1));
+    for (t, &k) in weights.iter().enumerate() {
+        let start = (first + t - offset) * line;
+        for (s, &v) in sums.iter_mut().zip(&src[start..start + line]) {
+            *s += i32::from(v) * k;
+        }
+    }
+}
+
+/// Writes interleaved pixels (as bytes or as fixed-point sums) as row `y` of a CHW output.
+fn scatter_row<T: Copy>(
+    px: &[T],
+    y: usize,
+    out_w: usize,
+    out_chw: &mut [u8],
+    to_byte: impl Fn(T) -> u8,
+) {
+    let plane = out_chw.len() / 3;
+    for (x, p) in px.chunks_exact(3).enumerate() {
+        for (c, &v) in p.iter().enumerate() {
+            out_chw[c * plane + y * out_w + x] = to_byte(v);
+        }
+    }
+}
+
+fn resample_horizontal_first(
+    image: &RgbImage,
+    row_taps: &Taps,
+    col_taps: &Taps,
+    flip: bool,
+    out_chw: &mut [u8],
+) {
+    let (out_h, out_w) = (row_taps.count.len(), col_taps.count.len());
+    let (first_row, end_row) = used_span(row_taps);
+    let line = out_w * 3;
+    let src_line = image.width() * 3;
+    let mut temp = vec![0u8; (end_row - first_row) * line];
+    for (y, dst) in temp.chunks_exact_mut(line).enumerate() {
+        let row = &image.pixels()[(first_row + y) * src_line..(first_row + y + 1) * src_line];
+        horizontal_row(row, 0, col_taps, flip, dst);
+    }
+    let mut sums = vec![0i32; line];
+    for y in 0..out_h {
+        vertical_row(&temp, line, first_row, row_taps, y, &mut sums);
+        scatter_row(&sums, y, out_w, out_chw, clip8);
+    }
+}
+
+fn resample_vertical_first(
+    image: &RgbImage,
+    row_taps: &Taps,
+    col_taps: &Taps,
+    flip: bool,
+    out_chw: &mut [u8],
+) {
+    let (out_h, out_w) = (row_taps.count.len(), col_taps.count.len());
+    let (first_col, end_col) = used_span(col_taps);
+    let src_line = image.width() * 3;
+    // The vertical pass reads only the used columns: view each source row from `first_col`.
+    let src = &image.pixels()[first_col * 3..];
+    let used = (end_col - first_col) * 3;
+    let mut sums = vec![0i32; used];
+    let mut temp = vec![0u8; used];
+    let mut out_row = vec![0u8; out_w * 3];
+    for y in 0..out_h {
+        let (first, n) = (row_taps.first[y], row_taps.count[y]);
+        let weights = &row_taps.weights[y * row_taps.stride..y * row_taps.stride + n];
+        sums.fill(1 << (PRECISION_BITS - 1));
+        for (t, &k) in weights.iter().enumerate() {
+            let start = (first + t) * src_line;
+            for (s, &v) in sums.iter_mut().zip(&src[start..start + used]) {
+                *s += i32::from(v) * k;
+            }
+        }
+        for (b, &s) in temp.iter_mut().zip(&sums) {
+            *b = clip8(s);
+        }
+        horizontal_row(&temp, first_col, col_taps, flip, &mut out_row);
+        scatter_row(&out_row, y, out_w, out_chw, |v| v);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! References: nn/tests/fixtures/image_transforms.py wrote nn/tests/data/transforms/ with
+    //! Pillow 13.0.0 and torchvision 0.29.2 from a 128×96 piece of foolbox 3.3.4's
+    //! `imagenet_00_243.jpg`, and printed the crop-box statistics held below.
+    use super::*;
+
+    const PHOTO: &[u8] = include_bytes!("../../../tests/data/transforms/photo_128x96.rgb");
+
+    fn photo() -> RgbImage {
+        RgbImage::new(128, 96, PHOTO.to_vec()).unwrap()
+    }
+
+    /// The `w × h` piece of `image` at (`left`, `top`), as PIL's `crop` makes it.
+    fn sub_image(image: &RgbImage, left: usize, top: usize, w: usize, h: usize) -> RgbImage {
+        let mut px = Vec::with_capacity(w * h * 3);
+        for y in top..top + h {
+            let row = (y * image.width() + left) * 3;
+            px.extend_from_slice(&image.pixels()[row..row + w * 3]);
+        }
+        RgbImage::new(w, h, px).unwrap()
+    }
+
+    fn hwc(chw: &[u8], h: usize, w: usize) -> Vec<u8> {
+        chw_to_hwc(chw, h, w)
+    }
+
+    /// Largest per-channel difference from PIL's bytes.
+    fn max_diff(ours: &[u8], pil: &[u8]) -> u8 {
+        assert_eq!(ours.len(), pil.len());
+        ours.iter()
+            .zip(pil)
+            .map(|(a, b)| a.abs_diff(*b))
+            .max()
+            .unwrap()
+    }
+
+    #[test]
+    fn box_resize_matches_pil_bilinear_with_box() {
+        let cases: [(&[u8], [f64; 4], (usize, usize)); 5] = [
+            (
+                include_bytes!("../../../tests/data/transforms/box_down.rgb"),
+                [0.0, 0.0, 128.0, 96.0],
+                (40, 30),
+            ),
+            (
+                include_bytes!("../../../tests/data/transforms/box_down_frac.rgb"),
+                [10.3, 7.75, 100.5, 80.2],
+                (33, 29),
+            ),
+            (
+                include_bytes!("../../../tests/data/transforms/box_up.rgb"),
+                [50.0, 30.0, 70.0, 45.0],
+                (56, 42),
+            ),
+            (
+                include_bytes!("../../../tests/data/transforms/box_mixed_frac.rgb"),
+                [5.5, 2.25, 125.0, 40.5],
+                (30, 50),
+            ),
+            (
+                include_bytes!("../../../tests/data/transforms/box_vfirst.rgb"),
+                [4.25, 10.5, 120.75, 90.0],
+                (100, 12),
+            ),
+        ];
+        let image = photo();
+        for (pil, [x0, y0, x1, y1], (w, h)) in cases {
+            let crop = CropBox {
+                left: x0,
+                top: y0,
+                width: x1 - x0,
+                height: y1 - y0,
+            };
+            let mut out = vec![0; 3 * w * h];
+            resize_box_into(&image, crop, h, w, false, &mut out).unwrap();
+            // Same weights, same fixed point, same pass order: PIL's bytes exactly.
+            assert_eq!(max_diff(&hwc(&out, h, w), pil), 0, "{crop:?} → {w}×{h}");
+        }
+    }
+
+    #[test]
+    fn crop_then_resize_matches_torchvision_resized_crop_and_flip() {
+        let down: &[u8] = include_bytes!("../../../tests/data/transforms/crop_down.rgb");
+        let down_flip: &[u8] = include_bytes!("../../../tests/data/transforms/crop_down_flip.rgb");
+        let up: &[u8] = include_bytes!("../../../tests/data/transforms/crop_up.rgb");
+        let up_flip: &[u8] = include_bytes!("../../../tests/data/transforms/crop_up_flip.rgb");
+        let tall: &[u8] = include_bytes!("../../../tests/data/transforms/crop_vfirst.rgb");
+        let tall_flip: &[u8] =
+            include_bytes!("../../../tests/data/transforms/crop_vfirst_flip.rgb");
+        let image = photo();
+        // (top, left, height, width) as get_params returns them, output (height, width).
+        let cases = [
+            ((5, 17, 70, 90), (32, 32), down, down_flip),
+            ((40, 60, 20, 15), (24, 32), up, up_flip),
+            ((0, 30, 96, 40), (24, 32), tall, tall_flip),
+        ];
+        for ((top, left, h, w), (out_h, out_w), pil, pil_flip) in cases {
+            for (flip, expected) in [(false, pil), (true, pil_flip)] {
+                let mut out = vec![0; 3 * out_h * out_w];
+                let rows = Axis::cropped(top, h, out_h);
+                let columns = Axis::cropped(left, w, out_w);
+                resample(&image, &rows, &columns, flip, &mut out);
+                assert_eq!(max_diff(&hwc(&out, out_h, out_w), expected), 0);
+            }
+            // PIL's crop stops the filter at the crop's edge; a box resize reads past it, so
+            // the two differ at the border (which is why Train does not use the box form).
+            let crop = CropBox {
+                left: left as f64,
+                top: top as f64,
+                width: w as f64,
+                height: h as f64,
+            };
+            let mut boxed = vec![0; 3 * out_h * out_w];
+            resize_box_into(&image, crop, out_h, out_w, false, &mut boxed).unwrap();
+            assert!(max_diff(&hwc(&boxed, out_h, out_w), pil) > 1);
+        }
+    }
+
+    #[test]
+    fn eval_matches_torchvision_resize_then_center_crop() {
+        let image = photo();
+        let portrait = sub_image(&image, 10, 0, 60, 96);
+        let cases: [(&RgbImage, usize, (usize, usize), &[u8]); 4] = [
+            (
+                &image,
+                48,
+                (40, 40),
+                include_bytes!("../../../tests/data/transforms/eval_48_40.rgb"),
+            ),
+            (
+                &image,
+                40,
+                (36, 50),
+                include_bytes!("../../../tests/data/transforms/eval_40_36x50.rgb"),
+            ),
+            (
+                &image,
+                20,
+                (24, 30),
+                include_bytes!("../../../tests/data/transforms/eval_pad_20_24x30.rgb"),
+            ),
+            (
+                &portrait,
+                50,
+                (48, 48),
+                include_bytes!("../../../tests/data/transforms/eval_portrait_50_48.rgb"),
+            ),
+        ];
+        for (src, resize, crop, pil) in cases {
+            let transform = ImageTransform::Eval { resize, crop };
+            let out = transform.apply(src, 0).unwrap();
+            assert_eq!((out.height(), out.width()), crop);
+            assert_eq!(
+                max_diff(out.pixels(), pil),
+                0,
+                "Resize({resize}) + {crop:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn eval_as_one_fractional_box_is_within_one_of_resize_then_crop() {
+        // The source box of Resize + CenterCrop, as the fixture script computes it: PIL gives
+        // resize-then-crop's bytes up to ±1 (the box's rounded coordinates move a filter
+        // centre by an ulp); the script printed max |diff| 0, 1 and 1 for these.
+        let image = photo();
+        let portrait = sub_image(&image, 10, 0, 60, 96);
+        let cases: [(&RgbImage, usize, (usize, usize), &[u8]); 3] = [
+            (
+                &image,
+                48,
+                (40, 40),
+                include_bytes!("../../../tests/data/transforms/eval_48_40.rgb"),
+            ),
+            (
+                &image,
+                40,
+                (36, 50),
+                include_bytes!("../../../tests/data/transforms/eval_40_36x50.rgb"),
+            ),
+            (
+                &portrait,
+                50,
+                (48, 48),
+                include_bytes!("../../../tests/data/transforms/eval_portrait_50_48.rgb"),
+            ),
+        ];
+        for (src, resize, (ch, cw), pil) in cases {
+            let (nh, nw) = resized_size(src.width(), src.height(), resize);
+            let sx = src.width() as f64 / nw as f64;
+            let sy = src.height() as f64 / nh as f64;
+            let top = ((nh - ch) as f64 / 2.0).round_ties_even();
+            let left = ((nw - cw) as f64 / 2.0).round_ties_even();
+            let crop = CropBox {
+                left: left * sx,
+                top: top * sy,
+                width: (left + cw as f64) * sx - left * sx,
+                height: (top + ch as f64) * sy - top * sy,
+            };
+            let mut out = vec![0; 3 * ch * cw];
+            resize_box_into(src, crop, ch, cw, false, &mut out).unwrap();
+            assert!(max_diff(&hwc(&out, ch, cw), pil) <= 1, "{crop:?}");
+        }
+    }
+
+    #[test]
+    fn eval_pads_a_crop_larger_than_the_resized_image_with_zeros() {
+        // 4×2 resized to shorter side 2 stays 4×2; CenterCrop (4, 6) pads 1 column each side
+        // and 1 row above, 1 below (torchvision: left/top get (c − n) // 2).
+        let image = RgbImage::new(4, 2, (1..=24).collect()).unwrap();
+        let out = ImageTransform::Eval {
+            resize: 2,
+            crop: (4, 6),
+        }
+        .apply(&image, 0)
+        .unwrap();
+        for y in 0..4 {
+            for x in 0..6 {
+                let inside = (1..3).contains(&y) && (1..5).contains(&x);
+                let expected = if inside {
+                    image.pixel(x - 1, y - 1)
+                } else {
+                    [0; 3]
+                };
+                assert_eq!(out.pixel(x, y), expected, "({x}, {y})");
+            }
+        }
+    }
+
+    #[test]
+    fn imagenet_recipes_have_torchvision_sizes() {
+        assert_eq!(
+            ImageTransform::imagenet_eval(224).unwrap(),
+            ImageTransform::Eval {
+                resize: 256,
+                crop: (224, 224)
+            }
+        );
+        assert_eq!(
+            ImageTransform::imagenet_train(224).unwrap().output_size(),
+            (224, 224)
+        );
+        // torchvision: int(256 * 500 / 375) = 341; portrait the other way round.
+        assert_eq!(resized_size(500, 375, 256), (256, 341));
+        assert_eq!(resized_size(375, 500, 256), (341, 256));
+        assert_eq!(resized_size(7, 3, 4), (4, 9));
+        assert!(ImageTransform::imagenet_eval(0).is_err());
+        assert!(ImageTransform::imagenet_train(0).is_err());
+    }
+
+    /// Statistics of `n` boxes: area-fraction mean and quantiles, log-ratio mean and
+    /// quantiles, mean centre x, and how often the box is the fallback box.
+    fn box_stats(width: usize, height: usize, n: usize) -> ([f64; 6], [f64; 6], f64, f64) {
+        let crop = RandomResizedCrop::new((224, 224)).unwrap();
+        let fallback = crop.fallback_rect(width, height);
+        let mut rng = Generator::new(5);
+        let (mut areas, mut logs) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        let (mut centre, mut fallbacks) = (0.0, 0);
+        for _ in 0..n {
+            let b = crop.sample_box(width, height, &mut rng);
+            areas.push(b.width * b.height / (width * height) as f64);
+            logs.push((b.width / b.height).ln());
+            centre += (b.left + b.width / 2.0) / width as f64;
+            fallbacks += usize::from(crop.sample_rect_is(b, fallback));
+        }
+        let summary = |v: &mut Vec<f64>| {
+            let mean = v.iter().sum::<f64>() / n as f64;
+            v.sort_by(f64::total_cmp);
+            let q = |p: f64| v[(p * (n - 1) as f64) as usize];
+            [mean, q(0.1), q(0.25), q(0.5), q(0.75), q(0.9)]
+        };
+        let area = summary(&mut areas);
+        let log = summary(&mut logs);
+        (area, log, centre / n as f64, fallbacks as f64 / n as f64)
+    }
+
+    impl RandomResizedCrop {
+        fn sample_rect_is(&self, b: CropBox, r: PixelRect) -> bool {
+            (b.left, b.top, b.width, b.height)
+                == (r.left as f64, r.top as f64, r.width as f64, r.height as f64)
+        }
+    }
+
+    #[test]
+    fn crop_boxes_have_torchvision_distribution() {
+        // torchvision's get_params, 100 000 draws each (see the fixture script). With n this
+        // large, one estimate's standard error is ≈ 0.002 (area, log ratio) and ≈ 0.0006
+        // (fallback frequency), so 0.01 and 0.004 are ≈ 5 standard errors of a difference.
+        type Reference = ([f64; 6], [f64; 6], f64, f64);
+        let references: [((usize, usize), Reference); 2] = [
+            (
+                (500, 375),
+                (
+                    [0.43381, 0.14771, 0.25088, 0.42224, 0.59442, 0.73786],
+                    [0.03096, -0.20963, -0.10495, 0.04686, 0.17398, 0.24353],
+                    0.49936,
+                    0.0,
+                ),
+            ),
+            (
+                (100, 300),
+                (
+                    [0.22515, 0.1071, 0.148, 0.216, 0.288, 0.3584],
+                    [-0.04556, -0.25996, -0.19167, -0.06385, 0.08995, 0.20203],
+                    0.49999,
+                    0.03548,
+                ),
+            ),
+        ];
+        for ((w, h), (area_ref, log_ref, centre_ref, fallback_ref)) in references {
+            let (area, log, centre, fallback) = box_stats(w, h, 100_000);
+            for (k, (a, b)) in area.iter().zip(area_ref).enumerate() {
+                assert!((a - b).abs() < 0.01, "{w}×{h} area stat {k}: {a} vs {b}");
+            }
+            for (k, (a, b)) in log.iter().zip(log_ref).enumerate() {
+                assert!(
+                    (a - b).abs() < 0.01,
+                    "{w}×{h} log-ratio stat {k}: {a} vs {b}"
+                );
+            }
+            assert!(
+                (centre - centre_ref).abs() < 0.005,
+                "{w}×{h} centre {centre}"
+            );
+            assert!(
+                (fallback - fallback_ref).abs() < 0.004,
+                "{w}×{h} fallback {fallback} vs {fallback_ref}"
+            );
+        }
+    }
+
+    #[test]
+    fn crop_boxes_are_whole_pixels_inside_the_image_within_the_ranges() {
+        let crop = RandomResizedCrop::new((8, 8)).unwrap();
+        let mut rng = Generator::new(1);
+        for (w, h) in [(500, 375), (100, 300), (1, 1), (2, 9), (64, 64)] {
+            for _ in 0..2000 {
+                let b = crop.sample_box(w, h, &mut rng);
+                assert!(b.width >= 1.0 && b.height >= 1.0);
+                assert!(b.left + b.width <= w as f64 && b.top + b.height <= h as f64);
+                assert!([b.left, b.top, b.width, b.height]
+                    .iter()
+                    .all(|v| v.fract() == 0.0));
+                if crop.sample_rect_is(b, crop.fallback_rect(w, h)) || w * h < 100 {
+                    continue; // rounding dominates the ratio of tiny boxes
+                }
+                let area = b.width * b.height / (w * h) as f64;
+                let ratio = b.width / b.height;
+                // Sides are rounded, so allow half a pixel on each.
+                let slack = 1.0 / b.width.min(b.height);
+                assert!(
+                    (0.08 - 2.0 * slack..=1.0 + 2.0 * slack).contains(&area),
+                    "{b:?}"
+                );
+                assert!((0.75 * (1.0 - slack)..=4.0 / 3.0 * (1.0 + slack)).contains(&ratio));
+            }
+        }
+    }
+
+    #[test]
+    fn impossible_areas_fall_back_to_the_centre_box_clamped_to_the_ratio() {
+        // A scale above 1 can never fit, so every draw is the fallback.
+        let crop = RandomResizedCrop::new((4, 4))
+            .unwrap()
+            .with_scale((2.0, 3.0))
+            .unwrap();
+        let mut rng = Generator::new(3);
+        let cases = [
+            // (w, h) → (left, top, width, height): too wide, too tall, in range, a line.
+            ((1000, 10), (493.0, 0.0, 13.0, 10.0)),
+            ((100, 300), (0.0, 83.0, 100.0, 133.0)),
+            ((40, 35), (0.0, 0.0, 40.0, 35.0)),
+            ((1, 1000), (0.0, 499.0, 1.0, 1.0)),
+            ((1000, 1), (499.0, 0.0, 1.0, 1.0)),
+        ];
+        for ((w, h), (left, top, width, height)) in cases {
+            let expected = CropBox {
+                left,
+                top,
+                width,
+                height,
+            };
+            assert_eq!(crop.sample_box(w, h, &mut rng), expected, "{w}×{h}");
+        }
+    }
+
+    #[test]
+    fn train_is_reproducible_per_seed_and_flips_half_the_time() {
+        let image = photo();
+        let transform = ImageTransform::imagenet_train(24).unwrap();
+        let mut a = vec![0; 3 * 24 * 24];
+        let mut b = vec![0; 3 * 24 * 24];
+        transform.apply_into(&image, 42, &mut a).unwrap();
+        transform.apply_into(&image, 42, &mut b).unwrap();
+        assert_eq!(a, b);
+        assert_eq!(
+            transform.apply(&image, 42).unwrap().pixels(),
+            hwc(&a, 24, 24)
+        );
+        let distinct = (0..8u64)
+            .map(|s| transform.apply(&image, s).unwrap().into_pixels())
+            .collect::<std::collections::HashSet<_>>();
+        assert_eq!(distinct.len(), 8);
+
+        // The flip is one draw after the box: with the same box, half the seeds mirror it.
+        let mut flips = 0;
+        let no_flip = ImageTransform::Train {
+            crop: RandomResizedCrop::new((24, 24)).unwrap(),
+            flip: false,
+        };
+        for seed in 0..400 {
+            transform.apply_into(&image, seed, &mut a).unwrap();
+            no_flip.apply_into(&image, seed, &mut b).unwrap();
+            let mirrored: Vec<u8> = b
+                .chunks_exact(24)
+                .flat_map(|row| row.iter().rev().copied())
+                .collect();
+            assert!(a == b || a == mirrored, "seed {seed}");
+            flips += usize::from(a != b);
+        }
+        assert!((160..240).contains(&flips), "{flips} flips of 400");
+    }
+
+    #[test]
+    fn bad_sizes_ranges_boxes_and_buffers_are_errors() {
+        assert!(RandomResizedCrop::new((0, 3)).is_err());
+        let crop = RandomResizedCrop::new((3, 3)).unwrap();
+        for range in [
+            (0.0, 1.0),
+            (0.5, 0.4),
+            (f64::NAN, 1.0),
+            (0.1, f64::INFINITY),
+        ] {
+            assert!(crop.with_scale(range).is_err(), "{range:?}");
+            assert!(crop.with_ratio(range).is_err(), "{range:?}");
+        }
+        let image = RgbImage::new(4, 4, vec![7; 48]).unwrap();
+        let mut out = vec![0; 3 * 2 * 2];
+        let ok = CropBox {
+            left: 0.5,
+            top: 1.0,
+            width: 3.5,
+            height: 2.0,
+        };
+        resize_box_into(&image, ok, 2, 2, true, &mut out).unwrap();
+        assert_eq!(out, vec![7; 12]);
+        for bad in [
+            CropBox { left: -0.5, ..ok },
+            CropBox { width: 3.6, ..ok },
+            CropBox { height: 0.0, ..ok },
+            CropBox {
+                top: f64::NAN,
+                ..ok
+            },
+        ] {
+            let err = resize_box_into(&image, bad, 2, 2, false, &mut out).unwrap_err();
+            assert!(err.to_string().contains("4×4"), "{err}");
+        }
+        let err = resize_box_into(&image, ok, 2, 3, false, &mut out)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("3×2×3") && err.contains("18 bytes") && err.contains("12"));
+        let train = ImageTransform::imagenet_train(2).unwrap();
+        assert!(train.apply_into(&image, 0, &mut out[..11]).is_err());
+        let eval = ImageTransform::Eval {
+            resize: 0,
+            crop: (2, 2),
+        };
+        assert!(eval.apply_into(&image, 0, &mut out).is_err());
+    }
+}

@@ -1,0 +1,232 @@
+//! Decoding real photographs against PIL's pixels, and refusing bad files.
+//!
+//! The fixtures in `tests/data/images/` and their goldens (`NAME.WxH.rgb.gz`: PIL 13's decoded
+//! RGB, libjpeg-turbo 3.2 for JPEG, after `ImageOps.exif_transpose`) were made by
+//! `tests/fixtures/make_image_fixtures.py` from the ImageNet photographs in PyPI's foolbox
+//! wheel. PNGs must match exactly. JPEGs may differ by what separates two correct decoders
+//! (IDCT rounding, chroma upsampling): see `JPEG_MEAN_BOUND` and `JPEG_MAX_BOUND`.
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+use tandem_nn::data::image::{decode_image, image_size, read_image, DecodeLimits, RgbImage};
+
+/// Mean absolute difference per channel value allowed between zune-jpeg and libjpeg-turbo.
+const JPEG_MEAN_BOUND: f64 = 1.0;
+/// Largest single difference allowed.
+const JPEG_MAX_BOUND: u8 = 32;
+
+fn dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/images")
+}
+
+/// Every fixture that has a golden: (fixture path, golden path, width, height).
+fn fixtures() -> Vec<(PathBuf, PathBuf, usize, usize)> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(dir()).unwrap() {
+        let golden = entry.unwrap().path();
+        let name = golden.file_name().unwrap().to_str().unwrap().to_string();
+        let Some(stem) = name.strip_suffix(".rgb.gz") else {
+            continue;
+        };
+        let (base, size) = stem.rsplit_once('.').unwrap();
+        let (w, h) = size.split_once('x').unwrap();
+        let file = ["jpg", "png"]
+            .iter()
+            .map(|ext| dir().join(format!("{base}.{ext}")))
+            .find(|p| p.exists())
+            .unwrap_or_else(|| panic!("no fixture for golden {name}"));
+        out.push((file, golden, w.parse().unwrap(), h.parse().unwrap()));
+    }
+    out.sort();
+    out
+}
+
+fn golden_pixels(path: &Path) -> Vec<u8> {
+    let mut out = Vec::new();
+    flate2::read::GzDecoder::new(std::fs::File::open(path).unwrap())
+        .read_to_end(&mut out)
+        .unwrap();
+    out
+}
+
+/// (mean, max) absolute difference of two equally long pixel buffers.
+fn diff(a: &[u8], b: &[u8]) -> (f64, u8) {
+    let total: u64 = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| u64::from(x.abs_diff(*y)))
+        .sum();
+    let max = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| x.abs_diff(*y))
+        .max()
+        .unwrap_or(0);
+    (total as f64 / a.len() as f64, max)
+}
+
+#[test]
+fn photographs_decode_as_pil_decodes_them() {
+    let limits = DecodeLimits::default();
+    let cases = fixtures();
+    assert!(cases.len() >= 30, "fixtures missing: {}", cases.len());
+    let mut report = Vec::new();
+    for (file, golden, w, h) in &cases {
+        let image: RgbImage = read_image(file, &limits).unwrap();
+        let name = file.file_name().unwrap().to_string_lossy().to_string();
+        assert_eq!((image.width(), image.height()), (*w, *h), "{name}");
+        let bytes = std::fs::read(file).unwrap();
+        assert_eq!(image_size(&bytes, file).unwrap(), (*w, *h), "{name}");
+        let expected = golden_pixels(golden);
+        let (mean, max) = diff(image.pixels(), &expected);
+        report.push(format!("{name:32} {w:4}x{h:<4} mean {mean:.3} max {max}"));
+        if name.ends_with(".png") {
+            assert!(
+                image.pixels() == &expected[..],
+                "{name}: differs from PIL (mean {mean}, max {max})"
+            );
+        } else {
+            assert!(
+                mean <= JPEG_MEAN_BOUND && max <= JPEG_MAX_BOUND,
+                "{name}: mean |diff| {mean:.3} (bound {JPEG_MEAN_BOUND}), max {max} (bound {JPEG_MAX_BOUND})"
+            );
+        }
+    }
+    // Shown with --nocapture: the measured differences the bounds are set from.
+    println!("{}", report.join("\n"));
+}
+
+fn error_of(result: tandem_nn::Result<RgbImage>) -> String {
+    result.expect_err("a bad file must be refused").to_string()
+}
+
+#[test]
+fn truncated_files_are_refused_naming_the_file() {
+    let limits = DecodeLimits::default();
+    for name in [
+        "photo0_q90.jpg",
+        "photo1_progressive.jpg",
+        "png_rgb8.png",
+        "png_rgb8_interlaced.png",
+    ] {
+        let bytes = std::fs::read(dir().join(name)).unwrap();
+        // Half the file; the first 40 bytes (headers only); and, for a PNG, into the last
+        // image-data chunk (its IEND chunk is 12 bytes), for a JPEG, without its end marker.
+        let tail = if name.ends_with(".png") { 13 } else { 2 };
+        for keep in [bytes.len() / 2, 40, bytes.len() - tail] {
+            let path = Path::new("/data/train/cat/cut.jpg");
+            let err = error_of(decode_image(&bytes[..keep], path, &limits));
+            assert!(
+                err.starts_with("/data/train/cat/cut.jpg: ")
+                    && (err.contains("truncated") || err.contains("corrupt")),
+                "{name} cut to {keep} bytes: {err}"
+            );
+            println!("{name} cut to {keep} bytes: {err}");
+        }
+    }
+}
+
+#[test]
+fn a_text_file_and_an_empty_file_are_not_images() {
+    let limits = DecodeLimits::default();
+    let text = dir().join("not_an_image.jpg");
+    let err = error_of(read_image(&text, &limits));
+    assert!(
+        err.contains("not_an_image.jpg") && err.contains("not a JPEG or PNG"),
+        "{err}"
+    );
+    let err = error_of(decode_image(b"", Path::new("empty.png"), &limits));
+    assert!(err.contains("empty.png") && err.contains("empty"), "{err}");
+    let err = image_size(b"GIF89a", Path::new("a.gif"))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("a.gif") && err.contains("47 49 46"), "{err}");
+}
+
+#[test]
+fn decompression_bombs_are_refused_from_the_header() {
+    let limits = DecodeLimits::default();
+    let png = dir().join("bomb_100000x100000.png");
+    let err = error_of(read_image(&png, &limits));
+    assert!(
+        err.contains("bomb_100000x100000.png")
+            && err.contains("PNG is 100000×100000 = 10000000000 pixels")
+            && err.contains("DecodeLimits::max_pixels"),
+        "{err}"
+    );
+    let bytes = std::fs::read(&png).unwrap();
+    assert_eq!(image_size(&bytes, &png).unwrap(), (100000, 100000));
+    let jpeg = dir().join("bomb_65500x65500.jpg");
+    let err = error_of(read_image(&jpeg, &limits));
+    assert!(
+        err.contains("bomb_65500x65500.jpg")
+            && err.contains("JPEG is 65500×65500 = 4290250000 pixels"),
+        "{err}"
+    );
+    // A lower limit refuses an ordinary photograph the same way.
+    let small = DecodeLimits {
+        max_pixels: 160 * 159,
+        ..limits
+    };
+    let err = error_of(read_image(&dir().join("photo0_q90.jpg"), &small));
+    assert!(
+        err.contains("160×160 = 25600 pixels, above the limit of 25440"),
+        "{err}"
+    );
+}
+
+#[test]
+fn files_above_the_byte_limit_are_refused_before_decoding() {
+    let limits = DecodeLimits {
+        max_file_bytes: 1000,
+        ..DecodeLimits::default()
+    };
+    let path = dir().join("photo0_q90.jpg");
+    let err = error_of(read_image(&path, &limits));
+    assert!(
+        err.contains("photo0_q90.jpg") && err.contains("above the limit of 1000 bytes"),
+        "{err}"
+    );
+    let bytes = std::fs::read(&path).unwrap();
+    let err = error_of(decode_image(&bytes, &path, &limits));
+    assert!(err.contains("DecodeLimits::max_file_bytes"), "{err}");
+    let err = error_of(read_image(Path::new("/no/such/file.jpg"), &limits));
+    assert!(err.contains("/no/such/file.jpg"), "{err}");
+}
+
+#[test]
+fn the_format_comes_from_the_content_not_the_extension() {
+    let bytes = std::fs::read(dir().join("png_rgb8.png")).unwrap();
+    let image = decode_image(
+        &bytes,
+        Path::new("really_a_png.jpg"),
+        &DecodeLimits::default(),
+    )
+    .unwrap();
+    assert_eq!((image.width(), image.height()), (67, 45));
+}
+
+#[test]
+fn garbage_after_a_valid_header_is_an_error_never_a_panic() {
+    let limits = DecodeLimits::default();
+    for name in [
+        "photo0_q90.jpg",
+        "photo1_progressive.jpg",
+        "photo5_cmyk.jpg",
+        "png_palette_trns.png",
+    ] {
+        let bytes = std::fs::read(dir().join(name)).unwrap();
+        // Deterministic corruption: flip bytes at a stride through the file.
+        for stride in [7usize, 31, 101, 997] {
+            let mut bad = bytes.clone();
+            for i in (stride..bad.len()).step_by(stride) {
+                bad[i] ^= 0x5A;
+            }
+            // Either outcome is fine; what matters is no panic and, on error, the file named.
+            if let Err(e) = decode_image(&bad, Path::new("bad.jpg"), &limits) {
+                assert!(e.to_string().contains("bad.jpg"), "{e}");
+            }
+        }
+    }
+}
