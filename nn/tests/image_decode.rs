@@ -11,10 +11,16 @@ use std::path::{Path, PathBuf};
 
 use tandem_nn::data::image::{decode_image, image_size, read_image, DecodeLimits, RgbImage};
 
-/// Mean absolute difference per channel value allowed between zune-jpeg and libjpeg-turbo.
-const JPEG_MEAN_BOUND: f64 = 1.0;
-/// Largest single difference allowed.
-const JPEG_MAX_BOUND: u8 = 32;
+/// Mean absolute difference per channel value allowed between zune-jpeg and libjpeg-turbo, per
+/// image. Measured (Pillow 13.0, libjpeg-turbo 3.2, zune-jpeg 0.5.15): at most 0.363 on these
+/// fixtures and 0.377 on the 20 foolbox photographs at 500×375 (BENCHMARKS.md, "Choosing the
+/// image decoders"). Grayscale and 4:4:4 files differ by ≤ 0.014: the difference is chroma
+/// upsampling (both decoders use the "fancy" triangle filter, rounded differently), plus IDCT
+/// rounding.
+const JPEG_MEAN_BOUND: f64 = 0.5;
+/// Largest single difference allowed: measured at most 4 here and 7 on the 500×375 set, at
+/// sharp colour edges where the upsampled chroma differs most.
+const JPEG_MAX_BOUND: u8 = 8;
 
 fn dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/images")
@@ -122,7 +128,6 @@ fn truncated_files_are_refused_naming_the_file() {
                     && (err.contains("truncated") || err.contains("corrupt")),
                 "{name} cut to {keep} bytes: {err}"
             );
-            println!("{name} cut to {keep} bytes: {err}");
         }
     }
 }
@@ -229,4 +234,43 @@ fn garbage_after_a_valid_header_is_an_error_never_a_panic() {
             }
         }
     }
+}
+
+/// Not run by CI (`--ignored`): many random corruptions of every fixture, looking for a panic
+/// or an error that does not name the file. Run once for the decoder choice; see the report in
+/// BENCHMARKS.md.
+#[test]
+#[ignore]
+fn random_corruptions_never_panic() {
+    let limits = DecodeLimits::default();
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let (mut ok, mut refused) = (0, 0);
+    for (file, ..) in fixtures() {
+        let bytes = std::fs::read(&file).unwrap();
+        for _ in 0..2000 {
+            let mut bad = bytes.clone();
+            for _ in 0..1 + next() % 8 {
+                let i = (next() % bad.len() as u64) as usize;
+                bad[i] = next() as u8;
+            }
+            if next() % 4 == 0 {
+                bad.truncate((next() % bad.len() as u64) as usize);
+            }
+            match decode_image(&bad, Path::new("fuzz.bin"), &limits) {
+                Ok(_) => ok += 1,
+                Err(e) => {
+                    assert!(e.to_string().starts_with("fuzz.bin: "), "{e}");
+                    refused += 1;
+                }
+            }
+            let _ = image_size(&bad, Path::new("fuzz.bin"));
+        }
+    }
+    println!("{ok} decoded, {refused} refused");
 }
