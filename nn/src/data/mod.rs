@@ -19,6 +19,7 @@ pub mod transforms;
 
 pub use cifar::{Cifar10, CifarDataset, Mnist32};
 pub use dataset::{Batch, Dataset, TensorDataset};
+pub use image::{ImageFolder, ImageFolderConfig};
 pub use loader::{Batches, DataLoader, DataLoaderConfig};
 pub use mnist::{Mnist, MnistDataset, Split};
 pub use sampler::{RandomSampler, Sampler, SequentialSampler};

@@ -7,9 +7,11 @@
 //! four times smaller than the `f32` batch would be).
 
 pub mod decode;
+pub mod folder;
 pub mod transforms;
 
 pub use decode::{decode_image, image_size, read_image, DecodeLimits};
+pub use folder::{ImageFolder, ImageFolderConfig};
 pub use transforms::{resize_box_into, CropBox, ImageTransform, RandomResizedCrop};
 
 use crate::{Error, Result};
