@@ -19,7 +19,7 @@
 //! decoding threads of `ImageFolder`. The peer does the same with torchvision
 //! (`num_workers` worker processes, persistent; `PILToTensor()`, which yields the same u8
 //! tensors; `ToTensor()`'s f32 figure is printed beside it). Peak memory: tandem's is the child
-//! process's peak RSS (VmHWM); torchvision's is the peak, sampled every 10 ms, of the main
+//! process's peak RSS (VmHWM); torchvision's is the peak, sampled every 50 ms, of the main
 //! process and its workers together, as PSS (shared pages counted once; RSS summed over the
 //! processes is reported too). The peer is found as the other benchmarks' are; a peer that did
 //! not run is a "torchvision: not run: why" line, and with `--require-peer` (or

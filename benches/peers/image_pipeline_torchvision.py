@@ -16,7 +16,7 @@ worker processes, persistent) with `RandomResizedCrop(224)`, `RandomHorizontalFl
 `PILToTensor()` (uint8 CHW, what tandem's loader yields), one untimed epoch to start the
 workers and fill the page cache, then `--runs` timed epochs; prints one JSON object: the
 median images/s, and the peak memory of the main process and its workers together, sampled
-every 10 ms (PSS, which counts pages the forked workers share with the main process once,
+every 50 ms (PSS, which counts pages the forked workers share with the main process once,
 and RSS, which counts them in every process). With `--to-tensor` it also times `ToTensor()`
 (float32 in [0, 1]) the same way.
 """
@@ -110,7 +110,7 @@ def process_tree(pid):
 
 
 class MemorySampler:
-    """Peak PSS and RSS (MiB) of this process and its workers, sampled every 10 ms."""
+    """Peak PSS and RSS (MiB) of this process and its workers, sampled every 50 ms."""
 
     def __init__(self):
         self.peak_pss = 0.0
@@ -120,7 +120,7 @@ class MemorySampler:
         self.thread.start()
 
     def run(self):
-        while not self.stop.wait(0.01):
+        while not self.stop.wait(0.05):
             pids = process_tree(os.getpid())
             pss = sum(kib_field(f"/proc/{p}/smaps_rollup", "Pss:") for p in pids)
             rss = sum(kib_field(f"/proc/{p}/status", "VmRSS:") for p in pids)
