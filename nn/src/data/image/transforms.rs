@@ -148,7 +148,7 @@ impl RandomResizedCrop {
     }
 
     fn sample_rect(&self, width: usize, height: usize, rng: &mut Generator) -> PixelRect {
-        let area = (width * height) as f64;
+        let area = width as f64 * height as f64;
         let (log_lo, log_hi) = (self.ratio.0.ln(), self.ratio.1.ln());
         for _ in 0..10 {
             let target_area = area * (self.scale.0 + (self.scale.1 - self.scale.0) * rng.uniform());
@@ -239,7 +239,7 @@ impl ImageTransform {
         if size == 0 {
             return Err(Error::config("ImageTransform", "eval crop size is 0"));
         }
-        let resize = ((size * 256) as f64 / 224.0).round_ties_even() as usize;
+        let resize = (size as f64 * 256.0 / 224.0).round_ties_even() as usize;
         Ok(ImageTransform::Eval {
             resize,
             crop: (size, size),
@@ -293,7 +293,7 @@ impl ImageTransform {
     /// tools).
     pub fn apply(&self, image: &RgbImage, seed: u64) -> Result<RgbImage> {
         let (h, w) = self.output_size();
-        let mut chw = vec![0u8; 3 * h * w];
+        let mut chw = vec![0u8; output_bytes("ImageTransform::apply", h, w)?];
         self.apply_into(image, seed, &mut chw)?;
         RgbImage::new(w, h, chw_to_hwc(&chw, h, w))
     }
@@ -306,8 +306,8 @@ fn resized_size(width: usize, height: usize, size: usize) -> (usize, usize) {
     } else {
         (height, width)
     };
-    // Python's `int(size * long / short)`: a float division, truncated.
-    let new_long = ((size * long) as f64 / short as f64) as usize;
+    // Python's `int(size * long / short)`: an exact product, a float division, truncated.
+    let new_long = ((size as u128 * long as u128) as f64 / short as f64) as usize;
     if width <= height {
         (new_long, size)
     } else {
@@ -338,17 +338,28 @@ pub fn resize_box_into(
 }
 
 fn check_output(what: &'static str, out_h: usize, out_w: usize, out_chw: &[u8]) -> Result<()> {
-    if out_h == 0 || out_w == 0 || out_chw.len() != 3 * out_h * out_w {
+    let needed = output_bytes(what, out_h, out_w)?;
+    if out_chw.len() != needed {
         return Err(Error::input(
             what,
             format!(
-                "a 3×{out_h}×{out_w} output needs {} bytes, the buffer has {}",
-                3 * out_h * out_w,
+                "a 3×{out_h}×{out_w} output needs {needed} bytes, the buffer has {}",
                 out_chw.len()
             ),
         ));
     }
     Ok(())
+}
+
+/// Bytes of a 3 × `out_h` × `out_w` output; errors if a side is 0 or the size overflows.
+fn output_bytes(what: &'static str, out_h: usize, out_w: usize) -> Result<usize> {
+    match out_h.checked_mul(out_w).and_then(|n| n.checked_mul(3)) {
+        Some(n) if n > 0 => Ok(n),
+        _ => Err(Error::input(
+            what,
+            format!("a 3×{out_h}×{out_w} output is empty or too large"),
+        )),
+    }
 }
 
 fn chw_to_hwc(chw: &[u8], h: usize, w: usize) -> Vec<u8> {

@@ -472,6 +472,18 @@ fn bad_sizes_ranges_boxes_and_buffers_are_errors() {
         crop: (2, 2),
     };
     assert!(eval.apply_into(&image, 0, &mut out).is_err());
+    let huge = ImageTransform::Eval {
+        resize: 4,
+        crop: (usize::MAX / 2, 3),
+    };
+    let err = huge.apply(&image, 0).unwrap_err().to_string();
+    assert!(err.contains("too large"), "{err}");
+    assert!(ImageTransform::Eval {
+        resize: 4,
+        crop: (0, 3)
+    }
+    .apply(&image, 0)
+    .is_err());
 }
 
 #[test]
@@ -510,6 +522,11 @@ fn extreme_shapes_keep_a_uniform_image_uniform() {
             ImageTransform::Eval {
                 resize: 2,
                 crop: (2, 2),
+            },
+            // Only the kept pixels of the (huge) resized image are ever computed.
+            ImageTransform::Eval {
+                resize: 1 << 40,
+                crop: (3, 4),
             },
         ];
         for transform in transforms {
