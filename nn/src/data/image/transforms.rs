@@ -454,10 +454,10 @@ struct Taps {
 /// factor) plus `normalize_coeffs_8bpc`, computed in the same order and precision so the
 /// fixed-point weights are PIL's exactly. `first` is absolute (includes `origin`).
 ///
-/// With `full_windows`, every output that has taps gets exactly `stride` of them (PIL's taps
-/// placed inside a window of `stride` source pixels moved left at the right edge, the rest
-/// weight 0), so the horizontal pass can run a loop of fixed length; the sums are unchanged.
-/// Not possible when the source is narrower than `stride`, then `count` stays PIL's.
+/// With `full_windows`, every output that has taps gets the same number of them, the most any
+/// output has (PIL's taps placed inside a window of that many source pixels, moved left at the
+/// right edge, the rest weight 0), so the horizontal pass can run a loop of fixed length; the
+/// sums are unchanged.
 fn taps(axis: &Axis, full_windows: bool) -> Taps {
     let scale = axis.box_len / axis.out_full as f64;
     let filter_scale = scale.max(1.0);
@@ -489,21 +489,40 @@ fn taps(axis: &Axis, full_windows: bool) -> Taps {
             *wx = (1.0 - d.abs()).max(0.0);
             total += *wx;
         }
-        let (start, count) = if full_windows && stride <= axis.extent {
-            (xmin.min(axis.extent - stride), stride)
-        } else {
-            (xmin, n)
-        };
-        let row = &mut taps.weights[i * stride + xmin - start..i * stride + xmin - start + n];
+        let row = &mut taps.weights[i * stride..i * stride + n];
         for (k, &wx) in row.iter_mut().zip(&w[..n]) {
             let wx = if total != 0.0 { wx / total } else { wx };
             // Weights are never negative for the triangle, so PIL's +0.5 branch is the one.
             *k = (0.5 + wx * f64::from(1u32 << PRECISION_BITS)) as i32;
         }
-        taps.first[i] = axis.origin + start;
-        taps.count[i] = count;
+        taps.first[i] = axis.origin + xmin;
+        taps.count[i] = n;
+    }
+    if full_windows {
+        widen_to_full_windows(&mut taps, axis.origin + axis.extent);
     }
     taps
+}
+
+/// Gives every output with taps a window of the longest output's length (see [`taps`]): a
+/// window starts at the output's first tap, or ends at `end` (one past the last source pixel)
+/// where that would run past it, and its weights are PIL's moved to their pixels, zeros
+/// elsewhere.
+fn widen_to_full_windows(taps: &mut Taps, end: usize) {
+    let window = taps.count.iter().copied().max().unwrap_or(0);
+    for i in 0..taps.count.len() {
+        let (first, n) = (taps.first[i], taps.count[i]);
+        if n == 0 {
+            continue; // padding stays without taps
+        }
+        let start = first.min(end - window);
+        let shift = first - start;
+        let row = &mut taps.weights[i * taps.stride..i * taps.stride + window];
+        row.copy_within(0..n, shift);
+        row[..shift].fill(0);
+        taps.first[i] = start;
+        taps.count[i] = window;
+    }
 }
 
 /// PIL's `clip8`: a fixed-point sum back to a byte.
@@ -537,27 +556,37 @@ fn used_span(taps: &Taps) -> (usize, usize) {
     (first, end.unwrap_or(first))
 }
 
-/// One horizontal pass over an interleaved row whose pixel 0 is source column `offset`:
-/// writes `taps.count.len()` interleaved pixels to `dst`, mirrored if `flip`. The common
-/// window lengths run as loops of constant length (unrolled by the compiler).
-fn horizontal_row(row: &[u8], offset: usize, taps: &Taps, flip: bool, dst: &mut [u8]) {
-    let full = taps.count.iter().all(|&n| n == taps.stride);
-    match taps.stride {
-        3 if full => horizontal_row_with::<3>(row, offset, taps, flip, dst),
-        5 if full => horizontal_row_with::<5>(row, offset, taps, flip, dst),
-        7 if full => horizontal_row_with::<7>(row, offset, taps, flip, dst),
-        _ => horizontal_row_with::<0>(row, offset, taps, flip, dst),
-    }
-}
-
-/// [`horizontal_row`] with `N` taps per output pixel, or each pixel's own count if `N` is 0.
-#[inline(always)]
-fn horizontal_row_with<const N: usize>(
-    row: &[u8],
+/// One horizontal pass over `R` interleaved rows (`rows[r]`, pixel 0 of each is source column
+/// `offset`): writes `taps.count.len()` interleaved pixels to each `dst[r]`, mirrored if
+/// `flip`. The common window lengths run as loops of constant length (unrolled by the
+/// compiler); rows go `R` at a time so each output column's weights are loaded once for them.
+fn horizontal_rows<const R: usize>(
+    rows: [&[u8]; R],
     offset: usize,
     taps: &Taps,
     flip: bool,
-    dst: &mut [u8],
+    dst: [&mut [u8]; R],
+) {
+    let window = taps.count[0];
+    let full = taps.count.iter().all(|&n| n == window);
+    match window {
+        2 if full => horizontal_rows_with::<2, R>(rows, offset, taps, flip, dst),
+        3 if full => horizontal_rows_with::<3, R>(rows, offset, taps, flip, dst),
+        4 if full => horizontal_rows_with::<4, R>(rows, offset, taps, flip, dst),
+        5 if full => horizontal_rows_with::<5, R>(rows, offset, taps, flip, dst),
+        6 if full => horizontal_rows_with::<6, R>(rows, offset, taps, flip, dst),
+        _ => horizontal_rows_with::<0, R>(rows, offset, taps, flip, dst),
+    }
+}
+
+/// [`horizontal_rows`] with `N` taps per output pixel, or each pixel's own count if `N` is 0.
+#[inline(always)]
+fn horizontal_rows_with<const N: usize, const R: usize>(
+    rows: [&[u8]; R],
+    offset: usize,
+    taps: &Taps,
+    flip: bool,
+    mut dst: [&mut [u8]; R],
 ) {
     let out_w = taps.count.len();
     let half = 1u64 << (PRECISION_BITS - 1);
@@ -566,17 +595,19 @@ fn horizontal_row_with<const N: usize>(
         let n = if N == 0 { taps.count[x] } else { N };
         let first = taps.first[x].saturating_sub(offset);
         let weights = &taps.weights[x * taps.stride..x * taps.stride + n];
-        // Red and blue share one u64 (bits 0–31 and 32–63): the weights are ≥ 0 and sum to
-        // about 2^22, so a channel's sum stays below 2^31 and never carries into the other.
-        let (mut red_blue, mut green) = (half | half << 32, half);
-        for (px, &k) in row[first * 3..(first + n) * 3].chunks_exact(3).zip(weights) {
-            let k = k as u64;
-            red_blue += (u64::from(px[0]) | u64::from(px[2]) << 32) * k;
-            green += u64::from(px[1]) * k;
+        for (row, dst) in rows.iter().zip(dst.iter_mut()) {
+            // Red and blue share one u64 (bits 0–31 and 32–63): the weights are ≥ 0 and sum
+            // to about 2^22, so a channel's sum stays below 2^31, never carrying into the other.
+            let (mut red_blue, mut green) = (half | half << 32, half);
+            for (px, &k) in row[first * 3..(first + n) * 3].chunks_exact(3).zip(weights) {
+                let k = k as u64;
+                red_blue += (u64::from(px[0]) | u64::from(px[2]) << 32) * k;
+                green += u64::from(px[1]) * k;
+            }
+            dst[xo * 3] = clip8(red_blue as u32 as i32);
+            dst[xo * 3 + 1] = clip8(green as i32);
+            dst[xo * 3 + 2] = clip8((red_blue >> 32) as i32);
         }
-        dst[xo * 3] = clip8(red_blue as u32 as i32);
-        dst[xo * 3 + 1] = clip8(green as i32);
-        dst[xo * 3 + 2] = clip8((red_blue >> 32) as i32);
     }
 }
 
@@ -622,9 +653,17 @@ fn resample_horizontal_first(
     let line = out_w * 3;
     let src_line = image.width() * 3;
     let mut temp = vec![0u8; (end_row - first_row) * line];
-    for (y, dst) in temp.chunks_exact_mut(line).enumerate() {
-        let row = &image.pixels()[(first_row + y) * src_line..(first_row + y + 1) * src_line];
-        horizontal_row(row, 0, col_taps, flip, dst);
+    let source = &image.pixels()[first_row * src_line..end_row * src_line];
+    let mut pairs = temp.chunks_exact_mut(2 * line);
+    let mut source_pairs = source.chunks_exact(2 * src_line);
+    for (dst, src) in (&mut pairs).zip(&mut source_pairs) {
+        let (dst_a, dst_b) = dst.split_at_mut(line);
+        let (src_a, src_b) = src.split_at(src_line);
+        horizontal_rows([src_a, src_b], 0, col_taps, flip, [dst_a, dst_b]);
+    }
+    let (last_dst, last_src) = (pairs.into_remainder(), source_pairs.remainder());
+    if !last_dst.is_empty() {
+        horizontal_rows([last_src], 0, col_taps, flip, [last_dst]);
     }
     let mut sums = vec![0i32; line];
     for y in 0..out_h {
@@ -662,7 +701,7 @@ fn resample_vertical_first(
         for (b, &s) in temp.iter_mut().zip(&sums) {
             *b = clip8(s);
         }
-        horizontal_row(&temp, first_col, col_taps, flip, &mut out_row);
+        horizontal_rows([&temp], first_col, col_taps, flip, [&mut out_row]);
         scatter_row(&out_row, y, out_w, out_chw, |v| v);
     }
 }
