@@ -205,7 +205,9 @@ fn check_range(what: &str, (lo, hi): (f64, f64)) -> Result<()> {
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum ImageTransform {
     /// Training: a random resized crop, then (if `flip`) a horizontal mirror with
-    /// probability ½.
+    /// probability ½. Resampled as torchvision does it on a PIL image, `crop` then `resize`:
+    /// the filter reads only pixels inside the crop (unlike [`resize_box_into`], which, as
+    /// PIL's `resize(box=...)`, lets pixels just outside the box into the edge pixels).
     Train {
         /// The crop and the output size.
         crop: RandomResizedCrop,
