@@ -10,7 +10,7 @@
 //! - 16-bit samples keep their high byte (PIL does this for 16-bit RGB and gray+alpha; for
 //!   16-bit gray without alpha PIL clips every value above 255 to white instead, which loses
 //!   the image, so tandem keeps the high byte there too);
-//! - CMYK and YCCK JPEGs (Adobe's inverted convention when the Adobe marker says so) become RGB
+//! - CMYK and YCCK JPEGs are read, as PIL reads them, as Adobe's inverted CMYK and become RGB
 //!   with PIL's formula `R = (255 − K) − (255 − K)·C / 255`.
 //!
 //! The EXIF orientation (tags 1–8, in a JPEG's APP1 or a PNG's `eXIf` chunk) is applied, so
