@@ -73,8 +73,10 @@ fn end_of_entropy_data(bytes: &[u8], from: usize) -> Option<usize> {
     }
 }
 
-/// A decoder with its size limits opened to JPEG's own (65535 per side): tandem checks
-/// width × height against [`DecodeLimits::max_pixels`] itself, with a clearer message.
+/// A decoder with its side limits opened to JPEG's own (65535): tandem checks width × height
+/// against [`DecodeLimits::max_pixels`] itself, after the headers and before any pixel memory,
+/// with a clearer message. zune-jpeg's cap of 100 progressive scans (against files whose many
+/// scans make decoding slow without making them large) stays.
 fn decoder(bytes: &[u8]) -> JpegDecoder<ZCursor<&[u8]>> {
     let options = DecoderOptions::default()
         .set_max_width(usize::from(u16::MAX))
