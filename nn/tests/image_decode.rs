@@ -168,6 +168,21 @@ fn truncated_files_are_refused_naming_the_file() {
 }
 
 #[test]
+fn image_size_reads_only_the_headers() {
+    // Half of each file is enough: the pixels are neither decoded nor needed.
+    for (name, size) in [
+        ("photo0_q90.jpg", (160, 160)),
+        ("exif6.jpg", (64, 96)),
+        ("png_rgb8.png", (67, 45)),
+        ("png_exif6.png", (45, 67)),
+    ] {
+        let bytes = std::fs::read(dir().join(name)).unwrap();
+        let half = &bytes[..bytes.len() / 2];
+        assert_eq!(image_size(half, Path::new(name)).unwrap(), size, "{name}");
+    }
+}
+
+#[test]
 fn a_text_file_and_an_empty_file_are_not_images() {
     let limits = DecodeLimits::default();
     let text = dir().join("not_an_image.jpg");

@@ -21,7 +21,10 @@
 //!
 //! Decompression bombs: [`read_image`] reads at most [`DecodeLimits::max_file_bytes`] bytes,
 //! and the width × height of the header is checked against [`DecodeLimits::max_pixels`] before
-//! any pixel buffer is allocated (the decoders' own limits are set from it as well). A decoder
+//! any pixel buffer is allocated; `png`'s own limit on its working memory is set, and
+//! zune-jpeg's cap on progressive scans kept. While decoding, memory peaks at about the RGB
+//! image (3 bytes a pixel) plus, for a progressive JPEG, its coefficients (2 bytes a sample: 3
+//! bytes a pixel at 4:2:0), or for a PNG with alpha or in gray, the 8-bit samples. A decoder
 //! panic on malformed input (none is known; both decoders are fuzzed) is caught and reported as
 //! an error naming the file: the check costs nothing on the normal path.
 
