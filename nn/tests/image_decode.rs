@@ -193,6 +193,14 @@ fn a_text_file_and_an_empty_file_are_not_images() {
     );
     let err = error_of(decode_image(b"", Path::new("empty.png"), &limits));
     assert!(err.contains("empty.png") && err.contains("empty"), "{err}");
+    let zero = std::env::temp_dir().join(format!("tandem-zero-{}.jpg", std::process::id()));
+    std::fs::write(&zero, b"").unwrap();
+    let err = error_of(read_image(&zero, &limits));
+    std::fs::remove_file(&zero).unwrap();
+    assert!(
+        err.contains(&*zero.to_string_lossy()) && err.contains("is empty (0 bytes)"),
+        "{err}"
+    );
     let err = image_size(b"GIF89a", Path::new("a.gif"))
         .unwrap_err()
         .to_string();
