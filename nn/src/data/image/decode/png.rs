@@ -40,6 +40,10 @@ fn decoder(bytes: &[u8]) -> Decoder<Cursor<&[u8]>> {
     // Palettes and low bit depths expand to 8-bit gray/RGB (+ alpha from tRNS); 16-bit samples
     // keep their high byte. The alpha is dropped below.
     decoder.set_transformations(Transformations::EXPAND | Transformations::STRIP_16);
+    // Text and ICC profiles are not used (PIL's convert("RGB") ignores the profile too): not
+    // inflating them keeps `image_size` cheap.
+    decoder.set_ignore_text_chunk(true);
+    decoder.set_ignore_iccp_chunk(true);
     decoder
 }
 
