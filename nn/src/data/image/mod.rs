@@ -6,8 +6,10 @@
 //! pipeline as `u8` and are normalised to `f32` where they are used (on the GPU: after a copy
 //! four times smaller than the `f32` batch would be).
 
+pub mod decode;
 pub mod transforms;
 
+pub use decode::{decode_image, image_size, read_image, DecodeLimits};
 pub use transforms::{resize_box_into, CropBox, ImageTransform, RandomResizedCrop};
 
 use crate::{Error, Result};
