@@ -4,11 +4,17 @@
 //! thread that asks the sampler for the epoch's order, cuts it into batches and builds them
 //! with the dataset, keeping up to `prefetch` finished batches in a bounded channel. The caller
 //! receives them in order as `Result<Batch>`; dropping the iterator stops the worker.
+//!
+//! Memory: besides the batch the caller holds, a pass holds at most `prefetch + 1` batches —
+//! `prefetch` finished ones waiting in the channel and the one the worker is building (plus,
+//! on a CUDA device, their device copies). [`Batches::wait_time`] says how long the caller
+//! waited for them.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver};
 use std::sync::Arc;
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use tandem_core::{Device, Event, Stream};
 
@@ -159,6 +165,7 @@ impl DataLoader {
             remaining: 0,
             failure: Some(e),
             compute: None,
+            waited: Duration::ZERO,
         };
         let device = self.config.device;
         // On a CUDA device: a copy stream for the worker, the compute stream for the caller.
@@ -202,6 +209,7 @@ impl DataLoader {
                 remaining: batches,
                 failure: None,
                 compute,
+                waited: Duration::ZERO,
             },
             Err(e) => failed(Error::data(
                 "DataLoader",
@@ -253,6 +261,18 @@ pub struct Batches {
     failure: Option<Error>,
     /// The device's compute stream, made to wait for each batch's copy.
     compute: Option<Stream>,
+    /// Time `next` spent waiting for the loader thread.
+    waited: Duration,
+}
+
+impl Batches {
+    /// How long the caller has waited for batches so far in this epoch: the time
+    /// [`next`](Iterator::next) spent blocked until the loader thread had the next batch ready.
+    /// Near zero when loading keeps up with training; when it grows with every batch, the
+    /// input pipeline is the bottleneck (add decoding workers or prefetch).
+    pub fn wait_time(&self) -> Duration {
+        self.waited
+    }
 }
 
 impl Iterator for Batches {
@@ -263,7 +283,10 @@ impl Iterator for Batches {
             return Some(Err(e));
         }
         let receiver = self.receiver.as_ref()?;
-        match receiver.recv() {
+        let started = Instant::now();
+        let received = receiver.recv();
+        self.waited += started.elapsed();
+        match received {
             Ok(loaded) => {
                 self.remaining = self.remaining.saturating_sub(1);
                 let batch = loaded.and_then(|Loaded { batch, ready }| {
@@ -433,6 +456,41 @@ mod tests {
         assert!(results[0].is_ok());
         let err = results[1].as_ref().unwrap_err().to_string();
         assert!(err.contains("index 3"), "{err}");
+    }
+
+    /// A dataset that takes a while per batch, so the caller has to wait for it.
+    struct Slow(Arc<dyn Dataset>);
+
+    impl Dataset for Slow {
+        fn len(&self) -> usize {
+            self.0.len()
+        }
+        fn get_batch(&self, indices: &[usize]) -> Result<Batch> {
+            std::thread::sleep(Duration::from_millis(5));
+            self.0.get_batch(indices)
+        }
+    }
+
+    #[test]
+    fn wait_time_adds_up_the_time_spent_waiting_for_batches() {
+        let cfg = DataLoaderConfig {
+            batch_size: 2,
+            ..Default::default()
+        };
+        let loader = DataLoader::new(Arc::new(Slow(numbers(6))), cfg).unwrap();
+        let mut batches = loader.iter();
+        assert_eq!(batches.wait_time(), Duration::ZERO);
+        let mut last = Duration::ZERO;
+        for _ in 0..3 {
+            batches.next().unwrap().unwrap();
+            assert!(batches.wait_time() >= last);
+            last = batches.wait_time();
+        }
+        assert!(batches.next().is_none());
+        assert!(
+            last > Duration::ZERO,
+            "waited {last:?} for batches 5 ms each"
+        );
     }
 
     #[test]

@@ -5,7 +5,7 @@
 //! seeded by [`sample_seed`]`(seed, epoch, index)`, so a sample gets the same crop and flip
 //! whichever batch, worker or order it is built in, and a different one every epoch.
 
-use tandem_core::Generator;
+use tandem_core::{DType, Generator, Tensor};
 
 use crate::{Error, Result};
 
@@ -13,6 +13,11 @@ use crate::{Error, Result};
 pub const CIFAR10_MEAN: [f32; 3] = [0.4914, 0.4822, 0.4465];
 /// Standard deviation of the CIFAR-10 training pixels per channel (R, G, B).
 pub const CIFAR10_STD: [f32; 3] = [0.2470, 0.2435, 0.2616];
+/// Mean of the ImageNet training pixels per channel (R, G, B), after scaling to [0, 1]: the
+/// statistics torchvision's pretrained models and ImageNet recipes use.
+pub const IMAGENET_MEAN: [f32; 3] = [0.485, 0.456, 0.406];
+/// Standard deviation of the ImageNet training pixels per channel (R, G, B).
+pub const IMAGENET_STD: [f32; 3] = [0.229, 0.224, 0.225];
 
 /// The seed of sample `index` in `epoch` for a run seeded with `seed` (SplitMix64 over the
 /// three, so nearby inputs give unrelated seeds).
@@ -88,9 +93,73 @@ impl Normalize {
         }
     }
 
+    /// ImageNet's statistics ([`IMAGENET_MEAN`], [`IMAGENET_STD`]).
+    pub fn imagenet() -> Self {
+        Normalize {
+            mean: IMAGENET_MEAN.to_vec(),
+            std: IMAGENET_STD.to_vec(),
+        }
+    }
+
     /// Number of channels it expects.
     pub fn channels(&self) -> usize {
         self.mean.len()
+    }
+
+    /// A batch of images `[N, C, H, W]` of bytes normalised to f32 `(x / 255 − mean[c]) /
+    /// std[c]`, computed on the device the batch is on.
+    ///
+    /// This is where a `u8` batch becomes `f32`: an image dataset ([`super::image::ImageFolder`])
+    /// yields bytes, the data loader copies those to the GPU (a quarter of the bytes an `f32`
+    /// batch would take), and this runs there, on the compute stream, after the copy. On the CPU
+    /// it is the same computation on the CPU. `images` may be `u8` or `f32`; an `f32` batch is
+    /// taken to hold pixel values on the same 0–255 scale. The result is a new tensor outside
+    /// the autograd graph. Errors if `images` is not 4-D with [`channels`](Self::channels)
+    /// channels in dim 1, or is of another dtype.
+    pub fn normalize_batch(&self, images: &Tensor) -> Result<Tensor> {
+        let dims = images.dims();
+        if dims.len() != 4 || dims[1] != self.channels() {
+            return Err(Error::input(
+                "Normalize",
+                format!(
+                    "normalize_batch needs [N, {}, H, W] images, got shape {dims:?}",
+                    self.channels()
+                ),
+            ));
+        }
+        if !matches!(images.dtype(), DType::U8 | DType::F32) {
+            return Err(Error::input(
+                "Normalize",
+                format!(
+                    "normalize_batch takes u8 or f32 images, got {:?} {dims:?} on {:?}",
+                    images.dtype(),
+                    images.device()
+                ),
+            ));
+        }
+        // (x/255 − m)/s as one multiply and one subtract: x·(1/(255·s)) − m/s, with the
+        // per-channel factors as [1, C, 1, 1] tensors that broadcast over the batch.
+        let per_channel = |values: Vec<f32>| -> Result<Tensor> {
+            let t = Tensor::from_vec(
+                values,
+                &[1, self.channels(), 1, 1],
+                tandem_core::Device::Cpu,
+            )?;
+            Ok(t.to_device(images.device())?)
+        };
+        let scale = per_channel(self.std.iter().map(|s| 1.0 / (255.0 * s)).collect())?;
+        let shift = per_channel(
+            self.mean
+                .iter()
+                .zip(&self.std)
+                .map(|(m, s)| m / s)
+                .collect(),
+        )?;
+        let x = match images.dtype() {
+            DType::F32 => images.detach(),
+            _ => images.to_dtype(DType::F32)?,
+        };
+        Ok(tandem_ops::sub(&tandem_ops::mul(&x, &scale)?, &shift)?)
     }
 }
 
@@ -149,6 +218,7 @@ pub fn transform_image(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tandem_core::Device;
 
     /// A 1×3×3 image with pixels 10, 20, …, 90.
     fn image() -> Vec<u8> {
@@ -256,6 +326,46 @@ mod tests {
         let differs = (0..20).any(|e| run(e, 5) != run(0, 5));
         assert!(differs, "every epoch drew the same augmentation");
         assert_ne!(sample_seed(1, 0, 1), sample_seed(1, 1, 0));
+    }
+
+    #[test]
+    fn normalize_batch_matches_the_per_pixel_formula_for_bytes_and_floats() {
+        let n = Normalize::imagenet();
+        let (b, h, w) = (2, 3, 5);
+        let bytes: Vec<u8> = (0..b * 3 * h * w).map(|i| (i * 37 % 256) as u8).collect();
+        let want: Vec<f64> = bytes
+            .iter()
+            .enumerate()
+            .map(|(i, &x)| {
+                let c = i / (h * w) % 3;
+                (x as f64 / 255.0 - IMAGENET_MEAN[c] as f64) / IMAGENET_STD[c] as f64
+            })
+            .collect();
+        let u8_batch = Tensor::from_vec(bytes.clone(), &[b, 3, h, w], Device::Cpu).unwrap();
+        let floats: Vec<f32> = bytes.iter().map(|&x| x as f32).collect();
+        let f32_batch = Tensor::from_vec(floats, &[b, 3, h, w], Device::Cpu).unwrap();
+        for batch in [u8_batch, f32_batch] {
+            let out = n.normalize_batch(&batch).unwrap();
+            assert_eq!((out.dims(), out.dtype()), (&[b, 3, h, w][..], DType::F32));
+            for (i, (g, e)) in out.to_vec::<f32>().unwrap().iter().zip(&want).enumerate() {
+                assert!((*g as f64 - e).abs() < 1e-5, "element {i}: {g} vs {e}");
+            }
+        }
+    }
+
+    #[test]
+    fn normalize_batch_rejects_other_ranks_channels_and_dtypes() {
+        let n = Normalize::imagenet();
+        let err = |t: Tensor| n.normalize_batch(&t).unwrap_err().to_string();
+        let e = err(Tensor::zeros(&[2, 1, 4, 4], DType::U8, Device::Cpu).unwrap());
+        assert!(
+            e.contains("[N, 3, H, W]") && e.contains("[2, 1, 4, 4]"),
+            "{e}"
+        );
+        let e = err(Tensor::zeros(&[3, 4, 4], DType::U8, Device::Cpu).unwrap());
+        assert!(e.contains("[3, 4, 4]"), "{e}");
+        let e = err(Tensor::zeros(&[1, 3, 2, 2], DType::I64, Device::Cpu).unwrap());
+        assert!(e.contains("I64") && e.contains("u8 or f32"), "{e}");
     }
 
     #[test]
