@@ -6,10 +6,45 @@
 //! wheel. PNGs must match exactly. JPEGs may differ by what separates two correct decoders
 //! (IDCT rounding, chroma upsampling): see `JPEG_MEAN_BOUND` and `JPEG_MAX_BOUND`.
 
+use std::alloc::{GlobalAlloc, Layout, System};
 use std::io::Read;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use tandem_nn::data::image::{decode_image, image_size, read_image, DecodeLimits, RgbImage};
+
+/// The system allocator, recording the largest single allocation, so the bomb tests can check
+/// that no pixel buffer was sized from a hostile header (the other tests of this binary
+/// allocate at most a few hundred KB at once).
+struct LargestAllocation;
+
+static LARGEST: AtomicUsize = AtomicUsize::new(0);
+
+// SAFETY: every call is forwarded unchanged to the system allocator; only a counter is added.
+unsafe impl GlobalAlloc for LargestAllocation {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        LARGEST.fetch_max(layout.size(), Ordering::Relaxed);
+        // SAFETY: the caller upholds `alloc`'s contract, which `System.alloc` shares.
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        LARGEST.fetch_max(layout.size(), Ordering::Relaxed);
+        // SAFETY: as for `alloc`.
+        unsafe { System.alloc_zeroed(layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        LARGEST.fetch_max(new_size, Ordering::Relaxed);
+        // SAFETY: `ptr` and `layout` come from this allocator, which is `System`'s.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: `ptr` was allocated by `System` with `layout`.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: LargestAllocation = LargestAllocation;
 
 /// Mean absolute difference per channel value allowed between zune-jpeg and libjpeg-turbo, per
 /// image. Measured (Pillow 13.0, libjpeg-turbo 3.2, zune-jpeg 0.5.15): at most 0.363 on these
@@ -133,6 +168,21 @@ fn truncated_files_are_refused_naming_the_file() {
 }
 
 #[test]
+fn image_size_reads_only_the_headers() {
+    // Half of each file is enough: the pixels are neither decoded nor needed.
+    for (name, size) in [
+        ("photo0_q90.jpg", (160, 160)),
+        ("exif6.jpg", (64, 96)),
+        ("png_rgb8.png", (67, 45)),
+        ("png_exif6.png", (45, 67)),
+    ] {
+        let bytes = std::fs::read(dir().join(name)).unwrap();
+        let half = &bytes[..bytes.len() / 2];
+        assert_eq!(image_size(half, Path::new(name)).unwrap(), size, "{name}");
+    }
+}
+
+#[test]
 fn a_text_file_and_an_empty_file_are_not_images() {
     let limits = DecodeLimits::default();
     let text = dir().join("not_an_image.jpg");
@@ -143,6 +193,14 @@ fn a_text_file_and_an_empty_file_are_not_images() {
     );
     let err = error_of(decode_image(b"", Path::new("empty.png"), &limits));
     assert!(err.contains("empty.png") && err.contains("empty"), "{err}");
+    let zero = std::env::temp_dir().join(format!("tandem-zero-{}.jpg", std::process::id()));
+    std::fs::write(&zero, b"").unwrap();
+    let err = error_of(read_image(&zero, &limits));
+    std::fs::remove_file(&zero).unwrap();
+    assert!(
+        err.contains(&*zero.to_string_lossy()) && err.contains("is empty (0 bytes)"),
+        "{err}"
+    );
     let err = image_size(b"GIF89a", Path::new("a.gif"))
         .unwrap_err()
         .to_string();
@@ -169,6 +227,10 @@ fn decompression_bombs_are_refused_from_the_header() {
             && err.contains("JPEG is 65500×65500 = 4290250000 pixels"),
         "{err}"
     );
+    // Neither header made anything large be allocated (the PNG's pixels would be 30 GB, the
+    // JPEG's 12.9 GB).
+    let largest = LARGEST.load(Ordering::Relaxed);
+    assert!(largest < 64 << 20, "an allocation of {largest} bytes");
     // A lower limit refuses an ordinary photograph the same way.
     let small = DecodeLimits {
         max_pixels: 160 * 159,

@@ -263,16 +263,29 @@ fn random_transforms_repeat_per_epoch_and_differ_across_epochs() {
     assert_ne!(images(1), epoch0);
 }
 
-/// A class folder with good images and three bad files: a text file named `.jpg`, an empty
-/// `.png` and a PNG cut short.
-fn with_bad_files(dir: &Path) -> [usize; 3] {
+/// Two class folders with good images and the bad files of the issue: a text file named
+/// `.jpg`, an empty `.png`, a PNG whose header claims 100000×100000 pixels (a decompression
+/// bomb), a JPEG and a PNG cut short. Returns the bad samples' indices and file names.
+fn with_bad_files(dir: &Path) -> [(usize, &'static str); 5] {
     write_images(dir, &["a/good1.png", "a/good2.png", "b/good3.png"]);
     write(dir, "a/text.jpg", b"this is not a JPEG");
     write(dir, "a/zero.png", b"");
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/images");
+    let bomb = std::fs::read(fixtures.join("bomb_100000x100000.png")).unwrap();
+    write(dir, "b/bomb.png", &bomb);
+    let jpeg = std::fs::read(fixtures.join("photo0_q90.jpg")).unwrap();
+    write(dir, "b/cut.jpg", &jpeg[..jpeg.len() / 2]);
     let png = png_bytes(30, 30, 1);
     write(dir, "b/truncated.png", &png[..png.len() / 2]);
-    // Samples: a/good1, a/good2, a/text.jpg, a/zero.png, b/good3, b/truncated.
-    [2, 3, 5]
+    // Samples: a/good1, a/good2, a/text.jpg, a/zero.png, b/bomb.png, b/cut.jpg, b/good3,
+    // b/truncated.png.
+    [
+        (2, "text.jpg"),
+        (3, "zero.png"),
+        (4, "bomb.png"),
+        (5, "cut.jpg"),
+        (7, "truncated.png"),
+    ]
 }
 
 #[test]
@@ -280,10 +293,7 @@ fn a_bad_file_is_an_error_naming_the_file_and_the_sample() {
     let tmp = TempDir::new("bad");
     let bad = with_bad_files(&tmp.0);
     let ds = ImageFolder::new(&tmp.0, eval_config().with_workers(2)).unwrap();
-    for (index, name) in bad
-        .into_iter()
-        .zip(["text.jpg", "zero.png", "truncated.png"])
-    {
+    for (index, name) in bad {
         let err = ds.get_batch(&[0, index, 1]).unwrap_err().to_string();
         assert!(
             err.contains(name) && err.contains(&format!("sample {index}")),
@@ -299,24 +309,81 @@ fn bad_files_can_be_skipped_and_counted_once() {
     let bad = with_bad_files(&tmp.0);
     let config = eval_config().with_workers(2).with_skip_bad_files(true);
     let ds = ImageFolder::new(&tmp.0, config).unwrap();
-    let indices = [5, 0, 2, 4, 3, 1];
+    let indices = [7, 0, 2, 6, 3, 1, 4, 5];
     for _ in 0..2 {
         let batch = ds.get_batch(&indices).unwrap();
         assert_eq!(batch.inputs.dims(), &[3, 3, 8, 8]);
         assert_eq!(batch.targets.to_vec::<i64>().unwrap(), vec![0, 1, 0]);
         let pixels = batch.inputs.to_vec::<u8>().unwrap();
-        for (slot, index) in pixels.chunks(3 * 8 * 8).zip([0, 4, 1]) {
+        for (slot, index) in pixels.chunks(3 * 8 * 8).zip([0, 6, 1]) {
             assert_eq!(slot, expected_sample(&ds, index, 0, 0), "sample {index}");
         }
-        assert_eq!(ds.skipped(), 3);
+        assert_eq!(ds.skipped(), 5);
     }
+    let bad: Vec<usize> = bad.iter().map(|&(index, _)| index).collect();
     let err = ds.get_batch(&bad).unwrap_err().to_string();
     assert!(err.contains("no sample is left"), "{err}");
     // Asking for no sample is not a batch left empty by bad files.
     assert_eq!(ds.get_batch(&[]).unwrap().inputs.dims(), &[0, 3, 8, 8]);
-    let err = ds.get_batch(&[6]).unwrap_err().to_string();
+    let err = ds.get_batch(&[8]).unwrap_err().to_string();
     assert!(
-        err.contains("index 6") && err.contains("6 samples"),
+        err.contains("index 8") && err.contains("8 samples"),
         "{err}"
     );
+}
+
+#[test]
+fn a_data_loader_over_real_jpegs_yields_the_samples_its_sampler_chose() {
+    use std::sync::Arc;
+    use tandem_nn::data::{DataLoader, DataLoaderConfig};
+    let tmp = TempDir::new("loader");
+    let photos = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/images");
+    for (i, name) in [
+        "photo0_q90",
+        "photo1_q90",
+        "photo2_q90",
+        "photo3_q90",
+        "photo4_q90",
+    ]
+    .iter()
+    .enumerate()
+    {
+        let class = ["indoor", "outdoor"][i % 2];
+        let to = tmp.0.join(class).join(format!("{name}.jpg"));
+        std::fs::create_dir_all(to.parent().unwrap()).unwrap();
+        std::fs::copy(photos.join(format!("{name}.jpg")), to).unwrap();
+    }
+    let config = ImageFolderConfig::new(ImageTransform::imagenet_train(32).unwrap())
+        .with_seed(5)
+        .with_workers(2);
+    let ds = Arc::new(ImageFolder::new(&tmp.0, config).unwrap());
+    let loader_config = DataLoaderConfig {
+        batch_size: 2,
+        shuffle: true,
+        seed: 9,
+        ..Default::default()
+    };
+    let loader = DataLoader::new(ds.clone(), loader_config).unwrap();
+    for epoch in [0, 1] {
+        ds.set_epoch(epoch);
+        let order = loader.sampler().indices(epoch);
+        let mut batches = loader.epoch(epoch);
+        for indices in order.chunks(2) {
+            let batch = batches.next().unwrap().unwrap();
+            let want_targets: Vec<i64> = indices
+                .iter()
+                .map(|&i| ds.sample(i).unwrap().1 as i64)
+                .collect();
+            assert_eq!(batch.targets.to_vec::<i64>().unwrap(), want_targets);
+            let pixels = batch.inputs.to_vec::<u8>().unwrap();
+            for (slot, &index) in pixels.chunks(3 * 32 * 32).zip(indices) {
+                assert_eq!(
+                    slot,
+                    expected_sample(&ds, index, 5, epoch),
+                    "epoch {epoch}, sample {index}"
+                );
+            }
+        }
+        assert!(batches.next().is_none());
+    }
 }

@@ -6,7 +6,8 @@
 //! sampler's order into batches and builds them on a background thread while the caller
 //! trains on the previous ones. [`cifar`] reads CIFAR-10 (and shapes MNIST like it), with the
 //! augmentations of [`transforms`]. [`image`] decodes JPEG and PNG files and applies the
-//! ImageNet transforms.
+//! ImageNet transforms; [`ImageFolder`] reads a tree of them, one folder per class, into `u8`
+//! batches that [`Normalize::normalize_batch`] turns into `f32` on the device they are on.
 
 pub mod cifar;
 mod dataset;

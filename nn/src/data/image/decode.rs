@@ -10,7 +10,7 @@
 //! - 16-bit samples keep their high byte (PIL does this for 16-bit RGB and gray+alpha; for
 //!   16-bit gray without alpha PIL clips every value above 255 to white instead, which loses
 //!   the image, so tandem keeps the high byte there too);
-//! - CMYK and YCCK JPEGs (Adobe's inverted convention when the Adobe marker says so) become RGB
+//! - CMYK and YCCK JPEGs are read, as PIL reads them, as Adobe's inverted CMYK and become RGB
 //!   with PIL's formula `R = (255 − K) − (255 − K)·C / 255`.
 //!
 //! The EXIF orientation (tags 1–8, in a JPEG's APP1 or a PNG's `eXIf` chunk) is applied, so
@@ -21,7 +21,10 @@
 //!
 //! Decompression bombs: [`read_image`] reads at most [`DecodeLimits::max_file_bytes`] bytes,
 //! and the width × height of the header is checked against [`DecodeLimits::max_pixels`] before
-//! any pixel buffer is allocated (the decoders' own limits are set from it as well). A decoder
+//! any pixel buffer is allocated; `png`'s own limit on its working memory is set, and
+//! zune-jpeg's cap on progressive scans kept. While decoding, memory peaks at about the RGB
+//! image (3 bytes a pixel) plus, for a progressive JPEG, its coefficients (2 bytes a sample: 3
+//! bytes a pixel at 4:2:0), or for a PNG with alpha or in gray, the 8-bit samples. A decoder
 //! panic on malformed input (none is known; both decoders are fuzzed) is caught and reported as
 //! an error naming the file: the check costs nothing on the normal path.
 

@@ -288,10 +288,8 @@ impl ImageFolder {
                 SampleResult::Loaded => kept.push(pos),
                 SampleResult::Unreadable(e) if self.config.skip_bad_files => {
                     if self.bad.lock().insert(index) {
-                        eprintln!(
-                            "ImageFolder: skipping a bad file: {}",
-                            self.sample_error(index, e)
-                        );
+                        // The error says `ImageFolder: sample i (class …): path: problem`.
+                        eprintln!("skipping a bad file: {}", self.sample_error(index, e));
                     }
                 }
                 SampleResult::Unreadable(e) | SampleResult::Failed(e) => {

@@ -1,5 +1,5 @@
-//! Images from files: decoding JPEG and PNG, the ImageNet transforms, and [`ImageFolder-style
-//! datasets built from them.
+//! Images from files: decoding JPEG and PNG, the ImageNet transforms, and the
+//! [`ImageFolder`] dataset built from them.
 //!
 //! Every stage works on [`RgbImage`], 8-bit RGB pixels in memory order row by row, so decoding,
 //! cropping, resizing and flipping stay in `u8` until a batch is assembled. Batches leave the

@@ -19,21 +19,14 @@ use super::{check_pixels, format_error, orientation, DecodeLimits, Format};
 use crate::data::image::RgbImage;
 use crate::Result;
 
-/// What a walk over the markers found.
-struct Markers {
-    /// An Adobe APP14 segment is present: 4-component data is then stored inverted.
-    adobe: bool,
-}
-
 /// Walks the JPEG's markers to the end-of-image marker; errors if the file ends first.
-fn walk_markers(bytes: &[u8], path: &Path) -> Result<Markers> {
+fn walk_markers(bytes: &[u8], path: &Path) -> Result<()> {
     let truncated = || {
         format_error(
             path,
             "JPEG is truncated: the file ends before its end-of-image marker",
         )
     };
-    let mut markers = Markers { adobe: false };
     let mut pos = 2; // after SOI
     loop {
         // Find the next marker: 0xFF (fill bytes 0xFF may repeat) then a code. Stray bytes are
@@ -49,19 +42,16 @@ fn walk_markers(bytes: &[u8], path: &Path) -> Result<Markers> {
         }
         let code = *bytes.get(pos + 1).ok_or_else(truncated)?;
         match code {
-            0xD9 => return Ok(markers),
+            0xD9 => return Ok(()),
             // Markers without a length: RSTn, TEM, and a stuffed zero (not a marker).
             0xD0..=0xD7 | 0x01 | 0x00 => pos += 2,
             _ => {
                 let len = bytes.get(pos + 2..pos + 4).ok_or_else(truncated)?;
                 let len = u16::from_be_bytes([len[0], len[1]]) as usize;
-                let data = bytes
-                    .get(pos + 4..pos + 2 + len.max(2))
-                    .ok_or_else(truncated)?;
-                if code == 0xEE && data.starts_with(b"Adobe") {
-                    markers.adobe = true;
-                }
                 pos += 2 + len.max(2);
+                if pos > bytes.len() {
+                    return Err(truncated());
+                }
                 if code == 0xDA {
                     pos = end_of_entropy_data(bytes, pos).ok_or_else(truncated)?;
                 }
@@ -83,8 +73,10 @@ fn end_of_entropy_data(bytes: &[u8], from: usize) -> Option<usize> {
     }
 }
 
-/// A decoder with its size limits opened to JPEG's own (65535 per side): tandem checks
-/// width × height against [`DecodeLimits::max_pixels`] itself, with a clearer message.
+/// A decoder with its side limits opened to JPEG's own (65535): tandem checks width × height
+/// against [`DecodeLimits::max_pixels`] itself, after the headers and before any pixel memory,
+/// with a clearer message. zune-jpeg's cap of 100 progressive scans (against files whose many
+/// scans make decoding slow without making them large) stays.
 fn decoder(bytes: &[u8]) -> JpegDecoder<ZCursor<&[u8]>> {
     let options = DecoderOptions::default()
         .set_max_width(usize::from(u16::MAX))
@@ -134,12 +126,11 @@ pub(super) fn decode(bytes: &[u8], path: &Path, limits: &DecodeLimits) -> Result
     let mut decoder = decoder(bytes);
     let (width, height, orientation) = read_headers(&mut decoder, path)?;
     check_pixels(Format::Jpeg, width, height, limits, path)?;
-    let markers = walk_markers(bytes, path)?;
+    walk_markers(bytes, path)?;
     let input = decoder
         .input_colorspace()
         .ok_or_else(|| zune_error(path, "no colour space"))?;
-    // Four-component JPEGs are decoded raw and converted here, as PIL does (zune-jpeg's own
-    // CMYK conversion differs from PIL's and ignores Adobe's inversion).
+    // Four-component JPEGs are decoded raw and converted here with PIL's exact formula.
     let four = matches!(input, ColorSpace::CMYK | ColorSpace::YCCK);
     let out = if four { input } else { ColorSpace::RGB };
     decoder.set_options(decoder.options().jpeg_set_out_colorspace(out));
@@ -151,7 +142,7 @@ pub(super) fn decode(bytes: &[u8], path: &Path, limits: &DecodeLimits) -> Result
         .decode_into(&mut pixels)
         .map_err(|e| zune_error(path, e))?;
     if four {
-        pixels = four_to_rgb(&pixels, input == ColorSpace::YCCK, markers.adobe);
+        pixels = four_to_rgb(&pixels, input == ColorSpace::YCCK);
     }
     let image = RgbImage::new(width, height, pixels).map_err(|e| zune_error(path, e))?;
     Ok((image, orientation))
@@ -175,9 +166,10 @@ fn ycc_to_rgb(y: u8, cb: u8, cr: u8) -> [u8; 3] {
 }
 
 /// Four-component samples (CMYK, or YCCK decoded as libjpeg does to CMYK) → RGB as PIL does:
-/// an Adobe file's CMYK is stored inverted, and `convert("RGB")` computes
+/// PIL reads every CMYK JPEG as Adobe's inverted CMYK (rawmode `CMYK;I`, with or without the
+/// Adobe marker, as Photoshop writes them), then `convert("RGB")` computes
 /// `(255 − K) − MULDIV255(C, 255 − K)` per channel.
-fn four_to_rgb(samples: &[u8], ycck: bool, adobe: bool) -> Vec<u8> {
+fn four_to_rgb(samples: &[u8], ycck: bool) -> Vec<u8> {
     let mut rgb = Vec::with_capacity(samples.len() / 4 * 3);
     for px in samples.chunks_exact(4) {
         let mut cmyk = [px[0], px[1], px[2], px[3]];
@@ -185,9 +177,7 @@ fn four_to_rgb(samples: &[u8], ycck: bool, adobe: bool) -> Vec<u8> {
             let [r, g, b] = ycc_to_rgb(px[0], px[1], px[2]);
             cmyk = [255 - r, 255 - g, 255 - b, px[3]];
         }
-        if adobe {
-            cmyk = cmyk.map(|v| 255 - v);
-        }
+        cmyk = cmyk.map(|v| 255 - v);
         let nk = 255 - u32::from(cmyk[3]);
         for &c in &cmyk[..3] {
             rgb.push((nk - muldiv255(u32::from(c), nk)) as u8);
@@ -202,10 +192,12 @@ mod tests {
 
     #[test]
     fn cmyk_converts_with_pils_formula() {
-        // Values from Pillow 13: Image.new("CMYK", …).convert("RGB").
+        // Values from Pillow 13: Image.new("CMYK", …).convert("RGB"), from the samples a
+        // JPEG stores (inverted).
         let cmyk = [0, 0, 0, 0, 255, 0, 0, 0, 100, 50, 20, 30, 10, 200, 30, 255];
+        let stored: Vec<u8> = cmyk.iter().map(|v| 255 - v).collect();
         assert_eq!(
-            four_to_rgb(&cmyk, false, false),
+            four_to_rgb(&stored, false),
             [255, 255, 255, 0, 255, 255, 137, 181, 207, 0, 0, 0]
         );
     }
@@ -213,14 +205,15 @@ mod tests {
     #[test]
     fn a_file_that_ends_inside_a_scan_or_a_segment_is_truncated() {
         let path = Path::new("t.jpg");
-        // SOI, APP14 "Adobe…", SOS (length 2, no real header), data with a stuffed FF, EOI.
+        // SOI, APP14, SOS (length 2, no real header), data with a stuffed FF and a restart
+        // marker, EOI.
         let mut jpeg = vec![0xFF, 0xD8, 0xFF, 0xEE, 0x00, 0x07];
         jpeg.extend(b"Adobe");
         jpeg.extend([
             0xFF, 0xDA, 0x00, 0x02, 0x12, 0xFF, 0x00, 0x34, 0xFF, 0xD0, 0x56,
         ]);
         jpeg.extend([0xFF, 0xD9]);
-        assert!(walk_markers(&jpeg, path).unwrap().adobe);
+        walk_markers(&jpeg, path).unwrap();
         for cut in 2..jpeg.len() {
             let err = walk_markers(&jpeg[..cut], path).err().unwrap().to_string();
             assert!(err.contains("t.jpg") && err.contains("truncated"), "{err}");

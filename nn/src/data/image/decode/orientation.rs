@@ -50,26 +50,26 @@ pub(super) fn apply(image: RgbImage, orientation: u16) -> RgbImage {
     if !(2..=8).contains(&orientation) {
         return image;
     }
-    let (w, h) = (image.width(), image.height());
-    let swaps = orientation >= 5;
-    let (out_w, out_h) = if swaps { (h, w) } else { (w, h) };
+    let (w, h) = (image.width() as isize, image.height() as isize);
+    // The stored pixel shown at (x, y) is `first + x * step_x + y * step_y` (pixel indices).
+    let (first, step_x, step_y) = match orientation {
+        2 => (w - 1, -1, w),       // mirrored left–right
+        3 => (h * w - 1, -1, -w),  // turned 180°
+        4 => ((h - 1) * w, 1, -w), // mirrored top–bottom
+        5 => (0, w, 1),            // transposed
+        6 => ((h - 1) * w, -w, 1), // to be turned 90° clockwise
+        7 => (h * w - 1, -w, -1),  // transversed
+        _ => (w - 1, w, -1),       // to be turned 90° anticlockwise
+    };
+    let (out_w, out_h) = displayed_size(image.width(), image.height(), orientation);
     let src = image.pixels();
-    let mut out = vec![0u8; src.len()];
-    for y in 0..out_h {
-        for x in 0..out_w {
-            // The stored pixel shown at (x, y).
-            let (sx, sy) = match orientation {
-                2 => (w - 1 - x, y),
-                3 => (w - 1 - x, h - 1 - y),
-                4 => (x, h - 1 - y),
-                5 => (y, x),
-                6 => (y, h - 1 - x),
-                7 => (w - 1 - y, h - 1 - x),
-                _ => (w - 1 - y, x),
-            };
-            let s = (sy * w + sx) * 3;
-            let d = (y * out_w + x) * 3;
-            out[d..d + 3].copy_from_slice(&src[s..s + 3]);
+    let mut out = Vec::with_capacity(src.len());
+    for y in 0..out_h as isize {
+        let row = first + y * step_y;
+        for x in 0..out_w as isize {
+            // In range: the mapping is a bijection of the w × h pixels (tested for all eight).
+            let s = (row + x * step_x) as usize * 3;
+            out.extend_from_slice(&src[s..s + 3]);
         }
     }
     RgbImage::new(out_w, out_h, out).expect("a turned image has the pixels of the original")

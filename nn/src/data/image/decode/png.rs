@@ -27,11 +27,23 @@ fn exif_orientation(exif: Option<&[u8]>) -> u16 {
     })
 }
 
+/// What the `png` decoder may allocate for itself (row buffers, text, ICC profiles): a row of
+/// the widest PNG (2³¹ − 1 pixels of 16-bit RGBA) is 16 GiB, so this bounds the decoder where
+/// the pixel limit, checked by tandem, bounds the image.
+const PNG_DECODER_BYTES: usize = 64 << 20;
+
 fn decoder(bytes: &[u8]) -> Decoder<Cursor<&[u8]>> {
-    let mut decoder = Decoder::new(Cursor::new(bytes));
+    let limits = png::Limits {
+        bytes: PNG_DECODER_BYTES,
+    };
+    let mut decoder = Decoder::new_with_limits(Cursor::new(bytes), limits);
     // Palettes and low bit depths expand to 8-bit gray/RGB (+ alpha from tRNS); 16-bit samples
     // keep their high byte. The alpha is dropped below.
     decoder.set_transformations(Transformations::EXPAND | Transformations::STRIP_16);
+    // Text and ICC profiles are not used (PIL's convert("RGB") ignores the profile too): not
+    // inflating them keeps `image_size` cheap.
+    decoder.set_ignore_text_chunk(true);
+    decoder.set_ignore_iccp_chunk(true);
     decoder
 }
 
