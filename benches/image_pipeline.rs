@@ -15,8 +15,10 @@
 //!
 //! **Timing.** For each worker count, tandem runs in a child process of its own (so its peak
 //! memory is the run's alone): one untimed epoch, then `--runs` timed epochs, each a full pass
-//! over the shuffled folder; the figure is the median images/s. `--workers` is the number of
-//! decoding threads of `ImageFolder`. The peer does the same with torchvision
+//! over the shuffled folder, and the median images/s. The two sides take turns `--rounds`
+//! times (3), so that a change in the machine's load falls on both; each side's figure is the
+//! median of its rounds' medians. `--workers` is the number of decoding threads of
+//! `ImageFolder`. The peer does the same with torchvision
 //! (`num_workers` worker processes, persistent; `PILToTensor()`, which yields the same u8
 //! tensors; `ToTensor()`'s f32 figure is printed beside it). Peak memory: tandem's is the child
 //! process's peak RSS (VmHWM); torchvision's is the peak, sampled every 50 ms, of the main
@@ -58,6 +60,9 @@ struct Args {
     /// Timed epochs per side and worker count (after one untimed epoch).
     #[arg(long, default_value_t = 5)]
     runs: usize,
+    /// Times each side runs, in turn, per worker count.
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
     /// Images in the folder the benchmark builds.
     #[arg(long, default_value_t = 500)]
     images: usize,
@@ -115,8 +120,8 @@ fn main() -> ExitCode {
 }
 
 fn run(args: &Args) -> Result<(), AnyError> {
-    if args.runs == 0 || args.batch_size == 0 || args.workers.contains(&0) {
-        return Err("--runs, --batch-size and every --workers must be > 0".into());
+    if args.runs == 0 || args.rounds == 0 || args.batch_size == 0 || args.workers.contains(&0) {
+        return Err("--runs, --rounds, --batch-size and every --workers must be > 0".into());
     }
     let folder = match &args.folder {
         Some(folder) => folder.clone(),
@@ -124,10 +129,11 @@ fn run(args: &Args) -> Result<(), AnyError> {
     };
     println!(
         "image_pipeline: {} ({} images), decode + RandomResizedCrop(224) + flip + to u8 tensor, \
-         batch {}, median of {} epochs after 1 untimed",
+         batch {}, {} rounds a side of {} epochs after 1 untimed (median of the rounds' medians)",
         folder.display(),
         count_images(&folder),
         args.batch_size,
+        args.rounds,
         args.runs
     );
     println!(
@@ -144,12 +150,7 @@ fn run(args: &Args) -> Result<(), AnyError> {
     let mut rows = Vec::new();
     let mut missing = None;
     for &workers in &args.workers {
-        let tandem = time_tandem_in_child(args, &folder, workers)?;
-        let peer = if args.no_peer {
-            Err("skipped (--no-peer)".to_string())
-        } else {
-            time_peer(args, &folder, workers)
-        };
+        let (tandem, peer) = time_rounds(args, &folder, workers)?;
         print_row(workers, &tandem, peer.as_ref().ok());
         if let Err(why) = &peer {
             println!("torchvision: not run: {why}");
@@ -167,6 +168,50 @@ fn run(args: &Args) -> Result<(), AnyError> {
         }
         _ => Ok(()),
     }
+}
+
+/// Both sides with `workers` workers, `--rounds` times in turn (tandem, torchvision, tandem, …)
+/// so that a change in the machine's load during the run falls on both: each side's figure is
+/// the median of its rounds' medians, its peak memory the largest of its rounds'.
+fn time_rounds(
+    args: &Args,
+    folder: &Path,
+    workers: usize,
+) -> Result<(Side, Result<Peer, String>), AnyError> {
+    let mut tandem = Vec::new();
+    let mut peers = Vec::new();
+    for _ in 0..args.rounds {
+        tandem.push(time_tandem_in_child(args, folder, workers)?);
+        if !args.no_peer {
+            peers.push(time_peer(args, folder, workers));
+        }
+    }
+    let max = |values: Vec<Option<f64>>| values.into_iter().flatten().reduce(f64::max);
+    let combined = Side {
+        images_per_s: median(tandem.iter().map(|s| s.images_per_s).collect()),
+        peak_mib: max(tandem.iter().map(|s| s.peak_mib).collect()),
+    };
+    if args.no_peer {
+        return Ok((combined, Err("skipped (--no-peer)".to_string())));
+    }
+    let peers = match peers.into_iter().collect::<Result<Vec<Peer>, String>>() {
+        Ok(peers) => peers,
+        Err(why) => return Ok((combined, Err(why))),
+    };
+    let peer = Peer {
+        side: Side {
+            images_per_s: median(peers.iter().map(|p| p.side.images_per_s).collect()),
+            peak_mib: max(peers.iter().map(|p| p.side.peak_mib).collect()),
+        },
+        rss_sum_mib: max(peers.iter().map(|p| p.rss_sum_mib).collect()),
+        to_tensor_images_per_s: peers
+            .iter()
+            .map(|p| p.to_tensor_images_per_s)
+            .collect::<Option<Vec<f64>>>()
+            .map(median),
+        version: peers.last().map_or_else(String::new, |p| p.version.clone()),
+    };
+    Ok((combined, Ok(peer)))
 }
 
 /// Prints one worker count's line of the table.
