@@ -275,7 +275,11 @@ fn run(args: Args) -> Result<(), AnyError> {
                 "resuming from {}: epoch {}, step {} of {}",
                 resumed.path.display(),
                 progress.epoch.min(args.epochs),
-                progress.epoch_step.min(data.train.len()),
+                if progress.epoch > args.epochs {
+                    data.train.len()
+                } else {
+                    progress.epoch_step
+                },
                 data.train.len()
             ));
         }
