@@ -136,8 +136,10 @@ pub enum DistError {
 
     /// A collective did not finish within the group's timeout.
     #[error(
-        "rank {rank}: {collective} (collective #{seq}) timed out after {timeout:?} waiting for {}",
-        fmt_ranks(waiting_for)
+        "rank {rank}: {collective} (collective #{seq}) timed out after {timeout:?} waiting for \
+         {}{}",
+        fmt_ranks(waiting_for),
+        diagnosis.as_ref().map_or_else(String::new, |d| format!(". Diagnosis: {d}"))
     )]
     Timeout {
         /// The rank that gave up.
@@ -150,6 +152,9 @@ pub enum DistError {
         timeout: Duration,
         /// The ranks this rank was still waiting for.
         waiting_for: Vec<usize>,
+        /// Which ranks diverged and where, from the positions of the ranks that reported
+        /// theirs (see [`CollectiveLabel`](crate::CollectiveLabel)); `None` when none was made.
+        diagnosis: Option<String>,
     },
 
     /// Another rank failed and told this one, so this collective cannot complete.
@@ -410,6 +415,15 @@ impl DistError {
             | DistError::SetupTimeout { waiting_for, .. } => waiting_for.clone(),
             DistError::GroupBroken { cause, .. } => cause.blamed_ranks(),
             _ => Vec::new(),
+        }
+    }
+
+    /// The hang diagnosis a timed-out collective carries: which ranks diverged and where.
+    pub fn diagnosis(&self) -> Option<&str> {
+        match self {
+            DistError::Timeout { diagnosis, .. } => diagnosis.as_deref(),
+            DistError::GroupBroken { cause, .. } => cause.diagnosis(),
+            _ => None,
         }
     }
 }

@@ -104,7 +104,8 @@ pub use process_group::nccl::{NcclConfig, NcclProcessGroup};
 pub use process_group::tcp::TcpProcessGroup;
 pub use process_group::threads::ThreadProcessGroup;
 pub use process_group::{
-    CollectiveDesc, CollectiveKind, GroupConfig, ProcessGroup, ReduceOp, Work,
+    with_collective_label, CollectiveDesc, CollectiveKind, CollectiveLabel, GroupConfig,
+    ProcessGroup, ReduceOp, Work,
 };
 pub use reducer::comm_hook::{AllReduceHook, BucketReduction, CommHook, CompressionHook};
 pub use reducer::telemetry::{BucketTiming, OverlapSummary, StepTiming, Telemetry};

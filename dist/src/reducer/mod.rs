@@ -40,7 +40,7 @@ use parking_lot::Mutex;
 use tandem_autograd::{register_backward_finished_hook, register_grad_ready_hook, HookHandle};
 use tandem_core::{DType, Device, Event, Stream, Tensor, TensorId};
 
-use crate::{DistError, ProcessGroup, Result, Work};
+use crate::{CollectiveLabel, DistError, ProcessGroup, Result, Work};
 use bucket::{Bucket, BucketSet, Slot};
 use comm_hook::CommHook;
 use telemetry::{PendingBucket, PendingStep, Telemetry};
@@ -346,7 +346,10 @@ impl Reducer {
         let err = |e| DistError::tensor(rank, "agreeing on the rebuilt bucket order", e);
         let values: Vec<i64> = order.iter().map(|&p| p as i64).collect();
         let t = Tensor::from_vec(values, &[order.len()], self.device).map_err(err)?;
-        self.group.broadcast(&t, 0)?.wait()?;
+        crate::with_collective_label(CollectiveLabel::BucketOrderBroadcast, || {
+            self.group.broadcast(&t, 0)
+        })?
+        .wait()?;
         let agreed = t.to_vec::<i64>().map_err(err)?;
         let n = self.params.len();
         let mut seen = vec![false; n];

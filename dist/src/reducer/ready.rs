@@ -24,7 +24,7 @@ use super::telemetry::PendingBucket;
 use super::unused::is_slot_view;
 use super::{GradReduction, InFlight, LaunchRecord, Layout, Reducer, State, MAX_LAUNCH_RECORDS};
 use crate::nvtx_ranges::Range;
-use crate::{DistError, Result};
+use crate::{CollectiveLabel, DistError, Result};
 
 impl Reducer {
     pub(super) fn on_grad_ready(&self, ready: &GradReady) -> Result<()> {
@@ -154,7 +154,9 @@ impl Reducer {
             Some(h) => h.as_ref(),
             None => &AllReduceHook,
         };
-        let reduction = hook.reduce(self.group.as_ref(), &buffer)?;
+        let reduction = crate::with_collective_label(CollectiveLabel::Bucket(b), || {
+            hook.reduce(self.group.as_ref(), &buffer)
+        })?;
         let end = comm.record_event().map_err(err)?;
         let backward = state.sync_backwards;
         if state.timing.launch_log.len() == MAX_LAUNCH_RECORDS {

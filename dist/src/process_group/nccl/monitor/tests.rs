@@ -259,6 +259,7 @@ fn a_failed_rank_fails_the_others_with_its_own_message() {
         seq: 4,
         timeout: Duration::from_secs(3),
         waiting_for: vec![1],
+        diagnosis: None,
     };
     monitors[2].publish_failure(&cause);
     for (rank, monitor) in monitors.iter().enumerate().take(2) {
