@@ -14,7 +14,8 @@
 //! `GroupBroken`), configuration mistakes a user fixes in their code (`Config`), and failures
 //! of what DDP wraps: the user's model (`Model`), the tensor layer under dist's own
 //! bookkeeping (`Tensor`), the ranks holding different models (`ModelMismatch`), and gradients
-//! that did not arrive as expected (`UnusedParameters`, `GradientReadyTwice`). `Internal` is a
+//! that did not arrive as expected (`UnusedParameters`, `GradientReadyTwice`,
+//! `BucketReducedWrongly`). `Internal` is a
 //! bug in tandem.
 
 use std::sync::Arc;
@@ -291,6 +292,31 @@ pub enum DistError {
         rank: usize,
         /// The parameter's module path.
         path: String,
+    },
+
+    /// DDP's self-check of a backward found a gradient bucket reduced other than exactly once
+    /// in a synchronised backward (or at all in a `no_sync` one): the gradients of its
+    /// parameters are not the average over ranks the optimizer expects.
+    #[error(
+        "rank {rank}: DistributedDataParallel: gradient bucket {bucket} was reduced {reductions} \
+         time(s) in {backward} (expected {expected}); its parameters: {}. Their gradients are \
+         not the ranks' {}; this is a bug in a communication hook or in tandem",
+        params.join(", "),
+        if *expected == 0 { "local sums" } else { "reduction" }
+    )]
+    BucketReducedWrongly {
+        /// The reporting rank.
+        rank: usize,
+        /// The bucket's index.
+        bucket: usize,
+        /// How many reductions were issued for it.
+        reductions: u32,
+        /// How many were expected: 1 in a synchronised backward, 0 in a `no_sync` one.
+        expected: u32,
+        /// Which backward, e.g. `synchronised backward #3`.
+        backward: String,
+        /// The module paths of the bucket's parameters.
+        params: Vec<String>,
     },
 
     /// The wrapped model failed (its forward, or a layer's own error).

@@ -19,6 +19,7 @@ use std::time::Instant;
 
 use tandem_core::{Event, GradReady, Tensor};
 
+use super::accounting;
 use super::comm_hook::{AllReduceHook, CommHook};
 use super::telemetry::PendingBucket;
 use super::unused::is_slot_view;
@@ -121,7 +122,9 @@ impl Reducer {
             && state.layout.buckets[state.pass.next_launch].pending == 0
         {
             let next = state.pass.next_launch;
-            self.launch(state, next, &written, during_backward)?;
+            for _ in 0..accounting::launches(state.pass.fault.as_ref(), next) {
+                self.launch(state, next, &written, during_backward)?;
+            }
             state.pass.next_launch += 1;
         }
         Ok(())
@@ -138,6 +141,7 @@ impl Reducer {
         let rank = self.group.rank();
         let comm = self.group.comm_stream();
         let err = |e| DistError::tensor(rank, format!("launching gradient bucket {b}"), e);
+        state.layout.buckets[b].reductions += 1;
         let buffer = state.layout.buckets[b].buffer.clone();
         // The collective must not read the bucket before the compute stream wrote it, and its
         // memory must not be reused before the comm stream is done with it.
