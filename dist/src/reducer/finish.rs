@@ -40,7 +40,11 @@ impl Reducer {
         if !state.sync {
             state.pass.forward_through_ddp = false;
             let misreduced = accounting::check(rank, &state.layout.buckets, None, path);
-            state.layout.buckets.iter_mut().for_each(|b| b.reductions = 0);
+            state
+                .layout
+                .buckets
+                .iter_mut()
+                .for_each(|b| b.reductions = 0);
             return misreduced.map_or(Ok(()), Err);
         }
         let stream_err = |e| DistError::tensor(rank, "ending the backward of DDP", e);

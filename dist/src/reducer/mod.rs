@@ -522,7 +522,10 @@ mod tests {
             rebuild_buckets: false,
             comm_hook: None,
         };
-        let params = vec![("a.weight".into(), a.clone()), ("b.weight".into(), b.clone())];
+        let params = vec![
+            ("a.weight".into(), a.clone()),
+            ("b.weight".into(), b.clone()),
+        ];
         let reducer = Reducer::new(group, params, Device::Cpu, config).unwrap();
         reducer.state.lock().pass.fault = fault;
         (reducer, [a, b])
