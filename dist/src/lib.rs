@@ -69,7 +69,10 @@
 //! tells its peers (an *abort* frame) so they fail too and learn the cause; a rank that drops
 //! its group says goodbye, so ranks still waiting for it learn that it left. After a failure
 //! the group is broken and refuses further collectives ([`DistError::GroupBroken`]), like an
-//! aborted NCCL communicator: restart the job.
+//! aborted NCCL communicator: restart the job. A timeout carries a diagnosis gathered from
+//! every rank's last issued and completed collective (labelled through
+//! [`with_collective_label`]): which rank diverged and where, e.g. `rank 2 is at all_reduce #118
+//! (bucket 3) … while ranks 0, 1, 3 wait at all_reduce #119 (SyncBatchNorm statistics)`.
 //!
 //! **Launching.** `tandem-run --nproc-per-node N -- PROGRAM ARGS…` ([`launch`]) starts N local
 //! ranks with the environment set, serves the store, prefixes each rank's output with
