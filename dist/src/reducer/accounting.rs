@@ -68,3 +68,55 @@ pub(super) fn check(
         params: b.params.iter().map(|&p| paths(p)).collect(),
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tandem_core::{DType, Device, Tensor};
+
+    fn bucket(params: Vec<usize>, pending: usize, reductions: u32) -> Bucket {
+        Bucket {
+            buffer: Tensor::zeros(&[1], DType::F32, Device::Cpu).unwrap(),
+            params,
+            pending,
+            reductions,
+        }
+    }
+
+    fn path(p: usize) -> String {
+        format!("layer{p}.weight")
+    }
+
+    #[test]
+    fn a_no_sync_backward_must_reduce_no_bucket() {
+        let quiet = [bucket(vec![0], 0, 0), bucket(vec![1, 2], 0, 0)];
+        assert!(check(0, &quiet, None, path).is_none());
+        let reduced = [bucket(vec![0], 0, 0), bucket(vec![1, 2], 0, 1)];
+        let err = check(3, &reduced, None, path).unwrap().to_string();
+        assert!(
+            err.contains("rank 3")
+                && err.contains("bucket 1 was reduced 1 time(s) in a no_sync backward")
+                && err.contains("(expected 0)")
+                && err.contains("layer1.weight, layer2.weight"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn buckets_held_back_by_an_unused_parameter_are_left_to_that_check() {
+        // Bucket 1 waits for a parameter that got no gradient, so bucket 2 never launched:
+        // the unused-parameter error reports it, not this one.
+        let held = [
+            bucket(vec![0], 0, 1),
+            bucket(vec![1], 1, 0),
+            bucket(vec![2], 0, 0),
+        ];
+        assert!(check(0, &held, Some(4), path).is_none());
+        let twice = [bucket(vec![0], 0, 2), bucket(vec![1], 1, 0)];
+        let err = check(0, &twice, Some(4), path).unwrap().to_string();
+        assert!(
+            err.contains("bucket 0 was reduced 2 time(s) in synchronised backward #4"),
+            "{err}"
+        );
+    }
+}
