@@ -29,6 +29,8 @@ const RECENT: usize = 64;
 const MAX_POSITION_BYTES: usize = 512;
 /// Most ranks whose positions a diagnosis gathers through the store.
 const MAX_GATHERED: usize = 1024;
+/// Most groups of ranks at other positions than the reference that a diagnosis names.
+const MAX_GROUPS_NAMED: usize = 8;
 
 /// What a collective is for, shown in hang diagnoses next to its sequence number.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -282,11 +284,17 @@ pub(crate) fn diagnose(positions: &[(usize, Position)]) -> String {
     let say = |p: &Position, ranks: &[usize]| {
         format!("{} {}", fmt_ranks(ranks), p.phrase(ranks.len(), &waited_at))
     };
-    let diverged: Vec<String> = groups
+    let mut diverged: Vec<String> = groups
         .iter()
         .filter(|(p, _)| Some(**p) != reference.as_ref())
         .map(|(p, ranks)| say(p, ranks))
         .collect();
+    // Bounded, however scattered the ranks are.
+    if diverged.len() > MAX_GROUPS_NAMED {
+        let more = diverged.len() - MAX_GROUPS_NAMED;
+        diverged.truncate(MAX_GROUPS_NAMED);
+        diverged.push(format!("{more} more groups of ranks elsewhere"));
+    }
     match (reference, diverged.is_empty()) {
         (Some(r), true) if groups[&r].len() > 1 => format!("all of {}", say(&r, &groups[&r])),
         (Some(r), true) => say(&r, &groups[&r]),
