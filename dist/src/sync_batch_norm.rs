@@ -23,7 +23,7 @@ use tandem_ops::batch_norm::phases::{
 };
 use tandem_ops::batch_norm::{BatchNormArgs, Epilogue};
 
-use crate::{ProcessGroup, ReduceOp};
+use crate::{CollectiveLabel, ProcessGroup, ReduceOp};
 
 /// Batch normalisation with statistics all-reduced over a process group. It wraps a
 /// [`BatchNorm2d`], whose parameters, buffers, settings and train/eval flag it uses as they are.
@@ -110,10 +110,11 @@ impl SyncBatchNorm {
             phases::check_count(count as f64).map_err(statistics_error)?;
         }
         let sums = local.to_sums()?;
-        self.group
-            .all_reduce(&sums, ReduceOp::Sum)
-            .and_then(|w| w.wait())
-            .map_err(|e| core_err("forward statistics", e))?;
+        crate::with_collective_label(CollectiveLabel::SyncBatchNormStatistics, || {
+            self.group.all_reduce(&sums, ReduceOp::Sum)
+        })
+        .and_then(|w| w.wait())
+        .map_err(|e| core_err("forward statistics", e))?;
         // On a GPU the count stays on the device: nothing here waits for the all-reduce.
         let stats = Statistics::from_sums(&sums).map_err(statistics_error)?;
         if let (Some(running_mean), Some(running_var)) = (bn.running_mean(), bn.running_var()) {
@@ -171,8 +172,8 @@ impl SyncBatchNorm {
                 // The parameters' gradients are this rank's own sums (DDP averages them); the
                 // input's gradient needs the group's.
                 let (grad_w, grad_b) = phases::parameter_gradients(&sums, &norm, g.dtype())?;
-                group
-                    .all_reduce(&sums, ReduceOp::Sum)
+                let label = CollectiveLabel::Named("SyncBatchNorm gradient statistics");
+                crate::with_collective_label(label, || group.all_reduce(&sums, ReduceOp::Sum))
                     .and_then(|w| w.wait())
                     .map_err(|e| core_err("backward", e))?;
                 let g_bn = masked.as_ref().unwrap_or(g);

@@ -14,7 +14,7 @@
 use tandem_core::{Device, Tensor};
 
 use super::bucket::Slot;
-use crate::{DistError, ProcessGroup, ReduceOp, Result, Work};
+use crate::{CollectiveLabel, DistError, ProcessGroup, ReduceOp, Result, Work};
 
 /// What this rank's backward left unreached, and their gradients from before the reduction.
 pub(crate) struct UnreachedHere {
@@ -92,7 +92,9 @@ impl UnreachedHere {
         let flags: Vec<f32> = self.used.iter().map(|&u| u as u8 as f32).collect();
         let counts = Tensor::from_vec(flags, &[self.used.len()], device)
             .map_err(|e| DistError::tensor(rank, "counting the users of each parameter", e))?;
-        let work = group.all_reduce(&counts, ReduceOp::Sum)?;
+        let work = crate::with_collective_label(CollectiveLabel::UnusedParameterAgreement, || {
+            group.all_reduce(&counts, ReduceOp::Sum)
+        })?;
         Ok((counts, work))
     }
 
