@@ -14,7 +14,7 @@
 use std::sync::Arc;
 
 use tandem_autograd::record_fn;
-use tandem_core::Tensor;
+use tandem_core::{DType, Tensor};
 use tandem_nn::BatchNorm2d;
 use tandem_nn::{Forward, Fused, Module};
 use tandem_ops::batch_norm::phases::{
@@ -99,6 +99,14 @@ impl SyncBatchNorm {
                 x.dims()
             ))
         };
+        if xc.numel() == 0 {
+            // A batch of no samples (a rank that has joined, shadowing the others inside
+            // `DistributedDataParallel::join`) contributes a zero count and zero sums, so the
+            // group's statistics are exactly those of the other ranks' samples. The local
+            // statistics of no samples would be 0/0.
+            let sums = Tensor::zeros(&[1 + 2 * bn.num_features()], DType::F64, x.device())?;
+            return self.reduce_statistics(x, sums);
+        }
         let local = phases::statistics(xc)?;
         // The group's count is the sum of the ranks' counts. The host knows only its own: on
         // one process that is the group's, checked here at once; otherwise `from_sums` checks
@@ -110,6 +118,19 @@ impl SyncBatchNorm {
             phases::check_count(count as f64).map_err(statistics_error)?;
         }
         let sums = local.to_sums()?;
+        self.reduce_statistics(x, sums)
+    }
+
+    /// All-reduces this rank's statistics `sums` (`[count, Σx…, Σx²…]`) of input `x` and updates
+    /// the running statistics with the group's.
+    fn reduce_statistics(&self, x: &Tensor, sums: Tensor) -> tandem_nn::Result<Statistics> {
+        let bn = &self.bn;
+        let statistics_error = |e: tandem_core::Error| {
+            self.input_error(format!(
+                "batch statistics over the group failed for input {:?}: {e}",
+                x.dims()
+            ))
+        };
         self.group
             .all_reduce(&sums, ReduceOp::Sum)
             .and_then(|w| w.wait())

@@ -33,6 +33,7 @@ pub mod telemetry;
 mod unused;
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Weak};
 use std::time::Instant;
 
@@ -211,6 +212,9 @@ pub(crate) struct Reducer {
     compute: Stream,
     state: Mutex<State>,
     hooks: Mutex<Vec<HookHandle>>,
+    /// What `GradReduction::Mean` divides by when not 0 (the world size): the active ranks'
+    /// count inside `DistributedDataParallel::join` with `JoinDivisor::ActiveRanks`.
+    pub(crate) divisor: AtomicUsize,
 }
 
 impl Reducer {
@@ -243,6 +247,7 @@ impl Reducer {
             compute,
             state: Mutex::new(State::new(Layout { buckets, slots }, n, forward_end)),
             hooks: Mutex::new(Vec::new()),
+            divisor: AtomicUsize::new(0),
         });
         reducer.register_hooks()?;
         Ok(reducer)
