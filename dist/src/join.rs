@@ -261,11 +261,14 @@ impl DistributedDataParallel {
                     )
                 })?;
             let step = || self.shadow_step(&dims, dtype, plan.root);
-            if plan.sync {
-                step()?;
+            self.reducer.shadowing.store(true, Ordering::Relaxed);
+            let shadowed = if plan.sync {
+                step()
             } else {
-                self.no_sync(step)?;
-            }
+                self.no_sync(step)
+            };
+            self.reducer.shadowing.store(false, Ordering::Relaxed);
+            shadowed?;
         }
         Ok(())
     }

@@ -74,6 +74,10 @@
 //! **Launching.** `tandem-run --nproc-per-node N -- PROGRAM ARGS…` ([`launch`]) starts N local
 //! ranks with the environment set, serves the store, prefixes each rank's output with
 //! `[rank K] `, and stops the whole job when one rank fails, naming it.
+//!
+//! **Uneven inputs.** [`DistributedDataParallel::join`] lets ranks with different numbers of
+//! batches finish: a rank whose loop has ended shadows the others' collectives (SyncBatchNorm's
+//! included) with zero contributions until all are done ([`join`]).
 
 #![warn(missing_docs)]
 

@@ -81,11 +81,17 @@ impl SyncBatchNorm {
             bias: bn.bias(),
             eps: config.eps,
         })?;
-        let out = phases::apply(&ApplyArgs {
-            x: &xc,
-            norm: &norm,
-            epilogue,
-        })?;
+        // A batch of no samples (a joined rank's shadow step) has nothing to normalise; the
+        // device kernels are not asked to handle it.
+        let out = if xc.numel() == 0 {
+            Tensor::zeros(xc.dims(), xc.dtype(), xc.device())?
+        } else {
+            phases::apply(&ApplyArgs {
+                x: &xc,
+                norm: &norm,
+                epilogue,
+            })?
+        };
         self.record_backward(x, out, xc, norm, stats.count, epilogue)
     }
 
@@ -182,13 +188,19 @@ impl SyncBatchNorm {
                     (None, true) => GradMask::Relu,
                     (None, false) => GradMask::None,
                 };
-                let GradSums { sums, grad: masked } =
+                let GradSums { sums, grad: masked } = if xc.numel() == 0 {
+                    // No samples (a joined rank's shadow step): zero sums for the all-reduce,
+                    // and no kernel over an empty batch (on a GPU it would leave the sums
+                    // unwritten).
+                    empty_batch_sums(&xc, g, saved_out.is_some())?
+                } else {
                     phases::backward_reduce(&BackwardReduceArgs {
                         grad: g,
                         x: &xc,
                         norm: &norm,
                         mask,
-                    })?;
+                    })?
+                };
                 // The parameters' gradients are this rank's own sums (DDP averages them); the
                 // input's gradient needs the group's.
                 let (grad_w, grad_b) = phases::parameter_gradients(&sums, &norm, g.dtype())?;
@@ -197,15 +209,19 @@ impl SyncBatchNorm {
                     .and_then(|w| w.wait())
                     .map_err(|e| core_err("backward", e))?;
                 let g_bn = masked.as_ref().unwrap_or(g);
-                let grad_x = phases::backward_apply(&BackwardApplyArgs {
-                    grad: g_bn,
-                    x: &xc,
-                    norm: &norm,
-                    sums: &sums,
-                    count: &count,
-                    training: true,
-                    relu_mask: relu,
-                })?;
+                let grad_x = if xc.numel() == 0 {
+                    Tensor::zeros(xc.dims(), g.dtype(), xc.device())?
+                } else {
+                    phases::backward_apply(&BackwardApplyArgs {
+                        grad: g_bn,
+                        x: &xc,
+                        norm: &norm,
+                        sums: &sums,
+                        count: &count,
+                        training: true,
+                        relu_mask: relu,
+                    })?
+                };
                 let mut grads = vec![Some(grad_x)];
                 if saved_out.is_some() {
                     grads.push(masked);
@@ -220,6 +236,19 @@ impl SyncBatchNorm {
             }
         }))
     }
+}
+
+/// The gradient sums of a batch of no samples: `[2, C]` zeros, and an empty masked gradient
+/// when the backward has a residual.
+fn empty_batch_sums(x: &Tensor, g: &Tensor, residual: bool) -> tandem_core::Result<GradSums> {
+    let c = x.dims()[1];
+    let sums = Tensor::zeros(&[2, c], DType::F64, x.device())?;
+    let grad = if residual {
+        Some(Tensor::zeros(g.dims(), g.dtype(), g.device())?)
+    } else {
+        None
+    };
+    Ok(GradSums { sums, grad })
 }
 
 fn core_err(

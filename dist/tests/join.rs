@@ -1,7 +1,10 @@
 //! `DistributedDataParallel::join` with ranks as threads: ranks with different numbers of
 //! batches (one with none) finish, and the parameters equal a hand-computed SGD run for both
 //! divisors, with and without SyncBatchNorm; without `join` the old behaviour (an error naming
-//! the missing rank, after the group's timeout) remains.
+//! the missing rank, after the group's timeout) remains. One SyncBatchNorm case also runs with
+//! ranks as real processes over TCP on loopback.
+
+mod common;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -9,8 +12,8 @@ use std::time::Duration;
 use tandem_autograd::TensorBackward;
 use tandem_core::{DType, Device, Tensor};
 use tandem_dist::{
-    DdpConfig, DistributedDataParallel, GroupConfig, JoinConfig, JoinDivisor, ProcessGroup,
-    SyncBatchNorm, ThreadProcessGroup,
+    init_process_group, DdpConfig, DistributedDataParallel, GroupConfig, JoinConfig, JoinDivisor,
+    LaunchEnv, ProcessGroup, SyncBatchNorm, ThreadProcessGroup,
 };
 use tandem_nn::{BatchNormConfig, LinearConfig, Module};
 use tandem_optim::{Optimizer, Sgd, SgdConfig};
@@ -325,4 +328,126 @@ fn without_join_a_rank_that_runs_out_is_named_after_the_timeout() {
     let err = outcomes[0].clone().expect("rank 0 must fail, not hang");
     assert!(err.contains("rank 1"), "{err}");
     assert!(outcomes[1].is_none(), "{:?}", outcomes[1]);
+}
+
+/// The per-rank batch counts of the process case.
+const PROCESS_COUNTS: [usize; 3] = [2, 0, 3];
+
+/// In a re-executed worker process: trains the SyncBatchNorm case inside `join` and prints its
+/// final state.
+#[test]
+fn worker() {
+    let Ok(mode) = std::env::var(common::WORKER_VAR) else {
+        return;
+    };
+    let code = match join_worker(&mode) {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("worker error: {e}");
+            1
+        }
+    };
+    std::process::exit(code);
+}
+
+fn join_worker(mode: &str) -> Result<(), String> {
+    if mode != "join-syncbn" {
+        return Err(format!("unknown worker mode {mode}"));
+    }
+    let env = LaunchEnv::from_process_env().map_err(|e| e.to_string())?;
+    let config = GroupConfig {
+        timeout: Duration::from_secs(60),
+        ..GroupConfig::default()
+    };
+    let group: Arc<dyn ProcessGroup> =
+        Arc::new(init_process_group(&env, config).map_err(|e| e.to_string())?);
+    let rank = group.rank();
+    let state = train_sync_bn(rank, group, &PROCESS_COUNTS, JoinDivisor::InitialWorldSize);
+    for (k, values) in state.iter().enumerate() {
+        let text: Vec<String> = values.iter().map(|v| format!("{v:e}")).collect();
+        println!("state {k} {}", text.join(" "));
+    }
+    Ok(())
+}
+
+#[test]
+fn sync_batch_norm_inside_join_over_tcp_processes_matches_the_reference() {
+    let want = bn_reference(&PROCESS_COUNTS, JoinDivisor::InitialWorldSize);
+    let results =
+        common::Job::start(PROCESS_COUNTS.len(), "join-syncbn").wait(Duration::from_secs(120));
+    for (rank, (status, output)) in results.iter().enumerate() {
+        assert!(
+            status.success(),
+            "rank {rank} failed with {status}:\n{output}"
+        );
+        for (k, want) in want.iter().enumerate() {
+            let line = output
+                .lines()
+                // The first line follows libtest's `test worker ... ` on the same line.
+                .find_map(|l| l.split_once(&format!("state {k} ")).map(|(_, rest)| rest))
+                .unwrap_or_else(|| panic!("rank {rank}: no state {k} in:\n{output}"));
+            let got: Vec<f32> = line.split(' ').map(|v| v.parse().unwrap()).collect();
+            let want: Vec<f64> = want.iter().map(|&v| v as f64).collect();
+            assert_near(&format!("process rank {rank}, state {k}"), &got, &want);
+        }
+    }
+}
+
+/// `used(x)`, plus `extra(x)` unless some row's first feature is negative: the active ranks'
+/// batches never use `extra`, but a joined rank's empty batch (no negative row) does.
+#[derive(tandem_nn::Module)]
+struct SkipsExtra {
+    used: tandem_nn::Child,
+    extra: tandem_nn::Child,
+    training: tandem_nn::TrainingFlag,
+}
+
+impl tandem_nn::Forward for SkipsExtra {
+    fn forward(&self, x: &Tensor) -> tandem_nn::Result<Tensor> {
+        let h = self.used.forward(x)?;
+        let values = x.to_vec::<f32>()?;
+        if (0..x.dims()[0]).any(|r| values[r * 2] < 0.0) {
+            return Ok(h);
+        }
+        Ok(tandem_ops::add(&h, &self.extra.forward(x)?)?)
+    }
+}
+
+#[test]
+fn a_parameter_only_a_joined_ranks_shadow_reaches_stays_without_gradient() {
+    let counts = [2usize, 0];
+    let outcomes = run_ranks(2, &GroupConfig::default(), |rank, group| {
+        let model = Arc::new(SkipsExtra {
+            used: LinearConfig::new(2, 1).init().unwrap().into(),
+            extra: LinearConfig::new(2, 1).init().unwrap().into(),
+            training: tandem_nn::TrainingFlag::new(),
+        });
+        let config = DdpConfig {
+            find_unused_parameters: true,
+            ..DdpConfig::default()
+        };
+        let ddp = DistributedDataParallel::new(model.clone(), group, config).unwrap();
+        let mut extra_grads = Vec::new();
+        ddp.join(JoinConfig::default(), || {
+            for _ in 0..counts[rank] {
+                let x = f32_tensor(vec![-1.0, 0.5, 2.0, 1.0], &[PER, 2]);
+                let y = ddp.forward(&x).unwrap();
+                tandem_ops::sum_all(&y).unwrap().backward().unwrap();
+                let extra: Vec<bool> = model
+                    .named_parameters()
+                    .into_iter()
+                    .filter(|(path, _)| path.starts_with("extra."))
+                    .map(|(_, p)| p.grad().is_some())
+                    .collect();
+                extra_grads.push(extra);
+            }
+        })
+        .unwrap();
+        extra_grads
+    });
+    assert_eq!(
+        outcomes[0],
+        vec![vec![false, false]; 2],
+        "rank 0: `extra` got a gradient"
+    );
 }

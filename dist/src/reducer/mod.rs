@@ -33,7 +33,7 @@ pub mod telemetry;
 mod unused;
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::AtomicUsize;
+use std::sync::atomic::{AtomicBool, AtomicUsize};
 use std::sync::{Arc, Weak};
 use std::time::Instant;
 
@@ -215,6 +215,9 @@ pub(crate) struct Reducer {
     /// What `GradReduction::Mean` divides by when not 0 (the world size): the active ranks'
     /// count inside `DistributedDataParallel::join` with `JoinDivisor::ActiveRanks`.
     pub(crate) divisor: AtomicUsize,
+    /// Whether the current step is a joined rank's shadow step (`DistributedDataParallel::join`),
+    /// whose backward counts as reaching no parameter in the unused-parameter agreement.
+    pub(crate) shadowing: AtomicBool,
 }
 
 impl Reducer {
@@ -248,6 +251,7 @@ impl Reducer {
             state: Mutex::new(State::new(Layout { buckets, slots }, n, forward_end)),
             hooks: Mutex::new(Vec::new()),
             divisor: AtomicUsize::new(0),
+            shadowing: AtomicBool::new(false),
         });
         reducer.register_hooks()?;
         Ok(reducer)
