@@ -33,6 +33,10 @@
 //! [`SyncBatchNorm`](crate::SyncBatchNorm) (see [`convert_sync_batch_norm`](crate::convert_sync_batch_norm))
 //! for statistics over the global batch. Buffers (running statistics) are broadcast from rank
 //! 0 before every forward unless [`DdpConfig::broadcast_buffers`] is off.
+//!
+//! **Uneven inputs.** Ranks with different numbers of batches wrap their loops in
+//! [`DistributedDataParallel::join`] (see [`crate::join`]); without it a rank that stops early
+//! leaves the others failing at the group's timeout with an error naming it.
 
 use std::sync::Arc;
 
