@@ -77,6 +77,10 @@
 //! **Launching.** `tandem-run --nproc-per-node N -- PROGRAM ARGS…` ([`launch`]) starts N local
 //! ranks with the environment set, serves the store, prefixes each rank's output with
 //! `[rank K] `, and stops the whole job when one rank fails, naming it.
+//!
+//! **Uneven inputs.** [`DistributedDataParallel::join`] lets ranks with different numbers of
+//! batches finish: a rank whose loop has ended shadows the others' collectives (SyncBatchNorm's
+//! included) with zero contributions until all are done ([`join`]).
 
 #![warn(missing_docs)]
 
@@ -85,6 +89,7 @@ mod coalesce;
 pub mod ddp;
 pub mod error;
 pub mod failure_report;
+pub mod join;
 pub mod launch;
 pub mod metrics;
 pub mod nvtx_ranges;
@@ -102,6 +107,7 @@ pub mod timeline;
 pub use auth::JobSecret;
 pub use ddp::{DdpConfig, DistributedDataParallel};
 pub use error::{DistError, Result};
+pub use join::{JoinConfig, JoinDivisor};
 pub use process_group::device_threads::DeviceThreadGroup;
 pub use process_group::nccl::{NcclConfig, NcclProcessGroup};
 pub use process_group::tcp::TcpProcessGroup;

@@ -125,7 +125,11 @@ impl Reducer {
             self.write_slot(&state.layout, i, &view, scale)?;
             self.mark_ready(state, i, false)?;
         }
-        let counting = here.count_users(self.group.as_ref(), self.device)?;
+        let counting = here.count_users(
+            self.group.as_ref(),
+            self.device,
+            self.shadowing.load(std::sync::atomic::Ordering::Relaxed),
+        )?;
         Ok(Some((here, counting)))
     }
 

@@ -34,6 +34,7 @@ pub mod telemetry;
 mod unused;
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicUsize};
 use std::sync::{Arc, Weak};
 use std::time::Instant;
 
@@ -215,6 +216,12 @@ pub(crate) struct Reducer {
     compute: Stream,
     state: Mutex<State>,
     hooks: Mutex<Vec<HookHandle>>,
+    /// What `GradReduction::Mean` divides by when not 0 (the world size): the active ranks'
+    /// count inside `DistributedDataParallel::join` with `JoinDivisor::ActiveRanks`.
+    pub(crate) divisor: AtomicUsize,
+    /// Whether the current step is a joined rank's shadow step (`DistributedDataParallel::join`),
+    /// whose backward counts as reaching no parameter in the unused-parameter agreement.
+    pub(crate) shadowing: AtomicBool,
 }
 
 impl Reducer {
@@ -247,6 +254,8 @@ impl Reducer {
             compute,
             state: Mutex::new(State::new(Layout { buckets, slots }, n, forward_end)),
             hooks: Mutex::new(Vec::new()),
+            divisor: AtomicUsize::new(0),
+            shadowing: AtomicBool::new(false),
         });
         reducer.register_hooks()?;
         Ok(reducer)

@@ -50,9 +50,13 @@ impl Reducer {
         self.mark_ready(&mut state, index, true)
     }
 
-    /// `1/world_size` when gradients are averaged over more than one rank.
+    /// `1/world_size` when gradients are averaged over more than one rank (inside `join` with
+    /// `JoinDivisor::ActiveRanks`, `1/active ranks`).
     pub(super) fn pre_scale(&self) -> Option<f64> {
-        let world = self.group.world_size();
+        let world = match self.divisor.load(std::sync::atomic::Ordering::Relaxed) {
+            0 => self.group.world_size(),
+            active => active,
+        };
         (self.config.reduction == GradReduction::Mean && world > 1).then(|| 1.0 / world as f64)
     }
 
