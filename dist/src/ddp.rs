@@ -33,13 +33,20 @@
 //! [`SyncBatchNorm`](crate::SyncBatchNorm) (see [`convert_sync_batch_norm`](crate::convert_sync_batch_norm))
 //! for statistics over the global batch. Buffers (running statistics) are broadcast from rank
 //! 0 before every forward unless [`DdpConfig::broadcast_buffers`] is off.
+//!
+//! **Uneven inputs.** Ranks with different numbers of batches wrap their loops in
+//! [`DistributedDataParallel::join`] (see [`crate::join`]); without it a rank that stops early
+//! leaves the others failing at the group's timeout with an error naming it.
 
 use std::sync::Arc;
 
 use tandem_core::{Device, Tensor};
 use tandem_nn::Module;
 
+use parking_lot::Mutex;
+
 use crate::coalesce::CoalescedBroadcast;
+use crate::join::JoinSession;
 use crate::reducer::comm_hook::CommHook;
 use crate::reducer::telemetry::Telemetry;
 use crate::reducer::{GradReduction, LaunchRecord, Reducer, ReducerConfig};
@@ -90,12 +97,14 @@ impl Default for DdpConfig {
 
 /// A model replicated on every rank whose gradients are averaged during backward.
 pub struct DistributedDataParallel {
-    module: Arc<dyn Module>,
-    group: Arc<dyn ProcessGroup>,
-    reducer: Arc<Reducer>,
+    pub(crate) module: Arc<dyn Module>,
+    pub(crate) group: Arc<dyn ProcessGroup>,
+    pub(crate) reducer: Arc<Reducer>,
     /// The buffers, packed for one broadcast per dtype before each forward.
     buffers: Option<CoalescedBroadcast>,
     config: DdpConfig,
+    /// The join context while [`DistributedDataParallel::join`] runs (`join.rs`).
+    pub(crate) join: Mutex<Option<JoinSession>>,
 }
 
 impl DistributedDataParallel {
@@ -153,12 +162,20 @@ impl DistributedDataParallel {
             reducer,
             buffers,
             config,
+            join: Mutex::new(None),
         })
     }
 
     /// Runs the wrapped module's forward. Reports parameters the previous backward did not
-    /// reach, rebuilds buckets after the first iteration, and broadcasts buffers from rank 0.
+    /// reach, rebuilds buckets after the first iteration, and broadcasts buffers from rank 0
+    /// (inside [`DistributedDataParallel::join`], from the lowest rank still active).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let root = self.join_notify(x)?;
+        self.forward_from(x, root)
+    }
+
+    /// [`DistributedDataParallel::forward`] with the buffers broadcast from `root`.
+    pub(crate) fn forward_from(&self, x: &Tensor, root: usize) -> Result<Tensor> {
         let rank = self.group.rank();
         self.reducer.prepare_forward()?;
         if let Some(buffers) = self
@@ -166,7 +183,7 @@ impl DistributedDataParallel {
             .as_ref()
             .filter(|_| self.config.broadcast_buffers)
         {
-            buffers.broadcast(self.group.as_ref(), 0)?;
+            buffers.broadcast(self.group.as_ref(), root)?;
         }
         let out = self
             .module

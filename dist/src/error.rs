@@ -14,7 +14,8 @@
 //! `GroupBroken`), configuration mistakes a user fixes in their code (`Config`), and failures
 //! of what DDP wraps: the user's model (`Model`), the tensor layer under dist's own
 //! bookkeeping (`Tensor`), the ranks holding different models (`ModelMismatch`), and gradients
-//! that did not arrive as expected (`UnusedParameters`, `GradientReadyTwice`). `Internal` is a
+//! that did not arrive as expected (`UnusedParameters`, `GradientReadyTwice`,
+//! `BucketReducedWrongly`). `Internal` is a
 //! bug in tandem.
 
 use std::sync::Arc;
@@ -136,8 +137,10 @@ pub enum DistError {
 
     /// A collective did not finish within the group's timeout.
     #[error(
-        "rank {rank}: {collective} (collective #{seq}) timed out after {timeout:?} waiting for {}",
-        fmt_ranks(waiting_for)
+        "rank {rank}: {collective} (collective #{seq}) timed out after {timeout:?} waiting for \
+         {}{}",
+        fmt_ranks(waiting_for),
+        diagnosis.as_ref().map_or_else(String::new, |d| format!(". Diagnosis: {d}"))
     )]
     Timeout {
         /// The rank that gave up.
@@ -150,6 +153,9 @@ pub enum DistError {
         timeout: Duration,
         /// The ranks this rank was still waiting for.
         waiting_for: Vec<usize>,
+        /// Which ranks diverged and where, from the positions of the ranks that reported
+        /// theirs (see [`CollectiveLabel`](crate::CollectiveLabel)); `None` when none was made.
+        diagnosis: Option<String>,
     },
 
     /// Another rank failed and told this one, so this collective cannot complete.
@@ -288,6 +294,31 @@ pub enum DistError {
         path: String,
     },
 
+    /// DDP's self-check of a backward found a gradient bucket reduced other than exactly once
+    /// in a synchronised backward (or at all in a `no_sync` one): the gradients of its
+    /// parameters are not the average over ranks the optimizer expects.
+    #[error(
+        "rank {rank}: DistributedDataParallel: gradient bucket {bucket} was reduced {reductions} \
+         time(s) in {backward} (expected {expected}); its parameters: {}. Their gradients are \
+         not the ranks' {}; this is a bug in a communication hook or in tandem",
+        params.join(", "),
+        if *expected == 0 { "local sums" } else { "reduction" }
+    )]
+    BucketReducedWrongly {
+        /// The reporting rank.
+        rank: usize,
+        /// The bucket's index.
+        bucket: usize,
+        /// How many reductions were issued for it.
+        reductions: u32,
+        /// How many were expected: 1 in a synchronised backward, 0 in a `no_sync` one.
+        expected: u32,
+        /// Which backward, e.g. `synchronised backward #3`.
+        backward: String,
+        /// The module paths of the bucket's parameters.
+        params: Vec<String>,
+    },
+
     /// The wrapped model failed (its forward, or a layer's own error).
     #[error("rank {rank}: {context}: {source}")]
     Model {
@@ -410,6 +441,15 @@ impl DistError {
             | DistError::SetupTimeout { waiting_for, .. } => waiting_for.clone(),
             DistError::GroupBroken { cause, .. } => cause.blamed_ranks(),
             _ => Vec::new(),
+        }
+    }
+
+    /// The hang diagnosis a timed-out collective carries: which ranks diverged and where.
+    pub fn diagnosis(&self) -> Option<&str> {
+        match self {
+            DistError::Timeout { diagnosis, .. } => diagnosis.as_deref(),
+            DistError::GroupBroken { cause, .. } => cause.diagnosis(),
+            _ => None,
         }
     }
 }

@@ -8,7 +8,9 @@
 //! message) before it returns the error — on a connection of its own when its usual one is busy
 //! — and a launcher that serves the store follows the reports from the rank that failed first
 //! (rank 0 was waiting for rank 1, which was waiting for rank 2, which left no report) to the
-//! rank everyone was waiting for, and names that rank in its summary.
+//! rank everyone was waiting for, and names that rank in its summary. A rank whose collective
+//! timed out also leaves its hang diagnosis (`tandem/diagnosis/<rank>`: which ranks diverged
+//! and where, see `process_group::progress`), which the launcher's summary repeats.
 
 use std::time::Duration;
 
@@ -26,6 +28,14 @@ pub(crate) fn key(rank: usize) -> String {
     format!("tandem/failure/{rank}")
 }
 
+/// The store key of rank `rank`'s hang diagnosis.
+fn diagnosis_key(rank: usize) -> String {
+    format!("tandem/diagnosis/{rank}")
+}
+
+/// Most ranks whose diagnoses the launcher looks through.
+const MAX_DIAGNOSES_READ: usize = 1024;
+
 /// Leaves rank `rank`'s report of `err` in the store, if `err` blames other ranks and the
 /// store connection is free (a failing collective must not wait behind the application).
 pub(crate) fn post(store: &TcpStore, rank: usize, err: &DistError) {
@@ -39,16 +49,32 @@ pub(crate) fn post(store: &TcpStore, rank: usize, err: &DistError) {
     if blamed.is_empty() {
         return;
     }
-    let mut message = err.to_string();
-    if message.len() > MAX_MESSAGE {
+    let message = bounded(err.to_string());
+    let value = format!("{}\n{message}", blamed.join(","));
+    let mut entries = vec![(key(rank), value)];
+    if let Some(diagnosis) = err.diagnosis() {
+        entries.push((diagnosis_key(rank), bounded(diagnosis.to_string())));
+    }
+    for (key, value) in entries {
+        set_without_blocking(store, &key, &value);
+    }
+}
+
+/// `text` cut to at most [`MAX_MESSAGE`] bytes.
+fn bounded(mut text: String) -> String {
+    if text.len() > MAX_MESSAGE {
         let mut cut = MAX_MESSAGE;
-        while !message.is_char_boundary(cut) {
+        while !text.is_char_boundary(cut) {
             cut -= 1;
         }
-        message.truncate(cut);
+        text.truncate(cut);
     }
-    let value = format!("{}\n{message}", blamed.join(","));
-    if let Ok(false) = store.try_set(&key(rank), value.as_bytes()) {
+    text
+}
+
+/// Sets `key` on `store`'s connection if it is free, else on a short-lived one of its own.
+fn set_without_blocking(store: &TcpStore, key: &str, value: &str) {
+    if let Ok(false) = store.try_set(key, value.as_bytes()) {
         // The connection is busy (another thread waits on it): a short-lived one of its own,
         // bounded in time, so that the report is not lost.
         if let Ok(own) = TcpStore::connect_with_secret(
@@ -56,7 +82,7 @@ pub(crate) fn post(store: &TcpStore, rank: usize, err: &DistError) {
             OWN_CONNECTION_WAIT,
             store.secret().cloned(),
         ) {
-            let _ = own.set(&key(rank), value.as_bytes());
+            let _ = own.set(key, value.as_bytes());
         }
     }
 }
@@ -68,6 +94,9 @@ pub struct FailureReport {
     pub waiting_for: usize,
     /// The error message of the rank that failed first.
     pub message: String,
+    /// The hang diagnosis (which ranks diverged and where) left by the rank that failed first,
+    /// else by the first other rank that left one.
+    pub diagnosis: Option<String>,
 }
 
 fn parse(value: &[u8]) -> Option<(Vec<usize>, String)> {
@@ -99,9 +128,17 @@ pub fn explain(server: &StoreServer, failed: usize, world: usize) -> Option<Fail
             _ => break,
         }
     }
+    let diagnosis_of = |r: usize| {
+        server
+            .value(&diagnosis_key(r))
+            .map(|v| String::from_utf8_lossy(&v).into_owned())
+    };
+    let diagnosis =
+        diagnosis_of(failed).or_else(|| (0..world.min(MAX_DIAGNOSES_READ)).find_map(diagnosis_of));
     Some(FailureReport {
         waiting_for: current,
         message,
+        diagnosis,
     })
 }
 
@@ -120,11 +157,36 @@ mod tests {
             seq: 3,
             timeout: Duration::from_secs(1),
             waiting_for,
+            diagnosis: None,
         };
+        let diagnosed = |rank, waiting_for| match timeout(rank, waiting_for) {
+            DistError::Timeout {
+                rank,
+                collective,
+                seq,
+                timeout,
+                waiting_for,
+                ..
+            } => DistError::Timeout {
+                rank,
+                collective,
+                seq,
+                timeout,
+                waiting_for,
+                diagnosis: Some("rank 2 is behind".into()),
+            },
+            other => other,
+        };
+        assert_eq!(explain(&server, 0, 4), None);
+        post(&store, 1, &diagnosed(1, vec![2]));
         post(&store, 0, &timeout(0, vec![1]));
-        post(&store, 1, &timeout(1, vec![2]));
         let report = explain(&server, 0, 4).unwrap();
         assert_eq!(report.waiting_for, 2);
+        assert_eq!(
+            report.diagnosis.as_deref(),
+            Some("rank 2 is behind"),
+            "the diagnosis of another rank when the first failed rank left none"
+        );
         assert!(report.message.contains("rank 0") && report.message.contains("rank 1"));
         assert_eq!(explain(&server, 1, 4).unwrap().waiting_for, 2);
         assert_eq!(explain(&server, 3, 4), None);

@@ -343,6 +343,16 @@ impl LaunchReport {
 /// `rank 2 failed with exit status 3`, or, when it reported waiting for another rank, that rank
 /// first: the one to look at (it may be stopped or hung), not the first one to exit.
 fn describe_failure(failed: &RankFailure, report: Option<&FailureReport>) -> String {
+    let summary = describe_blame(failed, report);
+    // The hang diagnosis, when a rank's collective timed out: who diverged and where.
+    match report.and_then(|r| r.diagnosis.as_deref()) {
+        Some(diagnosis) => format!("{summary}. Diagnosis: {diagnosis}"),
+        None => summary,
+    }
+}
+
+/// The failed rank, or the rank it was waiting for first.
+fn describe_blame(failed: &RankFailure, report: Option<&FailureReport>) -> String {
     match report.filter(|r| r.waiting_for != failed.rank) {
         Some(r) => format!(
             "rank {} did not respond (stopped or hung?); rank {}, which was waiting for it, \

@@ -69,11 +69,18 @@
 //! tells its peers (an *abort* frame) so they fail too and learn the cause; a rank that drops
 //! its group says goodbye, so ranks still waiting for it learn that it left. After a failure
 //! the group is broken and refuses further collectives ([`DistError::GroupBroken`]), like an
-//! aborted NCCL communicator: restart the job.
+//! aborted NCCL communicator: restart the job. A timeout carries a diagnosis gathered from
+//! every rank's last issued and completed collective (labelled through
+//! [`with_collective_label`]): which rank diverged and where, e.g. `rank 2 is at all_reduce #118
+//! (bucket 3) … while ranks 0, 1, 3 wait at all_reduce #119 (SyncBatchNorm statistics)`.
 //!
 //! **Launching.** `tandem-run --nproc-per-node N -- PROGRAM ARGS…` ([`launch`]) starts N local
 //! ranks with the environment set, serves the store, prefixes each rank's output with
 //! `[rank K] `, and stops the whole job when one rank fails, naming it.
+//!
+//! **Uneven inputs.** [`DistributedDataParallel::join`] lets ranks with different numbers of
+//! batches finish: a rank whose loop has ended shadows the others' collectives (SyncBatchNorm's
+//! included) with zero contributions until all are done ([`join`]).
 
 #![warn(missing_docs)]
 
@@ -82,6 +89,7 @@ mod coalesce;
 pub mod ddp;
 pub mod error;
 pub mod failure_report;
+pub mod join;
 pub mod launch;
 pub mod metrics;
 pub mod nvtx_ranges;
@@ -99,12 +107,14 @@ pub mod timeline;
 pub use auth::JobSecret;
 pub use ddp::{DdpConfig, DistributedDataParallel};
 pub use error::{DistError, Result};
+pub use join::{JoinConfig, JoinDivisor};
 pub use process_group::device_threads::DeviceThreadGroup;
 pub use process_group::nccl::{NcclConfig, NcclProcessGroup};
 pub use process_group::tcp::TcpProcessGroup;
 pub use process_group::threads::ThreadProcessGroup;
 pub use process_group::{
-    CollectiveDesc, CollectiveKind, GroupConfig, ProcessGroup, ReduceOp, Work,
+    with_collective_label, CollectiveDesc, CollectiveKind, CollectiveLabel, GroupConfig,
+    ProcessGroup, ReduceOp, Work,
 };
 pub use reducer::comm_hook::{AllReduceHook, BucketReduction, CommHook, CompressionHook};
 pub use reducer::telemetry::{BucketTiming, OverlapSummary, StepTiming, Telemetry};

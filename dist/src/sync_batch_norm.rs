@@ -14,7 +14,7 @@
 use std::sync::Arc;
 
 use tandem_autograd::record_fn;
-use tandem_core::Tensor;
+use tandem_core::{DType, Tensor};
 use tandem_nn::BatchNorm2d;
 use tandem_nn::{Forward, Fused, Module};
 use tandem_ops::batch_norm::phases::{
@@ -23,7 +23,7 @@ use tandem_ops::batch_norm::phases::{
 };
 use tandem_ops::batch_norm::{BatchNormArgs, Epilogue};
 
-use crate::{ProcessGroup, ReduceOp};
+use crate::{CollectiveLabel, ProcessGroup, ReduceOp};
 
 /// Batch normalisation with statistics all-reduced over a process group. It wraps a
 /// [`BatchNorm2d`], whose parameters, buffers, settings and train/eval flag it uses as they are.
@@ -81,11 +81,17 @@ impl SyncBatchNorm {
             bias: bn.bias(),
             eps: config.eps,
         })?;
-        let out = phases::apply(&ApplyArgs {
-            x: &xc,
-            norm: &norm,
-            epilogue,
-        })?;
+        // A batch of no samples (a joined rank's shadow step) has nothing to normalise; the
+        // device kernels are not asked to handle it.
+        let out = if xc.numel() == 0 {
+            Tensor::zeros(xc.dims(), xc.dtype(), xc.device())?
+        } else {
+            phases::apply(&ApplyArgs {
+                x: &xc,
+                norm: &norm,
+                epilogue,
+            })?
+        };
         self.record_backward(x, out, xc, norm, stats.count, epilogue)
     }
 
@@ -99,6 +105,14 @@ impl SyncBatchNorm {
                 x.dims()
             ))
         };
+        if xc.numel() == 0 {
+            // A batch of no samples (a rank that has joined, shadowing the others inside
+            // `DistributedDataParallel::join`) contributes a zero count and zero sums, so the
+            // group's statistics are exactly those of the other ranks' samples. The local
+            // statistics of no samples would be 0/0.
+            let sums = Tensor::zeros(&[1 + 2 * bn.num_features()], DType::F64, x.device())?;
+            return self.reduce_statistics(x, sums);
+        }
         let local = phases::statistics(xc)?;
         // The group's count is the sum of the ranks' counts. The host knows only its own: on
         // one process that is the group's, checked here at once; otherwise `from_sums` checks
@@ -110,10 +124,24 @@ impl SyncBatchNorm {
             phases::check_count(count as f64).map_err(statistics_error)?;
         }
         let sums = local.to_sums()?;
-        self.group
-            .all_reduce(&sums, ReduceOp::Sum)
-            .and_then(|w| w.wait())
-            .map_err(|e| core_err("forward statistics", e))?;
+        self.reduce_statistics(x, sums)
+    }
+
+    /// All-reduces this rank's statistics `sums` (`[count, Σx…, Σx²…]`) of input `x` and updates
+    /// the running statistics with the group's.
+    fn reduce_statistics(&self, x: &Tensor, sums: Tensor) -> tandem_nn::Result<Statistics> {
+        let bn = &self.bn;
+        let statistics_error = |e: tandem_core::Error| {
+            self.input_error(format!(
+                "batch statistics over the group failed for input {:?}: {e}",
+                x.dims()
+            ))
+        };
+        crate::with_collective_label(CollectiveLabel::SyncBatchNormStatistics, || {
+            self.group.all_reduce(&sums, ReduceOp::Sum)
+        })
+        .and_then(|w| w.wait())
+        .map_err(|e| core_err("forward statistics", e))?;
         // On a GPU the count stays on the device: nothing here waits for the all-reduce.
         let stats = Statistics::from_sums(&sums).map_err(statistics_error)?;
         if let (Some(running_mean), Some(running_var)) = (bn.running_mean(), bn.running_var()) {
@@ -161,30 +189,40 @@ impl SyncBatchNorm {
                     (None, true) => GradMask::Relu,
                     (None, false) => GradMask::None,
                 };
-                let GradSums { sums, grad: masked } =
+                let GradSums { sums, grad: masked } = if xc.numel() == 0 {
+                    // No samples (a joined rank's shadow step): zero sums for the all-reduce,
+                    // and no kernel over an empty batch (on a GPU it would leave the sums
+                    // unwritten).
+                    empty_batch_sums(&xc, g, saved_out.is_some())?
+                } else {
                     phases::backward_reduce(&BackwardReduceArgs {
                         grad: g,
                         x: &xc,
                         norm: &norm,
                         mask,
-                    })?;
+                    })?
+                };
                 // The parameters' gradients are this rank's own sums (DDP averages them); the
                 // input's gradient needs the group's.
                 let (grad_w, grad_b) = phases::parameter_gradients(&sums, &norm, g.dtype())?;
-                group
-                    .all_reduce(&sums, ReduceOp::Sum)
+                let label = CollectiveLabel::Named("SyncBatchNorm gradient statistics");
+                crate::with_collective_label(label, || group.all_reduce(&sums, ReduceOp::Sum))
                     .and_then(|w| w.wait())
                     .map_err(|e| core_err("backward", e))?;
                 let g_bn = masked.as_ref().unwrap_or(g);
-                let grad_x = phases::backward_apply(&BackwardApplyArgs {
-                    grad: g_bn,
-                    x: &xc,
-                    norm: &norm,
-                    sums: &sums,
-                    count: &count,
-                    training: true,
-                    relu_mask: relu,
-                })?;
+                let grad_x = if xc.numel() == 0 {
+                    Tensor::zeros(xc.dims(), g.dtype(), xc.device())?
+                } else {
+                    phases::backward_apply(&BackwardApplyArgs {
+                        grad: g_bn,
+                        x: &xc,
+                        norm: &norm,
+                        sums: &sums,
+                        count: &count,
+                        training: true,
+                        relu_mask: relu,
+                    })?
+                };
                 let mut grads = vec![Some(grad_x)];
                 if saved_out.is_some() {
                     grads.push(masked);
@@ -199,6 +237,19 @@ impl SyncBatchNorm {
             }
         }))
     }
+}
+
+/// The gradient sums of a batch of no samples: `[2, C]` zeros, and an empty masked gradient
+/// when the backward has a residual.
+fn empty_batch_sums(x: &Tensor, g: &Tensor, residual: bool) -> tandem_core::Result<GradSums> {
+    let c = x.dims()[1];
+    let sums = Tensor::zeros(&[2, c], DType::F64, x.device())?;
+    let grad = if residual {
+        Some(Tensor::zeros(g.dims(), g.dtype(), g.device())?)
+    } else {
+        None
+    };
+    Ok(GradSums { sums, grad })
 }
 
 fn core_err(

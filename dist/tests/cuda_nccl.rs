@@ -326,6 +326,15 @@ fn a_rank_that_never_issues_a_collective_times_out_the_other_naming_it() {
         "{}",
         results[0].1
     );
+    // The diagnosis, from the heartbeats: rank 1 is idle after the barrier, rank 0 waits.
+    assert!(
+        error.contains(
+            "Diagnosis: rank 1 is at barrier #2, completed, and has issued nothing since, while \
+             rank 0 waits at all_reduce #3 (f32 × 1024)"
+        ),
+        "{}",
+        results[0].1
+    );
 }
 
 #[test]

@@ -142,6 +142,13 @@ fn launcher_names_the_rank_the_others_were_waiting_for() {
         stderr.contains("was waiting for rank 2, which did not respond"),
         "{stderr}"
     );
+    // The summary carries the diagnosis: where the stopped rank is and where the others wait.
+    assert!(
+        summary(&stderr)
+            .contains("Diagnosis: rank 2 did not report and never joined all_reduce #2 (f32 × 16)")
+            && summary(&stderr).contains("while ranks 0, 1 wait at all_reduce #2 (f32 × 16)"),
+        "{stderr}"
+    );
     assert!(elapsed < Duration::from_secs(60), "{elapsed:?}");
 }
 

@@ -85,6 +85,25 @@ fn kill_rank_2_of_4(mode: &str) {
 }
 
 #[test]
+fn a_process_that_skips_a_collective_is_named_with_its_position_in_the_diagnosis() {
+    // Rank 2 of 3 skips bucket 1: its #2 is the others' #3's bucket, and they wait at #3.
+    let results = Job::start(3, "skip").wait(Duration::from_secs(60));
+    for (rank, (status, output)) in results.iter().enumerate().take(2) {
+        assert!(
+            !status.success(),
+            "rank {rank} should have failed:\n{output}"
+        );
+        assert!(
+            output.contains(
+                "Diagnosis: rank 2 did not report and never joined all_reduce #3 (bucket 2; \
+                 f32 × 16)"
+            ) && output.contains("while ranks 0, 1 wait at all_reduce #3 (bucket 2; f32 × 16)"),
+            "rank {rank}: {output}"
+        );
+    }
+}
+
+#[test]
 fn processes_issuing_different_collectives_get_an_error_naming_both() {
     let results = Job::start(2, "mismatch").wait(Duration::from_secs(60));
     for (rank, (status, output)) in results.iter().enumerate() {

@@ -145,6 +145,7 @@ impl<D: Clone> Board<D> {
                     seq,
                     timeout: self.timeout,
                     waiting_for: missing,
+                    diagnosis: None,
                 });
             }
         }

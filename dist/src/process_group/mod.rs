@@ -14,6 +14,7 @@ pub(crate) mod codes;
 pub mod device_threads;
 mod host;
 pub mod nccl;
+pub(crate) mod progress;
 pub(crate) mod reduce;
 pub mod tcp;
 pub mod threads;
@@ -27,6 +28,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use tandem_core::{DType, Device, Stream, Tensor};
 
+pub use progress::{with_collective_label, CollectiveLabel};
 pub use work::Work;
 
 use crate::{DistError, Result};
@@ -496,6 +498,8 @@ pub(crate) struct CommQueue {
     worker: Arc<OnceLock<ThreadId>>,
     next_seq: Mutex<u64>,
     broken: Arc<Mutex<Option<DistError>>>,
+    /// The last issued and completed collectives, for hang diagnoses.
+    progress: Arc<progress::Progress>,
 }
 
 impl CommQueue {
@@ -517,6 +521,7 @@ impl CommQueue {
             worker,
             next_seq: Mutex::new(1),
             broken: Arc::new(Mutex::new(None)),
+            progress: Arc::default(),
         })
     }
 
@@ -534,6 +539,11 @@ impl CommQueue {
         &self.stream
     }
 
+    /// This rank's last issued and completed collectives.
+    pub(crate) fn progress(&self) -> &Arc<progress::Progress> {
+        &self.progress
+    }
+
     /// Issues `run(seq)` as the next collective. `run` executes on the comm stream; an error it
     /// returns completes the work with that error and breaks the group.
     pub(crate) fn issue(
@@ -545,6 +555,8 @@ impl CommQueue {
         let seq = *next;
         *next += 1;
         let work = Work::new(seq, desc);
+        self.progress.issued(seq, desc);
+        let progress = self.progress.clone();
         let done = work.clone();
         let broken = self.broken.clone();
         let rank = self.rank;
@@ -572,8 +584,11 @@ impl CommQueue {
                                     what,
                                 ))
                             });
-                    if let Err(e) = &outcome {
-                        broken.lock().get_or_insert_with(|| e.clone());
+                    match &outcome {
+                        Ok(()) => progress.completed(seq),
+                        Err(e) => {
+                            broken.lock().get_or_insert_with(|| e.clone());
+                        }
                     }
                     outcome
                 }
@@ -671,6 +686,7 @@ mod tests {
                 seq,
                 timeout: Duration::from_secs(1),
                 waiting_for: vec![1],
+                diagnosis: None,
             })
         });
         let second = queue.issue(describe_barrier(), |_| Ok(()));

@@ -18,6 +18,7 @@ use tandem_core::{Stream, Tensor};
 
 use super::board::Board;
 use super::host::{self, snapshot, Target};
+use super::progress::{self, Progress};
 use super::reduce::AlignedBuf;
 use super::{
     describe_all_gather, describe_all_reduce, describe_barrier, describe_broadcast,
@@ -33,6 +34,8 @@ pub struct ThreadProcessGroup {
     board: Arc<Board<Arc<AlignedBuf>>>,
     queue: CommQueue,
     completed: Arc<AtomicU64>,
+    /// Every rank's progress, for the diagnosis of a timed-out collective.
+    everyone: Arc<Vec<Arc<Progress>>>,
 }
 
 impl fmt::Debug for ThreadProcessGroup {
@@ -64,16 +67,22 @@ impl ThreadProcessGroup {
             ));
         }
         let board = Arc::new(Board::new("ThreadProcessGroup", world_size, config.timeout));
-        (0..world_size)
-            .map(|rank| {
-                Ok(ThreadProcessGroup {
-                    rank,
-                    board: board.clone(),
-                    queue: CommQueue::new("threads", rank)?,
-                    completed: Arc::new(AtomicU64::new(0)),
-                })
+        let queues = (0..world_size)
+            .map(|rank| CommQueue::new("threads", rank))
+            .collect::<Result<Vec<_>>>()?;
+        let everyone: Arc<Vec<Arc<Progress>>> =
+            Arc::new(queues.iter().map(|q| q.progress().clone()).collect());
+        Ok(queues
+            .into_iter()
+            .enumerate()
+            .map(|(rank, queue)| ThreadProcessGroup {
+                rank,
+                board: board.clone(),
+                queue,
+                completed: Arc::new(AtomicU64::new(0)),
+                everyone: everyone.clone(),
             })
-            .collect()
+            .collect())
     }
 
     /// Issues a collective: `contribute` (on the comm thread) returns this rank's snapshot, and
@@ -85,14 +94,24 @@ impl ThreadProcessGroup {
         target: Target,
     ) -> Work {
         let (rank, board, completed) = (self.rank, self.board.clone(), self.completed.clone());
+        let everyone = self.everyone.clone();
         self.queue.issue(desc, move |seq| {
-            let result = contribute()
+            let mut result = contribute()
                 .map_err(|e| tensor_error(rank, &desc, e))
                 .and_then(|data| board.exchange(rank, seq, &desc, Arc::new(data)))
                 .and_then(|all| {
                     let bytes: Vec<&[u8]> = all.iter().map(|b| b.bytes()).collect();
                     host::apply(rank, &desc, &target, &bytes)
                 });
+            if let Err(DistError::Timeout { diagnosis, .. }) = &mut result {
+                // Every rank's position is in this process: no rank can fail to report.
+                let positions: Vec<_> = everyone
+                    .iter()
+                    .enumerate()
+                    .map(|(q, p)| (q, p.position()))
+                    .collect();
+                *diagnosis = Some(progress::diagnose(&positions));
+            }
             match &result {
                 Ok(()) => completed.store(seq, Ordering::SeqCst),
                 Err(err) => board.fail(rank, err),
@@ -269,6 +288,74 @@ mod tests {
             later.contains("broken") && later.contains("collective #2"),
             "{later}"
         );
+    }
+
+    /// Three ranks all-reduce buckets 0, 1, 2 (labelled as DDP does); `straggler` (rank 2)
+    /// issues only the buckets in `its_buckets`, after `delay`, and keeps its handle past the
+    /// others' timeout. Returns the errors of ranks 0 and 1.
+    fn hang_with(its_buckets: &'static [usize], delay: Duration) -> Vec<String> {
+        let config = GroupConfig {
+            timeout: Duration::from_millis(300),
+            ..GroupConfig::default()
+        };
+        let groups = ThreadProcessGroup::new_group_with(3, &config).unwrap();
+        let results = on_each_rank(groups, move |pg| {
+            let buckets: &[usize] = if pg.rank() == 2 {
+                its_buckets
+            } else {
+                &[0, 1, 2]
+            };
+            let mut outcome = Ok(());
+            for &b in buckets {
+                if pg.rank() == 2 && b == 2 {
+                    std::thread::sleep(delay);
+                }
+                let t = Tensor::ones(&[4], DType::F32, Device::Cpu).unwrap();
+                let label = super::super::CollectiveLabel::Bucket(b);
+                outcome =
+                    super::super::with_collective_label(label, || pg.all_reduce(&t, ReduceOp::Sum))
+                        .and_then(|w| w.wait());
+                if outcome.is_err() {
+                    break;
+                }
+            }
+            if pg.rank() == 2 {
+                // Alive but issuing nothing while the others time out.
+                std::thread::sleep(Duration::from_millis(1500));
+            }
+            outcome.map_err(|e| e.to_string())
+        });
+        results
+            .into_iter()
+            .take(2)
+            .map(|r| r.unwrap_err())
+            .collect()
+    }
+
+    #[test]
+    fn a_rank_that_skips_a_collective_is_named_with_its_position() {
+        for err in hang_with(&[0, 2], Duration::ZERO) {
+            assert!(
+                err.contains(
+                    "rank 2 is at all_reduce #2 (bucket 2; f32 × 4), completed, and has issued \
+                     nothing since, while ranks 0, 1 wait at all_reduce #3 (bucket 2; f32 × 4)"
+                ),
+                "{err}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_rank_that_stops_past_the_timeout_is_named() {
+        for err in hang_with(&[0, 1, 2], Duration::from_millis(1200)) {
+            assert!(
+                err.contains(
+                    "rank 2 is at all_reduce #2 (bucket 1; f32 × 4), completed, and has issued \
+                     nothing since, while ranks 0, 1 wait at all_reduce #3 (bucket 2; f32 × 4)"
+                ),
+                "{err}"
+            );
+        }
     }
 
     #[test]

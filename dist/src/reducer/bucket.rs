@@ -20,6 +20,9 @@ pub(crate) struct Bucket {
     pub params: Vec<usize>,
     /// Parameters of this bucket still to become ready in the current backward.
     pub pending: usize,
+    /// Reductions issued for this bucket in the current backward: exactly one per synchronised
+    /// backward, none in a `no_sync` one (checked when the backward finishes).
+    pub reductions: u32,
 }
 
 /// Where a parameter's gradient lives: its bucket and its view into the bucket's buffer.
@@ -100,6 +103,7 @@ pub(crate) fn build(
             buffer,
             params: group.clone(),
             pending: group.len(),
+            reductions: 0,
         });
     }
     let slots = views

@@ -15,6 +15,7 @@
 use tandem_autograd::BackwardSummary;
 use tandem_core::{Event, Tensor};
 
+use super::accounting;
 use super::telemetry::{PendingBucket, PendingStep};
 use super::unused::UnreachedHere;
 use super::{Reducer, State};
@@ -35,14 +36,23 @@ impl Reducer {
     pub(super) fn on_backward_finished(&self, _summary: &BackwardSummary) -> Result<()> {
         let rank = self.group.rank();
         let mut state = self.state.lock();
+        let path = |p: usize| self.params[p].0.clone();
         if !state.sync {
             state.pass.forward_through_ddp = false;
-            return Ok(());
+            let misreduced = accounting::check(rank, &state.layout.buckets, None, path);
+            state
+                .layout
+                .buckets
+                .iter_mut()
+                .for_each(|b| b.reductions = 0);
+            return misreduced.map_or(Ok(()), Err);
         }
         let stream_err = |e| DistError::tensor(rank, "ending the backward of DDP", e);
         let backward_end = self.compute.record_event().map_err(stream_err)?;
         let unreached = self.complete_unready_buckets(&mut state)?;
         let mut waited = self.wait_for_buckets(&mut state);
+        let backward = Some(state.sync_backwards);
+        let misreduced = accounting::check(rank, &state.layout.buckets, backward, path);
         let comm_end = self
             .group
             .comm_stream()
@@ -82,7 +92,8 @@ impl Reducer {
         // The bypass is reported last, once the state is ready for the next iteration: the
         // gradients were reduced, but what only `DistributedDataParallel::forward` does (the
         // buffer broadcast, the checks of the previous step) was skipped.
-        match first_error {
+        // A bucket reduced other than once is the root cause of what else went wrong.
+        match misreduced.or(first_error) {
             Some(e) => Err(e),
             None if !through_ddp => Err(DistError::ForwardBypassed { rank }),
             None => Ok(()),
@@ -114,7 +125,11 @@ impl Reducer {
             self.write_slot(&state.layout, i, &view, scale)?;
             self.mark_ready(state, i, false)?;
         }
-        let counting = here.count_users(self.group.as_ref(), self.device)?;
+        let counting = here.count_users(
+            self.group.as_ref(),
+            self.device,
+            self.shadowing.load(std::sync::atomic::Ordering::Relaxed),
+        )?;
         Ok(Some((here, counting)))
     }
 
@@ -179,6 +194,7 @@ fn reset_for_next_backward(state: &mut State) -> bool {
     state.pass.ready.iter_mut().for_each(|r| *r = false);
     for bucket in &mut state.layout.buckets {
         bucket.pending = bucket.params.len();
+        bucket.reductions = 0;
     }
     state.pass.next_launch = 0;
     state.sync_backwards += 1;

@@ -24,6 +24,7 @@
 //! Every event feeds the telemetry (`telemetry.rs`): bucket timings are the comm-stream events
 //! around each collective, turned into times once the device has passed them.
 
+mod accounting;
 mod bucket;
 pub mod comm_hook;
 mod finish;
@@ -33,6 +34,7 @@ pub mod telemetry;
 mod unused;
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicUsize};
 use std::sync::{Arc, Weak};
 use std::time::Instant;
 
@@ -40,7 +42,7 @@ use parking_lot::Mutex;
 use tandem_autograd::{register_backward_finished_hook, register_grad_ready_hook, HookHandle};
 use tandem_core::{DType, Device, Event, Stream, Tensor, TensorId};
 
-use crate::{DistError, ProcessGroup, Result, Work};
+use crate::{CollectiveLabel, DistError, ProcessGroup, Result, Work};
 use bucket::{Bucket, BucketSet, Slot};
 use comm_hook::CommHook;
 use telemetry::{PendingBucket, PendingStep, Telemetry};
@@ -118,6 +120,8 @@ struct Pass {
     /// Whether `DistributedDataParallel::forward` ran since the last synchronised backward; a
     /// backward without one ran through a forward that bypassed DDP (`ddp.module().forward`).
     forward_through_ddp: bool,
+    /// A fault injected into bucket launches (tests only; see `accounting`).
+    fault: Option<accounting::BucketFault>,
 }
 
 /// The bucket order observed in the first synchronised backward, and whether the buckets were
@@ -161,6 +165,7 @@ impl State {
                 next_launch: 0,
                 in_flight: Vec::new(),
                 forward_through_ddp: false,
+                fault: None,
             },
             rebuild: Rebuild {
                 observed_order: Vec::with_capacity(params),
@@ -211,6 +216,12 @@ pub(crate) struct Reducer {
     compute: Stream,
     state: Mutex<State>,
     hooks: Mutex<Vec<HookHandle>>,
+    /// What `GradReduction::Mean` divides by when not 0 (the world size): the active ranks'
+    /// count inside `DistributedDataParallel::join` with `JoinDivisor::ActiveRanks`.
+    pub(crate) divisor: AtomicUsize,
+    /// Whether the current step is a joined rank's shadow step (`DistributedDataParallel::join`),
+    /// whose backward counts as reaching no parameter in the unused-parameter agreement.
+    pub(crate) shadowing: AtomicBool,
 }
 
 impl Reducer {
@@ -243,6 +254,8 @@ impl Reducer {
             compute,
             state: Mutex::new(State::new(Layout { buckets, slots }, n, forward_end)),
             hooks: Mutex::new(Vec::new()),
+            divisor: AtomicUsize::new(0),
+            shadowing: AtomicBool::new(false),
         });
         reducer.register_hooks()?;
         Ok(reducer)
@@ -346,7 +359,10 @@ impl Reducer {
         let err = |e| DistError::tensor(rank, "agreeing on the rebuilt bucket order", e);
         let values: Vec<i64> = order.iter().map(|&p| p as i64).collect();
         let t = Tensor::from_vec(values, &[order.len()], self.device).map_err(err)?;
-        self.group.broadcast(&t, 0)?.wait()?;
+        crate::with_collective_label(CollectiveLabel::BucketOrderBroadcast, || {
+            self.group.broadcast(&t, 0)
+        })?
+        .wait()?;
         let agreed = t.to_vec::<i64>().map_err(err)?;
         let n = self.params.len();
         let mut seen = vec![false; n];
@@ -490,6 +506,86 @@ mod tests {
         let err = reducer.on_grad_ready(&ready).unwrap_err().to_string();
         assert!(
             err.contains("`layer.weight`") && err.contains("twice"),
+            "{err}"
+        );
+        reducer.detach();
+    }
+
+    /// A reducer on a group of one over `a.weight` and `b.weight` (3 elements each), one
+    /// bucket per parameter, with `fault` injected into its launches.
+    fn two_buckets(fault: Option<accounting::BucketFault>) -> (Arc<Reducer>, [Tensor; 2]) {
+        let group: Arc<dyn ProcessGroup> =
+            Arc::new(ThreadProcessGroup::new_group(1).unwrap().remove(0));
+        let param = || {
+            Tensor::zeros(&[3], DType::F32, Device::Cpu)
+                .unwrap()
+                .with_requires_grad()
+                .unwrap()
+        };
+        let (a, b) = (param(), param());
+        let config = ReducerConfig {
+            reduction: GradReduction::Mean,
+            bucket_cap_bytes: 12,
+            first_bucket_bytes: 12,
+            find_unused_parameters: false,
+            rebuild_buckets: false,
+            comm_hook: None,
+        };
+        let params = vec![
+            ("a.weight".into(), a.clone()),
+            ("b.weight".into(), b.clone()),
+        ];
+        let reducer = Reducer::new(group, params, Device::Cpu, config).unwrap();
+        reducer.state.lock().pass.fault = fault;
+        (reducer, [a, b])
+    }
+
+    /// One synchronised backward through the hooks: both gradients ready, then finished.
+    fn backward(reducer: &Reducer, params: &[Tensor; 2]) -> Result<()> {
+        reducer.mark_forward_end();
+        for p in params.iter().rev() {
+            reducer.on_grad_ready(&GradReady {
+                param: p.clone(),
+                grad: Tensor::ones(&[3], DType::F32, Device::Cpu).unwrap(),
+                event: Event::completed(),
+            })?;
+        }
+        let summary = tandem_core::graph::BackwardSummary {
+            reached: Default::default(),
+        };
+        reducer.on_backward_finished(&summary)
+    }
+
+    #[test]
+    fn every_bucket_reduced_once_passes_the_self_check() {
+        let (reducer, params) = two_buckets(None);
+        assert_eq!(reducer.bucket_layout().len(), 2);
+        backward(&reducer, &params).unwrap();
+        backward(&reducer, &params).unwrap();
+        reducer.detach();
+    }
+
+    #[test]
+    fn a_skipped_bucket_is_an_error_naming_it_and_its_parameters() {
+        let (reducer, params) = two_buckets(Some(accounting::BucketFault::Skip(1)));
+        let in_bucket_1 = reducer.bucket_layout()[1].join(", ");
+        let err = backward(&reducer, &params).unwrap_err().to_string();
+        assert!(
+            err.contains("gradient bucket 1 was reduced 0 time(s) in synchronised backward #0")
+                && err.contains(&format!("its parameters: {in_bucket_1}.")),
+            "{err}"
+        );
+        reducer.detach();
+    }
+
+    #[test]
+    fn a_bucket_reduced_twice_is_an_error_naming_it_and_its_parameters() {
+        let (reducer, params) = two_buckets(Some(accounting::BucketFault::Twice(0)));
+        let in_bucket_0 = reducer.bucket_layout()[0].join(", ");
+        let err = backward(&reducer, &params).unwrap_err().to_string();
+        assert!(
+            err.contains("gradient bucket 0 was reduced 2 time(s)")
+                && err.contains(&format!("its parameters: {in_bucket_0}.")),
             "{err}"
         );
         reducer.detach();

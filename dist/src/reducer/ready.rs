@@ -19,12 +19,13 @@ use std::time::Instant;
 
 use tandem_core::{Event, GradReady, Tensor};
 
+use super::accounting;
 use super::comm_hook::{AllReduceHook, CommHook};
 use super::telemetry::PendingBucket;
 use super::unused::is_slot_view;
 use super::{GradReduction, InFlight, LaunchRecord, Layout, Reducer, State, MAX_LAUNCH_RECORDS};
 use crate::nvtx_ranges::Range;
-use crate::{DistError, Result};
+use crate::{CollectiveLabel, DistError, Result};
 
 impl Reducer {
     pub(super) fn on_grad_ready(&self, ready: &GradReady) -> Result<()> {
@@ -49,9 +50,13 @@ impl Reducer {
         self.mark_ready(&mut state, index, true)
     }
 
-    /// `1/world_size` when gradients are averaged over more than one rank.
+    /// `1/world_size` when gradients are averaged over more than one rank (inside `join` with
+    /// `JoinDivisor::ActiveRanks`, `1/active ranks`).
     pub(super) fn pre_scale(&self) -> Option<f64> {
-        let world = self.group.world_size();
+        let world = match self.divisor.load(std::sync::atomic::Ordering::Relaxed) {
+            0 => self.group.world_size(),
+            active => active,
+        };
         (self.config.reduction == GradReduction::Mean && world > 1).then(|| 1.0 / world as f64)
     }
 
@@ -121,7 +126,9 @@ impl Reducer {
             && state.layout.buckets[state.pass.next_launch].pending == 0
         {
             let next = state.pass.next_launch;
-            self.launch(state, next, &written, during_backward)?;
+            for _ in 0..accounting::launches(state.pass.fault.as_ref(), next) {
+                self.launch(state, next, &written, during_backward)?;
+            }
             state.pass.next_launch += 1;
         }
         Ok(())
@@ -138,6 +145,7 @@ impl Reducer {
         let rank = self.group.rank();
         let comm = self.group.comm_stream();
         let err = |e| DistError::tensor(rank, format!("launching gradient bucket {b}"), e);
+        state.layout.buckets[b].reductions += 1;
         let buffer = state.layout.buckets[b].buffer.clone();
         // The collective must not read the bucket before the compute stream wrote it, and its
         // memory must not be reused before the comm stream is done with it.
@@ -154,7 +162,9 @@ impl Reducer {
             Some(h) => h.as_ref(),
             None => &AllReduceHook,
         };
-        let reduction = hook.reduce(self.group.as_ref(), &buffer)?;
+        let reduction = crate::with_collective_label(CollectiveLabel::Bucket(b), || {
+            hook.reduce(self.group.as_ref(), &buffer)
+        })?;
         let end = comm.record_event().map_err(err)?;
         let backward = state.sync_backwards;
         if state.timing.launch_log.len() == MAX_LAUNCH_RECORDS {

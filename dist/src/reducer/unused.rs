@@ -14,7 +14,7 @@
 use tandem_core::{Device, Tensor};
 
 use super::bucket::Slot;
-use crate::{DistError, ProcessGroup, ReduceOp, Result, Work};
+use crate::{CollectiveLabel, DistError, ProcessGroup, ReduceOp, Result, Work};
 
 /// What this rank's backward left unreached, and their gradients from before the reduction.
 pub(crate) struct UnreachedHere {
@@ -86,13 +86,26 @@ impl UnreachedHere {
 
     /// Starts the all-reduce that counts, per parameter, the ranks whose backward reached it
     /// (on `device`, the parameters' device, which every backend reaches). Every rank calls
-    /// this after launching its last bucket.
-    pub fn count_users(&self, group: &dyn ProcessGroup, device: Device) -> Result<(Tensor, Work)> {
+    /// this after launching its last bucket. A rank shadowing the others inside
+    /// `DistributedDataParallel::join` (`shadow`) counts as using nothing: its backward of an
+    /// empty batch reaches parameters without having data for them.
+    pub fn count_users(
+        &self,
+        group: &dyn ProcessGroup,
+        device: Device,
+        shadow: bool,
+    ) -> Result<(Tensor, Work)> {
         let rank = group.rank();
-        let flags: Vec<f32> = self.used.iter().map(|&u| u as u8 as f32).collect();
+        let flags: Vec<f32> = self
+            .used
+            .iter()
+            .map(|&u| (u && !shadow) as u8 as f32)
+            .collect();
         let counts = Tensor::from_vec(flags, &[self.used.len()], device)
             .map_err(|e| DistError::tensor(rank, "counting the users of each parameter", e))?;
-        let work = group.all_reduce(&counts, ReduceOp::Sum)?;
+        let work = crate::with_collective_label(CollectiveLabel::UnusedParameterAgreement, || {
+            group.all_reduce(&counts, ReduceOp::Sum)
+        })?;
         Ok((counts, work))
     }
 

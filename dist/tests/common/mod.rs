@@ -64,8 +64,8 @@ fn run_worker(mode: &str) -> Result<(), String> {
             wait_log_interval: Duration::from_millis(500),
             ..GroupConfig::default()
         },
-        // A rank that stops: the others give up quickly.
-        "stall" => GroupConfig {
+        // A rank that stops, or skips a collective: the others give up quickly.
+        "stall" | "skip" => GroupConfig {
             timeout: Duration::from_secs(3),
             ..GroupConfig::default()
         },
@@ -145,6 +145,23 @@ fn run_worker(mode: &str) -> Result<(), String> {
             pg.all_reduce(&t, ReduceOp::Sum)
                 .and_then(|w| w.wait())
                 .map_err(|e| e.to_string())
+        }
+        "skip" => {
+            // Buckets 0, 1, 2 all-reduced under DDP's labels; the last rank skips bucket 1,
+            // then stays alive, issuing nothing, while the others time out at #3.
+            let t = Tensor::ones(&[16], DType::F32, Device::Cpu).map_err(|e| e.to_string())?;
+            let last = rank == pg.world_size() - 1;
+            for b in [0, 1, 2].into_iter().filter(|&b| !(last && b == 1)) {
+                tandem_dist::with_collective_label(tandem_dist::CollectiveLabel::Bucket(b), || {
+                    pg.all_reduce(&t, ReduceOp::Sum)
+                })
+                .and_then(|w| w.wait())
+                .map_err(|e| e.to_string())?;
+            }
+            if last {
+                std::thread::sleep(Duration::from_secs(8));
+            }
+            Ok(())
         }
         "mismatch" => {
             let t = Tensor::zeros(&[100], DType::F32, Device::Cpu).map_err(|e| e.to_string())?;

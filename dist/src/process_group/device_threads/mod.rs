@@ -48,6 +48,7 @@ use tandem_core::{Device, Event, Layout, Shape, Stream, Tensor};
 
 use super::board::Board;
 use super::host::{self, Target};
+use super::progress::{self, Progress};
 use super::reduce::AlignedBuf;
 use super::{
     describe_all_gather, describe_all_reduce, describe_barrier, describe_broadcast,
@@ -91,6 +92,8 @@ pub struct DeviceThreadGroup {
     /// The last collective completed, for the message of a peer that finds this rank gone.
     completed: Arc<AtomicU64>,
     timeout: Duration,
+    /// Every rank's progress (this rank's at `rank`), for the diagnosis of a timeout.
+    everyone: Arc<Vec<Arc<Progress>>>,
 }
 
 impl fmt::Debug for DeviceThreadGroup {
@@ -137,6 +140,8 @@ impl DeviceThreadGroup {
             |rank| move |e| DistError::tensor(rank, format!("DeviceThreadGroup on {device}"), e);
         device.ensure_available().map_err(setup(0))?;
         let board = Arc::new(Board::new("DeviceThreadGroup", world_size, config.timeout));
+        let everyone: Arc<Vec<Arc<Progress>>> =
+            Arc::new((0..world_size).map(|_| Arc::default()).collect());
         (0..world_size)
             .map(|rank| {
                 let comm = match device {
@@ -160,6 +165,7 @@ impl DeviceThreadGroup {
                     watcher,
                     completed: Arc::new(AtomicU64::new(0)),
                     timeout: config.timeout,
+                    everyone: everyone.clone(),
                 })
             })
             .collect()
@@ -207,6 +213,7 @@ impl DeviceThreadGroup {
         let seq = *next;
         *next += 1;
         let work = Work::new(seq, desc);
+        self.everyone[self.rank].issued(seq, desc);
         let earlier = self.broken.lock().clone();
         let outcome = match earlier {
             Some(cause) => Err(DistError::GroupBroken {
@@ -216,11 +223,18 @@ impl DeviceThreadGroup {
                 cause: Box::new(cause),
             }),
             None => {
-                let run = if on_device {
+                let mut run = if on_device {
                     self.run_on_device(seq, &desc, input, &target)
                 } else {
                     self.run_on_host(seq, &desc, input, &target).map(|()| None)
                 };
+                if let Err(DistError::Timeout { diagnosis, .. }) = &mut run {
+                    // Every rank's position is in this process: no rank can fail to report.
+                    let positions: Vec<_> = (self.everyone.iter().enumerate())
+                        .map(|(q, p)| (q, p.position()))
+                        .collect();
+                    *diagnosis = Some(progress::diagnose(&positions));
+                }
                 if let Err(e) = &run {
                     self.board.fail(self.rank, e);
                     self.broken.lock().get_or_insert_with(|| e.clone());
@@ -239,6 +253,7 @@ impl DeviceThreadGroup {
         let (rank, seq, desc) = (self.rank, work.sequence_number(), work.collective());
         let (done_work, completed, broken) =
             (work.clone(), self.completed.clone(), self.broken.clone());
+        let progress = self.everyone[rank].clone();
         let (timeout, device) = (self.timeout, self.device);
         let finish = move || {
             if let Device::Cuda(ordinal) = device {
@@ -269,7 +284,10 @@ impl DeviceThreadGroup {
                 },
             });
             match &result {
-                Ok(()) => completed.store(seq, Ordering::SeqCst),
+                Ok(()) => {
+                    completed.store(seq, Ordering::SeqCst);
+                    progress.completed(seq);
+                }
                 Err(e) => {
                     broken.lock().get_or_insert_with(|| e.clone());
                 }

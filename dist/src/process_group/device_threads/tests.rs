@@ -91,6 +91,11 @@ fn a_missing_rank_times_out_naming_it_and_breaks_the_group() {
         matches!(&err, DistError::Timeout { waiting_for, seq: 1, .. } if waiting_for == &[1]),
         "{err}"
     );
+    assert_eq!(
+        err.diagnosis(),
+        Some("rank 1 has issued no collective yet, while rank 0 waits at barrier #1"),
+        "{err}"
+    );
     let later = first.barrier().unwrap().wait().unwrap_err().to_string();
     assert!(
         later.contains("broken") && later.contains("collective #2"),

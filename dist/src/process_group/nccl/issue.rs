@@ -138,6 +138,7 @@ impl NcclProcessGroup {
                         seq,
                         timeout,
                         waiting_for: Vec::new(),
+                        diagnosis: None,
                     })
                 })
             };
@@ -204,6 +205,7 @@ impl NcclProcessGroup {
                             seq,
                             timeout: s.group.timeout,
                             waiting_for: vec![peer],
+                            diagnosis: None,
                         }));
                     }
                 }

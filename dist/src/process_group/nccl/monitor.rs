@@ -43,6 +43,7 @@ use super::record::{
     MAX_BEAT_BYTES, MAX_HISTORY_BYTES,
 };
 use crate::error::fmt_ranks;
+use crate::process_group::progress::Progress;
 use crate::process_group::CollectiveDesc;
 use crate::store::{TcpStore, MAX_REQUEST_KEY_BYTES};
 use crate::{DistError, Result};
@@ -159,6 +160,8 @@ struct Inner {
     /// The rank whose process serves the store, if a rank does.
     store_owner: Option<usize>,
     local: Mutex<Local>,
+    /// The labels and descriptors of this rank's recent collectives, for hang diagnoses.
+    progress: Progress,
     peers: Mutex<Vec<PeerView>>,
     neighbour_history: Mutex<Option<std::result::Result<Vec<HistoryEntry>, String>>>,
     link: Mutex<Link>,
@@ -261,6 +264,7 @@ impl Monitor {
             store: own,
             store_owner,
             local: Mutex::new(local),
+            progress: Progress::default(),
             peers: Mutex::new(vec![
                 PeerView {
                     beat: None,
@@ -300,6 +304,7 @@ impl Monitor {
 
     /// Notes that collective `seq` (the next in order) was issued.
     pub(crate) fn record_issue(&self, seq: u64, desc: &CollectiveDesc) {
+        self.inner.progress.issued(seq, *desc);
         let mut local = self.inner.local.lock();
         let code = encode_desc(desc);
         local.hash = chain_hash(local.hash, seq, &code);
@@ -321,6 +326,7 @@ impl Monitor {
         let mut local = self.inner.local.lock();
         local.started = local.started.max(started).max(done).min(local.issued);
         local.done = local.done.max(done).min(local.started);
+        self.inner.progress.completed(local.done);
     }
 
     /// Publishes that this rank failed with `err` (at once, not at the next interval).

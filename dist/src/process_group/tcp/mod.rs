@@ -39,6 +39,7 @@ use self::link::Link;
 use self::mesh::connect_mesh;
 use self::plan::choose_algorithm;
 use self::transport::Ctx;
+use super::progress::{self, Progress};
 use super::reduce::{with_tensor_bytes, with_tensor_bytes_mut, AlignedBuf};
 use super::{
     describe_all_gather, describe_all_reduce, describe_barrier, describe_broadcast,
@@ -171,6 +172,7 @@ impl TcpProcessGroup {
         body: impl FnOnce(&Shared, &mut TcpState, &Ctx<'_>) -> Result<()> + Send + 'static,
     ) -> Work {
         let shared = self.shared.clone();
+        let progress = self.queue.progress().clone();
         self.queue.issue(desc, move |seq| {
             let mut state = shared.state.lock();
             let history = std::mem::take(&mut state.history);
@@ -183,7 +185,7 @@ impl TcpProcessGroup {
                 history: &history,
             };
             // A panic (a bug) must still tell the peers, or they would wait for the timeout.
-            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let mut result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 body(&shared, &mut state, &ctx)
             }))
             .unwrap_or_else(|_| {
@@ -197,11 +199,12 @@ impl TcpProcessGroup {
                 state.history.remove(0);
             }
             state.history.push((seq, desc));
-            match &result {
+            match &mut result {
                 Ok(()) => state.completed = seq,
                 // Failures inside the transport have told the peers already; this covers the
                 // rest (a tensor that could not be locked, …). Telling twice is harmless.
                 Err(err) => {
+                    diagnose(&shared, &progress, seq, err);
                     link::abort_links(&mut state.links, seq, err, &[]);
                     // The first failure only: the group refuses later collectives anyway.
                     if state.completed + 1 == seq {
@@ -211,6 +214,32 @@ impl TcpProcessGroup {
             }
             result
         })
+    }
+}
+
+/// On a timeout, gathers the other ranks' positions through the store (a bounded wait) and
+/// adds the diagnosis to `err`; on any other failure, only leaves this rank's position there
+/// for the others' diagnoses.
+fn diagnose(shared: &Shared, progress: &Progress, seq: u64, err: &mut DistError) {
+    let own = progress.position();
+    let group = &shared.config.name;
+    match err {
+        DistError::Timeout {
+            waiting_for,
+            diagnosis,
+            ..
+        } => {
+            let positions = progress::gather(
+                &shared.store,
+                group,
+                (shared.rank, shared.world),
+                own,
+                (seq, waiting_for),
+                progress::gather_bound(shared.config.timeout),
+            );
+            *diagnosis = Some(progress::diagnose(&positions));
+        }
+        _ => progress::post(&shared.store, group, shared.rank, &own),
     }
 }
 

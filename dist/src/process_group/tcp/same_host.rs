@@ -850,6 +850,7 @@ fn timed_out(ctx: &Ctx<'_>, peer: usize) -> DistError {
         seq: ctx.seq,
         timeout: ctx.timeout,
         waiting_for: vec![peer],
+        diagnosis: None,
     }
 }
 

@@ -335,6 +335,7 @@ impl Exec<'_, '_> {
             seq: self.ctx.seq,
             timeout: self.ctx.timeout,
             waiting_for: waiting,
+            diagnosis: None,
         }
     }
 

@@ -259,6 +259,7 @@ fn a_failed_rank_fails_the_others_with_its_own_message() {
         seq: 4,
         timeout: Duration::from_secs(3),
         waiting_for: vec![1],
+        diagnosis: None,
     };
     monitors[2].publish_failure(&cause);
     for (rank, monitor) in monitors.iter().enumerate().take(2) {
@@ -411,7 +412,10 @@ fn a_stuck_collective_times_out_naming_the_ranks_that_did_not_issue_it() {
     assert_eq!(err.blamed_ranks(), vec![2]);
     assert_eq!(
         err.to_string(),
-        "rank 0: all_reduce(f32, 5, sum) (collective #1) timed out after 1s waiting for rank 2"
+        "rank 0: all_reduce(f32, 5, sum) (collective #1) timed out after 1s waiting for rank 2. \
+         Diagnosis: rank 2 has issued no collective yet, while ranks 0, 1 wait at all_reduce #1 \
+         (f32 × 5)",
+        "the diagnosis comes from every rank's heartbeat"
     );
     // Not started on the comm stream yet: compute still running, no timeout.
     let not_started = Some(InFlight {

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 use super::super::record::{decode_desc, HistoryEntry, PeerState, DESC_BYTES};
 use super::{InFlight, Inner, Local, Monitor, PeerView, FAILED_EXCHANGES};
 use crate::error::fmt_left_after;
+use crate::process_group::progress::{diagnose, Position};
 use crate::DistError;
 
 /// Where this rank stands when a verdict is made: what every error names.
@@ -252,13 +253,51 @@ fn timeout_verdict(
             .filter(|&p| progress(p).is_none_or(|(_, _, d)| d < seq))
             .collect();
     }
+    let diagnosis = Some(diagnose_from_beats(inner, peers, seq));
     DistError::Timeout {
         rank,
         collective: at.collective,
         seq: at.seq,
         timeout,
         waiting_for,
+        diagnosis,
     }
+}
+
+/// Which ranks diverged and where, from the heartbeats (every rank's last issued and last
+/// finished collective, at most one interval old), described with this rank's own records
+/// (every rank issues the same collective under a sequence number, or the neighbours' check
+/// says otherwise).
+fn diagnose_from_beats(inner: &Inner, peers: &[PeerView], seq: u64) -> String {
+    let progress = &inner.progress;
+    let position = |issued: u64, done: u64| match (issued, done) {
+        (0, _) => Position::Fresh,
+        (i, d) if i > d => Position::Waiting {
+            seq: d + 1,
+            what: progress.describe(d + 1),
+        },
+        (i, _) => Position::Idle {
+            seq: i,
+            what: progress.describe(i),
+        },
+    };
+    let own = {
+        let local = inner.local.lock();
+        position(local.issued, local.done)
+    };
+    let positions: Vec<(usize, Position)> = (0..inner.world)
+        .map(|p| {
+            let reported = match peers.get(p).and_then(|v| v.beat.as_ref()) {
+                _ if p == inner.rank => own.clone(),
+                Some(beat) if matches!(beat.state, PeerState::Running) => {
+                    position(beat.issued, beat.done)
+                }
+                _ => Position::Unreported { seq },
+            };
+            (p, reported)
+        })
+        .collect();
+    diagnose(&positions)
 }
 
 /// The first collective at which `theirs` (a neighbour's published history) and this rank's
