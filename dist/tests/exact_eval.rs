@@ -69,7 +69,13 @@ fn test_set(path: &Path, n: usize) -> (Arc<dyn Dataset>, u64) {
     let labels: Vec<i64> = predicted
         .iter()
         .enumerate()
-        .map(|(i, &p)| if i % 3 == 0 { (p + 1) % CLASSES as i64 } else { p })
+        .map(|(i, &p)| {
+            if i % 3 == 0 {
+                (p + 1) % CLASSES as i64
+            } else {
+                p
+            }
+        })
         .collect();
     let correct = (0..n).filter(|i| i % 3 != 0).count() as u64;
     let targets = Tensor::from_vec(labels, &[n], Device::Cpu).unwrap();
@@ -122,7 +128,11 @@ fn one_checkpoint_on_1_to_4_ranks_gives_the_identical_correct_count() {
     for world in 1..=4 {
         let results = evaluate_on(world, &path, &set);
         let sizes: Vec<usize> = results.iter().map(|r| r.0).collect();
-        assert_eq!(sizes.iter().sum::<usize>(), SAMPLES, "world {world}: {sizes:?}");
+        assert_eq!(
+            sizes.iter().sum::<usize>(),
+            SAMPLES,
+            "world {world}: {sizes:?}"
+        );
         for (rank, (_, all)) in results.iter().enumerate() {
             assert_eq!(*all, alone, "world {world}, rank {rank}");
         }
