@@ -36,8 +36,12 @@
 //! **Data-parallel.** `--nproc-per-node N` trains with DistributedDataParallel on N local
 //! processes over TCP (or joins a group the environment describes, as `tandem-run`, torchrun,
 //! srun or mpirun set it). `--batch-size` is the global batch, split evenly; gradients are
-//! averaged, so the single-process learning rate stays right. Rank 0 prints, evaluates and
-//! writes checkpoints and metrics.
+//! averaged, so the single-process learning rate stays right. Every rank evaluates its own
+//! part of the test set (a `DistributedEvalSampler`: no sample repeated or left out) and the
+//! counts are summed, so the test accuracy is the same for any number of ranks; rank 0 prints
+//! and writes checkpoints and metrics. `--eval-only --resume FILE` only evaluates that
+//! checkpoint (written with any number of ranks) and prints its test accuracy;
+//! `--metrics-out` then records `test_accuracy`, `test_correct` and `test_total`.
 //!
 //! **GPUs.** `--device cuda` (or `cuda:N`) trains on a GPU: the model's parameters live there,
 //! the loader copies each batch there in the background, and checkpoints hold the same
@@ -129,6 +133,10 @@ struct Args {
     /// Continue from this checkpoint (written by this example).
     #[arg(long)]
     resume: Option<PathBuf>,
+    /// Do not train: evaluate the checkpoint given by --resume on the test set (on every rank
+    /// with --nproc-per-node; the figure is the same for any number of ranks) and exit.
+    #[arg(long, requires = "resume")]
+    eval_only: bool,
     /// Where to train: cpu, cuda (with several ranks: each rank on cuda:LOCAL_RANK) or cuda:N.
     #[arg(long, default_value = "cpu", value_parser = common::parse_device)]
     device: Device,
@@ -182,8 +190,9 @@ mod common;
 use common::checkpoints::{Checkpoints, Progress};
 use common::output::say;
 use common::{
-    check_global_batch, exit_with_error, join_or_launch, rank_and_world, report_end, report_epoch,
-    test_loader, train_epoch, train_loader, trainer, write_metrics, AnyError, Limited, Role,
+    check_global_batch, evaluate_checkpoint, exit_with_error, join_or_launch, rank_and_world,
+    report_end, report_epoch, test_loader, train_epoch, train_loader, trainer, write_metrics,
+    AnyError, Limited, Role,
 };
 
 fn main() -> ExitCode {
@@ -206,8 +215,18 @@ fn run(args: Args) -> Result<(), AnyError> {
     };
     let group = group.as_ref();
     let (rank, world) = rank_and_world(group);
-    check_global_batch(args.batch_size, world)?;
+    if !args.eval_only {
+        check_global_batch(args.batch_size, world)?;
+    }
     let (train_data, train, test) = loaders(&args, kind, group, device)?;
+    if let (true, Some(path)) = (args.eval_only, &args.resume) {
+        let model = resnet_cifar(args.depth, 10)?;
+        model.to_device(device)?;
+        let settings = metrics_settings(&args, kind, world, device);
+        let out = args.metrics_out.as_deref();
+        evaluate_checkpoint(path, &model, group, &test, out, settings)?;
+        return Ok(());
+    }
 
     manual_seed(args.seed);
     let model: Arc<dyn Module> = Arc::new(resnet_cifar(args.depth, 10)?);
@@ -300,7 +319,7 @@ fn check_args(args: &Args) -> Result<DatasetKind, AnyError> {
 }
 
 /// The training data (for its per-epoch augmentation), the training loader (a shard per rank)
-/// and the test loader, on `device`.
+/// and the test loader (a part per rank), on `device`.
 fn loaders(
     args: &Args,
     kind: DatasetKind,
@@ -325,7 +344,11 @@ fn loaders(
     let train_set = Limited::first(train_data.dataset(), args.train_limit);
     let test_set = Limited::first(test_set, args.test_limit);
     let train = train_loader(train_set, group, args.batch_size, args.seed, device)?;
-    Ok((train_data, train, test_loader(test_set, 500, device)?))
+    Ok((
+        train_data,
+        train,
+        test_loader(test_set, group, 500, device)?,
+    ))
 }
 
 /// The settings a resumed run must share with the checkpoint's run.

@@ -20,7 +20,12 @@
 //! (`tandem-run`, torchrun, SLURM's srun or mpirun set it), the example joins that group
 //! instead. `--batch-size` stays the *global* batch: each rank takes batch / world_size samples
 //! of its own disjoint shard (a `DistributedSampler`), and gradients are averaged, so the
-//! learning rate that suits one process suits N. Rank 0 alone prints and writes the metrics.
+//! learning rate that suits one process suits N. Every rank evaluates its own part of the test
+//! set (a `DistributedEvalSampler`: no sample repeated or left out) and the counts are summed,
+//! so the test accuracy is the same for any number of ranks. Rank 0 alone prints and writes the
+//! metrics. `--eval-only --resume FILE` only evaluates that checkpoint (written with any number
+//! of ranks) and prints its test accuracy; `--metrics-out` then records `test_accuracy`,
+//! `test_correct` and `test_total`.
 //!
 //! **Restarts and checkpoints.** With `--checkpoint-dir DIR` a checkpoint (model, optimizer,
 //! learning rate, position, every rank's random-number state) is written after every epoch
@@ -30,6 +35,7 @@
 //! after a failure (as `tandem-run --max-restarts N` does), which then resume that way.
 //! `--device cuda` (or `cuda:N`) trains on a GPU (with several ranks: each on
 //! `cuda:LOCAL_RANK`); checkpoints are the same on every device, so a run may resume on another.
+//! `--resume FILE` resumes from that checkpoint instead of the newest in `--checkpoint-dir`.
 //! `--train-limit` / `--test-limit` train and test on the first samples only, for quick runs;
 //! `--print-param-digest` makes every rank print a digest of its final parameters, which shows
 //! that the replicas agree.
@@ -104,6 +110,14 @@ struct Args {
     /// Also write a checkpoint every this many steps inside an epoch.
     #[arg(long)]
     checkpoint_every: Option<usize>,
+    /// Resume from this checkpoint (written by this example) instead of the newest in
+    /// --checkpoint-dir.
+    #[arg(long)]
+    resume: Option<PathBuf>,
+    /// Do not train: evaluate the checkpoint given by --resume on the test set (on every rank
+    /// with --nproc-per-node; the figure is the same for any number of ranks) and exit.
+    #[arg(long, requires = "resume")]
+    eval_only: bool,
     /// Train on the first this many training images only.
     #[arg(long)]
     train_limit: Option<usize>,
@@ -121,9 +135,9 @@ mod common;
 use common::checkpoints::{Checkpoints, Progress};
 use common::output::say;
 use common::{
-    check_global_batch, exit_with_error, join_or_launch, parameter_digest, rank_and_world,
-    report_end, report_epoch, test_loader, train_epoch, train_loader, trainer, write_metrics,
-    AnyError, Limited, Role, Trainer,
+    check_global_batch, evaluate_checkpoint, exit_with_error, join_or_launch, parameter_digest,
+    rank_and_world, report_end, report_epoch, test_loader, train_epoch, train_loader, trainer,
+    write_metrics, AnyError, Limited, Role, Trainer,
 };
 
 // `pub`: `tests/example_supervision.rs` runs this example in its own binary.
@@ -146,8 +160,18 @@ fn run(args: Args) -> Result<(), AnyError> {
     };
     let group = group.as_ref();
     let (rank, world) = rank_and_world(group);
-    check_global_batch(args.batch_size, world)?;
+    if !args.eval_only {
+        check_global_batch(args.batch_size, world)?;
+    }
     let (train, test) = loaders(&args, group, device)?;
+    if let (true, Some(path)) = (args.eval_only, &args.resume) {
+        let model = lenet5()?;
+        model.to_device(device)?;
+        let settings = metrics_settings(&args, world, device);
+        let out = args.metrics_out.as_deref();
+        evaluate_checkpoint(path, &model, group, &test, out, settings)?;
+        return Ok(());
+    }
     let checkpoints = Checkpoints::new(
         args.checkpoint_dir.clone(),
         args.checkpoint_every,
@@ -164,7 +188,8 @@ fn run(args: Args) -> Result<(), AnyError> {
         SgdConfig::new(args.lr).with_momentum(args.momentum),
     )?;
     // Resume before DDP wraps the model (every rank reads the same checkpoint).
-    let resumed = checkpoints.resume(None, model.as_ref(), &mut optimizer, rank)?;
+    let resumed =
+        checkpoints.resume(args.resume.as_deref(), model.as_ref(), &mut optimizer, rank)?;
     let trainer = trainer(model, group, args.trace_out.as_deref())?;
     let mut progress = Progress::start();
     if let Some(resumed) = resumed {
@@ -220,7 +245,7 @@ fn run(args: Args) -> Result<(), AnyError> {
     }
 }
 
-/// The training loader (a shard per rank) and the test loader, on `device`.
+/// The training loader (a shard per rank) and the test loader (a part per rank), on `device`.
 fn loaders(
     args: &Args,
     group: Option<&Arc<dyn ProcessGroup>>,
@@ -236,7 +261,7 @@ fn loaders(
         args.test_limit,
     );
     let train = train_loader(train_set, group, args.batch_size, args.seed, device)?;
-    Ok((train, test_loader(test_set, 1000, device)?))
+    Ok((train, test_loader(test_set, group, 1000, device)?))
 }
 
 /// The settings a resumed run must share with the checkpoint's run.

@@ -8,6 +8,9 @@
 //! - A torn newest checkpoint is skipped for the one before it.
 //! - Killing the built-in launcher (SIGKILL) kills its ranks; SIGTERM is forwarded to them.
 //! - A run whose stdout is a closed pipe exits quietly with status 141, not by a panic.
+//! - A checkpoint written by 2 ranks, evaluated with `--eval-only` on 1, 2, 3 and 4 ranks
+//!   (101 test images: uneven parts), gives the identical correct count, the one the training
+//!   run recorded.
 //!
 //! Built without libtest's harness (`harness = false`), so the worker's output is the
 //! example's alone. Every wait is bounded; every process started is killed on the way out.
@@ -29,7 +32,7 @@ fn main() -> ExitCode {
     if std::env::var_os(WORKER).is_some() {
         return mnist::main();
     }
-    let tests: [(&str, fn()); 5] = [
+    let tests: [(&str, fn()); 6] = [
         (
             "a_rank_killed_mid_epoch_is_restarted_and_the_run_ends_bit_identical",
             a_rank_killed_mid_epoch_is_restarted_and_the_run_ends_bit_identical,
@@ -49,6 +52,10 @@ fn main() -> ExitCode {
         (
             "a_run_whose_stdout_is_closed_exits_quietly",
             a_run_whose_stdout_is_closed_exits_quietly,
+        ),
+        (
+            "a_checkpoint_evaluated_on_1_to_4_ranks_gives_the_identical_correct_count",
+            a_checkpoint_evaluated_on_1_to_4_ranks_gives_the_identical_correct_count,
         ),
     ];
     let filters: Vec<String> = std::env::args()
@@ -422,4 +429,75 @@ fn a_run_whose_stdout_is_closed_exits_quietly() {
     let (status, stderr) = run.finish(Duration::from_secs(300));
     assert!(!stderr.contains("panicked"), "{stderr}");
     assert_eq!(status.code(), Some(141), "{status}: {stderr}");
+}
+
+/// The JSON object a `--metrics-out` file holds.
+fn read_metrics(path: &Path) -> serde_json::Value {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap()
+}
+
+fn a_checkpoint_evaluated_on_1_to_4_ranks_gives_the_identical_correct_count() {
+    let dir = scratch("eval_only");
+    let arg = |p: &Path| p.to_str().unwrap().to_string();
+    let common = ["--test-limit", "101", "--threads", "1"].map(String::from);
+    let mut train: Vec<String> = [
+        "--nproc-per-node",
+        "2",
+        "--epochs",
+        "1",
+        "--batch-size",
+        "32",
+        "--train-limit",
+        "256",
+        "--checkpoint-dir",
+    ]
+    .map(String::from)
+    .to_vec();
+    train.push(arg(&dir));
+    train.extend(common.clone());
+    train.extend(["--metrics-out".to_string(), arg(&dir.join("train.json"))]);
+    let train: Vec<&str> = train.iter().map(String::as_str).collect();
+    let (status, stderr) = Run::start(&train, Stdio::null()).finish(Duration::from_secs(300));
+    assert!(status.success(), "training failed: {stderr}");
+    let trained = read_metrics(&dir.join("train.json"));
+    let correct = trained["test_correct"].as_u64().expect("test_correct");
+    assert!(correct > 0 && correct < 101, "{trained}");
+    let checkpoint = dir.join("lenet5-epoch1.safetensors");
+    for world in 1..=4 {
+        let out = dir.join(format!("eval{world}.json"));
+        let mut args = vec![
+            "--eval-only".to_string(),
+            "--resume".to_string(),
+            arg(&checkpoint),
+            "--nproc-per-node".to_string(),
+            world.to_string(),
+            "--metrics-out".to_string(),
+            arg(&out),
+        ];
+        args.extend(common.clone());
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let (status, stderr) = Run::start(&args, Stdio::null()).finish(Duration::from_secs(120));
+        assert!(
+            status.success(),
+            "evaluation on {world} ranks failed: {stderr}"
+        );
+        let metrics = read_metrics(&out);
+        assert_eq!(
+            metrics["test_correct"].as_u64(),
+            Some(correct),
+            "{world} ranks: {metrics}"
+        );
+        assert_eq!(
+            metrics["test_total"].as_u64(),
+            Some(101),
+            "{world} ranks: {metrics}"
+        );
+        assert_eq!(
+            metrics["world_size"].as_u64(),
+            Some(world as u64),
+            "{metrics}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }

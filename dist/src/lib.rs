@@ -123,7 +123,7 @@ pub use rendezvous::{
     init_from_env, init_from_env_on, init_from_env_with, init_from_env_with_options,
     init_process_group, init_with_options, Backend, EnvSource, InitOptions, LaunchEnv,
 };
-pub use sampler::DistributedSampler;
+pub use sampler::{DistributedEvalSampler, DistributedSampler};
 pub use store::{StoreConfig, StoreServer, TcpStore};
 pub use sync_batch_norm::{convert_sync_batch_norm, SyncBatchNorm};
 pub use timeline::{merge_chrome_traces, Phase, Span, SpanKind, Timeline, Track};

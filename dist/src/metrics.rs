@@ -1,14 +1,21 @@
 //! Metrics across ranks: the counts each rank gathered on its own part of a test set, summed
 //! over the group, so every rank ends with the metric of the whole set.
 //!
+//! For an exact metric each sample must be counted once: split the test set with
+//! [`crate::DistributedEvalSampler`] (no padding, unlike the training `DistributedSampler`), not
+//! with a sampler that repeats samples to even out the ranks.
+//!
 //! ```text
-//! // Each rank evaluates its shard of the test set (batches i with i % world == rank).
-//! let mine = tandem_nn::metrics::evaluate(model.as_ref(), shard)?;
-//! let all = all_reduce_accuracy(group.as_ref(), mine)?;   // identical on every rank
+//! let sampler = DistributedEvalSampler::new(test_set.len(), world, rank)?;
+//! let shard = DataLoader::with_sampler(test_set, Arc::new(sampler), config)?;
+//! let all = evaluate_across_ranks(Some(group.as_ref()), model.as_ref(), shard.epoch(0))?;
+//! // `all` is identical on every rank, and equal to one process evaluating the whole set.
 //! ```
 
 use tandem_core::Tensor;
-use tandem_nn::metrics::Accuracy;
+use tandem_nn::data::Batch;
+use tandem_nn::metrics::{evaluate, Accuracy};
+use tandem_nn::Module;
 
 use crate::{DistError, ProcessGroup, ReduceOp, Result};
 
@@ -27,6 +34,37 @@ pub fn all_reduce_accuracy(group: &dyn ProcessGroup, local: Accuracy) -> Result<
         .to_vec::<f64>()
         .map_err(|e| DistError::tensor(rank, context, e))?;
     Ok(Accuracy::new(summed[0] as u64, summed[1] as u64))
+}
+
+/// Evaluates `model` over this rank's `batches` (`tandem_nn::metrics::evaluate`: eval mode,
+/// `no_grad`, the mode restored) and sums the counts over `group`'s ranks; without a group,
+/// the local counts. Every rank of the group must call it, including a rank whose part of
+/// the test set is empty. Ranks may have different numbers of batches: evaluation issues no
+/// collective before the one all-reduce of the counts (no DDP gradient reduction, and
+/// `SyncBatchNorm` uses its running statistics in eval mode).
+///
+/// Errors with this rank's evaluation error (the other ranks then fail at the all-reduce, at
+/// the group's timeout), or the all-reduce's.
+pub fn evaluate_across_ranks<I>(
+    group: Option<&dyn ProcessGroup>,
+    model: &dyn Module,
+    batches: I,
+) -> Result<Accuracy>
+where
+    I: IntoIterator<Item = tandem_nn::Result<Batch>>,
+{
+    let rank = group.map_or(0, |g| g.rank());
+    let local = evaluate(model, batches).map_err(|e| {
+        DistError::model(
+            rank,
+            "evaluate_across_ranks: evaluating this rank's part of the test set",
+            e,
+        )
+    })?;
+    match group {
+        Some(group) => all_reduce_accuracy(group, local),
+        None => Ok(local),
+    }
 }
 
 #[cfg(test)]

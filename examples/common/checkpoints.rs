@@ -168,6 +168,7 @@ impl Checkpoints {
                 json!({
                     "train_loss": r.train_loss,
                     "test_accuracy": r.test_accuracy,
+                    "test_correct": r.test_correct,
                     "images_per_sec": r.images_per_sec,
                     "seconds": r.seconds,
                 })
@@ -343,6 +344,16 @@ impl Checkpoints {
     }
 }
 
+/// Loads the model's parameters and buffers (nothing else) from the checkpoint `path`, for
+/// evaluation: unlike [`Checkpoints::resume`] it does not compare the run's settings, so a
+/// checkpoint written by any number of ranks may be evaluated by any other.
+#[allow(dead_code)] // Not every example offers --eval-only.
+pub fn load_model(path: &Path, model: &dyn Module) -> Result<(), AnyError> {
+    let checkpoint = load_checkpoint(path)?;
+    load_state_dict(model, &checkpoint, true)?;
+    Ok(())
+}
+
 /// Every rank's random-number state, as extras `rng.rank{K}.{generator}` (complete on rank 0).
 fn gather_rng_states(
     trainer: &Trainer,
@@ -395,6 +406,11 @@ fn parse_history(text: &str) -> Result<Vec<EpochResult>, String> {
             Ok(EpochResult {
                 train_loss: field("train_loss")?,
                 test_accuracy: field("test_accuracy")?,
+                // Checkpoints of earlier versions did not record it.
+                test_correct: v
+                    .get("test_correct")
+                    .and_then(serde_json::Value::as_u64)
+                    .unwrap_or(0),
                 images_per_sec: field("images_per_sec")?,
                 seconds: field("seconds")?,
             })

@@ -1,7 +1,9 @@
 //! What the training examples share: joining or launching the ranks of a data-parallel job
 //! (restarting it after a failure), the loaders (a shard per rank), the forward that goes
 //! through DDP when there is one, the training epoch with its checkpoints ([`checkpoints`]),
-//! the per-epoch evaluation (`tandem::nn::metrics::evaluate`), the end-of-run report with the
+//! the per-epoch evaluation (every rank its `DistributedEvalSampler` part of the test set, the
+//! counts summed over the ranks: the same figure for any number of ranks), `--eval-only`
+//! ([`evaluate_checkpoint`]), the end-of-run report with the
 //! job's merged trace (`Timeline::write_job_chrome_trace`), and output that survives a closed
 //! pipe ([`output`]).
 
@@ -18,13 +20,14 @@ use serde_json::json;
 use tandem::autograd::TensorBackward;
 use tandem::core::{DType, Device, Tensor};
 use tandem::dist::launch::{forward_signals, launch, LaunchOptions};
+use tandem::dist::metrics::evaluate_across_ranks;
 use tandem::dist::{
-    init_with_options, DdpConfig, DistributedDataParallel, DistributedSampler, InitOptions,
-    LaunchEnv, Phase, ProcessGroup, Timeline,
+    init_with_options, DdpConfig, DistributedDataParallel, DistributedEvalSampler,
+    DistributedSampler, InitOptions, LaunchEnv, Phase, ProcessGroup, Timeline,
 };
 use tandem::nn::data::{Batch, DataLoader, DataLoaderConfig, Dataset};
 use tandem::nn::loss::{cross_entropy, Reduction};
-use tandem::nn::metrics::evaluate;
+use tandem::nn::metrics::Accuracy;
 use tandem::nn::Module;
 use tandem::optim::Optimizer;
 
@@ -65,6 +68,8 @@ pub fn exit_with_error(e: AnyError) -> std::process::ExitCode {
 pub struct EpochResult {
     pub train_loss: f64,
     pub test_accuracy: f64,
+    /// Test samples classified correctly (over all ranks).
+    pub test_correct: u64,
     pub images_per_sec: f64,
     pub seconds: f64,
 }
@@ -237,8 +242,9 @@ impl Trainer {
     }
 }
 
-/// Evaluates the model on the test set after an epoch (rank 0 alone: every rank holds the same
-/// parameters), fills in the result's accuracy and prints the epoch's line.
+/// Evaluates the model on the test set after an epoch (every rank its part, the counts summed:
+/// see [`test_loader`]), fills in the result's accuracy and (rank 0) prints the epoch's line.
+/// Every rank must call it.
 pub fn report_epoch(
     trainer: &Trainer,
     test: &DataLoader,
@@ -246,10 +252,14 @@ pub fn report_epoch(
     epoch: usize,
     epochs: usize,
 ) -> Result<(), AnyError> {
+    // The model itself, not DDP's forward: evaluation reduces no gradients.
+    let group = trainer.ddp.as_ref().map(|d| d.group().as_ref());
+    let accuracy = evaluate_across_ranks(group, trainer.model.as_ref(), test.epoch(0))?;
+    result.test_accuracy = accuracy.fraction();
+    result.test_correct = accuracy.correct;
     if trainer.rank() != 0 {
         return Ok(());
     }
-    result.test_accuracy = evaluate(trainer.model.as_ref(), test.epoch(0))?.fraction();
     output::say(format_args!(
         "epoch {epoch}/{epochs}: train loss {:.4}, test accuracy {:.2}%, {:.0} images/s, {:.1} s",
         result.train_loss,
@@ -334,9 +344,13 @@ pub fn train_loader(
     })
 }
 
-/// The test loader: the whole set in order, in batches of `batch_size`.
+/// The test loader, in order, in batches of `batch_size`: alone, the whole set; in a group,
+/// this rank's `DistributedEvalSampler` part (contiguous, no sample repeated or left out, the
+/// ranks' counts differing by at most one), so the counts summed over the ranks are those of
+/// the whole set.
 pub fn test_loader(
     set: Arc<dyn Dataset>,
+    group: Option<&Arc<dyn ProcessGroup>>,
     batch_size: usize,
     device: Device,
 ) -> Result<DataLoader, AnyError> {
@@ -345,7 +359,53 @@ pub fn test_loader(
         batch_size,
         ..Default::default()
     };
-    Ok(DataLoader::new(set, config)?)
+    Ok(match group {
+        Some(g) => {
+            let sampler = DistributedEvalSampler::new(set.len(), g.world_size(), g.rank())?;
+            DataLoader::with_sampler(set, Arc::new(sampler), config)?
+        }
+        None => DataLoader::new(set, config)?,
+    })
+}
+
+/// `--eval-only`: loads the model's parameters and buffers from the checkpoint `path` (any
+/// world size may evaluate a checkpoint of any other), evaluates it on the test set (every
+/// rank its part of `test`, see [`test_loader`]), and rank 0 prints the accuracy and writes
+/// `settings` with `checkpoint`, `test_accuracy`, `test_correct` and `test_total` to
+/// `metrics_out`. Every rank must call it.
+#[allow(dead_code)] // Not every example offers --eval-only.
+pub fn evaluate_checkpoint(
+    path: &Path,
+    model: &dyn Module,
+    group: Option<&Arc<dyn ProcessGroup>>,
+    test: &DataLoader,
+    metrics_out: Option<&Path>,
+    settings: serde_json::Value,
+) -> Result<Accuracy, AnyError> {
+    checkpoints::load_model(path, model)?;
+    let (rank, world) = rank_and_world(group);
+    let accuracy = evaluate_across_ranks(group.map(|g| g.as_ref()), model, test.epoch(0))?;
+    if rank != 0 {
+        return Ok(accuracy);
+    }
+    output::say(format_args!(
+        "{}: test accuracy {accuracy} on {world} rank{}",
+        path.display(),
+        if world == 1 { "" } else { "s" }
+    ));
+    if let Some(out) = metrics_out {
+        let serde_json::Value::Object(mut metrics) = settings else {
+            return Err("metrics settings must be a JSON object".into());
+        };
+        metrics.insert("eval_only".into(), json!(true));
+        metrics.insert("checkpoint".into(), json!(path.display().to_string()));
+        metrics.insert("test_accuracy".into(), json!(accuracy.fraction()));
+        metrics.insert("test_correct".into(), json!(accuracy.correct));
+        metrics.insert("test_total".into(), json!(accuracy.total));
+        let text = serde_json::to_string_pretty(&serde_json::Value::Object(metrics))? + "\n";
+        std::fs::write(out, text).map_err(|e| format!("{}: {e}", out.display()))?;
+    }
+    Ok(accuracy)
 }
 
 /// The trainer of `model`: through DDP when there is a `group`, with a timeline when
@@ -450,6 +510,7 @@ pub fn train_epoch(
     Ok(EpochResult {
         train_loss: progress.loss_sum / progress.epoch_step.max(1) as f64,
         test_accuracy: 0.0,
+        test_correct: 0,
         images_per_sec: images as f64 / seconds,
         seconds,
     })
@@ -521,7 +582,7 @@ impl Dataset for Limited {
 }
 
 /// Writes `settings` (a JSON object describing the run) extended with the results —
-/// `test_accuracy` (a fraction), `train_loss`, `images_per_sec` (mean over epochs),
+/// `test_accuracy` (a fraction), `test_correct` (samples), `train_loss`, `images_per_sec` (mean over epochs),
 /// `seconds` and the per-epoch `history` — to `path`.
 pub fn write_metrics(
     path: &Path,
@@ -536,6 +597,7 @@ pub fn write_metrics(
     let images_per_sec =
         history.iter().map(|r| r.images_per_sec).sum::<f64>() / history.len().max(1) as f64;
     metrics.insert("test_accuracy".into(), json!(last.map(|r| r.test_accuracy)));
+    metrics.insert("test_correct".into(), json!(last.map(|r| r.test_correct)));
     metrics.insert("train_loss".into(), json!(last.map(|r| r.train_loss)));
     metrics.insert("images_per_sec".into(), json!(images_per_sec));
     metrics.insert("seconds".into(), json!(seconds));
@@ -547,6 +609,7 @@ pub fn write_metrics(
                 "epoch": i + 1,
                 "train_loss": r.train_loss,
                 "test_accuracy": r.test_accuracy,
+                "test_correct": r.test_correct,
                 "images_per_sec": r.images_per_sec,
                 "seconds": r.seconds,
             })
