@@ -41,7 +41,9 @@
 //! **Checkpoints, data-parallel, GPUs** as in `cifar_resnet`: a checkpoint after every epoch
 //! (and every `--checkpoint-every` steps) in `--checkpoint-dir`, resumed from automatically or
 //! with `--resume FILE`; `--nproc-per-node N` starts N ranks training with DDP (each its own
-//! `DistributedSampler` shard; rank 0 evaluates on the whole validation set); `--device cuda`
+//! `DistributedSampler` shard; every rank evaluates its own part of the validation set,
+//! `DistributedEvalSampler`, and the counts are summed, so the accuracy is the same for any number
+//! of ranks); `--device cuda`
 //! trains on `cuda:LOCAL_RANK`.
 
 use std::collections::BTreeMap;
@@ -315,7 +317,7 @@ fn run(args: Args) -> Result<(), AnyError> {
     }
     match &args.metrics_out {
         Some(path) if rank == 0 => {
-            let settings = metrics_settings(&args, &data, world, device, &progress);
+            let settings = metrics_settings(&args, &data, world, device);
             write_metrics(path, settings, &progress.history, seconds)
         }
         _ => Ok(()),
@@ -397,7 +399,7 @@ impl Data {
         let test_samples = test_subset.len();
         let train = train_loader(train_subset, group, args.batch_size, args.seed, device)?;
         let eval_batch = args.batch_size.clamp(1, 256);
-        let test = test_loader(test_subset, eval_batch, device)?;
+        let test = test_loader(test_subset, group, eval_batch, device)?;
         Ok(Data {
             train_set,
             test_set,
@@ -531,17 +533,9 @@ fn settings(args: &Args, world: usize) -> BTreeMap<String, String> {
     )
 }
 
-/// The run's description in `--metrics-out`, with the last evaluation's count of correct
-/// answers (`test_accuracy` × `test_samples`, exact: the accuracy is that ratio).
-fn metrics_settings(
-    args: &Args,
-    data: &Data,
-    world: usize,
-    device: Device,
-    progress: &Progress,
-) -> serde_json::Value {
-    let accuracy = progress.history.last().map_or(0.0, |r| r.test_accuracy);
-    let correct = (accuracy * data.test_samples as f64).round() as u64;
+/// The run's description in `--metrics-out` (`write_metrics` adds the last evaluation's
+/// `test_accuracy` and `test_correct`, counted over every rank's part of the test set).
+fn metrics_settings(args: &Args, data: &Data, world: usize, device: Device) -> serde_json::Value {
     serde_json::json!({
         "model": args.model,
         "data_dir": args.data_dir.display().to_string(),
@@ -559,7 +553,6 @@ fn metrics_settings(
         "threads": rayon::current_num_threads(),
         "world_size": world,
         "device": device.to_string(),
-        "test_correct": correct,
         "test_samples": data.test_samples,
         "skipped_files": data.train_set.skipped() + data.test_set.skipped(),
     })
