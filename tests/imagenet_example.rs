@@ -6,6 +6,12 @@
 //! run. (Whether the recipe learns is the README's 1-epoch run on all 70 000 images; a few
 //! steps here only show the pipeline — decoding, augmentation, normalisation, DDP — works.)
 //!
+//! Then the same example runs a few steps with `--device cuda` on the CUDA emulator (`cuda-emu/`,
+//! stream sanitizer on) and once more on the CPU with the same settings: the u8 batches are
+//! copied to the device on the loader's copy stream and normalised there, and the two runs'
+//! training losses must agree to f32 rounding (1e-3 relative, as `mnist_cuda` allows; an emulator
+//! result, not a GPU's).
+//!
 //! This test binary *is* the example when `TANDEM_IMAGENET_EXAMPLE_WORKER` is set, and so are
 //! the ranks the example's launcher starts (they inherit the variable).
 
@@ -137,4 +143,64 @@ fn imagenet_example_trains_on_a_jpeg_folder_alone_and_on_two_ranks() {
     assert_eq!(alone["world_size"], 1, "{alone}");
     let ddp = run_and_check(&data, dir.path(), "two-ranks", &["--nproc-per-node", "2"]);
     assert_eq!(ddp["world_size"], 2, "{ddp}");
+    cuda_matches_cpu(&data, dir.path());
+}
+
+/// Two steps of 8 images (and an evaluation of 16) on the emulated GPU and on the CPU: the
+/// training losses agree to f32 rounding.
+fn cuda_matches_cpu(data: &Path, dir: &Path) {
+    let libs = tandem_test_support::emulator_folder();
+    let data = data.display().to_string();
+    let args = [
+        "--model",
+        "resnet20",
+        "--image-size",
+        "16",
+        "--epochs",
+        "1",
+        "--batch-size",
+        "8",
+        "--train-limit",
+        "16",
+        "--test-limit",
+        "16",
+        "--warmup-epochs",
+        "0",
+        "--crop-scale",
+        "0.35",
+        "--threads",
+        "1",
+        "--workers",
+        "1",
+        "--data-dir",
+        &data,
+    ];
+    let mut losses = Vec::new();
+    for (device, cuda_libs) in [("cpu", None), ("cuda", Some(libs.as_path()))] {
+        let run_dir = dir.join(format!("short-{device}"));
+        std::fs::create_dir_all(&run_dir).expect("a folder for the run");
+        let checkpoints = run_dir.join("checkpoints").display().to_string();
+        let mut args = args.to_vec();
+        args.extend(["--checkpoint-dir", &checkpoints]);
+        let run = run_example(
+            WORKER,
+            &args,
+            device,
+            cuda_libs,
+            &[],
+            &run_dir,
+            Duration::from_secs(600),
+        );
+        println!("{device}: {:.1} s", run.seconds);
+        assert_eq!(run.epochs.len(), 1, "{device}: epochs {:?}", run.epochs);
+        losses.push(run.epochs[0].train_loss);
+    }
+    let _ = std::fs::remove_dir_all(&libs);
+    let (cpu, gpu) = (losses[0], losses[1]);
+    let relative = (gpu - cpu).abs() / cpu;
+    println!("training loss: cpu {cpu:.6}, emulated cuda {gpu:.6} (relative {relative:.2e})");
+    assert!(
+        cpu.is_finite() && relative < 1e-3,
+        "the emulated GPU's training loss {gpu} is not the CPU's {cpu}"
+    );
 }
