@@ -110,49 +110,22 @@ struct Args {
     /// L2 weight decay.
     #[arg(long, default_value_t = 5e-4)]
     weight_decay: f64,
-    /// Seed of the initialisation, the shuffling and the augmentation.
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
-    /// Threads of the compute pool [default: all cores].
-    #[arg(long)]
-    threads: Option<usize>,
-    /// Write the results as a JSON object to this file.
-    #[arg(long)]
-    metrics_out: Option<PathBuf>,
-    /// Write tandem's own timeline of the steps (forward, backward, optimizer and data on the
-    /// compute stream, each bucket's all-reduce on the comm stream; one track per stream per
-    /// rank) as a Chrome trace to this file; open it in Perfetto or chrome://tracing.
-    #[arg(long)]
-    trace_out: Option<PathBuf>,
     /// Directory for the checkpoints, and to resume from (the newest complete one).
     #[arg(long, default_value = "checkpoints")]
     checkpoint_dir: PathBuf,
-    /// Also write a checkpoint every this many steps inside an epoch.
-    #[arg(long)]
-    checkpoint_every: Option<usize>,
-    /// Continue from this checkpoint (written by this example).
-    #[arg(long)]
-    resume: Option<PathBuf>,
     /// Do not train: evaluate the checkpoint given by --resume on the test set (on every rank
     /// with --nproc-per-node; the figure is the same for any number of ranks) and exit.
     #[arg(long, requires = "resume")]
     eval_only: bool,
-    /// Where to train: cpu, cuda (with several ranks: each rank on cuda:LOCAL_RANK) or cuda:N.
-    #[arg(long, default_value = "cpu", value_parser = common::parse_device)]
-    device: Device,
-    /// Train data-parallel on this many local processes (DDP over TCP).
-    #[arg(long, default_value_t = 1)]
-    nproc_per_node: usize,
-    /// With --nproc-per-node: restart all ranks up to this many times after a failure (they
-    /// resume from the newest checkpoint in --checkpoint-dir).
-    #[arg(long, default_value_t = 0)]
-    max_restarts: usize,
     /// Train on the first this many training images only (for quick runs).
     #[arg(long)]
     train_limit: Option<usize>,
     /// Evaluate on the first this many test images only.
     #[arg(long)]
     test_limit: Option<usize>,
+    /// How and where the example runs.
+    #[command(flatten)]
+    run: common::RunArgs,
 }
 
 /// The training data: CIFAR-10 needs its epoch set for the augmentation.
@@ -205,10 +178,10 @@ fn main() -> ExitCode {
 fn run(args: Args) -> Result<(), AnyError> {
     let kind = check_args(&args)?;
     let (group, device) = match join_or_launch(
-        args.nproc_per_node,
-        args.max_restarts,
-        args.threads,
-        args.device,
+        args.run.nproc_per_node,
+        args.run.max_restarts,
+        args.run.threads,
+        args.run.device,
     )? {
         Role::Launched => return Ok(()),
         Role::Train { group, device } => (group, device),
@@ -219,16 +192,16 @@ fn run(args: Args) -> Result<(), AnyError> {
         check_global_batch(args.batch_size, world)?;
     }
     let (train_data, train, test) = loaders(&args, kind, group, device)?;
-    if let (true, Some(path)) = (args.eval_only, &args.resume) {
+    if let (true, Some(path)) = (args.eval_only, &args.run.resume) {
         let model = resnet_cifar(args.depth, 10)?;
         model.to_device(device)?;
         let settings = metrics_settings(&args, kind, world, device);
-        let out = args.metrics_out.as_deref();
+        let out = args.run.metrics_out.as_deref();
         evaluate_checkpoint(path, &model, group, &test, out, settings)?;
         return Ok(());
     }
 
-    manual_seed(args.seed);
+    manual_seed(args.run.seed);
     let model: Arc<dyn Module> = Arc::new(resnet_cifar(args.depth, 10)?);
     model.to_device(device)?;
     let mut optimizer = Sgd::new(
@@ -241,16 +214,19 @@ fn run(args: Args) -> Result<(), AnyError> {
     let warmup_steps = (args.warmup_frac * total_steps as f64).round() as usize;
     let checkpoints = Checkpoints::new(
         Some(args.checkpoint_dir.clone()),
-        args.checkpoint_every,
+        args.run.checkpoint_every,
         &format!("resnet{}", args.depth),
         settings(&args, kind, world),
         train.len(),
     )?;
     // Resume before DDP wraps the model (every rank reads the same checkpoint).
     let mut progress = Progress::start();
-    if let Some(resumed) =
-        checkpoints.resume(args.resume.as_deref(), model.as_ref(), &mut optimizer, rank)?
-    {
+    if let Some(resumed) = checkpoints.resume(
+        args.run.resume.as_deref(),
+        model.as_ref(),
+        &mut optimizer,
+        rank,
+    )? {
         progress = resumed.progress;
         if rank == 0 {
             say(format_args!(
@@ -266,7 +242,7 @@ fn run(args: Args) -> Result<(), AnyError> {
             ));
         }
     }
-    let trainer = trainer(model.clone(), group, args.trace_out.as_deref())?;
+    let trainer = trainer(model.clone(), group, args.run.trace_out.as_deref())?;
     if rank == 0 {
         announce(&args, kind, model.as_ref(), device, warmup_steps);
     }
@@ -290,8 +266,8 @@ fn run(args: Args) -> Result<(), AnyError> {
         checkpoints.save(&trainer, &optimizer, &progress)?;
     }
     let seconds = started.elapsed().as_secs_f64();
-    report_end(&trainer, args.trace_out.as_deref(), seconds)?;
-    match &args.metrics_out {
+    report_end(&trainer, args.run.trace_out.as_deref(), seconds)?;
+    match &args.run.metrics_out {
         Some(path) if rank == 0 => write_metrics(
             path,
             metrics_settings(&args, kind, world, device),
@@ -330,7 +306,7 @@ fn loaders(
         DatasetKind::Cifar10 => {
             let dir = args.data_dir.clone().ok_or(CIFAR_HELP)?;
             let train = Cifar10::load(&dir, Split::Train)?
-                .with_augmentation(Augmentation::cifar(), args.seed);
+                .with_augmentation(Augmentation::cifar(), args.run.seed);
             let test = Cifar10::load(&dir, Split::Test)?;
             (TrainData::Cifar(Arc::new(train)), Arc::new(test))
         }
@@ -343,7 +319,7 @@ fn loaders(
     };
     let train_set = Limited::first(train_data.dataset(), args.train_limit);
     let test_set = Limited::first(test_set, args.test_limit);
-    let train = train_loader(train_set, group, args.batch_size, args.seed, device)?;
+    let train = train_loader(train_set, group, args.batch_size, args.run.seed, device)?;
     Ok((
         train_data,
         train,
@@ -362,7 +338,7 @@ fn settings(args: &Args, kind: DatasetKind, world: usize) -> BTreeMap<String, St
             ("warmup_frac", args.warmup_frac.to_string()),
             ("momentum", args.momentum.to_string()),
             ("weight_decay", args.weight_decay.to_string()),
-            ("seed", args.seed.to_string()),
+            ("seed", args.run.seed.to_string()),
             ("world_size", world.to_string()),
             ("train_limit", format!("{:?}", args.train_limit)),
         ]
@@ -405,7 +381,7 @@ fn metrics_settings(
         "warmup_frac": args.warmup_frac,
         "momentum": args.momentum,
         "weight_decay": args.weight_decay,
-        "seed": args.seed,
+        "seed": args.run.seed,
         "threads": rayon::current_num_threads(),
         "world_size": world,
         "device": device.to_string(),

@@ -121,36 +121,9 @@ struct Args {
     /// Skip (and count) image files that cannot be decoded instead of stopping.
     #[arg(long)]
     skip_bad_files: bool,
-    /// Seed of the initialisation, the shuffling and the augmentation.
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
-    /// Threads of the compute pool [default: all cores].
-    #[arg(long)]
-    threads: Option<usize>,
-    /// Write the results as a JSON object to this file.
-    #[arg(long)]
-    metrics_out: Option<PathBuf>,
-    /// Write tandem's timeline of the steps as a Chrome trace to this file.
-    #[arg(long)]
-    trace_out: Option<PathBuf>,
     /// Directory for the checkpoints, and to resume from (the newest complete one).
     #[arg(long, default_value = "checkpoints")]
     checkpoint_dir: PathBuf,
-    /// Also write a checkpoint every this many steps inside an epoch.
-    #[arg(long)]
-    checkpoint_every: Option<usize>,
-    /// Continue from this checkpoint (written by this example).
-    #[arg(long)]
-    resume: Option<PathBuf>,
-    /// Where to train: cpu, cuda (with several ranks: each rank on cuda:LOCAL_RANK) or cuda:N.
-    #[arg(long, default_value = "cpu", value_parser = common::parse_device)]
-    device: Device,
-    /// Train data-parallel on this many local processes (DDP).
-    #[arg(long, default_value_t = 1)]
-    nproc_per_node: usize,
-    /// With --nproc-per-node: restart all ranks up to this many times after a failure.
-    #[arg(long, default_value_t = 0)]
-    max_restarts: usize,
     /// Train on this many training images only, spread evenly over the folder (which is in
     /// class order), so every class keeps its share (for quick runs).
     #[arg(long)]
@@ -158,6 +131,9 @@ struct Args {
     /// Evaluate on this many validation images only, spread evenly over the folder.
     #[arg(long)]
     test_limit: Option<usize>,
+    /// How and where the example runs.
+    #[command(flatten)]
+    run: common::RunArgs,
 }
 
 impl Args {
@@ -230,10 +206,10 @@ pub fn main() -> ExitCode {
 fn run(args: Args) -> Result<(), AnyError> {
     check_args(&args)?;
     let (group, device) = match join_or_launch(
-        args.nproc_per_node,
-        args.max_restarts,
-        args.threads,
-        args.device,
+        args.run.nproc_per_node,
+        args.run.max_restarts,
+        args.run.threads,
+        args.run.device,
     )? {
         Role::Launched => return Ok(()),
         Role::Train { group, device } => (group, device),
@@ -243,7 +219,7 @@ fn run(args: Args) -> Result<(), AnyError> {
     check_global_batch(args.batch_size, world)?;
     let data = Data::load(&args, group, device)?;
 
-    manual_seed(args.seed);
+    manual_seed(args.run.seed);
     let net = build_model(&args.model, data.classes)?;
     let model: Arc<dyn Module> = Arc::new(Normalized {
         net,
@@ -261,16 +237,19 @@ fn run(args: Args) -> Result<(), AnyError> {
         ((args.warmup_epochs * data.train.len() as f64).round() as usize).min(total_steps);
     let checkpoints = Checkpoints::new(
         Some(args.checkpoint_dir.clone()),
-        args.checkpoint_every,
+        args.run.checkpoint_every,
         &args.model,
         settings(&args, world),
         data.train.len(),
     )?;
     // Resume before DDP wraps the model (every rank reads the same checkpoint).
     let mut progress = Progress::start();
-    if let Some(resumed) =
-        checkpoints.resume(args.resume.as_deref(), model.as_ref(), &mut optimizer, rank)?
-    {
+    if let Some(resumed) = checkpoints.resume(
+        args.run.resume.as_deref(),
+        model.as_ref(),
+        &mut optimizer,
+        rank,
+    )? {
         progress = resumed.progress;
         if rank == 0 {
             say(format_args!(
@@ -286,7 +265,7 @@ fn run(args: Args) -> Result<(), AnyError> {
             ));
         }
     }
-    let trainer = trainer(model.clone(), group, args.trace_out.as_deref())?;
+    let trainer = trainer(model.clone(), group, args.run.trace_out.as_deref())?;
     if rank == 0 {
         announce(&args, &data, model.as_ref(), device, world, warmup_steps);
     }
@@ -311,11 +290,11 @@ fn run(args: Args) -> Result<(), AnyError> {
         checkpoints.save(&trainer, &optimizer, &progress)?;
     }
     let seconds = started.elapsed().as_secs_f64();
-    report_end(&trainer, args.trace_out.as_deref(), seconds)?;
+    report_end(&trainer, args.run.trace_out.as_deref(), seconds)?;
     if rank == 0 {
         report_skipped(&data);
     }
-    match &args.metrics_out {
+    match &args.run.metrics_out {
         Some(path) if rank == 0 => {
             let settings = metrics_settings(&args, &data, world, device);
             write_metrics(path, settings, &progress.history, seconds)
@@ -381,7 +360,7 @@ impl Data {
         };
         let config = |transform| {
             ImageFolderConfig::new(transform)
-                .with_seed(args.seed)
+                .with_seed(args.run.seed)
                 .with_workers(workers)
                 .with_skip_bad_files(args.skip_bad_files)
         };
@@ -397,7 +376,7 @@ impl Data {
         let train_subset = Spread::apply(train_set.clone(), args.train_limit);
         let test_subset = Spread::apply(test_set.clone(), args.test_limit);
         let test_samples = test_subset.len();
-        let train = train_loader(train_subset, group, args.batch_size, args.seed, device)?;
+        let train = train_loader(train_subset, group, args.batch_size, args.run.seed, device)?;
         let eval_batch = args.batch_size.clamp(1, 256);
         let test = test_loader(test_subset, group, eval_batch, device)?;
         Ok(Data {
@@ -525,7 +504,7 @@ fn settings(args: &Args, world: usize) -> BTreeMap<String, String> {
             ("weight_decay", args.weight_decay.to_string()),
             ("crop_scale", args.crop_scale.to_string()),
             ("flip", (!args.no_flip).to_string()),
-            ("seed", args.seed.to_string()),
+            ("seed", args.run.seed.to_string()),
             ("world_size", world.to_string()),
             ("train_limit", format!("{:?}", args.train_limit)),
         ]
@@ -549,7 +528,7 @@ fn metrics_settings(args: &Args, data: &Data, world: usize, device: Device) -> s
         "weight_decay": args.weight_decay,
         "crop_scale": args.crop_scale,
         "flip": !args.no_flip,
-        "seed": args.seed,
+        "seed": args.run.seed,
         "threads": rayon::current_num_threads(),
         "world_size": world,
         "device": device.to_string(),

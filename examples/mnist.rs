@@ -75,45 +75,14 @@ struct Args {
     /// SGD momentum.
     #[arg(long, default_value_t = 0.9)]
     momentum: f64,
-    /// Seed of the initialisation and of the shuffling.
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
     /// Directory with the MNIST IDX files (raw or .gz) [default: $TANDEM_DATA_DIR/mnist, else
     /// data/mnist in the current folder or one above it, else above the executable's folder].
     #[arg(long)]
     data_dir: Option<PathBuf>,
-    /// Threads of the compute pool [default: all cores].
-    #[arg(long)]
-    threads: Option<usize>,
-    /// Write the results as a JSON object to this file.
-    #[arg(long)]
-    metrics_out: Option<PathBuf>,
-    /// Where to train: cpu, cuda (with several ranks: each rank on cuda:LOCAL_RANK) or cuda:N.
-    #[arg(long, default_value = "cpu", value_parser = common::parse_device)]
-    device: Device,
-    /// Write tandem's own timeline of the steps (forward, backward, optimizer and data on the
-    /// compute stream, each bucket's all-reduce on the comm stream; one track per stream per
-    /// rank) as a Chrome trace to this file; open it in Perfetto or chrome://tracing.
-    #[arg(long)]
-    trace_out: Option<PathBuf>,
-    /// Train data-parallel on this many local processes (DDP over TCP).
-    #[arg(long, default_value_t = 1)]
-    nproc_per_node: usize,
-    /// With --nproc-per-node: restart all ranks up to this many times after a failure (they
-    /// resume from the newest checkpoint in --checkpoint-dir).
-    #[arg(long, default_value_t = 0)]
-    max_restarts: usize,
     /// Write checkpoints here after every epoch (and every --checkpoint-every steps), and
     /// resume from the newest complete one found here.
     #[arg(long)]
     checkpoint_dir: Option<PathBuf>,
-    /// Also write a checkpoint every this many steps inside an epoch.
-    #[arg(long)]
-    checkpoint_every: Option<usize>,
-    /// Resume from this checkpoint (written by this example) instead of the newest in
-    /// --checkpoint-dir.
-    #[arg(long)]
-    resume: Option<PathBuf>,
     /// Do not train: evaluate the checkpoint given by --resume on the test set (on every rank
     /// with --nproc-per-node; the figure is the same for any number of ranks) and exit.
     #[arg(long, requires = "resume")]
@@ -128,6 +97,9 @@ struct Args {
     /// for bit print the same digest).
     #[arg(long)]
     print_param_digest: bool,
+    /// How and where the example runs.
+    #[command(flatten)]
+    run: common::RunArgs,
 }
 
 mod common;
@@ -150,10 +122,10 @@ pub fn main() -> ExitCode {
 
 fn run(args: Args) -> Result<(), AnyError> {
     let (group, device) = match join_or_launch(
-        args.nproc_per_node,
-        args.max_restarts,
-        args.threads,
-        args.device,
+        args.run.nproc_per_node,
+        args.run.max_restarts,
+        args.run.threads,
+        args.run.device,
     )? {
         Role::Launched => return Ok(()),
         Role::Train { group, device } => (group, device),
@@ -164,23 +136,23 @@ fn run(args: Args) -> Result<(), AnyError> {
         check_global_batch(args.batch_size, world)?;
     }
     let (train, test) = loaders(&args, group, device)?;
-    if let (true, Some(path)) = (args.eval_only, &args.resume) {
+    if let (true, Some(path)) = (args.eval_only, &args.run.resume) {
         let model = lenet5()?;
         model.to_device(device)?;
         let settings = metrics_settings(&args, world, device);
-        let out = args.metrics_out.as_deref();
+        let out = args.run.metrics_out.as_deref();
         evaluate_checkpoint(path, &model, group, &test, out, settings)?;
         return Ok(());
     }
     let checkpoints = Checkpoints::new(
         args.checkpoint_dir.clone(),
-        args.checkpoint_every,
+        args.run.checkpoint_every,
         "lenet5",
         settings(&args, world),
         train.len(),
     )?;
 
-    manual_seed(args.seed);
+    manual_seed(args.run.seed);
     let model: Arc<dyn Module> = Arc::new(lenet5()?);
     model.to_device(device)?;
     let mut optimizer = Sgd::new(
@@ -188,9 +160,13 @@ fn run(args: Args) -> Result<(), AnyError> {
         SgdConfig::new(args.lr).with_momentum(args.momentum),
     )?;
     // Resume before DDP wraps the model (every rank reads the same checkpoint).
-    let resumed =
-        checkpoints.resume(args.resume.as_deref(), model.as_ref(), &mut optimizer, rank)?;
-    let trainer = trainer(model, group, args.trace_out.as_deref())?;
+    let resumed = checkpoints.resume(
+        args.run.resume.as_deref(),
+        model.as_ref(),
+        &mut optimizer,
+        rank,
+    )?;
+    let trainer = trainer(model, group, args.run.trace_out.as_deref())?;
     let mut progress = Progress::start();
     if let Some(resumed) = resumed {
         progress = resumed.progress;
@@ -233,8 +209,8 @@ fn run(args: Args) -> Result<(), AnyError> {
             parameter_digest(trainer.model.as_ref())?
         ));
     }
-    report_end(&trainer, args.trace_out.as_deref(), seconds)?;
-    match &args.metrics_out {
+    report_end(&trainer, args.run.trace_out.as_deref(), seconds)?;
+    match &args.run.metrics_out {
         Some(path) if rank == 0 => write_metrics(
             path,
             metrics_settings(&args, world, device),
@@ -260,7 +236,7 @@ fn loaders(
         Arc::new(Mnist::load(&data_dir, Split::Test)?),
         args.test_limit,
     );
-    let train = train_loader(train_set, group, args.batch_size, args.seed, device)?;
+    let train = train_loader(train_set, group, args.batch_size, args.run.seed, device)?;
     Ok((train, test_loader(test_set, group, 1000, device)?))
 }
 
@@ -273,7 +249,7 @@ fn settings(args: &Args, world: usize) -> BTreeMap<String, String> {
             ("lr", args.lr.to_string()),
             ("lr_decay", args.lr_decay.to_string()),
             ("momentum", args.momentum.to_string()),
-            ("seed", args.seed.to_string()),
+            ("seed", args.run.seed.to_string()),
             ("world_size", world.to_string()),
             ("train_limit", format!("{:?}", args.train_limit)),
         ]
@@ -309,7 +285,7 @@ fn metrics_settings(args: &Args, world: usize, device: Device) -> serde_json::Va
         "lr": args.lr,
         "lr_decay": args.lr_decay,
         "momentum": args.momentum,
-        "seed": args.seed,
+        "seed": args.run.seed,
         "threads": rayon::current_num_threads(),
         "world_size": world,
         "device": device.to_string(),

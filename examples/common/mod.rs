@@ -94,6 +94,43 @@ pub enum Role {
     },
 }
 
+/// The flags every example shares: where it runs, on how many ranks, from which seed, and what
+/// it writes besides checkpoints (`#[command(flatten)]` in each example's own arguments).
+#[derive(clap::Args, Clone, Debug)]
+pub struct RunArgs {
+    /// Seed of the initialisation, the shuffling and the augmentation (where there is one).
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Threads of the compute pool [default: all cores].
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Write the results as a JSON object to this file.
+    #[arg(long)]
+    pub metrics_out: Option<std::path::PathBuf>,
+    /// Write tandem's own timeline of the steps (forward, backward, optimizer and data on the
+    /// compute stream, each bucket's all-reduce on the comm stream; one track per stream per
+    /// rank) as a Chrome trace to this file; open it in Perfetto or chrome://tracing.
+    #[arg(long)]
+    pub trace_out: Option<std::path::PathBuf>,
+    /// Where to train: cpu, cuda (with several ranks: each rank on cuda:LOCAL_RANK) or cuda:N.
+    #[arg(long, default_value = "cpu", value_parser = parse_device)]
+    pub device: Device,
+    /// Train data-parallel on this many local processes (DDP).
+    #[arg(long, default_value_t = 1)]
+    pub nproc_per_node: usize,
+    /// With --nproc-per-node: restart all ranks up to this many times after a failure (they
+    /// resume from the newest checkpoint in --checkpoint-dir).
+    #[arg(long, default_value_t = 0)]
+    pub max_restarts: usize,
+    /// Also write a checkpoint every this many steps inside an epoch.
+    #[arg(long)]
+    pub checkpoint_every: Option<usize>,
+    /// Resume from this checkpoint (written by this example) instead of the newest in
+    /// --checkpoint-dir.
+    #[arg(long)]
+    pub resume: Option<std::path::PathBuf>,
+}
+
 /// Reads `--device`: `cpu`, `cuda` or `cuda:N`.
 pub fn parse_device(text: &str) -> Result<Device, String> {
     text.parse::<Device>().map_err(|e| e.to_string())
