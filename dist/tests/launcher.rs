@@ -142,11 +142,15 @@ fn launcher_names_the_rank_the_others_were_waiting_for() {
         stderr.contains("was waiting for rank 2, which did not respond"),
         "{stderr}"
     );
-    // The summary carries the diagnosis: where the stopped rank is and where the others wait.
+    // The summary carries the diagnosis: where the stopped rank is and where the others wait
+    // (both waiting ranks, or — on a loaded machine, where the second may time out after the
+    // first rank's bounded gather of positions — the first alone).
+    let summary = summary(&stderr);
     assert!(
-        summary(&stderr)
+        summary
             .contains("Diagnosis: rank 2 did not report and never joined all_reduce #2 (f32 × 16)")
-            && summary(&stderr).contains("while ranks 0, 1 wait at all_reduce #2 (f32 × 16)"),
+            && summary.contains("while rank")
+            && summary.matches("all_reduce #2 (f32 × 16)").count() == 2,
         "{stderr}"
     );
     assert!(elapsed < Duration::from_secs(60), "{elapsed:?}");

@@ -952,7 +952,16 @@ mod tests {
             })
             .collect();
         std::thread::sleep(Duration::from_secs(1));
-        let grown = heap_bytes().saturating_sub(before);
+        // The smallest growth of several samples: the other tests of this binary run in the same
+        // process, and their transient allocations (freed, and given back to the system for
+        // large ones) must not count, while replies held for the insiders would stay.
+        let grown = (0..5)
+            .map(|_| {
+                std::thread::sleep(Duration::from_millis(200));
+                heap_bytes().saturating_sub(before)
+            })
+            .min()
+            .unwrap_or(0);
         // The honest client is still served.
         honest.set("k", b"x").unwrap();
         assert_eq!(honest.get("k").unwrap(), b"x");
