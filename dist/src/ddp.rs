@@ -39,6 +39,7 @@
 //! leaves the others failing at the group's timeout with an error naming it.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use tandem_core::{Device, Tensor};
 use tandem_nn::Module;
@@ -50,6 +51,7 @@ use crate::join::JoinSession;
 use crate::reducer::comm_hook::CommHook;
 use crate::reducer::telemetry::Telemetry;
 use crate::reducer::{GradReduction, LaunchRecord, Reducer, ReducerConfig};
+use crate::stragglers::{self, RankStepTimes, StragglerSummary};
 use crate::{DistError, ProcessGroup, ReduceOp, Result};
 
 /// Settings of [`DistributedDataParallel`]; every rank must use the same.
@@ -79,6 +81,11 @@ pub struct DdpConfig {
     /// Replaces each bucket's all-reduce (for example [`CompressionHook::bf16`](crate::CompressionHook::bf16)).
     /// Default: none (plain all-reduce).
     pub comm_hook: Option<Arc<dyn CommHook>>,
+    /// Gather every rank's step times (forward, backward, last-bucket wait: a few floats per
+    /// step) every this many training forwards, to name stragglers ([`crate::stragglers`]).
+    /// Every rank must use the same value. 0: only [`DistributedDataParallel::gather_step_times`]
+    /// gathers. Default: 100.
+    pub straggler_every: usize,
 }
 
 impl Default for DdpConfig {
@@ -91,6 +98,7 @@ impl Default for DdpConfig {
             find_unused_parameters: false,
             rebuild_buckets: true,
             comm_hook: None,
+            straggler_every: 100,
         }
     }
 }
@@ -105,6 +113,20 @@ pub struct DistributedDataParallel {
     config: DdpConfig,
     /// The join context while [`DistributedDataParallel::join`] runs (`join.rs`).
     pub(crate) join: Mutex<Option<JoinSession>>,
+    /// Step times gathered across ranks so far (`stragglers.rs`).
+    stragglers: Mutex<StragglerState>,
+    /// A delay added to every forward of this rank (tests: a straggler to be named).
+    forward_delay: Mutex<Duration>,
+}
+
+/// What [`DistributedDataParallel`] knows of the ranks' step times.
+#[derive(Default)]
+struct StragglerState {
+    summary: StragglerSummary,
+    /// Telemetry steps (counted from the start) already gathered.
+    gathered_upto: usize,
+    /// Training forwards outside a join since the last periodic gather.
+    forwards: usize,
 }
 
 impl DistributedDataParallel {
@@ -163,6 +185,8 @@ impl DistributedDataParallel {
             buffers,
             config,
             join: Mutex::new(None),
+            stragglers: Mutex::new(StragglerState::default()),
+            forward_delay: Mutex::new(Duration::ZERO),
         })
     }
 
@@ -178,6 +202,7 @@ impl DistributedDataParallel {
     pub(crate) fn forward_from(&self, x: &Tensor, root: usize) -> Result<Tensor> {
         let rank = self.group.rank();
         self.reducer.prepare_forward()?;
+        self.maybe_gather_step_times()?;
         if let Some(buffers) = self
             .buffers
             .as_ref()
@@ -185,10 +210,15 @@ impl DistributedDataParallel {
         {
             buffers.broadcast(self.group.as_ref(), root)?;
         }
+        self.reducer.mark_forward_start();
         let out = self
             .module
             .forward(x)
             .map_err(|e| DistError::model(rank, "forward of the wrapped module", e))?;
+        let delay = *self.forward_delay.lock();
+        if !delay.is_zero() {
+            std::thread::sleep(delay);
+        }
         self.reducer.mark_forward_end();
         Ok(out)
     }
@@ -222,9 +252,77 @@ impl DistributedDataParallel {
         &self.group
     }
 
-    /// Per-step overlap telemetry.
+    /// Per-step overlap telemetry, with the stragglers of the steps gathered across ranks so
+    /// far ([`Telemetry::stragglers`]).
     pub fn telemetry(&self) -> Telemetry {
-        self.reducer.telemetry()
+        let mut telemetry = self.reducer.telemetry();
+        telemetry.stragglers = self.stragglers.lock().summary.clone();
+        telemetry
+    }
+
+    /// Gathers every rank's step times not gathered yet and returns the stragglers of all the
+    /// steps gathered so far (see [`crate::stragglers`]). A collective: every rank calls it at
+    /// the same point (for example after its training loop, before printing the summary).
+    pub fn gather_step_times(&self) -> Result<StragglerSummary> {
+        let telemetry = self.reducer.telemetry();
+        let mut state = self.stragglers.lock();
+        let world = self.group.world_size();
+        let total = telemetry.total_steps();
+        let kept = telemetry.steps();
+        let new = total.saturating_sub(state.gathered_upto).min(kept.len());
+        let local: Vec<RankStepTimes> = kept[kept.len() - new..]
+            .iter()
+            .map(RankStepTimes::of)
+            .collect();
+        // Every rank needs the same window: the longest of the ranks' unread steps.
+        let window = if world > 1 {
+            let n = [local.len() as f64];
+            let n = Tensor::from_vec(n.to_vec(), &[1], self.reducer_device())
+                .map_err(|e| DistError::tensor(self.group.rank(), "gathering step times", e))?;
+            self.group.all_reduce(&n, ReduceOp::Max)?.wait()?;
+            n.to_vec::<f64>()
+                .map_err(|e| DistError::tensor(self.group.rank(), "gathering step times", e))?[0]
+                as usize
+        } else {
+            local.len()
+        };
+        if window > 0 {
+            let steps =
+                stragglers::gather(self.group.as_ref(), self.reducer_device(), &local, window)?;
+            steps.iter().for_each(|s| state.summary.add_step(s));
+        }
+        state.gathered_upto = total;
+        state.forwards = 0;
+        Ok(state.summary.clone())
+    }
+
+    /// The periodic gather of [`DdpConfig::straggler_every`]: counts training forwards outside a
+    /// join (which every rank issues alike) and gathers at every K-th.
+    fn maybe_gather_step_times(&self) -> Result<()> {
+        let every = self.config.straggler_every;
+        if every == 0 || !tandem_autograd::is_grad_enabled() || self.join.lock().is_some() {
+            return Ok(());
+        }
+        let due = {
+            let mut state = self.stragglers.lock();
+            state.forwards += 1;
+            state.forwards > every
+        };
+        if due {
+            self.gather_step_times()?;
+        }
+        Ok(())
+    }
+
+    /// Test knob: sleeps `delay` after every forward of the wrapped module on this rank, so that
+    /// it becomes a straggler the summary must name.
+    #[doc(hidden)]
+    pub fn inject_forward_delay(&self, delay: Duration) {
+        *self.forward_delay.lock() = delay;
+    }
+
+    fn reducer_device(&self) -> Device {
+        self.group.comm_stream().device()
     }
 
     /// The current buckets, as parameter paths, in launch order.

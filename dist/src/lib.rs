@@ -99,6 +99,7 @@ pub mod reducer;
 pub mod rendezvous;
 pub mod sampler;
 pub mod store;
+pub mod stragglers;
 mod stream_ops;
 pub mod sync_batch_norm;
 pub mod testing;
@@ -125,5 +126,6 @@ pub use rendezvous::{
 };
 pub use sampler::{DistributedEvalSampler, DistributedSampler};
 pub use store::{StoreConfig, StoreServer, TcpStore};
+pub use stragglers::{Straggler, StragglerKind, StragglerSummary};
 pub use sync_batch_norm::{convert_sync_batch_norm, SyncBatchNorm};
 pub use timeline::{merge_chrome_traces, Phase, Span, SpanKind, Timeline, Track};

@@ -15,6 +15,7 @@ fn ms(x: f64) -> Duration {
 /// backward computing for `backward` ms.
 fn step(t0: Instant, backward: f64, buckets: &[(usize, usize, f64, f64)]) -> StepTiming {
     StepTiming {
+        forward_start: t0,
         forward_end: t0,
         backward_compute_end: t0 + ms(backward),
         comm_end: t0 + ms(backward + 1.0),

@@ -308,7 +308,8 @@ pub fn report_epoch(
 }
 
 /// The end of a run: every rank writes its part of the trace (`trace_out`), then rank 0 prints
-/// where the trace is, the run's time and DDP's overlap summary. Every rank must call it.
+/// where the trace is, the run's time, DDP's overlap summary and its stragglers. Every rank must
+/// call it.
 pub fn report_end(
     trainer: &Trainer,
     trace_out: Option<&Path>,
@@ -316,6 +317,11 @@ pub fn report_end(
 ) -> Result<(), AnyError> {
     let trace = match trace_out {
         Some(path) => trainer.write_trace(path)?.map(|summary| (path, summary)),
+        None => None,
+    };
+    // A collective (every rank is here): the step times not gathered yet, for the summary.
+    let stragglers = match &trainer.ddp {
+        Some(ddp) => Some(ddp.gather_step_times()?),
         None => None,
     };
     if trainer.rank() != 0 {
@@ -327,6 +333,9 @@ pub fn report_end(
     output::say(format_args!("done in {seconds:.1} s"));
     if let Some(ddp) = &trainer.ddp {
         output::say(format_args!("overlap: {}", ddp.telemetry().summary()));
+    }
+    if let Some(stragglers) = stragglers {
+        output::say(format_args!("stragglers: {stragglers}"));
     }
     Ok(())
 }

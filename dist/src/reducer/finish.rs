@@ -78,7 +78,9 @@ impl Reducer {
             }
         }
         let forward_end = state.timing.forward_end.clone();
+        let forward_start = state.timing.forward_start;
         state.timing.pending_steps.push_back(PendingStep {
+            forward_start,
             forward_end,
             backward_end,
             comm_end,

@@ -144,6 +144,8 @@ struct Deferred {
 
 /// The telemetry's inputs and records.
 struct Timing {
+    /// When the wrapped module's forward was last called.
+    forward_start: Instant,
     /// When forward last returned, and the compute-stream event recorded then.
     forward_end: (Instant, Event),
     /// Steps whose timing events the device may not have reached yet.
@@ -176,6 +178,7 @@ impl State {
                 unchecked_works: Vec::new(),
             },
             timing: Timing {
+                forward_start: forward_end.0,
                 forward_end,
                 pending_steps: VecDeque::new(),
                 telemetry: Telemetry::default(),
@@ -384,6 +387,11 @@ impl Reducer {
             }
         }
         Ok(out)
+    }
+
+    /// Marks the start of the wrapped module's forward for telemetry (host time).
+    pub fn mark_forward_start(&self) {
+        self.state.lock().timing.forward_start = Instant::now();
     }
 
     /// Marks the end of forward for telemetry: the host instant and an event on the compute

@@ -55,6 +55,8 @@ pub(crate) struct PendingBucket {
 
 /// A step whose events may not all be complete yet.
 pub(crate) struct PendingStep {
+    /// When the wrapped module's forward was called (host time).
+    pub forward_start: Instant,
     /// When forward returned, and the event recorded then on the compute stream: the anchor
     /// that places device events on the host clock.
     pub forward_end: (Instant, Event),
@@ -107,6 +109,7 @@ impl PendingStep {
             .or(last_bucket)
             .unwrap_or(backward_compute_end);
         StepTiming {
+            forward_start: self.forward_start.min(*origin),
             forward_end: *origin,
             backward_compute_end,
             comm_end,
@@ -118,6 +121,8 @@ impl PendingStep {
 /// Timing of one synchronised step.
 #[derive(Clone, Debug)]
 pub struct StepTiming {
+    /// When the wrapped module's forward was called (host time, after the buffer broadcast).
+    pub forward_start: Instant,
     /// When forward returned (backward starts soon after, once the loss is computed).
     pub forward_end: Instant,
     /// When backward's computation finished: on the CPU when the backward-finished hook ran, on
@@ -169,6 +174,8 @@ impl StepTiming {
 pub struct Telemetry {
     steps: Vec<StepTiming>,
     dropped: usize,
+    /// The stragglers of the steps gathered across ranks so far (`stragglers.rs`).
+    pub(crate) stragglers: crate::stragglers::StragglerSummary,
 }
 
 const MAX_STEPS: usize = 10_000;
@@ -185,6 +192,17 @@ impl Telemetry {
     /// The recorded steps.
     pub fn steps(&self) -> &[StepTiming] {
         &self.steps
+    }
+
+    /// Steps recorded since the start, including those no longer kept.
+    pub(crate) fn total_steps(&self) -> usize {
+        self.dropped + self.steps.len()
+    }
+
+    /// Which rank was slowest, by how much and how often, over the steps gathered across the
+    /// ranks so far (see [`crate::stragglers`]); the same on every rank.
+    pub fn stragglers(&self) -> &crate::stragglers::StragglerSummary {
+        &self.stragglers
     }
 
     /// Summary over the recorded steps ([`overlap::summarize`] of each step's
@@ -259,6 +277,7 @@ mod tests {
         let at = |ms: u64| forward_end + Duration::from_millis(ms);
         let last = buckets.iter().map(|b| b.1).max().unwrap_or(10);
         StepTiming {
+            forward_start: forward_end,
             forward_end,
             backward_compute_end: at(10),
             comm_end: at(last + 1),
