@@ -105,6 +105,9 @@ impl Reducer {
         if state.sync_backwards == 0 {
             state.rebuild.observed_order.push(index);
         }
+        if let Some(tune) = state.tune.as_mut() {
+            tune.ready_at[index] = Some(Instant::now());
+        }
         let b = state.layout.slots[index].bucket;
         state.layout.buckets[b].pending -= 1;
         if state
