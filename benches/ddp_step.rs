@@ -172,7 +172,9 @@ impl std::str::FromStr for BucketCap {
         }
         match s.parse::<f64>() {
             Ok(m) if m > 0.0 && m.is_finite() => Ok(BucketCap::Mib(m)),
-            _ => Err(format!("`{s}` is neither a positive number of MiB nor `auto`")),
+            _ => Err(format!(
+                "`{s}` is neither a positive number of MiB nor `auto`"
+            )),
         }
     }
 }

@@ -38,7 +38,11 @@ fn auto_buckets_train_like_a_fixed_cap_and_every_rank_makes_the_same_bounded_cho
         });
         let auto = run_ranks(world, |rank, group| {
             let (outcome, ddp) = train_ddp(Model::Cnn, rank, group, STEPS, eager_auto(), false);
-            (outcome.final_params, ddp.bucket_choices(), ddp.bucket_layout())
+            (
+                outcome.final_params,
+                ddp.bucket_choices(),
+                ddp.bucket_layout(),
+            )
         });
         let (_, choices0, layout0) = &auto[0];
         // The first choice after the rebuild (1) and 2 warm-up steps, then one re-tune every 2
@@ -117,7 +121,10 @@ fn the_link_is_fitted_from_bucket_sizes_and_times_and_far_predictions_are_recogn
         .collect();
     let fit = fit_link(&samples, 2).unwrap();
     assert!((fit.alpha_s - link.alpha_s).abs() < 1e-9, "{fit}");
-    assert!((fit.busbw_bytes_per_s / link.busbw_bytes_per_s - 1.0).abs() < 1e-6, "{fit}");
+    assert!(
+        (fit.busbw_bytes_per_s / link.busbw_bytes_per_s - 1.0).abs() < 1e-6,
+        "{fit}"
+    );
     let auto = AutoBuckets::default();
     assert!(auto.is_far(10.0, 2.0));
     assert!(auto.is_far(2.0, 10.0));

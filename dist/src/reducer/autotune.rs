@@ -147,9 +147,11 @@ pub fn choose_cap(
         .map(|p| p.exposed_ms)
         .fold(f64::INFINITY, f64::min);
     predictions.retain(|p| p.exposed_ms <= least + 1e-3);
-    predictions
-        .into_iter()
-        .min_by(|a, b| (a.buckets, a.cap_mb).partial_cmp(&(b.buckets, b.cap_mb)).unwrap_or(std::cmp::Ordering::Equal))
+    predictions.into_iter().min_by(|a, b| {
+        (a.buckets, a.cap_mb)
+            .partial_cmp(&(b.buckets, b.cap_mb))
+            .unwrap_or(std::cmp::Ordering::Equal)
+    })
 }
 
 /// The buckets of `groups` as a recording: bytes and the ready time of their last member.
@@ -158,10 +160,7 @@ fn replay_recording(params: &[ParamReady], groups: &[Vec<usize>], backward_ms: f
         .iter()
         .map(|g| RecordedBucket {
             bytes: g.iter().map(|&p| params[p].bytes as u64).sum(),
-            ready_ms: g
-                .iter()
-                .map(|&p| params[p].ready_ms)
-                .fold(0.0, f64::max),
+            ready_ms: g.iter().map(|&p| params[p].ready_ms).fold(0.0, f64::max),
         })
         .collect();
     Recording {
@@ -522,16 +521,6 @@ fn describe(choice: &BucketChoice, tuner: &Tuner) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn params(n: usize, bytes: usize, spacing_ms: f64) -> Vec<ParamReady> {
-        (0..n)
-            .map(|i| ParamReady {
-                bytes,
-                dtype: DType::F32,
-                ready_ms: spacing_ms * (i + 1) as f64,
-            })
-            .collect()
-    }
 
     #[test]
     fn the_fitted_link_recovers_latency_and_bandwidth() {

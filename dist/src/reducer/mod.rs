@@ -44,9 +44,9 @@ use tandem_autograd::{register_backward_finished_hook, register_grad_ready_hook,
 use tandem_core::{DType, Device, Event, Stream, Tensor, TensorId};
 
 use crate::{CollectiveLabel, DistError, ProcessGroup, Result, Work};
+use autotune::{AutoBuckets, BucketChoice, Tuner};
 use bucket::{Bucket, BucketSet, Slot};
 use comm_hook::CommHook;
-use autotune::{AutoBuckets, BucketChoice, Tuner};
 use telemetry::{PendingBucket, PendingStep, Telemetry};
 
 /// How gradients are combined across ranks.
@@ -304,13 +304,7 @@ impl Reducer {
             .map(|(_, t)| t.numel() * t.dtype().size_in_bytes())
             .collect();
         let dtypes: Vec<DType> = params.iter().map(|(_, t)| t.dtype()).collect();
-        let groups = bucket::assign(
-            order,
-            &bytes,
-            &dtypes,
-            *first_cap_bytes,
-            *cap_bytes,
-        );
+        let groups = bucket::assign(order, &bytes, &dtypes, *first_cap_bytes, *cap_bytes);
         bucket::build(rank, params, &groups)
     }
 
