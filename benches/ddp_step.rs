@@ -827,6 +827,13 @@ fn run_ranks(world: usize, command: impl Fn(usize) -> Command) -> Result<Vec<Str
     }
     // Give the collectors a moment to read the last bytes.
     std::thread::sleep(Duration::from_millis(100));
+    // `--bucket-cap-mb auto`: rank 0's choices.
+    if let Some(e) = stderr.first() {
+        text(e)
+            .lines()
+            .filter(|l| l.starts_with("DDP auto buckets"))
+            .for_each(|l| eprintln!("ddp_step: {l}"));
+    }
     Ok(stdout.iter().map(text).collect())
 }
 

@@ -5,9 +5,14 @@
 mod ddp_common;
 
 use ddp_common::*;
+use tandem_autograd::TensorBackward;
 use tandem_core::DType;
 use tandem_dist::projection::LinkModel;
-use tandem_dist::{choose_cap, fit_link, AutoBuckets, DdpConfig, ParamReady};
+use tandem_dist::{
+    choose_cap, fit_link, AutoBuckets, DdpConfig, DistributedDataParallel, JoinConfig, ParamReady,
+};
+use tandem_nn::loss::{cross_entropy, Reduction};
+use tandem_optim::Optimizer;
 
 const STEPS: usize = 10;
 
@@ -66,6 +71,40 @@ fn auto_buckets_train_like_a_fixed_cap_and_every_rank_makes_the_same_bounded_cho
                 1e-6,
             );
         }
+    }
+}
+
+/// Ranks with `counts` batches each train inside `join`; their parameters and choices.
+fn train_joined(counts: &[usize], config: fn() -> DdpConfig) -> Vec<(Snapshot, usize)> {
+    let world = counts.len();
+    run_ranks(world, |rank, group| {
+        let ddp = DistributedDataParallel::new(build(Model::Cnn, 7), group, config()).unwrap();
+        let mut opt = sgd(ddp.module().parameters());
+        ddp.join(JoinConfig::default(), || {
+            for step in 0..counts[rank] {
+                let (x, y) = batch(Model::Cnn, step);
+                opt.zero_grad().unwrap();
+                let out = ddp.forward(&shard(&x, rank, world)).unwrap();
+                let loss = cross_entropy(&out, &shard(&y, rank, world), Reduction::Mean).unwrap();
+                loss.backward().unwrap();
+                opt.step().unwrap();
+            }
+        })
+        .unwrap();
+        let choices = ddp.bucket_choices().len();
+        (snapshot_params(ddp.module().as_ref()), choices)
+    })
+}
+
+#[test]
+fn joined_ranks_shadow_the_decisions_of_the_active_ones() {
+    // Rank 1 joins after 2 steps, before the first decision (after 3); rank 2 after 6.
+    let counts = [9, 2, 6];
+    let fixed = train_joined(&counts, DdpConfig::default);
+    let auto = train_joined(&counts, eager_auto);
+    for (rank, ((params, choices), (want, _))) in auto.iter().zip(&fixed).enumerate() {
+        assert_eq!(*choices, 3, "rank {rank}");
+        assert_close(&format!("joined rank {rank}"), params, want, 1e-6);
     }
 }
 
