@@ -145,6 +145,49 @@ fn convnet() -> Result<Sequential, AnyError> {
 const MODES: [&str; 3] = ["no_comm", "allreduce_after_backward", "ddp"];
 
 /// Time a data-parallel training step with and without communication, tandem vs PyTorch DDP.
+/// `--bucket-cap-mb`: a cap in MiB, or `auto`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum BucketCap {
+    Mib(f64),
+    /// Chosen by DDP from its measurements, starting from the default 25 MiB.
+    Auto,
+}
+
+impl BucketCap {
+    /// The fixed cap, or the automatic mode's starting cap (25 MiB, DDP's default).
+    fn mib(self) -> f64 {
+        match self {
+            BucketCap::Mib(m) => m,
+            BucketCap::Auto => 25.0,
+        }
+    }
+}
+
+impl std::str::FromStr for BucketCap {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        if s == "auto" {
+            return Ok(BucketCap::Auto);
+        }
+        match s.parse::<f64>() {
+            Ok(m) if m > 0.0 && m.is_finite() => Ok(BucketCap::Mib(m)),
+            _ => Err(format!(
+                "`{s}` is neither a positive number of MiB nor `auto`"
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for BucketCap {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            BucketCap::Mib(m) => write!(f, "{m}"),
+            BucketCap::Auto => f.write_str("auto"),
+        }
+    }
+}
+
 #[derive(Parser, Debug, Clone)]
 struct Args {
     /// Number of ranks (local processes).
@@ -168,9 +211,10 @@ struct Args {
     /// Shape every rank's link to this many Mbit/s each way (needs root and iproute2).
     #[arg(long)]
     link_mbit: Option<u32>,
-    /// DDP's bucket cap in MiB (tandem and PyTorch; default 25 as in both).
-    #[arg(long, default_value_t = 25.0)]
-    bucket_cap_mb: f64,
+    /// DDP's bucket cap in MiB (tandem and PyTorch; default 25 as in both), or `auto`: tandem
+    /// chooses it after a few steps (`DdpConfig::auto_buckets`; PyTorch then runs with 25).
+    #[arg(long, default_value = "25")]
+    bucket_cap_mb: BucketCap,
     /// tandem DDP's first-bucket cap in MiB (default 1; PyTorch fixes its first bucket at 1 MiB).
     #[arg(long, default_value_t = 1.0)]
     first_bucket_mb: f64,
@@ -272,7 +316,9 @@ fn worker(args: &Args, mode: &str) -> Result<(), AnyError> {
             model.clone(),
             group.clone(),
             DdpConfig {
-                bucket_cap_mb: args.bucket_cap_mb,
+                bucket_cap_mb: args.bucket_cap_mb.mib(),
+                auto_buckets: (args.bucket_cap_mb == BucketCap::Auto)
+                    .then(tandem::dist::AutoBuckets::default),
                 first_bucket_mb: args.first_bucket_mb,
                 ..DdpConfig::default()
             },
@@ -781,6 +827,13 @@ fn run_ranks(world: usize, command: impl Fn(usize) -> Command) -> Result<Vec<Str
     }
     // Give the collectors a moment to read the last bytes.
     std::thread::sleep(Duration::from_millis(100));
+    // `--bucket-cap-mb auto`: rank 0's choices.
+    if let Some(e) = stderr.first() {
+        text(e)
+            .lines()
+            .filter(|l| l.starts_with("DDP auto buckets"))
+            .for_each(|l| eprintln!("ddp_step: {l}"));
+    }
     Ok(stdout.iter().map(text).collect())
 }
 
@@ -828,7 +881,7 @@ fn run_torch(
             .args(["--warmup", &args.warmup.to_string()])
             .args(["--steps", &args.steps.to_string()])
             .args(["--seed", &args.seed.to_string()])
-            .args(["--bucket-cap-mb", &args.bucket_cap_mb.to_string()])
+            .args(["--bucket-cap-mb", &args.bucket_cap_mb.mib().to_string()])
             .args([
                 "--device",
                 if args.device == Device::Cpu {

@@ -48,6 +48,7 @@ use parking_lot::Mutex;
 
 use crate::coalesce::CoalescedBroadcast;
 use crate::join::JoinSession;
+use crate::reducer::autotune::{AutoBuckets, BucketChoice};
 use crate::reducer::comm_hook::CommHook;
 use crate::reducer::telemetry::Telemetry;
 use crate::reducer::{GradReduction, LaunchRecord, Reducer, ReducerConfig};
@@ -59,7 +60,8 @@ use crate::{DistError, ProcessGroup, ReduceOp, Result};
 pub struct DdpConfig {
     /// How gradients are combined across ranks. Default: [`GradReduction::Mean`].
     pub reduction: GradReduction,
-    /// Largest bucket, in MiB. Default: 25.
+    /// Largest bucket, in MiB (with [`DdpConfig::auto_buckets`], the cap until the first
+    /// choice). Default: 25.
     pub bucket_cap_mb: f64,
     /// Largest first bucket (the last layers' gradients), in MiB, so that communication
     /// starts early. Default: 1.
@@ -86,6 +88,22 @@ pub struct DdpConfig {
     /// Every rank must use the same value. 0: only [`DistributedDataParallel::gather_step_times`]
     /// gathers. Default: 100.
     pub straggler_every: usize,
+    /// Choose the bucket cap from measurements: after a few synchronised steps, rank 0 fits the
+    /// link to DDP's own bucket all-reduces, replays the measured gradient-ready times under
+    /// each candidate cap and every rank re-buckets to the cap with the least predicted
+    /// exposed communication ([`DistributedDataParallel::bucket_choices`]; README "what bucket
+    /// size"). Default: none (the fixed `bucket_cap_mb`).
+    pub auto_buckets: Option<AutoBuckets>,
+}
+
+impl DdpConfig {
+    /// The default settings with the automatic bucket cap ([`AutoBuckets::default`]).
+    pub fn auto() -> DdpConfig {
+        DdpConfig {
+            auto_buckets: Some(AutoBuckets::default()),
+            ..DdpConfig::default()
+        }
+    }
 }
 
 impl Default for DdpConfig {
@@ -99,6 +117,7 @@ impl Default for DdpConfig {
             rebuild_buckets: true,
             comm_hook: None,
             straggler_every: 100,
+            auto_buckets: None,
         }
     }
 }
@@ -176,6 +195,7 @@ impl DistributedDataParallel {
                 find_unused_parameters: config.find_unused_parameters,
                 rebuild_buckets: config.rebuild_buckets,
                 comm_hook: config.comm_hook.clone(),
+                auto_buckets: config.auto_buckets.clone(),
             },
         )?;
         Ok(DistributedDataParallel {
@@ -328,6 +348,12 @@ impl DistributedDataParallel {
     /// The current buckets, as parameter paths, in launch order.
     pub fn bucket_layout(&self) -> Vec<Vec<String>> {
         self.reducer.bucket_layout()
+    }
+
+    /// The automatic bucket cap's choices so far, the same on every rank (empty without
+    /// [`DdpConfig::auto_buckets`] or on one rank).
+    pub fn bucket_choices(&self) -> Vec<BucketChoice> {
+        self.reducer.bucket_choices()
     }
 
     /// Every bucket launch so far (bucket index, and whether it was issued while backward was

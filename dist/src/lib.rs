@@ -117,6 +117,9 @@ pub use process_group::{
     with_collective_label, CollectiveDesc, CollectiveKind, CollectiveLabel, GroupConfig,
     ProcessGroup, ReduceOp, Work,
 };
+pub use reducer::autotune::{
+    choose_cap, fit_link, AutoBuckets, BucketChoice, CapPrediction, ParamReady,
+};
 pub use reducer::comm_hook::{AllReduceHook, BucketReduction, CommHook, CompressionHook};
 pub use reducer::telemetry::{BucketTiming, OverlapSummary, StepTiming, Telemetry};
 pub use reducer::{GradReduction, LaunchRecord};

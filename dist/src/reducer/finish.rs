@@ -79,6 +79,9 @@ impl Reducer {
         }
         let forward_end = state.timing.forward_end.clone();
         let forward_start = state.timing.forward_start;
+        if let Some(tune) = state.tune.as_mut() {
+            tune.end_backward(forward_end.0, std::time::Instant::now());
+        }
         state.timing.pending_steps.push_back(PendingStep {
             forward_start,
             forward_end,

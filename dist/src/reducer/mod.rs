@@ -25,6 +25,7 @@
 //! around each collective, turned into times once the device has passed them.
 
 mod accounting;
+pub mod autotune;
 mod bucket;
 pub mod comm_hook;
 mod finish;
@@ -43,6 +44,7 @@ use tandem_autograd::{register_backward_finished_hook, register_grad_ready_hook,
 use tandem_core::{DType, Device, Event, Stream, Tensor, TensorId};
 
 use crate::{CollectiveLabel, DistError, ProcessGroup, Result, Work};
+use autotune::{AutoBuckets, BucketChoice, Tuner};
 use bucket::{Bucket, BucketSet, Slot};
 use comm_hook::CommHook;
 use telemetry::{PendingBucket, PendingStep, Telemetry};
@@ -73,6 +75,8 @@ pub(crate) struct ReducerConfig {
     pub find_unused_parameters: bool,
     pub rebuild_buckets: bool,
     pub comm_hook: Option<Arc<dyn CommHook>>,
+    /// Choose the bucket cap from measurements (`bucket_cap_bytes` is the start).
+    pub auto_buckets: Option<AutoBuckets>,
 }
 
 /// A bucket whose reduction has been issued.
@@ -100,6 +104,8 @@ struct State {
     deferred: Deferred,
     /// Timing events and records: the telemetry and the launch log.
     timing: Timing,
+    /// The automatic bucket cap's measurements and choices (`DdpConfig::auto_buckets`).
+    tune: Option<Tuner>,
 }
 
 /// The buckets and, per parameter, its bucket and its gradient view.
@@ -129,6 +135,8 @@ struct Pass {
 struct Rebuild {
     /// Order in which parameters became ready in the first synchronised backward.
     observed_order: Vec<usize>,
+    /// The order the current buckets were assigned in.
+    order: Vec<usize>,
     /// Whether the buckets have been rebuilt (once, before the second synchronised forward).
     done: bool,
 }
@@ -157,7 +165,13 @@ struct Timing {
 
 impl State {
     /// The state before the first forward: buckets in `layout`, synchronising.
-    fn new(layout: Layout, params: usize, forward_end: (Instant, Event)) -> State {
+    fn new(
+        layout: Layout,
+        order: Vec<usize>,
+        forward_end: (Instant, Event),
+        tune: Option<Tuner>,
+    ) -> State {
+        let params = order.len();
         State {
             sync: true,
             sync_backwards: 0,
@@ -171,6 +185,7 @@ impl State {
             },
             rebuild: Rebuild {
                 observed_order: Vec::with_capacity(params),
+                order,
                 done: false,
             },
             deferred: Deferred {
@@ -184,6 +199,7 @@ impl State {
                 telemetry: Telemetry::default(),
                 launch_log: VecDeque::new(),
             },
+            tune,
         }
     }
 }
@@ -241,13 +257,24 @@ impl Reducer {
         let compute = Stream::compute(device).map_err(stream_err)?;
         let forward_end = (Instant::now(), compute.record_event().map_err(stream_err)?);
         let order: Vec<usize> = (0..params.len()).rev().collect();
-        let BucketSet { buckets, slots } = Self::layout(rank, &params, &order, &config)?;
+        let caps = (config.first_bucket_bytes, config.bucket_cap_bytes);
+        let BucketSet { buckets, slots } = Self::layout(rank, &params, &order, &caps)?;
         let index_of = params
             .iter()
             .enumerate()
             .map(|(i, (_, t))| (t.id(), i))
             .collect();
-        let n = params.len();
+        // One rank has no link to tune for.
+        let tune = config
+            .auto_buckets
+            .clone()
+            .filter(|_| group.world_size() > 1)
+            .map(|auto| {
+                // The first window starts once the buckets are rebuilt (after one backward).
+                let start = u64::from(config.rebuild_buckets);
+                let first = start + auto.warmup_steps.max(1) as u64;
+                Tuner::new(auto, params.len(), config.bucket_cap_bytes, first)
+            });
         let reducer = Arc::new(Reducer {
             group,
             config,
@@ -255,7 +282,12 @@ impl Reducer {
             index_of,
             device,
             compute,
-            state: Mutex::new(State::new(Layout { buckets, slots }, n, forward_end)),
+            state: Mutex::new(State::new(
+                Layout { buckets, slots },
+                order,
+                forward_end,
+                tune,
+            )),
             hooks: Mutex::new(Vec::new()),
             divisor: AtomicUsize::new(0),
             shadowing: AtomicBool::new(false),
@@ -268,20 +300,14 @@ impl Reducer {
         rank: usize,
         params: &[(String, Tensor)],
         order: &[usize],
-        config: &ReducerConfig,
+        (first_cap_bytes, cap_bytes): &(usize, usize),
     ) -> Result<BucketSet> {
         let bytes: Vec<usize> = params
             .iter()
             .map(|(_, t)| t.numel() * t.dtype().size_in_bytes())
             .collect();
         let dtypes: Vec<DType> = params.iter().map(|(_, t)| t.dtype()).collect();
-        let groups = bucket::assign(
-            order,
-            &bytes,
-            &dtypes,
-            config.first_bucket_bytes,
-            config.bucket_cap_bytes,
-        );
+        let groups = bucket::assign(order, &bytes, &dtypes, *first_cap_bytes, *cap_bytes);
         bucket::build(rank, params, &groups)
     }
 
@@ -348,11 +374,34 @@ impl Reducer {
                 order = self.agree_on_order(&order)?;
             }
             let BucketSet { buckets, slots } =
-                Self::layout(rank, &self.params, &order, &self.config)?;
+                Self::layout(rank, &self.params, &order, &self.caps(&state))?;
             state.layout = Layout { buckets, slots };
+            state.rebuild.order = order;
             state.rebuild.done = true;
+            let backwards = state.sync_backwards;
+            if let Some(tune) = state.tune.as_mut() {
+                tune.restart(backwards);
+            }
         }
-        Ok(())
+        self.auto_tune(&mut state)
+    }
+
+    /// The caps (first bucket, others) in bytes: the configured ones, or the automatic choice.
+    fn caps(&self, state: &State) -> (usize, usize) {
+        let cap = state
+            .tune
+            .as_ref()
+            .map_or(self.config.bucket_cap_bytes, |t| t.cap_bytes);
+        (self.config.first_bucket_bytes, cap)
+    }
+
+    /// The automatic bucket cap's choices so far (empty without `DdpConfig::auto_buckets`).
+    pub fn bucket_choices(&self) -> Vec<BucketChoice> {
+        self.state
+            .lock()
+            .tune
+            .as_ref()
+            .map_or_else(Vec::new, |t| t.choices.clone())
     }
 
     /// Rank 0's bucket order, broadcast to every rank so that all bucket alike. Outside
@@ -494,6 +543,7 @@ mod tests {
             find_unused_parameters: false,
             rebuild_buckets: true,
             comm_hook: None,
+            auto_buckets: None,
         };
         let reducer = Reducer::new(
             group,
@@ -538,6 +588,7 @@ mod tests {
             find_unused_parameters: false,
             rebuild_buckets: false,
             comm_hook: None,
+            auto_buckets: None,
         };
         let params = vec![
             ("a.weight".into(), a.clone()),

@@ -105,6 +105,10 @@ impl Reducer {
         if state.sync_backwards == 0 {
             state.rebuild.observed_order.push(index);
         }
+        // Ready times feed the automatic bucket cap while it still has decisions to take.
+        if let Some(tune) = state.tune.as_mut().filter(|t| t.next_decision != u64::MAX) {
+            tune.ready_at[index] = Some(Instant::now());
+        }
         let b = state.layout.slots[index].bucket;
         state.layout.buckets[b].pending -= 1;
         if state
