@@ -242,7 +242,7 @@ fn run(args: Args) -> Result<(), AnyError> {
             ));
         }
     }
-    let trainer = trainer(model.clone(), group, args.run.trace_out.as_deref())?;
+    let trainer = trainer(model.clone(), group, &args.run)?;
     if rank == 0 {
         announce(&args, kind, model.as_ref(), device, warmup_steps);
     }

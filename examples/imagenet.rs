@@ -265,7 +265,7 @@ fn run(args: Args) -> Result<(), AnyError> {
             ));
         }
     }
-    let trainer = trainer(model.clone(), group, args.run.trace_out.as_deref())?;
+    let trainer = trainer(model.clone(), group, &args.run)?;
     if rank == 0 {
         announce(&args, &data, model.as_ref(), device, world, warmup_steps);
     }

@@ -166,7 +166,7 @@ fn run(args: Args) -> Result<(), AnyError> {
         &mut optimizer,
         rank,
     )?;
-    let trainer = trainer(model, group, args.run.trace_out.as_deref())?;
+    let trainer = trainer(model, group, &args.run)?;
     let mut progress = Progress::start();
     if let Some(resumed) = resumed {
         progress = resumed.progress;

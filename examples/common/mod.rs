@@ -129,6 +129,45 @@ pub struct RunArgs {
     /// --checkpoint-dir.
     #[arg(long)]
     pub resume: Option<std::path::PathBuf>,
+    /// With --nproc-per-node: DDP's bucket size in MiB, or `auto` to have it chosen from the
+    /// measured link and gradient-ready times after a few steps (README, "What bucket size").
+    #[arg(long, default_value = "25", value_parser = parse_bucket_cap)]
+    pub bucket_cap_mb: BucketCap,
+}
+
+/// `--bucket-cap-mb`: a fixed size or the automatic choice.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum BucketCap {
+    /// This many MiB per bucket.
+    Fixed(f64),
+    /// `DdpConfig::auto()`.
+    Auto,
+}
+
+/// Reads `--bucket-cap-mb`: a positive number of MiB or `auto`.
+pub fn parse_bucket_cap(text: &str) -> Result<BucketCap, String> {
+    if text == "auto" {
+        return Ok(BucketCap::Auto);
+    }
+    match text.parse::<f64>() {
+        Ok(mb) if mb.is_finite() && mb > 0.0 => Ok(BucketCap::Fixed(mb)),
+        _ => Err(format!(
+            "expected a positive number of MiB or `auto`, got `{text}`"
+        )),
+    }
+}
+
+impl BucketCap {
+    /// DDP's settings for this choice (the defaults otherwise).
+    pub fn ddp_config(self) -> DdpConfig {
+        match self {
+            BucketCap::Fixed(mb) => DdpConfig {
+                bucket_cap_mb: mb,
+                ..DdpConfig::default()
+            },
+            BucketCap::Auto => DdpConfig::auto(),
+        }
+    }
 }
 
 /// Reads `--device`: `cpu`, `cuda` or `cuda:N`.
@@ -454,18 +493,18 @@ pub fn evaluate_checkpoint(
     Ok(accuracy)
 }
 
-/// The trainer of `model`: through DDP when there is a `group`, with a timeline when
-/// `trace_out` is set.
+/// The trainer of `model`: through DDP (buckets as `run.bucket_cap_mb` says) when there is a
+/// `group`, with a timeline when `run.trace_out` is set.
 pub fn trainer(
     model: Arc<dyn Module>,
     group: Option<&Arc<dyn ProcessGroup>>,
-    trace_out: Option<&Path>,
+    run: &RunArgs,
 ) -> Result<Trainer, AnyError> {
     let ddp = match group {
         Some(g) => Some(DistributedDataParallel::new(
             model.clone(),
             g.clone(),
-            DdpConfig::default(),
+            run.bucket_cap_mb.ddp_config(),
         )?),
         None => None,
     };
@@ -474,7 +513,7 @@ pub fn trainer(
         ddp,
         timeline: None,
     }
-    .with_timeline(trace_out)
+    .with_timeline(run.trace_out.as_deref())
 }
 
 /// The rest of the epoch `progress` is in: one pass over the training set from step
