@@ -208,7 +208,7 @@ impl fmt::Display for StragglerSummary {
 
 /// The median of `values` (the lower middle for an even count, so that with two ranks the
 /// faster one is the reference).
-fn median(mut values: Vec<f64>) -> f64 {
+fn lower_median(mut values: Vec<f64>) -> f64 {
     values.sort_by(f64::total_cmp);
     values[(values.len() - 1) / 2]
 }
@@ -222,7 +222,7 @@ pub fn straggler_of(times: &[RankStepTimes]) -> Option<(usize, StragglerKind, f6
         excess >= MIN_EXCESS_SECS && excess >= NOTABLE_EXCESS * median.max(0.0)
     };
     let by_excess = |value: &dyn Fn(&RankStepTimes) -> f64| -> (usize, f64, f64) {
-        let med = median(times.iter().map(value).collect());
+        let med = lower_median(times.iter().map(value).collect());
         let (rank, top) = times
             .iter()
             .map(value)
@@ -237,7 +237,7 @@ pub fn straggler_of(times: &[RankStepTimes]) -> Option<(usize, StragglerKind, f6
     }
     let (rank, excess, med) = by_excess(&|t| t.last_bucket_wait);
     // A wait is judged against the step's compute too: waits are short when all is well.
-    let reference = med.max(median(times.iter().map(|t| t.compute()).collect()) * 0.1);
+    let reference = med.max(lower_median(times.iter().map(|t| t.compute()).collect()) * 0.1);
     notable(excess, reference).then_some((rank, StragglerKind::SlowLink, excess))
 }
 

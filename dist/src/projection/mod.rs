@@ -175,7 +175,7 @@ impl Recording {
 }
 
 /// Median of `v` (0 when empty); sorts `v`.
-fn median(v: &mut [f64]) -> f64 {
+pub(crate) fn median(v: &mut [f64]) -> f64 {
     if v.is_empty() {
         return 0.0;
     }

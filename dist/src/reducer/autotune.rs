@@ -24,7 +24,7 @@ use tandem_core::Tensor;
 use super::bucket::{self, BucketSet};
 use super::telemetry::StepTiming;
 use super::{file_timings, Layout, Reducer, State};
-use crate::projection::{simulate, LinkModel, RecordedBucket, Recording};
+use crate::projection::{median, simulate, LinkModel, RecordedBucket, Recording};
 use crate::{CollectiveLabel, DistError, Result};
 
 /// Settings of the automatic bucket cap (see the module documentation of `reducer::autotune`
@@ -248,8 +248,18 @@ pub(crate) fn measure_window(
         return None;
     }
     let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
-    let backward_ms = median(steps.iter().map(|s| ms(s.backward_compute())).collect());
-    let exposed_ms = median(steps.iter().map(|s| ms(s.exposed_comm())).collect());
+    let backward_ms = median(
+        &mut steps
+            .iter()
+            .map(|s| ms(s.backward_compute()))
+            .collect::<Vec<_>>(),
+    );
+    let exposed_ms = median(
+        &mut steps
+            .iter()
+            .map(|s| ms(s.exposed_comm()))
+            .collect::<Vec<_>>(),
+    );
     let mut fastest: Vec<Option<(u64, f64)>> = Vec::new();
     for s in steps {
         for (i, b) in s.buckets.iter().enumerate() {
@@ -268,7 +278,14 @@ pub(crate) fn measure_window(
     }
     let mut ready: Vec<f64> = order
         .iter()
-        .map(|&p| median(ready_ms.iter().filter_map(|r| r.get(p).copied()).collect()))
+        .map(|&p| {
+            median(
+                &mut ready_ms
+                    .iter()
+                    .filter_map(|r| r.get(p).copied())
+                    .collect::<Vec<_>>(),
+            )
+        })
         .collect();
     // On a GPU the hooks run when the host issues a gradient's kernels, ahead of the device:
     // stretch the host's ready times over the device's backward.
@@ -291,20 +308,6 @@ pub(crate) fn measure_window(
         exposed_ms,
         link_samples: fastest.into_iter().flatten().collect(),
     })
-}
-
-/// Median of `v` (0 when empty).
-fn median(mut v: Vec<f64>) -> f64 {
-    if v.is_empty() {
-        return 0.0;
-    }
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        0.5 * (v[n / 2 - 1] + v[n / 2])
-    }
 }
 
 /// The tuner's state inside the reducer.
