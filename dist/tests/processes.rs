@@ -88,19 +88,32 @@ fn kill_rank_2_of_4(mode: &str) {
 fn a_process_that_skips_a_collective_is_named_with_its_position_in_the_diagnosis() {
     // Rank 2 of 3 skips bucket 1: its #2 is the others' #3's bucket, and they wait at #3.
     let results = Job::start(3, "skip").wait(Duration::from_secs(60));
+    let mut diagnosed = 0;
     for (rank, (status, output)) in results.iter().enumerate().take(2) {
         assert!(
             !status.success(),
             "rank {rank} should have failed:\n{output}"
         );
-        assert!(
-            output.contains(
-                "Diagnosis: rank 2 did not report and never joined all_reduce #3 (bucket 2; \
-                 f32 × 16)"
-            ) && output.contains("while ranks 0, 1 wait at all_reduce #3 (bucket 2; f32 × 16)"),
-            "rank {rank}: {output}"
-        );
+        assert!(output.contains("rank 2"), "rank {rank}: {output}");
+        // A rank that timed out prints the diagnosis. On a loaded machine the other may be
+        // stopped first by that rank's abort (naming it and rank 2) before its own timeout.
+        if output.contains(
+            "Diagnosis: rank 2 did not report and never joined all_reduce #3 (bucket 2; f32 × 16)",
+        ) {
+            assert!(
+                output.contains("while rank")
+                    && output.matches("all_reduce #3 (bucket 2; f32 × 16)").count() >= 2,
+                "rank {rank}: {output}"
+            );
+            diagnosed += 1;
+        } else {
+            assert!(
+                output.contains("aborted because rank"),
+                "rank {rank}: {output}"
+            );
+        }
     }
+    assert!(diagnosed >= 1, "no rank printed the diagnosis: {results:?}");
 }
 
 #[test]
