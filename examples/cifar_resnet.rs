@@ -177,12 +177,7 @@ fn main() -> ExitCode {
 
 fn run(args: Args) -> Result<(), AnyError> {
     let kind = check_args(&args)?;
-    let (group, device) = match join_or_launch(
-        args.run.nproc_per_node,
-        args.run.max_restarts,
-        args.run.threads,
-        args.run.device,
-    )? {
+    let (group, device) = match join_or_launch(&args.run)? {
         Role::Launched => return Ok(()),
         Role::Train { group, device } => (group, device),
     };

@@ -121,12 +121,7 @@ pub fn main() -> ExitCode {
 }
 
 fn run(args: Args) -> Result<(), AnyError> {
-    let (group, device) = match join_or_launch(
-        args.run.nproc_per_node,
-        args.run.max_restarts,
-        args.run.threads,
-        args.run.device,
-    )? {
+    let (group, device) = match join_or_launch(&args.run)? {
         Role::Launched => return Ok(()),
         Role::Train { group, device } => (group, device),
     };

@@ -185,18 +185,20 @@ fn check_device(device: Device) -> Result<Device, AnyError> {
     Ok(device)
 }
 
-/// Joins the group the environment describes; otherwise, with `nproc_per_node > 1`, starts
+/// Joins the group the environment describes; otherwise, with `run.nproc_per_node > 1`, starts
 /// that many ranks of this same program (each then joins) and waits for them — with
 /// `tandem-run`'s launcher: signals are forwarded to the ranks, the ranks die with this
 /// process, and a failed job is restarted up to `max_restarts` times (the ranks then resume
 /// from their newest checkpoint); otherwise trains alone. Sizes rayon's pool: `threads`, or
 /// the cores shared among the local ranks.
-pub fn join_or_launch(
-    nproc_per_node: usize,
-    max_restarts: usize,
-    threads: Option<usize>,
-    device: Device,
-) -> Result<Role, AnyError> {
+pub fn join_or_launch(run: &RunArgs) -> Result<Role, AnyError> {
+    let RunArgs {
+        nproc_per_node,
+        max_restarts,
+        threads,
+        device,
+        ..
+    } = *run;
     let joining = group_in_environment();
     if nproc_per_node > 1 && !joining {
         let program = std::env::current_exe()?;
