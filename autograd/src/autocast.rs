@@ -249,7 +249,9 @@ mod tests {
         assert_eq!(autocast_dtype(), None);
         let v = autocast(DType::BF16, || {
             assert_eq!(autocast_dtype(), Some(DType::BF16));
-            autocast(DType::F16, || assert_eq!(autocast_dtype(), Some(DType::F16)));
+            autocast(DType::F16, || {
+                assert_eq!(autocast_dtype(), Some(DType::F16))
+            });
             assert_eq!(autocast_dtype(), Some(DType::BF16));
             {
                 let _off = AutocastGuard::disabled();
@@ -269,7 +271,10 @@ mod tests {
         for dtype in [DType::F32, DType::F64, DType::I64, DType::U8] {
             let err = AutocastGuard::new(dtype).err().expect("an error");
             let text = err.to_string();
-            assert!(text.contains("autocast") && text.contains(dtype.name()), "{text}");
+            assert!(
+                text.contains("autocast") && text.contains(dtype.name()),
+                "{text}"
+            );
         }
         assert_eq!(autocast_dtype(), None);
     }
@@ -321,7 +326,9 @@ mod tests {
             let b = cached_cast(&plain, DType::BF16, make).unwrap();
             assert!(!a.same_tensor(&b));
             let non_leaf = p.with_grad_fn(tandem_core::Node::new(
-                Box::new(crate::record::FnBackward::new("test", |_: &Tensor| Ok(vec![]))),
+                Box::new(crate::record::FnBackward::new("test", |_: &Tensor| {
+                    Ok(vec![])
+                })),
                 vec![],
             ));
             let a = cached_cast(&non_leaf, DType::BF16, make).unwrap();
