@@ -97,13 +97,11 @@ fn assert_within(what: &str, got: &Tensor, want: &Tensor, bound: &Tensor, scale:
         bound.to_vec_f64().unwrap(),
     );
     assert_eq!(g.len(), w.len(), "{what}");
-    for i in 0..g.len() {
-        let tol = scale * b[i] + 2f64.powi(-24);
+    for (i, ((g, w), b)) in g.iter().zip(&w).zip(&b).enumerate() {
+        let tol = scale * b + 2f64.powi(-24);
         assert!(
-            (g[i] - w[i]).abs() <= tol,
-            "{what}[{i}]: {} vs {} (tolerance {tol})",
-            g[i],
-            w[i]
+            (g - w).abs() <= tol,
+            "{what}[{i}]: {g} vs {w} (tolerance {tol})"
         );
     }
 }

@@ -151,10 +151,8 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor, reduction: Reduction) ->
 pub fn mse_loss(pred: &Tensor, target: &Tensor, reduction: Reduction) -> Result<Tensor> {
     let _profile = tandem_core::profile::scope("mse_loss", tandem_core::profile::Phase::Forward);
     const OP: &str = "mse_loss";
-    let (pred, target) = (
-        &crate::autocast::to_f32(pred)?,
-        &crate::autocast::to_f32(target)?,
-    ); // autocast's f32 list
+    let pred = &crate::autocast::to_f32(pred)?; // autocast's f32 list
+    let target = &crate::autocast::to_f32(target)?;
     same_dtype_device(OP, pred, target)?;
     float_dtype(OP, pred)?;
     if pred.dims() != target.dims() {
