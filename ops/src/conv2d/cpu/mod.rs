@@ -27,6 +27,7 @@
 
 mod im2col;
 mod implicit;
+pub(crate) mod low_precision;
 mod pixel_rows;
 mod plan;
 mod tile_product;
