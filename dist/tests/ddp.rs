@@ -7,14 +7,16 @@ mod ddp_common;
 use std::sync::Arc;
 
 use ddp_common::*;
+use tandem_autograd::autocast::autocast;
 use tandem_autograd::TensorBackward;
-use tandem_core::Tensor;
+use tandem_core::{DType, Tensor};
 use tandem_dist::{
     CompressionHook, DdpConfig, DistributedDataParallel, GradReduction, ProcessGroup,
 };
 use tandem_nn::loss::{cross_entropy, Reduction};
 use tandem_nn::{Child, Forward, TrainingFlag};
-use tandem_nn::{LinearConfig, Module};
+use tandem_nn::{Conv2dConfig, LinearConfig, Module};
+use tandem_optim::Optimizer;
 
 const STEPS: usize = 5;
 
@@ -475,4 +477,104 @@ fn a_backward_through_the_inner_modules_forward_is_reported_naming_ddp_forward()
         );
     }
     assert_close("rank 1 vs rank 0", &outcomes[1].1, &outcomes[0].1, 0.0);
+}
+
+/// conv(1→4) → relu → linear, run under bf16 autocast. The conv's bf16 output is cast to f32
+/// before the relu (the cast is where the gradient turns back into the conv's dtype); the
+/// linear lowers it to bf16 again.
+#[derive(Module)]
+struct AmpCnn {
+    conv: Child,
+    fc: Child,
+    training: TrainingFlag,
+}
+
+impl AmpCnn {
+    fn new() -> AmpCnn {
+        tandem_core::rng::manual_seed(7);
+        AmpCnn {
+            conv: Conv2dConfig::new(1, 4, 3)
+                .with_padding(1)
+                .init()
+                .unwrap()
+                .into(),
+            fc: LinearConfig::new(4 * 8 * 8, CLASSES).init().unwrap().into(),
+            training: TrainingFlag::new(),
+        }
+    }
+}
+
+impl Forward for AmpCnn {
+    fn forward(&self, x: &Tensor) -> tandem_nn::Result<Tensor> {
+        let h = tandem_ops::cast(&self.conv.forward(x)?, DType::F32)?;
+        let h = tandem_ops::flatten(&tandem_ops::relu(&h)?, 1, -1)?;
+        self.fc.forward(&h)
+    }
+}
+
+/// One training run under bf16 autocast: full batch when `rank_world` is `None`, else this
+/// rank's shard through DDP.
+fn amp_run(rank_world: Option<(usize, Arc<dyn ProcessGroup>)>) -> Outcome {
+    let model: Arc<dyn Module> = Arc::new(AmpCnn::new());
+    let (module, ddp, rank, world) = match rank_world {
+        None => (model, None, 0, 1),
+        Some((rank, group)) => {
+            let world = group.world_size();
+            let ddp = DistributedDataParallel::new(model, group, DdpConfig::default()).unwrap();
+            (ddp.module().clone(), Some(ddp), rank, world)
+        }
+    };
+    let mut opt = sgd(module.parameters());
+    let mut first_grads = Vec::new();
+    for step in 0..STEPS {
+        let (x, y) = batch(Model::Cnn, step);
+        opt.zero_grad().unwrap();
+        let loss = autocast(DType::BF16, || {
+            let x = shard(&x, rank, world);
+            let out = match &ddp {
+                Some(ddp) => ddp.forward(&x).unwrap(),
+                None => module.forward(&x).unwrap(),
+            };
+            assert_eq!(out.dtype(), DType::BF16);
+            cross_entropy(&out, &shard(&y, rank, world), Reduction::Mean).unwrap()
+        });
+        loss.backward().unwrap();
+        if step == 0 {
+            first_grads = snapshot_grads(module.as_ref());
+        }
+        opt.step().unwrap();
+    }
+    Outcome {
+        first_grads,
+        final_params: snapshot_params(module.as_ref()),
+    }
+}
+
+#[test]
+fn ddp_under_bf16_autocast_matches_single_process_full_batch_under_autocast() {
+    // The ranks' per-sample activations are those of the full batch (each output element is
+    // rounded once, whatever the batch); what differs is the weight gradients' sums: each rank
+    // rounds its partial sum to bf16 (relative error ≤ u = 2⁻⁸) before the f32 all-reduce,
+    // where one process rounds the total once. Two roundings of u, doubled for partial sums
+    // that cancel: 4u = 2⁻⁶, relative to the largest gradient.
+    let tol = 2f64.powi(-6);
+    let want = amp_run(None);
+    for world in [2, 4] {
+        let outcomes = run_ranks(world, |rank, group| amp_run(Some((rank, group))));
+        for (rank, got) in outcomes.iter().enumerate() {
+            let what = format!("bf16 autocast, {world} ranks, rank {rank}");
+            assert_close(
+                &format!("{what}: first-step gradients"),
+                &got.first_grads,
+                &want.first_grads,
+                tol,
+            );
+            assert_close(
+                &format!("{what}: parameters after {STEPS} steps"),
+                &got.final_params,
+                &want.final_params,
+                tol,
+            );
+        }
+    }
 }
