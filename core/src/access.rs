@@ -11,7 +11,10 @@ use parking_lot::{MappedRwLockReadGuard, MappedRwLockWriteGuard};
 
 use crate::cpu::runtime as cpu;
 use crate::cuda::runtime as cuda;
-use crate::{with_element_type, with_float_type, DType, Device, Element, Error, Result, Tensor};
+use crate::{
+    with_element_type, with_float_type, with_half_type, DType, Device, Element, Error, Result,
+    Tensor,
+};
 
 impl Tensor {
     fn expect_dtype<T: Element>(&self, op: &'static str) -> Result<()> {
@@ -209,9 +212,13 @@ impl Tensor {
         }
     }
 
-    /// Multiplies every element by `factor`, in place (float dtypes; on the CPU f32 and f64).
+    /// Multiplies every element by `factor`, in place (float dtypes; f16 and bf16 compute in f32
+    /// and round once).
     pub fn scale_(&self, factor: f64) -> Result<()> {
         match self.device() {
+            Device::Cpu if self.dtype().is_half() => {
+                with_half_type!("scale_", self.dtype(), T => cpu::scale_half::<T>(self, factor))
+            }
             Device::Cpu => {
                 with_float_type!("scale_", self.dtype(), T => cpu::scale::<T>(self, factor))
             }
@@ -219,11 +226,14 @@ impl Tensor {
         }
     }
 
-    /// `self += alpha * src`, in place (same shape; float dtypes). Gradient accumulation and
-    /// optimizer updates are built on this.
+    /// `self += alpha * src`, in place (same shape; float dtypes; f16 and bf16 compute in f32 and
+    /// round once). Gradient accumulation and optimizer updates are built on this.
     pub fn add_scaled_(&self, src: &Tensor, alpha: f64) -> Result<()> {
         self.check_same_shape("add_scaled_", src)?;
         match self.device() {
+            Device::Cpu if self.dtype().is_half() => {
+                with_half_type!("add_scaled_", self.dtype(), T => cpu::add_scaled_half::<T>(self, src, alpha))
+            }
             Device::Cpu => {
                 with_float_type!("add_scaled_", self.dtype(), T => cpu::add_scaled::<T>(self, src, alpha))
             }

@@ -162,6 +162,68 @@ impl FloatElement for f64 {
     }
 }
 
+/// A 16-bit float stored in tensors for mixed precision (f16 and bf16). Kernels load it,
+/// compute in f32 and round the result once on the way out.
+pub trait HalfElement: Element {
+    /// Widens to f32 (exact).
+    fn to_f32(self) -> f32;
+    /// Rounds an f32 to the nearest value of this type (ties to even).
+    fn from_f32(v: f32) -> Self;
+}
+
+impl HalfElement for f16 {
+    #[inline]
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+    #[inline]
+    fn from_f32(v: f32) -> Self {
+        f16::from_f32(v)
+    }
+}
+
+impl HalfElement for bf16 {
+    #[inline]
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+    #[inline]
+    fn from_f32(v: f32) -> Self {
+        bf16::from_f32(v)
+    }
+}
+
+impl DType {
+    /// Whether the dtype is one of the 16-bit floats (f16, bf16) that ops store but compute in
+    /// f32.
+    pub fn is_half(self) -> bool {
+        matches!(self, DType::F16 | DType::BF16)
+    }
+}
+
+/// Runs a generic expression with `$T` bound to the 16-bit float type of `$dtype` (f16 or
+/// bf16, a [`HalfElement`]); other dtypes yield `Error::UnsupportedDType` naming `$op`.
+#[macro_export]
+macro_rules! with_half_type {
+    ($op:expr, $dtype:expr, $T:ident => $body:expr) => {
+        match $dtype {
+            $crate::DType::F16 => {
+                type $T = $crate::half::f16;
+                $body
+            }
+            $crate::DType::BF16 => {
+                type $T = $crate::half::bf16;
+                $body
+            }
+            other => Err($crate::Error::UnsupportedDType {
+                op: $op,
+                dtype: other,
+                supported: "f16, bf16",
+            }),
+        }
+    };
+}
+
 /// Runs a generic expression with `$T` bound to the float type of `$dtype` (f32 or f64);
 /// other dtypes yield `Error::UnsupportedDType` naming `$op`.
 #[macro_export]

@@ -24,7 +24,7 @@ mod tensor;
 
 pub use cpu::alloc;
 pub use device::Device;
-pub use dtype::{DType, Element, FloatElement};
+pub use dtype::{DType, Element, FloatElement, HalfElement};
 pub use error::{Error, Result};
 pub use graph::{BackwardOp, Edge, GradReady, Node};
 pub use layout::{broadcast_shapes, checked_numel, normalize_dim, Layout, Shape};

@@ -47,6 +47,21 @@ impl SyncBatchNorm {
 
     /// The forward with `epilogue` fused onto the output.
     fn run(&self, x: &Tensor, epilogue: Epilogue<'_>) -> tandem_nn::Result<Tensor> {
+        if x.dtype().is_half() {
+            // Mixed precision: statistics, their all-reduce and the gradients in f32 (the
+            // parameters and running statistics are f32), the output in x's dtype.
+            let residual = match epilogue {
+                Epilogue::AddRelu(r) => Some(tandem_ops::low_precision::widen(r)?),
+                _ => None,
+            };
+            return tandem_ops::low_precision::via_f32(x.dtype(), &[x], |w| {
+                let epilogue = match &residual {
+                    Some(r) => Epilogue::AddRelu(r),
+                    None => epilogue,
+                };
+                self.run(&w[0], epilogue)
+            });
+        }
         let bn = &self.bn;
         if x.rank() < 2 || x.dims()[1] != bn.num_features() {
             return Err(self.input_error(format!(
@@ -342,6 +357,8 @@ mod tests {
     struct Run {
         y: Vec<f32>,
         grads: [Vec<f32>; 4],
+        /// The dtypes of the output and of the input's gradient.
+        dtypes: (DType, Option<DType>),
     }
 
     fn run(
@@ -362,7 +379,8 @@ mod tests {
             layer.forward_relu(&x).unwrap()
         };
         tandem_autograd::backward(&y, Some(g), &Default::default()).unwrap();
-        let grad = |t: &Tensor| t.grad().map_or(vec![], |g| g.to_vec::<f32>().unwrap());
+        let f32s = |t: &Tensor| t.to_dtype(DType::F32).unwrap().to_vec::<f32>().unwrap();
+        let grad = |t: &Tensor| t.grad().map_or(vec![], |g| f32s(&g));
         let grads = [
             grad(&x),
             grad(&r),
@@ -373,8 +391,9 @@ mod tests {
             t.set_grad(None).unwrap();
         }
         Run {
-            y: y.to_vec::<f32>().unwrap(),
+            y: f32s(&y),
             grads,
+            dtypes: (y.dtype(), x.grad().map(|g| g.dtype())),
         }
     }
 
@@ -433,6 +452,74 @@ mod tests {
                     .map(|k| per_rank.iter().map(|p| p.grads[i][k]).sum())
                     .collect();
                 assert_close(&format!("{what} {name} gradient"), &summed, &want.grads[i]);
+            }
+        }
+    }
+
+    /// Mixed precision: a bf16 input (and residual) on two ranks normalises with f32 statistics
+    /// all-reduced in f32, returns bf16 and gets bf16 gradients: the full-batch f32 layer's
+    /// results on the rounded inputs, rounded once (bf16's unit roundoff 2⁻⁸, relative), the
+    /// f32 parameters' gradients to f32 precision.
+    #[test]
+    fn a_bf16_input_on_two_ranks_matches_the_f32_full_batch_rounded_once() {
+        let (n, c) = (4, 2);
+        let round = |t: Tensor| {
+            t.to_dtype(DType::BF16)
+                .unwrap()
+                .to_dtype(DType::F32)
+                .unwrap()
+        };
+        let x = round(randn(&[n, c, 3, 3], 11));
+        let r = round(randn(&[n, c, 3, 3], 12));
+        let g = round(randn(&[n, c, 3, 3], 13));
+        let bf16 = |t: Tensor| t.to_dtype(DType::BF16).unwrap();
+        let within_bf16 = |what: &str, got: &[f32], want: &[f32]| {
+            for (k, (a, b)) in got.iter().zip(want).enumerate() {
+                let tol = b.abs() / 256.0 + 1e-4 * (1.0 + b.abs());
+                assert!((a - b).abs() <= tol, "{what} element {k}: {a} vs {b}");
+            }
+        };
+        for add in [false, true] {
+            let full_bn = batch_norm(c);
+            let want = run(full_bn.as_ref(), &full_bn, &x, &r, &g, add);
+            let groups = ThreadProcessGroup::new_group(2).unwrap();
+            let per_rank: Vec<Run> = std::thread::scope(|s| {
+                let handles: Vec<_> = groups
+                    .into_iter()
+                    .enumerate()
+                    .map(|(rank, group)| {
+                        let (x, r, g) = (&x, &r, &g);
+                        s.spawn(move || {
+                            let bn = batch_norm(c);
+                            let sync = SyncBatchNorm::new(bn.clone(), Arc::new(group));
+                            let half = n / 2;
+                            let (xs, rs, gs) = (
+                                bf16(rows(x, rank * half, half)),
+                                bf16(rows(r, rank * half, half)),
+                                bf16(rows(g, rank * half, half)),
+                            );
+                            run(&sync, &bn, &xs, &rs, &gs, add)
+                        })
+                    })
+                    .collect();
+                handles.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            for p in &per_rank {
+                assert_eq!(p.dtypes, (DType::BF16, Some(DType::BF16)), "add {add}");
+            }
+            let y: Vec<f32> = per_rank.iter().flat_map(|p| p.y.clone()).collect();
+            within_bf16("output", &y, &want.y);
+            let gx: Vec<f32> = per_rank.iter().flat_map(|p| p.grads[0].clone()).collect();
+            within_bf16("input gradient", &gx, &want.grads[0]);
+            if add {
+                let gr: Vec<f32> = per_rank.iter().flat_map(|p| p.grads[1].clone()).collect();
+                within_bf16("residual gradient", &gr, &want.grads[1]);
+            }
+            for (i, name) in [(2, "weight"), (3, "bias")] {
+                let summed: Vec<f32> = (0..c)
+                    .map(|k| per_rank.iter().map(|p| p.grads[i][k]).sum())
+                    .collect();
+                assert_close(&format!("{name} gradient"), &summed, &want.grads[i]);
             }
         }
     }

@@ -26,3 +26,16 @@ pub(crate) fn float_dtype(op: &'static str, t: &Tensor) -> Result<DType> {
         }),
     }
 }
+
+/// Checks that `t` has a float dtype an op accepts through mixed precision: f32 and f64, or
+/// the 16-bit storage floats f16 and bf16 (which such ops compute in f32).
+pub(crate) fn float_or_half(op: &'static str, t: &Tensor) -> Result<DType> {
+    match t.dtype() {
+        DType::F32 | DType::F64 | DType::F16 | DType::BF16 => Ok(t.dtype()),
+        other => Err(Error::UnsupportedDType {
+            op,
+            dtype: other,
+            supported: "f32, f64, f16, bf16",
+        }),
+    }
+}

@@ -46,6 +46,7 @@ pub mod dropout;
 pub(crate) mod elementwise_plan;
 pub mod linear;
 pub mod loss;
+pub mod low_precision;
 pub mod matmul;
 pub mod pool;
 pub mod reduce;

@@ -2,7 +2,10 @@
 //! accumulate and cast. [`Tensor`]'s device-neutral methods (`core/src/access.rs`) call these
 //! for CPU tensors; any layout (views, broadcasts, offsets) is handled here.
 
-use crate::{with_element_type, DType, Element, FloatElement, Layout, Result, Tensor};
+use crate::{
+    with_element_type, with_half_type, DType, Element, FloatElement, HalfElement, Layout, Result,
+    Tensor,
+};
 
 /// The elements of a CPU tensor in row-major order (any layout).
 pub(crate) fn to_vec<T: Element>(t: &Tensor) -> Result<Vec<T>> {
@@ -105,9 +108,38 @@ pub(crate) fn add_scaled<T: FloatElement>(dst: &Tensor, src: &Tensor, alpha: f64
     zip_in_place::<T>("add_scaled_", dst, src, |d, s| *d += a * s)
 }
 
+/// `t *= factor` for a 16-bit float `t`, computed in f32 and rounded once.
+pub(crate) fn scale_half<T: HalfElement>(t: &Tensor, factor: f64) -> Result<()> {
+    let f = factor as f32;
+    map_in_place::<T>("scale_", t, |x| *x = T::from_f32(x.to_f32() * f))
+}
+
+/// `dst += alpha * src` for 16-bit floats, computed in f32 and rounded once.
+pub(crate) fn add_scaled_half<T: HalfElement>(
+    dst: &Tensor,
+    src: &Tensor,
+    alpha: f64,
+) -> Result<()> {
+    let a = alpha as f32;
+    zip_in_place::<T>("add_scaled_", dst, src, |d, s| {
+        *d = T::from_f32(d.to_f32() + a * s.to_f32())
+    })
+}
+
 /// `t`'s elements converted to `dtype`, as a fresh contiguous CPU tensor (rounds to nearest
 /// for floats, truncates toward zero and saturates for integers).
 pub(crate) fn cast(t: &Tensor, dtype: DType) -> Result<Tensor> {
+    // Mixed precision widens and rounds between f32 and the 16-bit floats on every op: one
+    // direct conversion per element, without the f64 detour of the general path.
+    if t.dtype() == DType::F32 && dtype.is_half() {
+        let values = to_vec::<f32>(t)?;
+        return with_half_type!("cast", dtype, T => Tensor::from_vec(
+            values.into_iter().map(T::from_f32).collect::<Vec<T>>(), t.dims(), t.device()));
+    }
+    if t.dtype().is_half() && dtype == DType::F32 {
+        return with_half_type!("cast", t.dtype(), S => Tensor::from_vec(
+            to_vec::<S>(t)?.into_iter().map(S::to_f32).collect::<Vec<f32>>(), t.dims(), t.device()));
+    }
     let values = with_element_type!(t.dtype(), S => to_vec::<S>(t)?
         .into_iter()
         .map(|x| x.to_f64())

@@ -204,6 +204,9 @@ pub fn batch_norm_fused(
     epilogue: Epilogue<'_>,
     args: &BatchNormArgs<'_>,
 ) -> Result<Tensor> {
+    if x.dtype().is_half() {
+        return fused_via_f32(x, epilogue, args);
+    }
     let op = epilogue.name();
     let _profile = tandem_core::profile::scope(op, tandem_core::profile::Phase::Forward);
     validate(op, x, epilogue, args)?;
@@ -244,6 +247,56 @@ pub fn batch_norm_fused(
     Ok(record_fn(out, &inputs, op, move || {
         move |g: &Tensor| saved.backward(g)
     }))
+}
+
+/// [`batch_norm_fused`] of an f16 or bf16 `x`: statistics, normalization and gradients in f32
+/// (x, a half residual and half parameters widened, recorded), the output rounded once to x's
+/// dtype. The running statistics are updated in f32; half ones (a model converted whole to a
+/// half dtype) are widened for the update and rounded back.
+fn fused_via_f32(x: &Tensor, epilogue: Epilogue<'_>, args: &BatchNormArgs<'_>) -> Result<Tensor> {
+    use crate::low_precision::widen;
+    // f32 running statistics are updated where they are; half ones through an f32 copy.
+    let wide_running = |t: Option<&Tensor>| -> Result<Option<Tensor>> {
+        t.map(|t| match t.dtype().is_half() {
+            true => t.to_dtype(tandem_core::DType::F32),
+            false => Ok(t.clone()),
+        })
+        .transpose()
+    };
+    let (mean, var) = (
+        wide_running(args.running_mean)?,
+        wide_running(args.running_var)?,
+    );
+    let weight = args.weight.map(widen).transpose()?;
+    let bias = args.bias.map(widen).transpose()?;
+    let residual = match epilogue {
+        Epilogue::AddRelu(r) => Some(widen(r)?),
+        _ => None,
+    };
+    let out = crate::low_precision::via_f32(x.dtype(), &[x], |w| {
+        let wide_args = BatchNormArgs {
+            running_mean: mean.as_ref(),
+            running_var: var.as_ref(),
+            weight: weight.as_ref(),
+            bias: bias.as_ref(),
+            ..*args
+        };
+        let epilogue = match &residual {
+            Some(r) => Epilogue::AddRelu(r),
+            None => epilogue,
+        };
+        batch_norm_fused(&w[0], epilogue, &wide_args)
+    })?;
+    if args.training {
+        for (dst, wide) in [(args.running_mean, &mean), (args.running_var, &var)] {
+            if let (Some(dst), Some(wide)) = (dst, wide) {
+                if dst.dtype().is_half() {
+                    dst.copy_(&wide.to_dtype(dst.dtype())?)?;
+                }
+            }
+        }
+    }
+    Ok(out)
 }
 
 /// The normalization constants of a forward: from the batch statistics in training (after

@@ -4,7 +4,9 @@
 //! # Shapes
 //! `a` and `b` broadcast to a common shape (align right; a dim of size 1 stretches); the output
 //! has that shape. Backward sums each input's gradient over the dims it was broadcast along.
-//! Both inputs must share dtype (f32 or f64) and device.
+//! Both inputs must share a device. Float dtypes: f32 and f64 compute as they are; f16 and bf16
+//! compute in f32 and round the output once. Mixed float dtypes promote as in PyTorch (a half
+//! with f32 or with the other half gives f32; f64 wins).
 
 mod cpu;
 pub mod cuda;
@@ -40,8 +42,48 @@ fn scalar(kind: ScalarKind, a: &Tensor, c: f64) -> Result<Tensor> {
     }
 }
 
+/// `add` or `add_relu` (`op`) of two same-shaped tensors of one half dtype on the CPU, in one
+/// pass (loaded as halves, computed in f32, stored as halves, no widened copies); `None` for
+/// any other inputs. add's gradient is the output gradient for both; add_relu's is it masked
+/// by the output.
+fn same_shape_half_cpu(op: &'static str, a: &Tensor, b: &Tensor) -> Option<Result<Tensor>> {
+    let fits = a.dtype().is_half()
+        && a.dtype() == b.dtype()
+        && a.dims() == b.dims()
+        && a.device() == Device::Cpu
+        && b.device() == Device::Cpu;
+    if !fits {
+        return None;
+    }
+    let _profile = tandem_core::profile::scope(op, tandem_core::profile::Phase::Forward);
+    let relu = op == "add_relu";
+    let out = if relu {
+        crate::cpu::half::add_relu(op, a, b)
+    } else {
+        crate::cpu::half::add(op, a, b)
+    };
+    Some(out.map(|out| {
+        let saved = relu.then(|| out.detach());
+        record_fn(out, &[a, b], op, move || {
+            move |g: &Tensor| {
+                let g = match &saved {
+                    Some(y) => crate::unary::relu_backward(g, y)?,
+                    None => g.clone(),
+                };
+                Ok(vec![Some(g.clone()), Some(g)])
+            }
+        })
+    }))
+}
+
 /// `a + b`, broadcasting.
 pub fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if let Some(out) = same_shape_half_cpu("add", a, b) {
+        return out;
+    }
+    if let Some(out) = crate::low_precision::binary_via(a, b, add) {
+        return out;
+    }
     let out = binary("add", BinaryKind::Add, a, b)?;
     let (sa, sb) = (a.dims().to_vec(), b.dims().to_vec());
     Ok(record_fn(out, &[a, b], "add", move || {
@@ -66,6 +108,12 @@ pub fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 /// `a` and `b` broadcast to a common shape; the output has that shape.
 pub fn add_relu(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     const OP: &str = "add_relu";
+    if let Some(out) = same_shape_half_cpu(OP, a, b) {
+        return out;
+    }
+    if let Some(out) = crate::low_precision::binary_via(a, b, add_relu) {
+        return out;
+    }
     same_dtype_device(OP, a, b)?;
     float_dtype(OP, a)?;
     broadcast_shapes(OP, a.dims(), b.dims())?;
@@ -88,6 +136,9 @@ pub fn add_relu(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 
 /// `a - b`, broadcasting.
 pub fn sub(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if let Some(out) = crate::low_precision::binary_via(a, b, sub) {
+        return out;
+    }
     let out = binary("sub", BinaryKind::Sub, a, b)?;
     let (sa, sb) = (a.dims().to_vec(), b.dims().to_vec());
     Ok(record_fn(out, &[a, b], "sub", move || {
@@ -102,6 +153,9 @@ pub fn sub(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 
 /// `a * b` elementwise, broadcasting.
 pub fn mul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if let Some(out) = crate::low_precision::binary_via(a, b, mul) {
+        return out;
+    }
     let out = binary("mul", BinaryKind::Mul, a, b)?;
     let (da, db) = (a.detach(), b.detach());
     let (need_a, need_b) = (a.requires_grad(), b.requires_grad());
@@ -124,6 +178,9 @@ pub fn mul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 
 /// `a / b` elementwise, broadcasting.
 pub fn div(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if let Some(out) = crate::low_precision::binary_via(a, b, div) {
+        return out;
+    }
     let out = binary("div", BinaryKind::Div, a, b)?;
     let (da, db) = (a.detach(), b.detach());
     let (need_a, need_b) = (a.requires_grad(), b.requires_grad());
@@ -148,6 +205,9 @@ pub fn div(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 
 /// `a + c` for a scalar `c`.
 pub fn add_scalar(a: &Tensor, c: f64) -> Result<Tensor> {
+    if a.dtype().is_half() {
+        return crate::low_precision::via_f32(a.dtype(), &[a], |w| add_scalar(&w[0], c));
+    }
     let out = scalar(ScalarKind::Add, a, c)?;
     Ok(record_fn(out, &[a], "add_scalar", || {
         |g: &Tensor| Ok(vec![Some(g.clone())])
@@ -156,6 +216,9 @@ pub fn add_scalar(a: &Tensor, c: f64) -> Result<Tensor> {
 
 /// `a * c` for a scalar `c`.
 pub fn mul_scalar(a: &Tensor, c: f64) -> Result<Tensor> {
+    if a.dtype().is_half() {
+        return crate::low_precision::via_f32(a.dtype(), &[a], |w| mul_scalar(&w[0], c));
+    }
     let out = scalar(ScalarKind::Mul, a, c)?;
     Ok(record_fn(out, &[a], "mul_scalar", move || {
         move |g: &Tensor| Ok(vec![Some(mul_scalar(g, c)?)])

@@ -9,6 +9,7 @@
 pub(crate) mod elementwise;
 pub(crate) mod exp;
 pub(crate) mod gemm;
+pub(crate) mod half;
 pub(crate) mod lanes;
 pub(crate) mod memory;
 pub(crate) mod parallel;

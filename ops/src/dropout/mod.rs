@@ -8,7 +8,8 @@
 //! or with `p == 0`, dropout is the identity: it returns `x` itself and draws nothing.
 //!
 //! # Shapes
-//! `x`: any shape, f32 or f64 → output: the same shape.
+//! `x`: any shape, f32 or f64 (f16 and bf16 compute in f32 and keep their dtype) → output: the
+//! same shape.
 
 mod cpu;
 pub mod cuda;
@@ -16,7 +17,7 @@ pub mod cuda;
 use tandem_autograd::record_fn;
 use tandem_core::{Device, Error, Generator, Result, Tensor};
 
-use crate::checks::float_dtype;
+use crate::checks::{float_dtype, float_or_half};
 
 /// Inverted dropout with drop probability `p` (in `[0, 1)`).
 ///
@@ -37,10 +38,16 @@ pub fn dropout(x: &Tensor, p: f64, training: bool, generator: &mut Generator) ->
             ),
         ));
     }
-    float_dtype("dropout", x)?;
     if !training || p == 0.0 {
+        float_or_half("dropout", x)?;
         return Ok(x.clone());
     }
+    if x.dtype().is_half() {
+        return crate::low_precision::via_f32(x.dtype(), &[x], |w| {
+            dropout(&w[0], p, training, generator)
+        });
+    }
+    float_dtype("dropout", x)?;
     let scale = 1.0 / (1.0 - p);
     let seed = generator.next_u64();
     let threshold = keep_threshold(p);

@@ -18,7 +18,7 @@ mod shape;
 use tandem_autograd::record_fn;
 use tandem_core::{DType, Device, Error, Result, Tensor};
 
-use crate::checks::{float_dtype, same_dtype_device};
+use crate::checks::{float_dtype, float_or_half, same_dtype_device};
 use shape::Classes;
 pub use shape::Reduction;
 
@@ -29,7 +29,7 @@ fn check_class_inputs(
     scores: &Tensor,
     targets: &Tensor,
 ) -> Result<(usize, usize)> {
-    float_dtype(op, scores)?;
+    float_or_half(op, scores)?;
     scores.device().same_as(targets.device(), op)?;
     if scores.rank() != 2 {
         return Err(Error::shape(
@@ -80,7 +80,7 @@ fn check_not_empty(op: &'static str, count: usize, source: &Tensor) -> Result<()
 /// [`cross_entropy`] to go from logits in one stable step.
 ///
 /// # Shapes
-/// `log_probs`: `[N, C]` (f32/f64), `targets`: `[N]` (i64 in `0..C`) → output: `[N]` for
+/// `log_probs`: `[N, C]` (f32, f64; f16/bf16 compute in f32 and return their dtype), `targets`: `[N]` (i64 in `0..C`) → output: `[N]` for
 /// `Reduction::None`, `[]` otherwise.
 pub fn nll_loss(log_probs: &Tensor, targets: &Tensor, reduction: Reduction) -> Result<Tensor> {
     let _profile = tandem_core::profile::scope("nll_loss", tandem_core::profile::Phase::Forward);
@@ -89,6 +89,11 @@ pub fn nll_loss(log_probs: &Tensor, targets: &Tensor, reduction: Reduction) -> R
     let (n, c) = check_class_inputs(OP, "log_probs", log_probs, targets)?;
     if reduction == Reduction::Mean {
         check_not_empty(OP, n, log_probs)?;
+    }
+    if log_probs.dtype().is_half() {
+        return crate::low_precision::via_f32(log_probs.dtype(), &[log_probs], |w| {
+            nll_loss(&w[0], targets, reduction)
+        });
     }
     let classes = Classes { n, c, reduction };
     let out = match log_probs.device() {
@@ -114,7 +119,7 @@ pub fn nll_loss(log_probs: &Tensor, targets: &Tensor, reduction: Reduction) -> R
 /// backward (`softmax − onehot`), stable for logits of any magnitude.
 ///
 /// # Shapes
-/// `logits`: `[N, C]` (f32/f64), `targets`: `[N]` (i64 in `0..C`) → output: `[N]` for
+/// `logits`: `[N, C]` (f32, f64; f16/bf16 compute in f32 and return their dtype), `targets`: `[N]` (i64 in `0..C`) → output: `[N]` for
 /// `Reduction::None`, `[]` otherwise.
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor, reduction: Reduction) -> Result<Tensor> {
     let _profile =
@@ -124,6 +129,12 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor, reduction: Reduction) ->
     let (n, c) = check_class_inputs(OP, "logits", logits, targets)?;
     if reduction == Reduction::Mean {
         check_not_empty(OP, n, logits)?;
+    }
+    if logits.dtype().is_half() {
+        // PyTorch outside autocast: computed in f32, returned in the logits' dtype.
+        return crate::low_precision::via_f32(logits.dtype(), &[logits], |w| {
+            cross_entropy(&w[0], targets, reduction)
+        });
     }
     let classes = Classes { n, c, reduction };
     let (out, saved) = match logits.device() {
@@ -153,6 +164,10 @@ pub fn mse_loss(pred: &Tensor, target: &Tensor, reduction: Reduction) -> Result<
     const OP: &str = "mse_loss";
     let pred = &crate::autocast::to_f32(pred)?; // autocast's f32 list
     let target = &crate::autocast::to_f32(target)?;
+    let promoted = crate::low_precision::binary_via(pred, target, |p, t| mse_loss(p, t, reduction));
+    if let Some(out) = promoted {
+        return out;
+    }
     same_dtype_device(OP, pred, target)?;
     float_dtype(OP, pred)?;
     if pred.dims() != target.dims() {

@@ -116,6 +116,11 @@ pub fn max_pool2d(
 ) -> Result<Tensor> {
     let _profile = tandem_core::profile::scope("max_pool2d", tandem_core::profile::Phase::Forward);
     const OP: &str = "max_pool2d";
+    if x.dtype().is_half() {
+        return crate::low_precision::via_f32(x.dtype(), &[x], |w| {
+            max_pool2d(&w[0], kernel, stride, padding)
+        });
+    }
     let win = sliding_windows(OP, x, kernel, stride, padding, None)?;
     let hw = plane_dims(OP, x)?;
     let keep = needs_grad(&[x]);
@@ -175,6 +180,11 @@ pub fn avg_pool2d(
 ) -> Result<Tensor> {
     let _profile = tandem_core::profile::scope("avg_pool2d", tandem_core::profile::Phase::Forward);
     const OP: &str = "avg_pool2d";
+    if x.dtype().is_half() {
+        return crate::low_precision::via_f32(x.dtype(), &[x], |w| {
+            avg_pool2d(&w[0], kernel, stride, padding)
+        });
+    }
     let divisor = kernel.0.checked_mul(kernel.1).ok_or_else(|| {
         Error::invalid(
             OP,
@@ -200,6 +210,11 @@ pub fn adaptive_avg_pool2d(x: &Tensor, output: (usize, usize)) -> Result<Tensor>
     let _profile =
         tandem_core::profile::scope("adaptive_avg_pool2d", tandem_core::profile::Phase::Forward);
     const OP: &str = "adaptive_avg_pool2d";
+    if x.dtype().is_half() {
+        return crate::low_precision::via_f32(x.dtype(), &[x], |w| {
+            adaptive_avg_pool2d(&w[0], output)
+        });
+    }
     let (h, w) = plane_dims(OP, x)?;
     if output.0 == 0 || output.1 == 0 || h == 0 || w == 0 {
         return Err(Error::shape(

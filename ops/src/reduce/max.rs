@@ -21,6 +21,9 @@ use crate::checks::float_dtype;
 pub fn max(x: &Tensor, dims: &[isize], keepdim: bool) -> Result<Tensor> {
     const OP: &str = "max";
     let _profile = tandem_core::profile::scope(OP, tandem_core::profile::Phase::Forward);
+    if x.dtype().is_half() {
+        return crate::low_precision::via_f32(x.dtype(), &[x], |w| max(&w[0], dims, keepdim));
+    }
     float_dtype(OP, x)?;
     let dims = resolve_dims(OP, x, dims)?;
     let kept = keepdim_shape(x, &dims);
@@ -51,6 +54,10 @@ pub fn max(x: &Tensor, dims: &[isize], keepdim: bool) -> Result<Tensor> {
 /// `dim` must not have size 0.
 pub fn argmax(x: &Tensor, dim: isize, keepdim: bool) -> Result<Tensor> {
     const OP: &str = "argmax";
+    if x.dtype().is_half() {
+        // Widening is exact, so the positions are the half tensor's own.
+        return argmax(&x.to_dtype(tandem_core::DType::F32)?, dim, keepdim);
+    }
     float_dtype(OP, x)?;
     let d = normalize_dim(OP, dim, x.rank())?;
     let kept = keepdim_shape(x, &[d]);

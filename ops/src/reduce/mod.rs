@@ -71,6 +71,12 @@ fn scaled_sum(
     keepdim: bool,
     scale: f64,
 ) -> Result<Tensor> {
+    if x.dtype().is_half() {
+        // The sum accumulates in f32 (no growth of the error with the count beyond f32's).
+        return crate::low_precision::via_f32(x.dtype(), &[x], |w| {
+            scaled_sum(op, &w[0], dims, keepdim, scale)
+        });
+    }
     float_dtype(op, x)?;
     let dims = resolve_dims(op, x, dims)?;
     let kept = keepdim_shape(x, &dims);

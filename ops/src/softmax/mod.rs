@@ -7,7 +7,7 @@
 //!
 //! # Shapes
 //! `x`: any shape of rank ≥ 1, f32 or f64 → output: the same shape; every slice along `dim`
-//! is normalised independently.
+//! is normalised independently. f16 and bf16 inputs compute in f32 and keep their dtype.
 
 mod cpu;
 pub mod cuda;
@@ -20,6 +20,11 @@ use crate::checks::float_dtype;
 use shape::Split;
 
 fn softmax_impl(op: &'static str, x: &Tensor, dim: isize, log: bool) -> Result<Tensor> {
+    if x.dtype().is_half() {
+        return crate::low_precision::via_f32(x.dtype(), &[x], |w| {
+            softmax_impl(op, &w[0], dim, log)
+        });
+    }
     float_dtype(op, x)?;
     let d = normalize_dim(op, dim, x.rank())?;
     let split = Split::around(x.dims(), d);

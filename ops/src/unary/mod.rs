@@ -1,10 +1,12 @@
 //! Elementwise unary ops: neg, exp, log, sqrt, pow_scalar, relu, sigmoid, tanh.
 //!
 //! # Shapes
-//! The output has the input's shape (any layout in, contiguous out). Inputs must be f32 or
-//! f64. Ops whose derivative is cheapest from the output (exp, sqrt, relu, sigmoid, tanh) save
-//! the output for backward; the others save the input. Out-of-domain inputs (log or sqrt of a
-//! negative number) give NaN, as in IEEE arithmetic, rather than an error.
+//! The output has the input's shape (any layout in, contiguous out). Inputs are f32 or f64,
+//! or f16/bf16, which compute in f32 and round the output once (relu on the CPU in one pass
+//! over the halves, the others through the f32 kernels). Ops whose derivative is cheapest from
+//! the output (exp, sqrt, relu, sigmoid, tanh) save the output for backward; the others save
+//! the input. Out-of-domain inputs (log or sqrt of a negative number) give NaN, as in IEEE
+//! arithmetic, rather than an error.
 
 mod cpu;
 pub mod cuda;
@@ -18,6 +20,12 @@ use crate::checks::float_dtype;
 pub use shape::UnaryKind;
 
 fn unary(kind: UnaryKind, x: &Tensor) -> Result<Tensor> {
+    if x.dtype().is_half() {
+        if matches!((kind, x.device()), (UnaryKind::Relu, Device::Cpu)) {
+            return relu_half_cpu(x);
+        }
+        return crate::low_precision::via_f32(x.dtype(), &[x], |w| unary(kind, &w[0]));
+    }
     let name = kind.name();
     let _profile = tandem_core::profile::scope(name, tandem_core::profile::Phase::Forward);
     float_dtype(name, x)?;
@@ -35,8 +43,23 @@ fn unary(kind: UnaryKind, x: &Tensor) -> Result<Tensor> {
     }))
 }
 
+/// relu of a half tensor on the CPU in one pass (loaded as halves, compared in f32, stored as
+/// halves), with the backward's mask in the same style: no widened copies.
+fn relu_half_cpu(x: &Tensor) -> Result<Tensor> {
+    const OP: &str = "relu";
+    let _profile = tandem_core::profile::scope(OP, tandem_core::profile::Phase::Forward);
+    let out = crate::cpu::half::relu(OP, x)?;
+    let saved = out.detach();
+    Ok(record_fn(out, &[x], OP, move || {
+        move |g: &Tensor| Ok(vec![Some(relu_backward(g, &saved)?)])
+    }))
+}
+
 /// The gradient of `kind`'s input from the output gradient `g` and what the forward saved.
 fn backward(kind: UnaryKind, g: &Tensor, saved: &Tensor) -> Result<Tensor> {
+    if matches!((kind, g.device()), (UnaryKind::Relu, Device::Cpu)) && g.dtype().is_half() {
+        return crate::cpu::half::relu_backward("relu backward", g, saved);
+    }
     match g.device() {
         Device::Cpu => cpu::backward(kind, g, saved),
         Device::Cuda(_) => cuda::backward(kind, g, saved),

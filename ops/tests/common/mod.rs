@@ -6,6 +6,7 @@
 // Each test binary uses a different part of this module.
 #![allow(dead_code)]
 
+pub mod half;
 pub mod tolerance;
 
 use tandem_core::{DType, Device, Tensor};
