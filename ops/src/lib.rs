@@ -59,7 +59,8 @@ pub(crate) mod testing;
 pub use binary::{add, add_relu, add_scalar, div, mul, mul_scalar, sub};
 pub use reduce::{mean, mean_all, sum, sum_all};
 pub use views::{
-    contiguous, expand, flatten, narrow, permute, reshape, squeeze, transpose, unsqueeze,
+    contiguous, expand, flatten, narrow, permute, reshape, squeeze, to_memory_format, transpose,
+    unsqueeze,
 };
 
 // --- re-exports: unary, max, softmax, loss, dropout, cat ---
