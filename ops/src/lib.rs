@@ -54,6 +54,8 @@ pub mod unary;
 pub mod views;
 
 #[cfg(test)]
+mod channels_last_tests;
+#[cfg(test)]
 pub(crate) mod testing;
 
 pub use binary::{add, add_relu, add_scalar, div, mul, mul_scalar, sub};
