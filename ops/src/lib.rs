@@ -57,12 +57,15 @@ pub mod unary;
 pub mod views;
 
 #[cfg(test)]
+mod channels_last_tests;
+#[cfg(test)]
 pub(crate) mod testing;
 
 pub use binary::{add, add_relu, add_scalar, div, mul, mul_scalar, sub};
 pub use reduce::{mean, mean_all, sum, sum_all};
 pub use views::{
-    contiguous, expand, flatten, narrow, permute, reshape, squeeze, transpose, unsqueeze,
+    contiguous, expand, flatten, narrow, permute, reshape, squeeze, to_memory_format, transpose,
+    unsqueeze,
 };
 
 // --- re-exports: unary, max, softmax, loss, dropout, cat, cast ---

@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use tandem_core::{Device, Event, Stream};
+use tandem_core::{Device, Event, MemoryFormat, Stream};
 
 use crate::data::{Batch, Dataset, RandomSampler, Sampler, SequentialSampler};
 use crate::{Error, Result};
@@ -37,6 +37,11 @@ pub struct DataLoaderConfig {
     pub prefetch: usize,
     /// Where batches are delivered: on a CUDA device they are copied there in the background.
     pub device: Device,
+    /// The memory format of the batches' inputs: [`MemoryFormat::ChannelsLast`] lays the 4-D
+    /// image batches out NHWC (an error for inputs of another rank), for a channels-last
+    /// model; the default keeps them row-major. CPU batches are re-laid on the loader thread;
+    /// CUDA batches, whose upload is row-major, on the compute stream when they are handed out.
+    pub memory_format: MemoryFormat,
 }
 
 impl Default for DataLoaderConfig {
@@ -48,6 +53,7 @@ impl Default for DataLoaderConfig {
             drop_last: false,
             prefetch: 2,
             device: Device::Cpu,
+            memory_format: MemoryFormat::Contiguous,
         }
     }
 }
@@ -166,6 +172,7 @@ impl DataLoader {
             failure: Some(e),
             compute: None,
             waited: Duration::ZERO,
+            memory_format: MemoryFormat::Contiguous,
         };
         let device = self.config.device;
         // On a CUDA device: a copy stream for the worker, the compute stream for the caller.
@@ -184,6 +191,7 @@ impl DataLoader {
         let (tx, rx) = sync_channel::<Result<Loaded>>(self.config.prefetch);
         let (dataset, sampler) = (self.dataset.clone(), self.sampler.clone());
         let (batch_size, drop_last) = (self.config.batch_size, self.config.drop_last);
+        let memory_format = self.config.memory_format;
         let spawned = std::thread::Builder::new()
             .name(format!("tandem-dataloader-epoch-{epoch}"))
             .spawn(move || {
@@ -194,6 +202,7 @@ impl DataLoader {
                     }
                     let loaded = dataset
                         .get_batch(chunk)
+                        .and_then(|batch| in_format(batch, memory_format))
                         .and_then(|batch| deliver(batch, device, copy.as_ref()));
                     let failed = loaded.is_err();
                     // A send fails when the caller dropped the iterator: stop quietly.
@@ -210,6 +219,7 @@ impl DataLoader {
                 failure: None,
                 compute,
                 waited: Duration::ZERO,
+                memory_format,
             },
             Err(e) => failed(Error::data(
                 "DataLoader",
@@ -223,6 +233,17 @@ impl DataLoader {
 struct Loaded {
     batch: Batch,
     ready: Option<Event>,
+}
+
+/// The batch with its inputs in `format` (a copy on the loader thread when they are not).
+fn in_format(batch: Batch, format: MemoryFormat) -> Result<Batch> {
+    if format == MemoryFormat::Contiguous {
+        return Ok(batch);
+    }
+    Ok(Batch {
+        inputs: batch.inputs.contiguous_in(format)?,
+        targets: batch.targets,
+    })
 }
 
 /// Copies a CPU batch to `device` on the `copy` stream (nothing to do for the CPU).
@@ -263,6 +284,8 @@ pub struct Batches {
     compute: Option<Stream>,
     /// Time `next` spent waiting for the loader thread.
     waited: Duration,
+    /// The inputs' memory format (see [`DataLoaderConfig::memory_format`]).
+    memory_format: MemoryFormat,
 }
 
 impl Batches {
@@ -293,7 +316,11 @@ impl Iterator for Batches {
                     if let (Some(compute), Some(ready)) = (&self.compute, ready) {
                         compute.wait_event(&ready)?;
                     }
-                    Ok(batch)
+                    // A device batch arrives row-major: re-lay it on the compute stream.
+                    match batch.inputs.device() {
+                        Device::Cuda(_) => in_format(batch, self.memory_format),
+                        Device::Cpu => Ok(batch),
+                    }
                 });
                 if batch.is_err() {
                     self.receiver = None;
@@ -389,6 +416,34 @@ mod tests {
         .unwrap();
         assert_eq!(loader.len(), 2);
         assert_eq!(targets(&loader, 0).len(), 2);
+    }
+
+    #[test]
+    fn channels_last_loader_gives_nhwc_batches_with_the_same_values() {
+        let images: Vec<f32> = (0..6 * 2 * 3 * 3).map(|v| v as f32).collect();
+        let inputs = Tensor::from_vec(images, &[6, 2, 3, 3], Device::Cpu).unwrap();
+        let targets = Tensor::from_vec((0..6i64).collect(), &[6], Device::Cpu).unwrap();
+        let dataset: Arc<dyn Dataset> =
+            Arc::new(crate::data::TensorDataset::new(inputs, targets).unwrap());
+        let cfg = DataLoaderConfig {
+            batch_size: 4,
+            ..Default::default()
+        };
+        let row = DataLoader::new(dataset.clone(), cfg).unwrap();
+        let cl = DataLoaderConfig {
+            memory_format: MemoryFormat::ChannelsLast,
+            ..cfg
+        };
+        let nhwc = DataLoader::new(dataset, cl).unwrap();
+        for (a, b) in row.iter().zip(nhwc.iter()) {
+            let (a, b) = (a.unwrap(), b.unwrap());
+            assert_eq!(a.inputs.memory_format(), MemoryFormat::Contiguous);
+            assert_eq!(b.inputs.memory_format(), MemoryFormat::ChannelsLast);
+            assert_eq!(
+                a.inputs.to_vec::<f32>().unwrap(),
+                b.inputs.to_vec::<f32>().unwrap()
+            );
+        }
     }
 
     #[test]

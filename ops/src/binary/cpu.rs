@@ -3,7 +3,7 @@
 //! broadcasting walks the strided indices. `add_relu` (the join of a ResNet
 //! block) adds and clamps in that same one pass.
 
-use tandem_core::{with_float_type, Element, FloatElement, Result, Tensor};
+use tandem_core::{with_float_type, Element, FloatElement, MemoryFormat, Result, Tensor};
 
 use crate::cpu::elementwise::{map_slice, zip_slices};
 use crate::cpu::memory::{self, host_slice};
@@ -31,6 +31,32 @@ fn same_shape_kernel<T: FloatElement>(kind: BinaryKind, a: &[T], b: &[T], out: &
     }
 }
 
+/// The memory format of a binary op's output (PyTorch's rule, simplified): that of the first
+/// operand that has the output's full shape and is not expanded (a broadcast operand, or one
+/// with a stride of 0, has no say), row-major when neither has or the output is not 4-D.
+pub(crate) fn output_format(a: &Tensor, b: &Tensor, shape: &[usize]) -> MemoryFormat {
+    let has_say = |t: &Tensor| {
+        t.dims() == shape
+            && t.dims()
+                .iter()
+                .zip(t.layout().strides())
+                .all(|(&n, &s)| n == 1 || s != 0)
+    };
+    if shape.len() != 4 {
+        MemoryFormat::Contiguous
+    } else if has_say(a) {
+        a.memory_format()
+    } else if has_say(b) {
+        b.memory_format()
+    } else {
+        MemoryFormat::Contiguous
+    }
+}
+
+/// The output dims in the order of `format`'s storage (NHWC for channels-last): walking them
+/// row-major walks the output's storage in order.
+const CHANNELS_LAST_ORDER: [usize; 4] = [0, 2, 3, 1];
+
 pub(crate) fn binary(
     op: &'static str,
     kind: BinaryKind,
@@ -38,32 +64,43 @@ pub(crate) fn binary(
     b: &Tensor,
     shape: &[usize],
 ) -> Result<Tensor> {
+    let format = output_format(a, b, shape);
     with_float_type!(op, a.dtype(), T => {
         let n = tandem_core::checked_numel(op, shape)?;
         // Both paths below write every element.
         let mut out = memory::uninit::<T>(op, n)?;
-        if a.dims() == shape && b.dims() == shape && a.is_contiguous() && b.is_contiguous() {
-            let (x, y) = (a.read_slice::<T>()?, b.read_slice::<T>()?);
+        let same = a.dims() == shape && b.dims() == shape;
+        if same && a.is_contiguous_in(format) && b.is_contiguous_in(format) {
+            // Same-format operands: one pass in storage order.
+            let (x, y) = (a.read_dense_slice::<T>()?, b.read_dense_slice::<T>()?);
             same_shape_kernel(kind, &x, &y, &mut out);
         } else {
-            let la = a.layout().expand(op, shape)?;
-            let lb = b.layout().expand(op, shape)?;
+            let (mut la, mut lb) = (a.layout().expand(op, shape)?, b.layout().expand(op, shape)?);
+            let mut walk = shape.to_vec();
+            if format == MemoryFormat::ChannelsLast {
+                // Walk in NHWC order so the output is written in its storage order.
+                la = la.permute(op, &CHANNELS_LAST_ORDER)?;
+                lb = lb.permute(op, &CHANNELS_LAST_ORDER)?;
+                walk = CHANNELS_LAST_ORDER.iter().map(|&d| shape[d]).collect();
+            }
             let ga = a.storage().read_host(op)?;
             let gb = b.storage().read_host(op)?;
             let (x, y) = (host_slice::<T>(op, &ga)?, host_slice::<T>(op, &gb)?);
-            for_each_index2(shape, (la.strides(), la.offset()), (lb.strides(), lb.offset()), |i, ia, ib| {
+            for_each_index2(&walk, (la.strides(), la.offset()), (lb.strides(), lb.offset()), |i, ia, ib| {
                 out[i] = apply(kind, x[ia], y[ib]);
             });
         }
-        Tensor::from_vec(out, shape, a.device())
+        Tensor::from_vec_in(out, shape, a.device(), format)
     })
 }
 
-/// `max(0, a + b)` of two contiguous tensors of the same shape, in one pass (NaN stays NaN,
-/// as in `relu`).
+/// `max(0, a + b)` of two tensors of the same shape dense in the same format (row-major or
+/// channels-last), in one pass in storage order (NaN stays NaN, as in `relu`); the output has
+/// `a`'s format.
 pub(crate) fn add_relu(op: &'static str, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let format = a.dense_format().unwrap_or(MemoryFormat::Contiguous);
     with_float_type!(op, a.dtype(), T => {
-        let (x, y) = (a.read_slice::<T>()?, b.read_slice::<T>()?);
+        let (x, y) = (a.read_dense_slice::<T>()?, b.read_dense_slice::<T>()?);
         // Every element is written.
         let mut out = memory::uninit::<T>(op, x.len())?;
         zip_slices(&x, &y, &mut out, |x: T, y: T| {
@@ -75,21 +112,24 @@ pub(crate) fn add_relu(op: &'static str, a: &Tensor, b: &Tensor) -> Result<Tenso
             }
         });
         drop((x, y));
-        Tensor::from_vec(out, a.dims(), a.device())
+        Tensor::from_vec_in(out, a.dims(), a.device(), format)
     })
 }
 
+/// `f(a)` elementwise for the scalar ops, in storage order; the output keeps `a`'s format when
+/// `a` is dense in one (row-major otherwise).
 pub(crate) fn scalar(
     op: &'static str,
     a: &Tensor,
     f: impl Fn(f64) -> f64 + Sync,
 ) -> Result<Tensor> {
+    let format = a.dense_format().unwrap_or(MemoryFormat::Contiguous);
     with_float_type!(op, a.dtype(), T => {
-        let c = memory::contiguous(op, a)?;
-        let x = c.read_slice::<T>()?;
+        let c = memory::dense_in(a, format)?;
+        let x = c.read_dense_slice::<T>()?;
         let mut out = memory::uninit::<T>(op, x.len())?;
         map_slice(&x, &mut out, |v: T| T::from_f64(f(v.to_f64())));
         drop(x);
-        Tensor::from_vec(out, a.dims(), a.device())
+        Tensor::from_vec_in(out, a.dims(), a.device(), format)
     })
 }

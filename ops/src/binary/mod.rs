@@ -117,7 +117,13 @@ pub fn add_relu(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     same_dtype_device(OP, a, b)?;
     float_dtype(OP, a)?;
     broadcast_shapes(OP, a.dims(), b.dims())?;
-    if a.dims() != b.dims() || !a.is_contiguous() || !b.is_contiguous() {
+    // The fused pass reads both operands in storage order: same shape, and both row-major or
+    // (on the CPU) both channels-last.
+    let same_layout = (a.is_contiguous() && b.is_contiguous())
+        || (a.device() == Device::Cpu
+            && a.layout().is_channels_last()
+            && b.is_contiguous_in(tandem_core::MemoryFormat::ChannelsLast));
+    if a.dims() != b.dims() || !same_layout {
         return crate::unary::relu(&add(a, b)?);
     }
     let _profile = tandem_core::profile::scope(OP, tandem_core::profile::Phase::Forward);

@@ -4,7 +4,7 @@
 //! is large and there is more than one thread.
 
 use rayon::prelude::*;
-use tandem_core::{Element, FloatElement, Result, Tensor};
+use tandem_core::{Element, FloatElement, MemoryFormat, Result, Tensor};
 
 use super::memory;
 use super::parallel::parallel;
@@ -70,8 +70,9 @@ fn map_in_place<T: Element>(data: &mut [T], f: impl Fn(T) -> T + Sync) {
     }
 }
 
-/// A new contiguous tensor with `f` applied to each element of `x` (any layout, dtype `T`); an
-/// allocation that cannot be made is an error naming `op`.
+/// A new tensor with `f` applied to each element of `x` (any layout, dtype `T`): dense in
+/// `x`'s format when `x` is dense row-major or channels-last (computed in storage order),
+/// row-major otherwise; an allocation that cannot be made is an error naming `op`.
 pub(crate) fn map<T: FloatElement>(
     op: &'static str,
     x: &Tensor,
@@ -80,12 +81,12 @@ pub(crate) fn map<T: FloatElement>(
     if x.numel() == 0 {
         return empty_like::<T>(x);
     }
-    if x.is_contiguous() {
-        let src = x.read_slice::<T>()?;
+    if let Some(format) = x.dense_format() {
+        let src = x.read_dense_slice::<T>()?;
         let mut out = memory::uninit::<T>(op, src.len())?;
         map_slice(&src, &mut out, f);
         drop(src);
-        Tensor::from_vec(out, x.dims(), x.device())
+        Tensor::from_vec_in(out, x.dims(), x.device(), format)
     } else {
         // Gathering the strided elements already yields a fresh buffer: map it in place.
         let mut out = memory::gather::<T>(op, x)?;
@@ -112,8 +113,11 @@ pub(crate) fn zip_slices<T: Element>(
     }
 }
 
-/// A new contiguous tensor with `f(a, b)` of the matching elements of two same-shaped tensors
-/// (any layouts, dtype `T`); an allocation that cannot be made is an error naming `op`.
+/// A new tensor with `f(a, b)` of the matching elements of two same-shaped tensors (any
+/// layouts, dtype `T`), computed in storage order. The output is dense in the format of the
+/// first operand that is dense in one (PyTorch's rule: the first operand decides), row-major
+/// when neither is; the other operand is copied into that format when it differs. An
+/// allocation that cannot be made is an error naming `op`.
 pub(crate) fn zip_map<T: FloatElement>(
     op: &'static str,
     a: &Tensor,
@@ -123,12 +127,16 @@ pub(crate) fn zip_map<T: FloatElement>(
     if a.numel() == 0 {
         return empty_like::<T>(a);
     }
-    let (ca, cb) = (memory::contiguous(op, a)?, memory::contiguous(op, b)?);
-    let (x, y) = (ca.read_slice::<T>()?, cb.read_slice::<T>()?);
+    let format = a
+        .dense_format()
+        .or(b.dense_format())
+        .unwrap_or(MemoryFormat::Contiguous);
+    let (ca, cb) = (memory::dense_in(a, format)?, memory::dense_in(b, format)?);
+    let (x, y) = (ca.read_dense_slice::<T>()?, cb.read_dense_slice::<T>()?);
     let mut out = memory::uninit::<T>(op, x.len())?;
     zip_slices(&x, &y, &mut out, f);
     drop((x, y));
-    Tensor::from_vec(out, a.dims(), a.device())
+    Tensor::from_vec_in(out, a.dims(), a.device(), format)
 }
 
 /// A fresh tensor of `x`'s zero-element shape. Kernels return it early: a zero-size layout

@@ -3,7 +3,8 @@
 //! product of dims larger than memory) is an error naming the op, never an abort.
 
 use tandem_core::{
-    alloc, checked_numel, CpuStorage, DType, Element, Layout, Result, Storage, Tensor,
+    alloc, checked_numel, CpuStorage, DType, Element, Layout, MemoryFormat, Result, Storage,
+    Tensor,
 };
 
 /// `len` elements whose values are unspecified (a recycled buffer), for a kernel that writes
@@ -35,6 +36,15 @@ pub(crate) fn contiguous(op: &'static str, x: &Tensor) -> Result<Tensor> {
     let out = empty(op, x.dims(), x.dtype())?;
     out.copy_(x)?;
     Ok(out)
+}
+
+/// `x` itself (detached) when its storage order is `format`'s (dense in `format`), else a
+/// copy dense in `format`: the operands of a kernel that runs in storage order.
+pub(crate) fn dense_in(x: &Tensor, format: MemoryFormat) -> Result<Tensor> {
+    if x.is_contiguous_in(format) {
+        return Ok(x.detach());
+    }
+    x.contiguous_in(format)
 }
 
 /// The elements of a CPU tensor of dtype `T` in row-major order (any layout), as a fresh

@@ -8,7 +8,7 @@
 //! vectorises.
 
 use rayon::prelude::*;
-use tandem_core::{with_float_type, FloatElement, Result, Tensor};
+use tandem_core::{with_float_type, FloatElement, MemoryFormat, Result, Tensor};
 
 use crate::cpu::elementwise::empty_like;
 use crate::cpu::memory;
@@ -42,6 +42,13 @@ pub(crate) fn forward(
     scale: f64,
 ) -> Result<(Tensor, Tensor)> {
     let mask = Tensor::from_vec(draw_mask(x.numel(), seed, threshold)?, x.dims(), x.device())?;
+    // The draws follow the logical (row-major) index, so a channels-last input drops the same
+    // elements as its contiguous twin; the mask is then laid out like `x` for a storage-order
+    // pass.
+    let mask = match x.dense_format() {
+        Some(MemoryFormat::ChannelsLast) => mask.contiguous_in(MemoryFormat::ChannelsLast)?,
+        _ => mask,
+    };
     let out = apply_mask(x, &mask, scale)?;
     Ok((out, mask))
 }
@@ -77,9 +84,12 @@ fn apply_mask_typed<T: FloatElement>(x: &Tensor, mask: &Tensor, scale: f64) -> R
     if x.numel() == 0 {
         return empty_like::<T>(x);
     }
-    let c = memory::contiguous("dropout", x)?;
-    let src = c.read_slice::<T>()?;
-    let mask = mask.read_slice::<u8>()?;
+    // The mask is dense (row-major or channels-last, as the forward's input was): run in its
+    // storage order, the output in its format.
+    let format = mask.dense_format().unwrap_or(MemoryFormat::Contiguous);
+    let c = memory::dense_in(x, format)?;
+    let src = c.read_dense_slice::<T>()?;
+    let mask = mask.read_dense_slice::<u8>()?;
     let mask = &mask[..];
     let scale = T::from_f64(scale);
     let mut out = memory::uninit::<T>("dropout", src.len())?;
@@ -97,5 +107,5 @@ fn apply_mask_typed<T: FloatElement>(x: &Tensor, mask: &Tensor, scale: f64) -> R
         body(((&mut out, &src), mask));
     }
     drop(src);
-    Tensor::from_vec(out, x.dims(), x.device())
+    Tensor::from_vec_in(out, x.dims(), x.device(), format)
 }

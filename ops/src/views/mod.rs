@@ -1,5 +1,5 @@
 //! Differentiable views: reshape, transpose, permute, narrow, expand, squeeze, unsqueeze,
-//! flatten — and `contiguous`, the one that may copy.
+//! flatten — and `contiguous` and `to_memory_format`, the ones that may copy.
 //!
 //! A view shares storage with its input and only computes a new layout (see
 //! `tandem_core::Layout`); reshape copies only when the input is not contiguous. The backward
@@ -14,7 +14,7 @@
 //! * `flatten(x, start, end)`: dims `start..=end` merge into one.
 
 use tandem_autograd::record_fn;
-use tandem_core::{normalize_dim, Layout, Result, Tensor};
+use tandem_core::{normalize_dim, Layout, MemoryFormat, Result, Tensor};
 
 use crate::reduce::sum_to_shape;
 
@@ -130,6 +130,25 @@ pub fn contiguous(x: &Tensor) -> Result<Tensor> {
     }
     let out = x.copy_detached()?;
     Ok(record_fn(out, &[x], "contiguous", || {
+        |g: &Tensor| Ok(vec![Some(g.clone())])
+    }))
+}
+
+/// The same elements dense in memory format `format` (PyTorch's
+/// `x.contiguous(memory_format=...)`); returns `x` itself when it already is. Channels-last
+/// keeps the logical shape `[N, C, H, W]` and stores NHWC (strides `[H·W·C, 1, W·C, C]`); the
+/// ops that know the format (conv2d, batch norm, pooling, elementwise) then keep it. The
+/// gradient passes through unchanged (in whatever layout it arrives).
+///
+/// # Shapes
+/// `x`: any shape for [`MemoryFormat::Contiguous`]; `[N, C, H, W]` for
+/// [`MemoryFormat::ChannelsLast`] (an error naming the shape otherwise). Output: `x`'s shape.
+pub fn to_memory_format(x: &Tensor, format: MemoryFormat) -> Result<Tensor> {
+    let out = x.contiguous_in(format)?;
+    if out.storage().same_buffer(x.storage()) && out.layout() == x.layout() {
+        return Ok(x.clone());
+    }
+    Ok(record_fn(out, &[x], "to_memory_format", || {
         |g: &Tensor| Ok(vec![Some(g.clone())])
     }))
 }

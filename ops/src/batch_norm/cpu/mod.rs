@@ -2,6 +2,7 @@
 //! runs the passes of `passes.rs` and returns tensors. The per-channel constants (the
 //! normalization table, the gradient sums) are f64, as are the formulas that combine them.
 
+mod nhwc;
 mod passes;
 
 use tandem_core::{with_float_type, DType, Element, Result, Tensor};
@@ -11,6 +12,31 @@ use super::shape::{
     Normalization, NormalizationArgs, RunningUpdate, Statistics,
 };
 use crate::cpu::memory;
+use tandem_core::MemoryFormat;
+
+/// Whether the phases run on the channels-last passes (`nhwc.rs`): `x` is a dense
+/// channels-last 4-D tensor. The other same-shaped operands are then read in that format too,
+/// and the outputs are channels-last.
+fn channels_last(x: &Tensor) -> bool {
+    x.layout().is_channels_last()
+}
+
+/// The format the phases read `x` in: channels-last or row-major.
+fn format_of(x: &Tensor) -> MemoryFormat {
+    if channels_last(x) {
+        MemoryFormat::ChannelsLast
+    } else {
+        MemoryFormat::Contiguous
+    }
+}
+
+/// `t` dense in `format` (itself when it is), for reading in storage order.
+fn dense(op: &'static str, t: &Tensor, format: MemoryFormat) -> Result<Tensor> {
+    match format {
+        MemoryFormat::Contiguous => memory::contiguous(op, t),
+        MemoryFormat::ChannelsLast => memory::dense_in(t, format),
+    }
+}
 
 /// The input `[N, C, ...]` viewed as `[n, c, l]`.
 fn dims(x: &Tensor) -> Dims {
@@ -31,9 +57,12 @@ fn f64_values(op: &'static str, t: &Tensor) -> Result<Vec<f64>> {
 /// Per-channel mean and biased variance of `x` (contiguous or not).
 pub(crate) fn statistics(op: &'static str, x: &Tensor) -> Result<Statistics> {
     let d = dims(x);
-    let xc = memory::contiguous(op, x)?;
-    let (mean, var) =
-        with_float_type!(op, x.dtype(), T => Ok(passes::moments::<T>(&xc.read_slice::<T>()?, d)))?;
+    let (mean, var) = if channels_last(x) {
+        with_float_type!(op, x.dtype(), T => Ok(nhwc::moments::<T>(&x.read_dense_slice::<T>()?, d.c)))?
+    } else {
+        let xc = memory::contiguous(op, x)?;
+        with_float_type!(op, x.dtype(), T => Ok(passes::moments::<T>(&xc.read_slice::<T>()?, d)))?
+    };
     Ok(Statistics {
         count: Count::Host(d.n * d.l),
         mean: f64_tensor(mean)?,
@@ -155,21 +184,26 @@ fn rows(table: &[f64], c: usize) -> (&[f64], &[f64], &[f64], &[f64]) {
 pub(crate) fn apply(op: &'static str, args: &ApplyArgs<'_>) -> Result<Tensor> {
     let x = args.x;
     let d = dims(x);
-    let xc = memory::contiguous(op, x)?;
+    let format = format_of(x);
+    let xc = dense(op, x, format)?;
     let table = args.norm.table().read_slice::<f64>()?;
     let (_, _, scale, shift) = rows(&table, d.c);
     with_float_type!(op, x.dtype(), T => {
-        let xs = xc.read_slice::<T>()?;
+        let xs = xc.read_dense_slice::<T>()?;
+        let run = |e: passes::Epilogue<'_, T>| match format {
+            MemoryFormat::ChannelsLast => nhwc::normalize::<T>(op, &xs, d.c, scale, shift, e),
+            MemoryFormat::Contiguous => passes::normalize::<T>(op, &xs, d, scale, shift, e),
+        };
         let y = match args.epilogue {
             Epilogue::AddRelu(r) => {
-                let rc = memory::contiguous(op, r)?;
-                let rs = rc.read_slice::<T>()?;
-                passes::normalize::<T>(op, &xs, d, scale, shift, passes::Epilogue::AddRelu(&rs))?
+                let rc = dense(op, r, format)?;
+                let rs = rc.read_dense_slice::<T>()?;
+                run(passes::Epilogue::AddRelu(&rs))?
             }
-            Epilogue::Relu => passes::normalize::<T>(op, &xs, d, scale, shift, passes::Epilogue::Relu)?,
-            Epilogue::Plain => passes::normalize::<T>(op, &xs, d, scale, shift, passes::Epilogue::Plain)?,
+            Epilogue::Relu => run(passes::Epilogue::Relu)?,
+            Epilogue::Plain => run(passes::Epilogue::Plain)?,
         };
-        Tensor::from_vec(y, x.dims(), x.device())
+        Tensor::from_vec_in(y, x.dims(), x.device(), format)
     })
 }
 
@@ -177,28 +211,36 @@ pub(crate) fn apply(op: &'static str, args: &ApplyArgs<'_>) -> Result<Tensor> {
 /// mask comes from the saved output.
 pub(crate) fn backward_reduce(op: &'static str, args: &BackwardReduceArgs<'_>) -> Result<GradSums> {
     let d = dims(args.x);
-    let (xc, gc) = (
-        memory::contiguous(op, args.x)?,
-        memory::contiguous(op, args.grad)?,
-    );
+    let format = format_of(args.x);
+    let cl = format == MemoryFormat::ChannelsLast;
+    let (xc, gc) = (dense(op, args.x, format)?, dense(op, args.grad, format)?);
     let table = args.norm.table().read_slice::<f64>()?;
     let (mean, _, scale, shift) = rows(&table, d.c);
     let (sum_g, sum_gc, masked) = with_float_type!(op, args.grad.dtype(), T => {
-        let (gs, xs) = (gc.read_slice::<T>()?, xc.read_slice::<T>()?);
+        let (gs, xs) = (gc.read_dense_slice::<T>()?, xc.read_dense_slice::<T>()?);
+        let sums = |mask: Option<&[(T, T)]>| if cl {
+            nhwc::grad_sums::<T>(&gs, &xs, d.c, mean, mask)
+        } else {
+            passes::grad_sums::<T>(&gs, &xs, d, mean, mask)
+        };
         match args.mask {
             GradMask::Output(y) => {
-                let yc = memory::contiguous(op, y)?;
-                let ys = yc.read_slice::<T>()?;
-                let (masked, sum_g, sum_gc) = passes::masked_grad_sums::<T>(op, &gs, &ys, &xs, d, mean)?;
-                Ok((sum_g, sum_gc, Some(Tensor::from_vec(masked, args.x.dims(), args.grad.device())?)))
+                let yc = dense(op, y, format)?;
+                let ys = yc.read_dense_slice::<T>()?;
+                let (masked, sum_g, sum_gc) = if cl {
+                    nhwc::masked_grad_sums::<T>(op, &gs, &ys, &xs, d.c, mean)?
+                } else {
+                    passes::masked_grad_sums::<T>(op, &gs, &ys, &xs, d, mean)?
+                };
+                Ok((sum_g, sum_gc, Some(Tensor::from_vec_in(masked, args.x.dims(), args.grad.device(), format)?)))
             }
             GradMask::Relu => {
                 let mask = passes::affine_coefs::<T>(scale, shift);
-                let (sum_g, sum_gc) = passes::grad_sums::<T>(&gs, &xs, d, mean, Some(&mask));
+                let (sum_g, sum_gc) = sums(Some(&mask));
                 Ok((sum_g, sum_gc, None))
             }
             GradMask::None => {
-                let (sum_g, sum_gc) = passes::grad_sums::<T>(&gs, &xs, d, mean, None);
+                let (sum_g, sum_gc) = sums(None);
                 Ok((sum_g, sum_gc, None))
             }
         }
@@ -215,10 +257,8 @@ pub(crate) fn backward_reduce(op: &'static str, args: &BackwardReduceArgs<'_>) -
 /// `g·a + x·slope + offset`; in evaluation `g·w/σ`.
 pub(crate) fn backward_apply(op: &'static str, args: &BackwardApplyArgs<'_>) -> Result<Tensor> {
     let d = dims(args.x);
-    let (xc, gc) = (
-        memory::contiguous(op, args.x)?,
-        memory::contiguous(op, args.grad)?,
-    );
+    let format = format_of(args.x);
+    let (xc, gc) = (dense(op, args.x, format)?, dense(op, args.grad, format)?);
     let table = args.norm.table().read_slice::<f64>()?;
     let (mean, invstd, scale, shift) = rows(&table, d.c);
     let sums = memory::gather::<f64>(op, args.sums)?;
@@ -240,9 +280,12 @@ pub(crate) fn backward_apply(op: &'static str, args: &BackwardApplyArgs<'_>) -> 
     };
     with_float_type!(op, args.grad.dtype(), T => {
         let mask = args.relu_mask.then(|| passes::affine_coefs::<T>(scale, shift));
-        let (gs, xs) = (gc.read_slice::<T>()?, xc.read_slice::<T>()?);
-        let gx = passes::grad_input::<T>(op, &gs, &xs, d, a, &slope, &offset, mask.as_deref())?;
-        Tensor::from_vec(gx, args.x.dims(), args.grad.device())
+        let (gs, xs) = (gc.read_dense_slice::<T>()?, xc.read_dense_slice::<T>()?);
+        let gx = match format {
+            MemoryFormat::ChannelsLast => nhwc::grad_input::<T>(op, &gs, &xs, d.c, a, &slope, &offset, mask.as_deref())?,
+            MemoryFormat::Contiguous => passes::grad_input::<T>(op, &gs, &xs, d, a, &slope, &offset, mask.as_deref())?,
+        };
+        Tensor::from_vec_in(gx, args.x.dims(), args.grad.device(), format)
     })
 }
 

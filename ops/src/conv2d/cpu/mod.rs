@@ -12,6 +12,9 @@
 //!   gemm — forward, weight gradient, and the input gradient through col2im (f64, other CPUs,
 //!   strided layers).
 //!
+//! - `nhwc.rs`: the channels-last path — an implicit GEMM over NHWC pixel rows, forward and
+//!   both gradients, taken when the input or the weight is channels-last (f32, f64).
+//!
 //! With unit strides the input gradient is itself a forward convolution of the output
 //! gradient with the flipped, transposed weights ([`Geometry::transposed`]), planned and run as
 //! a forward.
@@ -28,6 +31,7 @@
 mod im2col;
 mod implicit;
 pub(crate) mod low_precision;
+mod nhwc;
 mod pixel_rows;
 mod plan;
 mod tile_product;
@@ -149,6 +153,9 @@ pub(crate) fn conv2d(
     bias: Option<&Tensor>,
     g: &Geometry,
 ) -> Result<Tensor> {
+    if nhwc::wants(x, weight) {
+        return with_float_type!(OP, x.dtype(), T => nhwc::conv2d::<T>(x, weight, bias, g));
+    }
     with_float_type!(OP, x.dtype(), T => {
         let (xc, wc) = (memory::contiguous(OP, x)?, memory::contiguous(OP, weight)?);
         let b: Option<Vec<T>> = bias.map(|b| memory::gather::<T>(OP, b)).transpose()?;
@@ -167,6 +174,9 @@ pub(crate) fn conv2d_backward(
     needs: Needs,
 ) -> Result<[Option<Tensor>; 3]> {
     const BACKWARD: &str = "conv2d_backward";
+    if nhwc::wants(x, weight) {
+        return with_float_type!(BACKWARD, grad.dtype(), T => nhwc::conv2d_backward::<T>(x, weight, grad, g, needs));
+    }
     with_float_type!(BACKWARD, grad.dtype(), T => {
         let (xc, wc, gc) = (
             memory::contiguous(BACKWARD, x)?,

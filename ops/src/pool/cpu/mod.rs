@@ -2,20 +2,28 @@
 //! row and column, the (already clipped) range of input rows and columns it covers. Planes (one
 //! per sample and channel) are independent and run in parallel when the input is large (and the
 //! rayon pool has more than one thread). Max pooling over 2×2 windows with stride 2 and no
-//! padding goes to the branch-free kernels of [`max2x2`].
+//! padding goes to the branch-free kernels of [`max2x2`]. Channels-last inputs go to the NHWC
+//! kernels of `nhwc.rs` and give channels-last outputs and input gradients.
 
 mod max2x2;
+mod nhwc;
 
 use rayon::prelude::*;
-use tandem_core::{with_float_type, FloatElement, Result, Tensor};
+use tandem_core::{with_float_type, FloatElement, MemoryFormat, Result, Tensor};
 
 use super::shape::Windows;
 use crate::cpu::memory;
 use crate::cpu::parallel::parallel;
 
 /// Where each window's maximum came from (its index within the plane), kept by the forward of
-/// a max pool for its backward.
-pub(crate) struct MaxIndices(Vec<u32>);
+/// a max pool for its backward, and whether the forward ran channels-last (the indices are
+/// then in NHWC order and the input gradient is channels-last).
+pub(crate) struct MaxIndices(Vec<u32>, bool);
+
+/// The channel count of a channels-last 4-D `x`, when the pools take their NHWC path for it.
+fn channels_last(x: &Tensor) -> Option<usize> {
+    x.layout().is_channels_last().then(|| x.dims()[1])
+}
 
 /// Max pooling of `x` (`[.., H, W]`, `hw = (H, W)`) into a tensor of `shape`, with the indices
 /// of the maxima when `keep_indices` (the backward needs them).
@@ -27,10 +35,16 @@ pub(crate) fn max_pool(
     keep_indices: bool,
     shape: &[usize],
 ) -> Result<(Tensor, MaxIndices)> {
+    if let Some(c) = channels_last(x) {
+        return with_float_type!(op, x.dtype(), T => {
+            let (values, indices) = nhwc::max_forward::<T>(op, &x.read_dense_slice::<T>()?, hw, c, win, keep_indices)?;
+            Ok((Tensor::from_vec_in(values, shape, x.device(), MemoryFormat::ChannelsLast)?, MaxIndices(indices, true)))
+        });
+    }
     with_float_type!(op, x.dtype(), T => {
         let xc = memory::contiguous(op, x)?;
         let (values, indices) = max_forward::<T>(op, &xc.read_slice::<T>()?, hw, win, keep_indices)?;
-        Ok((Tensor::from_vec(values, shape, x.device())?, MaxIndices(indices)))
+        Ok((Tensor::from_vec(values, shape, x.device())?, MaxIndices(indices, false)))
     })
 }
 
@@ -44,6 +58,14 @@ pub(crate) fn max_pool_backward(
     win: &Windows,
     in_shape: &[usize],
 ) -> Result<Tensor> {
+    if indices.1 {
+        let cl = MemoryFormat::ChannelsLast;
+        return with_float_type!(op, g.dtype(), T => {
+            let gc = memory::dense_in(g, cl)?;
+            let gx = nhwc::max_backward::<T>(op, &gc.read_dense_slice::<T>()?, &indices.0, hw, in_shape[1], win)?;
+            Tensor::from_vec_in(gx, in_shape, g.device(), cl)
+        });
+    }
     with_float_type!(op, g.dtype(), T => {
         let gc = memory::contiguous(op, g)?;
         let gx = max_backward::<T>(op, &gc.read_slice::<T>()?, &indices.0, hw, win)?;
@@ -59,6 +81,12 @@ pub(crate) fn avg_pool(
     win: &Windows,
     shape: &[usize],
 ) -> Result<Tensor> {
+    if let Some(c) = channels_last(x) {
+        return with_float_type!(op, x.dtype(), T => {
+            let values = nhwc::avg_forward::<T>(op, &x.read_dense_slice::<T>()?, hw, c, win)?;
+            Tensor::from_vec_in(values, shape, x.device(), MemoryFormat::ChannelsLast)
+        });
+    }
     with_float_type!(op, x.dtype(), T => {
         let xc = memory::contiguous(op, x)?;
         let values = avg_forward::<T>(op, &xc.read_slice::<T>()?, hw, win)?;
@@ -66,14 +94,23 @@ pub(crate) fn avg_pool(
     })
 }
 
-/// The backward of [`avg_pool`], as a tensor of `in_shape`.
+/// The backward of [`avg_pool`], as a tensor of `in_shape` in the forward input's `format`.
 pub(crate) fn avg_pool_backward(
     op: &'static str,
     g: &Tensor,
     hw: (usize, usize),
     win: &Windows,
     in_shape: &[usize],
+    format: MemoryFormat,
 ) -> Result<Tensor> {
+    if format == MemoryFormat::ChannelsLast && in_shape.len() == 4 {
+        let cl = MemoryFormat::ChannelsLast;
+        return with_float_type!(op, g.dtype(), T => {
+            let gc = memory::dense_in(g, cl)?;
+            let gx = nhwc::avg_backward::<T>(op, &gc.read_dense_slice::<T>()?, hw, in_shape[1], win)?;
+            Tensor::from_vec_in(gx, in_shape, g.device(), cl)
+        });
+    }
     with_float_type!(op, g.dtype(), T => {
         let gc = memory::contiguous(op, g)?;
         let gx = avg_backward::<T>(op, &gc.read_slice::<T>()?, hw, win)?;
