@@ -9,7 +9,7 @@
 
 use tandem_core::{DType, Device, Generator, Tensor};
 use tandem_optim::multi_tensor::{launch_counts, LaunchCounts};
-use tandem_optim::{GradScaler, GradScalerConfig, Optimizer, Sgd, SgdConfig, StepOutcome};
+use tandem_optim::{GradScaler, GradScalerConfig, Sgd, SgdConfig, StepOutcome};
 
 const GPU: Device = Device::Cuda(0);
 
