@@ -9,7 +9,10 @@
 //!   without clipping, f32, f64 and both in one call, several chunkings and grids; a NaN or an
 //!   infinity makes the norm non-finite and leaves every gradient untouched; the norm does not
 //!   depend on the grid;
-//! - zeroing: every element of every gradient, nothing around it.
+//! - zeroing: every element of every gradient, nothing around it;
+//! - the gradient scaler's unscale: every element multiplied by the inverse scale exactly as the
+//!   CPU multiplies it, f32 and f64 sharing one found-inf flag, which is raised by an infinity
+//!   or a NaN anywhere (first, middle or last element of a chunk) and never lowered.
 
 mod common;
 mod optim_common;
@@ -21,7 +24,8 @@ use tandem_core::cuda::runtime_kernels::{norm_finish_launch, NormKind};
 use tandem_core::{DType, Element, Tensor};
 use tandem_optim::clip_grad_norm;
 use tandem_optim::multi_tensor::{
-    grad_clip_scale_launch, grad_norm_partial_launch, grad_zero_launch, TableEntry, TensorTable,
+    grad_clip_scale_launch, grad_norm_partial_launch, grad_unscale_launch, grad_zero_launch,
+    TableEntry, TensorTable,
 };
 
 /// Gradients of one dtype in guarded buffers.
@@ -264,4 +268,74 @@ fn zeroing_clears_every_gradient_and_nothing_else() {
         check_zero::<f32>(cut);
         check_zero::<f64>(cut);
     }
+}
+
+/// Runs the unscale kernel over both groups with one flag starting at `flag`; returns the flag.
+fn unscale_on_harness(
+    f32s: &mut Grads<f32>,
+    f64s: &mut Grads<f64>,
+    inv_scale: f64,
+    flag: i64,
+    cut: Cut,
+) -> i64 {
+    let mut found = Dense::new(&[flag]);
+    let address = found.address();
+    for table in [f32s.table(cut.chunk), f64s.table(cut.chunk)] {
+        if table.is_empty() {
+            continue;
+        }
+        let launch =
+            grad_unscale_launch(&table, table.words().as_ptr() as u64, inv_scale, address).unwrap();
+        run_cut(&launch, cut, "unscale");
+    }
+    found.values("found-inf flag")[0]
+}
+
+fn unscaled<T: Element + std::ops::Mul<Output = T>>(values: &[T], inv_scale: f64) -> Vec<T> {
+    let inv = T::from_f64(inv_scale);
+    values.iter().map(|&x| x * inv).collect()
+}
+
+#[test]
+fn unscaling_multiplies_like_the_cpu_and_raises_one_shared_flag() {
+    let inv_scale = 1.0 / 3000.0;
+    let mut seed = 100;
+    // (which tensor of the f32 group, which element) holds the bad value, or none.
+    let spots: [Option<(usize, usize)>; 4] = [None, Some((6, 0)), Some((4, 128)), Some((6, 999))];
+    for cut in few_cuts() {
+        for spot in spots {
+            for bad in [f32::INFINITY, f32::NEG_INFINITY, f32::NAN] {
+                seed += 1;
+                let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+                let mut values: Vec<Vec<f32>> =
+                    SIZES.iter().map(|&n| random(&mut rng, n)).collect();
+                if let Some((t, i)) = spot {
+                    values[t][i] = bad;
+                }
+                let f64_values: Vec<Vec<f64>> = vec![random(&mut rng, 300), random(&mut rng, 5)];
+                let mut f32s = Grads::new(values.clone());
+                let mut f64s = Grads::new(f64_values.clone());
+                let flag = unscale_on_harness(&mut f32s, &mut f64s, inv_scale, 0, cut);
+                let what = format!("{bad} at {spot:?}, {cut:?}");
+                assert_eq!(flag, spot.is_some() as i64, "{what}: flag");
+                for (b, v) in f32s.buffers.iter().zip(&values) {
+                    b.assert_equals(&unscaled(v, inv_scale), &what);
+                }
+                for (b, v) in f64s.buffers.iter().zip(&f64_values) {
+                    b.assert_equals(&unscaled(v, inv_scale), &what);
+                }
+                if spot.is_none() {
+                    break;
+                }
+            }
+        }
+    }
+    // A NaN in the f64 group alone raises the shared flag; a raised flag is never lowered.
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    let mut f32s = Grads::new(vec![random::<f32>(&mut rng, 100)]);
+    let mut f64s = Grads::new(vec![vec![1.0, f64::NAN, 2.0]]);
+    let cut = few_cuts()[0];
+    assert_eq!(unscale_on_harness(&mut f32s, &mut f64s, 0.5, 0, cut), 1);
+    let mut f64s = Grads::new(vec![vec![1.0, 2.0]]);
+    assert_eq!(unscale_on_harness(&mut f32s, &mut f64s, 0.5, 1, cut), 1);
 }

@@ -70,6 +70,14 @@ pub enum Error {
         msg: String,
     },
 
+    /// A gradient scaler used out of order (unscaling twice in one step, stepping twice, an
+    /// update with nothing checked) or on gradients it cannot unscale.
+    #[error("GradScaler: {msg}")]
+    Scaler {
+        /// What is wrong and what to do.
+        msg: String,
+    },
+
     /// Gradient clipping that cannot proceed (bad arguments or a non-finite gradient norm).
     #[error("clip_grad_norm: {msg}")]
     Clip {

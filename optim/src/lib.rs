@@ -6,7 +6,8 @@
 //! gradient living inside a communication bucket (distributed training) stays where it is.
 //!
 //! Alongside the optimizers ([`Sgd`], [`Adam`], [`AdamW`]) live learning-rate schedules
-//! ([`schedule`], driven by a [`Scheduler`]) and gradient clipping ([`clip_grad_norm`]).
+//! ([`schedule`], driven by a [`Scheduler`]), gradient clipping ([`clip_grad_norm`]) and the
+//! gradient scaler for f16 mixed precision ([`GradScaler`], see [`scaler`]).
 //!
 //! Every update, clipping and `zero_grad` dispatches once on the parameters' device: host loops
 //! on the CPU, fused multi-tensor kernels on a CUDA device ([`multi_tensor`]: one launch per
@@ -22,6 +23,7 @@ pub mod error;
 mod grouping;
 pub mod multi_tensor;
 pub mod optimizer;
+pub mod scaler;
 pub mod schedule;
 pub mod sgd;
 mod update_rule;
@@ -31,6 +33,7 @@ pub use adam::{Adam, AdamConfig, AdamW};
 pub use clip::clip_grad_norm;
 pub use error::{Error, Result};
 pub use optimizer::Optimizer;
+pub use scaler::{GradScaler, GradScalerConfig, StepOutcome};
 pub use schedule::{
     Chained, CosineAnnealingLr, LinearWarmup, LrSchedule, MultiStepLr, Scheduler, SequentialLr,
     StepLr,

@@ -88,6 +88,11 @@ use crate::{Error, Module, Result};
 /// (`optimizer.` + each name of `Optimizer::state()`, e.g. `optimizer.step`).
 pub const OPTIMIZER_PREFIX: &str = "optimizer.";
 
+/// Prefix under which a training loop stores its gradient scaler's state in `extra`
+/// (`grad_scaler.` + each name of `GradScaler::state()` in `tandem-optim`, e.g.
+/// `grad_scaler.scale`); [`TrainingState::with_grad_scaler`] uses it too.
+pub const GRAD_SCALER_PREFIX: &str = "grad_scaler.";
+
 /// Metadata key under which [`save_checkpoint`] records the names of the `extra` tensors, as a
 /// JSON array. Metadata keys starting with `tandem.` are reserved.
 pub const EXTRA_KEYS_METADATA: &str = "tandem.extra_keys";

@@ -16,7 +16,7 @@ use std::time::SystemTime;
 
 use tandem_core::Tensor;
 
-use super::{load_checkpoint, load_state_dict, write_checkpoint};
+use super::{load_checkpoint, load_state_dict, write_checkpoint, GRAD_SCALER_PREFIX};
 use crate::{Error, Module, Result};
 
 /// Metadata key under which both files of a [`save_training`] record the same save id.
@@ -94,6 +94,31 @@ impl TrainingState {
                 .map(|(entry, t)| (format!("{name}.{entry}"), t)),
         );
         self
+    }
+
+    /// Adds a gradient scaler's state (what `GradScaler::state()` returns: its scale, growth
+    /// tracker and counters) under [`GRAD_SCALER_PREFIX`], so that a resumed f16 run continues
+    /// with the same scale; [`TrainingState::grad_scaler`] gives it back for
+    /// `GradScaler::load_state`. A disabled scaler's state is empty and adds nothing.
+    pub fn with_grad_scaler(mut self, state: Vec<(String, Tensor)>) -> Self {
+        self.tensors.extend(
+            state
+                .into_iter()
+                .map(|(entry, t)| (format!("{GRAD_SCALER_PREFIX}{entry}"), t)),
+        );
+        self
+    }
+
+    /// The gradient scaler's state saved with [`TrainingState::with_grad_scaler`], ready for
+    /// `GradScaler::load_state`; empty when there is none.
+    pub fn grad_scaler(&self) -> Vec<(String, Tensor)> {
+        self.tensors
+            .iter()
+            .filter_map(|(n, t)| {
+                n.strip_prefix(GRAD_SCALER_PREFIX)
+                    .map(|e| (e.to_string(), t.clone()))
+            })
+            .collect()
     }
 
     /// Adds one tensor under `name` (a step counter, a learning rate). Names must differ from
@@ -315,6 +340,10 @@ mod tests {
                 ],
             )
             .with_tensor("trainer.step", Tensor::scalar(9i64, Device::Cpu).unwrap())
+            .with_grad_scaler(vec![(
+                "scale".to_string(),
+                Tensor::scalar(1024.0f32, Device::Cpu).unwrap(),
+            )])
             .with_metadata("epoch", "3");
         save_training(&path, &saved, &state).unwrap();
 
@@ -335,6 +364,11 @@ mod tests {
         assert_eq!(optimizer[0].0, "0.momentum_buffer");
         assert_eq!(optimizer[0].1.to_vec::<f32>().unwrap(), [0.5, -1.0]);
         assert_eq!(optimizer[1].0, "step");
+        let scaler = loaded.grad_scaler();
+        assert_eq!(scaler.len(), 1);
+        assert_eq!(scaler[0].0, "scale");
+        assert_eq!(scaler[0].1.to_vec::<f32>().unwrap(), [1024.0]);
+        assert!(loaded.tensor("grad_scaler.scale").is_some());
         let step = loaded.tensor("trainer.step").unwrap();
         assert_eq!(step.dtype(), DType::I64);
         assert_eq!(step.to_vec::<i64>().unwrap(), [9]);

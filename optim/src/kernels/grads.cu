@@ -1,6 +1,7 @@
 // grads.cu: kernels over every gradient of a table: the partial sums of a p-norm (gradient
 // clipping's first pass), scaling by the clip coefficient read from device memory (its last
-// pass), and zeroing (zero_grad). Launches are built in optim/src/multi_tensor/plans.rs.
+// pass), zeroing (zero_grad), and the gradient scaler's fused unscale and inf/NaN check.
+// Launches are built in optim/src/multi_tensor/plans.rs.
 //
 // Clipping runs without the host: grad_norm_partial writes one partial per chunk, the runtime's
 // norm_finish (core/src/cuda/kernels/runtime.cu) reduces them into one value in device memory,
@@ -107,6 +108,34 @@ TANDEM_FN void grad_zero_impl(const optim_tensor* table, tandem_u32 tensors, tan
     }
 }
 
+// The gradient scaler's unscale (optim/src/scaler): every gradient multiplied by `inv_scale`
+// (1 / scale, converted to T on the host as the CPU converts it), and `*found_inf` raised to 1
+// when any gradient holds an infinity or a NaN, checked on the value before the multiplication
+// (as PyTorch's _amp_foreach_non_finite_check_and_unscale_). Every element is unscaled even
+// after one is found non-finite: the step will be skipped and the gradients zeroed anyway. Each
+// thread remembers what it saw and raises the flag once, atomically, at the end, so the flag
+// is the only value the host reads back per step, and only the caller zeroes it.
+template <typename T>
+TANDEM_FN void grad_unscale_impl(const optim_tensor* table, tandem_u32 tensors,
+                                 tandem_u64 chunks, tandem_u64 chunk_size, T inv_scale,
+                                 tandem_i64* found_inf) {
+    bool found = false;
+    OPTIM_FOR_EACH_CHUNK(c, chunks) {
+        optim_chunk chunk = optim_chunk_at(table, tensors, chunk_size, c);
+        T* g = optim_ptr<T>(chunk.tensor->grad);
+        OPTIM_FOR_EACH_ELEMENT(i, chunk) {
+            T x = g[i];
+            if (!optim_is_finite(tandem_to_f64(x))) {
+                found = true;
+            }
+            g[i] = x * inv_scale;
+        }
+    }
+    if (found) {
+        atomicMax(found_inf, (tandem_i64)1);
+    }
+}
+
 #define OPTIM_GRADS(NAME, T)                                                                   \
     extern "C" __global__ void grad_norm_partial_##NAME(                                       \
         const optim_tensor* table, tandem_u32 tensors, tandem_u64 chunks,                      \
@@ -126,7 +155,13 @@ TANDEM_FN void grad_zero_impl(const optim_tensor* table, tandem_u32 tensors, tan
                                                 tandem_u64 chunks, tandem_u64 chunk_size) {    \
         grad_zero_impl<T>(table, tensors, chunks, chunk_size);                                 \
     }                                                                                          \
-    TANDEM_HOST_EXPORT(grad_zero_##NAME)
+    TANDEM_HOST_EXPORT(grad_zero_##NAME)                                                       \
+    extern "C" __global__ void grad_unscale_##NAME(                                            \
+        const optim_tensor* table, tandem_u32 tensors, tandem_u64 chunks,                      \
+        tandem_u64 chunk_size, T inv_scale, tandem_i64* found_inf) {                           \
+        grad_unscale_impl<T>(table, tensors, chunks, chunk_size, inv_scale, found_inf);        \
+    }                                                                                          \
+    TANDEM_HOST_EXPORT(grad_unscale_##NAME)
 
 OPTIM_GRADS(f32, float)
 OPTIM_GRADS(f64, double)

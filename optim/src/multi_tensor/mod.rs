@@ -16,7 +16,8 @@
 //! **Launches per step** (tensors of one dtype on one device, all dense): SGD and Adam/AdamW 1
 //! (a second when some tensors take a different step: a new momentum buffer, or Adam tensors
 //! with a different step count); `zero_grad` 1; `clip_grad_norm` 3 (partial norms, the
-//! runtime's `norm_finish`, scaling) and one read of the norm back to the host. Each further
+//! runtime's `norm_finish`, scaling) and one read of the norm back to the host; the gradient
+//! scaler's unscale 1 (after zeroing its found-inf flag) and one read of that flag per step. Each further
 //! dtype adds one launch per kernel. f32 and f64 are supported (as on the CPU).
 //!
 //! [`plans`] builds the launches (pure, run by the host harness too); `device` runs them.
@@ -30,7 +31,8 @@ pub(crate) use cache::TableCache;
 pub(crate) use device::{count_host_read, element_address, run, run_on_table, shared_cache, Roles};
 pub use device::{launch_counts, LaunchCounts};
 pub use plans::{
-    adam_launch, grad_clip_scale_launch, grad_norm_partial_launch, grad_zero_launch, sgd_launch,
-    ADAM_KERNELS, CHUNK_ELEMENTS, GRAD_KERNELS, SGD_KERNELS, THREADS_PER_BLOCK,
+    adam_launch, grad_clip_scale_launch, grad_norm_partial_launch, grad_unscale_launch,
+    grad_zero_launch, sgd_launch, ADAM_KERNELS, CHUNK_ELEMENTS, GRAD_KERNELS, SGD_KERNELS,
+    THREADS_PER_BLOCK,
 };
 pub use table::{TableEntry, TensorTable, ENTRY_WORDS};

@@ -297,6 +297,39 @@ pub fn grad_clip_scale_launch(
     )
 }
 
+/// The gradient scaler's fused unscale and check (`grad_unscale_<dtype>`): every gradient of
+/// `table` multiplied by `inv_scale` (converted to the dtype as the CPU converts it), and the
+/// i64 at `found_inf` raised to 1 when any gradient element (before the multiplication) is
+/// infinite or NaN. The flag is only raised, never cleared: the caller zeroes it first, and
+/// tables of several dtypes share one flag.
+pub fn grad_unscale_launch(
+    table: &TensorTable,
+    table_ptr: u64,
+    inv_scale: f64,
+    found_inf: u64,
+) -> Result<Launch> {
+    let op = "GradScaler.unscale";
+    check(op, table, table_ptr, &[GRAD])?;
+    if found_inf == 0 {
+        return Err(TensorError::invalid(op, "null device address for the found-inf flag").into());
+    }
+    if !inv_scale.is_finite() || inv_scale <= 0.0 {
+        return Err(TensorError::invalid(
+            op,
+            format!("the inverse scale must be finite and > 0, got {inv_scale}"),
+        )
+        .into());
+    }
+    launch(
+        op,
+        &GRAD_KERNELS,
+        "grad_unscale",
+        table,
+        table_ptr,
+        vec![scalar(table.dtype(), inv_scale), KernelArg::Out(found_inf)],
+    )
+}
+
 /// `zero_grad` (`grad_zero_<dtype>`): every gradient of `table` set to zero.
 pub fn grad_zero_launch(table: &TensorTable, table_ptr: u64) -> Result<Launch> {
     let op = "zero_grad";
@@ -376,5 +409,11 @@ mod tests {
         assert!(grad_zero_launch(&table(&[full(4)]), 0).is_err());
         assert!(grad_norm_partial_launch(&t, 0x9000, NormKind::SumPow(-1.0), 0x8000).is_err());
         assert!(grad_clip_scale_launch(&t, 0x9000, 0x8000, NormKind::MaxAbs, -1.0, 0).is_err());
+        assert!(grad_unscale_launch(&t, 0x9000, 0.5, 0).is_err());
+        assert!(grad_unscale_launch(&t, 0x9000, f64::INFINITY, 0x8000).is_err());
+        let launch = grad_unscale_launch(&t, 0x9000, 2f64.powi(-16), 0x8000).unwrap();
+        assert_eq!(launch.kernel, "grad_unscale_f32");
+        assert_eq!(launch.args[4], KernelArg::F32(2f32.powi(-16)));
+        assert_eq!(launch.args[5], KernelArg::Out(0x8000));
     }
 }
