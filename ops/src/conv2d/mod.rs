@@ -41,7 +41,9 @@ fn geometry(
 ) -> Result<Geometry> {
     const OP: &str = "conv2d";
     same_dtype_device(OP, x, weight)?;
-    float_dtype(OP, x)?;
+    if !crate::matmul::cuda::low_precision_on_cuda(x) {
+        float_dtype(OP, x)?;
+    }
     let (xd, wd) = (x.dims(), weight.dims());
     let geometry = Geometry::of(OP, xd, wd, p)?;
     if let Some(b) = bias {

@@ -27,7 +27,9 @@ fn as_matrix(x: &Tensor) -> Result<Tensor> {
 
 fn check_inputs(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<()> {
     same_dtype_device("linear", x, weight)?;
-    float_dtype("linear", x)?;
+    if !crate::matmul::cuda::low_precision_on_cuda(x) {
+        float_dtype("linear", x)?;
+    }
     if weight.rank() != 2 || x.rank() == 0 || x.dims()[x.rank() - 1] != weight.dims()[1] {
         return Err(Error::shape(
             "linear",

@@ -31,7 +31,9 @@ use crate::views::{squeeze, unsqueeze};
 pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     let _profile = tandem_core::profile::scope("matmul", tandem_core::profile::Phase::Forward);
     same_dtype_device("matmul", a, b)?;
-    float_dtype("matmul", a)?;
+    if !cuda::low_precision_on_cuda(a) {
+        float_dtype("matmul", a)?;
+    }
     if a.rank() == 0 || b.rank() == 0 {
         return Err(Error::shape(
             "matmul",
