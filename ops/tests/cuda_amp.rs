@@ -99,7 +99,10 @@ fn run(f: &dyn Fn(&[Tensor]) -> Tensor, inputs: &[Tensor], g: &Tensor) -> (Tenso
     let grads = leaves
         .iter()
         .enumerate()
-        .map(|(i, t)| t.grad().unwrap_or_else(|| panic!("no gradient for input {i}")))
+        .map(|(i, t)| {
+            t.grad()
+                .unwrap_or_else(|| panic!("no gradient for input {i}"))
+        })
         .collect();
     (y.detach(), grads)
 }
@@ -301,7 +304,10 @@ fn channels_last_conv2d_gives_channels_last_results_equal_to_nchw() {
         // values are compared here.
         let (dx, dw) = (xl.grad().unwrap(), wl.grad().unwrap());
         if let Some(stats) = cudnn_cache_stats(GPU) {
-            assert_eq!(stats.declined_calls, declined, "{dtype}: cuDNN declined an NHWC pass");
+            assert_eq!(
+                stats.declined_calls, declined,
+                "{dtype}: cuDNN declined an NHWC pass"
+            );
         }
         // Same sums in another memory order: equal to a few roundings of the low dtype.
         let tol = 4.0 * unit_roundoff(dtype) + 1e-5;

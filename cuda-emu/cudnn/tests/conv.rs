@@ -1013,7 +1013,11 @@ fn low_precision_passes_with_f32_compute_and_tensor_op_math_round_the_f64_result
     for dtype in [HALF, BFLOAT16] {
         for (i, &(c, nhwc_out)) in cases.iter().enumerate() {
             let y_dims = c.out();
-            let y_strides = if nhwc_out { nhwc(y_dims) } else { dense(y_dims) };
+            let y_strides = if nhwc_out {
+                nhwc(y_dims)
+            } else {
+                dense(y_dims)
+            };
             let descs = |data: u32, compute: u32| Descs {
                 x: tensor_desc(data, c.x, c.x_strides),
                 w: filter_desc(data, c.format, c.w),
@@ -1057,7 +1061,10 @@ fn low_precision_passes_with_f32_compute_and_tensor_op_math_round_the_f64_result
                 }
                 results.push([y, dx, dw].map(|t| download(&dev, &t)));
             }
-            for (k, name) in ["forward", "backward-data", "backward-filter"].iter().enumerate() {
+            for (k, name) in ["forward", "backward-data", "backward-filter"]
+                .iter()
+                .enumerate()
+            {
                 let (exact, low) = (&results[0][k], &results[1][k]);
                 for (j, (e, l)) in exact.iter().zip(low).enumerate() {
                     assert_eq!(

@@ -481,12 +481,23 @@ mod tests {
         let names: Vec<_> = launches.iter().map(|l| l.kernel.as_str()).collect();
         assert_eq!(
             names,
-            ["conv2d_bias_grad_partial_f16", "conv2d_bias_grad_finish_f16"]
+            [
+                "conv2d_bias_grad_partial_f16",
+                "conv2d_bias_grad_finish_f16"
+            ]
         );
         let wide = BiasGradSplit::new(128, 1024);
         assert_eq!(wide.partials_bytes(16, DType::BF16), 16 * 32 * 4);
         assert_eq!(wide.partials_bytes(16, DType::F64), 16 * 32 * 8);
-        let err = im2col_launch(DType::BF16, &geometry([1, 1, 4, 4], [1, 1, 3, 3], Conv2dParams::default()), 8, 8, 1, ColumnLayout::PerSample).unwrap_err();
+        let err = im2col_launch(
+            DType::BF16,
+            &geometry([1, 1, 4, 4], [1, 1, 3, 3], Conv2dParams::default()),
+            8,
+            8,
+            1,
+            ColumnLayout::PerSample,
+        )
+        .unwrap_err();
         assert!(err.to_string().contains("f32, f64"), "{err}");
     }
 }

@@ -389,7 +389,9 @@ fn weight_grad(
         if engine == Engine::Im2col {
             let (xc, gy) = (im2col_operand(&xc)?, im2col_operand(gy)?);
             let (_, xa) = address(OP, &xc)?;
-            im2col_into(&dw, |dt, dwa| im2col::weight_grad(&dev, g, dt, xa, &gy, dwa))?;
+            im2col_into(&dw, |dt, dwa| {
+                im2col::weight_grad(&dev, g, dt, xa, &gy, dwa)
+            })?;
         }
     }
     if format == Format::Nhwc && !nhwc_strides(weight) {

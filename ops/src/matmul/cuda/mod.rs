@@ -20,8 +20,8 @@ mod launch;
 
 use super::shape::batch_strides;
 use cudarc::cublas::result as cublas;
-use cudarc::cublas::sys::{cublasComputeType_t, cudaDataType};
 use cudarc::cublas::sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
+use cudarc::cublas::sys::{cublasComputeType_t, cudaDataType};
 use tandem_core::cuda::sanitizer::{self, Use};
 use tandem_core::cuda::{blas, device_pointer};
 use tandem_core::{checked_numel, DType, Error, Result, Tensor};
@@ -32,7 +32,8 @@ use launch::{plan, GemmCall, Mat, Operand, Plan};
 /// Whether `t` is an f16/bf16 tensor on a CUDA device: the CUDA products and convolutions take
 /// those (f32 accumulation) before the CPU ops do; the ops' entry checks let them through.
 pub(crate) fn low_precision_on_cuda(t: &Tensor) -> bool {
-    matches!(t.device(), tandem_core::Device::Cuda(_)) && matches!(t.dtype(), DType::F16 | DType::BF16)
+    matches!(t.device(), tandem_core::Device::Cuda(_))
+        && matches!(t.dtype(), DType::F16 | DType::BF16)
 }
 
 /// Describes `t` (`[own_batch.., r, c]`) as an operand of a product over the full `batch`,
@@ -590,11 +591,17 @@ pub(crate) fn sum_rows_into(
                 accumulate,
             };
             let ty = low_type(t.dtype());
-            blas::with_blas_math(op, &dev, dev.compute_stream(), blas::LOW_PRECISION_MATH, |h| {
-                // SAFETY: as for f32: `t` is [cols × rows] column-major (lda = cols), `ones` a
-                // [rows × 1] column and `out` [cols × 1], all of `ty`.
-                unsafe { gemm_low(h, &call, (tp, onesp, yp), ty) }
-            })
+            blas::with_blas_math(
+                op,
+                &dev,
+                dev.compute_stream(),
+                blas::LOW_PRECISION_MATH,
+                |h| {
+                    // SAFETY: as for f32: `t` is [cols × rows] column-major (lda = cols), `ones` a
+                    // [rows × 1] column and `out` [cols × 1], all of `ty`.
+                    unsafe { gemm_low(h, &call, (tp, onesp, yp), ty) }
+                },
+            )
         }
         other => Err(Error::UnsupportedDType {
             op,

@@ -232,7 +232,10 @@ impl State {
                 let plan = Plan::new(g, dtype, format).map_err(|e| Error::Cuda {
                     op: "conv2d",
                     device: dev.device(),
-                    detail: format!("cuDNN descriptors for {g:?} ({dtype}, {format:?}): {:?}", e.0),
+                    detail: format!(
+                        "cuDNN descriptors for {g:?} ({dtype}, {format:?}): {:?}",
+                        e.0
+                    ),
                 })?;
                 e.insert(plan)
             }
