@@ -30,7 +30,7 @@
 //! outside a scope both return their argument unchanged.
 
 use tandem_autograd::autocast::{autocast_dtype, cached_cast};
-use tandem_core::{DType, Device, Error, Result, Tensor};
+use tandem_core::{DType, Error, Result, Tensor};
 
 use crate::cast::cast;
 
@@ -63,18 +63,12 @@ pub(crate) fn is_low(dtype: DType) -> bool {
     matches!(dtype, DType::F16 | DType::BF16)
 }
 
-/// Checks the dtype of a matrix op's operand (matmul, linear, conv2d): f32 or f64 anywhere,
-/// f16 or bf16 on the CPU (computed through f32; the CUDA kernels for them are not there yet).
+/// Checks the dtype of a matrix op's operand (matmul, linear, conv2d): f32, f64, f16 or bf16
+/// (the half formats with f32 accumulation: through f32 on the CPU, cuBLAS/cuDNN on CUDA).
 pub(crate) fn matrix_dtype(op: &'static str, t: &Tensor) -> Result<DType> {
-    match (t.dtype(), t.device()) {
-        (DType::F32 | DType::F64, _) => Ok(t.dtype()),
-        (DType::F16 | DType::BF16, Device::Cpu) => Ok(t.dtype()),
-        (dtype @ (DType::F16 | DType::BF16), Device::Cuda(_)) => Err(Error::UnsupportedDType {
-            op,
-            dtype,
-            supported: "f32, f64 on CUDA devices (f16 and bf16 run on the CPU only)",
-        }),
-        (dtype, _) => Err(Error::UnsupportedDType {
+    match t.dtype() {
+        DType::F32 | DType::F64 | DType::F16 | DType::BF16 => Ok(t.dtype()),
+        dtype => Err(Error::UnsupportedDType {
             op,
             dtype,
             supported: "f32, f64, f16, bf16",

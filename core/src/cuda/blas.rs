@@ -5,6 +5,11 @@
 //! products, as in PyTorch (`torch.backends.cuda.matmul.allow_tf32 = False`): results then match
 //! the CPU to f32 rounding. [`set_allow_tf32_matmul`] turns it on for speed. Convolutions have
 //! their own setting, on by default as in PyTorch ([`set_allow_tf32_conv`]).
+//!
+//! f16/bf16 products (`cublasGemmEx` with `CUBLAS_COMPUTE_32F`) run under [`LOW_PRECISION_MATH`]:
+//! tensor cores as cuBLAS chooses, but every reduction in f32, split-K partial sums included
+//! (`CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION`), so that the only rounding to the low
+//! dtype is the final one, as on the CPU.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
@@ -40,9 +45,14 @@ pub fn allow_tf32_conv() -> bool {
     ALLOW_TF32_CONV.load(Ordering::Relaxed)
 }
 
+/// The math mode of f16/bf16 products: the default math (tensor cores allowed) with reduced
+/// precision reductions forbidden, so split-K sums stay in f32 (`CUBLAS_DEFAULT_MATH | 16`).
+pub const LOW_PRECISION_MATH: sys::cublasMath_t =
+    sys::cublasMath_t::CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION;
+
 struct BlasHandle {
     handle: Handle<sys::cublasHandle_t>,
-    tf32: bool,
+    math: sys::cublasMath_t,
 }
 
 static HANDLES: [OnceLock<Mutex<BlasHandle>>; MAX_DEVICES] =
@@ -73,7 +83,7 @@ fn handle_of(op: &'static str, dev: &CudaDevice) -> Result<&'static Mutex<BlasHa
     let handle = cublas::create_handle().map_err(blas_err(op, dev))?;
     let _ = slot.set(Mutex::new(BlasHandle {
         handle: Handle(handle),
-        tf32: false,
+        math: sys::cublasMath_t::CUBLAS_DEFAULT_MATH,
     }));
     Ok(slot.get().expect("just set"))
 }
@@ -87,23 +97,35 @@ pub fn with_blas<R>(
     tf32: bool,
     f: impl FnOnce(sys::cublasHandle_t) -> std::result::Result<R, cublas::CublasError>,
 ) -> Result<R> {
+    let math = if tf32 {
+        sys::cublasMath_t::CUBLAS_TF32_TENSOR_OP_MATH
+    } else {
+        sys::cublasMath_t::CUBLAS_DEFAULT_MATH
+    };
+    with_blas_math(op, dev, stream, math, f)
+}
+
+/// Runs `f` with the device's cuBLAS handle bound to `stream` and the math mode `math` (set only
+/// when the handle's current mode differs): [`LOW_PRECISION_MATH`] for f16/bf16 products.
+pub fn with_blas_math<R>(
+    op: &'static str,
+    dev: &CudaDevice,
+    stream: &CudaStream,
+    math: sys::cublasMath_t,
+    f: impl FnOnce(sys::cublasHandle_t) -> std::result::Result<R, cublas::CublasError>,
+) -> Result<R> {
     let mut guard = handle_of(op, dev)?.lock();
     dev.bind(op)?;
     let handle = guard.handle.0;
     // SAFETY: the handle belongs to this device's context (current); the stream is one of its
     // streams (cuBLAS's stream type is the runtime alias of the driver's).
     unsafe { cublas::set_stream(handle, stream.cu_stream().cast()) }.map_err(blas_err(op, dev))?;
-    if guard.tf32 != tf32 {
-        let mode = if tf32 {
-            sys::cublasMath_t::CUBLAS_TF32_TENSOR_OP_MATH
-        } else {
-            sys::cublasMath_t::CUBLAS_DEFAULT_MATH
-        };
+    if guard.math != math {
         // SAFETY: a valid handle and mode.
-        unsafe { sys::cublasSetMathMode(handle, mode) }
+        unsafe { sys::cublasSetMathMode(handle, math) }
             .result()
             .map_err(blas_err(op, dev))?;
-        guard.tf32 = tf32;
+        guard.math = math;
     }
     f(handle).map_err(blas_err(op, dev))
 }

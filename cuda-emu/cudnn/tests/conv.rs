@@ -974,3 +974,107 @@ fn every_pass_counts_as_a_convolution() {
     // Other tests of this binary may run convolutions at the same time.
     assert!(after.convolutions >= 3, "{after:?}");
 }
+
+const HALF: u32 = 2;
+const BFLOAT16: u32 = 9;
+const TENSOR_OP_MATH: u32 = 1;
+
+/// `v` on the GPU as f16 or bf16 elements (exact: the test values have few bits).
+fn upload_low(v: &[f64], dtype: u32) -> Tensor {
+    let t = upload(v, FLOAT);
+    let low = if dtype == HALF {
+        tandem_core::DType::F16
+    } else {
+        tandem_core::DType::BF16
+    };
+    t.to_dtype(low).unwrap()
+}
+
+/// `v` rounded to nearest even in f16 or bf16.
+fn round_low(v: f64, dtype: u32) -> f64 {
+    if dtype == HALF {
+        half::f16::from_f64(v).to_f64()
+    } else {
+        half::bf16::from_f64(v).to_f64()
+    }
+}
+
+#[test]
+fn low_precision_passes_with_f32_compute_and_tensor_op_math_round_the_f64_result_once() {
+    // The test values' products and sums are exact in f32, so a pass that accumulates in f32
+    // and rounds once gives exactly the f64 pass's result rounded to the low dtype (an f16 or
+    // bf16 accumulation would round on the way). NCHW and NHWC cases, the last one with a
+    // channels-last output as well.
+    let (dev, h) = setup();
+    let nhwc = |[_, c, h, w]: [usize; 4]| [h * w * c, 1, w * c, c];
+    let mut cases: Vec<(Case, bool)> = cases().into_iter().map(|c| (c, false)).collect();
+    let last = cases[2].0;
+    cases.push((last, true));
+    for dtype in [HALF, BFLOAT16] {
+        for (i, &(c, nhwc_out)) in cases.iter().enumerate() {
+            let y_dims = c.out();
+            let y_strides = if nhwc_out {
+                nhwc(y_dims)
+            } else {
+                dense(y_dims)
+            };
+            let descs = |data: u32, compute: u32| Descs {
+                x: tensor_desc(data, c.x, c.x_strides),
+                w: filter_desc(data, c.format, c.w),
+                conv: conv_desc(c.geo, compute),
+                y: tensor_desc(data, y_dims, y_strides),
+            };
+            let (d64, dl) = (descs(DOUBLE, DOUBLE), descs(dtype, FLOAT));
+            assert_eq!(
+                cudnn!(cudnnSetConvolutionMathType(dl.conv, TENSOR_OP_MATH) : (P, u32)),
+                SUCCESS
+            );
+            let (xn, wn) = (span(c.x, c.x_strides), span(c.w, c.w_strides()));
+            let yn = span(y_dims, y_strides);
+            let (xv, wv, gv) = (values(xn, i), values(wn, i + 1), values(yn, i + 2));
+            let mut results = Vec::new();
+            for (d, low) in [(d64, false), (dl, true)] {
+                let up = |v: &[f64]| {
+                    if low {
+                        upload_low(v, dtype)
+                    } else {
+                        upload(v, DOUBLE)
+                    }
+                };
+                let (x, w, g) = (up(&xv), up(&wv), up(&gv));
+                let (y, dx, dw) = (up(&vec![0.0; yn]), up(&vec![0.0; xn]), up(&vec![0.0; wn]));
+                let (one, zero) = (1.0f64, 0.0f64);
+                let (onef, zerof) = (1.0f32, 0.0f32);
+                // Scalars are double for f64 data, float for f16/bf16.
+                let (one, zero): (*const c_void, *const c_void) = if low {
+                    ((&onef as *const f32).cast(), (&zerof as *const f32).cast())
+                } else {
+                    ((&one as *const f64).cast(), (&zero as *const f64).cast())
+                };
+                for (pass, ptrs) in [
+                    (Pass::Forward, [ptr(&x), ptr(&w), ptr(&y)]),
+                    (Pass::Data, [ptr(&dx), ptr(&w), ptr(&g)]),
+                    (Pass::Filter, [ptr(&x), ptr(&dw), ptr(&g)]),
+                ] {
+                    let status = run(pass, h, d, ptrs, 0, (0, 0), one, zero);
+                    assert_eq!(status, SUCCESS, "{c:?} {pass:?} dtype {dtype}");
+                }
+                results.push([y, dx, dw].map(|t| download(&dev, &t)));
+            }
+            for (k, name) in ["forward", "backward-data", "backward-filter"]
+                .iter()
+                .enumerate()
+            {
+                let (exact, low) = (&results[0][k], &results[1][k]);
+                for (j, (e, l)) in exact.iter().zip(low).enumerate() {
+                    assert_eq!(
+                        *l,
+                        round_low(*e, dtype),
+                        "case {i} {c:?} (NHWC output {nhwc_out}) {name} dtype {dtype}: \
+                         element {j} is {l}, the f64 pass gives {e}"
+                    );
+                }
+            }
+        }
+    }
+}

@@ -19,6 +19,12 @@
 //   block per (channel, slice of the sample·pixel range) reduces its slice into `partials`, then
 //   one thread per channel sums its slices in order. Deterministic for a given launch.
 //
+// The bias kernels also exist for f16 and bf16 (autocast's convolutions): they compute in f32
+// (`tandem_compute`), the partial sums are f32 and only the result is rounded to the low dtype.
+// A channels-last (NHWC) tensor is the NCHW case with samples·pixels "samples" and one pixel
+// each, so the same kernels serve it. im2col and col2im exist for f32 and f64 only: the
+// low-precision fallback runs them in f32 on converted copies (cuda/mod.rs).
+//
 // 32-bit arithmetic: the builders check with `index_u32` that the padded input height and width,
 // the kernel spans, one sample's input (C·H·W), one sample's columns per channel
 // (kh·kw·OH·OW) and the output pixels (OH·OW) fit; indices over several samples stay 64-bit.
@@ -133,31 +139,31 @@ TANDEM_FN void bias_add_impl(T* out, const T* bias, tandem_u64 n, tandem_u64 cha
     TANDEM_GRID_STRIDE_LOOP(i, n) {
         tandem_u64 row = tandem_div_u64(i, pixels);
         tandem_u64 o = row - tandem_div_u64(row, channels) * channels;
-        out[i] = out[i] + bias[o];
+        out[i] = tandem_store<T>(tandem_load(out[i]) + tandem_load(bias[o]));
     }
 }
 
 // partials[o·splits + t] = Σ gy[s, o, p] over the t-th slice (of `span` entries) of the
 // flattened (s, p) range. Blocks loop over the (o, t) pairs; the loop bound is the same for
 // every thread of a block, so all reach the block reduction's barriers.
-template <typename T>
-TANDEM_FN void bias_grad_partial_impl(const T* gy, T* partials, tandem_u64 samples,
+template <typename T, typename A>
+TANDEM_FN void bias_grad_partial_impl(const T* gy, A* partials, tandem_u64 samples,
                                       tandem_u64 channels, tandem_u64 pixels, tandem_u64 splits,
                                       tandem_u64 span) {
-    __shared__ T scratch[32];
+    __shared__ A scratch[32];
     const tandem_u64 total = samples * pixels;
     for (tandem_u64 b = blockIdx.x; b < channels * splits; b += gridDim.x) {
         tandem_u64 o = tandem_div_u64(b, splits);
         tandem_u64 t = b - o * splits;
         tandem_u64 first = t * span;
         tandem_u64 end = first + span < total ? first + span : total;
-        T acc = (T)0;
+        A acc = (A)0;
         for (tandem_u64 j = first + threadIdx.x; j < end; j += blockDim.x) {
             tandem_u64 s = tandem_div_u64(j, pixels);
             tandem_u64 p = j - s * pixels;
-            acc += gy[(s * channels + o) * pixels + p];
+            acc += tandem_load(gy[(s * channels + o) * pixels + p]);
         }
-        T sum = tandem_block_reduce(acc, tandem_sum_op(), (T)0, scratch);
+        A sum = tandem_block_reduce(acc, tandem_sum_op(), (A)0, scratch);
         if (threadIdx.x == 0) {
             partials[b] = sum;
         }
@@ -165,20 +171,21 @@ TANDEM_FN void bias_grad_partial_impl(const T* gy, T* partials, tandem_u64 sampl
 }
 
 // grad[o] = Σ_t partials[o·splits + t], in order of t.
-template <typename T>
-TANDEM_FN void bias_grad_finish_impl(const T* partials, T* grad, tandem_u64 channels,
+template <typename T, typename A>
+TANDEM_FN void bias_grad_finish_impl(const A* partials, T* grad, tandem_u64 channels,
                                      tandem_u64 splits) {
     TANDEM_GRID_STRIDE_LOOP(o, channels) {
-        T acc = (T)0;
+        A acc = (A)0;
         for (tandem_u64 t = 0; t < splits; ++t) {
             acc += partials[o * splits + t];
         }
-        grad[o] = acc;
+        grad[o] = tandem_store<T>(acc);
     }
 }
 
 // ---------------------------------------------------------------------------------------------
-// Instantiations: conv2d_<kernel>_<dtype>, for the dtypes the CPU op has (f32, f64).
+// Instantiations: conv2d_<kernel>_<dtype>: im2col/col2im for f32 and f64, the bias kernels
+// also for f16 and bf16 (computing in f32).
 // ---------------------------------------------------------------------------------------------
 
 #define TANDEM_CONV2D_KERNELS(NAME, T)                                                         \
@@ -193,7 +200,9 @@ TANDEM_FN void bias_grad_finish_impl(const T* partials, T* grad, tandem_u64 chan
                                                     tandem_u64 sample_step) {                  \
         col2im_impl<T>(cols, dx, g, samples, row_step, sample_step);                           \
     }                                                                                          \
-    TANDEM_HOST_EXPORT(conv2d_col2im_##NAME)                                                   \
+    TANDEM_HOST_EXPORT(conv2d_col2im_##NAME)
+
+#define TANDEM_CONV2D_BIAS_KERNELS(NAME, T, A)                                                 \
     extern "C" __global__ void conv2d_bias_add_##NAME(T* out, const T* bias, tandem_u64 n,     \
                                                       tandem_u64 channels,                     \
                                                       tandem_u64 pixels) {                     \
@@ -201,16 +210,20 @@ TANDEM_FN void bias_grad_finish_impl(const T* partials, T* grad, tandem_u64 chan
     }                                                                                          \
     TANDEM_HOST_EXPORT(conv2d_bias_add_##NAME)                                                 \
     extern "C" __global__ void conv2d_bias_grad_partial_##NAME(                                \
-        const T* gy, T* partials, tandem_u64 samples, tandem_u64 channels, tandem_u64 pixels,  \
+        const T* gy, A* partials, tandem_u64 samples, tandem_u64 channels, tandem_u64 pixels,  \
         tandem_u64 splits, tandem_u64 span) {                                                  \
-        bias_grad_partial_impl<T>(gy, partials, samples, channels, pixels, splits, span);      \
+        bias_grad_partial_impl<T, A>(gy, partials, samples, channels, pixels, splits, span);   \
     }                                                                                          \
     TANDEM_HOST_EXPORT(conv2d_bias_grad_partial_##NAME)                                        \
     extern "C" __global__ void conv2d_bias_grad_finish_##NAME(                                 \
-        const T* partials, T* grad, tandem_u64 channels, tandem_u64 splits) {                  \
-        bias_grad_finish_impl<T>(partials, grad, channels, splits);                            \
+        const A* partials, T* grad, tandem_u64 channels, tandem_u64 splits) {                  \
+        bias_grad_finish_impl<T, A>(partials, grad, channels, splits);                         \
     }                                                                                          \
     TANDEM_HOST_EXPORT(conv2d_bias_grad_finish_##NAME)
 
 TANDEM_CONV2D_KERNELS(f32, float)
 TANDEM_CONV2D_KERNELS(f64, double)
+TANDEM_CONV2D_BIAS_KERNELS(f32, float, float)
+TANDEM_CONV2D_BIAS_KERNELS(f64, double, double)
+TANDEM_CONV2D_BIAS_KERNELS(f16, tandem_f16, float)
+TANDEM_CONV2D_BIAS_KERNELS(bf16, tandem_bf16, float)

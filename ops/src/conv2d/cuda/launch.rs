@@ -138,15 +138,27 @@ pub fn column_len(g: &Geometry, samples: usize) -> Option<usize> {
         .and_then(|n| n.checked_mul(samples))
 }
 
-fn kernel_name(op: &'static str, kernel: &str, dtype: DType) -> Result<String> {
+/// The name of `kernel`'s instantiation for `dtype`: f32 and f64 for every kernel, f16 and bf16
+/// too for the bias kernels (`low`: they compute in f32).
+fn kernel_name(op: &'static str, kernel: &str, dtype: DType, low: bool) -> Result<String> {
     match dtype {
         DType::F32 | DType::F64 => Ok(format!("conv2d_{kernel}_{dtype}")),
+        DType::F16 | DType::BF16 if low => Ok(format!("conv2d_{kernel}_{dtype}")),
         other => Err(Error::UnsupportedDType {
             op,
             dtype: other,
-            supported: "f32, f64",
+            supported: if low {
+                "f32, f64, f16, bf16"
+            } else {
+                "f32, f64"
+            },
         }),
     }
+}
+
+/// Whether `dtype` is a 16-bit float (computed in f32 by the bias kernels).
+fn is_low(dtype: DType) -> bool {
+    matches!(dtype, DType::F16 | DType::BF16)
 }
 
 fn non_null(op: &'static str, what: &str, address: u64) -> Result<()> {
@@ -180,7 +192,7 @@ pub fn im2col_launch(
     layout: ColumnLayout,
 ) -> Result<Launch> {
     const OP: &str = "conv2d (im2col)";
-    let kernel = kernel_name(OP, "im2col", dtype)?;
+    let kernel = kernel_name(OP, "im2col", dtype, false)?;
     let shape = ConvShape::new(OP, g)?;
     let threads = samples
         .checked_mul(g.in_channels * g.out_pixels())
@@ -217,7 +229,7 @@ pub fn col2im_launch(
     samples: usize,
 ) -> Result<Launch> {
     const OP: &str = "conv2d_backward (col2im)";
-    let kernel = kernel_name(OP, "col2im", dtype)?;
+    let kernel = kernel_name(OP, "col2im", dtype, false)?;
     let shape = ConvShape::new(OP, g)?;
     let n = samples
         .checked_mul(g.in_per_sample())
@@ -254,7 +266,7 @@ pub fn bias_add_launch(
     pixels: usize,
 ) -> Result<Launch> {
     const OP: &str = "conv2d (bias)";
-    let kernel = kernel_name(OP, "bias_add", dtype)?;
+    let kernel = kernel_name(OP, "bias_add", dtype, true)?;
     let n = samples
         .checked_mul(channels)
         .and_then(|n| n.checked_mul(pixels))
@@ -298,12 +310,31 @@ impl BiasGradSplit {
         }
     }
 
-    /// Elements of the partial-sum buffer the first pass writes (0 when it writes the gradient
-    /// directly).
+    /// Elements of the partial-sum buffer the first pass writes for f32 and f64 (0 when it
+    /// writes the gradient directly).
     pub fn partials_len(&self, channels: usize) -> usize {
         match self.splits {
             1 => 0,
             s => channels * s,
+        }
+    }
+
+    /// Whether the first pass writes the gradient of `dtype` directly: one slice per channel,
+    /// and a dtype that is its own compute type (the partial sums of f16 and bf16 are f32, so
+    /// they always take the second pass, which rounds once).
+    pub fn direct(&self, dtype: DType) -> bool {
+        self.splits == 1 && !is_low(dtype)
+    }
+
+    /// Bytes of the partial-sum buffer for `channels` channels of `dtype` (f32 partial sums for
+    /// f16 and bf16; 0 when the first pass writes the gradient directly).
+    pub fn partials_bytes(&self, channels: usize, dtype: DType) -> usize {
+        if self.direct(dtype) {
+            0
+        } else if is_low(dtype) {
+            channels * self.splits * DType::F32.size_in_bytes()
+        } else {
+            channels * self.splits * dtype.size_in_bytes()
         }
     }
 }
@@ -312,7 +343,8 @@ impl BiasGradSplit {
 /// gradient `gy` of shape `[samples, channels, pixels]`, into `grad` (`[channels]`, every element
 /// written, zeros when there are no samples or pixels): one launch when `split.splits` is 1,
 /// else a first pass into `partials` (`split.partials_len(channels)` elements) and a second
-/// into `grad`.
+/// into `grad`. For f16 and bf16 the partial sums are f32 and there are always two passes
+/// (`partials` then holds [`BiasGradSplit::partials_bytes`]).
 pub fn bias_grad_launches(
     dtype: DType,
     gy: u64,
@@ -322,8 +354,8 @@ pub fn bias_grad_launches(
     split: BiasGradSplit,
 ) -> Result<Vec<Launch>> {
     const OP: &str = "conv2d_backward (bias)";
-    let partial = kernel_name(OP, "bias_grad_partial", dtype)?;
-    let finish = kernel_name(OP, "bias_grad_finish", dtype)?;
+    let partial = kernel_name(OP, "bias_grad_partial", dtype, true)?;
+    let finish = kernel_name(OP, "bias_grad_finish", dtype, true)?;
     if split.splits == 0 || split.span == 0 {
         return Err(Error::invalid(OP, format!("empty bias split {split:?}")));
     }
@@ -345,7 +377,7 @@ pub fn bias_grad_launches(
             non_null(OP, "output gradient", gy)?;
         }
     }
-    let direct = split.splits == 1;
+    let direct = split.direct(dtype);
     let first_out = if direct { grad } else { partials };
     if !direct && channels > 0 {
         non_null(OP, "partial sums", partials)?;
@@ -433,5 +465,39 @@ mod tests {
         assert!(err.to_string().contains("null"), "{err}");
         // Nothing to do: null is fine.
         assert!(im2col_launch(DType::F32, &g, 0, 0, 0, ColumnLayout::Joined).is_ok());
+    }
+
+    #[test]
+    fn low_precision_bias_kernels_sum_in_f32_partials_and_always_finish() {
+        let add = bias_add_launch(DType::BF16, 8, 16, 2, 3, 4).unwrap();
+        assert_eq!(add.kernel, "conv2d_bias_add_bf16");
+        // One slice per channel: f32 writes the gradient directly, f16 sums into f32 partials
+        // and rounds in the second pass.
+        let split = BiasGradSplit::new(2, 10);
+        assert!(split.direct(DType::F32) && !split.direct(DType::F16));
+        assert_eq!(split.partials_bytes(7, DType::F32), 0);
+        assert_eq!(split.partials_bytes(7, DType::F16), 7 * 4);
+        let launches = bias_grad_launches(DType::F16, 8, 16, 32, [2, 7, 5], split).unwrap();
+        let names: Vec<_> = launches.iter().map(|l| l.kernel.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "conv2d_bias_grad_partial_f16",
+                "conv2d_bias_grad_finish_f16"
+            ]
+        );
+        let wide = BiasGradSplit::new(128, 1024);
+        assert_eq!(wide.partials_bytes(16, DType::BF16), 16 * 32 * 4);
+        assert_eq!(wide.partials_bytes(16, DType::F64), 16 * 32 * 8);
+        let err = im2col_launch(
+            DType::BF16,
+            &geometry([1, 1, 4, 4], [1, 1, 3, 3], Conv2dParams::default()),
+            8,
+            8,
+            1,
+            ColumnLayout::PerSample,
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("f32, f64"), "{err}");
     }
 }

@@ -130,7 +130,101 @@ fn tf32(dtype: DType) -> bool {
     dtype == DType::F32 && allow_tf32_conv()
 }
 
-/// The forward of conv2d on CUDA tensors: `[N, O, OH, OW]`.
+/// How the tensors of one conv2d call lie in memory for cuDNN: NCHW (contiguous), or NHWC
+/// (channels last: an `[N, C, H, W]` tensor with strides `[H·W·C, 1, W·C, C]`, the weight
+/// `[O, C, kh, kw]` with strides `[kh·kw·C, 1, kw·C, C]`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum Format {
+    /// Contiguous `[N, C, H, W]`.
+    Nchw,
+    /// Channels last.
+    Nhwc,
+}
+
+/// Whether the 4-d `t` has channels-last strides (dims of size 1 may have any stride: they
+/// are never stepped over).
+fn nhwc_strides(t: &Tensor) -> bool {
+    if t.rank() != 4 {
+        return false;
+    }
+    let (d, s) = (t.dims(), t.layout().strides());
+    let want = [d[2] * d[3] * d[1], 1, d[3] * d[1], d[1]];
+    (0..4).all(|i| d[i] == 1 || s[i] == want[i])
+}
+
+/// The memory format a conv2d call on input `x` runs in: NHWC when `x` is dense channels-last
+/// and not also contiguous (a tensor that is both, with one channel or 1×1 pixels, stays NCHW).
+// The helper ampcl adds a `MemoryFormat` to core in parallel; this detection is the same rule
+// and can become a call to it once merged.
+pub(crate) fn format_of(x: &Tensor) -> Format {
+    if !x.is_contiguous() && nhwc_strides(x) {
+        Format::Nhwc
+    } else {
+        Format::Nchw
+    }
+}
+
+/// A new tensor of `dims` (`[N, C, H, W]`) whose memory is in `format`.
+fn empty_in(format: Format, dims: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
+    match format {
+        Format::Nchw => Tensor::empty(dims, dtype, device),
+        Format::Nhwc => {
+            let buf = Tensor::empty(&[dims[0], dims[2], dims[3], dims[1]], dtype, device)?;
+            buf.view_detached(buf.layout().permute("conv2d", &[0, 3, 1, 2])?)
+        }
+    }
+}
+
+/// `t`'s values, dense in `format` (`t` itself when it already is; a copy otherwise).
+fn dense_in(t: &Tensor, format: Format) -> Result<Tensor> {
+    match format {
+        Format::Nchw => t.contiguous_detached(),
+        Format::Nhwc if nhwc_strides(t) => Ok(t.detach()),
+        Format::Nhwc => {
+            let out = empty_in(format, t.dims(), t.dtype(), t.device())?;
+            out.copy_(&t.detach())?;
+            Ok(out)
+        }
+    }
+}
+
+/// Whether `dtype` is a 16-bit float: im2col runs it in f32 on converted copies.
+fn is_low(dtype: DType) -> bool {
+    matches!(dtype, DType::F16 | DType::BF16)
+}
+
+/// `t` as a contiguous NCHW tensor of the im2col engine's dtype (f32 for f16 and bf16).
+fn im2col_operand(t: &Tensor) -> Result<Tensor> {
+    if is_low(t.dtype()) {
+        t.to_dtype(DType::F32)?.contiguous_detached()
+    } else {
+        t.contiguous_detached()
+    }
+}
+
+/// Runs one im2col pass into `out`: directly when `out` is contiguous in a dtype im2col has,
+/// otherwise into a contiguous temporary of the im2col dtype (f32 for f16/bf16: products and
+/// sums in f32, one rounding at the end, as cuDNN's f32 compute type does), then copied (and
+/// rounded) into `out`, whatever its layout.
+fn im2col_into(out: &Tensor, run: impl FnOnce(DType, u64) -> Result<()>) -> Result<()> {
+    const OP: &str = "conv2d (im2col)";
+    if !is_low(out.dtype()) && out.is_contiguous() {
+        let (_, oa) = address(OP, out)?;
+        return run(out.dtype(), oa);
+    }
+    let dtype = if is_low(out.dtype()) {
+        DType::F32
+    } else {
+        out.dtype()
+    };
+    let temp = Tensor::empty(out.dims(), dtype, out.device())?;
+    let (_, ta) = address(OP, &temp)?;
+    run(dtype, ta)?;
+    out.copy_(&temp.to_dtype(out.dtype())?)
+}
+
+/// The forward of conv2d on CUDA tensors: `[N, O, OH, OW]`, channels last when `x` is (see
+/// [`format_of`]).
 pub(crate) fn conv2d(
     x: &Tensor,
     weight: &Tensor,
@@ -139,7 +233,8 @@ pub(crate) fn conv2d(
 ) -> Result<Tensor> {
     const OP: &str = "conv2d";
     let dtype = x.dtype();
-    let out = Tensor::empty(&g.out_shape(), dtype, x.device())?;
+    let format = format_of(x);
+    let out = empty_in(format, &g.out_shape(), dtype, x.device())?;
     if out.numel() == 0 {
         return Ok(out);
     }
@@ -148,29 +243,43 @@ pub(crate) fn conv2d(
         // Every output sums over no input element.
         out.fill_(0.0)?;
     } else {
-        let (x, weight) = (x.contiguous_detached()?, weight.contiguous_detached()?);
+        let (x, weight) = (dense_in(x, format)?, dense_in(weight, format)?);
         let (_, xa) = address(OP, &x)?;
         let (_, wa) = address(OP, &weight)?;
         let engine = if cudnn_in_use(&dev) {
-            cudnn::forward(&dev, g, dtype, xa, wa, y)?
+            cudnn::forward(&dev, g, dtype, format, xa, wa, y)?
         } else {
             Engine::Im2col
         };
         if engine == Engine::Im2col {
-            im2col::forward(&dev, g, dtype, xa, wa, y)?;
+            let (x, weight) = (im2col_operand(&x)?, im2col_operand(&weight)?);
+            let (_, xa) = address(OP, &x)?;
+            let (_, wa) = address(OP, &weight)?;
+            im2col_into(&out, |dt, ya| im2col::forward(&dev, g, dt, xa, wa, ya))?;
         }
     }
     if let Some(b) = bias {
         let b = b.contiguous_detached()?;
         let (_, ba) = address(OP, &b)?;
-        let launch = bias_add_launch(dtype, y, ba, g.batch, g.out_channels, g.out_pixels())?;
+        let [samples, channels, pixels] = bias_dims(g, format);
+        let launch = bias_add_launch(dtype, y, ba, samples, channels, pixels)?;
         launch_on_compute(&dev, &launch, out.numel())?;
     }
     Ok(out)
 }
 
+/// The output as the bias kernels see it, `[samples, channels, pixels]`: NHWC is NCHW with
+/// `N·OH·OW` samples of one pixel.
+fn bias_dims(g: &Geometry, format: Format) -> [usize; 3] {
+    match format {
+        Format::Nchw => [g.batch, g.out_channels, g.out_pixels()],
+        Format::Nhwc => [g.batch * g.out_pixels(), g.out_channels, 1],
+    }
+}
+
 /// The backward of conv2d on CUDA tensors: the gradients `needs` asks for, shaped like the
-/// input, the weight and the bias (`[O]`).
+/// input, the weight and the bias (`[O]`). In NHWC (when `x` is channels last) the input
+/// gradient is channels last too, and the weight gradient takes the weight's layout.
 pub(crate) fn conv2d_backward(
     x: &Tensor,
     weight: &Tensor,
@@ -181,7 +290,9 @@ pub(crate) fn conv2d_backward(
     const OP: &str = "conv2d_backward";
     same_dtype_device(OP, x, grad)?;
     // The forward checked x; cuDNN's descriptors and the kernels exist for these dtypes only.
-    float_dtype(OP, grad)?;
+    if !is_low(grad.dtype()) {
+        float_dtype(OP, grad)?;
+    }
     if grad.dims() != g.out_shape() {
         return Err(Error::shape(
             OP,
@@ -192,97 +303,128 @@ pub(crate) fn conv2d_backward(
             ),
         ));
     }
-    let dtype = grad.dtype();
-    let gy = grad.contiguous_detached()?;
-    let (dev, gya) = address(OP, &gy)?;
-    let use_cudnn = cudnn_in_use(&dev);
-
+    let format = format_of(x);
+    let gy = dense_in(grad, format)?;
     let input = match needs.input {
         false => None,
-        true => {
-            let dx = Tensor::empty(x.dims(), dtype, x.device())?;
-            if dx.numel() > 0 {
-                let (_, dxa) = address(OP, &dx)?;
-                if gy.numel() == 0 || weight.numel() == 0 {
-                    dx.fill_(0.0)?;
-                } else {
-                    let w = weight.contiguous_detached()?;
-                    let (_, wa) = address(OP, &w)?;
-                    let engine = if use_cudnn {
-                        cudnn::input_grad(&dev, g, dtype, wa, gya, dxa)?
-                    } else {
-                        Engine::Im2col
-                    };
-                    if engine == Engine::Im2col {
-                        im2col::input_grad(&dev, g, dtype, wa, gya, dxa)?;
-                    }
-                }
-            }
-            Some(dx)
-        }
+        true => Some(input_grad(x, weight, &gy, g, format)?),
     };
-
     let weight_grad = match needs.weight {
         false => None,
-        true => {
-            let dw = Tensor::empty(weight.dims(), dtype, weight.device())?;
-            if dw.numel() > 0 {
-                let (_, dwa) = address(OP, &dw)?;
-                if gy.numel() == 0 || x.numel() == 0 {
-                    dw.fill_(0.0)?;
-                } else {
-                    let xc = x.contiguous_detached()?;
-                    let (_, xa) = address(OP, &xc)?;
-                    let engine = if use_cudnn {
-                        cudnn::weight_grad(&dev, g, dtype, xa, gya, dwa)?
-                    } else {
-                        Engine::Im2col
-                    };
-                    if engine == Engine::Im2col {
-                        im2col::weight_grad(&dev, g, dtype, xa, &gy, dwa)?;
-                    }
-                }
-            }
-            Some(dw)
-        }
+        true => Some(weight_grad(x, weight, &gy, g, format)?),
     };
-
     let bias = match needs.bias {
         false => None,
-        true => Some(bias_grad(&dev, g, dtype, &gy, gya)?),
+        true => {
+            let (dev, gya) = address(OP, &gy)?;
+            Some(bias_grad(&dev, g, format, &gy, gya)?)
+        }
     };
     Ok([input, weight_grad, bias])
 }
 
-/// `Σ_{n,p} gy[n, o, p]` for every output channel `o`, by conv2d's two-pass reduction.
+/// The input gradient from the weights and `gy` (dense in `format`), in `format`.
+fn input_grad(
+    x: &Tensor,
+    weight: &Tensor,
+    gy: &Tensor,
+    g: &Geometry,
+    format: Format,
+) -> Result<Tensor> {
+    const OP: &str = "conv2d_backward";
+    let dtype = gy.dtype();
+    let dx = empty_in(format, x.dims(), dtype, x.device())?;
+    if dx.numel() == 0 {
+        return Ok(dx);
+    }
+    if gy.numel() == 0 || weight.numel() == 0 {
+        dx.fill_(0.0)?;
+        return Ok(dx);
+    }
+    let (dev, dxa) = address(OP, &dx)?;
+    let (_, gya) = address(OP, gy)?;
+    let w = dense_in(weight, format)?;
+    let (_, wa) = address(OP, &w)?;
+    let engine = if cudnn_in_use(&dev) {
+        cudnn::input_grad(&dev, g, dtype, format, wa, gya, dxa)?
+    } else {
+        Engine::Im2col
+    };
+    if engine == Engine::Im2col {
+        let (w, gy) = (im2col_operand(&w)?, im2col_operand(gy)?);
+        let (_, wa) = address(OP, &w)?;
+        let (_, gya) = address(OP, &gy)?;
+        im2col_into(&dx, |dt, dxa| im2col::input_grad(&dev, g, dt, wa, gya, dxa))?;
+    }
+    Ok(dx)
+}
+
+/// The weight gradient from `x` and `gy` (dense in `format`), in the weight's layout (NHWC
+/// only when the weight is channels last itself).
+fn weight_grad(
+    x: &Tensor,
+    weight: &Tensor,
+    gy: &Tensor,
+    g: &Geometry,
+    format: Format,
+) -> Result<Tensor> {
+    const OP: &str = "conv2d_backward";
+    let dtype = gy.dtype();
+    let dw = empty_in(format, weight.dims(), dtype, weight.device())?;
+    if dw.numel() == 0 {
+        return Ok(dw);
+    }
+    if gy.numel() == 0 || x.numel() == 0 {
+        dw.fill_(0.0)?;
+    } else {
+        let (dev, dwa) = address(OP, &dw)?;
+        let (_, gya) = address(OP, gy)?;
+        let xc = dense_in(x, format)?;
+        let (_, xa) = address(OP, &xc)?;
+        let engine = if cudnn_in_use(&dev) {
+            cudnn::weight_grad(&dev, g, dtype, format, xa, gya, dwa)?
+        } else {
+            Engine::Im2col
+        };
+        if engine == Engine::Im2col {
+            let (xc, gy) = (im2col_operand(&xc)?, im2col_operand(gy)?);
+            let (_, xa) = address(OP, &xc)?;
+            im2col_into(&dw, |dt, dwa| {
+                im2col::weight_grad(&dev, g, dt, xa, &gy, dwa)
+            })?;
+        }
+    }
+    if format == Format::Nhwc && !nhwc_strides(weight) {
+        return dw.contiguous_detached();
+    }
+    Ok(dw)
+}
+
+/// `Σ_{n,p} gy[n, o, p]` for every output channel `o`, by conv2d's two-pass reduction (f32
+/// partial sums for f16 and bf16).
 fn bias_grad(
     dev: &Arc<CudaDevice>,
     g: &Geometry,
-    dtype: DType,
+    format: Format,
     gy: &Tensor,
     gya: u64,
 ) -> Result<Tensor> {
     const OP: &str = "conv2d_backward";
+    let dtype = gy.dtype();
     let db = Tensor::empty(&[g.out_channels], dtype, gy.device())?;
     if g.out_channels == 0 {
         return Ok(db);
     }
     let (_, dba) = address(OP, &db)?;
-    let split = BiasGradSplit::new(g.batch, g.out_pixels());
+    let dims = bias_dims(g, format);
+    let split = BiasGradSplit::new(dims[0], dims[2]);
     let partials = DeviceBuffer::alloc(
         OP,
         dev,
-        split.partials_len(g.out_channels) * dtype.size_in_bytes(),
+        split.partials_bytes(g.out_channels, dtype),
         dev.compute_stream(),
     )?;
-    let launches = bias_grad_launches(
-        dtype,
-        gya,
-        dba,
-        partials.ptr(),
-        [g.batch, g.out_channels, g.out_pixels()],
-        split,
-    )?;
+    let launches = bias_grad_launches(dtype, gya, dba, partials.ptr(), dims, split)?;
     for launch in &launches {
         // Never empty: every channel's sum is written, zero when there is nothing to sum.
         dev.launch(launch, dev.compute_stream())?;

@@ -8,12 +8,20 @@
 //! `tandem_core::cuda::blas::allow_tf32_matmul()` says so (off by default, as in PyTorch). A
 //! bias is copied into every output row by one broadcast copy and the product accumulates onto
 //! it (`beta = 1`), as the CPU does. Nothing here waits for the device.
+//!
+//! f16 and bf16 operands (autocast's products) go through `cublasGemmEx` /
+//! `cublasGemmStridedBatchedEx` with `CUBLAS_COMPUTE_32F`: inputs and output in the low dtype,
+//! products and sums in f32 (reduced-precision split-K reductions forbidden, see
+//! `blas::LOW_PRECISION_MATH`), one rounding to the low dtype at the end; tensor cores are
+//! cuBLAS's choice. Their row sums (linear's bias gradient) are one `GemmEx` against a column of
+//! ones, with the same f32 accumulation.
 
 mod launch;
 
 use super::shape::batch_strides;
 use cudarc::cublas::result as cublas;
 use cudarc::cublas::sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
+use cudarc::cublas::sys::{cublasComputeType_t, cudaDataType};
 use tandem_core::cuda::sanitizer::{self, Use};
 use tandem_core::cuda::{blas, device_pointer};
 use tandem_core::{checked_numel, DType, Error, Result, Tensor};
@@ -185,6 +193,8 @@ fn gemms(op: &'static str, x: &Tensor, y: &Tensor, out: &Tensor, calls: &[GemmCa
         let call = match (out.dtype(), calls.iter().any(|c| c.batch > 1)) {
             (DType::F64, false) => "cublasDgemm",
             (DType::F64, true) => "cublasDgemmStridedBatched",
+            (DType::F16 | DType::BF16, false) => "cublasGemmEx",
+            (DType::F16 | DType::BF16, true) => "cublasGemmStridedBatchedEx",
             (_, false) => "cublasSgemm",
             (_, true) => "cublasSgemmStridedBatched",
         };
@@ -217,11 +227,105 @@ fn gemms(op: &'static str, x: &Tensor, y: &Tensor, out: &Tensor, calls: &[GemmCa
                 .iter()
                 .try_for_each(|c| unsafe { dgemm(h, c, matrices(c)) })
         }),
+        DType::F16 | DType::BF16 => {
+            let ty = low_type(out.dtype());
+            blas::with_blas_math(op, &dev, stream, blas::LOW_PRECISION_MATH, |h| {
+                // SAFETY: as for f32; every matrix holds elements of `ty`.
+                calls
+                    .iter()
+                    .try_for_each(|c| unsafe { gemm_low(h, c, matrices(c), ty) })
+            })
+        }
         other => Err(Error::UnsupportedDType {
             op,
             dtype: other,
-            supported: "f32, f64",
+            supported: SUPPORTED,
         }),
+    }
+}
+
+/// The dtypes of the CUDA products.
+const SUPPORTED: &str = "f32, f64, f16, bf16";
+
+/// cuBLAS's data type of a 16-bit float dtype (f16, else bf16).
+fn low_type(dtype: DType) -> cudaDataType {
+    if dtype == DType::F16 {
+        cudaDataType::CUDA_R_16F
+    } else {
+        cudaDataType::CUDA_R_16BF
+    }
+}
+
+/// [`sgemm`] for f16/bf16 matrices of type `ty` (`GemmEx`, `GemmStridedBatchedEx`): f32
+/// compute, so alpha and beta are f32.
+///
+/// # Safety
+/// As for [`sgemm`], with every matrix holding elements of `ty`.
+unsafe fn gemm_low(
+    h: cudarc::cublas::sys::cublasHandle_t,
+    c: &GemmCall,
+    (a, b, cc): (u64, u64, u64),
+    ty: cudaDataType,
+) -> std::result::Result<(), cublas::CublasError> {
+    let (one, beta) = (1.0f32, if c.accumulate { 1.0f32 } else { 0.0 });
+    let (alpha, beta) = (
+        (&one as *const f32).cast(),
+        (&beta as *const f32).cast::<std::ffi::c_void>(),
+    );
+    let compute = cublasComputeType_t::CUBLAS_COMPUTE_32F;
+    let algo = cudarc::cublas::sys::cublasGemmAlgo_t::CUBLAS_GEMM_DFALT;
+    // SAFETY: the caller's contract; alpha and beta are f32, as CUBLAS_COMPUTE_32F reads them,
+    // and live across the call (cuBLAS reads host scalars before returning).
+    unsafe {
+        if c.batch == 1 {
+            cublas::gemm_ex(
+                h,
+                trans(c.trans_a),
+                trans(c.trans_b),
+                c.m,
+                c.n,
+                c.k,
+                alpha,
+                a as *const _,
+                ty,
+                c.lda,
+                b as *const _,
+                ty,
+                c.ldb,
+                beta,
+                cc as *mut _,
+                ty,
+                c.ldc,
+                compute,
+                algo,
+            )
+        } else {
+            cublas::gemm_strided_batched_ex(
+                h,
+                trans(c.trans_a),
+                trans(c.trans_b),
+                c.m,
+                c.n,
+                c.k,
+                alpha,
+                a as *const _,
+                ty,
+                c.lda,
+                c.stride_a,
+                b as *const _,
+                ty,
+                c.ldb,
+                c.stride_b,
+                beta,
+                cc as *mut _,
+                ty,
+                c.ldc,
+                c.stride_c,
+                c.batch,
+                compute,
+                algo,
+            )
+        }
     }
 }
 
@@ -405,10 +509,10 @@ pub(crate) fn sum_rows_into(
     let (dev, tp) = first_element(op, t)?;
     let (_, onesp) = device_pointer(op, &ones)?;
     let yp = first_element_address(op, out)?;
-    let call = if t.dtype() == DType::F64 {
-        "cublasDgemv"
-    } else {
-        "cublasSgemv"
+    let call = match t.dtype() {
+        DType::F64 => "cublasDgemv",
+        DType::F16 | DType::BF16 => "cublasGemmEx",
+        _ => "cublasSgemv",
     };
     sanitizer::access(
         dev.device(),
@@ -458,10 +562,44 @@ pub(crate) fn sum_rows_into(
                 )
             }
         }),
+        DType::F16 | DType::BF16 => {
+            // No gemv for 16-bit floats: the [cols × rows] · [rows × 1] product instead, with
+            // f32 accumulation.
+            let call = GemmCall {
+                trans_a: false,
+                trans_b: false,
+                m,
+                n: 1,
+                k: n,
+                lda: m,
+                ldb: n,
+                ldc: m,
+                a_offset: 0,
+                b_offset: 0,
+                c_offset: 0,
+                stride_a: 0,
+                stride_b: 0,
+                stride_c: 0,
+                batch: 1,
+                accumulate,
+            };
+            let ty = low_type(t.dtype());
+            blas::with_blas_math(
+                op,
+                &dev,
+                dev.compute_stream(),
+                blas::LOW_PRECISION_MATH,
+                |h| {
+                    // SAFETY: as for f32: `t` is [cols × rows] column-major (lda = cols), `ones` a
+                    // [rows × 1] column and `out` [cols × 1], all of `ty`.
+                    unsafe { gemm_low(h, &call, (tp, onesp, yp), ty) }
+                },
+            )
+        }
         other => Err(Error::UnsupportedDType {
             op,
             dtype: other,
-            supported: "f32, f64",
+            supported: SUPPORTED,
         }),
     }
 }

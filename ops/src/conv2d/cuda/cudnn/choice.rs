@@ -23,7 +23,7 @@ use std::hash::Hash;
 
 use tandem_core::DType;
 
-use crate::conv2d::cuda::CudnnAlgorithmSearch;
+use crate::conv2d::cuda::{CudnnAlgorithmSearch, Format};
 use crate::conv2d::Geometry;
 
 /// The largest alignment keys distinguish, in bytes.
@@ -65,6 +65,7 @@ impl Alignments {
 pub(super) struct PlanKey {
     pub geometry: Geometry,
     pub dtype: DType,
+    pub format: Format,
     pub tf32: bool,
     pub search: CudnnAlgorithmSearch,
     pub alignments: Alignments,
@@ -199,6 +200,7 @@ mod tests {
         PlanKey {
             geometry: geometry(),
             dtype: DType::F32,
+            format: Format::Nchw,
             tf32: false,
             search: CudnnAlgorithmSearch::Measured,
             alignments: Alignments::of(x, w, y),

@@ -9,13 +9,34 @@ use cudarc::cudnn::sys;
 use tandem_core::DType;
 
 use super::choice::Choice;
+use crate::conv2d::cuda::Format;
 use crate::conv2d::Geometry;
 
-/// cuDNN's name for a dtype (the CPU op, and so this path, has f32 and f64).
+/// cuDNN's name for the data type of tensors of `dtype` (f32, f64, f16, bf16; conv2d's entry
+/// checks refuse the others).
 pub(super) fn data_type(dtype: DType) -> sys::cudnnDataType_t {
     match dtype {
         DType::F64 => sys::cudnnDataType_t::CUDNN_DATA_DOUBLE,
+        DType::F16 => sys::cudnnDataType_t::CUDNN_DATA_HALF,
+        DType::BF16 => sys::cudnnDataType_t::CUDNN_DATA_BFLOAT16,
         _ => sys::cudnnDataType_t::CUDNN_DATA_FLOAT,
+    }
+}
+
+/// The compute type of a convolution over `dtype` data: double for f64, float otherwise (f16
+/// and bf16 accumulate in f32, cuDNN's "pseudo-half" configuration).
+pub(super) fn compute_type(dtype: DType) -> sys::cudnnDataType_t {
+    match dtype {
+        DType::F64 => sys::cudnnDataType_t::CUDNN_DATA_DOUBLE,
+        _ => sys::cudnnDataType_t::CUDNN_DATA_FLOAT,
+    }
+}
+
+/// cuDNN's memory format of a [`Format`].
+fn tensor_format(format: Format) -> sys::cudnnTensorFormat_t {
+    match format {
+        Format::Nchw => sys::cudnnTensorFormat_t::CUDNN_TENSOR_NCHW,
+        Format::Nhwc => sys::cudnnTensorFormat_t::CUDNN_TENSOR_NHWC,
     }
 }
 
@@ -48,18 +69,19 @@ pub(super) fn fits(g: &Geometry) -> bool {
         .all(small)
 }
 
-/// An NCHW tensor descriptor.
+/// A 4-d tensor descriptor.
 pub(super) struct TensorDesc(pub sys::cudnnTensorDescriptor_t);
 
 impl TensorDesc {
-    /// A dense NCHW descriptor of `dims`.
-    pub fn nchw(dims: [usize; 4], dtype: DType) -> CudnnResult<Self> {
+    /// A dense descriptor of `dims` (`[N, C, H, W]`) in memory order `format` (NCHW, or NHWC:
+    /// channels last).
+    pub fn new(dims: [usize; 4], dtype: DType, format: Format) -> CudnnResult<Self> {
         let desc = TensorDesc(cudnn::create_tensor_descriptor()?);
         // SAFETY: `desc.0` was just created and is destroyed only by its drop.
         unsafe {
             cudnn::set_tensor4d_descriptor(
                 desc.0,
-                sys::cudnnTensorFormat_t::CUDNN_TENSOR_NCHW,
+                tensor_format(format),
                 data_type(dtype),
                 dims.map(int),
             )
@@ -70,7 +92,7 @@ impl TensorDesc {
 
 impl Drop for TensorDesc {
     fn drop(&mut self) {
-        // SAFETY: created by `nchw` and destroyed only here. A failure leaks a few bytes.
+        // SAFETY: created by `new` and destroyed only here. A failure leaks a few bytes.
         let _ = unsafe { cudnn::destroy_tensor_descriptor(self.0) };
     }
 }
@@ -79,15 +101,16 @@ impl Drop for TensorDesc {
 pub(super) struct FilterDesc(pub sys::cudnnFilterDescriptor_t);
 
 impl FilterDesc {
-    /// The descriptor of dense weights `dims`.
-    pub fn nchw(dims: [usize; 4], dtype: DType) -> CudnnResult<Self> {
+    /// The descriptor of dense weights `dims` in memory order `format` (NHWC: `[O, kh, kw, C]`
+    /// in memory, as cuDNN wants with NHWC tensors).
+    pub fn new(dims: [usize; 4], dtype: DType, format: Format) -> CudnnResult<Self> {
         let desc = FilterDesc(cudnn::create_filter_descriptor()?);
         // SAFETY: `desc.0` was just created and is destroyed only by its drop.
         unsafe {
             cudnn::set_filter4d_descriptor(
                 desc.0,
                 data_type(dtype),
-                sys::cudnnTensorFormat_t::CUDNN_TENSOR_NCHW,
+                tensor_format(format),
                 dims.map(int),
             )
         }?;
@@ -97,7 +120,7 @@ impl FilterDesc {
 
 impl Drop for FilterDesc {
     fn drop(&mut self) {
-        // SAFETY: created by `nchw` and destroyed only here.
+        // SAFETY: created by `new` and destroyed only here.
         let _ = unsafe { cudnn::destroy_filter_descriptor(self.0) };
     }
 }
@@ -107,7 +130,8 @@ impl Drop for FilterDesc {
 pub(super) struct ConvDesc(pub sys::cudnnConvolutionDescriptor_t);
 
 impl ConvDesc {
-    /// The descriptor of `g` computing in `dtype`, with math type `math`.
+    /// The descriptor of `g` over `dtype` data (computing in [`compute_type`]), with math type
+    /// `math`.
     pub fn new(g: &Geometry, dtype: DType, math: sys::cudnnMathType_t) -> CudnnResult<Self> {
         let desc = ConvDesc(cudnn::create_convolution_descriptor()?);
         // SAFETY: `desc.0` was just created and is destroyed only by its drop.
@@ -121,7 +145,7 @@ impl ConvDesc {
                 int(g.dilation.0),
                 int(g.dilation.1),
                 sys::cudnnConvolutionMode_t::CUDNN_CROSS_CORRELATION,
-                data_type(dtype),
+                compute_type(dtype),
             )
         }?;
         desc.set_math(math)?;
@@ -159,7 +183,7 @@ impl<A: std::fmt::Debug> std::fmt::Debug for Algorithm<A> {
 /// What runs one pass of a plan, once chosen.
 pub(super) type PassChoice<A> = Option<Choice<Algorithm<A>>>;
 
-/// The descriptors of one geometry and dtype.
+/// The descriptors of one geometry, dtype and memory format.
 pub(super) struct Descriptors {
     /// The input `[N, C, H, W]` (and its gradient).
     pub x: TensorDesc,
@@ -179,15 +203,17 @@ pub(super) struct Plan {
 }
 
 impl Plan {
-    /// The descriptors of `g` in `dtype` (which [`fits`] cuDNN), no pass chosen yet.
-    pub fn new(g: &Geometry, dtype: DType) -> CudnnResult<Self> {
+    /// The descriptors of `g` in `dtype` and `format` (which [`fits`] cuDNN), no pass chosen
+    /// yet.
+    pub fn new(g: &Geometry, dtype: DType, format: Format) -> CudnnResult<Self> {
         Ok(Plan {
             descriptors: Descriptors {
-                x: TensorDesc::nchw([g.batch, g.in_channels, g.in_h, g.in_w], dtype)?,
-                y: TensorDesc::nchw(g.out_shape(), dtype)?,
-                w: FilterDesc::nchw(
+                x: TensorDesc::new([g.batch, g.in_channels, g.in_h, g.in_w], dtype, format)?,
+                y: TensorDesc::new(g.out_shape(), dtype, format)?,
+                w: FilterDesc::new(
                     [g.out_channels, g.in_channels, g.kernel.0, g.kernel.1],
                     dtype,
+                    format,
                 )?,
             },
             forward: None,

@@ -34,7 +34,7 @@ use tandem_core::cuda::libs::{self, CudaLibrary};
 use tandem_core::cuda::CudaDevice;
 use tandem_core::{DType, Device, Error, Result};
 
-use super::{cudnn_algorithm_search, notice_cudnn_unavailable, tf32};
+use super::{cudnn_algorithm_search, notice_cudnn_unavailable, tf32, Format};
 use crate::conv2d::Geometry;
 pub(super) use choice::Engine;
 use choice::{run_pass as run_choice, Alignments, Event, PlanKey};
@@ -211,11 +211,13 @@ impl State {
         dev: &Arc<CudaDevice>,
         g: &Geometry,
         dtype: DType,
+        format: Format,
         ops: Operands,
     ) -> Result<Engine> {
         let key = PlanKey {
             geometry: *g,
             dtype,
+            format,
             tf32: tf32(dtype),
             search: cudnn_algorithm_search(),
             alignments: Alignments::of(ops.a, ops.b, ops.out),
@@ -227,10 +229,13 @@ impl State {
                 e.into_mut()
             }
             std::collections::hash_map::Entry::Vacant(e) => {
-                let plan = Plan::new(g, dtype).map_err(|e| Error::Cuda {
+                let plan = Plan::new(g, dtype, format).map_err(|e| Error::Cuda {
                     op: "conv2d",
                     device: dev.device(),
-                    detail: format!("cuDNN descriptors for {g:?} ({dtype}): {:?}", e.0),
+                    detail: format!(
+                        "cuDNN descriptors for {g:?} ({dtype}, {format:?}): {:?}",
+                        e.0
+                    ),
                 })?;
                 e.insert(plan)
             }
@@ -300,32 +305,38 @@ fn run_pass<P: Pass>(
     dev: &Arc<CudaDevice>,
     g: &Geometry,
     dtype: DType,
+    format: Format,
     ops: Operands,
 ) -> Result<Engine> {
     if !fits(g) {
         return Ok(Engine::Im2col);
     }
-    Ok(with_state(dev, |state| state.pass::<P>(dev, g, dtype, ops))?.unwrap_or(Engine::Im2col))
+    Ok(
+        with_state(dev, |state| state.pass::<P>(dev, g, dtype, format, ops))?
+            .unwrap_or(Engine::Im2col),
+    )
 }
 
-/// `y = conv(x, w)` (contiguous buffers of `g`'s shapes). [`Engine::Im2col`] when cuDNN cannot
-/// take it and im2col must.
+/// `y = conv(x, w)` (dense buffers of `g`'s shapes, all three in memory order `format`).
+/// [`Engine::Im2col`] when cuDNN cannot take it and im2col must.
 pub(super) fn forward(
     dev: &Arc<CudaDevice>,
     g: &Geometry,
     dtype: DType,
+    format: Format,
     x: u64,
     w: u64,
     y: u64,
 ) -> Result<Engine> {
-    run_pass::<Forward>(dev, g, dtype, Operands { a: x, b: w, out: y })
+    run_pass::<Forward>(dev, g, dtype, format, Operands { a: x, b: w, out: y })
 }
 
-/// The input gradient `dx` from the weights and the output gradient `dy`.
+/// The input gradient `dx` from the weights and the output gradient `dy` (all in `format`).
 pub(super) fn input_grad(
     dev: &Arc<CudaDevice>,
     g: &Geometry,
     dtype: DType,
+    format: Format,
     w: u64,
     dy: u64,
     dx: u64,
@@ -334,6 +345,7 @@ pub(super) fn input_grad(
         dev,
         g,
         dtype,
+        format,
         Operands {
             a: w,
             b: dy,
@@ -342,11 +354,12 @@ pub(super) fn input_grad(
     )
 }
 
-/// The weight gradient `dw` from the input and the output gradient `dy`.
+/// The weight gradient `dw` from the input and the output gradient `dy` (all in `format`).
 pub(super) fn weight_grad(
     dev: &Arc<CudaDevice>,
     g: &Geometry,
     dtype: DType,
+    format: Format,
     x: u64,
     dy: u64,
     dw: u64,
@@ -355,6 +368,7 @@ pub(super) fn weight_grad(
         dev,
         g,
         dtype,
+        format,
         Operands {
             a: x,
             b: dy,

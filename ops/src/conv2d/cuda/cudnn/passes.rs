@@ -534,18 +534,19 @@ impl Pass for BackwardFilter {
 }
 
 /// The math type a pass's descriptor starts with, before cuDNN ranks the algorithms: what the
-/// dtype and the TF32 setting allow.
+/// dtype and the TF32 setting allow. f16 and bf16 start with `CUDNN_TENSOR_OP_MATH` (tensor
+/// cores, f32 accumulation: the compute type is float).
 fn search_math(dtype: DType, tf32: bool) -> sys::cudnnMathType_t {
-    if dtype == DType::F32 && !tf32 {
-        sys::cudnnMathType_t::CUDNN_FMA_MATH
-    } else {
-        sys::cudnnMathType_t::CUDNN_DEFAULT_MATH
+    match dtype {
+        DType::F32 if !tf32 => sys::cudnnMathType_t::CUDNN_FMA_MATH,
+        DType::F16 | DType::BF16 => sys::cudnnMathType_t::CUDNN_TENSOR_OP_MATH,
+        _ => sys::cudnnMathType_t::CUDNN_DEFAULT_MATH,
     }
 }
 
 /// A ranked result's math type, if the dtype and the TF32 setting allow it. Never the fp16
 /// down-conversion mode; for f32 without TF32 only FMA math (the default math type permits
-/// TF32 on Ampere and later).
+/// TF32 on Ampere and later); f16, bf16 and f64 take any of the other three.
 fn allowed_math(v: u32, dtype: DType, tf32: bool) -> Option<sys::cudnnMathType_t> {
     use sys::cudnnMathType_t::*;
     let math = match v {
@@ -554,7 +555,7 @@ fn allowed_math(v: u32, dtype: DType, tf32: bool) -> Option<sys::cudnnMathType_t
         3 => CUDNN_FMA_MATH,
         _ => return None,
     };
-    let ok = dtype == DType::F64 || tf32 || math == CUDNN_FMA_MATH;
+    let ok = dtype != DType::F32 || tf32 || math == CUDNN_FMA_MATH;
     ok.then_some(math)
 }
 
@@ -770,8 +771,8 @@ pub(super) fn run<P: Pass>(
     // SAFETY: live handle, descriptors and chosen algorithm; `ops` are the caller's live
     // buffers of the plan's shapes, kept alive until the compute stream has run the kernels
     // (stream-ordered frees); the workspace holds `bytes` bytes; `one` and `zero` point at
-    // values of the compute type (double for f64, float for f32), which cuDNN reads before
-    // returning.
+    // values of the type cuDNN reads the scaling factors in (double for f64 data, float for
+    // f32, f16 and bf16), which cuDNN reads before returning.
     let ran = unsafe {
         P::run(
             handle,
