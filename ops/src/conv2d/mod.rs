@@ -76,7 +76,7 @@ fn geometry(
 /// Errors (naming the shapes) when the channel counts differ, the dilated kernel is larger than
 /// the padded input, a stride or dilation is 0, or dtypes/devices differ.
 ///
-/// The dtype is f32/f64, or f16/bf16 on the CPU (computed with f32 accumulation, rounded
+/// The dtype is f32/f64, or f16/bf16 (computed with f32 accumulation, rounded
 /// once). Under autocast f32 inputs are cast to the autocast dtype first, the weight and bias
 /// through the weight cache (see `crate::autocast`).
 pub fn conv2d(

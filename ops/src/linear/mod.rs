@@ -64,7 +64,7 @@ fn check_inputs(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<()
 /// - `bias`: `[out]` (optional);
 /// - output: `[.., out]`.
 ///
-/// All inputs share a float dtype and a device: f32/f64, or f16/bf16 on the CPU (computed with
+/// All inputs share a float dtype and a device: f32/f64, or f16/bf16 (computed with
 /// f32 accumulation, rounded once). Under autocast f32 inputs are cast to the autocast dtype
 /// first, the weight and bias through the weight cache (see `crate::autocast`). Mismatched
 /// sizes are errors naming the shapes.

@@ -28,7 +28,7 @@ use crate::views::{squeeze, unsqueeze};
 /// - `[ba.., m, k]·[bb.., k, n]` → `[broadcast(ba, bb).., m, n]`: the batch dims broadcast
 ///   under NumPy rules (a `[k, n]` operand is shared by the whole batch).
 ///
-/// Both operands share a float dtype and a device: f32/f64, or f16/bf16 on the CPU (computed
+/// Both operands share a float dtype and a device: f32/f64, or f16/bf16 (computed
 /// with f32 accumulation, rounded once). Under autocast f32 operands are cast to the autocast
 /// dtype first (see `crate::autocast`). An inner-size mismatch or batch dims that do not
 /// broadcast are errors naming both shapes.
