@@ -13,7 +13,7 @@
 //!     assert_eq!(autocast_dtype(), Some(DType::BF16));
 //!     let _f32_region = AutocastGuard::disabled();
 //!     assert_eq!(autocast_dtype(), None);
-//! });
+//! })?;
 //! assert_eq!(autocast_dtype(), None);
 //! # let _ = AutocastGuard::new(DType::F16)?;
 //! # Ok::<(), tandem_core::Error>(())
@@ -150,16 +150,11 @@ impl Drop for AutocastGuard {
 }
 
 /// Runs `f` inside an autocast scope of `dtype` (see [`AutocastGuard::new`]) and returns its
-/// value; the previous state is restored afterwards, also when `f` panics.
-///
-/// # Panics
-/// When `dtype` is neither f16 nor bf16 (use [`AutocastGuard::new`] for a `Result`).
-pub fn autocast<R>(dtype: DType, f: impl FnOnce() -> R) -> R {
-    let _guard = match AutocastGuard::new(dtype) {
-        Ok(guard) => guard,
-        Err(e) => panic!("{e}"),
-    };
-    f()
+/// value; the previous state is restored afterwards, also when `f` panics. A `dtype` other than
+/// f16 or bf16 is an error naming it (and `f` does not run).
+pub fn autocast<R>(dtype: DType, f: impl FnOnce() -> R) -> Result<R> {
+    let _guard = AutocastGuard::new(dtype)?;
+    Ok(f())
 }
 
 /// The low-precision copy of `param` in `dtype` for this scope: the cached one, or the one
@@ -261,7 +256,7 @@ mod tests {
             }
             assert_eq!(autocast_dtype(), Some(DType::BF16));
             7
-        });
+        }).unwrap();
         assert_eq!(v, 7);
         assert_eq!(autocast_dtype(), None);
     }
@@ -275,13 +270,16 @@ mod tests {
                 text.contains("autocast") && text.contains(dtype.name()),
                 "{text}"
             );
+            let mut ran = false;
+            assert!(autocast(dtype, || ran = true).is_err());
+            assert!(!ran, "the closure must not run outside a scope it asked for");
         }
         assert_eq!(autocast_dtype(), None);
     }
 
     #[test]
     fn a_panicking_closure_restores_the_state() {
-        let r = std::panic::catch_unwind(|| autocast(DType::BF16, || panic!("inside")));
+        let r = std::panic::catch_unwind(|| autocast(DType::BF16, || panic!("inside")).unwrap());
         assert!(r.is_err());
         assert_eq!(autocast_dtype(), None);
         assert_eq!(weight_cache_stats().cached, 0);
@@ -302,13 +300,13 @@ mod tests {
             let c = cached_cast(&p, DType::BF16, make).unwrap();
             assert!(a.same_tensor(&c));
             assert_eq!(weight_cache_stats().cached, 1);
-        });
+        }).unwrap();
         let after = weight_cache_stats();
         assert_eq!(after.cached, 0, "freed with the outermost scope");
         assert_eq!(after.casts - before.casts, 1);
         assert_eq!(after.hits - before.hits, 2);
         // A new scope makes a new copy.
-        let d = autocast(DType::BF16, || cached_cast(&p, DType::BF16, make).unwrap());
+        let d = autocast(DType::BF16, || cached_cast(&p, DType::BF16, make).unwrap()).unwrap();
         assert_eq!(weight_cache_stats().casts - before.casts, 2);
         assert_eq!(d.dtype(), DType::BF16);
     }
@@ -335,7 +333,7 @@ mod tests {
             let b = cached_cast(&non_leaf, DType::BF16, make).unwrap();
             assert!(!a.same_tensor(&b));
             assert_eq!(weight_cache_stats().cached, 0);
-        });
+        }).unwrap();
         assert_eq!(weight_cache_stats().casts, before.casts);
     }
 
@@ -349,7 +347,7 @@ mod tests {
             assert!(!a.same_tensor(&b));
             assert_eq!(c.dtype(), DType::F16);
             assert_eq!(weight_cache_stats().cached, 3);
-        });
+        }).unwrap();
     }
 
     #[test]
@@ -360,7 +358,7 @@ mod tests {
             assert_eq!(weight_cache_stats().cached, 1);
             clear_weight_cache();
             assert_eq!(weight_cache_stats().cached, 0);
-        });
+        }).unwrap();
     }
 
     #[test]
@@ -382,6 +380,6 @@ mod tests {
             assert_eq!(autocast_dtype(), Some(DType::BF16));
             let stats = weight_cache_stats();
             assert_eq!(stats.cached, 1);
-        });
+        }).unwrap();
     }
 }

@@ -14,7 +14,7 @@
 //! ```text
 //! let mut scaler = GradScalerConfig::default().init()?;
 //! optimizer.zero_grad()?;
-//! let loss = autocast(DType::F16, || loss_of(&model, &batch))?;
+//! let loss = autocast(DType::F16, || loss_of(&model, &batch))??;
 //! scaler.scale(&loss)?.backward()?;
 //! scaler.unscale(&mut optimizer)?;                    // only when clipping: true gradients
 //! clip_grad_norm(optimizer.parameters(), 1.0, 2.0)?;  //   are clipped, not scaled ones
