@@ -14,7 +14,7 @@
 
 use rayon::prelude::*;
 use tandem_core::half::bf16;
-use tandem_core::Result;
+use tandem_core::{DType, Result, Tensor};
 
 use super::OP;
 use crate::conv2d::shape::{Geometry, Needs};
@@ -274,6 +274,71 @@ pub(crate) fn backward_bf16(
     })
 }
 
+/// Whether every tensor given is BF16 (the operands the bf16 kernels take).
+fn all_bf16<'a>(tensors: impl IntoIterator<Item = &'a Tensor>) -> bool {
+    tensors.into_iter().all(|t| t.dtype() == DType::BF16)
+}
+
+/// The forward of conv2d on BF16 CPU tensors by the bf16 kernels (any layout: read through a
+/// contiguous copy), `[N, O, OH, OW]` in BF16; `None` when an operand is not BF16 (the caller
+/// then takes the path through f32).
+pub(crate) fn conv2d(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    g: &Geometry,
+) -> Result<Option<Tensor>> {
+    if !all_bf16([x, weight].into_iter().chain(bias)) {
+        return Ok(None);
+    }
+    let (xc, wc) = (memory::contiguous(OP, x)?, memory::contiguous(OP, weight)?);
+    let b: Option<Vec<f32>> = bias
+        .map(|b| memory::gather::<bf16>(OP, b).map(|v| v.iter().map(|v| v.to_f32()).collect()))
+        .transpose()?;
+    let (xs, ws) = (xc.read_slice::<bf16>()?, wc.read_slice::<bf16>()?);
+    let out = forward_bf16(Path::detect(), &xs, &ws, b.as_deref(), g)?;
+    Tensor::from_vec(out, &g.out_shape(), x.device()).map(Some)
+}
+
+/// The backward of conv2d on BF16 CPU tensors by the bf16 kernels: the gradients `needs` asks
+/// for, in BF16 (each accumulated in f32 and rounded once); `None` when `x`, `weight` or `grad`
+/// is not BF16.
+pub(crate) fn conv2d_backward(
+    x: &Tensor,
+    weight: &Tensor,
+    grad: &Tensor,
+    g: &Geometry,
+    needs: Needs,
+) -> Result<Option<[Option<Tensor>; 3]>> {
+    if !all_bf16([x, weight, grad]) {
+        return Ok(None);
+    }
+    let (xc, wc, gc) = (
+        memory::contiguous(OP, x)?,
+        memory::contiguous(OP, weight)?,
+        memory::contiguous(OP, grad)?,
+    );
+    let (xs, ws, gs) = (
+        xc.read_slice::<bf16>()?,
+        wc.read_slice::<bf16>()?,
+        gc.read_slice::<bf16>()?,
+    );
+    let grads = backward_bf16(Path::detect(), &xs, &ws, &gs, g, needs)?;
+    let device = grad.device();
+    let rounded = |v: Option<Vec<f32>>, shape: &[usize]| {
+        v.map(|v| Tensor::from_vec(v.into_iter().map(bf16::from_f32).collect(), shape, device))
+            .transpose()
+    };
+    Ok(Some([
+        grads
+            .input
+            .map(|v| Tensor::from_vec(v, x.dims(), device))
+            .transpose()?,
+        rounded(grads.weight, weight.dims())?,
+        rounded(grads.bias, &[g.out_channels])?,
+    ]))
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::{backward, forward};
@@ -420,6 +485,56 @@ mod tests {
             );
             check(Path::detect(), [0, 3, 4, 4], [2, 3, 3, 3], params(1, 1, 1));
         });
+    }
+
+    #[test]
+    fn tensor_entry_points_round_once_and_decline_other_dtypes() {
+        use tandem_core::Device;
+        let p = params(1, 1, 1);
+        let g = Geometry::new("test", &[2, 3, 5, 5], &[4, 3, 3, 3], &p).unwrap();
+        let t = |v: Vec<bf16>, shape: &[usize]| Tensor::from_vec(v, shape, Device::Cpu).unwrap();
+        let (xb, wb, bb) = (values(150, 1), values(108, 2), values(4, 3));
+        let gyb = values(g.batch * g.out_per_sample(), 4);
+        let (x, w, b) = (
+            t(xb.clone(), &[2, 3, 5, 5]),
+            t(wb.clone(), &[4, 3, 3, 3]),
+            t(bb.clone(), &[4]),
+        );
+        let gy = t(gyb.clone(), &g.out_shape());
+        let out = conv2d(&x, &w, Some(&b), &g).unwrap().unwrap();
+        assert_eq!(out.dtype(), DType::BF16);
+        let want = forward_bf16(Path::detect(), &xb, &wb, Some(&widen(&bb)), &g).unwrap();
+        assert_eq!(
+            out.to_vec_f64().unwrap(),
+            want.iter().map(|v| v.to_f64()).collect::<Vec<_>>()
+        );
+        let needs = Needs {
+            input: true,
+            weight: true,
+            bias: true,
+        };
+        let [gx, gw, gb] = conv2d_backward(&x, &w, &gy, &g, needs).unwrap().unwrap();
+        let want = backward_bf16(Path::detect(), &xb, &wb, &gyb, &g, needs).unwrap();
+        let rounded = |v: Vec<f32>| {
+            v.iter()
+                .map(|&v| f64::from(bf16::from_f32(v)))
+                .collect::<Vec<_>>()
+        };
+        let (gw, gb) = (gw.unwrap(), gb.unwrap());
+        assert_eq!(
+            (gw.dtype(), gw.dims()),
+            (DType::BF16, &[4usize, 3, 3, 3][..])
+        );
+        assert_eq!(gw.to_vec_f64().unwrap(), rounded(want.weight.unwrap()));
+        assert_eq!(gb.to_vec_f64().unwrap(), rounded(want.bias.unwrap()));
+        assert_eq!(gx.unwrap().dims(), x.dims());
+        let x32 = x.to_dtype(DType::F32).unwrap();
+        assert!(conv2d(&x32, &w, None, &g).unwrap().is_none());
+        assert!(
+            conv2d_backward(&x, &w, &gy.to_dtype(DType::F32).unwrap(), &g, needs)
+                .unwrap()
+                .is_none()
+        );
     }
 
     /// Median seconds of `runs` calls of `f`.
