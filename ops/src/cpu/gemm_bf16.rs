@@ -245,17 +245,56 @@ unsafe fn blocked(
     accumulate: bool,
 ) {
     let pairs = k.div_ceil(2);
-    let mut pb = vec![0u32; KC * NC.min(n.div_ceil(NR) * NR)];
-    let mut pa = vec![0u32; KC * MC.min(m.div_ceil(MR) * MR)];
+    PACKED.with(|packed| {
+        let (pa, pb) = &mut *packed.borrow_mut();
+        grow(pb, KC.min(pairs) * NC.min(n.div_ceil(NR) * NR));
+        grow(pa, KC.min(pairs) * MC.min(m.div_ceil(MR) * MR));
+        // SAFETY: the caller's contract, passed on unchanged.
+        unsafe { blocks(cpu, (m, n, k), a, b, dst, accumulate, pa, pb) };
+    });
+}
+
+thread_local! {
+    /// Each thread's packed A and B blocks, kept between products: a fresh buffer of this size
+    /// is a fresh mapping, whose page faults cost as much as the packing.
+    static PACKED: std::cell::RefCell<(Vec<u32>, Vec<u32>)> = const {
+        std::cell::RefCell::new((Vec::new(), Vec::new()))
+    };
+}
+
+/// Makes `v` at least `len` long.
+fn grow(v: &mut Vec<u32>, len: usize) {
+    if v.len() < len {
+        v.resize(len, 0);
+    }
+}
+
+/// The loops of [`blocked`] over packed blocks in `pa` and `pb` (large enough for one block of
+/// each).
+///
+/// # Safety
+/// As for [`blocked`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn blocks(
+    cpu: Dpbf16,
+    (m, n, k): (usize, usize, usize),
+    a: Bf16Mat<'_>,
+    b: Bf16Mat<'_>,
+    dst: DstView,
+    accumulate: bool,
+    pa: &mut [u32],
+    pb: &mut [u32],
+) {
+    let pairs = k.div_ceil(2);
     for j0 in (0..n).step_by(NC) {
         let nc = NC.min(n - j0);
         for p0 in (0..pairs).step_by(KC) {
             let kc = KC.min(pairs - p0);
-            pack_b(&b, (2 * p0, k), (j0, nc), kc, &mut pb);
+            pack_b(&b, (2 * p0, k), (j0, nc), kc, pb);
             let add = accumulate || p0 > 0;
             for i0 in (0..m).step_by(MC) {
                 let mc = MC.min(m - i0);
-                pack_a(&a, (2 * p0, k), (i0, mc), kc, &mut pa);
+                pack_a(&a, (2 * p0, k), (i0, mc), kc, pa);
                 for jr in (0..nc).step_by(NR) {
                     let panel_b = &pb[jr * kc..][..kc * NR];
                     for ir in (0..mc).step_by(MR) {

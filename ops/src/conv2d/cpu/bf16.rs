@@ -344,6 +344,7 @@ mod tests {
     use super::super::{backward, forward};
     use super::*;
     use crate::conv2d::shape::Conv2dParams;
+    use crate::cpu::gemm::{gemm_into, MatRef};
 
     fn values(len: usize, seed: u64) -> Vec<bf16> {
         let mut s = seed.wrapping_mul(0x9E3779B97F4A7C15) | 1;
@@ -537,8 +538,9 @@ mod tests {
         );
     }
 
-    /// Median seconds of `runs` calls of `f`.
-    fn median(runs: usize, mut f: impl FnMut()) -> f64 {
+    /// Median and fastest seconds of `runs` calls of `f` (the fastest is the steadier figure on
+    /// a shared machine).
+    fn median(runs: usize, mut f: impl FnMut()) -> (f64, f64) {
         f();
         let mut t: Vec<f64> = (0..runs)
             .map(|_| {
@@ -548,7 +550,7 @@ mod tests {
             })
             .collect();
         t.sort_by(f64::total_cmp);
-        t[runs / 2]
+        (t[runs / 2], t[0])
     }
 
     /// A measurement, not a test: the f32 kernels against the bf16 ones (the detected path
@@ -576,14 +578,47 @@ mod tests {
             weight: true,
             bias: false,
         };
-        println!("shape | f32 fwd | bf16 fwd | plain fwd | f32 bwd | bf16 bwd | plain bwd (ms)");
+        pool.install(|| {
+            println!("GEMM m×n×k | f32 gemm | bf16 dpbf16 | bf16 plain (ms, median/fastest)");
+            for (m, n, k) in [
+                (16, 1024, 144),
+                (32, 256, 288),
+                (64, 64, 576),
+                (256, 256, 256),
+            ] {
+                let (a, b) = (values(m * k, 1), values(k * n, 2));
+                let (a32, b32) = (widen(&a), widen(&b));
+                let mut dst = vec![0f32; m * n];
+                let ms = |f: &mut dyn FnMut()| {
+                    let (med, min) = median(9, f);
+                    format!("{:.3}/{:.3}", med * 1e3, min * 1e3)
+                };
+                let f32_ms = ms(&mut || {
+                    let (l, r) = (MatRef::row_major(0, k), MatRef::row_major(0, n));
+                    let d = MatRef::row_major(0, n);
+                    gemm_into((m, n, k), &mut dst, d, &a32, l, &b32, r, false, false)
+                });
+                let mut bf = |path| {
+                    let (l, r) = (Bf16Mat::row_major(&a, k), Bf16Mat::row_major(&b, n));
+                    gemm_bf16(path, (m, n, k), l, r, &mut dst, n, false, false)
+                };
+                let dp_ms = ms(&mut || bf(Path::detect()));
+                let plain_ms = ms(&mut || bf(Path::Plain));
+                println!("{m}×{n}×{k} | {f32_ms} | {dp_ms} | {plain_ms}");
+            }
+        });
+        println!("shape | f32 fwd | bf16 fwd | plain fwd | f32 bwd | bf16 bwd | plain bwd");
+        println!("(ms, median/fastest of 9; backward = input and weight gradients)");
         pool.install(|| {
             for (x, w, p) in shapes {
                 let g = Geometry::new("bench", &x, &w, &p).unwrap();
                 let (xb, wb) = (values(x.iter().product(), 3), values(w.iter().product(), 5));
                 let gyb = values(g.batch * g.out_per_sample(), 11);
                 let (xf, wf, gyf) = (widen(&xb), widen(&wb), widen(&gyb));
-                let ms = |f: &mut dyn FnMut()| median(7, f) * 1e3;
+                let ms = |f: &mut dyn FnMut()| {
+                    let (med, min) = median(9, f);
+                    format!("{:.2}/{:.2}", med * 1e3, min * 1e3)
+                };
                 let f32_fwd = ms(&mut || drop(forward::<f32>(&xf, &wf, None, &g).unwrap()));
                 let (xr, wr, gr, gm) = (&xb[..], &wb[..], &gyb[..], &g);
                 let fwd = |path| move || drop(forward_bf16(path, xr, wr, None, gm).unwrap());
@@ -594,8 +629,8 @@ mod tests {
                 let bf_bwd = ms(&mut bwd(Path::detect()));
                 let plain_bwd = ms(&mut bwd(Path::Plain));
                 println!(
-                    "{x:?}x{w:?} s{} | {f32_fwd:.2} | {bf_fwd:.2} | {plain_fwd:.2} | \
-                     {f32_bwd:.2} | {bf_bwd:.2} | {plain_bwd:.2}",
+                    "{x:?}x{w:?} s{} | {f32_fwd} | {bf_fwd} | {plain_fwd} | {f32_bwd} | {bf_bwd} | \
+                     {plain_bwd}",
                     p.stride.0
                 );
             }
