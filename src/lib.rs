@@ -8,7 +8,8 @@ pub use tandem_nn as nn;
 pub use tandem_ops as ops;
 pub use tandem_optim as optim;
 
-pub use tandem_ops::TensorOps;
+pub use tandem_autograd::autocast::{autocast, autocast_dtype, AutocastGuard};
+pub use tandem_ops::{cast, TensorOps};
 
 pub mod locate;
 
@@ -32,6 +33,7 @@ pub mod locate;
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 pub mod prelude {
+    pub use tandem_autograd::autocast::{autocast, autocast_dtype, AutocastGuard};
     pub use tandem_autograd::{no_grad, TensorBackward};
     pub use tandem_core::rng::manual_seed;
     pub use tandem_core::{DType, Device, Generator, Tensor};
@@ -48,7 +50,7 @@ pub mod prelude {
         FlattenConfig, Forward, Fused, Linear, LinearConfig, MaxPool2d, MaxPool2dConfig, Module,
         ReLU, Sequential, TrainingFlag,
     };
-    pub use tandem_ops::TensorOps;
+    pub use tandem_ops::{cast, TensorOps};
     pub use tandem_optim::{
         CosineAnnealingLr, LinearWarmup, LrSchedule, MultiStepLr, Optimizer, Scheduler, Sgd,
         SgdConfig, StepLr,

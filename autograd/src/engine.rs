@@ -18,7 +18,7 @@ use std::sync::Arc;
 
 use tandem_core::graph::{BackwardSummary, HookId};
 use tandem_core::profile::{self, Phase};
-use tandem_core::{Edge, Error, GradReady, Node, Result, Stream, Tensor, TensorId};
+use tandem_core::{DType, Edge, Error, GradReady, Node, Result, Stream, Tensor, TensorId};
 
 use crate::grad_mode::NoGradGuard;
 
@@ -33,6 +33,13 @@ pub struct BackwardOptions {
 fn accumulate(sum: Option<Tensor>, new: Tensor) -> Result<Tensor> {
     match sum {
         None => Ok(new),
+        // Half-precision contributions (several uses of an autocast copy) are summed in f32
+        // and rounded once.
+        Some(s) if matches!(s.dtype(), DType::F16 | DType::BF16) => {
+            let total = s.to_dtype(DType::F32)?;
+            total.add_(&new.to_dtype(DType::F32)?)?;
+            total.to_dtype(s.dtype())
+        }
         Some(s) => {
             let s = if s.is_exclusive() && s.is_contiguous() {
                 s
@@ -113,6 +120,10 @@ pub fn backward(root: &Tensor, grad: Option<&Tensor>, options: &BackwardOptions)
         }
     };
     let _no_grad = NoGradGuard::new();
+    // Gradients follow the dtypes the forward chose; this pass frees the graph the autocast
+    // weight cache's copies belong to.
+    let _no_autocast = crate::autocast::AutocastGuard::disabled();
+    crate::autocast::clear_weight_cache();
     let compute = Stream::compute(root.device())?;
 
     // Count the contributions every node and leaf will receive.

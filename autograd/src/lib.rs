@@ -8,12 +8,14 @@
 
 #![warn(missing_docs)]
 
+pub mod autocast;
 pub mod engine;
 pub mod grad_mode;
 pub mod gradcheck;
 pub mod hooks;
 pub mod record;
 
+pub use autocast::{autocast, autocast_dtype, AutocastGuard};
 pub use engine::{backward, BackwardOptions, TensorBackward};
 pub use grad_mode::{is_grad_enabled, no_grad, NoGradGuard};
 pub use gradcheck::{gradcheck, GradcheckOptions};

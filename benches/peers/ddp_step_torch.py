@@ -9,7 +9,9 @@ rank. Rank 0 prints one JSON object on the last line of stdout:
 On the CPU the backend is gloo. With `--device cuda` every rank trains on `cuda:LOCAL_RANK`
 (or on `cuda:0` when `--share-gpu` puts all ranks on one GPU; the benchmark then gives each rank
 its own NCCL_HOSTID so NCCL treats them as separate hosts) with the NCCL backend, and each timed
-step ends with `torch.cuda.synchronize()`.
+step ends with `torch.cuda.synchronize()`. `--amp bf16|f16` runs the forward and the loss under
+`torch.autocast` (f16 with `torch.amp.GradScaler`) and `--channels-last` puts the model and the
+batch in `torch.channels_last`, as tandem's side does with the same flags.
 
     RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 \\
         python3 benches/peers/ddp_step_torch.py --model convnet --batch-size 32 --threads 1
@@ -52,6 +54,8 @@ def main():
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--share-gpu", action="store_true", help="every rank on cuda:0")
+    parser.add_argument("--amp", choices=["bf16", "f16"], default=None)
+    parser.add_argument("--channels-last", action="store_true")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -72,6 +76,8 @@ def main():
     torch.manual_seed(args.seed)
     build, shape, classes = MODELS[args.model]
     model = build().to(device)
+    if args.channels_last:
+        model = model.to(memory_format=torch.channels_last)
     model.train()
     ddp = DistributedDataParallel(
         model,
@@ -83,12 +89,18 @@ def main():
     generator = torch.Generator().manual_seed(args.seed + 1 + rank)
     x = torch.randn(args.batch_size, *shape, generator=generator).to(device)
     y = torch.randint(0, classes, (args.batch_size,), generator=generator).to(device)
+    if args.channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    amp_dtype = {"bf16": torch.bfloat16, "f16": torch.float16, None: None}[args.amp]
+    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "f16")
 
     def step():
         optimizer.zero_grad()
-        loss = F.cross_entropy(ddp(x), y)
-        loss.backward()
-        optimizer.step()
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+            loss = F.cross_entropy(ddp(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
         if cuda:
             torch.cuda.synchronize(device)
 
@@ -113,6 +125,8 @@ def main():
                     "torch_version": torch.__version__,
                     "threads": torch.get_num_threads(),
                     "backend": backend,
+                    "amp": args.amp,
+                    "channels_last": args.channels_last,
                 }
             )
         )

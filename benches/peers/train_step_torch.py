@@ -5,7 +5,10 @@ fixed random batch, on the CPU or a CUDA device. On CUDA each timed step ends wi
 `torch.cuda.synchronize()`; the host time (issuing the step, before the synchronisation) is
 reported beside it, and the peak device memory is `torch.cuda.max_memory_allocated()` over the
 whole run (parameters, optimizer state and activations). TF32: matmuls off, convolutions on,
-PyTorch's defaults and tandem's (`--tf32-matmul` turns matmuls on). Prints one JSON object on
+PyTorch's defaults and tandem's (`--tf32-matmul` turns matmuls on). `--amp bf16|f16` runs the
+forward and the loss under `torch.autocast` with that dtype (f16 with `torch.amp.GradScaler`,
+PyTorch's defaults), and `--channels-last` puts the model and the batch in
+`torch.channels_last`, the settings tandem's side takes with the same flags. Prints one JSON object on
 the last line of stdout: {"median_ms", "mean_ms", "min_ms", "host_ms", "steps",
 "peak_rss_mib", "peak_device_mib", "torch_version", "threads", "device"}.
 
@@ -47,6 +50,8 @@ def main():
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--tf32-matmul", action="store_true")
+    parser.add_argument("--amp", choices=["bf16", "f16"], default=None)
+    parser.add_argument("--channels-last", action="store_true")
     args = parser.parse_args()
 
     device = torch.device(args.device)
@@ -63,13 +68,20 @@ def main():
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     x = torch.randn(args.batch_size, *shape).to(device)
     y = torch.randint(0, classes, (args.batch_size,)).to(device)
+    if args.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+        x = x.contiguous(memory_format=torch.channels_last)
+    amp_dtype = {"bf16": torch.bfloat16, "f16": torch.float16, None: None}[args.amp]
+    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "f16")
 
     def step():
-        out = model(x)
-        loss = F.cross_entropy(out, y)
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+            out = model(x)
+            loss = F.cross_entropy(out, y)
         optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
         return loss
 
     def sync():
@@ -104,6 +116,8 @@ def main():
                 "torch_version": torch.__version__,
                 "threads": torch.get_num_threads(),
                 "device": str(device),
+                "amp": args.amp,
+                "channels_last": args.channels_last,
             }
         )
     )

@@ -151,6 +151,29 @@ fn the_choice_follows_the_link_model() {
     assert!(choose_cap(&ladder(), 40.0, &LinkModel::new(1.0, 0.0), 2, &[], 1.0).is_none());
 }
 
+/// A small model whose 1.25 MiB of gradients (40 × 32 KiB, ready 1 ms apart) nearly all fit
+/// DDP's 1 MiB first bucket, on a bandwidth-bound link (50 MB/s: ≈0.66 ms per 32 KiB, 26 ms
+/// in all): only a cap that also splits the first bucket lets communication start well before
+/// backward ends.
+#[test]
+fn a_small_model_on_a_slow_link_gets_small_buckets_from_the_first_one_on() {
+    let params: Vec<ParamReady> = (0..40)
+        .map(|i| ParamReady {
+            bytes: 32 << 10,
+            dtype: DType::F32,
+            ready_ms: (i + 1) as f64,
+        })
+        .collect();
+    let caps = AutoBuckets::default().candidates_mb;
+    let link = LinkModel::new(0.05, 0.0);
+    let choice = choose_cap(&params, 40.0, &link, 2, &caps, 1.0).unwrap();
+    assert!(choice.cap_mb <= 0.25, "{choice:?}");
+    assert!(choice.buckets >= 5, "{choice:?}");
+    // 0.25 MiB buckets: one of 5.2 ms every 8 ms, ≈5 ms exposed. With the first bucket left
+    // at 1 MiB, 32 gradients would wait for the 32nd (32 ms) and take 21 ms: ≈18 ms exposed.
+    assert!(choice.exposed_ms < 10.0, "{choice:?}");
+}
+
 #[test]
 fn the_link_is_fitted_from_bucket_sizes_and_times_and_far_predictions_are_recognised() {
     let link = LinkModel::new(0.1, 50.0);

@@ -33,8 +33,10 @@
 
 #![warn(missing_docs)]
 
+pub(crate) mod autocast;
 pub mod batch_norm;
 pub mod binary;
+pub mod cast;
 pub mod cat;
 pub(crate) mod checks;
 pub mod conv2d;
@@ -62,7 +64,8 @@ pub use views::{
     contiguous, expand, flatten, narrow, permute, reshape, squeeze, transpose, unsqueeze,
 };
 
-// --- re-exports: unary, max, softmax, loss, dropout, cat ---
+// --- re-exports: unary, max, softmax, loss, dropout, cat, cast ---
+pub use cast::cast;
 pub use cat::cat;
 pub use dropout::dropout;
 pub use loss::{cross_entropy, mse_loss, nll_loss, Reduction};

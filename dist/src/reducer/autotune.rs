@@ -113,7 +113,9 @@ pub(crate) fn mib(mb: f64) -> usize {
 }
 
 /// Replays one step on `world` ranks over `link` for every cap of `candidates_mb` (the first
-/// bucket capped at `first_bucket_mb`, as DDP assigns it) with the parameters in bucket
+/// bucket capped at the smaller of `first_bucket_mb` and the candidate, as DDP assigns it under
+/// the automatic cap: a small model whose gradients all fit the 1 MiB first bucket could
+/// otherwise never start communicating before backward ends) with the parameters in bucket
 /// order `params`, and returns the cap with the least predicted exposed communication; among
 /// caps within 1 µs of it, the one with the fewest buckets (then the smallest cap). `None` when
 /// there are no candidates.
@@ -132,7 +134,7 @@ pub fn choose_cap(
         .iter()
         .filter(|c| c.is_finite() && **c > 0.0)
         .map(|&cap_mb| {
-            let first = mib(first_bucket_mb);
+            let first = mib(first_bucket_mb).min(mib(cap_mb));
             let groups = bucket::assign(&order, &bytes, &dtypes, first, mib(cap_mb));
             let recording = replay_recording(params, &groups, backward_ms);
             CapPrediction {

@@ -386,13 +386,13 @@ impl Reducer {
         self.auto_tune(&mut state)
     }
 
-    /// The caps (first bucket, others) in bytes: the configured ones, or the automatic choice.
+    /// The caps (first bucket, others) in bytes: the configured ones, or the automatic choice,
+    /// which caps the first bucket too (as [`autotune::choose_cap`] predicted it).
     fn caps(&self, state: &State) -> (usize, usize) {
-        let cap = state
-            .tune
-            .as_ref()
-            .map_or(self.config.bucket_cap_bytes, |t| t.cap_bytes);
-        (self.config.first_bucket_bytes, cap)
+        match state.tune.as_ref() {
+            Some(t) => (self.config.first_bucket_bytes.min(t.cap_bytes), t.cap_bytes),
+            None => (self.config.first_bucket_bytes, self.config.bucket_cap_bytes),
+        }
     }
 
     /// The automatic bucket cap's choices so far (empty without `DdpConfig::auto_buckets`).

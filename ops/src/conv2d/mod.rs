@@ -23,7 +23,8 @@ mod shape;
 use tandem_autograd::record_fn;
 use tandem_core::{Device, Error, Result, Tensor};
 
-use crate::checks::{float_dtype, same_dtype_device};
+use crate::autocast::{self, is_low, matrix_dtype};
+use crate::checks::same_dtype_device;
 pub use cuda::{
     cuda_conv_backend, cudnn_algorithm_search, cudnn_available, cudnn_cache_stats,
     set_cuda_conv_backend, set_cudnn_algorithm_search, CudaConvBackend, CudnnAlgorithmSearch,
@@ -41,7 +42,7 @@ fn geometry(
 ) -> Result<Geometry> {
     const OP: &str = "conv2d";
     same_dtype_device(OP, x, weight)?;
-    float_dtype(OP, x)?;
+    matrix_dtype(OP, x)?;
     let (xd, wd) = (x.dims(), weight.dims());
     let geometry = Geometry::of(OP, xd, wd, p)?;
     if let Some(b) = bias {
@@ -74,6 +75,10 @@ fn geometry(
 ///
 /// Errors (naming the shapes) when the channel counts differ, the dilated kernel is larger than
 /// the padded input, a stride or dilation is 0, or dtypes/devices differ.
+///
+/// The dtype is f32/f64, or f16/bf16 on the CPU (computed with f32 accumulation, rounded
+/// once). Under autocast f32 inputs are cast to the autocast dtype first, the weight and bias
+/// through the weight cache (see `crate::autocast`).
 pub fn conv2d(
     x: &Tensor,
     weight: &Tensor,
@@ -81,8 +86,12 @@ pub fn conv2d(
     params: &Conv2dParams,
 ) -> Result<Tensor> {
     let _profile = tandem_core::profile::scope("conv2d", tandem_core::profile::Phase::Forward);
+    let (x, weight) = (&autocast::lower(x)?, &autocast::lower(weight)?);
+    let bias = autocast::lower_opt(bias)?;
+    let bias = bias.as_ref();
     let geo = geometry(x, weight, bias, params)?;
     let out = match x.device() {
+        Device::Cpu if is_low(x.dtype()) => cpu::low_precision::conv2d(x, weight, bias, &geo)?,
         Device::Cpu => cpu::conv2d(x, weight, bias, &geo)?,
         Device::Cuda(_) => cuda::conv2d(x, weight, bias, &geo)?,
     };
@@ -99,6 +108,9 @@ pub fn conv2d(
         let (dx, dw) = (x.detach(), weight.detach());
         move |g: &Tensor| {
             let [input, weight, bias] = match g.device() {
+                Device::Cpu if is_low(dx.dtype()) => {
+                    cpu::low_precision::conv2d_backward(&dx, &dw, g, &geo, needs)?
+                }
                 Device::Cpu => cpu::conv2d_backward(&dx, &dw, g, &geo, needs)?,
                 Device::Cuda(_) => cuda::conv2d_backward(&dx, &dw, g, &geo, needs)?,
             };

@@ -1,9 +1,14 @@
 //! CPU kernel of linear's bias gradient: the column sums of the output gradient. The products
 //! themselves go through matmul's batched product.
 
-use tandem_core::{with_float_type, FloatElement, Result, Tensor};
+use tandem_core::{with_float_type, DType, FloatElement, Result, Tensor};
 
 use crate::cpu::memory;
+
+/// [`column_sums`] of an f16/bf16 gradient: summed in f32, rounded once to its dtype.
+pub(crate) fn low_precision_column_sums(g: &Tensor) -> Result<Tensor> {
+    column_sums(&g.to_dtype(DType::F32)?)?.to_dtype(g.dtype())
+}
 
 /// Sums the rows of `g` viewed as `[rows, cols]` (`cols` = its last dim): the gradient of a
 /// bias added to every row.

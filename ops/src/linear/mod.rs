@@ -13,7 +13,8 @@ mod cuda;
 use tandem_autograd::record_fn;
 use tandem_core::{Device, Error, Layout, Result, Tensor};
 
-use crate::checks::{float_dtype, same_dtype_device};
+use crate::autocast::{self, is_low, matrix_dtype};
+use crate::checks::same_dtype_device;
 use crate::matmul::batched_product;
 
 /// `x` as a matrix: a 1-D input becomes a one-row view.
@@ -27,7 +28,7 @@ fn as_matrix(x: &Tensor) -> Result<Tensor> {
 
 fn check_inputs(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<()> {
     same_dtype_device("linear", x, weight)?;
-    float_dtype("linear", x)?;
+    matrix_dtype("linear", x)?;
     if weight.rank() != 2 || x.rank() == 0 || x.dims()[x.rank() - 1] != weight.dims()[1] {
         return Err(Error::shape(
             "linear",
@@ -63,10 +64,15 @@ fn check_inputs(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<()
 /// - `bias`: `[out]` (optional);
 /// - output: `[.., out]`.
 ///
-/// All inputs share a float dtype (f32/f64) and a device; mismatched sizes are errors naming
-/// the shapes.
+/// All inputs share a float dtype and a device: f32/f64, or f16/bf16 on the CPU (computed with
+/// f32 accumulation, rounded once). Under autocast f32 inputs are cast to the autocast dtype
+/// first, the weight and bias through the weight cache (see `crate::autocast`). Mismatched
+/// sizes are errors naming the shapes.
 pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
     let _profile = tandem_core::profile::scope("linear", tandem_core::profile::Phase::Forward);
+    let (x, weight) = (&autocast::lower(x)?, &autocast::lower(weight)?);
+    let bias = autocast::lower_opt(bias)?;
+    let bias = bias.as_ref();
     check_inputs(x, weight, bias)?;
     let xm = as_matrix(x)?;
     let batch = xm.dims()[..xm.rank() - 2].to_vec();
@@ -115,6 +121,7 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
             let mut grads = vec![grad_x, grad_w];
             if has_bias {
                 grads.push(Some(match g.device() {
+                    Device::Cpu if is_low(g.dtype()) => cpu::low_precision_column_sums(g)?,
                     Device::Cpu => cpu::column_sums(g)?,
                     Device::Cuda(_) => cuda::column_sums("linear_backward", g)?,
                 }));

@@ -85,6 +85,7 @@ fn check_not_empty(op: &'static str, count: usize, source: &Tensor) -> Result<()
 pub fn nll_loss(log_probs: &Tensor, targets: &Tensor, reduction: Reduction) -> Result<Tensor> {
     let _profile = tandem_core::profile::scope("nll_loss", tandem_core::profile::Phase::Forward);
     const OP: &str = "nll_loss";
+    let log_probs = &crate::autocast::to_f32(log_probs)?; // autocast's f32 list
     let (n, c) = check_class_inputs(OP, "log_probs", log_probs, targets)?;
     if reduction == Reduction::Mean {
         check_not_empty(OP, n, log_probs)?;
@@ -119,6 +120,7 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor, reduction: Reduction) ->
     let _profile =
         tandem_core::profile::scope("cross_entropy", tandem_core::profile::Phase::Forward);
     const OP: &str = "cross_entropy";
+    let logits = &crate::autocast::to_f32(logits)?; // autocast's f32 list
     let (n, c) = check_class_inputs(OP, "logits", logits, targets)?;
     if reduction == Reduction::Mean {
         check_not_empty(OP, n, logits)?;
@@ -149,6 +151,8 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor, reduction: Reduction) ->
 pub fn mse_loss(pred: &Tensor, target: &Tensor, reduction: Reduction) -> Result<Tensor> {
     let _profile = tandem_core::profile::scope("mse_loss", tandem_core::profile::Phase::Forward);
     const OP: &str = "mse_loss";
+    let pred = &crate::autocast::to_f32(pred)?; // autocast's f32 list
+    let target = &crate::autocast::to_f32(target)?;
     same_dtype_device(OP, pred, target)?;
     float_dtype(OP, pred)?;
     if pred.dims() != target.dims() {

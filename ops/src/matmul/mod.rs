@@ -11,12 +11,14 @@
 mod bf16;
 mod cpu;
 pub mod cuda;
+mod low_precision;
 mod shape;
 
 use tandem_autograd::record_fn;
 use tandem_core::{broadcast_shapes, Device, Error, Result, Tensor};
 
-use crate::checks::{float_dtype, same_dtype_device};
+use crate::autocast::{self, is_low, matrix_dtype};
+use crate::checks::same_dtype_device;
 use crate::views::{squeeze, unsqueeze};
 
 /// Matrix product of `a` and `b`, like `torch.matmul`.
@@ -29,12 +31,15 @@ use crate::views::{squeeze, unsqueeze};
 /// - `[ba.., m, k]·[bb.., k, n]` → `[broadcast(ba, bb).., m, n]`: the batch dims broadcast
 ///   under NumPy rules (a `[k, n]` operand is shared by the whole batch).
 ///
-/// Both operands share a float dtype (f32/f64) and a device. An inner-size mismatch or batch
-/// dims that do not broadcast are errors naming both shapes.
+/// Both operands share a float dtype and a device: f32/f64, or f16/bf16 on the CPU (computed
+/// with f32 accumulation, rounded once). Under autocast f32 operands are cast to the autocast
+/// dtype first (see `crate::autocast`). An inner-size mismatch or batch dims that do not
+/// broadcast are errors naming both shapes.
 pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     let _profile = tandem_core::profile::scope("matmul", tandem_core::profile::Phase::Forward);
+    let (a, b) = (&autocast::lower(a)?, &autocast::lower(b)?);
     same_dtype_device("matmul", a, b)?;
-    float_dtype("matmul", a)?;
+    matrix_dtype("matmul", a)?;
     if a.rank() == 0 || b.rank() == 0 {
         return Err(Error::shape(
             "matmul",
@@ -109,6 +114,9 @@ pub(crate) fn batched_product(
     bias: Option<&Tensor>,
 ) -> Result<Tensor> {
     match x.device() {
+        Device::Cpu if is_low(x.dtype()) || is_low(y.dtype()) => {
+            low_precision::batched_product(op, x, tx, y, ty, batch, out_batch, bias)
+        }
         Device::Cpu => cpu::batched_product(op, x, tx, y, ty, batch, out_batch, bias),
         Device::Cuda(_) => cuda::batched_product(op, x, tx, y, ty, batch, out_batch, bias),
     }

@@ -58,6 +58,7 @@ fn squeeze_shape(x: &Tensor, dims: &[usize]) -> Vec<isize> {
 /// Sum over `dims` (all dims when empty).
 pub fn sum(x: &Tensor, dims: &[isize], keepdim: bool) -> Result<Tensor> {
     let _profile = tandem_core::profile::scope("sum", tandem_core::profile::Phase::Forward);
+    let x = &crate::autocast::to_f32(x)?; // autocast's f32 list
     scaled_sum("sum", x, dims, keepdim, 1.0)
 }
 

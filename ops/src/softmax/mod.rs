@@ -47,6 +47,7 @@ fn softmax_impl(op: &'static str, x: &Tensor, dim: isize, log: bool) -> Result<T
 /// `x`: `[d0, …, dn]` (rank ≥ 1) → output: the same shape; each slice along `dim` sums to 1.
 pub fn softmax(x: &Tensor, dim: isize) -> Result<Tensor> {
     let _profile = tandem_core::profile::scope("softmax", tandem_core::profile::Phase::Forward);
+    let x = &crate::autocast::to_f32(x)?; // autocast's f32 list
     softmax_impl("softmax", x, dim, false)
 }
 
@@ -57,6 +58,7 @@ pub fn softmax(x: &Tensor, dim: isize) -> Result<Tensor> {
 /// `x`: `[d0, …, dn]` (rank ≥ 1) → output: the same shape.
 pub fn log_softmax(x: &Tensor, dim: isize) -> Result<Tensor> {
     let _profile = tandem_core::profile::scope("log_softmax", tandem_core::profile::Phase::Forward);
+    let x = &crate::autocast::to_f32(x)?; // autocast's f32 list
     softmax_impl("log_softmax", x, dim, true)
 }
 

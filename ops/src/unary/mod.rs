@@ -56,7 +56,7 @@ pub fn neg(x: &Tensor) -> Result<Tensor> {
 /// # Shapes
 /// `x`: any shape → output: the same shape.
 pub fn exp(x: &Tensor) -> Result<Tensor> {
-    unary(UnaryKind::Exp, x)
+    unary(UnaryKind::Exp, &crate::autocast::to_f32(x)?) // autocast's f32 list
 }
 
 /// The natural logarithm, elementwise (NaN for negative inputs, −∞ at 0).
@@ -64,7 +64,7 @@ pub fn exp(x: &Tensor) -> Result<Tensor> {
 /// # Shapes
 /// `x`: any shape → output: the same shape.
 pub fn log(x: &Tensor) -> Result<Tensor> {
-    unary(UnaryKind::Log, x)
+    unary(UnaryKind::Log, &crate::autocast::to_f32(x)?) // autocast's f32 list
 }
 
 /// The square root, elementwise (NaN for negative inputs).
@@ -88,7 +88,7 @@ pub fn pow_scalar(x: &Tensor, p: f64) -> Result<Tensor> {
             format!("exponent must be finite, got {p}"),
         ));
     }
-    unary(UnaryKind::Pow(p), x)
+    unary(UnaryKind::Pow(p), &crate::autocast::to_f32(x)?) // autocast's f32 list
 }
 
 /// `max(x, 0)`, elementwise (NaN stays NaN). The gradient at exactly 0 is taken as 0.

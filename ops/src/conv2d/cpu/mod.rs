@@ -30,6 +30,7 @@
 pub(crate) mod bf16;
 mod im2col;
 mod implicit;
+pub(crate) mod low_precision;
 mod pixel_rows;
 mod plan;
 mod tile_product;
