@@ -6,8 +6,6 @@
 //! backward is two more products, `grad_a = g·bᵀ` and `grad_b = aᵀ·g`, each summed over the
 //! batch dims its operand was broadcast along.
 
-// Not yet routed from matmul's BF16 dispatch (issue 23): used by its tests until then.
-#[cfg_attr(not(test), allow(dead_code))]
 mod bf16;
 mod cpu;
 pub mod cuda;
