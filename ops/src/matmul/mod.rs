@@ -6,7 +6,6 @@
 //! backward is two more products, `grad_a = g·bᵀ` and `grad_b = aᵀ·g`, each summed over the
 //! batch dims its operand was broadcast along.
 
-mod bf16;
 mod cpu;
 pub mod cuda;
 mod low_precision;

@@ -5,10 +5,10 @@
 use tandem_core::half::bf16;
 use tandem_core::{checked_numel, DType, Result, Tensor};
 
-use super::shape::batch_strides;
 use crate::cpu::gemm::MatRef;
 use crate::cpu::gemm_bf16::{gemm_bf16, Bf16Mat, Path};
 use crate::cpu::memory::{self, host_slice};
+use crate::matmul::shape::batch_strides;
 
 /// An operand's matrix of batch entry 0 and the stride of each full batch dim (0 where it is
 /// broadcast).
@@ -22,7 +22,7 @@ fn operand(t: &Tensor, batch: &[usize], trans: bool) -> (MatRef, Vec<usize>) {
     (if trans { mat.t() } else { mat }, batch_strides(t, batch))
 }
 
-/// [`super::cpu::batched_product`] for BF16 operands (and bias): the same shapes and
+/// [`super::batched_product`] for BF16 operands (and bias): the same shapes and
 /// semantics, the result in BF16; `None` when an operand is not BF16 (the caller then takes
 /// the path through f32).
 #[allow(clippy::too_many_arguments)]
@@ -192,7 +192,7 @@ mod tests {
             assert_eq!(got.dtype(), DType::BF16);
             let wide = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
             let b32 = bias.as_ref().map(wide);
-            let want = super::super::cpu::batched_product(
+            let want = super::super::batched_product(
                 "t",
                 &wide(&x),
                 tx,
