@@ -288,7 +288,7 @@ fn gradcheck_to_memory_format_and_its_errors() {
             let y = to_memory_format(&t[0], CL)?;
             to_memory_format(&mul(&y, &y)?, ROW)
         },
-        &[x.clone()],
+        std::slice::from_ref(&x),
     );
     let y = to_memory_format(&x, CL).unwrap();
     assert_eq!(y.memory_format(), CL);

@@ -7,6 +7,9 @@
 //! product (a batch of matrices times one matrix) or into its contraction (the gradient of a
 //! broadcast operand), one large gemm replaces many small ones.
 
+// The product of BF16 operands by the bf16 GEMM.
+pub(super) mod bf16;
+
 use super::shape::batch_strides;
 use rayon::prelude::*;
 use smallvec::SmallVec;

@@ -1,7 +1,7 @@
 //! The batched product of f16/bf16 operands on the CPU: the operands (and the bias) are
 //! converted to f32, multiplied by the f32 kernels and the result is rounded once to the low
-//! dtype — exactly "low-precision inputs, f32 accumulation". A native BF16 kernel can replace
-//! this function without touching its callers.
+//! dtype — exactly "low-precision inputs, f32 accumulation". BF16 operands take the native
+//! bf16 GEMM instead (`cpu::bf16`), which accumulates in f32 the same way.
 
 use tandem_core::{DType, Result, Tensor};
 
@@ -23,6 +23,10 @@ pub(crate) fn batched_product(
     out_batch: &[usize],
     bias: Option<&Tensor>,
 ) -> Result<Tensor> {
+    // BF16 operands (and bias) go to the bf16 GEMM (AVX512-BF16 where the CPU has it).
+    if let Some(out) = cpu::bf16::batched_product(op, x, tx, y, ty, batch, out_batch, bias)? {
+        return Ok(out);
+    }
     let low = if is_low(x.dtype()) {
         x.dtype()
     } else {
