@@ -296,11 +296,19 @@ mod tests {
             .contiguous_in(MemoryFormat::ChannelsLast)
             .unwrap_err()
             .to_string();
-        assert!(err.contains("contiguous_in") && err.contains("[2, 3, 4]"), "{err}");
+        assert!(
+            err.contains("contiguous_in") && err.contains("[2, 3, 4]"),
+            "{err}"
+        );
         assert!(!x.is_contiguous_in(MemoryFormat::ChannelsLast));
         assert_eq!(x.memory_format(), MemoryFormat::Contiguous);
-        let e = Tensor::empty_in(&[1, 2, 3, 4], DType::F64, Device::Cpu, MemoryFormat::ChannelsLast)
-            .unwrap();
+        let e = Tensor::empty_in(
+            &[1, 2, 3, 4],
+            DType::F64,
+            Device::Cpu,
+            MemoryFormat::ChannelsLast,
+        )
+        .unwrap();
         assert_eq!(e.layout().strides().as_slice(), &[24, 1, 8, 2]);
     }
 }

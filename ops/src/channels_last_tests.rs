@@ -126,10 +126,22 @@ fn conv2d_channels_last_matches_contiguous_forward_and_backward() {
         ];
         let f = |t: &[Tensor]| conv2d(&t[0], &t[1], Some(&t[2]), params);
         for formats in [[CL, ROW, ROW], [CL, CL, ROW], [ROW, CL, ROW]] {
-            compare(&format!("conv2d case {i} {formats:?}"), &inputs, &formats, CL, f);
+            compare(
+                &format!("conv2d case {i} {formats:?}"),
+                &inputs,
+                &formats,
+                CL,
+                f,
+            );
         }
         let g = |t: &[Tensor]| conv2d(&t[0], &t[1], None, params);
-        compare(&format!("conv2d case {i} no bias"), &inputs[..2], &[CL, CL], CL, g);
+        compare(
+            &format!("conv2d case {i} no bias"),
+            &inputs[..2],
+            &[CL, CL],
+            CL,
+            g,
+        );
     }
 }
 
@@ -170,11 +182,29 @@ fn batch_norm_family_channels_last_matches_contiguous() {
         let formats = [CL, ROW, ROW, CL];
         compare("batch_norm", &inputs[..3], &formats[..3], CL, |t| {
             let (m, v) = stats();
-            batch_norm(&t[0], Some(&m), Some(&v), Some(&t[1]), Some(&t[2]), training, 0.1, 1e-5)
+            batch_norm(
+                &t[0],
+                Some(&m),
+                Some(&v),
+                Some(&t[1]),
+                Some(&t[2]),
+                training,
+                0.1,
+                1e-5,
+            )
         });
         compare("batch_norm_relu", &inputs[..3], &formats[..3], CL, |t| {
             let (m, v) = stats();
-            batch_norm_relu(&t[0], Some(&m), Some(&v), Some(&t[1]), Some(&t[2]), training, 0.1, 1e-5)
+            batch_norm_relu(
+                &t[0],
+                Some(&m),
+                Some(&v),
+                Some(&t[1]),
+                Some(&t[2]),
+                training,
+                0.1,
+                1e-5,
+            )
         });
         compare("batch_norm_add_relu", &inputs, &formats, CL, |t| {
             let (m, v) = stats();
@@ -243,18 +273,28 @@ fn elementwise_ops_keep_the_channels_last_format() {
     compare("add", &ab, &[CL, CL], CL, |t| add(&t[0], &t[1]));
     compare("mul", &ab, &[CL, CL], CL, |t| mul(&t[0], &t[1]));
     compare("add_relu", &ab, &[CL, CL], CL, |t| add_relu(&t[0], &t[1]));
-    compare("add_scalar", &ab[..1], &[CL], CL, |t| add_scalar(&t[0], 0.5));
-    compare("mul_scalar", &ab[..1], &[CL], CL, |t| mul_scalar(&t[0], 2.0));
+    compare("add_scalar", &ab[..1], &[CL], CL, |t| {
+        add_scalar(&t[0], 0.5)
+    });
+    compare("mul_scalar", &ab[..1], &[CL], CL, |t| {
+        mul_scalar(&t[0], 2.0)
+    });
     // Mixed formats: the first full-shaped operand decides (PyTorch's rule).
     compare("add cl+row", &ab, &[CL, ROW], CL, |t| add(&t[0], &t[1]));
-    compare_with("sub row+cl", &ab, &[ROW, CL], ROW, false, |t| sub(&t[0], &t[1]));
+    compare_with("sub row+cl", &ab, &[ROW, CL], ROW, false, |t| {
+        sub(&t[0], &t[1])
+    });
     compare("add_relu cl+row", &ab, &[CL, ROW], CL, |t| {
         add_relu(&t[0], &t[1])
     });
     // A broadcast bias has no say.
     let with_bias = [a.clone(), bias.clone()];
-    compare("add bias", &with_bias, &[CL, ROW], CL, |t| add(&t[0], &t[1]));
-    compare("bias + x", &with_bias, &[CL, ROW], CL, |t| add(&t[1], &t[0]));
+    compare("add bias", &with_bias, &[CL, ROW], CL, |t| {
+        add(&t[0], &t[1])
+    });
+    compare("bias + x", &with_bias, &[CL, ROW], CL, |t| {
+        add(&t[1], &t[0])
+    });
 }
 
 #[test]
@@ -275,9 +315,14 @@ fn flatten_and_reshape_of_channels_last_keep_logical_order() {
     let r = reshape(&y, &[6, 20]).unwrap();
     assert_eq!(r.to_vec::<f64>().unwrap(), x.to_vec::<f64>().unwrap());
     // The gradient of a reshape is reshaped back: row-major, as in PyTorch.
-    compare_with("flatten", std::slice::from_ref(&x), &[CL], ROW, false, |t| {
-        flatten(&t[0], 1, -1)
-    });
+    compare_with(
+        "flatten",
+        std::slice::from_ref(&x),
+        &[CL],
+        ROW,
+        false,
+        |t| flatten(&t[0], 1, -1),
+    );
 }
 
 #[test]
@@ -296,7 +341,10 @@ fn gradcheck_to_memory_format_and_its_errors() {
     let err = to_memory_format(&rand_f64(&[2, 3], 1), CL)
         .unwrap_err()
         .to_string();
-    assert!(err.contains("[2, 3]") && err.contains("channels-last"), "{err}");
+    assert!(
+        err.contains("[2, 3]") && err.contains("channels-last"),
+        "{err}"
+    );
 }
 
 /// Times conv2d forward + backward in both formats at ResNet-20's shapes (batch 32, one
@@ -314,8 +362,24 @@ fn measure_nhwc_against_nchw_conv_at_resnet20_shapes() {
     ];
     for (name, xs, ws, stride) in shapes {
         let mut g = Generator::new(1);
-        let x = Tensor::randn(&xs, 0.0, 1.0, tandem_core::DType::F32, tandem_core::Device::Cpu, &mut g).unwrap();
-        let w = Tensor::randn(&ws, 0.0, 0.1, tandem_core::DType::F32, tandem_core::Device::Cpu, &mut g).unwrap();
+        let x = Tensor::randn(
+            &xs,
+            0.0,
+            1.0,
+            tandem_core::DType::F32,
+            tandem_core::Device::Cpu,
+            &mut g,
+        )
+        .unwrap();
+        let w = Tensor::randn(
+            &ws,
+            0.0,
+            0.1,
+            tandem_core::DType::F32,
+            tandem_core::Device::Cpu,
+            &mut g,
+        )
+        .unwrap();
         let params = p(stride, 1, 1);
         let mut report = Vec::new();
         for format in [ROW, CL] {
@@ -334,7 +398,10 @@ fn measure_nhwc_against_nchw_conv_at_resnet20_shapes() {
             }
             fwd.sort_by(f64::total_cmp);
             total.sort_by(f64::total_cmp);
-            report.push(format!("{format:?}: fwd {:.2} ms, fwd+bwd {:.2} ms", fwd[3], total[3]));
+            report.push(format!(
+                "{format:?}: fwd {:.2} ms, fwd+bwd {:.2} ms",
+                fwd[3], total[3]
+            ));
         }
         println!("{name}: {}", report.join(" | "));
     }

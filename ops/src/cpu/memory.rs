@@ -3,8 +3,7 @@
 //! product of dims larger than memory) is an error naming the op, never an abort.
 
 use tandem_core::{
-    alloc, checked_numel, CpuStorage, DType, Element, Layout, MemoryFormat, Result, Storage,
-    Tensor,
+    alloc, checked_numel, CpuStorage, DType, Element, Layout, MemoryFormat, Result, Storage, Tensor,
 };
 
 /// `len` elements whose values are unspecified (a recycled buffer), for a kernel that writes

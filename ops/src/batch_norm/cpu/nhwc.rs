@@ -130,7 +130,10 @@ pub(crate) fn grad_sums<T: FloatElement>(
 ) -> (Vec<f64>, Vec<f64>) {
     let rows = g.len().checked_div(c).unwrap_or(0);
     let sums = channel_sums::<2>(rows, c, |first, n, acc| {
-        let (gs, xs) = (&g[first * c..(first + n) * c], &x[first * c..(first + n) * c]);
+        let (gs, xs) = (
+            &g[first * c..(first + n) * c],
+            &x[first * c..(first + n) * c],
+        );
         for (i, (&gv, &xv)) in gs.iter().zip(xs).enumerate() {
             let ch = i % c;
             let keep = mask.is_none_or(|m| xv * m[ch].0 + m[ch].1 > T::ZERO);

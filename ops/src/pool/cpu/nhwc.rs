@@ -18,7 +18,9 @@ fn per_sample<T: Send>(out: &mut [T], per: usize, work: usize, f: impl Fn(usize,
         return;
     }
     if parallel(work) {
-        out.par_chunks_mut(per).enumerate().for_each(|(n, o)| f(n, o));
+        out.par_chunks_mut(per)
+            .enumerate()
+            .for_each(|(n, o)| f(n, o));
     } else {
         out.chunks_mut(per).enumerate().for_each(|(n, o)| f(n, o));
     }
@@ -166,7 +168,9 @@ pub(crate) fn avg_backward<T: FloatElement>(
                 for r in rows.0..rows.1 {
                     for col in cols.0..cols.1 {
                         let run = &mut plane[(r * w + col) * c..(r * w + col + 1) * c];
-                        run.iter_mut().zip(share).for_each(|(v, &s)| *v += s / divisor);
+                        run.iter_mut()
+                            .zip(share)
+                            .for_each(|(v, &s)| *v += s / divisor);
                     }
                 }
                 k += 1;
