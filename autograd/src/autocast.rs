@@ -256,7 +256,8 @@ mod tests {
             }
             assert_eq!(autocast_dtype(), Some(DType::BF16));
             7
-        }).unwrap();
+        })
+        .unwrap();
         assert_eq!(v, 7);
         assert_eq!(autocast_dtype(), None);
     }
@@ -272,7 +273,10 @@ mod tests {
             );
             let mut ran = false;
             assert!(autocast(dtype, || ran = true).is_err());
-            assert!(!ran, "the closure must not run outside a scope it asked for");
+            assert!(
+                !ran,
+                "the closure must not run outside a scope it asked for"
+            );
         }
         assert_eq!(autocast_dtype(), None);
     }
@@ -300,7 +304,8 @@ mod tests {
             let c = cached_cast(&p, DType::BF16, make).unwrap();
             assert!(a.same_tensor(&c));
             assert_eq!(weight_cache_stats().cached, 1);
-        }).unwrap();
+        })
+        .unwrap();
         let after = weight_cache_stats();
         assert_eq!(after.cached, 0, "freed with the outermost scope");
         assert_eq!(after.casts - before.casts, 1);
@@ -333,7 +338,8 @@ mod tests {
             let b = cached_cast(&non_leaf, DType::BF16, make).unwrap();
             assert!(!a.same_tensor(&b));
             assert_eq!(weight_cache_stats().cached, 0);
-        }).unwrap();
+        })
+        .unwrap();
         assert_eq!(weight_cache_stats().casts, before.casts);
     }
 
@@ -347,7 +353,8 @@ mod tests {
             assert!(!a.same_tensor(&b));
             assert_eq!(c.dtype(), DType::F16);
             assert_eq!(weight_cache_stats().cached, 3);
-        }).unwrap();
+        })
+        .unwrap();
     }
 
     #[test]
@@ -358,7 +365,8 @@ mod tests {
             assert_eq!(weight_cache_stats().cached, 1);
             clear_weight_cache();
             assert_eq!(weight_cache_stats().cached, 0);
-        }).unwrap();
+        })
+        .unwrap();
     }
 
     #[test]
@@ -380,6 +388,7 @@ mod tests {
             assert_eq!(autocast_dtype(), Some(DType::BF16));
             let stats = weight_cache_stats();
             assert_eq!(stats.cached, 1);
-        }).unwrap();
+        })
+        .unwrap();
     }
 }

@@ -537,7 +537,8 @@ fn amp_run(rank_world: Option<(usize, Arc<dyn ProcessGroup>)>) -> Outcome {
             };
             assert_eq!(out.dtype(), DType::BF16);
             cross_entropy(&out, &shard(&y, rank, world), Reduction::Mean).unwrap()
-        }).unwrap();
+        })
+        .unwrap();
         loss.backward().unwrap();
         if step == 0 {
             first_grads = snapshot_grads(module.as_ref());

@@ -268,7 +268,8 @@ fn a_parameter_used_twice_is_cast_once_per_scope_and_freed_after() {
         let y = linear(&h, &w, Some(&b)).unwrap();
         assert_eq!(weight_cache_stats().cached, 2, "weight and bias");
         y
-    }).unwrap();
+    })
+    .unwrap();
     let after = weight_cache_stats();
     assert_eq!(
         after.casts - before.casts,
@@ -307,7 +308,8 @@ fn in_place_updates_are_seen_after_a_backward_or_a_new_scope_but_not_within_one_
             .unwrap();
         assert_eq!(forward(), vec![8.0, 8.0]);
         set(3.0);
-    }).unwrap();
+    })
+    .unwrap();
     autocast(DType::BF16, || assert_eq!(forward(), vec![12.0, 12.0])).unwrap();
 }
 
@@ -339,7 +341,8 @@ fn the_f32_list_computes_in_f32_and_f64_and_disabled_regions_are_left_alone() {
         let w32 = w64.to_dtype(DType::F32).unwrap();
         let _f32_region = AutocastGuard::disabled();
         assert_eq!(linear(&x32, &w32, None).unwrap().dtype(), DType::F32);
-    }).unwrap();
+    })
+    .unwrap();
 }
 
 #[test]
@@ -353,7 +356,8 @@ fn mismatched_half_dtypes_are_errors_naming_the_op_and_both_dtypes() {
         "{text}"
     );
     // Under a bf16 scope the f32 operand becomes bf16, an f16 one stays f16.
-    let text = autocast(DType::BF16, || linear(&h, &f, None)).unwrap()
+    let text = autocast(DType::BF16, || linear(&h, &f, None))
+        .unwrap()
         .unwrap_err()
         .to_string();
     assert!(
@@ -384,7 +388,8 @@ fn a_thread_started_inside_a_scope_runs_in_f32() {
         std::thread::scope(|s| {
             s.spawn(|| assert_eq!(linear(&x, &w, None).unwrap().dtype(), DType::F32));
         });
-    }).unwrap();
+    })
+    .unwrap();
 }
 
 /// conv(1→4, 3×3, pad 1) → relu → linear(4·6·6 → 3) → cross_entropy. The conv's
