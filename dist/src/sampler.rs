@@ -364,9 +364,18 @@ mod tests {
             (0..len).map(|p| shards[p % world][p / world]).collect()
         };
         assert_eq!(order, epoch_order(len, true, 9, 5));
-        assert_eq!(unpadded_shards(len, world, 9, 5), unpadded_shards(len, world, 9, 5));
-        assert_ne!(unpadded_shards(len, world, 9, 5), unpadded_shards(len, world, 9, 6));
-        assert_ne!(unpadded_shards(len, world, 9, 5), unpadded_shards(len, world, 8, 5));
+        assert_eq!(
+            unpadded_shards(len, world, 9, 5),
+            unpadded_shards(len, world, 9, 5)
+        );
+        assert_ne!(
+            unpadded_shards(len, world, 9, 5),
+            unpadded_shards(len, world, 9, 6)
+        );
+        assert_ne!(
+            unpadded_shards(len, world, 9, 5),
+            unpadded_shards(len, world, 8, 5)
+        );
         // Without shuffling: the positions in order.
         let s = DistributedUnpaddedSampler::new(10, 3, 1, false, 0).unwrap();
         assert_eq!(s.indices(4), vec![1, 4, 7]);
