@@ -625,7 +625,7 @@ fn a_joined_run_resumed_at_an_epoch_boundary_ends_bit_identical() {
         }
     }
     // Epoch 1 of 5 steps: global step 5 on every rank, then steps 6 and 8 inside epoch 2.
-    let epoch1 = load_checkpoint(&parts.join("lenet5-epoch1.safetensors")).unwrap();
+    let epoch1 = load_checkpoint(parts.join("lenet5-epoch1.safetensors")).unwrap();
     assert_eq!(
         epoch1.metadata().get("global_step").map(String::as_str),
         Some("5")
