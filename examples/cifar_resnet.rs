@@ -20,7 +20,9 @@
 //! steps and then falls linearly to 0 at the last step, so even one epoch ends well settled:
 //! one epoch of `mnist32` reaches about 99% test accuracy. On a terminal a progress bar shows
 //! the running loss and throughput; one line per epoch is printed. `--metrics-out FILE`
-//! writes the results as JSON.
+//! writes the results as JSON. With `--nproc-per-node N` each rank trains its own shard; when N
+//! does not divide the training set, its exact share inside DDP's `join` (`--no-join`: padded
+//! shares, as PyTorch's `DistributedSampler`).
 //!
 //! **Checkpoints.** After each epoch (and, with `--checkpoint-every N`, every N steps) the
 //! model, its BatchNorm statistics, the optimizer's momentum buffers, the learning rate, the
@@ -165,7 +167,7 @@ use common::output::say;
 use common::{
     check_global_batch, evaluate_checkpoint, exit_with_error, join_or_launch, rank_and_world,
     report_end, report_epoch, test_loader, train_epoch, train_loader, trainer, write_metrics,
-    AnyError, Limited, Role,
+    AnyError, Limited, Role, TrainLoader,
 };
 
 fn main() -> ExitCode {
@@ -296,7 +298,7 @@ fn loaders(
     kind: DatasetKind,
     group: Option<&Arc<dyn ProcessGroup>>,
     device: Device,
-) -> Result<(TrainData, DataLoader, DataLoader), AnyError> {
+) -> Result<(TrainData, TrainLoader, DataLoader), AnyError> {
     let (train_data, test_set): (TrainData, Arc<dyn Dataset>) = match kind {
         DatasetKind::Cifar10 => {
             let dir = args.data_dir.clone().ok_or(CIFAR_HELP)?;
@@ -314,7 +316,7 @@ fn loaders(
     };
     let train_set = Limited::first(train_data.dataset(), args.train_limit);
     let test_set = Limited::first(test_set, args.test_limit);
-    let train = train_loader(train_set, group, args.batch_size, args.run.seed, device)?;
+    let train = train_loader(train_set, group, args.batch_size, &args.run, device)?;
     Ok((
         train_data,
         train,
@@ -335,6 +337,7 @@ fn settings(args: &Args, kind: DatasetKind, world: usize) -> BTreeMap<String, St
             ("weight_decay", args.weight_decay.to_string()),
             ("seed", args.run.seed.to_string()),
             ("world_size", world.to_string()),
+            ("no_join", args.run.no_join.to_string()),
             ("train_limit", format!("{:?}", args.train_limit)),
         ]
         .map(|(k, v)| (k.to_string(), v)),

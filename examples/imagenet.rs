@@ -41,7 +41,8 @@
 //! **Checkpoints, data-parallel, GPUs** as in `cifar_resnet`: a checkpoint after every epoch
 //! (and every `--checkpoint-every` steps) in `--checkpoint-dir`, resumed from automatically or
 //! with `--resume FILE`; `--nproc-per-node N` starts N ranks training with DDP (each its own
-//! `DistributedSampler` shard; every rank evaluates its own part of the validation set,
+//! `DistributedSampler` shard, or its exact `DistributedUnpaddedSampler` share inside `join`
+//! when N does not divide the training set, unless `--no-join`; every rank evaluates its own part of the validation set,
 //! `DistributedEvalSampler`, and the counts are summed, so the accuracy is the same for any number
 //! of ranks); `--device cuda`
 //! trains on `cuda:LOCAL_RANK`.
@@ -69,7 +70,7 @@ use common::checkpoints::{Checkpoints, Progress};
 use common::output::say;
 use common::{
     check_global_batch, exit_with_error, join_or_launch, rank_and_world, report_end, report_epoch,
-    test_loader, train_epoch, train_loader, trainer, write_metrics, AnyError, Role,
+    test_loader, train_epoch, train_loader, trainer, write_metrics, AnyError, Role, TrainLoader,
 };
 
 /// The reference batch of the linear scaling rule: `lr = 0.1 × batch / 256`.
@@ -326,7 +327,7 @@ struct Data {
     /// The validation folder.
     test_set: Arc<ImageFolder>,
     /// This rank's training batches.
-    train: DataLoader,
+    train: TrainLoader,
     /// The validation batches (whole set, in order).
     test: DataLoader,
     /// Number of classes.
@@ -371,7 +372,7 @@ impl Data {
         let train_subset = Spread::apply(train_set.clone(), args.train_limit);
         let test_subset = Spread::apply(test_set.clone(), args.test_limit);
         let test_samples = test_subset.len();
-        let train = train_loader(train_subset, group, args.batch_size, args.run.seed, device)?;
+        let train = train_loader(train_subset, group, args.batch_size, &args.run, device)?;
         let eval_batch = args.batch_size.clamp(1, 256);
         let test = test_loader(test_subset, group, eval_batch, device)?;
         Ok(Data {
@@ -501,6 +502,7 @@ fn settings(args: &Args, world: usize) -> BTreeMap<String, String> {
             ("flip", (!args.no_flip).to_string()),
             ("seed", args.run.seed.to_string()),
             ("world_size", world.to_string()),
+            ("no_join", args.run.no_join.to_string()),
             ("train_limit", format!("{:?}", args.train_limit)),
         ]
         .map(|(k, v)| (k.to_string(), v)),

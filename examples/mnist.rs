@@ -20,7 +20,10 @@
 //! (`tandem-run`, torchrun, SLURM's srun or mpirun set it), the example joins that group
 //! instead. `--batch-size` stays the *global* batch: each rank takes batch / world_size samples
 //! of its own disjoint shard (a `DistributedSampler`), and gradients are averaged, so the
-//! learning rate that suits one process suits N. Every rank evaluates its own part of the test
+//! learning rate that suits one process suits N. When N does not divide the training set, each
+//! rank takes its exact share instead (no sample repeated; a `DistributedUnpaddedSampler`) and
+//! trains each epoch inside DDP's `join`; `--no-join` pads the shares as PyTorch does (README,
+//! "My ranks have different amounts of data"). Every rank evaluates its own part of the test
 //! set (a `DistributedEvalSampler`: no sample repeated or left out) and the counts are summed,
 //! so the test accuracy is the same for any number of ranks. Rank 0 alone prints and writes the
 //! metrics. `--eval-only --resume FILE` only evaluates that checkpoint (written with any number
@@ -109,7 +112,7 @@ use common::output::say;
 use common::{
     check_global_batch, evaluate_checkpoint, exit_with_error, join_or_launch, parameter_digest,
     rank_and_world, report_end, report_epoch, test_loader, train_epoch, train_loader, trainer,
-    write_metrics, AnyError, Limited, Role, Trainer,
+    write_metrics, AnyError, Limited, Role, TrainLoader, Trainer,
 };
 
 // `pub`: `tests/example_supervision.rs` runs this example in its own binary.
@@ -221,7 +224,7 @@ fn loaders(
     args: &Args,
     group: Option<&Arc<dyn ProcessGroup>>,
     device: Device,
-) -> Result<(DataLoader, DataLoader), AnyError> {
+) -> Result<(TrainLoader, DataLoader), AnyError> {
     let data_dir = tandem::locate::mnist_dir(args.data_dir.as_deref())?;
     let train_set = Limited::first(
         Arc::new(Mnist::load(&data_dir, Split::Train)?),
@@ -231,7 +234,7 @@ fn loaders(
         Arc::new(Mnist::load(&data_dir, Split::Test)?),
         args.test_limit,
     );
-    let train = train_loader(train_set, group, args.batch_size, args.run.seed, device)?;
+    let train = train_loader(train_set, group, args.batch_size, &args.run, device)?;
     Ok((train, test_loader(test_set, group, 1000, device)?))
 }
 
@@ -246,6 +249,7 @@ fn settings(args: &Args, world: usize) -> BTreeMap<String, String> {
             ("momentum", args.momentum.to_string()),
             ("seed", args.run.seed.to_string()),
             ("world_size", world.to_string()),
+            ("no_join", args.run.no_join.to_string()),
             ("train_limit", format!("{:?}", args.train_limit)),
         ]
         .map(|(k, v)| (k.to_string(), v)),

@@ -8,6 +8,10 @@
 //! - A torn newest checkpoint is skipped for the one before it.
 //! - Killing the built-in launcher (SIGKILL) kills its ranks; SIGTERM is forwarded to them.
 //! - A run whose stdout is a closed pipe exits quietly with status 141, not by a panic.
+//! - On a training set that 3 ranks do not divide evenly, the ranks train their exact shares
+//!   inside `join` (every sample once per epoch, the ranks' batch counts differing) and end
+//!   with the same parameters; `--no-join` pads the shares as before. Resumed across an epoch
+//!   boundary, such a run ends bit-identical to an uninterrupted one.
 //! - A checkpoint written by 2 ranks, evaluated with `--eval-only` on 1, 2, 3 and 4 ranks
 //!   (101 test images: uneven parts), gives the identical correct count, the one the training
 //!   run recorded.
@@ -32,7 +36,7 @@ fn main() -> ExitCode {
     if std::env::var_os(WORKER).is_some() {
         return mnist::main();
     }
-    let tests: [(&str, fn()); 6] = [
+    let tests: [(&str, fn()); 8] = [
         (
             "a_rank_killed_mid_epoch_is_restarted_and_the_run_ends_bit_identical",
             a_rank_killed_mid_epoch_is_restarted_and_the_run_ends_bit_identical,
@@ -56,6 +60,14 @@ fn main() -> ExitCode {
         (
             "a_checkpoint_evaluated_on_1_to_4_ranks_gives_the_identical_correct_count",
             a_checkpoint_evaluated_on_1_to_4_ranks_gives_the_identical_correct_count,
+        ),
+        (
+            "uneven_data_is_trained_inside_join_once_per_epoch_and_no_join_pads",
+            uneven_data_is_trained_inside_join_once_per_epoch_and_no_join_pads,
+        ),
+        (
+            "a_joined_run_resumed_at_an_epoch_boundary_ends_bit_identical",
+            a_joined_run_resumed_at_an_epoch_boundary_ends_bit_identical,
         ),
     ];
     let filters: Vec<String> = std::env::args()
@@ -500,4 +512,133 @@ fn a_checkpoint_evaluated_on_1_to_4_ranks_gives_the_identical_correct_count() {
         );
     }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// 3 ranks × 8 images a step on 97 images: shares of 33, 32 and 32 images, so 5, 4 and 4
+/// steps an epoch (rank 0's last step has one image); a checkpoint every 2 steps.
+fn uneven_args(dir: &Path, epochs: usize) -> Vec<String> {
+    let epochs = epochs.to_string();
+    [
+        "--nproc-per-node",
+        "3",
+        "--epochs",
+        epochs.as_str(),
+        "--batch-size",
+        "24",
+        "--train-limit",
+        "97",
+        "--test-limit",
+        "30",
+        "--threads",
+        "1",
+        "--checkpoint-every",
+        "2",
+        "--checkpoint-dir",
+        dir.to_str().unwrap(),
+    ]
+    .map(String::from)
+    .to_vec()
+}
+
+/// Each epoch's `train_samples` (per rank) in a `--metrics-out` file.
+fn samples_per_epoch(metrics: &serde_json::Value) -> Vec<Vec<u64>> {
+    metrics["history"]
+        .as_array()
+        .expect("history")
+        .iter()
+        .map(|e| {
+            e["train_samples"]
+                .as_array()
+                .unwrap_or_else(|| panic!("no train_samples in {e}"))
+                .iter()
+                .map(|n| n.as_u64().unwrap())
+                .collect()
+        })
+        .collect()
+}
+
+/// The digests the ranks printed (`--print-param-digest`).
+fn digests(stdout: &str) -> Vec<&str> {
+    stdout
+        .lines()
+        .filter_map(|l| l.split_once("parameter digest ").map(|(_, d)| d))
+        .collect()
+}
+
+fn uneven_data_is_trained_inside_join_once_per_epoch_and_no_join_pads() {
+    let dir = scratch("uneven");
+    for (mode, want) in [("join", [33, 32, 32]), ("no-join", [33, 33, 33])] {
+        let out = dir.join(format!("{mode}.json"));
+        let mut args = uneven_args(&dir.join(mode), 2);
+        args.extend(["--print-param-digest", "--metrics-out"].map(String::from));
+        args.push(out.to_str().unwrap().to_string());
+        if mode == "no-join" {
+            args.push("--no-join".to_string());
+        }
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let (status, stdout, stderr) =
+            Run::start(&args, Stdio::piped()).finish_with_output(Duration::from_secs(300));
+        assert!(status.success(), "{mode}: {status}\n{stdout}\n{stderr}");
+        let announced = if mode == "join" {
+            "samples per rank [33, 32, 32], epochs inside join"
+        } else {
+            "padded to 33 per rank by repeating 2 (--no-join)"
+        };
+        assert!(stdout.contains(announced), "{mode}: {stdout}");
+        // Every epoch: with join, each of the 97 images on exactly one rank (the sampler's
+        // tests show the shares are disjoint); padded, 2 images twice.
+        let metrics = read_metrics(&out);
+        assert_eq!(
+            samples_per_epoch(&metrics),
+            vec![want.to_vec(); 2],
+            "{mode}"
+        );
+        let digests = digests(&stdout);
+        assert_eq!(digests.len(), 3, "{mode}: {stdout}");
+        assert!(
+            digests.iter().all(|d| *d == digests[0]),
+            "{mode}: the replicas differ: {stdout}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+fn a_joined_run_resumed_at_an_epoch_boundary_ends_bit_identical() {
+    let whole = scratch("joined_whole");
+    let args = uneven_args(&whole, 2);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (status, stderr) = Run::start(&args, Stdio::null()).finish(Duration::from_secs(300));
+    assert!(status.success(), "uninterrupted run: {status}\n{stderr}");
+
+    let parts = scratch("joined_parts");
+    for epochs in [1, 2] {
+        let args = uneven_args(&parts, epochs);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let (status, stdout, stderr) =
+            Run::start(&args, Stdio::piped()).finish_with_output(Duration::from_secs(300));
+        assert!(status.success(), "{epochs} epochs: {status}\n{stderr}");
+        if epochs == 2 {
+            assert!(
+                stdout.contains("resuming from") && stdout.contains("lenet5-epoch1"),
+                "the second run did not resume at the epoch's end: {stdout}"
+            );
+        }
+    }
+    // Epoch 1 of 5 steps: global step 5 on every rank, then steps 6 and 8 inside epoch 2.
+    let epoch1 = load_checkpoint(parts.join("lenet5-epoch1.safetensors")).unwrap();
+    assert_eq!(
+        epoch1.metadata().get("global_step").map(String::as_str),
+        Some("5")
+    );
+    let last = "lenet5-epoch2.safetensors";
+    let (want, got) = (tensors(&whole.join(last)), tensors(&parts.join(last)));
+    assert_eq!(
+        got.iter().map(|(n, _)| n).collect::<Vec<_>>(),
+        want.iter().map(|(n, _)| n).collect::<Vec<_>>()
+    );
+    for ((name, got), (_, want)) in got.iter().zip(&want) {
+        assert!(got == want, "`{name}` differs from the uninterrupted run");
+    }
+    let _ = std::fs::remove_dir_all(&whole);
+    let _ = std::fs::remove_dir_all(&parts);
 }

@@ -53,7 +53,7 @@ use crate::reducer::comm_hook::CommHook;
 use crate::reducer::telemetry::Telemetry;
 use crate::reducer::{GradReduction, LaunchRecord, Reducer, ReducerConfig};
 use crate::stragglers::{self, RankStepTimes, StragglerSummary};
-use crate::{DistError, ProcessGroup, ReduceOp, Result};
+use crate::{CollectiveLabel, DistError, ProcessGroup, ReduceOp, Result};
 
 /// Settings of [`DistributedDataParallel`]; every rank must use the same.
 #[derive(Clone)]
@@ -284,6 +284,15 @@ impl DistributedDataParallel {
     /// steps gathered so far (see [`crate::stragglers`]). A collective: every rank calls it at
     /// the same point (for example after its training loop, before printing the summary).
     pub fn gather_step_times(&self) -> Result<StragglerSummary> {
+        // Named in hang diagnoses: a rank that skips this gather (its summary) is told apart
+        // from one that skips a step's collectives.
+        crate::with_collective_label(CollectiveLabel::Named(stragglers::GATHER_LABEL), || {
+            self.gather_step_times_labelled()
+        })
+    }
+
+    /// [`DistributedDataParallel::gather_step_times`], its collectives labelled by the caller.
+    fn gather_step_times_labelled(&self) -> Result<StragglerSummary> {
         let telemetry = self.reducer.telemetry();
         let mut state = self.stragglers.lock();
         let world = self.group.world_size();

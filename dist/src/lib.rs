@@ -127,7 +127,7 @@ pub use rendezvous::{
     init_from_env, init_from_env_on, init_from_env_with, init_from_env_with_options,
     init_process_group, init_with_options, Backend, EnvSource, InitOptions, LaunchEnv,
 };
-pub use sampler::{DistributedEvalSampler, DistributedSampler};
+pub use sampler::{DistributedEvalSampler, DistributedSampler, DistributedUnpaddedSampler};
 pub use store::{StoreConfig, StoreServer, TcpStore};
 pub use stragglers::{Straggler, StragglerKind, StragglerSummary};
 pub use sync_batch_norm::{convert_sync_batch_norm, SyncBatchNorm};

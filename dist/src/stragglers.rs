@@ -244,6 +244,10 @@ pub fn straggler_of(times: &[RankStepTimes]) -> Option<(usize, StragglerKind, f6
 /// Floats per step and rank in the gathered tensor: present, forward, backward, wait.
 const FIELDS: usize = 4;
 
+/// The label of the stragglers' gather in hang diagnoses (`all_reduce #42 (stragglers' step
+/// times; f64 × 24)`).
+pub(crate) const GATHER_LABEL: &str = "stragglers' step times";
+
 /// All-reduces this rank's `local` step times (at most `window` of them, the most recent) with
 /// every rank's; returns, per step index of the window, every rank's times, keeping only steps
 /// that every rank recorded. Every rank must call it with the same `window`.

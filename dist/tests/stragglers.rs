@@ -1,14 +1,18 @@
 //! Stragglers named: a rank made slow by an injected forward delay is named by every rank's
 //! summary, as slow compute, from step times gathered across ranks every K steps (threads as
-//! ranks).
+//! ranks); a rank that skips the gather is named by the hang diagnosis with the gather's label.
 
 mod ddp_common;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use ddp_common::*;
 use tandem_autograd::TensorBackward;
-use tandem_dist::{DdpConfig, DistributedDataParallel, StragglerKind};
+use tandem_dist::{
+    DdpConfig, DistributedDataParallel, GroupConfig, ProcessGroup, StragglerKind,
+    ThreadProcessGroup,
+};
 use tandem_nn::loss::{cross_entropy, Reduction};
 use tandem_optim::Optimizer;
 
@@ -80,4 +84,49 @@ fn evaluation_forwards_do_not_count_and_a_single_rank_names_no_one() {
     });
     assert_eq!(results[0].steps, 0);
     assert_eq!(results[0].slowest(), None);
+}
+
+#[test]
+fn a_rank_that_skips_the_stragglers_gather_is_named_with_its_label() {
+    let config = GroupConfig {
+        timeout: Duration::from_millis(300),
+        ..GroupConfig::default()
+    };
+    let groups = ThreadProcessGroup::new_group_with(2, &config).unwrap();
+    let results: Vec<Option<String>> = std::thread::scope(|s| {
+        let handles: Vec<_> = groups
+            .into_iter()
+            .enumerate()
+            .map(|(rank, g)| {
+                s.spawn(move || {
+                    let group = Arc::new(g) as Arc<dyn ProcessGroup>;
+                    let ddp = DistributedDataParallel::new(
+                        build(Model::Mlp, 7),
+                        group,
+                        DdpConfig::default(),
+                    )
+                    .unwrap();
+                    let mut opt = sgd(ddp.module().parameters());
+                    let (x, y) = batch(Model::Mlp, 0);
+                    opt.zero_grad().unwrap();
+                    let out = ddp.forward(&shard(&x, rank, 2)).unwrap();
+                    let loss = cross_entropy(&out, &shard(&y, rank, 2), Reduction::Mean).unwrap();
+                    loss.backward().unwrap();
+                    opt.step().unwrap();
+                    if rank == 1 {
+                        // Alive, holding its group, but skipping the gather.
+                        std::thread::sleep(Duration::from_millis(1500));
+                        return None;
+                    }
+                    Some(ddp.gather_step_times().unwrap_err().to_string())
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let err = results[0].as_deref().expect("rank 0's error");
+    assert!(
+        err.contains("rank 1 is at") && err.contains("(stragglers' step times;"),
+        "{err}"
+    );
 }

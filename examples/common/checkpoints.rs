@@ -171,6 +171,7 @@ impl Checkpoints {
                     "test_correct": r.test_correct,
                     "images_per_sec": r.images_per_sec,
                     "seconds": r.seconds,
+                    "train_samples": r.train_samples,
                 })
             })
             .collect();
@@ -413,6 +414,12 @@ fn parse_history(text: &str) -> Result<Vec<EpochResult>, String> {
                     .unwrap_or(0),
                 images_per_sec: field("images_per_sec")?,
                 seconds: field("seconds")?,
+                // Checkpoints of earlier versions did not record it.
+                train_samples: v
+                    .get("train_samples")
+                    .and_then(serde_json::Value::as_array)
+                    .map(|a| a.iter().filter_map(serde_json::Value::as_u64).collect())
+                    .unwrap_or_default(),
             })
         })
         .collect()

@@ -9,6 +9,7 @@
 
 pub mod checkpoints;
 pub mod output;
+pub mod split;
 
 use std::cell::RefCell;
 use std::path::Path;
@@ -22,8 +23,8 @@ use tandem::core::{DType, Device, Tensor};
 use tandem::dist::launch::{forward_signals, launch, LaunchOptions};
 use tandem::dist::metrics::evaluate_across_ranks;
 use tandem::dist::{
-    init_with_options, DdpConfig, DistributedDataParallel, DistributedEvalSampler,
-    DistributedSampler, InitOptions, LaunchEnv, Phase, ProcessGroup, Timeline,
+    init_with_options, DdpConfig, DistributedDataParallel, DistributedEvalSampler, InitOptions,
+    JoinConfig, LaunchEnv, Phase, ProcessGroup, Timeline,
 };
 use tandem::nn::data::{Batch, DataLoader, DataLoaderConfig, Dataset};
 use tandem::nn::loss::{cross_entropy, Reduction};
@@ -33,6 +34,7 @@ use tandem::optim::Optimizer;
 
 use checkpoints::{Checkpoints, Progress};
 use output::complain;
+pub use split::{train_loader, TrainLoader};
 
 /// Errors of the examples' `run`.
 pub type AnyError = Box<dyn std::error::Error>;
@@ -72,6 +74,9 @@ pub struct EpochResult {
     pub test_correct: u64,
     pub images_per_sec: f64,
     pub seconds: f64,
+    /// Training samples each rank used this epoch, in rank order (their sum is the training
+    /// set's size when every sample is used exactly once; more when the split is padded).
+    pub train_samples: Vec<u64>,
 }
 
 /// Whether the environment describes a process group this process should join (as
@@ -133,6 +138,12 @@ pub struct RunArgs {
     /// measured link and gradient-ready times after a few steps (README, "What bucket size").
     #[arg(long, default_value = "25", value_parser = parse_bucket_cap)]
     pub bucket_cap_mb: BucketCap,
+    /// With --nproc-per-node, when the world size does not divide the training set: pad each
+    /// rank's share by repeating samples (PyTorch's DistributedSampler) instead of giving each
+    /// rank its exact share and training each epoch inside DDP's join (README, "My ranks have
+    /// different amounts of data").
+    #[arg(long)]
+    pub no_join: bool,
 }
 
 /// `--bucket-cap-mb`: a fixed size or the automatic choice.
@@ -398,39 +409,6 @@ pub fn check_global_batch(batch_size: usize, world: usize) -> Result<(), AnyErro
     Ok(())
 }
 
-/// The training loader for the global batch `batch_size`: alone, the whole set reshuffled
-/// every epoch from `seed`; in a group, each rank its own disjoint shard (a
-/// `DistributedSampler`, reshuffled every epoch from the shared seed) in batches of
-/// `batch_size / world`.
-pub fn train_loader(
-    set: Arc<dyn Dataset>,
-    group: Option<&Arc<dyn ProcessGroup>>,
-    batch_size: usize,
-    seed: u64,
-    device: Device,
-) -> Result<DataLoader, AnyError> {
-    let (rank, world) = rank_and_world(group);
-    let config = DataLoaderConfig {
-        device,
-        batch_size: batch_size / world,
-        ..Default::default()
-    };
-    Ok(match group {
-        Some(_) => {
-            let sampler = DistributedSampler::new(set.len(), world, rank, true, seed)?;
-            DataLoader::with_sampler(set, Arc::new(sampler), config)?
-        }
-        None => DataLoader::new(
-            set,
-            DataLoaderConfig {
-                shuffle: true,
-                seed,
-                ..config
-            },
-        )?,
-    })
-}
-
 /// The test loader, in order, in batches of `batch_size`: alone, the whole set; in a group,
 /// this rank's `DistributedEvalSampler` part (contiguous, no sample repeated or left out, the
 /// ranks' counts differing by at most one), so the counts summed over the ranks are those of
@@ -520,14 +498,16 @@ pub fn trainer(
 
 /// The rest of the epoch `progress` is in: one pass over the training set from step
 /// `progress.epoch_step` on (cross entropy; the test accuracy is filled in by the caller),
-/// advancing `progress` step by step and writing the checkpoints that fall due.
-/// `lr_at(g)`, when given, sets the learning rate of global step `g`. Rank 0 shows a progress
-/// bar (on a terminal) with the running loss, the global throughput and the share of the
-/// epoch spent waiting for the loader (data wait).
+/// advancing `progress` step by step and writing the checkpoints that fall due. When the split
+/// is uneven (see [`split`]) the pass runs inside `ddp.join`: the ranks with fewer batches
+/// shadow the others' last steps, every rank ends at the epoch's last step, and every rank then
+/// takes rank 0's optimizer state. `lr_at(g)`, when given, sets the learning rate of global
+/// step `g`. Rank 0 shows a progress bar (on a terminal) with the running loss, the global
+/// throughput and the share of the epoch spent waiting for the loader (data wait).
 pub fn train_epoch(
     trainer: &Trainer,
     optimizer: &mut dyn Optimizer,
-    train: &DataLoader,
+    train: &TrainLoader,
     progress: &mut Progress,
     epochs: usize,
     lr_at: Option<&dyn Fn(usize) -> f64>,
@@ -545,62 +525,129 @@ pub fn train_epoch(
     );
     bar.set_prefix(format!("{}/{epochs}", progress.epoch));
     bar.set_position(progress.epoch_step as u64);
-    let started = Instant::now();
-    let mut images = 0usize;
-    let first = progress.epoch_step;
-    let mut losses = LossSum::default();
-    let mut batches = train.epoch_from(progress.epoch as u64 - 1, first);
-    loop {
-        if let Some(timeline) = &trainer.timeline {
-            timeline.borrow_mut().begin_step()?;
-        }
-        let Some(batch) = trainer.phase(Phase::Data, || Ok(batches.next()))? else {
-            break;
-        };
-        let batch = batch?;
-        if let Some(lr_at) = lr_at {
-            optimizer.set_learning_rate(lr_at(progress.global_step))?;
-        }
-        let loss = trainer.phase(Phase::Forward, || {
-            let logits = trainer.forward(&batch.inputs)?;
-            Ok(cross_entropy(&logits, &batch.targets, Reduction::Mean)?)
-        })?;
-        optimizer.zero_grad()?;
-        trainer.phase(Phase::Backward, || Ok(loss.backward()?))?;
-        trainer.phase(Phase::Optimizer, || Ok(optimizer.step()?))?;
-        losses.add(&loss)?;
-        progress.epoch_step += 1;
-        progress.global_step += 1;
-        images += batch.targets.numel() * trainer.world_size();
-        if progress.epoch_step.is_multiple_of(10) {
-            progress.loss_sum += losses.take()?;
-            let elapsed = started.elapsed().as_secs_f64();
-            // A large share of waiting for the loader means the input pipeline (decoding,
-            // augmentation), not the model, bounds the step.
-            let data_wait = batches.wait_time().as_secs_f64();
-            bar.set_message(format!(
-                "loss {:.4}, {:.0} images/s, data wait {:.0}%",
-                progress.loss_sum / progress.epoch_step as f64,
-                images as f64 / elapsed,
-                100.0 * data_wait / elapsed
-            ));
-        }
-        bar.inc(1);
-        if checkpoints.due(progress) {
-            progress.loss_sum += losses.take()?;
-            checkpoints.save(trainer, optimizer, progress)?;
+    let epoch = EpochSteps {
+        trainer,
+        train,
+        lr_at,
+        checkpoints,
+        bar: &bar,
+        started: Instant::now(),
+    };
+    let epoch_start = progress.global_step - progress.epoch_step;
+    // The steps before a resumed position were full batches (they come before every rank's
+    // last batch).
+    let mut tally = Tally {
+        images: 0,
+        samples: progress.epoch_step * train.split.batch,
+        losses: LossSum::default(),
+    };
+    match (&trainer.ddp, train.split.join) {
+        (Some(ddp), true) => ddp.join(JoinConfig::default(), || {
+            epoch.run(optimizer, progress, &mut tally)
+        })??,
+        _ => epoch.run(optimizer, progress, &mut tally)?,
+    }
+    progress.loss_sum += tally.losses.take()?;
+    bar.finish_and_clear();
+    let seconds = epoch.started.elapsed().as_secs_f64();
+    let train_loss = progress.loss_sum / progress.epoch_step.max(1) as f64;
+    if train.split.join {
+        // Every rank took part in every step of the epoch (some shadowing the last ones).
+        progress.epoch_step = train.len();
+        progress.global_step = epoch_start + train.len();
+        if train.split.common_steps < train.split.steps {
+            split::sync_optimizer_state(trainer, optimizer)?;
         }
     }
-    progress.loss_sum += losses.take()?;
-    bar.finish_and_clear();
-    let seconds = started.elapsed().as_secs_f64();
     Ok(EpochResult {
-        train_loss: progress.loss_sum / progress.epoch_step.max(1) as f64,
+        train_loss,
         test_accuracy: 0.0,
         test_correct: 0,
-        images_per_sec: images as f64 / seconds,
+        images_per_sec: tally.images as f64 / seconds,
         seconds,
+        train_samples: split::gather_sample_counts(trainer, tally.samples)?,
     })
+}
+
+/// What one epoch's steps share.
+struct EpochSteps<'a> {
+    trainer: &'a Trainer,
+    train: &'a TrainLoader,
+    lr_at: Option<&'a dyn Fn(usize) -> f64>,
+    checkpoints: &'a Checkpoints,
+    bar: &'a ProgressBar,
+    started: Instant,
+}
+
+/// What the steps of an epoch add up.
+struct Tally {
+    /// Images of all ranks (this rank's times the world size), for the throughput.
+    images: usize,
+    /// This rank's samples.
+    samples: usize,
+    losses: LossSum,
+}
+
+impl EpochSteps<'_> {
+    /// This rank's steps of the epoch from `progress.epoch_step` on.
+    fn run(
+        &self,
+        optimizer: &mut dyn Optimizer,
+        progress: &mut Progress,
+        tally: &mut Tally,
+    ) -> Result<(), AnyError> {
+        let trainer = self.trainer;
+        let mut batches = self
+            .train
+            .loader
+            .epoch_from(progress.epoch as u64 - 1, progress.epoch_step);
+        loop {
+            if let Some(timeline) = &trainer.timeline {
+                timeline.borrow_mut().begin_step()?;
+            }
+            let Some(batch) = trainer.phase(Phase::Data, || Ok(batches.next()))? else {
+                break;
+            };
+            let batch = batch?;
+            if let Some(lr_at) = self.lr_at {
+                optimizer.set_learning_rate(lr_at(progress.global_step))?;
+            }
+            let loss = trainer.phase(Phase::Forward, || {
+                let logits = trainer.forward(&batch.inputs)?;
+                Ok(cross_entropy(&logits, &batch.targets, Reduction::Mean)?)
+            })?;
+            optimizer.zero_grad()?;
+            trainer.phase(Phase::Backward, || Ok(loss.backward()?))?;
+            trainer.phase(Phase::Optimizer, || Ok(optimizer.step()?))?;
+            tally.losses.add(&loss)?;
+            progress.epoch_step += 1;
+            progress.global_step += 1;
+            tally.samples += batch.targets.numel();
+            tally.images += batch.targets.numel() * trainer.world_size();
+            if progress.epoch_step.is_multiple_of(10) {
+                progress.loss_sum += tally.losses.take()?;
+                let elapsed = self.started.elapsed().as_secs_f64();
+                // A large share of waiting for the loader means the input pipeline (decoding,
+                // augmentation), not the model, bounds the step.
+                let data_wait = batches.wait_time().as_secs_f64();
+                self.bar.set_message(format!(
+                    "loss {:.4}, {:.0} images/s, data wait {:.0}%",
+                    progress.loss_sum / progress.epoch_step as f64,
+                    tally.images as f64 / elapsed,
+                    100.0 * data_wait / elapsed
+                ));
+            }
+            self.bar.inc(1);
+            // Under join, only where every rank still trains: a checkpoint gathers every
+            // rank's random-number state, a collective join does not shadow.
+            if self.checkpoints.due(progress) && progress.epoch_step < self.train.split.common_steps
+            {
+                progress.loss_sum += tally.losses.take()?;
+                self.checkpoints.save(trainer, optimizer, progress)?;
+            }
+        }
+        Ok(())
+    }
 }
 
 /// The running sum of the step losses, kept where the losses are: reading a CUDA loss on the
@@ -699,6 +746,7 @@ pub fn write_metrics(
                 "test_correct": r.test_correct,
                 "images_per_sec": r.images_per_sec,
                 "seconds": r.seconds,
+                "train_samples": r.train_samples,
             })
         })
         .collect();

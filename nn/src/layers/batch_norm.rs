@@ -2,6 +2,7 @@
 
 use tandem_core::{DType, Device, Tensor};
 use tandem_ops::batch_norm::{BatchNormArgs, Epilogue};
+use tandem_ops::TensorOps;
 
 use crate::module::parameter;
 use crate::{Error, Result};
@@ -214,6 +215,9 @@ impl BatchNorm2d {
         }
         let training = self.is_training();
         let use_batch_stats = training || !self.config.track_running_stats;
+        if x.dims()[0] == 0 {
+            return self.empty_batch(x, epilogue);
+        }
         if use_batch_stats && x.numel() / self.num_features <= 1 {
             return Err(Error::input(
                 "BatchNorm2d",
@@ -237,6 +241,27 @@ impl BatchNorm2d {
             self.count_training_batch()?;
         }
         Ok(out)
+    }
+
+    /// The forward of a batch of no samples (what a rank that has joined runs inside
+    /// `DistributedDataParallel::join`, shadowing the others): an empty output, the running
+    /// statistics untouched (no sample to count), and the output still a function of the weight
+    /// and the bias, so their gradients are (zero) sums over no samples and their gradient-ready
+    /// events fire as on the ranks with samples.
+    fn empty_batch(&self, x: &Tensor, epilogue: Epilogue<'_>) -> Result<Tensor> {
+        let per_channel = [1, self.num_features as isize, 1, 1];
+        let mut out = x.clone();
+        if let Some(weight) = &self.weight {
+            out = out.mul(&weight.reshape(&per_channel)?)?;
+        }
+        if let Some(bias) = &self.bias {
+            out = out.add(&bias.reshape(&per_channel)?)?;
+        }
+        Ok(match epilogue {
+            Epilogue::Plain => out,
+            Epilogue::Relu => out.relu()?,
+            Epilogue::AddRelu(residual) => out.add(residual)?.relu()?,
+        })
     }
 
     /// Adds one to `num_batches_tracked` (when tracked), as every training forward does; a
@@ -353,6 +378,42 @@ mod tests {
             assert!((rv[c] - (0.9 + 0.1 * unbiased)).abs() < 1e-3);
         }
         assert_eq!(bn.num_batches_tracked().unwrap().item().unwrap(), 1.0);
+    }
+
+    #[test]
+    fn an_empty_training_batch_gives_an_empty_output_and_zero_gradients() {
+        // A joined rank's shadow step (`DistributedDataParallel::join`) runs a batch of no
+        // samples: no statistics to take, but the weight and bias must still get (zero)
+        // gradients, as on the ranks with samples.
+        let bn = bn(2).unwrap();
+        let x = Tensor::zeros(&[0, 2, 3, 3], DType::F32, Device::Cpu).unwrap();
+        let residual = Tensor::zeros(&[0, 2, 3, 3], DType::F32, Device::Cpu).unwrap();
+        let outputs = [
+            bn.forward(&x).unwrap(),
+            bn.forward_relu(&x).unwrap(),
+            bn.forward_add_relu(&x, &residual).unwrap(),
+        ];
+        for y in outputs {
+            assert_eq!(y.dims(), &[0, 2, 3, 3]);
+            let (weight, bias) = (bn.weight().unwrap(), bn.bias().unwrap());
+            weight.set_grad(None).unwrap();
+            bias.set_grad(None).unwrap();
+            let seed = y.zeros_like().unwrap();
+            tandem_autograd::backward(&y, Some(&seed), &Default::default()).unwrap();
+            for p in [weight, bias] {
+                let grad = p.grad().expect("a gradient for the weight and the bias");
+                assert_eq!(grad.to_vec::<f32>().unwrap(), vec![0.0; 2]);
+            }
+        }
+        assert_eq!(
+            bn.running_mean().unwrap().to_vec::<f32>().unwrap(),
+            vec![0.0; 2]
+        );
+        assert_eq!(
+            bn.running_var().unwrap().to_vec::<f32>().unwrap(),
+            vec![1.0; 2]
+        );
+        assert_eq!(bn.num_batches_tracked().unwrap().item().unwrap(), 0.0);
     }
 
     #[test]
