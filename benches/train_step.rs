@@ -26,7 +26,8 @@
 //! is as both frameworks default: off for matmuls (`--tf32-matmul` turns it on, on both sides),
 //! on for convolutions. `--profile N` then shows the host time per op. Models: LeNet-5
 //! (1×28×28), ResNet-20/56 (3×32×32) and ResNet-50 (3×224×224, 1000 classes; torchvision's
-//! layout on both sides).
+//! layout on both sides). `--amp bf16|f16` runs forward and loss under autocast on both sides
+//! (f16 with a gradient scaler), `--channels-last` gives both channels-last input batches.
 
 use std::path::PathBuf;
 use std::process::{Command, ExitCode};
@@ -35,10 +36,10 @@ use std::time::Instant;
 use clap::{Parser, ValueEnum};
 use tandem::autograd::TensorBackward;
 use tandem::core::rng::manual_seed;
-use tandem::core::{DType, Device, Generator, Tensor};
+use tandem::core::{DType, Device, Generator, MemoryFormat, Tensor};
 use tandem::nn::loss::{cross_entropy, Reduction};
 use tandem::nn::Module;
-use tandem::optim::{Optimizer, Sgd, SgdConfig};
+use tandem::optim::{GradScaler, GradScalerConfig, Optimizer, Sgd, SgdConfig};
 
 type AnyError = Box<dyn std::error::Error>;
 
@@ -91,6 +92,31 @@ impl ModelKind {
                 sample_shape: vec![3, 224, 224],
                 classes: 1000,
             }),
+        }
+    }
+}
+
+/// `--amp`: the autocast dtype of both sides.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Amp {
+    /// bfloat16 (no gradient scaler).
+    Bf16,
+    /// IEEE half, with a gradient scaler (PyTorch's defaults).
+    F16,
+}
+
+impl Amp {
+    fn dtype(self) -> DType {
+        match self {
+            Amp::Bf16 => DType::BF16,
+            Amp::F16 => DType::F16,
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Amp::Bf16 => "bf16",
+            Amp::F16 => "f16",
         }
     }
 }
@@ -152,6 +178,15 @@ struct Args {
     /// Turn tandem's caching allocator off (to measure what it gains).
     #[arg(long)]
     no_cache: bool,
+    /// Mixed precision on both sides: forward and loss under autocast in this dtype (f16 with
+    /// a gradient scaler, PyTorch's defaults); parameters, gradients and the update stay f32.
+    #[arg(long, value_enum)]
+    amp: Option<Amp>,
+    /// Channels-last (NHWC) input batches on both sides. PyTorch also converts its model;
+    /// tandem's convolutions take the row-major weights and still give channels-last outputs
+    /// (`Module::to_memory_format` is not there yet).
+    #[arg(long)]
+    channels_last: bool,
     /// Benchmark-name filters passed by `cargo bench` (ignored).
     #[arg(hide = true)]
     filters: Vec<String>,
@@ -200,11 +235,13 @@ fn run(args: Args) -> Result<(), AnyError> {
     };
 
     println!(
-        "train_step: model {}, batch {}, on {}, {} threads, median of {} steps after {} warm-up",
+        "train_step: model {}, batch {}, on {}, {} threads, {}{}, median of {} steps after {} warm-up",
         args.model.name(),
         args.batch_size,
         args.device,
         threads,
+        args.amp.map_or("f32", Amp::name),
+        if args.channels_last { ", channels-last" } else { "" },
         args.steps,
         args.warmup
     );
@@ -263,6 +300,8 @@ fn run(args: Args) -> Result<(), AnyError> {
             "batch_size": args.batch_size,
             "device": args.device.to_string(),
             "tf32_matmul": args.tf32_matmul,
+            "amp": args.amp.map(Amp::name),
+            "channels_last": args.channels_last,
             "threads": threads,
             "warmup": args.warmup,
             "steps": args.steps,
@@ -313,8 +352,11 @@ fn time_tandem(args: &Args) -> Result<Timing, AnyError> {
     let mut generator = Generator::new(args.seed);
     let mut shape = vec![args.batch_size];
     shape.extend(&sample_shape);
-    let inputs = Tensor::randn(&shape, 0.0, 1.0, DType::F32, Device::Cpu, &mut generator)?
+    let mut inputs = Tensor::randn(&shape, 0.0, 1.0, DType::F32, Device::Cpu, &mut generator)?
         .to_device(device)?;
+    if args.channels_last {
+        inputs = inputs.contiguous_in(MemoryFormat::ChannelsLast)?;
+    }
     let labels: Vec<i64> = (0..args.batch_size)
         .map(|_| generator.below(classes) as i64)
         .collect();
@@ -326,13 +368,32 @@ fn time_tandem(args: &Args) -> Result<Timing, AnyError> {
         }
         Ok(())
     };
+    let mut scaler: Option<GradScaler> = match args.amp {
+        Some(Amp::F16) => Some(GradScalerConfig::default().init()?),
+        _ => None,
+    };
 
     let mut step = || -> Result<(), AnyError> {
-        let logits = model.forward(&inputs)?;
-        let loss = cross_entropy(&logits, &targets, Reduction::Mean)?;
+        let forward = || -> Result<Tensor, AnyError> {
+            let logits = model.forward(&inputs)?;
+            Ok(cross_entropy(&logits, &targets, Reduction::Mean)?)
+        };
+        let loss = match args.amp {
+            Some(amp) => tandem::autocast(amp.dtype(), forward)??,
+            None => forward()?,
+        };
         optimizer.zero_grad()?;
-        loss.backward()?;
-        optimizer.step()?;
+        match scaler.as_mut() {
+            Some(scaler) => {
+                scaler.scale(&loss)?.backward()?;
+                scaler.step(&mut optimizer)?;
+                scaler.update()?;
+            }
+            None => {
+                loss.backward()?;
+                optimizer.step()?;
+            }
+        }
         Ok(())
     };
     for _ in 0..args.warmup {
@@ -441,7 +502,9 @@ fn time_torch(args: &Args, threads: usize) -> Result<(Timing, String), String> {
         .args(["--steps", &args.steps.to_string()])
         .args(["--seed", &args.seed.to_string()])
         .args(["--device", &args.device.to_string()])
-        .args(args.tf32_matmul.then_some("--tf32-matmul"));
+        .args(args.tf32_matmul.then_some("--tf32-matmul"))
+        .args(args.amp.iter().flat_map(|a| ["--amp", a.name()]))
+        .args(args.channels_last.then_some("--channels-last"));
     let value = peer::run_json(command)?;
     Ok((
         Timing {
