@@ -240,6 +240,7 @@ fn run(args: Args) -> Result<(), AnyError> {
     )?;
     // Resume before DDP wraps the model (every rank reads the same checkpoint).
     let mut progress = Progress::start();
+    let mut scaler_state = Vec::new();
     if let Some(resumed) = checkpoints.resume(
         args.run.resume.as_deref(),
         model.as_ref(),
@@ -247,6 +248,7 @@ fn run(args: Args) -> Result<(), AnyError> {
         rank,
     )? {
         progress = resumed.progress;
+        scaler_state = resumed.grad_scaler;
         if rank == 0 {
             say(format_args!(
                 "resuming from {}: epoch {}, step {} of {}",
@@ -262,6 +264,7 @@ fn run(args: Args) -> Result<(), AnyError> {
         }
     }
     let trainer = trainer(model.clone(), group, &args.run)?;
+    trainer.load_scaler(&scaler_state)?;
     if rank == 0 {
         announce(&args, &data, model.as_ref(), device, world, warmup_steps);
     }

@@ -168,6 +168,7 @@ fn run(args: Args) -> Result<(), AnyError> {
     let mut progress = Progress::start();
     if let Some(resumed) = resumed {
         progress = resumed.progress;
+        trainer.load_scaler(&resumed.grad_scaler)?;
         if rank == 0 {
             say(format_args!(
                 "resuming from {}: epoch {}, {} of {} steps done",

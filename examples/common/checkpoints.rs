@@ -20,7 +20,7 @@ use serde_json::json;
 use tandem::core::{DType, Device, Tensor};
 use tandem::nn::checkpoint::{
     load_checkpoint, load_rng_state, load_state_dict, rng_state, save_checkpoint, Checkpoint,
-    OPTIMIZER_PREFIX,
+    GRAD_SCALER_PREFIX, OPTIMIZER_PREFIX,
 };
 use tandem::nn::Module;
 use tandem::optim::Optimizer;
@@ -84,6 +84,9 @@ pub struct Resumed {
     pub path: PathBuf,
     /// Where training stands in it.
     pub progress: Progress,
+    /// The gradient scaler's state (`--amp f16`; empty otherwise), for
+    /// [`Trainer::load_scaler`].
+    pub grad_scaler: Vec<(String, Tensor)>,
 }
 
 impl Checkpoints {
@@ -141,6 +144,7 @@ impl Checkpoints {
             .map(|(name, t)| (format!("{OPTIMIZER_PREFIX}{name}"), t))
             .collect();
         extras.extend(rng);
+        extras.extend(trainer.scaler_state());
         extras.push((
             LEARNING_RATE.to_string(),
             Tensor::from_vec(vec![optimizer.learning_rate()], &[1], Device::Cpu)?,
@@ -227,7 +231,12 @@ impl Checkpoints {
             load_rng_state(model, &rng)?;
         }
         let progress = self.progress_of(&checkpoint).map_err(at)?;
-        Ok(Some(Resumed { path, progress }))
+        let grad_scaler = checkpoint.extra(GRAD_SCALER_PREFIX);
+        Ok(Some(Resumed {
+            path,
+            progress,
+            grad_scaler,
+        }))
     }
 
     /// The newest checkpoint of this run's name that loads; unreadable ones are skipped.

@@ -30,7 +30,8 @@ use tandem::nn::data::{Batch, DataLoader, DataLoaderConfig, Dataset};
 use tandem::nn::loss::{cross_entropy, Reduction};
 use tandem::nn::metrics::Accuracy;
 use tandem::nn::Module;
-use tandem::optim::Optimizer;
+use tandem::nn::checkpoint::GRAD_SCALER_PREFIX;
+use tandem::optim::{GradScaler, GradScalerConfig, Optimizer};
 
 use checkpoints::{Checkpoints, Progress};
 use output::complain;
@@ -138,12 +139,40 @@ pub struct RunArgs {
     /// measured link and gradient-ready times after a few steps (README, "What bucket size").
     #[arg(long, default_value = "25", value_parser = parse_bucket_cap)]
     pub bucket_cap_mb: BucketCap,
+    /// Mixed precision: forward and loss under autocast in bf16 or f16 (f16 with a dynamic
+    /// gradient scaler, PyTorch's defaults); parameters, gradients, the optimizer and DDP's
+    /// buckets stay f32, and evaluation runs in f32.
+    #[arg(long, value_enum)]
+    pub amp: Option<Amp>,
+    /// Channels-last (NHWC) training batches: convolution, batch norm, pooling and the
+    /// elementwise ops then run channels-last.
+    #[arg(long)]
+    pub channels_last: bool,
     /// With --nproc-per-node, when the world size does not divide the training set: pad each
     /// rank's share by repeating samples (PyTorch's DistributedSampler) instead of giving each
     /// rank its exact share and training each epoch inside DDP's join (README, "My ranks have
     /// different amounts of data").
     #[arg(long)]
     pub no_join: bool,
+}
+
+/// `--amp`: the autocast dtype.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Amp {
+    /// bfloat16: f32's range, no scaler needed.
+    Bf16,
+    /// IEEE half: a gradient scaler keeps small gradients from flushing to zero.
+    F16,
+}
+
+impl Amp {
+    /// The autocast dtype.
+    pub fn dtype(self) -> DType {
+        match self {
+            Amp::Bf16 => DType::BF16,
+            Amp::F16 => DType::F16,
+        }
+    }
 }
 
 /// `--bucket-cap-mb`: a fixed size or the automatic choice.
@@ -267,6 +296,10 @@ pub struct Trainer {
     pub ddp: Option<DistributedDataParallel>,
     /// The step timeline (`--trace-out`), when asked for.
     pub timeline: Option<RefCell<Timeline>>,
+    /// `--amp`: the autocast dtype of the forward and the loss.
+    pub amp: Option<DType>,
+    /// `--amp f16`: the gradient scaler.
+    pub scaler: RefCell<Option<GradScaler>>,
 }
 
 impl Trainer {
@@ -310,6 +343,60 @@ impl Trainer {
         let group = self.ddp.as_ref().map(|d| d.group().as_ref());
         timeline.write_job_chrome_trace(path, group)?;
         Ok(Some(summary))
+    }
+
+    /// The step's loss: forward and cross entropy, under autocast with `--amp`.
+    pub fn loss(&self, inputs: &Tensor, targets: &Tensor) -> Result<Tensor, AnyError> {
+        let forward = || -> Result<Tensor, AnyError> {
+            let logits = self.forward(inputs)?;
+            Ok(cross_entropy(&logits, targets, Reduction::Mean)?)
+        };
+        match self.amp {
+            Some(dtype) => tandem::autocast(dtype, forward)?,
+            None => forward(),
+        }
+    }
+
+    /// Backward from `loss` (scaled, with a gradient scaler).
+    pub fn backward(&self, loss: &Tensor) -> Result<(), AnyError> {
+        match self.scaler.borrow().as_ref() {
+            Some(scaler) => scaler.scale(loss)?.backward()?,
+            None => loss.backward()?,
+        }
+        Ok(())
+    }
+
+    /// The optimizer's step; with a gradient scaler, skipped when a gradient is not finite
+    /// (the same decision on every rank: DDP's gradients are the same everywhere), and the
+    /// scale updated.
+    pub fn step(&self, optimizer: &mut dyn Optimizer) -> Result<(), AnyError> {
+        match self.scaler.borrow_mut().as_mut() {
+            Some(scaler) => {
+                scaler.step(optimizer)?;
+                scaler.update()?;
+            }
+            None => optimizer.step()?,
+        }
+        Ok(())
+    }
+
+    /// The gradient scaler's state for a checkpoint (empty without one).
+    pub fn scaler_state(&self) -> Vec<(String, Tensor)> {
+        self.scaler.borrow().as_ref().map_or_else(Vec::new, |s| {
+            s.state()
+                .into_iter()
+                .map(|(n, t)| (format!("{GRAD_SCALER_PREFIX}{n}"), t))
+                .collect()
+        })
+    }
+
+    /// Restores the gradient scaler from a checkpoint's state (nothing to do without a scaler
+    /// or without saved state).
+    pub fn load_scaler(&self, state: &[(String, Tensor)]) -> Result<(), AnyError> {
+        if let (Some(scaler), false) = (self.scaler.borrow_mut().as_mut(), state.is_empty()) {
+            scaler.load_state(state)?;
+        }
+        Ok(())
     }
 
     /// The step's forward.
@@ -488,10 +575,16 @@ pub fn trainer(
         )?),
         None => None,
     };
+    let scaler = match run.amp {
+        Some(Amp::F16) => Some(GradScalerConfig::default().init()?),
+        _ => None,
+    };
     Trainer {
         model,
         ddp,
         timeline: None,
+        amp: run.amp.map(Amp::dtype),
+        scaler: RefCell::new(scaler),
     }
     .with_timeline(run.trace_out.as_deref())
 }
@@ -613,12 +706,11 @@ impl EpochSteps<'_> {
                 optimizer.set_learning_rate(lr_at(progress.global_step))?;
             }
             let loss = trainer.phase(Phase::Forward, || {
-                let logits = trainer.forward(&batch.inputs)?;
-                Ok(cross_entropy(&logits, &batch.targets, Reduction::Mean)?)
+                trainer.loss(&batch.inputs, &batch.targets)
             })?;
             optimizer.zero_grad()?;
-            trainer.phase(Phase::Backward, || Ok(loss.backward()?))?;
-            trainer.phase(Phase::Optimizer, || Ok(optimizer.step()?))?;
+            trainer.phase(Phase::Backward, || trainer.backward(&loss))?;
+            trainer.phase(Phase::Optimizer, || trainer.step(&mut *optimizer))?;
             tally.losses.add(&loss)?;
             progress.epoch_step += 1;
             progress.global_step += 1;

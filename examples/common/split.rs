@@ -24,6 +24,7 @@ use std::sync::Arc;
 
 use tandem::core::{DType, Device, Tensor};
 use tandem::dist::{DistributedSampler, DistributedUnpaddedSampler, ProcessGroup};
+use tandem::core::MemoryFormat;
 use tandem::nn::data::{DataLoader, DataLoaderConfig, Dataset};
 use tandem::optim::Optimizer;
 
@@ -130,6 +131,11 @@ pub fn train_loader(
     let config = DataLoaderConfig {
         device,
         batch_size: batch_size / world,
+        memory_format: if run.channels_last {
+            MemoryFormat::ChannelsLast
+        } else {
+            MemoryFormat::Contiguous
+        },
         ..Default::default()
     };
     let split = TrainSplit::new(len, world, config.batch_size, run.no_join);
