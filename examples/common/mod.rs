@@ -26,11 +26,11 @@ use tandem::dist::{
     init_with_options, DdpConfig, DistributedDataParallel, DistributedEvalSampler, InitOptions,
     JoinConfig, LaunchEnv, Phase, ProcessGroup, Timeline,
 };
+use tandem::nn::checkpoint::GRAD_SCALER_PREFIX;
 use tandem::nn::data::{Batch, DataLoader, DataLoaderConfig, Dataset};
 use tandem::nn::loss::{cross_entropy, Reduction};
 use tandem::nn::metrics::Accuracy;
 use tandem::nn::Module;
-use tandem::nn::checkpoint::GRAD_SCALER_PREFIX;
 use tandem::optim::{GradScaler, GradScalerConfig, Optimizer};
 
 use checkpoints::{Checkpoints, Progress};

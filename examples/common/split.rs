@@ -22,9 +22,9 @@
 
 use std::sync::Arc;
 
+use tandem::core::MemoryFormat;
 use tandem::core::{DType, Device, Tensor};
 use tandem::dist::{DistributedSampler, DistributedUnpaddedSampler, ProcessGroup};
-use tandem::core::MemoryFormat;
 use tandem::nn::data::{DataLoader, DataLoaderConfig, Dataset};
 use tandem::optim::Optimizer;
 
