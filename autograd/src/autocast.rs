@@ -246,7 +246,8 @@ mod tests {
             assert_eq!(autocast_dtype(), Some(DType::BF16));
             autocast(DType::F16, || {
                 assert_eq!(autocast_dtype(), Some(DType::F16))
-            });
+            })
+            .unwrap();
             assert_eq!(autocast_dtype(), Some(DType::BF16));
             {
                 let _off = AutocastGuard::disabled();
@@ -298,7 +299,8 @@ mod tests {
             autocast(DType::BF16, || {
                 let b = cached_cast(&p, DType::BF16, make).unwrap();
                 assert!(a.same_tensor(&b), "the inner scope reuses the outer copy");
-            });
+            })
+            .unwrap();
             // The inner scope's end does not free the outer scope's cache.
             let _off = AutocastGuard::disabled();
             let c = cached_cast(&p, DType::BF16, make).unwrap();
@@ -382,7 +384,8 @@ mod tests {
                         assert_eq!(autocast_dtype(), Some(DType::F16));
                         let copy = cached_cast(&p, DType::F16, |t| t.to_dtype(DType::F16));
                         assert_eq!(copy.unwrap().dtype(), DType::F16);
-                    });
+                    })
+                    .unwrap();
                 });
             });
             assert_eq!(autocast_dtype(), Some(DType::BF16));
