@@ -3,7 +3,8 @@
 //!
 //! ```text
 //! cargo bench --bench ddp_step -- --nproc 2 [--model lenet|convnet] [--batch-size 32]
-//!     [--steps 30] [--link-mbit R] [--peer-python python3] [--json FILE] [--record FILE]
+//!     [--steps 30] [--link-mbit R] [--amp bf16|f16] [--channels-last]
+//!     [--peer-python python3] [--json FILE] [--record FILE]
 //! ```
 //!
 //! Runs `--nproc` local ranks (this binary re-executed as worker processes, meeting over TCP
@@ -42,7 +43,7 @@ use std::time::{Duration, Instant};
 use clap::{Parser, ValueEnum};
 use tandem::autograd::TensorBackward;
 use tandem::core::rng::manual_seed;
-use tandem::core::{DType, Device, Generator, Tensor};
+use tandem::core::{DType, Device, Generator, MemoryFormat, Tensor};
 use tandem::dist::projection::{ReadyClock, Recording};
 use tandem::dist::rendezvous::STORE_HOSTED_VAR;
 use tandem::dist::{
@@ -55,7 +56,7 @@ use tandem::nn::{
     AdaptiveAvgPool2dConfig, Conv2dConfig, Flatten, LinearConfig, MaxPool2dConfig, Module, ReLU,
     Sequential,
 };
-use tandem::optim::{Optimizer, Sgd, SgdConfig};
+use tandem::optim::{GradScaler, GradScalerConfig, Optimizer, Sgd, SgdConfig};
 
 type AnyError = Box<dyn std::error::Error>;
 
@@ -244,12 +245,45 @@ struct Args {
     /// has fewer GPUs than ranks.
     #[arg(long)]
     share_gpu: bool,
+    /// Mixed precision on both sides: forward and loss under autocast in this dtype (f16 with
+    /// a gradient scaler, PyTorch's defaults); gradients and DDP's buckets stay f32.
+    #[arg(long, value_enum)]
+    amp: Option<Amp>,
+    /// Channels-last (NHWC) input batches on both sides (PyTorch also converts its model;
+    /// tandem's convolutions take row-major weights and give channels-last outputs).
+    #[arg(long)]
+    channels_last: bool,
     /// Set in workers under `--link-mbit`: always use the TCP ring.
     #[arg(long, hide = true)]
     tcp_only: bool,
     /// Benchmark-name filters passed by `cargo bench` (ignored).
     #[arg(hide = true)]
     filters: Vec<String>,
+}
+
+/// `--amp`: the autocast dtype of both sides.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Amp {
+    /// bfloat16 (no gradient scaler).
+    Bf16,
+    /// IEEE half, with a gradient scaler.
+    F16,
+}
+
+impl Amp {
+    fn dtype(self) -> DType {
+        match self {
+            Amp::Bf16 => DType::BF16,
+            Amp::F16 => DType::F16,
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Amp::Bf16 => "bf16",
+            Amp::F16 => "f16",
+        }
+    }
 }
 
 fn main() -> ExitCode {
@@ -331,25 +365,41 @@ fn worker(args: &Args, mode: &str) -> Result<(), AnyError> {
     let mut generator = Generator::new(args.seed.wrapping_add(1 + rank as u64));
     let mut shape = vec![args.batch_size];
     shape.extend(&sample_shape);
-    let inputs = Tensor::randn(&shape, 0.0, 1.0, DType::F32, Device::Cpu, &mut generator)?
+    let mut inputs = Tensor::randn(&shape, 0.0, 1.0, DType::F32, Device::Cpu, &mut generator)?
         .to_device(device)?;
+    if args.channels_last {
+        inputs = inputs.contiguous_in(MemoryFormat::ChannelsLast)?;
+    }
     let labels: Vec<i64> = (0..args.batch_size)
         .map(|_| generator.below(classes) as i64)
         .collect();
     let targets = Tensor::from_vec(labels, &[args.batch_size], Device::Cpu)?.to_device(device)?;
     let params = model.parameters();
+    let mut scaler: Option<GradScaler> = match args.amp {
+        Some(Amp::F16) => Some(GradScalerConfig::default().init()?),
+        _ => None,
+    };
     let scale = 1.0 / world as f64;
 
     // When the last backward returned (for `--record`).
     let backward_done = std::cell::Cell::new(Instant::now());
     let mut step = || -> Result<(), AnyError> {
         optimizer.zero_grad()?;
-        let logits = match &ddp {
-            Some(ddp) => ddp.forward(&inputs)?,
-            None => model.forward(&inputs)?,
+        let forward = || -> Result<Tensor, AnyError> {
+            let logits = match &ddp {
+                Some(ddp) => ddp.forward(&inputs)?,
+                None => model.forward(&inputs)?,
+            };
+            Ok(cross_entropy(&logits, &targets, Reduction::Mean)?)
         };
-        let loss = cross_entropy(&logits, &targets, Reduction::Mean)?;
-        loss.backward()?;
+        let loss = match args.amp {
+            Some(amp) => tandem::autocast(amp.dtype(), forward)??,
+            None => forward()?,
+        };
+        match &scaler {
+            Some(scaler) => scaler.scale(&loss)?.backward()?,
+            None => loss.backward()?,
+        }
         backward_done.set(Instant::now());
         if mode == "allreduce_after_backward" {
             for p in &params {
@@ -359,7 +409,13 @@ fn worker(args: &Args, mode: &str) -> Result<(), AnyError> {
                 }
             }
         }
-        optimizer.step()?;
+        match scaler.as_mut() {
+            Some(scaler) => {
+                scaler.step(&mut optimizer)?;
+                scaler.update()?;
+            }
+            None => optimizer.step()?,
+        }
         // A GPU step ends when the device has done its work.
         sync()?;
         Ok(())
@@ -677,7 +733,9 @@ fn run_tandem_mode(
             .args(["--seed", &args.seed.to_string()])
             .args(["--bucket-cap-mb", &args.bucket_cap_mb.to_string()])
             .args(["--first-bucket-mb", &args.first_bucket_mb.to_string()])
-            .args(["--device", &args.device.to_string()]);
+            .args(["--device", &args.device.to_string()])
+            .args(args.amp.iter().flat_map(|a| ["--amp", a.name()]))
+            .args(args.channels_last.then_some("--channels-last"));
         if let (Some(path), "ddp") = (&args.record, mode) {
             cmd.arg("--record").arg(path);
         }
@@ -882,6 +940,8 @@ fn run_torch(
             .args(["--steps", &args.steps.to_string()])
             .args(["--seed", &args.seed.to_string()])
             .args(["--bucket-cap-mb", &args.bucket_cap_mb.mib().to_string()])
+            .args(args.amp.iter().flat_map(|a| ["--amp", a.name()]))
+            .args(args.channels_last.then_some("--channels-last"))
             .args([
                 "--device",
                 if args.device == Device::Cpu {
