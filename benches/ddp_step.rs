@@ -60,10 +60,15 @@ use tandem::optim::{GradScaler, GradScalerConfig, Optimizer, Sgd, SgdConfig};
 
 type AnyError = Box<dyn std::error::Error>;
 
+#[path = "common/amp.rs"]
+mod amp;
+
 // Not `run_json` and `field`: the peer runs on several ranks, whose output is read here.
 #[allow(dead_code)]
 #[path = "common/peer.rs"]
 mod peer;
+
+use amp::Amp;
 
 /// Selects the worker mode of a re-executed benchmark binary (`no_comm`,
 /// `allreduce_after_backward` or `ddp`).
@@ -259,31 +264,6 @@ struct Args {
     /// Benchmark-name filters passed by `cargo bench` (ignored).
     #[arg(hide = true)]
     filters: Vec<String>,
-}
-
-/// `--amp`: the autocast dtype of both sides.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-enum Amp {
-    /// bfloat16 (no gradient scaler).
-    Bf16,
-    /// IEEE half, with a gradient scaler.
-    F16,
-}
-
-impl Amp {
-    fn dtype(self) -> DType {
-        match self {
-            Amp::Bf16 => DType::BF16,
-            Amp::F16 => DType::F16,
-        }
-    }
-
-    fn name(self) -> &'static str {
-        match self {
-            Amp::Bf16 => "bf16",
-            Amp::F16 => "f16",
-        }
-    }
 }
 
 fn main() -> ExitCode {

@@ -43,8 +43,12 @@ use tandem::optim::{GradScaler, GradScalerConfig, Optimizer, Sgd, SgdConfig};
 
 type AnyError = Box<dyn std::error::Error>;
 
+#[path = "common/amp.rs"]
+mod amp;
 #[path = "common/peer.rs"]
 mod peer;
+
+use amp::Amp;
 
 /// The models the benchmark knows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -92,31 +96,6 @@ impl ModelKind {
                 sample_shape: vec![3, 224, 224],
                 classes: 1000,
             }),
-        }
-    }
-}
-
-/// `--amp`: the autocast dtype of both sides.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-enum Amp {
-    /// bfloat16 (no gradient scaler).
-    Bf16,
-    /// IEEE half, with a gradient scaler (PyTorch's defaults).
-    F16,
-}
-
-impl Amp {
-    fn dtype(self) -> DType {
-        match self {
-            Amp::Bf16 => DType::BF16,
-            Amp::F16 => DType::F16,
-        }
-    }
-
-    fn name(self) -> &'static str {
-        match self {
-            Amp::Bf16 => "bf16",
-            Amp::F16 => "f16",
         }
     }
 }
