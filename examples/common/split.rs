@@ -163,10 +163,10 @@ pub fn train_loader(
     Ok(TrainLoader { loader, split })
 }
 
-/// Every rank takes rank 0's optimizer state (momentum buffers, step count): after an epoch in
-/// which some ranks shadowed steps without running their optimizer. Rank 0 trains every step
-/// (it has the most samples), so its state is the one of an uninterrupted run. Every rank must
-/// call it.
+/// Every rank takes rank 0's optimizer state (momentum buffers, step count) and gradient
+/// scaler state, after an epoch in which some ranks shadowed steps without running their
+/// optimizer. Rank 0 trains every step (it has the most samples), so its state is the one of
+/// an uninterrupted run. Every rank must call it.
 pub fn sync_optimizer_state(
     trainer: &Trainer,
     optimizer: &mut dyn Optimizer,
@@ -175,8 +175,28 @@ pub fn sync_optimizer_state(
         return Ok(());
     };
     let group = ddp.group().as_ref();
-    // Rank 0's names, shapes and dtypes first: a rank that never stepped has no state yet.
-    let state = optimizer.state();
+    let synced = broadcast_state(group, optimizer.state())?;
+    if group.rank() != 0 {
+        optimizer.load_state(&synced)?;
+    }
+    // The gradient scaler (`--amp f16`) too: the shadowing ranks did not update their scale
+    // for that step, and every rank must scale its loss alike.
+    let mut scaler = trainer.scaler.borrow_mut();
+    if let Some(scaler) = scaler.as_mut() {
+        let synced = broadcast_state(group, scaler.state())?;
+        if group.rank() != 0 {
+            scaler.load_state(&synced)?;
+        }
+    }
+    Ok(())
+}
+
+/// Rank 0's named state tensors on every rank (on the CPU): rank 0's names, shapes and dtypes
+/// first, since a rank that never stepped may have no state yet.
+fn broadcast_state(
+    group: &dyn ProcessGroup,
+    state: Vec<(String, Tensor)>,
+) -> Result<Vec<(String, Tensor)>, AnyError> {
     let header = if group.rank() == 0 {
         let described: Vec<(String, Vec<usize>, String)> = state
             .iter()
@@ -197,10 +217,7 @@ pub fn sync_optimizer_state(
         group.broadcast(&tensor, 0)?.wait()?;
         synced.push((name, tensor));
     }
-    if group.rank() != 0 {
-        optimizer.load_state(&synced)?;
-    }
-    Ok(())
+    Ok(synced)
 }
 
 /// Broadcasts `bytes` (significant on rank 0) to every rank: the length, then the bytes.
