@@ -447,8 +447,8 @@ pub fn report_epoch(
 }
 
 /// The end of a run: every rank writes its part of the trace (`trace_out`), then rank 0 prints
-/// where the trace is, the run's time, DDP's overlap summary and its stragglers. Every rank must
-/// call it.
+/// where the trace is, the run's time, DDP's overlap summary, its stragglers and the gradient
+/// scaler's skipped steps. Every rank must call it.
 pub fn report_end(
     trainer: &Trainer,
     trace_out: Option<&Path>,
@@ -475,6 +475,14 @@ pub fn report_end(
     }
     if let Some(stragglers) = stragglers {
         output::say(format_args!("stragglers: {stragglers}"));
+    }
+    if let Some(scaler) = trainer.scaler.borrow().as_ref() {
+        output::say(format_args!(
+            "gradient scaler: {} of {} steps skipped (inf/NaN gradients), scale now {}",
+            scaler.skipped_steps(),
+            scaler.steps(),
+            scaler.scale_value()
+        ));
     }
     Ok(())
 }
