@@ -18,12 +18,14 @@
 
 mod launch;
 
+use std::sync::Arc;
+
 use super::shape::batch_strides;
 use cudarc::cublas::result as cublas;
 use cudarc::cublas::sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
 use cudarc::cublas::sys::{cublasComputeType_t, cudaDataType};
 use tandem_core::cuda::sanitizer::{self, Use};
-use tandem_core::cuda::{blas, device_pointer};
+use tandem_core::cuda::{blas, device_pointer, CudaDevice};
 use tandem_core::{checked_numel, DType, Error, Result, Tensor};
 
 use crate::device_address::{first_element, first_element_address};
@@ -563,38 +565,7 @@ pub(crate) fn sum_rows_into(
             }
         }),
         DType::F16 | DType::BF16 => {
-            // No gemv for 16-bit floats: the [cols × rows] · [rows × 1] product instead, with
-            // f32 accumulation.
-            let call = GemmCall {
-                trans_a: false,
-                trans_b: false,
-                m,
-                n: 1,
-                k: n,
-                lda: m,
-                ldb: n,
-                ldc: m,
-                a_offset: 0,
-                b_offset: 0,
-                c_offset: 0,
-                stride_a: 0,
-                stride_b: 0,
-                stride_c: 0,
-                batch: 1,
-                accumulate,
-            };
-            let ty = low_type(t.dtype());
-            blas::with_blas_math(
-                op,
-                &dev,
-                dev.compute_stream(),
-                blas::LOW_PRECISION_MATH,
-                |h| {
-                    // SAFETY: as for f32: `t` is [cols × rows] column-major (lda = cols), `ones` a
-                    // [rows × 1] column and `out` [cols × 1], all of `ty`.
-                    unsafe { gemm_low(h, &call, (tp, onesp, yp), ty) }
-                },
-            )
+            sum_rows_low(op, &dev, (m, n), (tp, onesp, yp), t.dtype(), accumulate)
         }
         other => Err(Error::UnsupportedDType {
             op,
@@ -602,4 +573,48 @@ pub(crate) fn sum_rows_into(
             supported: SUPPORTED,
         }),
     }
+}
+
+/// [`sum_rows_into`] for f16/bf16: cuBLAS has no 16-bit `gemv`, so the `[m × n] · [n × 1]`
+/// product (`t` column-major with lda = m, a column of `n` ones, `out` of `m`) through GemmEx
+/// with f32 accumulation.
+fn sum_rows_low(
+    op: &'static str,
+    dev: &Arc<CudaDevice>,
+    (m, n): (i32, i32),
+    (tp, onesp, yp): (u64, u64, u64),
+    dtype: DType,
+    accumulate: bool,
+) -> Result<()> {
+    let call = GemmCall {
+        trans_a: false,
+        trans_b: false,
+        m,
+        n: 1,
+        k: n,
+        lda: m,
+        ldb: n,
+        ldc: m,
+        a_offset: 0,
+        b_offset: 0,
+        c_offset: 0,
+        stride_a: 0,
+        stride_b: 0,
+        stride_c: 0,
+        batch: 1,
+        accumulate,
+    };
+    let ty = low_type(dtype);
+    blas::with_blas_math(
+        op,
+        dev,
+        dev.compute_stream(),
+        blas::LOW_PRECISION_MATH,
+        |h| {
+            // SAFETY: the caller's `t` is [m × n] column-major (lda = m), `ones` an [n × 1] column
+            // and `out` [m × 1], all of `dtype`, on this device and alive until after the call in
+            // stream order.
+            unsafe { gemm_low(h, &call, (tp, onesp, yp), ty) }
+        },
+    )
 }
