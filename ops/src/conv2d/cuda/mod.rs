@@ -27,7 +27,7 @@ use std::sync::{Arc, Once};
 
 use tandem_core::cuda::blas::allow_tf32_conv;
 use tandem_core::cuda::{launch_on_compute, CudaDevice, DeviceBuffer};
-use tandem_core::{DType, Device, Error, Result, Tensor};
+use tandem_core::{DType, Device, Error, MemoryFormat, Result, Tensor};
 
 use super::shape::{Geometry, Needs};
 use crate::checks::{float_dtype, same_dtype_device};
@@ -141,23 +141,10 @@ pub(crate) enum Format {
     Nhwc,
 }
 
-/// Whether the 4-d `t` has channels-last strides (dims of size 1 may have any stride: they
-/// are never stepped over).
-fn nhwc_strides(t: &Tensor) -> bool {
-    if t.rank() != 4 {
-        return false;
-    }
-    let (d, s) = (t.dims(), t.layout().strides());
-    let want = [d[2] * d[3] * d[1], 1, d[3] * d[1], d[1]];
-    (0..4).all(|i| d[i] == 1 || s[i] == want[i])
-}
-
 /// The memory format a conv2d call on input `x` runs in: NHWC when `x` is dense channels-last
 /// and not also contiguous (a tensor that is both, with one channel or 1×1 pixels, stays NCHW).
-// The helper ampcl adds a `MemoryFormat` to core in parallel; this detection is the same rule
-// and can become a call to it once merged.
 pub(crate) fn format_of(x: &Tensor) -> Format {
-    if !x.is_contiguous() && nhwc_strides(x) {
+    if !x.is_contiguous() && x.is_contiguous_in(MemoryFormat::ChannelsLast) {
         Format::Nhwc
     } else {
         Format::Nchw
@@ -179,7 +166,7 @@ fn empty_in(format: Format, dims: &[usize], dtype: DType, device: Device) -> Res
 fn dense_in(t: &Tensor, format: Format) -> Result<Tensor> {
     match format {
         Format::Nchw => t.contiguous_detached(),
-        Format::Nhwc if nhwc_strides(t) => Ok(t.detach()),
+        Format::Nhwc if t.is_contiguous_in(MemoryFormat::ChannelsLast) => Ok(t.detach()),
         Format::Nhwc => {
             let out = empty_in(format, t.dims(), t.dtype(), t.device())?;
             out.copy_(&t.detach())?;
@@ -394,7 +381,7 @@ fn weight_grad(
             })?;
         }
     }
-    if format == Format::Nhwc && !nhwc_strides(weight) {
+    if format == Format::Nhwc && !weight.is_contiguous_in(MemoryFormat::ChannelsLast) {
         return dw.contiguous_detached();
     }
     Ok(dw)
