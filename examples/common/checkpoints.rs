@@ -380,8 +380,10 @@ fn gather_rng_states(
     let world = trainer.world_size();
     let all = match &trainer.ddp {
         Some(ddp) => {
-            let input = Tensor::from_vec(bytes, &[n], Device::Cpu)?;
-            let output = Tensor::zeros(&[world * n], DType::U8, Device::Cpu)?;
+            // On the group's device (NCCL: this rank's GPU).
+            let device = model.device();
+            let input = Tensor::from_vec(bytes, &[n], Device::Cpu)?.to_device(device)?;
+            let output = Tensor::zeros(&[world * n], DType::U8, device)?;
             ddp.group().all_gather(&input, &output)?.wait()?;
             output.to_vec::<u8>()?
         }

@@ -175,7 +175,9 @@ pub fn sync_optimizer_state(
         return Ok(());
     };
     let group = ddp.group().as_ref();
-    let synced = broadcast_state(group, optimizer.state())?;
+    // Collectives take tensors on the group's device (NCCL: this rank's GPU).
+    let device = trainer.model.device();
+    let synced = broadcast_state(group, device, optimizer.state())?;
     if group.rank() != 0 {
         optimizer.load_state(&synced)?;
     }
@@ -183,7 +185,7 @@ pub fn sync_optimizer_state(
     // for that step, and every rank must scale its loss alike.
     let mut scaler = trainer.scaler.borrow_mut();
     if let Some(scaler) = scaler.as_mut() {
-        let synced = broadcast_state(group, scaler.state())?;
+        let synced = broadcast_state(group, device, scaler.state())?;
         if group.rank() != 0 {
             scaler.load_state(&synced)?;
         }
@@ -191,10 +193,11 @@ pub fn sync_optimizer_state(
     Ok(())
 }
 
-/// Rank 0's named state tensors on every rank (on the CPU): rank 0's names, shapes and dtypes
-/// first, since a rank that never stepped may have no state yet.
+/// Rank 0's named state tensors on every rank (on `device`, the group's): rank 0's names,
+/// shapes and dtypes first, since a rank that never stepped may have no state yet.
 fn broadcast_state(
     group: &dyn ProcessGroup,
+    device: Device,
     state: Vec<(String, Tensor)>,
 ) -> Result<Vec<(String, Tensor)>, AnyError> {
     let header = if group.rank() == 0 {
@@ -206,13 +209,13 @@ fn broadcast_state(
     } else {
         Vec::new()
     };
-    let header = broadcast_bytes(group, header)?;
+    let header = broadcast_bytes(group, device, header)?;
     let described: Vec<(String, Vec<usize>, String)> = serde_json::from_slice(&header)?;
     let mut synced = Vec::with_capacity(described.len());
     for (name, dims, dtype) in described {
         let tensor = match state.iter().find(|(n, _)| *n == name) {
-            Some((_, t)) if group.rank() == 0 => t.to_device(Device::Cpu)?,
-            _ => Tensor::zeros(&dims, dtype_named(&dtype)?, Device::Cpu)?,
+            Some((_, t)) if group.rank() == 0 => t.to_device(device)?,
+            _ => Tensor::zeros(&dims, dtype_named(&dtype)?, device)?,
         };
         group.broadcast(&tensor, 0)?.wait()?;
         synced.push((name, tensor));
@@ -220,15 +223,20 @@ fn broadcast_state(
     Ok(synced)
 }
 
-/// Broadcasts `bytes` (significant on rank 0) to every rank: the length, then the bytes.
-fn broadcast_bytes(group: &dyn ProcessGroup, bytes: Vec<u8>) -> Result<Vec<u8>, AnyError> {
-    let len = Tensor::from_vec(vec![bytes.len() as f64], &[1], Device::Cpu)?;
+/// Broadcasts `bytes` (significant on rank 0) to every rank, through tensors on `device` (the
+/// group's): the length, then the bytes.
+fn broadcast_bytes(
+    group: &dyn ProcessGroup,
+    device: Device,
+    bytes: Vec<u8>,
+) -> Result<Vec<u8>, AnyError> {
+    let len = Tensor::from_vec(vec![bytes.len() as f64], &[1], Device::Cpu)?.to_device(device)?;
     group.broadcast(&len, 0)?.wait()?;
     let len = len.to_vec::<f64>()?[0] as usize;
     let data = if group.rank() == 0 {
-        Tensor::from_vec(bytes, &[len], Device::Cpu)?
+        Tensor::from_vec(bytes, &[len], Device::Cpu)?.to_device(device)?
     } else {
-        Tensor::zeros(&[len], DType::U8, Device::Cpu)?
+        Tensor::zeros(&[len], DType::U8, device)?
     };
     group.broadcast(&data, 0)?.wait()?;
     Ok(data.to_vec::<u8>()?)
@@ -256,8 +264,10 @@ pub fn gather_sample_counts(trainer: &Trainer, mine: usize) -> Result<Vec<u64>, 
         return Ok(vec![mine as u64]);
     };
     let group = ddp.group().as_ref();
-    let input = Tensor::from_vec(vec![mine as f64], &[1], Device::Cpu)?;
-    let output = Tensor::zeros(&[group.world_size()], DType::F64, Device::Cpu)?;
+    // On the group's device (NCCL: this rank's GPU).
+    let device = trainer.model.device();
+    let input = Tensor::from_vec(vec![mine as f64], &[1], Device::Cpu)?.to_device(device)?;
+    let output = Tensor::zeros(&[group.world_size()], DType::F64, device)?;
     group.all_gather(&input, &output)?.wait()?;
     Ok(output
         .to_vec::<f64>()?
