@@ -45,13 +45,7 @@ impl DistributedSampler {
         shuffle: bool,
         seed: u64,
     ) -> Result<Self> {
-        if world_size == 0 || rank >= world_size {
-            return Err(DistError::InvalidArgument {
-                rank,
-                collective: "DistributedSampler",
-                problem: format!("rank {rank} is not in 0..{world_size}"),
-            });
-        }
+        check_rank("DistributedSampler", world_size, rank)?;
         Ok(DistributedSampler {
             dataset_len,
             world_size,
@@ -75,6 +69,18 @@ impl DistributedSampler {
             self.dataset_len.div_ceil(self.world_size) * self.world_size
         }
     }
+}
+
+/// Checks that `rank` is one of `world_size` ranks, or names the sampler in the error.
+fn check_rank(sampler: &'static str, world_size: usize, rank: usize) -> Result<()> {
+    if world_size == 0 || rank >= world_size {
+        return Err(DistError::InvalidArgument {
+            rank,
+            collective: sampler,
+            problem: format!("rank {rank} is not in 0..{world_size}"),
+        });
+    }
+    Ok(())
 }
 
 /// The epoch's visiting order of all `dataset_len` samples, the same on every rank: shuffled
@@ -143,13 +149,7 @@ impl DistributedUnpaddedSampler {
         shuffle: bool,
         seed: u64,
     ) -> Result<Self> {
-        if world_size == 0 || rank >= world_size {
-            return Err(DistError::InvalidArgument {
-                rank,
-                collective: "DistributedUnpaddedSampler",
-                problem: format!("rank {rank} is not in 0..{world_size}"),
-            });
-        }
+        check_rank("DistributedUnpaddedSampler", world_size, rank)?;
         Ok(DistributedUnpaddedSampler {
             dataset_len,
             world_size,
@@ -211,13 +211,7 @@ impl DistributedEvalSampler {
     ///
     /// Errors if `rank` is not in `0..world_size`.
     pub fn new(dataset_len: usize, world_size: usize, rank: usize) -> Result<Self> {
-        if world_size == 0 || rank >= world_size {
-            return Err(DistError::InvalidArgument {
-                rank,
-                collective: "DistributedEvalSampler",
-                problem: format!("rank {rank} is not in 0..{world_size}"),
-            });
-        }
+        check_rank("DistributedEvalSampler", world_size, rank)?;
         let (base, extra) = (dataset_len / world_size, dataset_len % world_size);
         let start = rank * base + rank.min(extra);
         let end = start + base + usize::from(rank < extra);
