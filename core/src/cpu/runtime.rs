@@ -108,6 +108,22 @@ pub(crate) fn add_scaled<T: FloatElement>(dst: &Tensor, src: &Tensor, alpha: f64
     zip_in_place::<T>("add_scaled_", dst, src, |d, s| *d += a * s)
 }
 
+/// `t`'s elements mapped by `f` into a fresh tensor: in storage order, keeping the layout, when
+/// `t` is channels-last; else in row-major order, contiguous.
+fn convert<S: Element, T: Element>(t: &Tensor, f: impl Fn(S) -> T) -> Result<Tensor> {
+    if t.layout().is_channels_last() {
+        let values: Vec<T> = t.read_dense_slice::<S>()?.iter().map(|&x| f(x)).collect();
+        return Tensor::from_vec_in(
+            values,
+            t.dims(),
+            t.device(),
+            crate::MemoryFormat::ChannelsLast,
+        );
+    }
+    let values: Vec<T> = to_vec::<S>(t)?.into_iter().map(f).collect();
+    Tensor::from_vec(values, t.dims(), t.device())
+}
+
 /// `t *= factor` for a 16-bit float `t`, computed in f32 and rounded once.
 pub(crate) fn scale_half<T: HalfElement>(t: &Tensor, factor: f64) -> Result<()> {
     let f = factor as f32;
@@ -126,25 +142,19 @@ pub(crate) fn add_scaled_half<T: HalfElement>(
     })
 }
 
-/// `t`'s elements converted to `dtype`, as a fresh contiguous CPU tensor (rounds to nearest
-/// for floats, truncates toward zero and saturates for integers).
+/// `t`'s elements converted to `dtype`, as a fresh CPU tensor (rounds to nearest for floats,
+/// truncates toward zero and saturates for integers). A channels-last tensor stays
+/// channels-last (PyTorch's `preserve_format`: the conversion runs in storage order); any other
+/// layout gives a contiguous result.
 pub(crate) fn cast(t: &Tensor, dtype: DType) -> Result<Tensor> {
     // Mixed precision widens and rounds between f32 and the 16-bit floats on every op: one
     // direct conversion per element, without the f64 detour of the general path.
     if t.dtype() == DType::F32 && dtype.is_half() {
-        let values = to_vec::<f32>(t)?;
-        return with_half_type!("cast", dtype, T => Tensor::from_vec(
-            values.into_iter().map(T::from_f32).collect::<Vec<T>>(), t.dims(), t.device()));
+        return with_half_type!("cast", dtype, T => convert::<f32, T>(t, T::from_f32));
     }
     if t.dtype().is_half() && dtype == DType::F32 {
-        return with_half_type!("cast", t.dtype(), S => Tensor::from_vec(
-            to_vec::<S>(t)?.into_iter().map(S::to_f32).collect::<Vec<f32>>(), t.dims(), t.device()));
+        return with_half_type!("cast", t.dtype(), S => convert::<S, f32>(t, S::to_f32));
     }
-    let values = with_element_type!(t.dtype(), S => to_vec::<S>(t)?
-        .into_iter()
-        .map(|x| x.to_f64())
-        .collect::<Vec<f64>>());
-    with_element_type!(dtype, T => {
-        Tensor::from_vec(values.into_iter().map(T::from_f64).collect::<Vec<T>>(), t.dims(), t.device())
-    })
+    let wide = with_element_type!(t.dtype(), S => convert::<S, f64>(t, |x| x.to_f64()))?;
+    with_element_type!(dtype, T => convert::<f64, T>(&wide, T::from_f64))
 }

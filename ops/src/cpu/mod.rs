@@ -7,6 +7,8 @@
 //! Like the `cpu.rs` (or `cpu/`) kernel files of each op folder, these touch host memory; the
 //! ops' `mod.rs` files never do (see `tests/seam.rs`).
 
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod amx;
 pub(crate) mod elementwise;
 pub(crate) mod exp;
 pub(crate) mod gemm;

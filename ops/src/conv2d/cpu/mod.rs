@@ -28,6 +28,8 @@
 //! is read: the columns are the largest data a convolution touches (`C·kh·kw` times the input),
 //! and streaming them through memory costs as much as the products themselves.
 
+#[cfg(target_arch = "x86_64")]
+mod amx;
 mod im2col;
 mod implicit;
 pub(crate) mod low_precision;
