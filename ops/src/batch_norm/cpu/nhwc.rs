@@ -18,7 +18,8 @@ use crate::cpu::parallel::parallel;
 const ROWS_PER_TASK: usize = 256;
 
 /// Sums `K` per-channel quantities over all rows: `f(first_row, rows, acc)` adds the rows
-/// `first_row..first_row + rows` into `acc` (`[K; C]` interleaved: `acc[c * K + j]`).
+/// `first_row..first_row + rows` into `acc` (`K·C` values, laid out as `f` chooses; blocks
+/// are added element by element).
 fn channel_sums<const K: usize>(
     rows: usize,
     c: usize,
@@ -105,16 +106,30 @@ pub(crate) fn normalize<T: FloatElement>(
     let coefs = super::passes::affine_coefs::<T>(scale, shift);
     let relu = |v: T| if v < T::ZERO { T::ZERO } else { v };
     map_rows(op, x.len(), c, |first, block| {
-        let start = first * c;
-        let xs = &x[start..start + block.len()];
-        for (i, (o, &v)) in block.iter_mut().zip(xs).enumerate() {
-            let (a, b) = coefs[i % c];
-            let z = v * a + b;
-            *o = match epilogue {
-                Epilogue::Plain => z,
-                Epilogue::Relu => relu(z),
-                Epilogue::AddRelu(r) => relu(z + r[start + i]),
-            };
+        let (start, len) = (first * c, block.len());
+        let xs = &x[start..start + len];
+        // Row by row, channel by channel: the coefficients line up with each row (no index
+        // arithmetic per element), so the loops vectorise.
+        let rows = block.chunks_exact_mut(c).zip(xs.chunks_exact(c));
+        match epilogue {
+            Epilogue::Plain => rows.for_each(|(o, xr)| {
+                for ((o, &v), &(a, b)) in o.iter_mut().zip(xr).zip(&coefs) {
+                    *o = v * a + b;
+                }
+            }),
+            Epilogue::Relu => rows.for_each(|(o, xr)| {
+                for ((o, &v), &(a, b)) in o.iter_mut().zip(xr).zip(&coefs) {
+                    *o = relu(v * a + b);
+                }
+            }),
+            Epilogue::AddRelu(r) => {
+                let rs = r[start..start + len].chunks_exact(c);
+                rows.zip(rs).for_each(|((o, xr), rr)| {
+                    for (((o, &v), &(a, b)), &rv) in o.iter_mut().zip(xr).zip(&coefs).zip(rr) {
+                        *o = relu(v * a + b + rv);
+                    }
+                })
+            }
         }
     })
 }
@@ -134,17 +149,40 @@ pub(crate) fn grad_sums<T: FloatElement>(
             &g[first * c..(first + n) * c],
             &x[first * c..(first + n) * c],
         );
-        for (i, (&gv, &xv)) in gs.iter().zip(xs).enumerate() {
-            let ch = i % c;
-            let keep = mask.is_none_or(|m| xv * m[ch].0 + m[ch].1 > T::ZERO);
-            if keep {
-                let gv = gv.to_f64();
-                acc[2 * ch] += gv;
-                acc[2 * ch + 1] += gv * (xv.to_f64() - mean[ch]);
+        // Σg in acc[..c], Σg·(x − mean) in acc[c..]; the mask is a select, not a branch.
+        let (sum_g, sum_gc) = acc.split_at_mut(c);
+        for (gr, xr) in gs.chunks_exact(c).zip(xs.chunks_exact(c)) {
+            match mask {
+                Some(m) => {
+                    let lanes = sum_g
+                        .iter_mut()
+                        .zip(sum_gc.iter_mut())
+                        .zip(gr.iter().zip(xr));
+                    for ((((sg, sgc), (&gv, &xv)), &(a, b)), &mu) in lanes.zip(m).zip(mean) {
+                        let gv = if xv * a + b > T::ZERO {
+                            gv.to_f64()
+                        } else {
+                            0.0
+                        };
+                        *sg += gv;
+                        *sgc += gv * (xv.to_f64() - mu);
+                    }
+                }
+                None => {
+                    let lanes = sum_g
+                        .iter_mut()
+                        .zip(sum_gc.iter_mut())
+                        .zip(gr.iter().zip(xr));
+                    for (((sg, sgc), (&gv, &xv)), &mu) in lanes.zip(mean) {
+                        let gv = gv.to_f64();
+                        *sg += gv;
+                        *sgc += gv * (xv.to_f64() - mu);
+                    }
+                }
             }
         }
     });
-    (0..c).map(|ch| (sums[2 * ch], sums[2 * ch + 1])).unzip()
+    (0..c).map(|ch| (sums[ch], sums[c + ch])).unzip()
 }
 
 /// The output gradient masked where the saved output `y` is positive, with its per-channel
@@ -159,12 +197,12 @@ pub(crate) fn masked_grad_sums<T: FloatElement>(
 ) -> Result<(Vec<T>, Vec<f64>, Vec<f64>)> {
     let masked = map_rows(op, g.len(), c, |first, block| {
         let start = first * c;
-        for (i, o) in block.iter_mut().enumerate() {
-            *o = if y[start + i] > T::ZERO {
-                g[start + i]
-            } else {
-                T::ZERO
-            };
+        let (gs, ys) = (
+            &g[start..start + block.len()],
+            &y[start..start + block.len()],
+        );
+        for ((o, &gv), &yv) in block.iter_mut().zip(gs).zip(ys) {
+            *o = if yv > T::ZERO { gv } else { T::ZERO };
         }
     })?;
     let (sum_g, sum_gc) = grad_sums(&masked, x, c, mean, None);
@@ -189,13 +227,28 @@ pub(crate) fn grad_input<T: FloatElement>(
         .collect();
     map_rows(op, g.len(), c, |first, block| {
         let start = first * c;
-        for (i, o) in block.iter_mut().enumerate() {
-            let ch = i % c;
-            let (gv, xv) = (g[start + i], x[start + i]);
-            let keep = mask.is_none_or(|m| xv * m[ch].0 + m[ch].1 > T::ZERO);
-            let gv = if keep { gv } else { T::ZERO };
-            let (ac, bc, kc) = coefs[ch];
-            *o = gv * ac + xv * bc + kc;
+        let (gs, xs) = (
+            &g[start..start + block.len()],
+            &x[start..start + block.len()],
+        );
+        let rows = block
+            .chunks_exact_mut(c)
+            .zip(gs.chunks_exact(c).zip(xs.chunks_exact(c)));
+        for (o, (gr, xr)) in rows {
+            let lanes = o.iter_mut().zip(gr.iter().zip(xr)).zip(&coefs);
+            match mask {
+                Some(m) => {
+                    for (((o, (&gv, &xv)), &(ac, bc, kc)), &(ma, mb)) in lanes.zip(m) {
+                        let gv = if xv * ma + mb > T::ZERO { gv } else { T::ZERO };
+                        *o = gv * ac + xv * bc + kc;
+                    }
+                }
+                None => {
+                    for ((o, (&gv, &xv)), &(ac, bc, kc)) in lanes {
+                        *o = gv * ac + xv * bc + kc;
+                    }
+                }
+            }
         }
     })
 }
