@@ -270,6 +270,26 @@ mod tests {
     }
 
     #[test]
+    fn casts_and_in_place_sums_keep_channels_last_and_the_values() {
+        let cl = MemoryFormat::ChannelsLast;
+        let (x, y) = (iota(&[2, 3, 4, 5]), iota(&[2, 3, 4, 5]));
+        let (xc, yc) = (x.contiguous_in(cl).unwrap(), y.contiguous_in(cl).unwrap());
+        // A cast runs in storage order and keeps the layout (PyTorch's preserve_format).
+        let half = xc.to_dtype(DType::BF16).unwrap();
+        assert_eq!(half.memory_format(), cl);
+        let wide = half.to_dtype(DType::F32).unwrap();
+        assert_eq!(wide.memory_format(), cl);
+        assert_eq!(wide.to_vec::<f32>().unwrap(), x.to_vec::<f32>().unwrap());
+        // Two channels-last tensors add element by element; a row-major one into a
+        // channels-last one pairs elements by position too.
+        wide.add_(&yc).unwrap();
+        wide.add_(&y).unwrap();
+        let want: Vec<f32> = x.to_vec::<f32>().unwrap().iter().map(|v| 3.0 * v).collect();
+        assert_eq!(wide.to_vec::<f32>().unwrap(), want);
+        assert_eq!(wide.memory_format(), cl);
+    }
+
+    #[test]
     fn formats_of_size_one_dims_follow_pytorch() {
         // [N, 1, H, W] in channels-last strides reports channels-last; row-major reports
         // contiguous, although both are dense in both formats.

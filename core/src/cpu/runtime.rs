@@ -59,8 +59,13 @@ pub(crate) fn zip_in_place<T: Element>(
     src: &Tensor,
     mut f: impl FnMut(&mut T, T),
 ) -> Result<()> {
-    if dst.is_contiguous() && src.is_contiguous() && !dst.storage().same_buffer(src.storage()) {
-        // The common case (gradient accumulation, optimizer updates): two dense buffers.
+    // The common case (gradient accumulation, optimizer updates): two dense buffers whose
+    // storage orders agree (both row-major, or both channels-last), walked in storage order.
+    let same_order = (dst.is_contiguous() && src.is_contiguous())
+        || (dst.layout().is_channels_last()
+            && src.layout().is_channels_last()
+            && dst.layout().strides() == src.layout().strides());
+    if same_order && !dst.storage().same_buffer(src.storage()) {
         let source = src.storage().read_host(op)?;
         let source = &T::slice(&source).expect("dtype checked")[src.layout().offset()..];
         let mut dest = dst.storage().write_host(op)?;
