@@ -9,7 +9,8 @@
 //! multiply-adds, each product exact and summed in f32.
 //!
 //! Using AMX takes three things, all checked once by [`detect`]: the CPU reports AMX-TILE and
-//! AMX-BF16 (CPUID leaf 7), it has AVX512-BF16 (for the rounding around the tiles), and the
+//! AMX-BF16 (CPUID leaf 7), it has AVX-512BW and AVX512-BF16 (for the packing and rounding
+//! around the tiles), and the
 //! Linux kernel grants this process the tile data state (`arch_prctl(ARCH_REQ_XCOMP_PERM,
 //! XFEATURE_XTILEDATA)`; without it the first tile instruction raises SIGILL). Setting
 //! `TANDEM_NO_AMX` (any value) turns AMX off, for comparisons and tests of the other paths.
@@ -23,7 +24,8 @@
 use std::arch::asm;
 use std::sync::OnceLock;
 
-/// Proof that this process may run AMX-BF16 tile instructions (and AVX512-BF16): only
+/// Proof that this process may run AMX-BF16 tile instructions (and AVX-512F, AVX-512BW and
+/// AVX512-BF16): only
 /// [`detect`] makes one.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Amx {
@@ -38,11 +40,12 @@ pub(crate) fn detect() -> Option<Amx> {
         .then_some(Amx { _granted: () })
 }
 
-/// Whether the CPU has AMX-TILE, AMX-BF16, AVX-512F and AVX512-BF16, and Linux grants the
+/// Whether the CPU has AMX-TILE, AMX-BF16, AVX-512F/BW and AVX512-BF16, and Linux grants the
 /// tile data state to this process.
 #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
 fn request() -> bool {
     if !std::arch::is_x86_feature_detected!("avx512f")
+        || !std::arch::is_x86_feature_detected!("avx512bw")
         || !std::arch::is_x86_feature_detected!("avx512bf16")
     {
         return false;

@@ -19,3 +19,5 @@ pub(crate) mod memory;
 pub(crate) mod parallel;
 pub(crate) mod simd;
 pub(crate) mod strided;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod transpose16;

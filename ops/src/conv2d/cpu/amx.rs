@@ -37,6 +37,7 @@ use tandem_core::{MemoryFormat, Result};
 use crate::conv2d::shape::Geometry;
 use crate::cpu::amx::{Amx, TileConfig, Tiles};
 use crate::cpu::memory;
+use crate::cpu::transpose16::transpose16;
 
 /// The op named in allocation errors.
 const OP: &str = "conv2d";
@@ -793,7 +794,7 @@ impl WeightPlan {
     /// each tap's values at the output pixels (zeros outside the image).
     /// `buf` starts zeroed; every sample writes the same positions, so the padding and the
     /// dropped pixels stay zero without clearing it again.
-    fn input(&self, x: &Dense, n: usize, buf: &mut [bf16]) {
+    fn input(&self, _amx: Amx, x: &Dense, n: usize, buf: &mut [bf16]) {
         let g = &self.g;
         let (ph, pw) = g.padding;
         if !self.gathered {
@@ -802,7 +803,35 @@ impl WeightPlan {
                 let sample = &x.values[n * x.sample_len()..(n + 1) * x.sample_len()];
                 for (y, row) in sample.chunks_exact(w * c).enumerate() {
                     let at = (y + ph) * self.wp + pw;
+                    // Whole 16-pixel × 16-channel blocks by the vector transpose, the rest
+                    // (narrow images, odd channel counts) value by value.
+                    let (wb, cb) = (w / ROWS * ROWS, c / ROWS * ROWS);
+                    for x0 in (0..wb).step_by(ROWS) {
+                        for c0 in (0..cb).step_by(ROWS) {
+                            let src = row[x0 * c + c0..].as_ptr().cast::<u16>();
+                            let dst = buf[c0 * self.row + at + x0..]
+                                [..(ROWS - 1) * self.row + ROWS]
+                                .as_mut_ptr()
+                                .cast::<u16>();
+                            // SAFETY: `_amx` proves AVX-512F/BW; the block's 16 source rows
+                            // (pixels `x0..x0 + 16` of this image row, channels `c0..c0 + 16`)
+                            // and 16 destination rows (channels, `row` apart, 16 values from
+                            // `at + x0`) are inside `row` and `buf`.
+                            unsafe { transpose16(src, c, dst, self.row) };
+                        }
+                    }
                     for (ci, dst) in buf.chunks_exact_mut(self.row).take(c).enumerate() {
+                        if ci < cb {
+                            // Only the pixels past the whole blocks are left.
+                            if wb == w {
+                                continue;
+                            }
+                            let dst = &mut dst[at + wb..at + w];
+                            dst.iter_mut()
+                                .zip(row[wb * c + ci..].iter().step_by(c))
+                                .for_each(|(d, &v)| *d = v);
+                            continue;
+                        }
                         let dst = &mut dst[at..at + w];
                         dst.iter_mut()
                             .zip(row[ci..].iter().step_by(c))
@@ -891,7 +920,7 @@ pub(crate) fn weight_grad(amx: Amx, x: Dense, dy: Dense, g: &Geometry) -> Result
         let mut xt = memory::zeroed::<bf16>(OP, plan.input_len())?;
         let mut dyp = memory::zeroed::<bf16>(OP, plan.oblocks * plan.vpad * ROWS)?;
         for n in n0..n1 {
-            plan.input(&x, n, &mut xt);
+            plan.input(amx, &x, n, &mut xt);
             plan.grad(&dy, n, &mut dyp);
             weight_grad_sample(amx, &plan, &xt, &dyp, &mut sums);
         }
@@ -1115,6 +1144,11 @@ mod tests {
             // The virtual grid (8·8) fills the last step exactly: the last pixel's value is
             // the buffer's last.
             layer([2, 16, 8, 8], 16, 1, 1, 0),
+            // Rows of at least 16 pixels: the weight gradient transposes whole 16 × 16 blocks
+            // (with pixel and channel tails beside them).
+            layer([2, 32, 5, 37], 16, 3, 1, 1),
+            layer([1, 20, 4, 17], 16, 3, 1, 1),
+            layer([1, 16, 3, 16], 16, 3, 1, 1),
             layer([1, 8, 20, 19], 8, 5, 1, 2),
             dilated,
             oblong,

@@ -14,6 +14,8 @@
 //!
 //! - `nhwc.rs`: the channels-last path — an implicit GEMM over NHWC pixel rows, forward and
 //!   both gradients, taken when the input or the weight is channels-last (f32, f64).
+//! - `amx.rs`: bf16 on AMX tiles (forward and both gradients, either memory format), where the
+//!   CPU has AMX-BF16; `low_precision.rs` routes f16/bf16 there or through the f32 kernels.
 //!
 //! With unit strides the input gradient is itself a forward convolution of the output
 //! gradient with the flipped, transposed weights ([`Geometry::transposed`]), planned and run as
