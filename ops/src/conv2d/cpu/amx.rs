@@ -879,22 +879,42 @@ impl WeightPlan {
     /// 16 pairs of consecutive virtual pixels (zeros at dropped pixels).
     /// `buf` starts zeroed and the same positions are written for every sample (as
     /// [`WeightPlan::input`]).
-    fn grad(&self, dy: &Dense, n: usize, buf: &mut [bf16]) {
+    fn grad(&self, _amx: Amx, dy: &Dense, n: usize, buf: &mut [bf16]) {
         let half = self.vpad / 2;
         let (o, w) = (dy.dims[1], dy.dims[3]);
         if dy.format == MemoryFormat::ChannelsLast && o > 0 && w > 0 {
             let sample = &dy.values[n * dy.sample_len()..(n + 1) * dy.sample_len()];
-            for (p, px) in sample.chunks_exact(o).enumerate() {
-                let vp = (p / w) * self.wp + p % w;
-                for (j, run) in px.chunks(ROWS).enumerate() {
-                    let at = (j * half + vp / 2) * 32 + vp % 2;
-                    // Every other value from `at` (the odd pixel's ends one short of 2·len).
-                    let dst = &mut buf[at..at + 2 * run.len() - 1];
-                    dst.iter_mut()
-                        .step_by(2)
-                        .zip(run)
-                        .for_each(|(d, &v)| *d = v);
+            let virt = |p: usize| (p / w) * self.wp + p % w;
+            let mut p = 0;
+            while p < sample.len() / o {
+                let vp = virt(p);
+                // Two real pixels that make one pair: their 16-channel runs interleave into
+                // one 64-byte row of every whole block with one permute each.
+                if vp % 2 == 0 && p + 1 < sample.len() / o && virt(p + 1) == vp + 1 {
+                    let (a, b) = (
+                        &sample[p * o..(p + 1) * o],
+                        &sample[(p + 1) * o..(p + 2) * o],
+                    );
+                    for j in 0..o / ROWS {
+                        let at = (j * half + vp / 2) * 32;
+                        let dst = &mut buf[at..at + 32];
+                        let (a, b) = (&a[j * ROWS..(j + 1) * ROWS], &b[j * ROWS..(j + 1) * ROWS]);
+                        // SAFETY: `_amx` proves AVX-512F/BW; `a` and `b` hold 16 values and
+                        // `dst` 32.
+                        unsafe { interleave16(a, b, dst) };
+                    }
+                    for (k, (&va, &vb)) in a.iter().zip(b).enumerate().skip(o / ROWS * ROWS) {
+                        let at = ((k / ROWS) * half + vp / 2) * 32 + (k % ROWS) * 2;
+                        buf[at] = va;
+                        buf[at + 1] = vb;
+                    }
+                    p += 2;
+                    continue;
                 }
+                for (k, &v) in sample[p * o..(p + 1) * o].iter().enumerate() {
+                    buf[((k / ROWS) * half + vp / 2) * 32 + (k % ROWS) * 2 + vp % 2] = v;
+                }
+                p += 1;
             }
             return;
         }
@@ -903,6 +923,31 @@ impl WeightPlan {
             buf[((o / ROWS) * half + vp / 2) * 32 + (o % ROWS) * 2 + vp % 2] = v;
         });
     }
+}
+
+/// `dst = [a0, b0, a1, b1, …, a15, b15]`: two pixels' 16-channel runs as one row of pairs.
+///
+/// # Safety
+/// The CPU must have AVX-512F and AVX-512BW; `a` and `b` must hold 16 values, `dst` 32.
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn interleave16(a: &[bf16], b: &[bf16], dst: &mut [bf16]) {
+    const PAIRS: [u16; 32] = {
+        let mut idx = [0u16; 32];
+        let mut k = 0;
+        while k < 16 {
+            idx[2 * k] = k as u16;
+            idx[2 * k + 1] = 32 + k as u16;
+            k += 1;
+        }
+        idx
+    };
+    let va = _mm512_castsi256_si512(_mm256_loadu_si256(a.as_ptr().cast()));
+    let vb = _mm512_castsi256_si512(_mm256_loadu_si256(b.as_ptr().cast()));
+    let idx = _mm512_loadu_si512(PAIRS.as_ptr().cast());
+    _mm512_storeu_si512(
+        dst.as_mut_ptr().cast(),
+        _mm512_permutex2var_epi16(va, idx, vb),
+    );
 }
 
 /// The weight gradient of a convolution on AMX: `x` `[N, C, H, W]`, `dy`
@@ -921,7 +966,7 @@ pub(crate) fn weight_grad(amx: Amx, x: Dense, dy: Dense, g: &Geometry) -> Result
         let mut dyp = memory::zeroed::<bf16>(OP, plan.oblocks * plan.vpad * ROWS)?;
         for n in n0..n1 {
             plan.input(amx, &x, n, &mut xt);
-            plan.grad(&dy, n, &mut dyp);
+            plan.grad(amx, &dy, n, &mut dyp);
             weight_grad_sample(amx, &plan, &xt, &dyp, &mut sums);
         }
         Ok(sums)
