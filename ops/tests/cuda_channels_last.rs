@@ -32,6 +32,9 @@ fn values(shape: &[usize], seed: u64) -> Tensor {
 
 type Slot = Arc<Mutex<Option<Tensor>>>;
 
+/// A unary op of the crate.
+type UnaryOp = fn(&Tensor) -> Result<Tensor>;
+
 /// `x` unchanged, with a backward that keeps the gradient it passes on in `slot`.
 fn probe(x: &Tensor, slot: &Slot) -> Tensor {
     let slot = slot.clone();
@@ -128,7 +131,7 @@ fn elementwise_ops_keep_channels_last_on_cuda() {
     let shape = [2, 5, 3, 4];
     let (a, b) = (values(&shape, 1), values(&shape, 2));
     let bias = values(&[1, 5, 1, 1], 3);
-    let unary: [(&str, fn(&Tensor) -> Result<Tensor>); 5] = [
+    let unary: [(&str, UnaryOp); 5] = [
         ("relu", relu),
         ("neg", neg),
         ("exp", exp),
@@ -136,14 +139,26 @@ fn elementwise_ops_keep_channels_last_on_cuda() {
         ("tanh", tanh),
     ];
     for (name, op) in unary {
-        compare(name, &[a.clone()], &[CL], CL, 1e-6, |t| op(&t[0]));
+        compare(name, std::slice::from_ref(&a), &[CL], CL, 1e-6, |t| {
+            op(&t[0])
+        });
     }
-    compare("add_scalar", &[a.clone()], &[CL], CL, 1e-6, |t| {
-        add_scalar(&t[0], 0.5)
-    });
-    compare("mul_scalar", &[a.clone()], &[CL], CL, 1e-6, |t| {
-        mul_scalar(&t[0], -1.5)
-    });
+    compare(
+        "add_scalar",
+        std::slice::from_ref(&a),
+        &[CL],
+        CL,
+        1e-6,
+        |t| add_scalar(&t[0], 0.5),
+    );
+    compare(
+        "mul_scalar",
+        std::slice::from_ref(&a),
+        &[CL],
+        CL,
+        1e-6,
+        |t| mul_scalar(&t[0], -1.5),
+    );
     let pair = [a.clone(), b.clone()];
     for (formats, want) in [([CL, CL], CL), ([CL, ROW], CL), ([ROW, CL], ROW)] {
         compare(

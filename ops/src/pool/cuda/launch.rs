@@ -5,7 +5,9 @@
 //! The builders check everything the kernels rely on: f32/f64 with matching dtypes, dense
 //! layouts whose sizes match the geometry, non-null and non-overlapping buffers, a geometry
 //! whose window arithmetic cannot overflow 64 bits, and planes small enough for the 32-bit
-//! indices of the max pool's saved maxima.
+//! indices of the max pool's saved maxima. A geometry made [`PoolGeometry::channels_last`]
+//! takes channels-last data: the builders' `[planes, H, W]` arrays are then `[N, H, W, C]`
+//! (views in NHWC order, dense).
 
 use tandem_core::cuda::launch::{
     index_u32, KernelArg, KernelPod, KernelSource, Launch, LaunchConfig,
@@ -146,7 +148,7 @@ impl PoolGeometry {
     /// when `channels` is 0 or does not divide the planes.
     pub fn channels_last(mut self, op: &'static str, channels: usize) -> Result<Self> {
         let c = channels as u64;
-        if c == 0 || self.channels != 1 || self.planes % c != 0 {
+        if c == 0 || self.channels != 1 || !self.planes.is_multiple_of(c) {
             return Err(Error::invalid(
                 op,
                 format!(
