@@ -345,3 +345,60 @@ fn batch_norm_running_statistics_from_channels_last_match_row_major_on_cuda() {
     assert_close(&stats[1].0, &stats[0].0, 1e-6, "running mean");
     assert_close(&stats[1].1, &stats[0].1, 1e-6, "running var");
 }
+
+/// A ResNet basic block on channels-last data (conv → BN+ReLU → conv → BN+add+ReLU, then the
+/// global average pool): every intermediate stays channels-last on CUDA (nothing converts back
+/// and forth), and the output and the gradients of the input and the weights are the CPU's.
+#[test]
+fn a_resnet_block_stays_channels_last_on_cuda() {
+    if tandem_test_support::select_cuda().is_none() {
+        return;
+    }
+    let c = 4;
+    let inputs = [
+        values(&[2, c, 5, 5], 21),
+        values(&[c, c, 3, 3], 22).mul_scalar_f32(0.2),
+        values(&[c, c, 3, 3], 23).mul_scalar_f32(0.2),
+    ];
+    let params = Conv2dParams {
+        stride: (1, 1),
+        padding: (1, 1),
+        dilation: (1, 1),
+    };
+    let block = |t: &[Tensor]| {
+        let stays = |y: Tensor, what: &str| {
+            assert_eq!(y.memory_format(), CL, "{what} on {}", y.device());
+            y
+        };
+        let h = stays(conv2d(&t[0], &t[1], None, &params)?, "conv1");
+        let h = stays(
+            batch_norm_relu(&h, None, None, None, None, true, 0.1, 1e-5)?,
+            "bn1+relu",
+        );
+        let h = stays(conv2d(&h, &t[2], None, &params)?, "conv2");
+        let h = stays(
+            batch_norm_add_relu(&h, &t[0], None, None, None, None, true, 0.1, 1e-5)?,
+            "bn2+add+relu",
+        );
+        let h = stays(adaptive_avg_pool2d(&h, (1, 1))?, "pool");
+        mul_scalar(&h, 2.0)
+    };
+    compare("resnet block", &inputs, &[CL, CL, CL], CL, 1e-4, block);
+}
+
+/// `t * k` for an f32 CPU tensor, outside the graph.
+trait ScaleF32 {
+    fn mul_scalar_f32(self, k: f32) -> Tensor;
+}
+
+impl ScaleF32 for Tensor {
+    fn mul_scalar_f32(self, k: f32) -> Tensor {
+        let v: Vec<f32> = self
+            .to_vec::<f32>()
+            .unwrap()
+            .iter()
+            .map(|x| x * k)
+            .collect();
+        Tensor::from_vec(v, self.dims(), Device::Cpu).unwrap()
+    }
+}
