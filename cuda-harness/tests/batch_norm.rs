@@ -35,11 +35,13 @@ use tandem_ops::batch_norm::{Dims, Epilogue};
 const OP: &str = "batch_norm test";
 
 /// `[N, C, L]` shapes: odd runs, whole vectors, `[N, C]`, one sample, many runs per channel,
-/// an empty batch.
-const SHAPES: [[usize; 3]; 7] = [
+/// an empty batch, and the view the CUDA path takes of a channels-last `[N, C, H, W]` input,
+/// `[N·H·W, C, 1]` (the channel innermost; here N = 2, H = 4, W = 5 with 6 channels).
+const SHAPES: [[usize; 3]; 8] = [
     [2, 3, 5],
     [4, 3, 8],
     [5, 4, 1],
+    [40, 6, 1],
     [1, 2, 12],
     [3, 2, 64],
     [6, 1, 300],

@@ -23,7 +23,9 @@ use tandem_core::cuda::runtime_kernels::DeviceView;
 use tandem_core::{DType, Element, FloatElement, Layout, Result, Tensor};
 use tandem_ops::binary::cuda::launch::{add_relu_launch, binary_launch, scalar_launch};
 use tandem_ops::binary::{BinaryKind, ScalarKind};
-use tandem_ops::dropout::cuda::launch::{dropout_backward_launch, dropout_forward_launch};
+use tandem_ops::dropout::cuda::launch::{
+    dropout_backward_launch, dropout_forward_channels_last_launch, dropout_forward_launch,
+};
 use tandem_ops::dropout::keep_threshold;
 use tandem_ops::unary::cuda::launch::{unary_backward_launch, unary_launch};
 use tandem_ops::unary::UnaryKind;
@@ -445,6 +447,66 @@ fn dropout_mask_equals_the_cpu_mask_over_several_blocks() {
         assert_eq!(mb.storage(&what), &want[..], "{what}");
         let kept = want.iter().filter(|&&m| m == 1).count() as f64 / n as f64;
         assert!((kept - (1.0 - p)).abs() < 0.05, "{what}: kept {kept}");
+    }
+}
+
+/// The channels-last forward: a dense NHWC input gives the CPU's channels-last output and mask
+/// (the row-major draws laid out NHWC), bit for bit, over several blocks and with a grid that
+/// loops.
+#[test]
+fn dropout_channels_last_forward_matches_the_cpu_op() {
+    let cl = tandem_core::MemoryFormat::ChannelsLast;
+    for dims in [[2usize, 5, 3, 7], [3, 8, 9, 5], [1, 3, 1, 1]] {
+        let n: usize = dims.iter().product();
+        let values: Vec<f32> = (0..n).map(|i| 1.0 + (i % 97) as f32 * 0.125).collect();
+        let x = Tensor::from_vec(values, &dims, tandem_core::Device::Cpu)
+            .unwrap()
+            .contiguous_in(cl)
+            .unwrap();
+        let p = 0.3;
+        let y = tandem_ops::dropout(&x, p, true, &mut tandem_core::Generator::new(9)).unwrap();
+        assert_eq!(y.memory_format(), cl, "the CPU output is channels-last");
+        // Both in NHWC storage order.
+        let want_y = y.read_dense_slice::<f32>().unwrap().to_vec();
+        let x_nhwc = x.read_dense_slice::<f32>().unwrap().to_vec();
+        let want_mask: Vec<u8> = want_y.iter().map(|&v| (v != 0.0) as u8).collect();
+        let layout = cl.layout("harness", &dims).unwrap();
+        let mut xb = HostBuffer::new(&x_nhwc);
+        let mut ob = HostBuffer::new(&vec![poison::<f32>(); n]);
+        let mut mb = HostBuffer::new(&vec![0xa5u8; n]);
+        let launch = dropout_forward_channels_last_launch(
+            ob.view(&layout),
+            mb.view(&layout),
+            xb.view(&layout),
+            tandem_core::Generator::new(9).next_u64(),
+            keep_threshold(p),
+            1.0 / (1.0 - p),
+        )
+        .unwrap();
+        assert_eq!(launch.kernel, "dropout_forward_channels_last_f32");
+        for (small, launch) in [(false, launch.clone()), (true, small_grid(&launch))] {
+            let what = format!("channels-last dropout {dims:?} small grid {small}");
+            run_launch(&launch, &what);
+            assert_same(ob.storage(&what), &want_y, &what);
+            assert_eq!(mb.storage(&what), &want_mask[..], "{what}: mask");
+        }
+        // A row-major view is refused.
+        let row = Layout::contiguous(&dims);
+        let err = dropout_forward_channels_last_launch(
+            ob.view(&row),
+            mb.view(&layout),
+            xb.view(&layout),
+            1,
+            keep_threshold(p),
+            2.0,
+        );
+        if dims[1] > 1 && dims[2] * dims[3] > 1 {
+            let err = err.unwrap_err().to_string();
+            assert!(
+                err.contains("dropout") && err.contains("channels-last"),
+                "{err}"
+            );
+        }
     }
 }
 

@@ -233,9 +233,42 @@ fn both_grids(
     }
 }
 
+/// `v`, the row-major elements of an `[N, C, H, W]` tensor, in NHWC (channels-last storage)
+/// order.
+fn to_nhwc<T: Copy>(v: &[T], dims: &[usize]) -> Vec<T> {
+    let (n, c, h, w) = (dims[0], dims[1], dims[2], dims[3]);
+    let mut out = Vec::with_capacity(v.len());
+    for ni in 0..n {
+        for hi in 0..h {
+            for wi in 0..w {
+                for ci in 0..c {
+                    out.push(v[((ni * c + ci) * h + hi) * w + wi]);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// `dims` in NHWC order.
+fn nhwc_dims(dims: &[usize]) -> Vec<usize> {
+    vec![dims[0], dims[2], dims[3], dims[1]]
+}
+
 fn check<T: Element>(dims: &[usize], pool: Pool, seed: u64) {
+    check_in::<T>(dims, pool, seed, false);
+}
+
+/// [`check`], with the kernels run on row-major planes, or (`nhwc`, 4-D `dims` only) on
+/// channels-last data: every buffer in NHWC order and the geometry's `channels` = C, against
+/// the CPU's values and indices laid out the same way.
+fn check_in<T: Element>(dims: &[usize], pool: Pool, seed: u64, nhwc: bool) {
     let op = "harness";
-    let what = format!("{pool:?} {} on {dims:?}", T::DTYPE);
+    let what = format!(
+        "{pool:?} {} on {dims:?}{}",
+        T::DTYPE,
+        if nhwc { " channels-last" } else { "" }
+    );
     let n: usize = dims.iter().product();
     let specials = seed % 2 == 1;
     let x_values = input_values::<T>(n, seed, specials);
@@ -252,15 +285,18 @@ fn check<T: Element>(dims: &[usize], pool: Pool, seed: u64) {
     let g_cpu = Tensor::from_vec(g_values.clone(), &out_dims, Device::Cpu).unwrap();
     backward(&y_cpu, Some(&g_cpu), &Default::default()).unwrap();
     let want_y = y_cpu.to_vec::<T>().unwrap();
-    let want_gx = match x_cpu.grad() {
+    let mut want_gx = match x_cpu.grad() {
         Some(g) => g.to_vec::<T>().unwrap(),
         None => vec![T::from_f64(0.0); n],
     };
+    let mut want_y = want_y;
+    let (mut x_values, mut g_values) = (x_values, g_values);
+    let x64: Vec<f64> = x_values.iter().map(|v| v.to_f64()).collect();
 
     let r = dims.len();
     let planes = dims[..r - 2].iter().product();
     let out = (out_dims[r - 2], out_dims[r - 1]);
-    let geometry = PoolGeometry::new(
+    let mut geometry = PoolGeometry::new(
         op,
         planes,
         (dims[r - 2], dims[r - 1]),
@@ -269,15 +305,33 @@ fn check<T: Element>(dims: &[usize], pool: Pool, seed: u64) {
         pool.divisor(),
     )
     .unwrap_or_else(|e| panic!("{what}: {e}"));
-    let x_layout = Layout::contiguous(dims);
-    let y_layout = Layout::contiguous(&out_dims);
+    let is_max = matches!(pool, Pool::Max { .. });
+    let mut want_indices = if is_max {
+        scan_indices(&x64, dims, pool, out)
+    } else {
+        Vec::new()
+    };
+    let (mut x_layout, mut y_layout) = (Layout::contiguous(dims), Layout::contiguous(&out_dims));
+    if nhwc {
+        geometry = geometry
+            .channels_last(op, dims[1])
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+        x_values = to_nhwc(&x_values, dims);
+        g_values = to_nhwc(&g_values, &out_dims);
+        want_y = to_nhwc(&want_y, &out_dims);
+        want_gx = to_nhwc(&want_gx, dims);
+        if is_max {
+            want_indices = to_nhwc(&want_indices, &out_dims);
+        }
+        x_layout = Layout::contiguous(&nhwc_dims(dims));
+        y_layout = Layout::contiguous(&nhwc_dims(&out_dims));
+    }
     let mut x_buffer = HostBuffer::new(&x_values);
     let mut g_buffer = HostBuffer::new(&g_values);
 
     // Forward.
     let mut y_buffer = HostBuffer::new(&vec![poison::<T>(); m]);
     let mut indices = IndexBuffer::new(m);
-    let is_max = matches!(pool, Pool::Max { .. });
     let forward = if is_max {
         max_pool2d_launch(
             op,
@@ -302,9 +356,11 @@ fn check<T: Element>(dims: &[usize], pool: Pool, seed: u64) {
         |what| {
             assert_same(y_buffer.storage(what), &want_y, what);
             if is_max {
-                let x64: Vec<f64> = x_values.iter().map(|v| v.to_f64()).collect();
-                let want = scan_indices(&x64, dims, pool, out);
-                assert_eq!(indices.body(what), &want[..], "{what}: saved maxima");
+                assert_eq!(
+                    indices.body(what),
+                    &want_indices[..],
+                    "{what}: saved maxima"
+                );
             }
         },
     );
@@ -356,6 +412,44 @@ fn pools_match_the_cpu_bit_for_bit_forward_and_backward() {
             check::<f32>(&dims, pool, seed);
             check::<f64>(&dims, pool, seed + 1000);
         }
+    }
+}
+
+/// The channels-last kernels (the geometry's `channels` = C, NHWC buffers) on the 4-D cases:
+/// the CPU's values, indices and gradients bit for bit, laid out channels-last.
+#[test]
+fn channels_last_pools_match_the_cpu_bit_for_bit_forward_and_backward() {
+    for (i, (dims, pool)) in cases().into_iter().enumerate() {
+        if dims.len() != 4 || dims[1] == 0 {
+            continue;
+        }
+        check_in::<f32>(&dims, pool, 2 * i as u64 + 1, true);
+        check_in::<f64>(&dims, pool, 2 * i as u64 + 1000, true);
+    }
+}
+
+#[test]
+fn channels_last_geometry_needs_whole_samples() {
+    let geometry = PoolGeometry::new(
+        "harness",
+        6,
+        (4, 4),
+        (2, 2),
+        PoolWindows::Sliding {
+            kernel: (2, 2),
+            stride: (2, 2),
+            padding: (0, 0),
+        },
+        None,
+    )
+    .unwrap();
+    assert!(geometry.channels_last("harness", 3).is_ok());
+    for bad in [0, 4] {
+        let err = geometry
+            .channels_last("harness", bad)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("harness") && err.contains("channels"), "{err}");
     }
 }
 

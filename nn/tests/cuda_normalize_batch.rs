@@ -88,3 +88,48 @@ fn loader_delivered_u8_batches_normalise_on_the_gpu() {
     }
     assert_eq!(seen, n);
 }
+
+/// `DataLoaderConfig::memory_format` for a CUDA loader: each f32 batch arrives on the device
+/// dense channels-last with the CPU batch's values, and the ops of a ResNet step after the
+/// convolution (batch norm + ReLU, max pool, the residual add) keep it channels-last there.
+#[test]
+fn channels_last_loader_delivers_nhwc_batches_on_the_gpu() {
+    use std::sync::Arc;
+    use tandem_core::MemoryFormat;
+    use tandem_nn::data::{DataLoader, DataLoaderConfig, TensorDataset};
+    if tandem_test_support::select_cuda().is_none() {
+        return;
+    }
+    let (n, c, h, w) = (6, 3, 4, 5);
+    let values: Vec<f32> = (0..n * c * h * w)
+        .map(|i| (i * 37 % 101) as f32 / 10.0)
+        .collect();
+    let images = Tensor::from_vec(values, &[n, c, h, w], Device::Cpu).unwrap();
+    let labels = Tensor::from_vec((0..n as i64).collect(), &[n], Device::Cpu).unwrap();
+    let dataset = Arc::new(TensorDataset::new(images.clone(), labels).unwrap());
+    let config = DataLoaderConfig {
+        batch_size: 4,
+        device: GPU,
+        memory_format: MemoryFormat::ChannelsLast,
+        ..Default::default()
+    };
+    let loader = DataLoader::new(dataset, config).unwrap();
+    let mut seen = 0;
+    for batch in loader.iter() {
+        let x = batch.unwrap().inputs;
+        assert_eq!(x.device(), GPU);
+        assert_eq!(x.memory_format(), MemoryFormat::ChannelsLast);
+        assert!(x.is_contiguous_in(MemoryFormat::ChannelsLast));
+        let rows = x.dims()[0];
+        let want = tandem_ops::narrow(&images, 0, seen, rows).unwrap();
+        assert_eq!(x.to_vec::<f32>().unwrap(), want.to_vec::<f32>().unwrap());
+        seen += rows;
+        let y = tandem_ops::batch_norm_relu(&x, None, None, None, None, true, 0.1, 1e-5).unwrap();
+        let z = tandem_ops::add(&y, &x).unwrap();
+        let p = tandem_ops::max_pool2d(&z, (2, 2), (2, 2), (0, 0)).unwrap();
+        for (t, what) in [(&y, "batch_norm_relu"), (&z, "add"), (&p, "max_pool2d")] {
+            assert_eq!(t.memory_format(), MemoryFormat::ChannelsLast, "{what}");
+        }
+    }
+    assert_eq!(seen, n);
+}

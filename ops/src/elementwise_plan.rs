@@ -6,7 +6,8 @@
 //! friends in `tandem.cuh`): `<name>_<dtype>(out, x0, x1, …, n, scalars…)` when every input is
 //! dense, taking the address of each input's first element and moving 16-byte packs, and
 //! `<name>_strided_<dtype>(out, x0, layout0, x1, layout1, …, n, scalars…)` otherwise. The output
-//! is always dense. Builders check what the kernels rely on: float dtype, matching shapes and
+//! is always dense: row-major, or channels-last seen through an NHWC permutation of every view
+//! (see [`run_into_new`]). Builders check what the kernels rely on: float dtype, matching shapes and
 //! dtypes, a dense destination, and inputs that do not overlap it other than as the very same
 //! view (each element is read and written by one thread).
 
@@ -14,7 +15,7 @@ use smallvec::SmallVec;
 use tandem_core::cuda::launch::{KernelArg, KernelSource, Launch, LaunchConfig, StridedLayout};
 use tandem_core::cuda::runtime_kernels::{overlaps_other_than_same_view, DeviceView};
 use tandem_core::cuda::{device_pointer, launch_on_compute};
-use tandem_core::{DType, Device, Error, Layout, Result, Tensor};
+use tandem_core::{DType, Device, Error, Layout, MemoryFormat, Result, Tensor};
 
 /// Threads per block of the elementwise kernels.
 pub(crate) const THREADS_PER_BLOCK: u32 = 256;
@@ -122,33 +123,58 @@ pub(crate) fn elementwise_launch(
     })
 }
 
-/// A fresh dense tensor of `shape` and `dtype` on `device`, written by the launch `build`
-/// makes from its view and the views of `inputs` (each a CUDA tensor on `device` read through
-/// the given layout), run on the device's compute stream.
+/// The dims of a 4-D tensor in the storage order of channels-last (N, H, W, C): permuting a
+/// layout by these makes a dense channels-last one row-major.
+const CHANNELS_LAST_ORDER: [usize; 4] = [0, 2, 3, 1];
+
+/// A fresh tensor of `shape` and `dtype` on `device`, dense in `format`, written by the launch
+/// `build` makes from its view and the views of `inputs` (each a CUDA tensor on `device` read
+/// through the given layout, of `shape`), run on the device's compute stream.
+///
+/// For channels-last, every view is permuted to NHWC order first: the output's view is then
+/// row-major, so the kernels write it in storage order, and inputs dense in channels-last are
+/// row-major too and take the kernels' dense form (other inputs are read through their
+/// permuted strides).
 pub(crate) fn run_into_new(
     op: &'static str,
     shape: &[usize],
     dtype: DType,
     device: Device,
+    format: MemoryFormat,
     inputs: &[(&Tensor, &Layout)],
     build: impl FnOnce(DeviceView, &[DeviceView]) -> Result<Launch>,
 ) -> Result<Tensor> {
-    let out = Tensor::empty(shape, dtype, device)?;
+    let out = Tensor::empty_in(shape, dtype, device, format)?;
     let (dev, out_ptr) = device_pointer(op, &out)?;
-    let mut views: SmallVec<[DeviceView; 2]> = SmallVec::new();
+    let storage_order = |l: &Layout| -> Result<Layout> {
+        match format {
+            MemoryFormat::Contiguous => Ok(l.clone()),
+            MemoryFormat::ChannelsLast => l.permute(op, &CHANNELS_LAST_ORDER),
+        }
+    };
+    let mut layouts: SmallVec<[Layout; 2]> = SmallVec::new();
+    let mut ptrs: SmallVec<[u64; 2]> = SmallVec::new();
     for (t, layout) in inputs {
         t.device().same_as(device, op)?;
         let (_, ptr) = device_pointer(op, t)?;
-        views.push(DeviceView {
+        ptrs.push(ptr);
+        layouts.push(storage_order(layout)?);
+    }
+    let views: SmallVec<[DeviceView; 2]> = inputs
+        .iter()
+        .zip(&ptrs)
+        .zip(&layouts)
+        .map(|(((t, _), &ptr), layout)| DeviceView {
             ptr,
             dtype: t.dtype(),
             layout,
-        });
-    }
+        })
+        .collect();
+    let out_layout = storage_order(out.layout())?;
     let view = DeviceView {
         ptr: out_ptr,
         dtype,
-        layout: out.layout(),
+        layout: &out_layout,
     };
     let launch = build(view, &views)?;
     launch_on_compute(&dev, &launch, out.numel())?;

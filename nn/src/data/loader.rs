@@ -202,7 +202,12 @@ impl DataLoader {
                     }
                     let loaded = dataset
                         .get_batch(chunk)
-                        .and_then(|batch| in_format(batch, memory_format))
+                        // A CPU copy is uploaded row-major, so a device batch is laid out on
+                        // the device (in `next`): converting here too would be thrown away.
+                        .and_then(|batch| match device {
+                            Device::Cpu => in_format(batch, memory_format),
+                            Device::Cuda(_) => Ok(batch),
+                        })
                         .and_then(|batch| deliver(batch, device, copy.as_ref()));
                     let failed = loaded.is_err();
                     // A send fails when the caller dropped the iterator: stop quietly.

@@ -211,10 +211,10 @@ pub fn batch_norm_fused(
     let _profile = tandem_core::profile::scope(op, tandem_core::profile::Phase::Forward);
     validate(op, x, epilogue, args)?;
     let count = x.numel() / x.dims()[1].max(1);
-    // Dense once: every phase, forward and backward, reads the input. The CPU phases read a
-    // channels-last input as it is (NHWC passes, channels-last output); the CUDA kernels take
-    // row-major, so there a channels-last input is converted here and the output is row-major.
-    let xc = if x.device() == tandem_core::Device::Cpu && x.layout().is_channels_last() {
+    // Dense once: every phase, forward and backward, reads the input. The phases of both
+    // devices read a channels-last input as it is (channel-innermost passes, channels-last
+    // output).
+    let xc = if x.layout().is_channels_last() {
         x.detach()
     } else {
         x.contiguous_detached()?
@@ -368,7 +368,7 @@ struct Needs {
 
 /// What a batch-norm op's backward reads, kept by its forward.
 struct Saved {
-    /// The dense input (row-major, or channels-last on the CPU).
+    /// The dense input (row-major or channels-last).
     xc: Tensor,
     /// The forward's normalization constants.
     norm: Normalization,

@@ -118,10 +118,9 @@ pub fn add_relu(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     float_dtype(OP, a)?;
     broadcast_shapes(OP, a.dims(), b.dims())?;
     // The fused pass reads both operands in storage order: same shape, and both row-major or
-    // (on the CPU) both channels-last.
+    // both channels-last.
     let same_layout = (a.is_contiguous() && b.is_contiguous())
-        || (a.device() == Device::Cpu
-            && a.layout().is_channels_last()
+        || (a.layout().is_channels_last()
             && b.is_contiguous_in(tandem_core::MemoryFormat::ChannelsLast));
     if a.dims() != b.dims() || !same_layout {
         return crate::unary::relu(&add(a, b)?);

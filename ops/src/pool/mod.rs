@@ -247,7 +247,7 @@ fn average(op: &'static str, x: &Tensor, win: Windows, spec: PoolWindows) -> Res
         Device::Cuda(_) => cuda::avg_pool(op, x, spec, win.divisor, &shape)?,
     };
     let in_shape = x.dims().to_vec();
-    // The CPU input gradient keeps the input's format (channels-last in, channels-last out).
+    // The input gradient keeps the input's format (channels-last in, channels-last out).
     let format = if x.layout().is_channels_last() {
         tandem_core::MemoryFormat::ChannelsLast
     } else {
@@ -257,7 +257,9 @@ fn average(op: &'static str, x: &Tensor, win: Windows, spec: PoolWindows) -> Res
         move |g: &Tensor| {
             let gx = match g.device() {
                 Device::Cpu => cpu::avg_pool_backward(op, g, hw, &win, &in_shape, format)?,
-                Device::Cuda(_) => cuda::avg_pool_backward(op, g, spec, win.divisor, &in_shape)?,
+                Device::Cuda(_) => {
+                    cuda::avg_pool_backward(op, g, spec, win.divisor, &in_shape, format)?
+                }
             };
             Ok(vec![Some(gx)])
         }

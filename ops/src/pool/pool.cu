@@ -4,8 +4,11 @@
 // semantics are the CPU's in ops/src/pool/cpu/mod.rs, and every result is the CPU's bit for bit:
 // each value is computed by the same operations in the same order.
 //
-// Inputs and outputs are dense `[planes, H, W]` / `[planes, OH, OW]` arrays (one plane per sample
-// and channel). Forward kernels run one thread per output element; backward kernels one thread
+// Inputs and outputs are dense `[planes, H, W, channels]` / `[planes, OH, OW, channels]` arrays:
+// row-major NCHW tensors are `channels` = 1 with one plane per sample and channel, channels-last
+// (NHWC) ones are one plane per sample with the channel innermost (`channels` = C), so a window
+// gathers the values of one channel C apart and consecutive threads take consecutive channels.
+// Max indices are positions within the H × W plane (r·W + c) in both cases. Forward kernels run one thread per output element; backward kernels one thread
 // per INPUT element, which gathers the gradients of the windows covering it in row-major window
 // order. No two threads write the same element and no atomics are used, so the backward is
 // deterministic even where windows overlap, and it needs no zero-filled buffer first.
@@ -32,6 +35,8 @@ struct pool_geometry {
     // unused by max pooling and by adaptive windows, which divide by their own size.
     tandem_u64 divisor;
     tandem_u64 adaptive;
+    // Values per pixel, interleaved (1: NCHW planes; C: channels-last samples).
+    tandem_u64 channels;
 };
 
 // A half-open range [begin, end), empty when end <= begin.
@@ -90,9 +95,13 @@ TANDEM_FN T pool_divisor(const pool_geometry& g, pool_range rows, pool_range col
     return (T)(double)d;
 }
 
-// Splits a flat index over [planes, rows, cols] into (plane, row, col).
-TANDEM_FN void pool_unravel(tandem_u64 flat, tandem_u64 rows, tandem_u64 cols, tandem_u64* plane,
-                            tandem_u64* row, tandem_u64* col) {
+// Splits a flat index over [planes, rows, cols, channels] into (plane, row, col, channel).
+TANDEM_FN void pool_unravel(tandem_u64 flat, tandem_u64 rows, tandem_u64 cols,
+                            tandem_u64 channels, tandem_u64* plane, tandem_u64* row,
+                            tandem_u64* col, tandem_u64* channel) {
+    tandem_u64 pixel = channels == 1 ? flat : tandem_div_u64(flat, channels);
+    *channel = flat - pixel * channels;
+    flat = pixel;
     tandem_u64 q = tandem_div_u64(flat, cols);
     *col = flat - q * cols;
     *plane = tandem_div_u64(q, rows);
@@ -105,19 +114,19 @@ TANDEM_FN void pool_unravel(tandem_u64 flat, tandem_u64 rows, tandem_u64 cols, t
 // the launch builder (index_u32), so the index fits.
 template <typename T>
 TANDEM_FN void max_pool2d_impl(const T* x, T* out, tandem_u32* indices, const pool_geometry& g) {
-    tandem_u64 n = g.planes * g.out_h * g.out_w;
+    tandem_u64 n = g.planes * g.out_h * g.out_w * g.channels;
     TANDEM_GRID_STRIDE_LOOP(o, n) {
-        tandem_u64 p, i, j;
-        pool_unravel(o, g.out_h, g.out_w, &p, &i, &j);
+        tandem_u64 p, i, j, ch;
+        pool_unravel(o, g.out_h, g.out_w, g.channels, &p, &i, &j, &ch);
         pool_range rows = pool_rows(g, i);
         pool_range cols = pool_cols(g, j);
-        const T* plane = x + p * g.in_h * g.in_w;
+        const T* plane = x + p * g.in_h * g.in_w * g.channels + ch;
         T best = tandem_negative_infinity(T());
         tandem_u64 at = rows.begin * g.in_w + cols.begin;
         bool found_nan = false;
         for (tandem_u64 r = rows.begin; r < rows.end && !found_nan; ++r) {
             for (tandem_u64 c = cols.begin; c < cols.end; ++c) {
-                T v = plane[r * g.in_w + c];
+                T v = plane[(r * g.in_w + c) * g.channels];
                 if (v > best || v != v) {
                     best = v;
                     at = r * g.in_w + c;
@@ -140,18 +149,18 @@ TANDEM_FN void max_pool2d_impl(const T* x, T* out, tandem_u32* indices, const po
 template <typename T>
 TANDEM_FN void max_pool2d_backward_impl(const T* grad_out, const tandem_u32* indices, T* grad_x,
                                         const pool_geometry& g) {
-    tandem_u64 n = g.planes * g.in_h * g.in_w;
+    tandem_u64 n = g.planes * g.in_h * g.in_w * g.channels;
     TANDEM_GRID_STRIDE_LOOP(e, n) {
-        tandem_u64 p, r, c;
-        pool_unravel(e, g.in_h, g.in_w, &p, &r, &c);
+        tandem_u64 p, r, c, ch;
+        pool_unravel(e, g.in_h, g.in_w, g.channels, &p, &r, &c, &ch);
         pool_range rows = pool_covering(r, g.in_h, g.out_h, g.kernel_h, g.stride_h, g.pad_h, false);
         pool_range cols = pool_covering(c, g.in_w, g.out_w, g.kernel_w, g.stride_w, g.pad_w, false);
         tandem_u32 self = (tandem_u32)(r * g.in_w + c);
-        tandem_u64 base = p * g.out_h * g.out_w;
+        tandem_u64 base = p * g.out_h * g.out_w * g.channels + ch;
         T acc = 0;
         for (tandem_u64 i = rows.begin; i < rows.end; ++i) {
             for (tandem_u64 j = cols.begin; j < cols.end; ++j) {
-                tandem_u64 o = base + i * g.out_w + j;
+                tandem_u64 o = base + (i * g.out_w + j) * g.channels;
                 if (indices[o] == self) {
                     acc = acc + grad_out[o];
                 }
@@ -164,17 +173,17 @@ TANDEM_FN void max_pool2d_backward_impl(const T* grad_out, const tandem_u32* ind
 // out[o] = the sum of output o's window (row by row, left to right) divided by its divisor.
 template <typename T>
 TANDEM_FN void avg_pool2d_impl(const T* x, T* out, const pool_geometry& g) {
-    tandem_u64 n = g.planes * g.out_h * g.out_w;
+    tandem_u64 n = g.planes * g.out_h * g.out_w * g.channels;
     TANDEM_GRID_STRIDE_LOOP(o, n) {
-        tandem_u64 p, i, j;
-        pool_unravel(o, g.out_h, g.out_w, &p, &i, &j);
+        tandem_u64 p, i, j, ch;
+        pool_unravel(o, g.out_h, g.out_w, g.channels, &p, &i, &j, &ch);
         pool_range rows = pool_rows(g, i);
         pool_range cols = pool_cols(g, j);
-        const T* plane = x + p * g.in_h * g.in_w;
+        const T* plane = x + p * g.in_h * g.in_w * g.channels + ch;
         T acc = 0;
         for (tandem_u64 r = rows.begin; r < rows.end; ++r) {
             for (tandem_u64 c = cols.begin; c < cols.end; ++c) {
-                acc = acc + plane[r * g.in_w + c];
+                acc = acc + plane[(r * g.in_w + c) * g.channels];
             }
         }
         out[o] = acc / pool_divisor<T>(g, rows, cols);
@@ -185,21 +194,21 @@ TANDEM_FN void avg_pool2d_impl(const T* x, T* out, const pool_geometry& g) {
 // window's output gradient divided by its divisor.
 template <typename T>
 TANDEM_FN void avg_pool2d_backward_impl(const T* grad_out, T* grad_x, const pool_geometry& g) {
-    tandem_u64 n = g.planes * g.in_h * g.in_w;
+    tandem_u64 n = g.planes * g.in_h * g.in_w * g.channels;
     bool adaptive = g.adaptive != 0;
     TANDEM_GRID_STRIDE_LOOP(e, n) {
-        tandem_u64 p, r, c;
-        pool_unravel(e, g.in_h, g.in_w, &p, &r, &c);
+        tandem_u64 p, r, c, ch;
+        pool_unravel(e, g.in_h, g.in_w, g.channels, &p, &r, &c, &ch);
         pool_range rows =
             pool_covering(r, g.in_h, g.out_h, g.kernel_h, g.stride_h, g.pad_h, adaptive);
         pool_range cols =
             pool_covering(c, g.in_w, g.out_w, g.kernel_w, g.stride_w, g.pad_w, adaptive);
-        tandem_u64 base = p * g.out_h * g.out_w;
+        tandem_u64 base = p * g.out_h * g.out_w * g.channels + ch;
         T acc = 0;
         for (tandem_u64 i = rows.begin; i < rows.end; ++i) {
             pool_range window_rows = pool_rows(g, i);
             for (tandem_u64 j = cols.begin; j < cols.end; ++j) {
-                T share = grad_out[base + i * g.out_w + j] /
+                T share = grad_out[base + (i * g.out_w + j) * g.channels] /
                           pool_divisor<T>(g, window_rows, pool_cols(g, j));
                 acc = acc + share;
             }

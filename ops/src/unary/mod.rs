@@ -1,7 +1,8 @@
 //! Elementwise unary ops: neg, exp, log, sqrt, pow_scalar, relu, sigmoid, tanh.
 //!
 //! # Shapes
-//! The output has the input's shape (any layout in, contiguous out). Inputs are f32 or f64,
+//! The output has the input's shape, dense in the input's memory format when the input is
+//! dense in one (channels-last in, channels-last out, on both devices), row-major otherwise. Inputs are f32 or f64,
 //! or f16/bf16, which compute in f32 and round the output once (relu on the CPU in one pass
 //! over the halves, the others through the f32 kernels). Ops whose derivative is cheapest from
 //! the output (exp, sqrt, relu, sigmoid, tanh) save the output for backward; the others save

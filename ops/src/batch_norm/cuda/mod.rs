@@ -1,7 +1,13 @@
-//! CUDA kernels of the batch-norm phases (see `phases.rs`): each makes its inputs contiguous
-//! where a kernel needs them so (the fused ops pass contiguous inputs already), allocates its
-//! outputs on the device, builds the launches of `launch.rs` and runs them on the device's
-//! compute stream. Nothing waits for the device: the count of all-reduced statistic sums stays
+//! CUDA kernels of the batch-norm phases (see `phases.rs`): each makes its inputs dense in the
+//! input's format where a kernel needs them so (the fused ops pass dense inputs already),
+//! allocates its outputs on the device, builds the launches of `launch.rs` and runs them on the
+//! device's compute stream.
+//!
+//! The kernels view the input as `[N, C, L]`, dense. A row-major `[N, C, H, W]` input is
+//! `[N, C, H·W]`; a channels-last one is `[N·H·W, C, 1]` (each pixel a row of C values, the
+//! channel innermost), so the same kernels reduce each channel over its N·H·W values in the same
+//! logical order with the same shifted f64 sums, and the elementwise passes write channels-last
+//! outputs in storage order. Nothing is converted between formats. Nothing waits for the device: the count of all-reduced statistic sums stays
 //! on the device, where `from_sums`'s kernel checks it (reporting a bad one through the
 //! deferred-error record) and the kernels that divide by it read it.
 
@@ -10,7 +16,7 @@ pub mod launch;
 use tandem_core::cuda::deferred::{self, DeferredCheck, Finding};
 use tandem_core::cuda::launch::Launch;
 use tandem_core::cuda::{device_pointer, launch_on_compute, CudaDevice};
-use tandem_core::{DType, Layout, Result, Shape, Tensor};
+use tandem_core::{DType, Layout, MemoryFormat, Result, Shape, Tensor};
 
 use super::shape::{
     bad_count, ApplyArgs, BackwardApplyArgs, BackwardReduceArgs, Count, Dims, Epilogue, GradMask,
@@ -86,6 +92,39 @@ fn partials(
     Ok((Some(p), at))
 }
 
+/// The format the kernels read `x` in: channels-last when `x` is dense channels-last, row-major
+/// otherwise (a strided input is copied to row-major).
+fn format_of(x: &Tensor) -> MemoryFormat {
+    if x.layout().is_channels_last() {
+        MemoryFormat::ChannelsLast
+    } else {
+        MemoryFormat::Contiguous
+    }
+}
+
+/// `t` dense in `format`: itself (detached) when it already is, else a copy.
+fn dense_in(t: &Tensor, format: MemoryFormat) -> Result<Tensor> {
+    match format {
+        MemoryFormat::Contiguous => t.contiguous_detached(),
+        MemoryFormat::ChannelsLast if t.is_contiguous_in(format) => Ok(t.detach()),
+        MemoryFormat::ChannelsLast => t.contiguous_in(format),
+    }
+}
+
+/// The `[N, C, L]` view the kernels take of an input of `shape` dense in `format`: `L = H·W…`
+/// for row-major, `[N·H·W, C, 1]` for channels-last.
+fn kernel_dims(shape: &[usize], format: MemoryFormat) -> Dims {
+    let dims = Dims::of(shape);
+    match format {
+        MemoryFormat::Contiguous => dims,
+        MemoryFormat::ChannelsLast => Dims {
+            n: dims.n * dims.l,
+            c: dims.c,
+            l: 1,
+        },
+    }
+}
+
 /// Runs launches in order on the compute stream; `work` is the number of items they cover
 /// (nothing runs for none).
 fn run(dev: &CudaDevice, launches: &[Launch], work: usize) -> Result<()> {
@@ -95,10 +134,12 @@ fn run(dev: &CudaDevice, launches: &[Launch], work: usize) -> Result<()> {
     Ok(())
 }
 
-/// Per-channel mean and biased variance of `x` (any layout).
+/// Per-channel mean and biased variance of `x` (any layout; a dense channels-last one is read
+/// as it is).
 pub(crate) fn statistics(op: &'static str, x: &Tensor) -> Result<Statistics> {
-    let xc = x.contiguous_detached()?;
-    let dims = Dims::of(x.dims());
+    let format = format_of(x);
+    let xc = dense_in(x, format)?;
+    let dims = kernel_dims(x.dims(), format);
     let (dev, xa) = address(op, &xc)?;
     let mean = f64_like(x, &[dims.c])?;
     let var = f64_like(x, &[dims.c])?;
@@ -206,14 +247,15 @@ pub(crate) fn normalization(op: &'static str, args: &NormalizationArgs<'_>) -> R
     Ok(table)
 }
 
-/// `y = x·scale + shift` and the epilogue.
+/// `y = x·scale + shift` and the epilogue, in `x`'s format (channels-last or row-major).
 pub(crate) fn apply(op: &'static str, args: &ApplyArgs<'_>) -> Result<Tensor> {
-    let xc = args.x.contiguous_detached()?;
-    let dims = Dims::of(xc.dims());
+    let format = format_of(args.x);
+    let xc = dense_in(args.x, format)?;
+    let dims = kernel_dims(xc.dims(), format);
     let (dev, xa) = address(op, &xc)?;
-    let out = Tensor::empty(xc.dims(), xc.dtype(), xc.device())?;
+    let out = Tensor::empty_in(xc.dims(), xc.dtype(), xc.device(), format)?;
     let residual = match args.epilogue {
-        Epilogue::AddRelu(r) => Some(r.contiguous_detached()?),
+        Epilogue::AddRelu(r) => Some(dense_in(r, format)?),
         _ => None,
     };
     let epilogue = match (&args.epilogue, &residual) {
@@ -237,15 +279,21 @@ pub(crate) fn apply(op: &'static str, args: &ApplyArgs<'_>) -> Result<Tensor> {
 /// Per-channel `[Σg', Σg'·(x − mean)]` of the masked gradient, and the masked gradient
 /// itself under [`GradMask::Output`].
 pub(crate) fn backward_reduce(op: &'static str, args: &BackwardReduceArgs<'_>) -> Result<GradSums> {
-    let xc = args.x.contiguous_detached()?;
-    let gc = args.grad.contiguous_detached()?;
-    let dims = Dims::of(xc.dims());
+    let format = format_of(args.x);
+    let xc = dense_in(args.x, format)?;
+    let gc = dense_in(args.grad, format)?;
+    let dims = kernel_dims(xc.dims(), format);
     let (dev, xa) = address(op, &xc)?;
     let sums = f64_like(&xc, &[2, dims.c])?;
     let (output, masked) = match args.mask {
         GradMask::Output(y) => (
-            Some(y.contiguous_detached()?),
-            Some(Tensor::empty(xc.dims(), xc.dtype(), xc.device())?),
+            Some(dense_in(y, format)?),
+            Some(Tensor::empty_in(
+                xc.dims(),
+                xc.dtype(),
+                xc.device(),
+                format,
+            )?),
         ),
         _ => (None, None),
     };
@@ -276,13 +324,14 @@ pub(crate) fn backward_reduce(op: &'static str, args: &BackwardReduceArgs<'_>) -
     Ok(GradSums { sums, grad: masked })
 }
 
-/// The input gradient from the (all-reduced) sums.
+/// The input gradient from the (all-reduced) sums, in `x`'s format.
 pub(crate) fn backward_apply(op: &'static str, args: &BackwardApplyArgs<'_>) -> Result<Tensor> {
-    let xc = args.x.contiguous_detached()?;
-    let gc = args.grad.contiguous_detached()?;
-    let dims = Dims::of(xc.dims());
+    let format = format_of(args.x);
+    let xc = dense_in(args.x, format)?;
+    let gc = dense_in(args.grad, format)?;
+    let dims = kernel_dims(xc.dims(), format);
     let (dev, xa) = address(op, &xc)?;
-    let out = Tensor::empty(xc.dims(), xc.dtype(), xc.device())?;
+    let out = Tensor::empty_in(xc.dims(), xc.dtype(), xc.device(), format)?;
     let coefficients = Tensor::empty(&[4, dims.c], xc.dtype(), xc.device())?;
     let [coefs, apply] = launch::backward_apply_launches(
         op,

@@ -4,7 +4,7 @@
 
 use tandem_core::cuda::launch::{KernelArg, KernelSource, Launch, LaunchConfig, StridedLayout};
 use tandem_core::cuda::runtime_kernels::{views_share_memory, DeviceView};
-use tandem_core::{DType, Error, Result};
+use tandem_core::{DType, Error, MemoryFormat, Result};
 
 use crate::elementwise_plan::THREADS_PER_BLOCK;
 
@@ -114,6 +114,83 @@ pub fn dropout_forward_launch(
             KernelArg::In(x.ptr),
             KernelArg::pod(&x_layout),
             KernelArg::U64(n as u64),
+            KernelArg::U64(seed),
+            KernelArg::U32(threshold),
+            value_arg(x.dtype, scale),
+        ],
+    })
+}
+
+/// Checks a view dense channels-last of `like`'s 4-D shape with dtype `dtype`.
+fn check_channels_last(
+    op: &'static str,
+    what: &str,
+    v: &DeviceView,
+    like: &[usize],
+    dtype: DType,
+) -> Result<()> {
+    if v.dtype != dtype {
+        return Err(Error::invalid(
+            op,
+            format!("the {what} must be {dtype}, got {}", v.dtype),
+        ));
+    }
+    if v.layout.shape().as_slice() != like || !v.layout.is_contiguous_in(MemoryFormat::ChannelsLast)
+    {
+        return Err(Error::invalid(
+            op,
+            format!(
+                "the {what} must be dense channels-last of shape {like:?}; got shape {:?} with \
+                 strides {:?}",
+                v.layout.shape().as_slice(),
+                v.layout.strides().as_slice()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Dropout forward of a dense channels-last `x` (4-D) in storage order: `out` (dense
+/// channels-last, `x`'s shape and dtype) and `mask` (dense channels-last u8) get the values and
+/// the mask of [`dropout_forward_launch`] on the same logical elements — element `(n, c, h, w)`
+/// draws with its row-major index — laid out channels-last. No two of the three may share
+/// memory.
+pub fn dropout_forward_channels_last_launch(
+    out: DeviceView,
+    mask: DeviceView,
+    x: DeviceView,
+    seed: u64,
+    threshold: u32,
+    scale: f64,
+) -> Result<Launch> {
+    const OP: &str = "dropout";
+    float(OP, x.dtype)?;
+    let shape = x.layout.shape().as_slice();
+    if shape.len() != 4 {
+        return Err(Error::shape(
+            OP,
+            format!("a channels-last input must be 4-D, got shape {shape:?}"),
+        ));
+    }
+    check_channels_last(OP, "input", &x, shape, x.dtype)?;
+    check_channels_last(OP, "output", &out, shape, x.dtype)?;
+    check_channels_last(OP, "mask", &mask, shape, DType::U8)?;
+    check_disjoint(OP, ("output", &out), ("input", &x))?;
+    check_disjoint(OP, ("mask", &mask), ("input", &x))?;
+    check_disjoint(OP, ("mask", &mask), ("output", &out))?;
+    let n = x.layout.numel();
+    Ok(Launch {
+        source: &DROPOUT_KERNELS,
+        kernel: format!("dropout_forward_channels_last_{}", x.dtype),
+        config: LaunchConfig::for_elements(OP, n, THREADS_PER_BLOCK)?,
+        args: vec![
+            KernelArg::Out(out.first_element(OP)?),
+            KernelArg::Out(mask.first_element(OP)?),
+            KernelArg::In(x.first_element(OP)?),
+            KernelArg::U64(n as u64),
+            KernelArg::U64(shape[1].max(1) as u64),
+            KernelArg::U64(shape[2].max(1) as u64),
+            KernelArg::U64(shape[3].max(1) as u64),
             KernelArg::U64(seed),
             KernelArg::U32(threshold),
             value_arg(x.dtype, scale),

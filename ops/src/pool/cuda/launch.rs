@@ -5,7 +5,9 @@
 //! The builders check everything the kernels rely on: f32/f64 with matching dtypes, dense
 //! layouts whose sizes match the geometry, non-null and non-overlapping buffers, a geometry
 //! whose window arithmetic cannot overflow 64 bits, and planes small enough for the 32-bit
-//! indices of the max pool's saved maxima.
+//! indices of the max pool's saved maxima. A geometry made [`PoolGeometry::channels_last`]
+//! takes channels-last data: the builders' `[planes, H, W]` arrays are then `[N, H, W, C]`
+//! (views in NHWC order, dense).
 
 use tandem_core::cuda::launch::{
     index_u32, KernelArg, KernelPod, KernelSource, Launch, LaunchConfig,
@@ -26,7 +28,9 @@ pub static POOL_SOURCE: KernelSource = KernelSource {
 pub const THREADS_PER_BLOCK: u32 = 256;
 
 /// The geometry of a 2-D pool as the kernels take it (`pool_geometry` in `pool.cu`): `planes`
-/// planes of `in_h × in_w` pooled to `out_h × out_w`.
+/// planes of `in_h × in_w` pixels of `channels` interleaved values each (1 for row-major NCHW
+/// planes; C for channels-last samples, see [`PoolGeometry::channels_last`]) pooled to
+/// `out_h × out_w`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PoolGeometry {
@@ -43,9 +47,10 @@ pub struct PoolGeometry {
     pad_w: u64,
     divisor: u64,
     adaptive: u64,
+    channels: u64,
 }
 
-// SAFETY: repr(C), thirteen u64 fields and no padding; matches `pool_geometry` in pool.cu.
+// SAFETY: repr(C), fourteen u64 fields and no padding; matches `pool_geometry` in pool.cu.
 unsafe impl KernelPod for PoolGeometry {}
 
 /// The output size of sliding windows along one dim: `(len + 2·pad − kernel) / stride + 1`,
@@ -133,17 +138,50 @@ impl PoolGeometry {
             pad_w: padding.1 as u64,
             divisor: divisor as u64,
             adaptive,
+            channels: 1,
         })
     }
 
-    /// Elements of the input (`planes · H · W`), or an error naming `op` when it overflows.
-    pub fn input_len(&self, op: &'static str) -> Result<usize> {
-        product(op, "input", &[self.planes, self.in_h, self.in_w])
+    /// The same pool over channels-last data: the `planes` planes of [`PoolGeometry::new`] are
+    /// `planes / channels` samples of `H × W` pixels with `channels` values each, the channel
+    /// innermost (dense `[N, H, W, C]` in, dense `[N, OH, OW, C]` out). Errors, naming `op`,
+    /// when `channels` is 0 or does not divide the planes.
+    pub fn channels_last(mut self, op: &'static str, channels: usize) -> Result<Self> {
+        let c = channels as u64;
+        if c == 0 || self.channels != 1 || !self.planes.is_multiple_of(c) {
+            return Err(Error::invalid(
+                op,
+                format!(
+                    "{} planes of {}x{} are not whole samples of {channels} channels",
+                    self.planes * self.channels,
+                    self.in_h,
+                    self.in_w
+                ),
+            ));
+        }
+        self.planes /= c;
+        self.channels = c;
+        Ok(self)
     }
 
-    /// Elements of the output (`planes · OH · OW`), or an error naming `op` when it overflows.
+    /// Elements of the input (`planes · H · W · channels`), or an error naming `op` when it
+    /// overflows.
+    pub fn input_len(&self, op: &'static str) -> Result<usize> {
+        product(
+            op,
+            "input",
+            &[self.planes, self.in_h, self.in_w, self.channels],
+        )
+    }
+
+    /// Elements of the output (`planes · OH · OW · channels`), or an error naming `op` when it
+    /// overflows.
     pub fn output_len(&self, op: &'static str) -> Result<usize> {
-        product(op, "output", &[self.planes, self.out_h, self.out_w])
+        product(
+            op,
+            "output",
+            &[self.planes, self.out_h, self.out_w, self.channels],
+        )
     }
 
     /// Elements of one input plane (`H · W`).
