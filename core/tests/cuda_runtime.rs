@@ -584,3 +584,22 @@ fn concurrent_transfers_beyond_the_pinned_cache_cap_arrive_whole() {
     let back = host.to_device(GPU).unwrap().to_device(Device::Cpu).unwrap();
     assert_same("after the trim", &back, &host, 0.0);
 }
+
+#[test]
+fn casts_keep_a_channels_last_tensor_channels_last_on_the_device_as_on_the_cpu() {
+    if tandem_test_support::select_cuda().is_none() {
+        return;
+    }
+    use tandem_core::MemoryFormat;
+    let cl = MemoryFormat::ChannelsLast;
+    let host = sample(&[2, 3, 4, 5], DType::F32, 11)
+        .contiguous_in(cl)
+        .unwrap();
+    let dev = host.to_device(GPU).unwrap().contiguous_in(cl).unwrap();
+    for to in [DType::BF16, DType::F16, DType::F64] {
+        let (d, h) = (dev.to_dtype(to).unwrap(), host.to_dtype(to).unwrap());
+        assert_eq!(d.memory_format(), cl, "cuda cast to {to:?}");
+        assert_eq!(h.memory_format(), cl, "cpu cast to {to:?}");
+        assert_same(&format!("cast to {to:?}"), &d, &h, 0.0);
+    }
+}

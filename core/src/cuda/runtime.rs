@@ -104,9 +104,20 @@ pub(crate) fn add_scaled(dst: &Tensor, src: &Tensor, alpha: f64) -> Result<()> {
     launch_on_compute(&dev, &kernels::add_scaled_launch(d, s, alpha)?, dst.numel())
 }
 
-/// `t` converted to `dtype`, as a fresh contiguous tensor on the same device.
+/// `t` converted to `dtype`, as a fresh tensor on the same device: channels-last when `t` is,
+/// else contiguous.
 pub(crate) fn cast(t: &Tensor, dtype: DType) -> Result<Tensor> {
-    let out = Tensor::empty(t.dims(), dtype, t.device())?;
+    // A channels-last tensor stays channels-last (PyTorch's preserve_format), as on the CPU.
+    let out = if t.layout().is_channels_last() {
+        Tensor::empty_in(
+            t.dims(),
+            dtype,
+            t.device(),
+            crate::MemoryFormat::ChannelsLast,
+        )?
+    } else {
+        Tensor::empty(t.dims(), dtype, t.device())?
+    };
     let (dev, src) = device_view("to_dtype", t)?;
     let (_, dst) = device_view("to_dtype", &out)?;
     launch_on_compute(&dev, &kernels::cast_launch(dst, src)?, t.numel())?;
