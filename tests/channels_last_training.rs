@@ -167,7 +167,7 @@ fn grad_scaler_and_clipping_see_a_channels_last_gradient_in_logical_order() {
             .init()
             .unwrap();
         scaler.unscale(&mut opt).unwrap();
-        let norm = clip_grad_norm(&[p.clone()], 0.5, 2.0).unwrap();
+        let norm = clip_grad_norm(std::slice::from_ref(p), 0.5, 2.0).unwrap();
         let grad = p.grad().unwrap();
         assert_eq!(grad.memory_format(), p.memory_format(), "layout kept");
         let outcome = scaler.step(&mut opt).unwrap();
