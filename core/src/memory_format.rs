@@ -255,7 +255,9 @@ impl Tensor {
     /// storage's buffer; the layout is swapped after. Do not run it while another thread uses
     /// the tensor (as with any in-place update of a parameter); such a reader can see the new
     /// values with the old strides, never memory outside the storage (both layouts cover
-    /// exactly the same elements of it).
+    /// exactly the same elements of it). Each re-layout that changes the strides keeps the old
+    /// layout (a few dozen bytes) for the tensor's life, since references to it may be out, and
+    /// adds one step to every later read of the layout: convert a model once, not every step.
     pub fn to_memory_format_(&self, format: MemoryFormat) -> Result<()> {
         const OP: &str = "to_memory_format_";
         let layout = format.layout(OP, self.dims())?;

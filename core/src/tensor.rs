@@ -64,8 +64,9 @@ impl LayoutCell {
         &self.last().layout
     }
 
-    /// Makes `layout` the current one. The caller serializes replacements (the tensor's
-    /// re-layout lock), so the tail found here is still the tail when it is set.
+    /// Makes `layout` the current one. The caller serializes replacements
+    /// ([`Tensor::to_memory_format_`] holds the gradient slot's lock), so the tail found here
+    /// is still the tail when it is set.
     fn replace(&self, layout: Layout) {
         let mut pending = Box::new(LayoutCell::new(layout));
         // With replacements serialized the first `set` succeeds; should another have won the
