@@ -254,8 +254,9 @@ struct Args {
     /// a gradient scaler, PyTorch's defaults); gradients and DDP's buckets stay f32.
     #[arg(long, value_enum)]
     amp: Option<Amp>,
-    /// Channels-last (NHWC) input batches on both sides (PyTorch also converts its model;
-    /// tandem's convolutions take row-major weights and give channels-last outputs).
+    /// Channels-last on both sides: NHWC input batches and each rank's model converted in
+    /// place before DDP wraps it (tandem's `Module::to_memory_format`, PyTorch's
+    /// `model.to(memory_format=...)`).
     #[arg(long)]
     channels_last: bool,
     /// Set in workers under `--link-mbit`: always use the TCP ring.
@@ -324,6 +325,9 @@ fn worker(args: &Args, mode: &str) -> Result<(), AnyError> {
     manual_seed(args.seed);
     let (model, sample_shape, classes) = args.model.build()?;
     model.to_device(device)?;
+    if args.channels_last {
+        model.to_memory_format(MemoryFormat::ChannelsLast)?;
+    }
     model.train();
     let ddp = if mode == "ddp" {
         Some(DistributedDataParallel::new(

@@ -27,7 +27,8 @@
 //! on for convolutions. `--profile N` then shows the host time per op. Models: LeNet-5
 //! (1×28×28), ResNet-20/56 (3×32×32) and ResNet-50 (3×224×224, 1000 classes; torchvision's
 //! layout on both sides). `--amp bf16|f16` runs forward and loss under autocast on both sides
-//! (f16 with a gradient scaler), `--channels-last` gives both channels-last input batches.
+//! (f16 with a gradient scaler), `--channels-last` gives both channels-last input batches and
+//! converts both models to channels-last.
 
 use std::path::PathBuf;
 use std::process::{Command, ExitCode};
@@ -161,9 +162,8 @@ struct Args {
     /// a gradient scaler, PyTorch's defaults); parameters, gradients and the update stay f32.
     #[arg(long, value_enum)]
     amp: Option<Amp>,
-    /// Channels-last (NHWC) input batches on both sides. PyTorch also converts its model;
-    /// tandem's convolutions take the row-major weights and still give channels-last outputs
-    /// (`Module::to_memory_format` is not there yet).
+    /// Channels-last on both sides: NHWC input batches and the model converted in place
+    /// (tandem's `Module::to_memory_format`, PyTorch's `model.to(memory_format=...)`).
     #[arg(long)]
     channels_last: bool,
     /// Benchmark-name filters passed by `cargo bench` (ignored).
@@ -326,6 +326,9 @@ fn time_tandem(args: &Args) -> Result<Timing, AnyError> {
         tandem::core::cuda::blas::set_allow_tf32_conv(true);
     }
     model.to_device(device)?;
+    if args.channels_last {
+        model.to_memory_format(MemoryFormat::ChannelsLast)?;
+    }
     model.train();
     let mut optimizer = Sgd::new(model.parameters(), SgdConfig::new(0.01).with_momentum(0.9))?;
     let mut generator = Generator::new(args.seed);

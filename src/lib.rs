@@ -36,7 +36,7 @@ pub mod prelude {
     pub use tandem_autograd::autocast::{autocast, autocast_dtype, AutocastGuard};
     pub use tandem_autograd::{no_grad, TensorBackward};
     pub use tandem_core::rng::manual_seed;
-    pub use tandem_core::{DType, Device, Generator, Tensor};
+    pub use tandem_core::{DType, Device, Generator, MemoryFormat, Tensor};
     pub use tandem_nn::checkpoint::{
         load_model, load_training, save_model, save_training, TrainingState,
     };

@@ -18,7 +18,9 @@ use std::sync::Arc;
 
 use tandem_core::graph::{BackwardSummary, HookId};
 use tandem_core::profile::{self, Phase};
-use tandem_core::{DType, Edge, Error, GradReady, Node, Result, Stream, Tensor, TensorId};
+use tandem_core::{
+    DType, Edge, Error, GradReady, MemoryFormat, Node, Result, Stream, Tensor, TensorId,
+};
 
 use crate::grad_mode::NoGradGuard;
 
@@ -41,7 +43,8 @@ fn accumulate(sum: Option<Tensor>, new: Tensor) -> Result<Tensor> {
             total.to_dtype(s.dtype())
         }
         Some(s) => {
-            let s = if s.is_exclusive() && s.is_contiguous() {
+            // Any dense layout may be summed into (channels-last contributions stay so).
+            let s = if s.is_exclusive() && s.dense_format().is_some() {
                 s
             } else {
                 s.copy_detached()?
@@ -286,13 +289,7 @@ fn finalize_leaf(leaf: &Tensor, grad: Tensor, compute: &Stream) -> Result<()> {
             existing
         }
         None => {
-            // Own the buffer: the incoming tensor may share storage with a tensor of the graph.
-            let owned =
-                if grad.is_exclusive() && grad.is_contiguous() && grad.layout().offset() == 0 {
-                    grad
-                } else {
-                    grad.copy_detached()?
-                };
+            let owned = owned_like(leaf, grad)?;
             leaf.set_grad(Some(owned.clone()))?;
             owned
         }
@@ -321,6 +318,20 @@ fn finalize_leaf(leaf: &Tensor, grad: Tensor, compute: &Stream) -> Result<()> {
         hook(&ready)?;
     }
     Ok(())
+}
+
+/// The first gradient of `leaf` in a buffer of its own, laid out in the leaf's memory format
+/// (PyTorch's gradient layout contract: a channels-last parameter gets a channels-last
+/// gradient, so that storage-order consumers pair elements up): `grad` itself when it already
+/// is, otherwise a copy. The incoming tensor may share storage with a tensor of the graph.
+fn owned_like(leaf: &Tensor, grad: Tensor) -> Result<Tensor> {
+    let format = leaf.dense_format().unwrap_or(MemoryFormat::Contiguous);
+    if grad.is_exclusive() && grad.layout().offset() == 0 && grad.dense_format() == Some(format) {
+        return Ok(grad);
+    }
+    let owned = Tensor::empty_in(grad.dims(), grad.dtype(), grad.device(), format)?;
+    owned.copy_(&grad)?;
+    Ok(owned)
 }
 
 /// `tensor.backward()` and friends.

@@ -171,3 +171,37 @@ fn gradcheck_accepts_a_correct_backward_and_rejects_a_wrong_one() {
         .to_string();
     assert!(err.contains("analytic"), "{err}");
 }
+
+#[test]
+fn a_channels_last_leaf_gets_a_channels_last_gradient() {
+    use tandem_core::MemoryFormat;
+    let shape = [2, 3, 2, 2];
+    let values: Vec<f64> = (0..24).map(|v| v as f64).collect();
+    let w = Tensor::from_slice(&values, &shape, Device::Cpu)
+        .unwrap()
+        .contiguous_in(MemoryFormat::ChannelsLast)
+        .unwrap()
+        .with_requires_grad()
+        .unwrap();
+    let c = Tensor::from_slice(&values, &shape, Device::Cpu).unwrap();
+    // loss = sum(w*c + w*w): dL/dw = c + 2w, delivered row-major by the test ops.
+    let loss = sum_all(&add(&mul(&w, &c).unwrap(), &mul(&w, &w).unwrap()).unwrap()).unwrap();
+    loss.backward().unwrap();
+    let grad = w.grad().unwrap();
+    assert!(grad.layout().is_channels_last(), "{:?}", grad.layout());
+    let want: Vec<f64> = values.iter().map(|v| 3.0 * v).collect();
+    assert_eq!(grad.to_vec::<f64>().unwrap(), want);
+    // The next pass accumulates into it, keeping the format.
+    sum_all(&mul(&w, &c).unwrap()).unwrap().backward().unwrap();
+    let grad = w.grad().unwrap();
+    assert!(grad.layout().is_channels_last());
+    let want: Vec<f64> = values.iter().map(|v| 4.0 * v).collect();
+    assert_eq!(grad.to_vec::<f64>().unwrap(), want);
+    // A row-major leaf still gets a row-major gradient.
+    let r = Tensor::from_slice(&values, &shape, Device::Cpu)
+        .unwrap()
+        .with_requires_grad()
+        .unwrap();
+    sum_all(&mul(&r, &c).unwrap()).unwrap().backward().unwrap();
+    assert!(r.grad().unwrap().is_contiguous());
+}

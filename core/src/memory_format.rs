@@ -145,11 +145,7 @@ impl Tensor {
     pub fn contiguous_in(&self, format: MemoryFormat) -> Result<Tensor> {
         const OP: &str = "contiguous_in";
         let layout = format.layout(OP, self.dims())?;
-        let already = match format {
-            MemoryFormat::Contiguous => self.is_contiguous(),
-            MemoryFormat::ChannelsLast => self.layout().is_channels_last(),
-        };
-        if already {
+        if self.is_dense_as(format) {
             return Ok(self.detach());
         }
         let out = Tensor::empty(self.dims(), self.dtype(), self.device())?.view_detached(layout)?;
@@ -236,6 +232,105 @@ impl Tensor {
     ) -> Result<Tensor> {
         let layout = format.layout("Tensor::empty_in", shape)?;
         Tensor::empty(shape, dtype, device)?.view_detached(layout)
+    }
+}
+
+impl Tensor {
+    /// Re-lays this tensor out in `format`, in place: the same tensor (same id, the same
+    /// handles everywhere, the same `requires_grad`, hooks and gradient slot) with the same
+    /// values, now dense in `format` — what PyTorch's `model.to(memory_format=...)` does to a
+    /// parameter by replacing `param.data`. Optimizers, DDP and anything else holding the
+    /// tensor keep working with it. Nothing happens when the tensor is already dense in
+    /// `format`. Its accumulated gradient, when it owns its storage, is re-laid out too; a
+    /// gradient that is a view into a shared buffer (a DDP bucket) keeps its layout, which every
+    /// consumer of gradients reads in logical order.
+    ///
+    /// Only a leaf that owns all of its storage can change layout: a non-leaf (its graph
+    /// recorded the old layout), a view of part of a storage, and a tensor whose storage another
+    /// tensor shares (a view of it, a detached handle, a copy saved for a backward still to run)
+    /// are refused with an error naming the shape, as is channels-last for a tensor that is not
+    /// 4-D.
+    ///
+    /// The elements are copied once into a buffer in the new order, which then replaces the
+    /// storage's buffer; the layout is swapped after. Do not run it while another thread uses
+    /// the tensor (as with any in-place update of a parameter); such a reader can see the new
+    /// values with the old strides, never memory outside the storage (both layouts cover
+    /// exactly the same elements of it). Each re-layout that changes the strides keeps the old
+    /// layout (a few dozen bytes) for the tensor's life, since references to it may be out, and
+    /// adds one step to every later read of the layout: convert a model once, not every step.
+    pub fn to_memory_format_(&self, format: MemoryFormat) -> Result<()> {
+        const OP: &str = "to_memory_format_";
+        let layout = format.layout(OP, self.dims())?;
+        if !self.is_leaf() {
+            return Err(Error::autograd(format!(
+                "{OP}: tensor {:?} {} was computed by a recorded op (`{}`); only a leaf (a \
+                 parameter, a buffer, a detached tensor) can be re-laid out in place",
+                self.dims(),
+                self.dtype(),
+                self.grad_fn().map_or("?", |n| n.name())
+            )));
+        }
+        let grad = self.lock_grad();
+        if !self.is_dense_as(format) {
+            self.check_owns_storage(OP)?;
+            let relaid = Tensor::empty(self.dims(), self.dtype(), self.device())?
+                .view_detached(layout.clone())?;
+            relaid.copy_(self)?;
+            let donor = relaid.storage().clone();
+            drop(relaid);
+            self.storage().adopt(OP, donor)?;
+            self.replace_layout(layout);
+        }
+        if let Some(g) = grad.as_ref() {
+            if g.is_leaf() && g.check_owns_storage(OP).is_ok() {
+                g.to_memory_format_(format)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether the tensor is dense in `format` with strides that say so (what
+    /// [`Tensor::contiguous_in`] leaves alone).
+    fn is_dense_as(&self, format: MemoryFormat) -> bool {
+        match format {
+            MemoryFormat::Contiguous => self.is_contiguous(),
+            MemoryFormat::ChannelsLast => self.layout().is_channels_last(),
+        }
+    }
+
+    /// Errors (naming `op`) unless this tensor's layout covers its whole storage and no other
+    /// tensor shares the storage, so that replacing the storage's buffer changes this tensor
+    /// alone.
+    fn check_owns_storage(&self, op: &'static str) -> Result<()> {
+        let storage = self.storage();
+        if self.layout().offset() != 0 || storage.len() != self.numel() {
+            return Err(Error::invalid(
+                op,
+                format!(
+                    "tensor {:?} {} is a view of part of a storage (offset {}, {} of its {} \
+                     elements); only a tensor that owns all of its storage can be re-laid out \
+                     in place",
+                    self.dims(),
+                    self.dtype(),
+                    self.layout().offset(),
+                    self.numel(),
+                    storage.len()
+                ),
+            ));
+        }
+        if !storage.is_unique() {
+            return Err(Error::invalid(
+                op,
+                format!(
+                    "tensor {:?} {} shares its storage with another tensor (a view of it, a \
+                     detached handle, or a copy saved for a backward still to run); drop those \
+                     first or re-lay out a copy",
+                    self.dims(),
+                    self.dtype()
+                ),
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -330,5 +425,116 @@ mod tests {
         )
         .unwrap();
         assert_eq!(e.layout().strides().as_slice(), &[24, 1, 8, 2]);
+    }
+
+    #[test]
+    fn relayout_in_place_keeps_identity_values_grad_and_hooks() {
+        let w = iota(&[3, 2, 2, 2]).with_requires_grad().unwrap();
+        let handle = w.clone();
+        let id = w.id();
+        let values = w.to_vec::<f32>().unwrap();
+        w.set_grad(Some(iota(&[3, 2, 2, 2]))).unwrap();
+        let hook: crate::graph::GradReadyHook = std::sync::Arc::new(|_| Ok(()));
+        w.hooks()
+            .lock()
+            .grad_ready
+            .push((crate::graph::HookId::fresh(), hook));
+
+        w.to_memory_format_(MemoryFormat::ChannelsLast).unwrap();
+        for t in [&w, &handle] {
+            assert_eq!(t.id(), id);
+            assert!(t.layout().is_channels_last());
+            assert_eq!(t.layout().strides().as_slice(), &[8, 1, 4, 2]);
+            assert_eq!(t.to_vec::<f32>().unwrap(), values);
+            assert!(t.requires_grad() && t.is_leaf());
+        }
+        assert_eq!(w.hooks().lock().grad_ready.len(), 1);
+        let grad = w.grad().unwrap();
+        assert!(grad.layout().is_channels_last());
+        assert_eq!(grad.to_vec::<f32>().unwrap(), values);
+        // Storage order is NHWC now.
+        assert_eq!(
+            &w.read_dense_slice::<f32>().unwrap()[..4],
+            &[0.0, 4.0, 1.0, 5.0]
+        );
+
+        // Again: nothing to do. Back: row-major storage again, same values.
+        w.to_memory_format_(MemoryFormat::ChannelsLast).unwrap();
+        w.to_memory_format_(MemoryFormat::Contiguous).unwrap();
+        assert!(handle.is_contiguous());
+        assert_eq!(&handle.read_slice::<f32>().unwrap()[..], values.as_slice());
+        assert!(w.grad().unwrap().is_contiguous());
+    }
+
+    #[test]
+    fn relayout_refuses_what_it_cannot_change_alone() {
+        let rank3 = iota(&[2, 3, 4]);
+        let err = rank3
+            .to_memory_format_(MemoryFormat::ChannelsLast)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("to_memory_format_") && err.contains("[2, 3, 4]"),
+            "{err}"
+        );
+        // Row-major is every rank's format: nothing to do.
+        rank3.to_memory_format_(MemoryFormat::Contiguous).unwrap();
+
+        let x = iota(&[2, 3, 2, 2]);
+        let view = x.detach();
+        let err = x
+            .to_memory_format_(MemoryFormat::ChannelsLast)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("shares its storage") && err.contains("[2, 3, 2, 2]"),
+            "{err}"
+        );
+        assert!(x.is_contiguous(), "a refused re-layout changes nothing");
+        drop(view);
+
+        let part = iota(&[4, 3, 2, 2]);
+        let first = part
+            .view_detached(part.layout().narrow("n", 0, 1, 2).unwrap())
+            .unwrap();
+        drop(part);
+        let err = first
+            .to_memory_format_(MemoryFormat::ChannelsLast)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("view of part"), "{err}");
+    }
+
+    #[test]
+    fn relayout_refuses_a_non_leaf() {
+        struct Nothing;
+        impl crate::BackwardOp for Nothing {
+            fn name(&self) -> &'static str {
+                "nothing"
+            }
+            fn backward(&self, _: &Tensor) -> Result<Vec<Option<Tensor>>> {
+                Ok(vec![])
+            }
+        }
+        let y = iota(&[1, 2, 2, 2]).with_grad_fn(crate::Node::new(Box::new(Nothing), vec![]));
+        let err = y
+            .to_memory_format_(MemoryFormat::ChannelsLast)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("`nothing`") && err.contains("leaf"), "{err}");
+    }
+
+    #[test]
+    fn a_gradient_viewing_a_shared_buffer_keeps_its_layout() {
+        let w = iota(&[2, 2, 1, 2]).with_requires_grad().unwrap();
+        let bucket = Tensor::zeros(&[16], DType::F32, Device::Cpu).unwrap();
+        let slot = bucket
+            .view_detached(Layout::contiguous(&[2, 2, 1, 2]))
+            .unwrap();
+        w.set_grad(Some(slot.clone())).unwrap();
+        w.to_memory_format_(MemoryFormat::ChannelsLast).unwrap();
+        assert!(w.layout().is_channels_last());
+        assert!(w.grad().unwrap().same_tensor(&slot));
+        assert!(slot.is_contiguous());
     }
 }

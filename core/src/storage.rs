@@ -194,6 +194,33 @@ impl Storage {
         Ok(())
     }
 
+    /// Replaces this storage's buffer by `donor`'s, so that every tensor sharing this storage
+    /// reads the donor's elements from now on (the old buffer is freed). `donor` must be the
+    /// only handle to its buffer and hold as many elements of the same dtype on the same device;
+    /// errors name `op`. This is how a tensor is re-laid out in place
+    /// ([`Tensor::to_memory_format_`](crate::Tensor::to_memory_format_)): the donor holds the
+    /// elements in the new order.
+    pub(crate) fn adopt(&self, op: &'static str, donor: Storage) -> Result<()> {
+        if donor.dtype() != self.dtype() || donor.len() != self.len() {
+            return Err(Error::invalid(
+                op,
+                format!(
+                    "a buffer of {} × {} cannot replace one of {} × {}",
+                    donor.len(),
+                    donor.dtype(),
+                    self.len(),
+                    self.dtype()
+                ),
+            ));
+        }
+        self.device().same_as(donor.device(), op)?;
+        let inner = Arc::try_unwrap(donor.inner).map_err(|_| {
+            Error::invalid(op, "the replacement buffer is shared with another tensor")
+        })?;
+        *self.inner.buffer.write() = inner.buffer.into_inner();
+        Ok(())
+    }
+
     /// Whether two handles refer to the same buffer.
     pub fn same_buffer(&self, other: &Storage) -> bool {
         Arc::ptr_eq(&self.inner, &other.inner)

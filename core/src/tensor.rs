@@ -7,7 +7,7 @@
 
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use parking_lot::Mutex;
 
@@ -30,10 +30,57 @@ impl TensorId {
     }
 }
 
+/// A tensor's layout, which [`Tensor::to_memory_format_`] may replace once per re-layout.
+///
+/// Readers get `&Layout` for as long as they hold the tensor, so a replaced layout can never be
+/// freed while the tensor lives: each re-layout appends a cell to a chain, and the current
+/// layout is at its end. A tensor that was never re-laid out (nearly all of them, and every op
+/// output) pays one atomic load per read and no allocation; a converted parameter one hop. The
+/// old layouts cost a few dozen bytes each until the tensor drops.
+struct LayoutCell {
+    layout: Layout,
+    next: OnceLock<Box<LayoutCell>>,
+}
+
+impl LayoutCell {
+    fn new(layout: Layout) -> Self {
+        LayoutCell {
+            layout,
+            next: OnceLock::new(),
+        }
+    }
+
+    fn last(&self) -> &LayoutCell {
+        let mut cell = self;
+        while let Some(next) = cell.next.get() {
+            cell = next;
+        }
+        cell
+    }
+
+    /// The current layout.
+    #[inline]
+    fn current(&self) -> &Layout {
+        &self.last().layout
+    }
+
+    /// Makes `layout` the current one. The caller serializes replacements
+    /// ([`Tensor::to_memory_format_`] holds the gradient slot's lock), so the tail found here
+    /// is still the tail when it is set.
+    fn replace(&self, layout: Layout) {
+        let mut pending = Box::new(LayoutCell::new(layout));
+        // With replacements serialized the first `set` succeeds; should another have won the
+        // race, the new layout goes after the one it set.
+        while let Err(back) = self.last().next.set(pending) {
+            pending = back;
+        }
+    }
+}
+
 pub(crate) struct TensorImpl {
     id: TensorId,
     storage: Storage,
-    layout: Layout,
+    layout: LayoutCell,
     dtype: DType,
     requires_grad: AtomicBool,
     grad_fn: Option<Arc<Node>>,
@@ -74,7 +121,7 @@ impl Tensor {
         Tensor(Arc::new(TensorImpl {
             id: TensorId::fresh(),
             storage,
-            layout,
+            layout: LayoutCell::new(layout),
             dtype,
             requires_grad: AtomicBool::new(requires_grad || grad_fn.is_some()),
             grad_fn,
@@ -90,12 +137,13 @@ impl Tensor {
 
     /// The dimensions.
     pub fn shape(&self) -> &Shape {
-        self.0.layout.shape()
+        // A re-layout keeps the shape: the first layout's is always current.
+        self.0.layout.layout.shape()
     }
 
     /// The dimensions as a slice.
     pub fn dims(&self) -> &[usize] {
-        self.0.layout.shape()
+        self.shape()
     }
 
     /// Size of dimension `dim` (negative counts from the end).
@@ -106,12 +154,12 @@ impl Tensor {
 
     /// Number of dimensions.
     pub fn rank(&self) -> usize {
-        self.0.layout.rank()
+        self.shape().len()
     }
 
     /// Number of elements.
     pub fn numel(&self) -> usize {
-        self.0.layout.numel()
+        self.0.layout.layout.numel()
     }
 
     /// The element type.
@@ -126,7 +174,7 @@ impl Tensor {
 
     /// Shape, strides and offset.
     pub fn layout(&self) -> &Layout {
-        &self.0.layout
+        self.0.layout.current()
     }
 
     /// The underlying buffer (shared with every view of it).
@@ -136,7 +184,7 @@ impl Tensor {
 
     /// Whether the elements are dense and row-major.
     pub fn is_contiguous(&self) -> bool {
-        self.0.layout.is_contiguous()
+        self.layout().is_contiguous()
     }
 
     /// Whether this handle is the only reference to the tensor and to its storage, so its
@@ -218,7 +266,7 @@ impl Tensor {
     pub fn with_grad_fn(&self, node: Arc<Node>) -> Tensor {
         Self::assemble(
             self.0.storage.clone(),
-            self.0.layout.clone(),
+            self.layout().clone(),
             self.0.dtype,
             Some(node),
             true,
@@ -229,7 +277,7 @@ impl Tensor {
     pub fn detach(&self) -> Tensor {
         Self::assemble(
             self.0.storage.clone(),
-            self.0.layout.clone(),
+            self.layout().clone(),
             self.0.dtype,
             None,
             false,
@@ -262,6 +310,19 @@ impl Tensor {
         }
         *self.0.grad.lock() = grad;
         Ok(())
+    }
+
+    /// The gradient slot, locked. [`Tensor::to_memory_format_`] holds it for the whole
+    /// re-layout, which serializes re-layouts of one tensor and keeps its gradient in place.
+    pub(crate) fn lock_grad(&self) -> parking_lot::MutexGuard<'_, Option<Tensor>> {
+        self.0.grad.lock()
+    }
+
+    /// Makes `layout` this tensor's layout (same shape, and the same storage extent: checked by
+    /// the caller). Call with [`Tensor::lock_grad`] held.
+    pub(crate) fn replace_layout(&self, layout: Layout) {
+        debug_assert_eq!(layout.shape(), self.shape());
+        self.0.layout.replace(layout);
     }
 
     /// The hooks registered on this leaf. Use `tandem_autograd::hooks` to register them.

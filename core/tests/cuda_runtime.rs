@@ -602,4 +602,27 @@ fn casts_keep_a_channels_last_tensor_channels_last_on_the_device_as_on_the_cpu()
         assert_eq!(h.memory_format(), cl, "cpu cast to {to:?}");
         assert_same(&format!("cast to {to:?}"), &d, &h, 0.0);
     }
+
+fn a_device_tensor_is_re_laid_out_in_place() {
+    use tandem_core::MemoryFormat;
+    if tandem_test_support::select_cuda().is_none() {
+        return;
+    }
+    let host = sample(&[2, 3, 4, 5], DType::F32, 9);
+    let w = host.to_device(Device::Cuda(0)).unwrap();
+    w.set_requires_grad(true).unwrap();
+    w.set_grad(Some(host.to_device(Device::Cuda(0)).unwrap()))
+        .unwrap();
+    let (id, handle) = (w.id(), w.clone());
+    w.to_memory_format_(MemoryFormat::ChannelsLast).unwrap();
+    assert_eq!(handle.id(), id);
+    assert!(handle.layout().is_channels_last());
+    assert_eq!(handle.device(), Device::Cuda(0));
+    assert_same("re-laid out", &handle, &host, 0.0);
+    assert!(w.grad().unwrap().layout().is_channels_last());
+    assert_same("its gradient", &w.grad().unwrap(), &host, 0.0);
+    // Back to the host, in place: the strides and values come along.
+    w.move_to_device(Device::Cpu).unwrap();
+    assert!(w.layout().is_channels_last());
+    assert_eq!(w.to_vec::<f32>().unwrap(), host.to_vec::<f32>().unwrap());
 }

@@ -380,7 +380,9 @@ impl Drop for DistributedDataParallel {
 
 /// The device holding every parameter and buffer, which must be the device of the group's comm
 /// stream (the CPU for the TCP and threads backends, the GPU for a device backend); parameters
-/// must be contiguous (their gradients become contiguous views into the buckets).
+/// must be dense, row-major or channels-last (their gradients become row-major views into the
+/// buckets, filled and read in logical order, so a parameter's memory format — which may
+/// differ between ranks — never changes what is reduced).
 fn model_device(
     group: &dyn ProcessGroup,
     params: &[(String, Tensor)],
@@ -405,12 +407,14 @@ fn model_device(
         }
     }
     for (path, p) in params {
-        if !p.is_contiguous() {
+        if p.dense_format().is_none() {
             return Err(DistError::config(
                 rank,
                 format!(
-                    "DistributedDataParallel: parameter `{path}` {:?} is not contiguous",
-                    p.dims()
+                    "DistributedDataParallel: parameter `{path}` {:?} with strides {:?} is dense \
+                     in no memory format (neither row-major nor channels-last)",
+                    p.dims(),
+                    p.layout().strides().as_slice()
                 ),
             ));
         }

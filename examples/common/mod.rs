@@ -19,7 +19,7 @@ use std::time::Instant;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 use tandem::autograd::TensorBackward;
-use tandem::core::{DType, Device, Tensor};
+use tandem::core::{DType, Device, MemoryFormat, Tensor};
 use tandem::dist::launch::{forward_signals, launch, LaunchOptions};
 use tandem::dist::metrics::evaluate_across_ranks;
 use tandem::dist::{
@@ -144,8 +144,9 @@ pub struct RunArgs {
     /// buckets stay f32, and evaluation runs in f32.
     #[arg(long, value_enum)]
     pub amp: Option<Amp>,
-    /// Channels-last (NHWC) training batches: convolution, batch norm, pooling and the
-    /// elementwise ops then run channels-last.
+    /// Channels-last (NHWC) training batches and a channels-last model (its convolution
+    /// weights converted in place by `Module::to_memory_format`): convolution, batch norm,
+    /// pooling and the elementwise ops then run channels-last.
     #[arg(long)]
     pub channels_last: bool,
     /// With --nproc-per-node, when the world size does not divide the training set: pad each
@@ -569,12 +570,17 @@ pub fn evaluate_checkpoint(
 }
 
 /// The trainer of `model`: through DDP (buckets as `run.bucket_cap_mb` says) when there is a
-/// `group`, with a timeline when `run.trace_out` is set.
+/// `group`, with a timeline when `run.trace_out` is set. With `--channels-last` the model's
+/// convolution weights are converted to channels-last here, in place (an optimizer made before
+/// keeps working with them; checkpoints store logical order either way).
 pub fn trainer(
     model: Arc<dyn Module>,
     group: Option<&Arc<dyn ProcessGroup>>,
     run: &RunArgs,
 ) -> Result<Trainer, AnyError> {
+    if run.channels_last {
+        model.to_memory_format(MemoryFormat::ChannelsLast)?;
+    }
     let ddp = match group {
         Some(g) => Some(DistributedDataParallel::new(
             model.clone(),

@@ -59,6 +59,8 @@ pub use layers::{
     IntoPair, Linear, LinearConfig, MaxPool2d, MaxPool2dConfig, ReLU, Sequential,
 };
 pub use module::{join_path, AsAny, Child, Forward, Fused, Module, ParamKind, TrainingFlag};
+/// The memory formats [`Module::to_memory_format`] takes (from `tandem-core`).
+pub use tandem_core::MemoryFormat;
 pub use tandem_nn_derive::Module;
 
 /// What the code written by `#[derive(Module)]` refers to; not for use by hand.

@@ -15,7 +15,7 @@ use std::sync::{Arc, OnceLock};
 
 use parking_lot::RwLock;
 
-use tandem_core::{Device, Tensor};
+use tandem_core::{Device, MemoryFormat, Tensor};
 
 use crate::{Error, Result};
 
@@ -424,6 +424,32 @@ pub trait Module: AsAny + Send + Sync {
     fn to_device(&self, device: Device) -> Result<()> {
         for (path, _, t) in self.named_tensors() {
             t.move_to_device(device).map_err(|e| Error::InTensor {
+                path,
+                module: self.type_name(),
+                source: Box::new(e.into()),
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Re-lays out every 4-D parameter and buffer of this module and its descendants (and
+    /// their gradients) in `format`, in place: PyTorch's `model.to(memory_format=...)`.
+    /// Tensors of other ranks are left as they are (a linear layer's weight, a bias, batch
+    /// norm's statistics), as PyTorch leaves them, so a whole model converts without error.
+    ///
+    /// Each tensor keeps its identity ([`Tensor::to_memory_format_`]): an optimizer, DDP or a
+    /// hook made before the conversion keeps working with the converted parameters, and their
+    /// gradients take the new format from then on. With `MemoryFormat::ChannelsLast`, the
+    /// convolutions' weights are channels-last, which the NHWC kernels read natively; with
+    /// `MemoryFormat::Contiguous` they go back to row-major. An error (a parameter that is a
+    /// view sharing its storage, say) names the tensor by its dotted path; the tensors before it
+    /// have been converted.
+    fn to_memory_format(&self, format: MemoryFormat) -> Result<()> {
+        for (path, _, t) in self.named_tensors() {
+            if t.rank() != 4 {
+                continue;
+            }
+            t.to_memory_format_(format).map_err(|e| Error::InTensor {
                 path,
                 module: self.type_name(),
                 source: Box::new(e.into()),
