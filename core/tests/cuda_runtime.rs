@@ -602,7 +602,9 @@ fn casts_keep_a_channels_last_tensor_channels_last_on_the_device_as_on_the_cpu()
         assert_eq!(h.memory_format(), cl, "cpu cast to {to:?}");
         assert_same(&format!("cast to {to:?}"), &d, &h, 0.0);
     }
+}
 
+#[test]
 fn a_device_tensor_is_re_laid_out_in_place() {
     use tandem_core::MemoryFormat;
     if tandem_test_support::select_cuda().is_none() {
