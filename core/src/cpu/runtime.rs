@@ -135,10 +135,10 @@ pub(crate) fn cast(t: &Tensor, dtype: DType) -> Result<Tensor> {
     // tensor (row-major or channels-last) converts in storage order with the vector
     // conversions of `convert.rs`, keeping its memory format; a strided view is gathered first.
     if t.dtype() == DType::F32 && dtype.is_half() {
-        return with_half_type!("cast", dtype, T => convert_dense::<f32, T>(t, |s, d| crate::cpu::convert::narrow(s, d)));
+        return with_half_type!("cast", dtype, T => convert_dense::<f32, T>(t, crate::cpu::convert::narrow));
     }
     if t.dtype().is_half() && dtype == DType::F32 {
-        return with_half_type!("cast", t.dtype(), S => convert_dense::<S, f32>(t, |s, d| crate::cpu::convert::widen(s, d)));
+        return with_half_type!("cast", t.dtype(), S => convert_dense::<S, f32>(t, crate::cpu::convert::widen));
     }
     let values = with_element_type!(t.dtype(), S => to_vec::<S>(t)?
         .into_iter()

@@ -46,9 +46,13 @@ impl Units {
         }
     }
 
-    /// Elements of one unit: whole groups, about [`UNIT_ELEMENTS`].
+    /// Elements of one unit, about [`UNIT_ELEMENTS`]: whole samples, or whole tasks of the
+    /// channels-last passes (so that their blocked sums are the f32 op's own).
     fn len(self) -> usize {
-        let g = self.group();
+        let g = match self {
+            Units::Samples(_) => self.group(),
+            Units::Rows { c } => c * nhwc::ROWS_PER_TASK,
+        };
         g * (UNIT_ELEMENTS / g.max(1)).max(1)
     }
 
@@ -433,6 +437,10 @@ mod tests {
                         fused_via_f32(&x, e, &args)
                     }
                     .unwrap();
+                    // Fresh gradients each step: accumulating into the leaves is not timed.
+                    for t in [&x, &r, &w, &b] {
+                        t.set_grad(None).unwrap();
+                    }
                     backward(&y, Some(&dy), &BackwardOptions::default()).unwrap();
                 };
                 let (tn, tv) = pool.install(|| (median(&|| step(true)), median(&|| step(false))));
