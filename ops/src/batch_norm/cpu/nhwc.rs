@@ -91,15 +91,19 @@ fn grad_periods<T: FloatElement>(
 ) {
     let p = sg.len();
     for (gs, xs) in g.chunks(p).zip(x.chunks(p)) {
+        // Every operand cut to the period's length: no bounds checks in the loops.
+        let n = gs.len();
+        let (xs, m, sg, sgc) = (&xs[..n], &m[..n], &mut sg[..n], &mut sgc[..n]);
         match mask {
             None => {
-                for j in 0..gs.len() {
+                for j in 0..n {
                     sg[j] += gs[j];
                     sgc[j] += gs[j] * (xs[j] - m[j]);
                 }
             }
             Some((s, t)) => {
-                for j in 0..gs.len() {
+                let (s, t) = (&s[..n], &t[..n]);
+                for j in 0..n {
                     let gv = if xs[j] * s[j] + t[j] > T::ZERO {
                         gs[j]
                     } else {
@@ -160,61 +164,53 @@ fn map_periods<T: FloatElement>(
 ) {
     let p = c.a.len();
     let relu = |z: T| if z < T::ZERO { T::ZERO } else { z };
-    let end = start + out.len();
-    match map {
-        Map::Affine { relu: false } => {
-            for (o, us) in out.chunks_mut(p).zip(u.chunks(p)) {
-                for j in 0..o.len() {
-                    o[j] = us[j] * c.a[j] + c.b[j];
+    let v = match map {
+        Map::AffineAddRelu(v) | Map::Gradient(v, _) | Map::KeepPositive(v) => {
+            &v[start..start + out.len()]
+        }
+        Map::Affine { .. } => u,
+    };
+    if let Map::KeepPositive(_) = map {
+        for ((o, &uv), &vv) in out.iter_mut().zip(u).zip(v) {
+            *o = if vv > T::ZERO { uv } else { T::ZERO };
+        }
+        return;
+    }
+    for ((o, us), vs) in out.chunks_mut(p).zip(u.chunks(p)).zip(v.chunks(p)) {
+        // Every operand cut to the period's length, so the loops below run without bounds
+        // checks (and vectorise).
+        let n = o.len();
+        let (us, vs, a, b, k) = (&us[..n], &vs[..n], &c.a[..n], &c.b[..n], &c.k[..n]);
+        match map {
+            Map::Affine { relu: false } => {
+                for j in 0..n {
+                    o[j] = us[j] * a[j] + b[j];
                 }
             }
-        }
-        Map::Affine { relu: true } => {
-            for (o, us) in out.chunks_mut(p).zip(u.chunks(p)) {
-                for j in 0..o.len() {
-                    o[j] = relu(us[j] * c.a[j] + c.b[j]);
+            Map::Affine { relu: true } => {
+                for j in 0..n {
+                    o[j] = relu(us[j] * a[j] + b[j]);
                 }
             }
-        }
-        Map::AffineAddRelu(v) => {
-            for ((o, us), vs) in out
-                .chunks_mut(p)
-                .zip(u.chunks(p))
-                .zip(v[start..end].chunks(p))
-            {
-                for j in 0..o.len() {
-                    o[j] = relu(us[j] * c.a[j] + c.b[j] + vs[j]);
+            Map::AffineAddRelu(_) => {
+                for j in 0..n {
+                    o[j] = relu(us[j] * a[j] + b[j] + vs[j]);
                 }
             }
-        }
-        Map::Gradient(v, None) => {
-            for ((o, us), vs) in out
-                .chunks_mut(p)
-                .zip(u.chunks(p))
-                .zip(v[start..end].chunks(p))
-            {
-                for j in 0..o.len() {
-                    o[j] = us[j] * c.a[j] + vs[j] * c.b[j] + c.k[j];
+            Map::Gradient(_, None) => {
+                for j in 0..n {
+                    o[j] = us[j] * a[j] + vs[j] * b[j] + k[j];
                 }
             }
-        }
-        Map::Gradient(v, Some((s, t))) => {
-            for ((o, us), vs) in out
-                .chunks_mut(p)
-                .zip(u.chunks(p))
-                .zip(v[start..end].chunks(p))
-            {
-                for j in 0..o.len() {
+            Map::Gradient(_, Some((s, t))) => {
+                let (s, t) = (&s[..n], &t[..n]);
+                for j in 0..n {
                     let keep = vs[j] * s[j] + t[j] > T::ZERO;
                     let g = if keep { us[j] } else { T::ZERO };
-                    o[j] = g * c.a[j] + vs[j] * c.b[j] + c.k[j];
+                    o[j] = g * a[j] + vs[j] * b[j] + k[j];
                 }
             }
-        }
-        Map::KeepPositive(v) => {
-            for ((o, &uv), &vv) in out.iter_mut().zip(u).zip(&v[start..end]) {
-                *o = if vv > T::ZERO { uv } else { T::ZERO };
-            }
+            Map::KeepPositive(_) => {}
         }
     }
 }
