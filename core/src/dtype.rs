@@ -164,7 +164,7 @@ impl FloatElement for f64 {
 
 /// A 16-bit float stored in tensors for mixed precision (f16 and bf16). Kernels load it,
 /// compute in f32 and round the result once on the way out.
-pub trait HalfElement: Element {
+pub trait HalfElement: Element + crate::cpu::convert::HalfSlice {
     /// Widens to f32 (exact).
     fn to_f32(self) -> f32;
     /// Rounds an f32 to the nearest value of this type (ties to even).

@@ -8,7 +8,8 @@
 //! incoming gradient's widening back out (exact) and the input gradient is rounded once to the
 //! input's dtype. The hot memory-bound ops of a ResNet step (relu, add, add_relu) have native
 //! CPU loops instead that load halves, compute in f32 and store halves in one pass
-//! (`cpu/half.rs`).
+//! (`cpu/half.rs`), and so has the batch-norm family (`batch_norm/cpu/half.rs`: f32 parameters
+//! and statistics, half input, output and gradients, both layouts).
 //!
 //! Binary ops promote mixed float dtypes as PyTorch does: the same dtype stays, a half with
 //! f32 or with the other half gives f32, anything with f64 gives f64.

@@ -63,6 +63,13 @@ fn batch_norm_takes_a_half_input_with_f32_parameters_and_running_statistics() {
 }
 
 #[test]
+fn batch_norm_family_runs_native_half_passes_in_both_layouts() {
+    for dtype in DTYPES {
+        half::batch_norms_native(dtype);
+    }
+}
+
+#[test]
 fn dropout_cat_and_views_carry_half_tensors() {
     for dtype in DTYPES {
         half::data_movement(Device::Cpu, dtype);

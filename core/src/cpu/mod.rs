@@ -7,6 +7,7 @@
 //! `to_device`, `to_vec`), which dispatch here or to the CUDA runtime.
 
 pub mod alloc;
+pub mod convert;
 pub(crate) mod runtime;
 mod storage;
 

@@ -152,14 +152,43 @@ pub(crate) fn add_scaled_half<T: HalfElement>(
 /// channels-last (PyTorch's `preserve_format`: the conversion runs in storage order); any other
 /// layout gives a contiguous result.
 pub(crate) fn cast(t: &Tensor, dtype: DType) -> Result<Tensor> {
-    // Mixed precision widens and rounds between f32 and the 16-bit floats on every op: one
-    // direct conversion per element, without the f64 detour of the general path.
+    // Mixed precision widens and rounds between f32 and the 16-bit floats on every op: a dense
+    // tensor (row-major or channels-last) converts in storage order with the vector
+    // conversions of `convert.rs`, keeping its memory format; a strided view is gathered first.
     if t.dtype() == DType::F32 && dtype.is_half() {
-        return with_half_type!("cast", dtype, T => convert::<f32, T>(t, T::from_f32));
+        return with_half_type!("cast", dtype, T => convert_dense::<f32, T>(t, crate::cpu::convert::narrow));
     }
     if t.dtype().is_half() && dtype == DType::F32 {
-        return with_half_type!("cast", t.dtype(), S => convert::<S, f32>(t, S::to_f32));
+        return with_half_type!("cast", t.dtype(), S => convert_dense::<S, f32>(t, crate::cpu::convert::widen));
     }
     let wide = with_element_type!(t.dtype(), S => convert::<S, f64>(t, |x| x.to_f64()))?;
     with_element_type!(dtype, T => convert::<f64, T>(&wide, T::from_f64))
+}
+
+/// Elements converted per rayon task by [`convert_dense`].
+const CONVERT_CHUNK: usize = 1 << 15;
+
+/// `t` (of dtype `S`) converted to `D` by the slice conversion `f`: in storage order into a
+/// tensor of the same memory format when `t` is dense in one, else gathered row-major first.
+/// Large tensors convert in parallel chunks.
+fn convert_dense<S: Element, D: Element>(
+    t: &Tensor,
+    f: impl Fn(&[S], &mut [D]) + Sync,
+) -> Result<Tensor> {
+    let run = |src: &[S], format: crate::MemoryFormat| -> Result<Tensor> {
+        let mut out = crate::alloc::try_uninit::<D>("cast", src.len())?;
+        if src.len() >= 2 * CONVERT_CHUNK && rayon::current_num_threads() > 1 {
+            use rayon::prelude::*;
+            out.par_chunks_mut(CONVERT_CHUNK)
+                .zip(src.par_chunks(CONVERT_CHUNK))
+                .for_each(|(d, s)| f(s, d));
+        } else {
+            f(src, &mut out);
+        }
+        Tensor::from_vec_in(out, t.dims(), t.device(), format)
+    };
+    match t.dense_format() {
+        Some(format) => run(&t.read_dense_slice::<S>()?, format),
+        None => run(&to_vec::<S>(t)?, crate::MemoryFormat::Contiguous),
+    }
 }

@@ -19,6 +19,12 @@
 //! recomputed from `x`, the backward masks the output gradient by the saved output inside the
 //! gradient reduction, writing the residual's gradient there for the input-gradient pass.
 //!
+//! An f16 or bf16 input with f32 weight, bias and running statistics (what autocast leaves)
+//! runs on the CPU's native half passes (`cpu/half.rs`): statistics and gradient sums in
+//! f32/f64, the output and x's and the residual's gradients in x's dtype, the parameters'
+//! gradients in f32, and no full-size f32 copy. Other half cases (CUDA, half parameters) go
+//! through f32 copies.
+//!
 //! Every phase runs on the CPU (`cpu/`) and on CUDA devices (`cuda.rs`, with the kernels of
 //! `batch_norm.cu` launched through the plans of [`cuda::launch`]).
 
@@ -34,7 +40,7 @@ mod shape;
 use tandem_autograd::record_fn;
 use tandem_core::{Error, Result, Tensor};
 
-use crate::checks::{float_dtype, same_dtype_device};
+use crate::checks::{float_or_half, same_dtype_device};
 use phases::{
     ApplyArgs, BackwardApplyArgs, BackwardReduceArgs, Count, GradMask, GradSums, Normalization,
     NormalizationArgs, RunningUpdate,
@@ -44,7 +50,19 @@ pub use shape::{Dims, Epilogue};
 /// Checks that a per-channel argument is `[C]` with the input's dtype and device.
 fn check_channel_param(op: &'static str, name: &str, x: &Tensor, t: Option<&Tensor>) -> Result<()> {
     let Some(t) = t else { return Ok(()) };
-    same_dtype_device(op, x, t)?;
+    if x.dtype().is_half() {
+        // The native half path takes f32 parameters and buffers (see `native_half`).
+        x.device().same_as(t.device(), op)?;
+        if t.dtype() != tandem_core::DType::F32 {
+            return Err(Error::DTypeMismatch {
+                op,
+                lhs: x.dtype(),
+                rhs: t.dtype(),
+            });
+        }
+    } else {
+        same_dtype_device(op, x, t)?;
+    }
     let c = x.dims()[1];
     if t.dims() != [c] {
         return Err(Error::shape(
@@ -204,7 +222,7 @@ pub fn batch_norm_fused(
     epilogue: Epilogue<'_>,
     args: &BatchNormArgs<'_>,
 ) -> Result<Tensor> {
-    if x.dtype().is_half() {
+    if x.dtype().is_half() && !native_half(x, epilogue, args) {
         return fused_via_f32(x, epilogue, args);
     }
     let op = epilogue.name();
@@ -241,6 +259,7 @@ pub fn batch_norm_fused(
         },
         has_weight: args.weight.is_some(),
         has_bias: args.bias.is_some(),
+        param_dtype: args.weight.or(args.bias).map_or(x.dtype(), |t| t.dtype()),
         training: args.training,
         count,
         xc,
@@ -253,6 +272,25 @@ pub fn batch_norm_fused(
     Ok(record_fn(out, &inputs, op, move || {
         move |g: &Tensor| saved.backward(g)
     }))
+}
+
+/// Whether a half `x` runs the native one-pass half passes (`cpu/half.rs`): on the CPU, with
+/// f32 weight, bias and running statistics (as autocast leaves them; any may be absent) and a
+/// residual of x's dtype. Anything else goes through f32 copies ([`fused_via_f32`]).
+fn native_half(x: &Tensor, epilogue: Epilogue<'_>, args: &BatchNormArgs<'_>) -> bool {
+    let cpu = tandem_core::Device::Cpu;
+    let f32_param = |t: Option<&Tensor>| {
+        t.is_none_or(|t| t.dtype() == tandem_core::DType::F32 && t.device() == cpu)
+    };
+    let residual_ok = match epilogue {
+        Epilogue::AddRelu(r) => r.dtype() == x.dtype() && r.device() == cpu,
+        _ => true,
+    };
+    x.device() == cpu
+        && residual_ok
+        && [args.running_mean, args.running_var, args.weight, args.bias]
+            .into_iter()
+            .all(f32_param)
 }
 
 /// [`batch_norm_fused`] of an f16 or bf16 `x`: statistics, normalization and gradients in f32
@@ -379,6 +417,8 @@ struct Saved {
     needs: Needs,
     has_weight: bool,
     has_bias: bool,
+    /// The dtype of the weight and bias gradients: the parameters' (f32 under a half input).
+    param_dtype: tandem_core::DType,
     training: bool,
     /// Values per channel.
     count: usize,
@@ -418,7 +458,7 @@ impl Saved {
         let needs = self.needs;
         let (grad_w, grad_b) = if (self.has_weight && needs.weight) || (self.has_bias && needs.bias)
         {
-            let (w, b) = phases::parameter_gradients(&sums, &self.norm, g.dtype())?;
+            let (w, b) = phases::parameter_gradients(&sums, &self.norm, self.param_dtype)?;
             (needs.weight.then_some(w), needs.bias.then_some(b))
         } else {
             (None, None)
@@ -444,7 +484,7 @@ fn validate(
     epilogue: Epilogue<'_>,
     args: &BatchNormArgs<'_>,
 ) -> Result<()> {
-    float_dtype(op, x)?;
+    float_or_half(op, x)?;
     if x.rank() < 2 {
         return Err(Error::shape(
             op,

@@ -22,7 +22,7 @@ use tandem_core::{DType, Device, Error, Result, Tensor};
 
 use super::shape::{bad_count, count_ok, Epilogue};
 use super::{cpu, cuda};
-use crate::checks::{float_dtype, same_dtype_device};
+use crate::checks::{float_dtype, float_or_half, same_dtype_device};
 
 // The phases' types live in `shape.rs` (so that the kernels of both devices can take them
 // without importing this module, which dispatches to them); they are part of this module's API.
@@ -136,9 +136,17 @@ impl Statistics {
     }
 }
 
-/// Checks that `x` is a float `[N, C, …]` tensor; returns `C`.
+/// Checks that `x` is a float `[N, C, …]` tensor (f16 and bf16 too on the CPU, where the
+/// phases have half passes); returns `C`.
 fn channels(op: &'static str, x: &Tensor) -> Result<usize> {
-    float_dtype(op, x)?;
+    let dtype = float_or_half(op, x)?;
+    if dtype.is_half() && x.device() != Device::Cpu {
+        return Err(Error::UnsupportedDType {
+            op,
+            dtype,
+            supported: "f32, f64 (f16 and bf16 on the CPU)",
+        });
+    }
     if x.rank() < 2 {
         return Err(Error::shape(
             op,
@@ -167,8 +175,8 @@ fn check_channel_tensor(
     Ok(())
 }
 
-/// The per-channel mean and biased variance of `x` (`[N, C]` or `[N, C, …]`, f32 or f64, any
-/// layout), over every dim but the channel dim.
+/// The per-channel mean and biased variance of `x` (`[N, C]` or `[N, C, …]`, f32 or f64, or
+/// on the CPU f16 or bf16; any layout), over every dim but the channel dim.
 ///
 /// # Shapes
 /// `x`: `[N, C, …]` → `mean`, `var`: `[C]` f64; `count = N·(product of the trailing dims)`.

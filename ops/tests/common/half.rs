@@ -453,6 +453,105 @@ pub fn batch_norms(device: Device, dtype: DType) {
     }
 }
 
+/// Batch norm, batch_norm_relu and batch_norm_add_relu on the CPU's native half passes (f32
+/// parameters and running statistics): row-major and channels-last, training and evaluation,
+/// odd channel counts and sizes (vector tails), a 2-D input, and an input large enough to
+/// split into several units and run in parallel. Checks that the half output is the op's own
+/// node (no f32 detour through casts) and keeps the input's memory format.
+pub fn batch_norms_native(dtype: DType) {
+    use tandem_core::MemoryFormat;
+    use tandem_ops as ops;
+    let device = Device::Cpu;
+    let shapes: [&[usize]; 4] = [&[4, 3, 5, 5], &[3, 5, 7, 3], &[4, 3, 70, 70], &[6, 5]];
+    for (s, &shape) in shapes.iter().enumerate() {
+        let c = shape[1];
+        let seed = 40 + 10 * s as u64;
+        let x = randn(shape, 2.0, seed, device);
+        let residual = randn(shape, 1.0, seed + 1, device);
+        let weight = uniform(&[c], 0.5, 1.5, seed + 2, device);
+        let bias = randn(&[c], 0.5, seed + 3, device);
+        let formats: &[MemoryFormat] = if shape.len() == 4 {
+            &[MemoryFormat::Contiguous, MemoryFormat::ChannelsLast]
+        } else {
+            &[MemoryFormat::Contiguous]
+        };
+        for (&format, training, epilogue) in formats
+            .iter()
+            .flat_map(|f| [true, false].map(move |t| (f, t)))
+            .flat_map(|(f, t)| [0, 1, 2].map(move |e| (f, t, e)))
+        {
+            let stats = || {
+                (
+                    randn(&[c], 0.1, seed + 4, device),
+                    uniform(&[c], 0.5, 2.0, seed + 5, device),
+                )
+            };
+            let ((mean_l, var_l), (mean_r, var_r)) = (stats(), stats());
+            let mut inputs = vec![low(x.clone()), full(weight.clone()), full(bias.clone())];
+            if epilogue == 2 {
+                inputs.push(low(residual.clone()));
+            }
+            let calls = std::cell::Cell::new(0);
+            let what = format!("{shape:?} {format:?} epilogue {epilogue} training {training}");
+            check_op(&what, dtype, &inputs, |t| {
+                let half_call = calls.replace(calls.get() + 1) == 0;
+                let (m, v) = if half_call {
+                    (&mean_l, &var_l)
+                } else {
+                    (&mean_r, &var_r)
+                };
+                let (w, b) = (Some(&t[1]), Some(&t[2]));
+                let x = ops::to_memory_format(&t[0], format)?;
+                let (y, name) = match epilogue {
+                    0 => (
+                        ops::batch_norm(&x, Some(m), Some(v), w, b, training, 0.1, 1e-5)?,
+                        "batch_norm",
+                    ),
+                    1 => (
+                        ops::batch_norm_relu(&x, Some(m), Some(v), w, b, training, 0.1, 1e-5)?,
+                        "batch_norm_relu",
+                    ),
+                    _ => {
+                        let r = ops::to_memory_format(&t[3], format)?;
+                        let y = ops::batch_norm_add_relu(
+                            &x,
+                            &r,
+                            Some(m),
+                            Some(v),
+                            w,
+                            b,
+                            training,
+                            0.1,
+                            1e-5,
+                        )?;
+                        (y, "batch_norm_add_relu")
+                    }
+                };
+                if half_call {
+                    assert_eq!(
+                        y.grad_fn().map(|n| n.name()),
+                        Some(name),
+                        "{what}: native node"
+                    );
+                    assert!(y.is_contiguous_in(format), "{what}: output format");
+                }
+                Ok(y)
+            });
+            for (l, r, name) in [
+                (&mean_l, &mean_r, "running_mean"),
+                (&var_l, &var_r, "running_var"),
+            ] {
+                assert_rounded(
+                    l,
+                    r,
+                    DType::F32,
+                    &format!("{what}: {name} after a {dtype} step"),
+                );
+            }
+        }
+    }
+}
+
 /// Dropout (the same seed drops the same elements), cat, contiguous and the views.
 pub fn data_movement(device: Device, dtype: DType) {
     use tandem_ops as ops;

@@ -2,10 +2,11 @@
 //! runs the passes of `passes.rs` and returns tensors. The per-channel constants (the
 //! normalization table, the gradient sums) are f64, as are the formulas that combine them.
 
+mod half;
 mod nhwc;
 mod passes;
 
-use tandem_core::{with_float_type, DType, Element, Result, Tensor};
+use tandem_core::{with_float_type, with_half_type, DType, Element, Result, Tensor};
 
 use super::shape::{
     ApplyArgs, BackwardApplyArgs, BackwardReduceArgs, Count, Dims, Epilogue, GradMask, GradSums,
@@ -43,6 +44,15 @@ fn dims(x: &Tensor) -> Dims {
     Dims::of(x.dims())
 }
 
+/// How the half passes split `x` (read in `format`) into units.
+fn units(x: &Tensor, format: MemoryFormat) -> half::Units {
+    let d = dims(x);
+    match format {
+        MemoryFormat::ChannelsLast => half::Units::Rows { c: d.c },
+        MemoryFormat::Contiguous => half::Units::Samples(d),
+    }
+}
+
 /// A `[len]` f64 tensor on the CPU.
 fn f64_tensor(values: Vec<f64>) -> Result<Tensor> {
     let len = values.len();
@@ -57,7 +67,11 @@ fn f64_values(op: &'static str, t: &Tensor) -> Result<Vec<f64>> {
 /// Per-channel mean and biased variance of `x` (contiguous or not).
 pub(crate) fn statistics(op: &'static str, x: &Tensor) -> Result<Statistics> {
     let d = dims(x);
-    let (mean, var) = if channels_last(x) {
+    let (mean, var) = if x.dtype().is_half() {
+        let format = format_of(x);
+        let xc = dense(op, x, format)?;
+        with_half_type!(op, x.dtype(), H => half::moments::<H>(&xc.read_dense_slice::<H>()?, units(x, format)))?
+    } else if channels_last(x) {
         with_float_type!(op, x.dtype(), T => Ok(nhwc::moments::<T>(&x.read_dense_slice::<T>()?, d.c)))?
     } else {
         let xc = memory::contiguous(op, x)?;
@@ -188,6 +202,23 @@ pub(crate) fn apply(op: &'static str, args: &ApplyArgs<'_>) -> Result<Tensor> {
     let xc = dense(op, x, format)?;
     let table = args.norm.table().read_slice::<f64>()?;
     let (_, _, scale, shift) = rows(&table, d.c);
+    if x.dtype().is_half() {
+        return with_half_type!(op, x.dtype(), H => {
+            let xs = xc.read_dense_slice::<H>()?;
+            let units = units(x, format);
+            let run = |e| half::normalize::<H>(op, &xs, units, scale, shift, e);
+            let y = match args.epilogue {
+                Epilogue::AddRelu(r) => {
+                    let rc = dense(op, r, format)?;
+                    let rs = rc.read_dense_slice::<H>()?;
+                    run(passes::Epilogue::AddRelu(&rs))?
+                }
+                Epilogue::Relu => run(passes::Epilogue::Relu)?,
+                Epilogue::Plain => run(passes::Epilogue::Plain)?,
+            };
+            Tensor::from_vec_in(y, x.dims(), x.device(), format)
+        });
+    }
     with_float_type!(op, x.dtype(), T => {
         let xs = xc.read_dense_slice::<T>()?;
         let run = |e: passes::Epilogue<'_, T>| match format {
@@ -212,11 +243,72 @@ pub(crate) fn apply(op: &'static str, args: &ApplyArgs<'_>) -> Result<Tensor> {
 pub(crate) fn backward_reduce(op: &'static str, args: &BackwardReduceArgs<'_>) -> Result<GradSums> {
     let d = dims(args.x);
     let format = format_of(args.x);
-    let cl = format == MemoryFormat::ChannelsLast;
     let (xc, gc) = (dense(op, args.x, format)?, dense(op, args.grad, format)?);
     let table = args.norm.table().read_slice::<f64>()?;
     let (mean, _, scale, shift) = rows(&table, d.c);
-    let (sum_g, sum_gc, masked) = with_float_type!(op, args.grad.dtype(), T => {
+    let (sum_g, sum_gc, masked) = if args.grad.dtype().is_half() {
+        half_backward_reduce(op, args, &xc, &gc, mean, scale, shift)?
+    } else {
+        f32_backward_reduce(op, args, &xc, &gc, mean, scale, shift)?
+    };
+    let mut sums = sum_g;
+    sums.extend(sum_gc);
+    Ok(GradSums {
+        sums: Tensor::from_vec(sums, &[2, d.c], tandem_core::Device::Cpu)?,
+        grad: masked,
+    })
+}
+
+/// The sums (and the masked gradient) of [`backward_reduce`] for an f16/bf16 gradient.
+#[allow(clippy::type_complexity)]
+fn half_backward_reduce(
+    op: &'static str,
+    args: &BackwardReduceArgs<'_>,
+    xc: &Tensor,
+    gc: &Tensor,
+    mean: &[f64],
+    scale: &[f64],
+    shift: &[f64],
+) -> Result<(Vec<f64>, Vec<f64>, Option<Tensor>)> {
+    let format = format_of(args.x);
+    let units = units(args.x, format);
+    with_half_type!(op, args.grad.dtype(), H => {
+        let (gs, xs) = (gc.read_dense_slice::<H>()?, xc.read_dense_slice::<H>()?);
+        match args.mask {
+            GradMask::Output(y) => {
+                let yc = dense(op, y, format)?;
+                let ys = yc.read_dense_slice::<H>()?;
+                let (masked, sum_g, sum_gc) = half::masked_grad_sums::<H>(op, &gs, &ys, &xs, units, mean)?;
+                Ok((sum_g, sum_gc, Some(Tensor::from_vec_in(masked, args.x.dims(), args.grad.device(), format)?)))
+            }
+            GradMask::Relu => {
+                let mask = passes::affine_coefs::<f32>(scale, shift);
+                let (sum_g, sum_gc) = half::grad_sums::<H>(&gs, &xs, units, mean, Some(&mask))?;
+                Ok((sum_g, sum_gc, None))
+            }
+            GradMask::None => {
+                let (sum_g, sum_gc) = half::grad_sums::<H>(&gs, &xs, units, mean, None)?;
+                Ok((sum_g, sum_gc, None))
+            }
+        }
+    })
+}
+
+/// The sums (and the masked gradient) of [`backward_reduce`] for an f32/f64 gradient.
+#[allow(clippy::type_complexity)]
+fn f32_backward_reduce(
+    op: &'static str,
+    args: &BackwardReduceArgs<'_>,
+    xc: &Tensor,
+    gc: &Tensor,
+    mean: &[f64],
+    scale: &[f64],
+    shift: &[f64],
+) -> Result<(Vec<f64>, Vec<f64>, Option<Tensor>)> {
+    let d = dims(args.x);
+    let format = format_of(args.x);
+    let cl = format == MemoryFormat::ChannelsLast;
+    with_float_type!(op, args.grad.dtype(), T => {
         let (gs, xs) = (gc.read_dense_slice::<T>()?, xc.read_dense_slice::<T>()?);
         let sums = |mask: Option<&[(T, T)]>| if cl {
             nhwc::grad_sums::<T>(&gs, &xs, d.c, mean, mask)
@@ -244,12 +336,6 @@ pub(crate) fn backward_reduce(op: &'static str, args: &BackwardReduceArgs<'_>) -
                 Ok((sum_g, sum_gc, None))
             }
         }
-    })?;
-    let mut sums = sum_g;
-    sums.extend(sum_gc);
-    Ok(GradSums {
-        sums: Tensor::from_vec(sums, &[2, d.c], tandem_core::Device::Cpu)?,
-        grad: masked,
     })
 }
 
@@ -278,6 +364,21 @@ pub(crate) fn backward_apply(op: &'static str, args: &BackwardApplyArgs<'_>) -> 
     } else {
         (vec![0.0; d.c], vec![0.0; d.c])
     };
+    if args.grad.dtype().is_half() {
+        let mask = args
+            .relu_mask
+            .then(|| passes::affine_coefs::<f32>(scale, shift));
+        let coefs = half::GradCoefs {
+            a,
+            b: &slope,
+            k: &offset,
+        };
+        return with_half_type!(op, args.grad.dtype(), H => {
+            let (gs, xs) = (gc.read_dense_slice::<H>()?, xc.read_dense_slice::<H>()?);
+            let gx = half::grad_input::<H>(op, &gs, &xs, units(args.x, format), &coefs, mask.as_deref())?;
+            Tensor::from_vec_in(gx, args.x.dims(), args.grad.device(), format)
+        });
+    }
     with_float_type!(op, args.grad.dtype(), T => {
         let mask = args.relu_mask.then(|| passes::affine_coefs::<T>(scale, shift));
         let (gs, xs) = (gc.read_dense_slice::<T>()?, xc.read_dense_slice::<T>()?);
