@@ -47,7 +47,12 @@ fn accumulate(sum: Option<Tensor>, new: Tensor) -> Result<Tensor> {
             let s = if s.is_exclusive() && s.dense_format().is_some() {
                 s
             } else {
-                s.copy_detached()?
+                // A copy in the sum's own dense format (row-major when it has none), so that
+                // adding a contribution of the same format walks both in storage order.
+                let format = s.dense_format().unwrap_or(MemoryFormat::Contiguous);
+                let owned = Tensor::empty_in(s.dims(), s.dtype(), s.device(), format)?;
+                owned.copy_(&s)?;
+                owned
             };
             s.add_(&new)?;
             Ok(s)

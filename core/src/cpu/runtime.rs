@@ -78,13 +78,18 @@ pub(crate) fn zip_in_place<T: Element>(
     }
     let src_values: Vec<T> = to_vec::<T>(src)?;
     let layout: Layout = dst.layout().clone();
-    let mut guard = dst.storage().write_host(op)?;
-    let data = T::slice_mut(&mut guard).expect("dtype checked");
-    let mut k = 0;
-    layout.for_each_index(|i| {
-        f(&mut data[i], src_values[k]);
-        k += 1;
-    });
+    {
+        let mut guard = dst.storage().write_host(op)?;
+        let data = T::slice_mut(&mut guard).expect("dtype checked");
+        let mut k = 0;
+        layout.for_each_index(|i| {
+            f(&mut data[i], src_values[k]);
+            k += 1;
+        });
+    }
+    // The gathered copy came from the caching allocator: hand it back, or the next request of
+    // its size misses the cache (and pays for fresh pages).
+    crate::alloc::recycle(src_values);
     Ok(())
 }
 

@@ -36,7 +36,7 @@ use tandem_core::{MemoryFormat, Result};
 
 use crate::conv2d::shape::Geometry;
 use crate::cpu::amx::{Amx, TileConfig, Tiles};
-use crate::cpu::memory;
+use crate::cpu::memory::{self, Scratch};
 use crate::cpu::transpose16::transpose16;
 
 /// The op named in allocation errors.
@@ -287,12 +287,13 @@ impl ForwardPlan {
 
     /// The weights as right-operand tiles: block `j`, step `s` (tap, chunk) holds `kc / 2`
     /// rows of 16 pairs, `w(o, c, a, b)` giving the weight (zeros past `O` and `C`).
-    fn pack(&self, w: &impl Fn(usize, usize, usize, usize) -> bf16) -> Result<Vec<bf16>> {
+    fn pack(&self, w: &impl Fn(usize, usize, usize, usize) -> bf16) -> Result<Scratch<bf16>> {
         let g = &self.g;
         let (kh, kw) = g.kernel;
         let steps = self.offsets.len();
         let tile = self.kc * ROWS;
-        let mut packed = memory::zeroed::<bf16>(OP, self.blocks * steps * tile)?;
+        let mut scratch = Scratch::zeroed(OP, self.blocks * steps * tile)?;
+        let packed = &mut scratch.buf;
         for j in 0..self.blocks {
             for o in j * ROWS..((j + 1) * ROWS).min(g.out_channels) {
                 for a in 0..kh {
@@ -307,7 +308,7 @@ impl ForwardPlan {
                 }
             }
         }
-        Ok(packed)
+        Ok(scratch)
     }
 }
 
@@ -382,31 +383,57 @@ pub(crate) fn forward(
         bias16[..o].copy_from_slice(b);
     }
     let config = plan.config();
-    let run_sample = |buf: &mut Vec<bf16>, (n, out): (usize, &mut [bf16])| {
-        pad_channels_last(&x, n, g.padding, plan.wp, plan.cp, buf);
-        forward_sample(amx, &plan, &config, buf, &packed, &bias16, out_format, out);
+    let run_sample = |buf: &mut Scratch<bf16>, (n, out): (usize, &mut [bf16])| {
+        pad_channels_last(&x, n, g.padding, plan.wp, plan.cp, &mut buf.buf);
+        forward_sample(
+            amx,
+            &plan,
+            &config,
+            &buf.buf,
+            &packed.buf,
+            &bias16,
+            out_format,
+            out,
+        );
     };
-    let alloc = || memory::zeroed::<bf16>(OP, plan.buffer);
-    if rayon::current_num_threads() > 1 && g.batch > 1 {
-        out.par_chunks_mut(pixels * o)
-            .enumerate()
-            .try_for_each_init(alloc, |buf, item| {
-                if buf.is_err() {
-                    // The thread's buffer could not be made: hand its error on once.
-                    return std::mem::replace(buf, Ok(Vec::new())).map(|_| ());
-                }
-                if let Ok(buf) = buf {
-                    run_sample(buf, item);
+    per_sample(
+        &mut out,
+        pixels * o,
+        || Scratch::zeroed(OP, plan.buffer),
+        run_sample,
+    )?;
+    Ok(out)
+}
+
+/// Runs `f(scratch, (n, chunk))` for each sample's `chunk` of `out` (`len` values each): on the
+/// rayon pool when there are several threads and samples, each worker with its own scratch
+/// from `init`, else on the caller with one.
+fn per_sample<S: Send>(
+    out: &mut [bf16],
+    len: usize,
+    init: impl Fn() -> Result<S> + Sync + Send,
+    f: impl Fn(&mut S, (usize, &mut [bf16])) + Sync + Send,
+) -> Result<()> {
+    if rayon::current_num_threads() > 1 && out.len() > len {
+        out.par_chunks_mut(len).enumerate().try_for_each_init(
+            || init().map(Some),
+            |scratch, item| {
+                match scratch {
+                    Ok(Some(s)) => f(s, item),
+                    // The worker's scratch could not be made: hand its error on once.
+                    Ok(None) => {}
+                    Err(_) => return std::mem::replace(scratch, Ok(None)).map(|_| ()),
                 }
                 Ok(())
-            })?;
+            },
+        )
     } else {
-        let mut buf = alloc()?;
-        out.chunks_mut(pixels * o)
+        let mut scratch = init()?;
+        out.chunks_mut(len)
             .enumerate()
-            .for_each(|item| run_sample(&mut buf, item));
+            .for_each(|item| f(&mut scratch, item));
+        Ok(())
     }
-    Ok(out)
 }
 
 /// One sample of [`forward`]: `xp` the padded channels-last input, `out` the sample's output.
@@ -548,7 +575,8 @@ pub(crate) fn input_grad_scatter(
     let nblocks = kh * kw * cblocks;
     let tile = ko * ROWS;
     // Right operands: block (tap, channel block), step (output-channel chunk).
-    let mut packed = memory::zeroed::<bf16>(OP, nblocks * chunks * tile)?;
+    let mut scratch = Scratch::zeroed(OP, nblocks * chunks * tile)?;
+    let packed = &mut scratch.buf;
     for t in 0..kh * kw {
         for ci in 0..c {
             let j = t * cblocks + ci / ROWS;
@@ -584,38 +612,22 @@ pub(crate) fn input_grad_scatter(
         op,
         offsets: &offsets,
     };
-    let alloc = || -> Result<(Vec<bf16>, Vec<f32>)> {
+    let init = || -> Result<(Scratch<bf16>, Scratch<f32>)> {
         Ok((
-            memory::zeroed(OP, (pixels + ROWS) * op)?,
-            memory::zeroed(OP, in_sample)?,
+            Scratch::zeroed(OP, (pixels + ROWS) * op)?,
+            Scratch::zeroed(OP, in_sample)?,
         ))
     };
-    let run_sample = |bufs: &mut (Vec<bf16>, Vec<f32>), (n, out): (usize, &mut [bf16])| {
-        pad_channels_last(&dy, n, (0, 0), g.out_w, op, &mut bufs.0);
-        bufs.1.fill(0.0);
+    let run_sample = |bufs: &mut (Scratch<bf16>, Scratch<f32>), (n, out): (usize, &mut [bf16])| {
+        let (dyp, dx) = (&mut bufs.0.buf, &mut bufs.1.buf);
+        pad_channels_last(&dy, n, (0, 0), g.out_w, op, dyp);
+        dx.fill(0.0);
         let tiles = Tiles::configure(amx, &config);
-        scatter.sample(&tiles, &bufs.0, &mut bufs.1);
+        scatter.sample(&tiles, dyp, dx);
         drop(tiles);
-        store_sample(&bufs.1, [c, g.in_h, g.in_w], out_format, out);
+        store_sample(dx, [c, g.in_h, g.in_w], out_format, out);
     };
-    if rayon::current_num_threads() > 1 && g.batch > 1 {
-        out.par_chunks_mut(in_sample)
-            .enumerate()
-            .try_for_each_init(alloc, |bufs, item| {
-                if bufs.is_err() {
-                    return std::mem::replace(bufs, Ok(Default::default())).map(|_| ());
-                }
-                if let Ok(bufs) = bufs {
-                    run_sample(bufs, item);
-                }
-                Ok(())
-            })?;
-    } else {
-        let mut bufs = alloc()?;
-        out.chunks_mut(in_sample)
-            .enumerate()
-            .for_each(|item| run_sample(&mut bufs, item));
-    }
+    per_sample(&mut out, in_sample, init, run_sample)?;
     Ok(out)
 }
 
@@ -960,26 +972,28 @@ pub(crate) fn weight_grad(amx: Amx, x: Dense, dy: Dense, g: &Geometry) -> Result
         .step_by(per)
         .map(|n0| (n0, (n0 + per).min(g.batch)))
         .collect();
-    let part = |&(n0, n1): &(usize, usize)| -> Result<Vec<f32>> {
-        let mut sums = memory::zeroed::<f32>(OP, plan.tiles() * 256)?;
-        let mut xt = memory::zeroed::<bf16>(OP, plan.input_len())?;
-        let mut dyp = memory::zeroed::<bf16>(OP, plan.oblocks * plan.vpad * ROWS)?;
+    let part = |&(n0, n1): &(usize, usize)| -> Result<Scratch<f32>> {
+        let mut sums = Scratch::<f32>::zeroed(OP, plan.tiles() * 256)?;
+        let mut xt = Scratch::<bf16>::zeroed(OP, plan.input_len())?;
+        let mut dyp = Scratch::<bf16>::zeroed(OP, plan.oblocks * plan.vpad * ROWS)?;
+        let (xt, dyp) = (&mut xt.buf, &mut dyp.buf);
         for n in n0..n1 {
-            plan.input(amx, &x, n, &mut xt);
-            plan.grad(amx, &dy, n, &mut dyp);
-            weight_grad_sample(amx, &plan, &xt, &dyp, &mut sums);
+            plan.input(amx, &x, n, xt);
+            plan.grad(amx, &dy, n, dyp);
+            weight_grad_sample(amx, &plan, xt, dyp, &mut sums.buf);
         }
         Ok(sums)
     };
-    let parts: Vec<Vec<f32>> = if ranges.len() > 1 {
+    let parts: Vec<Scratch<f32>> = if ranges.len() > 1 {
         ranges.par_iter().map(part).collect::<Result<_>>()?
     } else {
         ranges.iter().map(part).collect::<Result<_>>()?
     };
-    let mut total = memory::zeroed::<f32>(OP, plan.tiles() * 256)?;
+    let mut total = Scratch::<f32>::zeroed(OP, plan.tiles() * 256)?;
     for p in &parts {
-        total.iter_mut().zip(p).for_each(|(t, &v)| *t += v);
+        total.buf.iter_mut().zip(&p.buf).for_each(|(t, &v)| *t += v);
     }
+    let total = &total.buf;
     let (c, o, taps) = (g.in_channels, g.out_channels, plan.taps.len());
     let mut dw = memory::zeroed::<f32>(OP, o * c * taps)?;
     for (t, cb, ob) in (0..taps).flat_map(|t| {
