@@ -606,7 +606,7 @@ pub(crate) fn input_grad_scatter(
     let scatter = Scatter {
         g,
         cblocks,
-        packed: &packed,
+        packed: &scratch.buf,
         chunks,
         ko,
         op,
