@@ -169,19 +169,24 @@ impl Geometry {
     /// convolution would do much more work than the product it replaces (its output is the
     /// input, larger than the output by the kernel's overhang where the padding is small).
     pub(crate) fn transposed(&self) -> Option<Geometry> {
+        let small_overhang =
+            4u128 * (self.in_h * self.in_w) as u128 <= 5 * self.out_pixels() as u128;
+        if self.in_channels < 8 || !small_overhang {
+            return None;
+        }
+        self.input_gradient_as_forward()
+    }
+
+    /// The geometry of the input gradient as a forward convolution of the output gradient
+    /// (unit strides; padding `span − p`), whenever the padding allows one — without
+    /// [`Geometry::transposed`]'s tests of whether it pays for the f32 kernels.
+    pub(crate) fn input_gradient_as_forward(&self) -> Option<Geometry> {
         let span = |k: usize, d: usize| (k - 1) * d;
         let (sh, sw) = (
             span(self.kernel.0, self.dilation.0),
             span(self.kernel.1, self.dilation.1),
         );
-        let small_overhang =
-            4u128 * (self.in_h * self.in_w) as u128 <= 5 * self.out_pixels() as u128;
-        if self.in_channels < 8
-            || self.stride != (1, 1)
-            || self.padding.0 > sh
-            || self.padding.1 > sw
-            || !small_overhang
-        {
+        if self.stride != (1, 1) || self.padding.0 > sh || self.padding.1 > sw {
             return None;
         }
         Some(Geometry {

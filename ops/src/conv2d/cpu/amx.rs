@@ -528,38 +528,13 @@ fn write_tile(
     }
 }
 
-/// The geometry of the input gradient of a unit-stride layer as a forward convolution of the
-/// output gradient (padding `span − p`), when the padding allows it.
-pub(crate) fn input_grad_geometry(g: &Geometry) -> Option<Geometry> {
-    let span = |k: usize, d: usize| (k - 1) * d;
-    let (sh, sw) = (
-        span(g.kernel.0, g.dilation.0),
-        span(g.kernel.1, g.dilation.1),
-    );
-    if g.stride != (1, 1) || g.padding.0 > sh || g.padding.1 > sw {
-        return None;
-    }
-    Some(Geometry {
-        batch: g.batch,
-        in_channels: g.out_channels,
-        in_h: g.out_h,
-        in_w: g.out_w,
-        out_channels: g.in_channels,
-        kernel: g.kernel,
-        stride: (1, 1),
-        padding: (sh - g.padding.0, sw - g.padding.1),
-        dilation: g.dilation,
-        out_h: g.in_h,
-        out_w: g.in_w,
-    })
-}
-
 /// The input gradient of any layer on AMX, as a product and a scatter: each tile of 16 output
 /// pixels of `dy` (channels-last, `ko` output channels per step) times the weights of one tap
 /// and 16 input channels gives those pixels' contributions to 16 channels of the input pixels
 /// that tap reached, which are added into an f32 copy of the sample's input gradient; the sum
 /// is rounded once to bf16 in `out_format`'s order. `w` is the row-major `[O, C, kh, kw]`
-/// weight. (Unit-stride layers take the cheaper [`forward`] of the flipped weights instead.)
+/// weight. (Unit-stride layers take the cheaper [`forward`] of the flipped weights instead:
+/// `Geometry::input_gradient_as_forward`.)
 pub(crate) fn input_grad_scatter(
     amx: Amx,
     dy: Dense,
@@ -1320,7 +1295,7 @@ mod tests {
                 };
                 let what = format!("{l:?} {format:?}");
                 let terms = l.o * kh * kw;
-                if let Some(tg) = input_grad_geometry(&g) {
+                if let Some(tg) = g.input_gradient_as_forward() {
                     let wf = |ci: usize, o: usize, a: usize, b: usize| {
                         w[((o * c + ci) * kh + kh - 1 - a) * kw + kw - 1 - b]
                     };

@@ -128,7 +128,7 @@ fn amx_backward(
     g: &Geometry,
     needs: Needs,
 ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-    use super::amx::{forward, input_grad_geometry, input_grad_scatter, weight_grad, Dense};
+    use super::amx::{forward, input_grad_scatter, weight_grad, Dense};
     let gd = dense(grad)?;
     let gs = gd.read_dense_slice::<bf16>()?;
     let dy = Dense {
@@ -142,7 +142,7 @@ fn amx_backward(
         let wc = memory::contiguous(OP, weight)?;
         let ws = wc.read_slice::<bf16>()?;
         let format = format_of(x);
-        let dx = if let Some(tg) = input_grad_geometry(g) {
+        let dx = if let Some(tg) = g.input_gradient_as_forward() {
             let (c, (kh, kw)) = (g.in_channels, g.kernel);
             // The transposed layer's weight (o', c') = (c, o), flipped in both taps.
             let w = |ci: usize, o: usize, a: usize, b: usize| {
