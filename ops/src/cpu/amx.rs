@@ -100,7 +100,7 @@ pub(crate) struct TileConfig {
 
 impl TileConfig {
     /// A configuration with every tile unused.
-    pub(crate) fn new() -> Self {
+    pub(crate) const fn new() -> Self {
         TileConfig {
             palette: 1,
             start_row: 0,
@@ -108,6 +108,19 @@ impl TileConfig {
             colsb: [0; 16],
             rows: [0; 16],
         }
+    }
+
+    /// Every tile with `rows` rows of `bytes` bytes (at most 16 and 64, a multiple of 4).
+    pub(crate) const fn uniform(rows: u8, bytes: u16) -> Self {
+        assert!(rows >= 1 && rows <= 16 && bytes >= 4 && bytes <= 64 && bytes.is_multiple_of(4));
+        let mut c = TileConfig::new();
+        let mut t = 0;
+        while t < 8 {
+            c.rows[t] = rows;
+            c.colsb[t] = bytes;
+            t += 1;
+        }
+        c
     }
 
     /// Tile `t` with `rows` rows of `bytes` bytes (at most 16 and 64).

@@ -207,8 +207,10 @@ struct ForwardPlan {
     wp: usize,
     buffer: usize,
     walk: Walk,
-    /// Element offset of each step (tap, chunk) from a segment's base.
+    /// Element offset of each step (tap, chunk) from a segment's base, and the same in bytes
+    /// (what the tile loads take).
     offsets: Vec<usize>,
+    offset_bytes: Vec<usize>,
     /// Each segment's first output pixel `(oh, ow)` (virtual `ow` may pass `OW`) and base.
     segments: Vec<((usize, usize), usize)>,
     /// Elements between a segment's rows.
@@ -255,6 +257,7 @@ impl ForwardPlan {
             wp,
             buffer: (hp * wp * cp).max(reach),
             walk,
+            offset_bytes: offsets.iter().map(|&e| e * 2).collect(),
             offsets,
             segments,
             row_step,
@@ -450,7 +453,6 @@ fn forward_sample(
 ) {
     let tiles = Tiles::configure(amx, config);
     let steps = plan.offsets.len();
-    let offsets: Vec<usize> = plan.offsets.iter().map(|&e| e * 2).collect();
     let mut accs = [[0f32; 256]; 4];
     for j0 in (0..plan.blocks).step_by(2) {
         let nb = (plan.blocks - j0).min(2);
@@ -466,7 +468,7 @@ fn forward_sample(
                 a: [a_of(0), a_of(1), a_of(2), a_of(3)],
                 mb: group.len(),
                 a_stride: plan.row_step * 2,
-                a_offsets: &offsets,
+                a_offsets: &plan.offset_bytes,
                 b: [b_of(0), b_of(1)],
                 nb,
                 b_step: plan.kc * ROWS * 2,
@@ -728,6 +730,10 @@ struct WeightPlan {
     oblocks: usize,
     taps: Vec<usize>,
     gathered: bool,
+    /// Byte offset of each step (32 virtual pixels) along a left operand's rows.
+    offsets: Vec<usize>,
+    /// Left operands: (tap, channel block) pairs; their accumulators are per output block.
+    lefts: Vec<(usize, usize)>,
 }
 
 impl WeightPlan {
@@ -761,6 +767,10 @@ impl WeightPlan {
             row,
             cblocks,
             oblocks: g.out_channels.div_ceil(ROWS),
+            offsets: (0..vpad / VSTEP).map(|s| s * VSTEP * 2).collect(),
+            lefts: (0..taps.len())
+                .flat_map(|t| (0..cblocks).map(move |cb| (t, cb)))
+                .collect(),
             taps,
             gathered,
         }
@@ -986,13 +996,9 @@ pub(crate) fn weight_grad(amx: Amx, x: Dense, dy: Dense, g: &Geometry) -> Result
 
 /// One sample of [`weight_grad`]: adds its products to the accumulator tiles in `sums`.
 fn weight_grad_sample(amx: Amx, plan: &WeightPlan, xt: &[bf16], dyp: &[bf16], sums: &mut [f32]) {
-    let config = (0..8).fold(TileConfig::new(), |c, t| c.tile(t, ROWS, 64));
-    let tiles = Tiles::configure(amx, &config);
-    let offsets: Vec<usize> = (0..plan.vpad / VSTEP).map(|s| s * VSTEP * 2).collect();
-    // Left operands: (tap, channel block) pairs; their accumulators are per output block.
-    let lefts: Vec<(usize, usize)> = (0..plan.taps.len())
-        .flat_map(|t| (0..plan.cblocks).map(move |cb| (t, cb)))
-        .collect();
+    // Every tile is 16 rows of 64 bytes here.
+    const CONFIG: TileConfig = TileConfig::uniform(ROWS as u8, 64);
+    let tiles = Tiles::configure(amx, &CONFIG);
     for j0 in (0..plan.oblocks).step_by(2) {
         let nb = (plan.oblocks - j0).min(2);
         let mb = rows_per_run(nb);
@@ -1001,7 +1007,7 @@ fn weight_grad_sample(amx: Amx, plan: &WeightPlan, xt: &[bf16], dyp: &[bf16], su
                 .as_ptr()
                 .cast()
         };
-        for group in lefts.chunks(mb) {
+        for group in plan.lefts.chunks(mb) {
             let a_of = |i: usize| {
                 let (t, cb) = group[i.min(group.len() - 1)];
                 xt[cb * ROWS * plan.row + plan.taps[t]..]
@@ -1012,7 +1018,7 @@ fn weight_grad_sample(amx: Amx, plan: &WeightPlan, xt: &[bf16], dyp: &[bf16], su
                 a: [a_of(0), a_of(1), a_of(2), a_of(3)],
                 mb: group.len(),
                 a_stride: plan.row * 2,
-                a_offsets: &offsets,
+                a_offsets: &plan.offsets,
                 b: [b_of(0), b_of(1)],
                 nb,
                 b_step: B_STRIDE * ROWS,
