@@ -156,6 +156,29 @@ fn launcher_names_the_rank_the_others_were_waiting_for() {
     assert!(elapsed < Duration::from_secs(60), "{elapsed:?}");
 }
 
+#[test]
+fn a_rank_told_of_a_timeout_exits_only_after_the_report_of_the_rank_that_timed_out() {
+    // Rank 0 waits 20 s, the others 3 s: rank 1 times out first (waiting for the stopped rank 2)
+    // and tells rank 0, which exits at once, so the launcher stops rank 1 right away. Rank 1's
+    // report and diagnosis must be in the store before rank 0 hears of the failure, or the
+    // launcher would blame rank 1 (seen in CI on a loaded machine, where the same order arose).
+    let exe = std::env::current_exe().unwrap();
+    let mut args = vec!["--nproc-per-node", "3", "--kill-grace", "1", "--"];
+    args.push(exe.to_str().unwrap());
+    let worker_args = common::worker_args();
+    args.extend(worker_args.iter().map(String::as_str));
+    let (out, elapsed) = tandem_run(&args, &[(common::WORKER_VAR, "stall-staggered")]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    let summary = summary(&stderr);
+    assert!(
+        summary.contains("rank 2 did not respond (stopped or hung?)")
+            && summary.contains("rank 2 did not report and never joined all_reduce #2 (f32 × 16)"),
+        "{stderr}"
+    );
+    assert!(elapsed < Duration::from_secs(15), "{elapsed:?}");
+}
+
 /// The launcher's summary line (`tandem-run: rank …; stopped the other ranks`).
 fn summary(stderr: &str) -> &str {
     stderr

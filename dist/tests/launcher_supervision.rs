@@ -13,9 +13,14 @@ struct Launcher {
     child: Child,
     stdout: Arc<Mutex<Vec<u8>>>,
     stderr: Arc<Mutex<Vec<u8>>>,
+    /// The threads collecting stdout and stderr (they end at end of file).
+    collectors: Vec<std::thread::JoinHandle<()>>,
 }
 
-fn collect(mut from: impl Read + Send + 'static, into: Arc<Mutex<Vec<u8>>>) {
+fn collect(
+    mut from: impl Read + Send + 'static,
+    into: Arc<Mutex<Vec<u8>>>,
+) -> std::thread::JoinHandle<()> {
     std::thread::spawn(move || {
         let mut buf = [0u8; 64 << 10];
         while let Ok(n) = from.read(&mut buf) {
@@ -24,7 +29,7 @@ fn collect(mut from: impl Read + Send + 'static, into: Arc<Mutex<Vec<u8>>>) {
             }
             into.lock().unwrap().extend_from_slice(&buf[..n]);
         }
-    });
+    })
 }
 
 impl Launcher {
@@ -39,12 +44,15 @@ impl Launcher {
         }
         let mut child = cmd.spawn().expect("start tandem-run");
         let (stdout, stderr) = (Arc::default(), Arc::default());
-        collect(child.stdout.take().unwrap(), Arc::clone(&stdout));
-        collect(child.stderr.take().unwrap(), Arc::clone(&stderr));
+        let collectors = vec![
+            collect(child.stdout.take().unwrap(), Arc::clone(&stdout)),
+            collect(child.stderr.take().unwrap(), Arc::clone(&stderr)),
+        ];
         Launcher {
             child,
             stdout,
             stderr,
+            collectors,
         }
     }
 
@@ -68,11 +76,18 @@ impl Launcher {
         false
     }
 
-    /// Waits for the launcher to exit, up to `timeout` (then kills it).
+    /// Waits for the launcher to exit, up to `timeout` (then kills it), and for what it wrote
+    /// to be collected (on a loaded machine the collectors may lag behind the exit).
     fn wait(&mut self, timeout: Duration) -> std::process::ExitStatus {
         let deadline = Instant::now() + timeout;
         loop {
             if let Some(status) = self.child.try_wait().unwrap() {
+                // The ranks die with the launcher, so the pipes reach their end; bounded all
+                // the same.
+                while Instant::now() < deadline && !self.collectors.iter().all(|c| c.is_finished())
+                {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
                 return status;
             }
             if Instant::now() >= deadline {

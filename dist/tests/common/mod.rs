@@ -69,6 +69,12 @@ fn run_worker(mode: &str) -> Result<(), String> {
             timeout: Duration::from_secs(3),
             ..GroupConfig::default()
         },
+        // As "stall", but rank 0 waits longer than the others: it learns of the failure from
+        // a peer's abort instead of timing out itself, and exits at once.
+        "stall-staggered" => GroupConfig {
+            timeout: Duration::from_secs(if env.rank == 0 { 20 } else { 3 }),
+            ..GroupConfig::default()
+        },
         // The last rank stops before it joins: the others give up setting up quickly.
         "stall-setup" => {
             if env.rank == env.world_size - 1 {
@@ -130,7 +136,7 @@ fn run_worker(mode: &str) -> Result<(), String> {
             println!("rank {rank} joined");
             Ok(())
         }
-        "stall" => {
+        "stall" | "stall-staggered" => {
             let t = Tensor::ones(&[16], DType::F32, Device::Cpu).map_err(|e| e.to_string())?;
             pg.all_reduce(&t, ReduceOp::Sum)
                 .and_then(|w| w.wait())

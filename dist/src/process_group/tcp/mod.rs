@@ -27,6 +27,7 @@ mod same_host;
 mod segment;
 mod transport;
 
+use std::cell::Cell;
 use std::fmt;
 use std::sync::Arc;
 use std::time::Instant;
@@ -176,6 +177,20 @@ impl TcpProcessGroup {
         self.queue.issue(desc, move |seq| {
             let mut state = shared.state.lock();
             let history = std::mem::take(&mut state.history);
+            // The first failure only: the group refuses later collectives anyway.
+            let first_failure = state.completed + 1 == seq;
+            // A failure is diagnosed and reported to the store before the peers are told: a
+            // peer that learns of it may exit at once, and its launcher then stops this rank,
+            // so a report left after telling the peers could be lost.
+            let reported = Cell::new(false);
+            let report = |err: &mut DistError| {
+                if !reported.replace(true) {
+                    diagnose(&shared, &progress, seq, err);
+                    if first_failure {
+                        failure_report::post(&shared.store, shared.rank, err);
+                    }
+                }
+            };
             let ctx = Ctx {
                 rank: shared.rank,
                 seq,
@@ -183,6 +198,7 @@ impl TcpProcessGroup {
                 timeout: shared.config.timeout,
                 deadline: deadline_after(shared.config.timeout),
                 history: &history,
+                report: &report,
             };
             // A panic (a bug) must still tell the peers, or they would wait for the timeout.
             let mut result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -201,15 +217,12 @@ impl TcpProcessGroup {
             state.history.push((seq, desc));
             match &mut result {
                 Ok(()) => state.completed = seq,
-                // Failures inside the transport have told the peers already; this covers the
-                // rest (a tensor that could not be locked, …). Telling twice is harmless.
+                // Failures inside the transport have been reported and told the peers already;
+                // this covers the rest (a tensor that could not be locked, …). Telling twice is
+                // harmless.
                 Err(err) => {
-                    diagnose(&shared, &progress, seq, err);
+                    report(err);
                     link::abort_links(&mut state.links, seq, err, &[]);
-                    // The first failure only: the group refuses later collectives anyway.
-                    if state.completed + 1 == seq {
-                        failure_report::post(&shared.store, shared.rank, err);
-                    }
                 }
             }
             result

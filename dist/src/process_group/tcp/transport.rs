@@ -42,6 +42,9 @@ pub(crate) struct Ctx<'a> {
     /// The most recent earlier collectives `(seq, desc)`, to explain a peer whose frame belongs
     /// to one of them.
     pub history: &'a [(u64, CollectiveDesc)],
+    /// Diagnoses a failure and leaves this rank's report in the store (once per collective);
+    /// called before the peers are told of the failure.
+    pub report: &'a dyn Fn(&mut DistError),
 }
 
 impl Ctx<'_> {
@@ -145,7 +148,8 @@ impl RecvState {
 
 /// Runs `plan` for collective `ctx` over `links` (indexed by rank; `None` for this rank).
 /// `main` is the collective's buffer, `scratch` at least `plan.scratch_len` bytes. On failure
-/// the peers are told (abort frames) before the error is returned.
+/// the failure is reported ([`Ctx::report`]) and the peers are told (abort frames) before the
+/// error is returned.
 pub(crate) fn execute(
     links: &mut [Option<Link>],
     ctx: &Ctx<'_>,
@@ -167,7 +171,8 @@ pub(crate) fn execute(
     if result.is_ok() {
         result = finish(ctx, plan, main, scratch);
     }
-    if let Err(err) = &result {
+    if let Err(err) = &mut result {
+        (ctx.report)(err);
         let partial: Vec<(usize, usize)> = exec
             .sends
             .iter()
