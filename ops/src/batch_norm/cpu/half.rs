@@ -16,6 +16,7 @@ use rayon::prelude::*;
 use tandem_core::cpu::convert::Path;
 use tandem_core::{HalfElement, Result};
 
+use super::half_nhwc::{self, Constants, HalfMap};
 use super::{nhwc, passes};
 use crate::batch_norm::shape::Dims;
 use crate::cpu::memory;
@@ -88,6 +89,25 @@ fn path() -> Path {
         return Path::Plain;
     }
     Path::Vector
+}
+
+/// The channel count when the AVX-512 channels-last passes (`half_nhwc`) take the input: a
+/// channels-last one whose channels are a multiple of 16, on a CPU with AVX-512 (and not
+/// while a test forces the plain conversions or the general passes).
+fn direct(units: Units) -> Option<usize> {
+    #[cfg(test)]
+    if tests::GENERAL.load(std::sync::atomic::Ordering::Relaxed) || path() == Path::Plain {
+        return None;
+    }
+    match units {
+        Units::Rows { c } if half_nhwc::applies(c) => Some(c),
+        _ => None,
+    }
+}
+
+/// A mask's per-channel `(scale, shift)` as two lists.
+fn unzip_mask(mask: &[(f32, f32)]) -> (Vec<f32>, Vec<f32>) {
+    mask.iter().copied().unzip()
 }
 
 /// `src` rounded into `dst`.
@@ -165,6 +185,9 @@ fn write_units<H: HalfElement, R: Send>(
 /// Per-channel mean and biased variance of `x`, each unit's moments from the f32 passes,
 /// merged in f64.
 pub(crate) fn moments<H: HalfElement>(x: &[H], units: Units) -> Result<(Vec<f64>, Vec<f64>)> {
+    if let Some(c) = direct(units) {
+        return Ok(half_nhwc::moments(x, c));
+    }
     let c = units.channels();
     let parts = reduce_units(x.len(), units, |s, start, len| {
         let xs = widened(&mut s.first, &x[start..start + len]);
@@ -204,6 +227,21 @@ pub(crate) fn normalize<H: HalfElement>(
     shift: &[f64],
     epilogue: passes::Epilogue<'_, H>,
 ) -> Result<Vec<H>> {
+    if let Some(c) = direct(units) {
+        let coefs = passes::affine_coefs::<f32>(scale, shift);
+        let (a, b) = unzip_mask(&coefs);
+        let map = match epilogue {
+            passes::Epilogue::Plain => HalfMap::Affine { relu: false },
+            passes::Epilogue::Relu => HalfMap::Affine { relu: true },
+            passes::Epilogue::AddRelu(r) => HalfMap::AffineAddRelu(r),
+        };
+        let k = Constants {
+            a: &a,
+            b: &b,
+            ..Constants::default()
+        };
+        return half_nhwc::map(op, x, c, map, k);
+    }
     let (y, _) = write_units(op, x.len(), units, |s, start, out: &mut [H]| {
         let range = start..start + out.len();
         let xs = widened(&mut s.first, &x[range.clone()]);
@@ -245,6 +283,11 @@ pub(crate) fn grad_sums<H: HalfElement>(
     mean: &[f64],
     mask: Option<&[(f32, f32)]>,
 ) -> Result<(Vec<f64>, Vec<f64>)> {
+    if let Some(c) = direct(units) {
+        let mask = mask.map(unzip_mask);
+        let mask = mask.as_ref().map(|(s, t)| (&s[..], &t[..]));
+        return Ok(half_nhwc::grad_sums(g, x, c, mean, mask));
+    }
     let parts = reduce_units(g.len(), units, |s, start, len| {
         let range = start..start + len;
         let gs = widened(&mut s.first, &g[range.clone()]);
@@ -267,6 +310,11 @@ pub(crate) fn masked_grad_sums<H: HalfElement>(
     units: Units,
     mean: &[f64],
 ) -> Result<(Vec<H>, Vec<f64>, Vec<f64>)> {
+    if let Some(c) = direct(units) {
+        let masked = half_nhwc::map(op, g, c, HalfMap::KeepPositive(y), Constants::default())?;
+        let (sum_g, sum_gc) = half_nhwc::grad_sums(&masked, x, c, mean, None);
+        return Ok((masked, sum_g, sum_gc));
+    }
     let (masked, parts) = write_units(op, g.len(), units, |s, start, out: &mut [H]| {
         let range = start..start + out.len();
         let gs = widened(&mut s.first, &g[range.clone()]);
@@ -306,6 +354,23 @@ pub(crate) fn grad_input<H: HalfElement>(
     mask: Option<&[(f32, f32)]>,
 ) -> Result<Vec<H>> {
     let GradCoefs { a, b, k } = *coefs;
+    if let Some(c) = direct(units) {
+        let f32s = |v: &[f64]| v.iter().map(|&v| v as f32).collect::<Vec<f32>>();
+        let (a, b, k) = (f32s(a), f32s(b), f32s(k));
+        let (s, t) = mask.map(unzip_mask).unwrap_or_default();
+        let map = HalfMap::Gradient {
+            x,
+            masked: mask.is_some(),
+        };
+        let constants = Constants {
+            a: &a,
+            b: &b,
+            k: &k,
+            s: &s,
+            t: &t,
+        };
+        return half_nhwc::map(op, g, c, map, constants);
+    }
     let (gx, _) = write_units(op, g.len(), units, |s, start, out: &mut [H]| {
         let range = start..start + out.len();
         let gs = widened(&mut s.first, &g[range.clone()]);
@@ -332,12 +397,18 @@ mod tests {
     /// Forces the plain conversions while set (only [`plain_conversions_match_the_vector_ones`]
     /// sets it; other tests running meanwhile get the same bits either way).
     pub(super) static PLAIN: AtomicBool = AtomicBool::new(false);
+    /// Forces the general half passes instead of the AVX-512 channels-last ones while set.
+    pub(super) static GENERAL: AtomicBool = AtomicBool::new(false);
 
     /// The bits of batch_norm_add_relu's output and of the gradients of x, the residual and
     /// the weight, for a half input in `format`.
     fn run(dtype: DType, format: MemoryFormat) -> Vec<Vec<f64>> {
+        run_shape(dtype, format, [3, 5, 9, 7])
+    }
+
+    /// [`run`] for an input of `shape`.
+    fn run_shape(dtype: DType, format: MemoryFormat, shape: [usize; 4]) -> Vec<Vec<f64>> {
         let mut g = Generator::new(7);
-        let shape = [3, 5, 9, 7];
         let mut randn =
             |s: &[usize]| Tensor::randn(s, 0.0, 1.5, DType::F32, Device::Cpu, &mut g).unwrap();
         let x = randn(&shape)
@@ -350,7 +421,7 @@ mod tests {
             .unwrap()
             .contiguous_in(format)
             .unwrap();
-        let w = randn(&[5]).with_requires_grad().unwrap();
+        let w = randn(&shape[1..2]).with_requires_grad().unwrap();
         let (x, r) = (
             x.with_requires_grad().unwrap(),
             r.with_requires_grad().unwrap(),
@@ -445,6 +516,51 @@ mod tests {
                 };
                 let (tn, tv) = pool.install(|| (median(&|| step(true)), median(&|| step(false))));
                 println!("{name} bf16 {shape:?} {format:?} fwd+bwd: native {tn:.3} ms, through f32 {tv:.3} ms");
+            }
+        }
+    }
+
+    /// The AVX-512 channels-last passes (channels a multiple of 16) against the general half
+    /// passes: the same f32 arithmetic but for the order of the f32 additions inside the
+    /// per-channel block sums, so the outputs and gradients agree to a unit or two in the
+    /// half type's last place, and the f32 weight gradients closely.
+    #[test]
+    fn direct_channels_last_passes_agree_with_the_general_ones() {
+        if !super::half_nhwc::applies(16) {
+            println!("skipped: this CPU lacks AVX-512F or AVX512-BF16");
+            return;
+        }
+        for dtype in [DType::BF16, DType::F16] {
+            for c in [16, 48] {
+                let shape = [5, c, 9, 7];
+                let direct = run_shape(dtype, MemoryFormat::ChannelsLast, shape);
+                GENERAL.store(true, Ordering::Relaxed);
+                let general = run_shape(dtype, MemoryFormat::ChannelsLast, shape);
+                GENERAL.store(false, Ordering::Relaxed);
+                let ulp = if dtype == DType::BF16 {
+                    2f64.powi(-7)
+                } else {
+                    2f64.powi(-10)
+                };
+                for (i, (d, g)) in direct.iter().zip(&general).enumerate() {
+                    let top = g.iter().fold(0f64, |m, v| m.max(v.abs()));
+                    // Halves (y, x and residual gradients): 2 units of the last place, plus
+                    // an absolute term for values near zero after cancellation; the f32
+                    // weight gradient: 1e-4 of its largest entry.
+                    let tol = |v: f64| {
+                        if i < 3 {
+                            2.0 * ulp * v.abs() + 1e-3 * top
+                        } else {
+                            1e-4 * top
+                        }
+                    };
+                    for (j, (a, b)) in d.iter().zip(g).enumerate() {
+                        assert!(
+                            (a - b).abs() <= tol(*b),
+                            "{dtype} c={c} output {i} element {j}: {a} vs {b}"
+                        );
+                    }
+                }
             }
         }
     }

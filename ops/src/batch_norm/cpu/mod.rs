@@ -3,6 +3,7 @@
 //! normalization table, the gradient sums) are f64, as are the formulas that combine them.
 
 mod half;
+mod half_nhwc;
 mod nhwc;
 mod passes;
 

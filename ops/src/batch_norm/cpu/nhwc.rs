@@ -14,7 +14,7 @@
 //! (the result does not depend on scheduling); maps split into blocks the same way.
 
 use rayon::prelude::*;
-use tandem_core::{FloatElement, Result};
+use tandem_core::{Element, FloatElement, Result};
 
 use super::passes::Epilogue;
 use crate::cpu::memory;
@@ -26,7 +26,7 @@ pub(super) const ROWS_PER_TASK: usize = 256;
 
 /// Rows a tiled accumulator sums in the element type before folding into f64 (a divisor of
 /// [`ROWS_PER_TASK`]).
-const FOLD_ROWS: usize = 64;
+pub(super) const FOLD_ROWS: usize = 64;
 
 /// Elements of one period for `c` channels: whole rows, at least 64 elements.
 fn period(c: usize) -> usize {
@@ -228,7 +228,7 @@ wide_simd_fn!(
 
 /// Per-channel sums of `K` quantities over all rows: `f(first_row, rows, acc)` adds the rows
 /// `first_row..first_row + rows` into `acc` (`K` blocks of `C`: `acc[q * C + c]`).
-fn channel_sums<const K: usize>(
+pub(super) fn channel_sums<const K: usize>(
     rows: usize,
     c: usize,
     f: impl Fn(usize, usize, &mut [f64]) + Sync,
@@ -257,7 +257,7 @@ fn channel_sums<const K: usize>(
 
 /// Writes `out` block by block (in parallel when large): `f(first, block)` fills the block
 /// of rows starting at row `first`.
-fn map_rows<T: FloatElement>(
+pub(super) fn map_rows<T: Element>(
     op: &'static str,
     len: usize,
     c: usize,
