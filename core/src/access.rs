@@ -17,7 +17,7 @@ use crate::{
 };
 
 impl Tensor {
-    fn expect_dtype<T: Element>(&self, op: &'static str) -> Result<()> {
+    pub(crate) fn expect_dtype<T: Element>(&self, op: &'static str) -> Result<()> {
         if self.dtype() != T::DTYPE {
             return Err(Error::DTypeMismatch {
                 op,

@@ -10,7 +10,7 @@
 use smallvec::SmallVec;
 
 use crate::layout::{contiguous_strides, Strides};
-use parking_lot::MappedRwLockReadGuard;
+use parking_lot::{MappedRwLockReadGuard, MappedRwLockWriteGuard};
 
 use crate::{Element, Error, Layout, Result, Tensor};
 
@@ -202,6 +202,35 @@ impl Tensor {
                 rhs: T::DTYPE,
             },
         )
+    }
+
+    /// Mutably borrows the elements of a CPU tensor that is dense row-major or dense
+    /// channels-last as a slice in storage order (the writing twin of
+    /// [`Tensor::read_dense_slice`], with the same errors). Writes are seen by every view of
+    /// the storage; autograd does not record them.
+    pub fn write_dense_slice<T: Element>(&self) -> Result<MappedRwLockWriteGuard<'_, [T]>> {
+        if self.is_contiguous() {
+            return self.write_slice::<T>();
+        }
+        if !self.is_contiguous_in(MemoryFormat::ChannelsLast) {
+            return Err(Error::invalid(
+                "write_dense_slice",
+                format!(
+                    "tensor of shape {:?} with strides {:?} is dense in no memory format",
+                    self.dims(),
+                    self.layout().strides()
+                ),
+            ));
+        }
+        self.expect_dtype::<T>("write_dense_slice")?;
+        let (start, end) = (
+            self.layout().offset(),
+            self.layout().offset() + self.numel(),
+        );
+        Ok(MappedRwLockWriteGuard::map(
+            self.storage().write_host("write_dense_slice")?,
+            |s| &mut T::slice_mut(s).expect("dtype checked")[start..end],
+        ))
     }
 
     /// A CPU tensor of `shape` dense in `format` that takes ownership of `data`, given in

@@ -11,7 +11,7 @@
 
 use std::collections::HashSet;
 
-use tandem_core::{Device, Tensor};
+use tandem_core::{Device, MemoryFormat, Tensor};
 
 pub(crate) use crate::grouping::by_device;
 use crate::{Error, Result};
@@ -139,6 +139,27 @@ pub(crate) fn update_operands(
     index: usize,
     param: &Tensor,
 ) -> Result<Option<UpdateOperands>> {
+    operands(optimizer, index, param, false)
+}
+
+/// [`update_operands`] for a kernel that works in storage order (an elementwise update whose
+/// operands are all dense in one format): a channels-last parameter in host memory is its own
+/// target, and its gradient is dense channels-last too (copied only when it is not), so no
+/// copy of the parameter is made and written back.
+pub(crate) fn update_operands_in_storage_order(
+    optimizer: &'static str,
+    index: usize,
+    param: &Tensor,
+) -> Result<Option<UpdateOperands>> {
+    operands(optimizer, index, param, true)
+}
+
+fn operands(
+    optimizer: &'static str,
+    index: usize,
+    param: &Tensor,
+    storage_order: bool,
+) -> Result<Option<UpdateOperands>> {
     let Some(grad) = param.grad() else {
         return Ok(None);
     };
@@ -166,12 +187,18 @@ pub(crate) fn update_operands(
             ),
         ));
     }
-    let grad = if grad.is_contiguous() && !grad.storage().same_buffer(param.storage()) {
-        grad
-    } else {
-        grad.copy_detached()?
+    let format = match param.dense_format() {
+        Some(MemoryFormat::ChannelsLast) if storage_order && device == Device::Cpu => {
+            MemoryFormat::ChannelsLast
+        }
+        _ => MemoryFormat::Contiguous,
     };
-    let target = if param.is_contiguous() {
+    let grad = if grad.storage().same_buffer(param.storage()) {
+        grad.copy_detached()?.contiguous_in(format)?
+    } else {
+        grad.contiguous_in(format)?
+    };
+    let target = if param.is_contiguous_in(format) {
         param.clone()
     } else {
         param.copy_detached()?

@@ -1,6 +1,6 @@
 //! The SGD step on the CPU: a host loop per parameter, in the parameter's dtype.
 
-use tandem_core::{with_float_type, Error as TensorError, FloatElement, Tensor};
+use tandem_core::{with_float_type, Error as TensorError, FloatElement, MemoryFormat, Tensor};
 
 use super::{SgdConfig, SgdUpdate, NAME};
 use crate::Result;
@@ -15,8 +15,34 @@ pub(super) fn update(updates: &[&SgdUpdate], cfg: &SgdConfig) -> Result<()> {
     Ok(())
 }
 
-/// One SGD update of a contiguous parameter, in its dtype.
+/// One SGD update of a parameter dense in some format (row-major, or channels-last) with a
+/// gradient dense in the same format, in its dtype, in storage order. A momentum buffer laid
+/// out otherwise (one loaded from a checkpoint, say) is re-laid out like the parameter first,
+/// in place, or else updated through a copy.
 fn update_in_place<T: FloatElement>(
+    param: &Tensor,
+    grad: &Tensor,
+    buffer: Option<&Tensor>,
+    first: bool,
+    cfg: &SgdConfig,
+) -> std::result::Result<(), TensorError> {
+    let format = param.dense_format();
+    match buffer {
+        Some(b) if b.dense_format() != format => {
+            let format = format.unwrap_or(MemoryFormat::Contiguous);
+            if b.to_memory_format_(format).is_err() {
+                let copy = b.contiguous_in(format)?;
+                update_dense::<T>(param, grad, Some(&copy), first, cfg)?;
+                return b.copy_(&copy);
+            }
+            update_dense::<T>(param, grad, buffer, first, cfg)
+        }
+        _ => update_dense::<T>(param, grad, buffer, first, cfg),
+    }
+}
+
+/// [`update_in_place`] once every operand is dense in the parameter's format.
+fn update_dense<T: FloatElement>(
     param: &Tensor,
     grad: &Tensor,
     buffer: Option<&Tensor>,
@@ -29,10 +55,10 @@ fn update_in_place<T: FloatElement>(
         T::from_f64(cfg.weight_decay),
     );
     let keep = T::from_f64(1.0 - cfg.dampening);
-    let mut p = param.write_slice::<T>()?;
-    let g = grad.read_slice::<T>()?;
+    let mut p = param.write_dense_slice::<T>()?;
+    let g = grad.read_dense_slice::<T>()?;
     let mut buf_guard = match buffer {
-        Some(b) => Some(b.write_slice::<T>()?),
+        Some(b) => Some(b.write_dense_slice::<T>()?),
         None => None,
     };
     for i in 0..p.len() {

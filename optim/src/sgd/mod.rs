@@ -25,7 +25,7 @@ use tandem_core::{DType, Device, Tensor};
 use crate::multi_tensor::TableCache;
 use crate::optimizer::{
     by_device, check_learning_rate, check_parameters, follow_parameter, state_for_parameter,
-    update_operands, write_back, UpdateOperands,
+    update_operands_in_storage_order, write_back, UpdateOperands,
 };
 use crate::{Error, Optimizer, Result};
 
@@ -194,7 +194,7 @@ impl Sgd {
                 grad,
                 target,
                 device,
-            }) = update_operands(NAME, index, param)?
+            }) = update_operands_in_storage_order(NAME, index, param)?
             else {
                 continue;
             };
@@ -207,7 +207,12 @@ impl Sgd {
                     Some(b.clone())
                 }
                 None => {
+                    // Laid out like the target, so that the update runs in storage order.
                     let b = Tensor::zeros(param.dims(), param.dtype(), device)?;
+                    let b = match target.dense_format() {
+                        Some(format) if device == Device::Cpu => b.contiguous_in(format)?,
+                        _ => b,
+                    };
                     *slot = Some(b.clone());
                     Some(b)
                 }
@@ -618,5 +623,94 @@ mod tests {
         )];
         let err = fresh.load_state(&wrong).unwrap_err().to_string();
         assert!(err.contains("[5]") && err.contains("[4]"), "{err}");
+    }
+    /// A channels-last parameter is updated in place in storage order, its momentum buffer
+    /// channels-last beside it, with the values of the same update of a row-major parameter,
+    /// also when its gradient arrives row-major or its buffer was loaded row-major.
+    #[test]
+    fn channels_last_parameters_update_in_storage_order_with_row_major_values() {
+        use tandem_core::{Generator, MemoryFormat};
+        let shape = [2, 3, 2, 4];
+        let mut gen = Generator::new(11);
+        let mut randn =
+            || Tensor::randn(&shape, 0.0, 1.0, DType::F32, Device::Cpu, &mut gen).unwrap();
+        let init = randn();
+        let grads: Vec<Tensor> = (0..4).map(|_| randn()).collect();
+        let cfg = SgdConfig::new(0.1)
+            .with_momentum(0.9)
+            .with_weight_decay(0.01)
+            .with_nesterov(true);
+        let cl = MemoryFormat::ChannelsLast;
+        // (parameter format, gradient format, reload the state after two steps)
+        for (param_format, grad_format, reload) in [
+            (MemoryFormat::Contiguous, MemoryFormat::Contiguous, false),
+            (cl, cl, false),
+            (cl, MemoryFormat::Contiguous, false),
+            (cl, cl, true),
+        ] {
+            let p = init
+                .contiguous_in(param_format)
+                .unwrap()
+                .copy_detached()
+                .unwrap()
+                .contiguous_in(param_format)
+                .unwrap()
+                .with_requires_grad()
+                .unwrap();
+            let storage = p.storage().clone();
+            let mut opt = Sgd::new(vec![p.clone()], cfg).unwrap();
+            for (step, g) in grads.iter().enumerate() {
+                if reload && step == 2 {
+                    // A checkpoint's buffers come back row-major.
+                    let state: Vec<(String, Tensor)> = opt
+                        .state()
+                        .into_iter()
+                        .map(|(n, t)| {
+                            (
+                                n,
+                                t.contiguous_in(MemoryFormat::Contiguous)
+                                    .unwrap()
+                                    .copy_detached()
+                                    .unwrap(),
+                            )
+                        })
+                        .collect();
+                    opt = Sgd::new(vec![p.clone()], cfg).unwrap();
+                    opt.load_state(&state).unwrap();
+                }
+                p.set_grad(Some(g.contiguous_in(grad_format).unwrap()))
+                    .unwrap();
+                opt.step().unwrap();
+            }
+            assert!(
+                p.storage().same_buffer(&storage),
+                "{param_format:?}: updated in place"
+            );
+            assert_eq!(p.memory_format(), param_format);
+            if param_format == cl {
+                assert!(opt.momentum_buffer(0).unwrap().is_contiguous_in(cl));
+            }
+            // The row-major run written out in f64 (f32 rounding: a loose bound).
+            let mut want = init.to_vec_f64().unwrap();
+            let mut buf: Option<Vec<f64>> = None;
+            for g in &grads {
+                let d: Vec<f64> = g
+                    .to_vec_f64()
+                    .unwrap()
+                    .iter()
+                    .zip(&want)
+                    .map(|(g, p)| g + 0.01 * p)
+                    .collect();
+                let b: Vec<f64> = match &buf {
+                    None => d.clone(),
+                    Some(b) => b.iter().zip(&d).map(|(b, d)| 0.9 * b + d).collect(),
+                };
+                for ((p, d), b) in want.iter_mut().zip(&d).zip(&b) {
+                    *p -= 0.1 * (d + 0.9 * b);
+                }
+                buf = Some(b);
+            }
+            assert_close(&p.to_vec_f64().unwrap(), &want);
+        }
     }
 }
