@@ -19,7 +19,7 @@ use std::sync::Arc;
 use tandem_core::graph::{BackwardSummary, HookId};
 use tandem_core::profile::{self, Phase};
 use tandem_core::{
-    DType, Edge, Error, GradReady, MemoryFormat, Node, Result, Stream, Tensor, TensorId,
+    DType, Device, Edge, Error, GradReady, MemoryFormat, Node, Result, Stream, Tensor, TensorId,
 };
 
 use crate::grad_mode::NoGradGuard;
@@ -36,8 +36,9 @@ fn accumulate(sum: Option<Tensor>, new: Tensor) -> Result<Tensor> {
     match sum {
         None => Ok(new),
         // Half-precision contributions (several uses of an autocast copy) are summed in f32
-        // and rounded once.
-        Some(s) if matches!(s.dtype(), DType::F16 | DType::BF16) => {
+        // and rounded once: on the CPU by the in-place half sum below (each element widened,
+        // added and rounded), elsewhere through f32 copies.
+        Some(s) if matches!(s.dtype(), DType::F16 | DType::BF16) && s.device() != Device::Cpu => {
             let total = s.to_dtype(DType::F32)?;
             total.add_(&new.to_dtype(DType::F32)?)?;
             total.to_dtype(s.dtype())

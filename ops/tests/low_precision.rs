@@ -118,3 +118,50 @@ fn ops_without_a_half_path_and_non_float_inputs_keep_clear_errors() {
         .to_string();
     assert!(err.starts_with("dropout:") && err.contains("i64"), "{err}");
 }
+
+/// A half tensor used by two ops gets the sum of their half gradients computed in f32 and
+/// rounded once (each contribution rounded by its own op first), channels-last kept.
+#[test]
+fn two_half_gradients_of_one_tensor_sum_in_f32_and_round_once() {
+    use tandem_autograd::{backward, BackwardOptions};
+    use tandem_core::{Generator, MemoryFormat};
+    for dtype in DTYPES {
+        let mut g = Generator::new(5);
+        let shape = [2, 3, 4, 5];
+        let mut randn = |s: &[usize]| {
+            Tensor::randn(s, 0.0, 1.0, DType::F32, Device::Cpu, &mut g)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap()
+                .contiguous_in(MemoryFormat::ChannelsLast)
+                .unwrap()
+        };
+        let (a, b, dy) = (randn(&shape), randn(&shape), randn(&shape));
+        let x = randn(&shape).with_requires_grad().unwrap();
+        let y = tandem_ops::add(
+            &tandem_ops::mul(&x, &a).unwrap(),
+            &tandem_ops::mul(&x, &b).unwrap(),
+        )
+        .unwrap();
+        backward(&y, Some(&dy), &BackwardOptions::default()).unwrap();
+        let grad = x.grad().unwrap();
+        assert_eq!(grad.dtype(), dtype);
+        assert_eq!(grad.memory_format(), MemoryFormat::ChannelsLast);
+        let f = |t: &Tensor| t.to_dtype(DType::F32).unwrap().to_vec::<f32>().unwrap();
+        let round = |v: f32| {
+            Tensor::from_vec(vec![v], &[1], Device::Cpu)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap()
+                .to_dtype(DType::F32)
+                .unwrap()
+                .to_vec::<f32>()
+                .unwrap()[0]
+        };
+        let (av, bv, dv) = (f(&a), f(&b), f(&dy));
+        let want: Vec<f32> = (0..av.len())
+            .map(|i| round(round(dv[i] * av[i]) + round(dv[i] * bv[i])))
+            .collect();
+        assert_eq!(f(&grad), want, "{dtype}");
+    }
+}
