@@ -165,3 +165,72 @@ fn two_half_gradients_of_one_tensor_sum_in_f32_and_round_once() {
         assert_eq!(f(&grad), want, "{dtype}");
     }
 }
+
+/// A bf16 convolution whose weight is channels-last (a model converted with
+/// `to_memory_format`) gives the outputs and gradients of the same weight row-major, bit for
+/// bit: the AMX path reads the weight in its own storage order.
+#[test]
+fn bf16_conv2d_reads_a_channels_last_weight_as_a_row_major_one() {
+    use tandem_autograd::{backward, BackwardOptions};
+    use tandem_core::{Generator, MemoryFormat};
+    use tandem_ops::Conv2dParams;
+    let mut g = Generator::new(9);
+    let mut randn = |s: &[usize]| {
+        Tensor::randn(s, 0.0, 1.0, DType::F32, Device::Cpu, &mut g)
+            .unwrap()
+            .to_dtype(DType::BF16)
+            .unwrap()
+    };
+    let cl = MemoryFormat::ChannelsLast;
+    for (k, stride, pad) in [(3, 1, 1), (3, 2, 1), (1, 2, 0), (1, 1, 0)] {
+        let x = randn(&[2, 16, 8, 8]).contiguous_in(cl).unwrap();
+        let w = randn(&[32, 16, k, k]);
+        let params = Conv2dParams {
+            stride: (stride, stride),
+            padding: (pad, pad),
+            ..Conv2dParams::default()
+        };
+        let run = |format: MemoryFormat| {
+            let x = x
+                .copy_detached()
+                .unwrap()
+                .contiguous_in(cl)
+                .unwrap()
+                .with_requires_grad()
+                .unwrap();
+            let w = w
+                .contiguous_in(format)
+                .unwrap()
+                .copy_detached()
+                .unwrap()
+                .contiguous_in(format)
+                .unwrap()
+                .with_requires_grad()
+                .unwrap();
+            let y = tandem_ops::conv2d(&x, &w, None, &params).unwrap();
+            let dy = y.ones_like().unwrap().contiguous_in(cl).unwrap();
+            backward(&y, Some(&dy), &BackwardOptions::default()).unwrap();
+            let f = |t: &Tensor| t.to_dtype(DType::F32).unwrap().to_vec::<f32>().unwrap();
+            (
+                f(&y),
+                f(&x.grad().unwrap()),
+                f(&w.grad().unwrap()),
+                w.memory_format(),
+            )
+        };
+        let (row_major, channels_last) = (run(MemoryFormat::Contiguous), run(cl));
+        assert_eq!(channels_last.3, cl, "k={k}");
+        assert_eq!(
+            row_major.0, channels_last.0,
+            "output, k={k} stride={stride}"
+        );
+        assert_eq!(
+            row_major.1, channels_last.1,
+            "input gradient, k={k} stride={stride}"
+        );
+        assert_eq!(
+            row_major.2, channels_last.2,
+            "weight gradient, k={k} stride={stride}"
+        );
+    }
+}

@@ -57,6 +57,21 @@ pub(crate) fn conv2d(
     super::conv2d(&wide(x)?, &wide(weight)?, bias.as_ref(), g)?.to_dtype(x.dtype())
 }
 
+/// Where weight `(o, c, a, b)` of the dense weight `w` (row-major or channels-last, as
+/// [`dense`] leaves it) lies in its storage.
+#[cfg(target_arch = "x86_64")]
+fn weight_index(w: &Tensor, g: &Geometry) -> impl Fn(usize, usize, usize, usize) -> usize {
+    let (c, (kh, kw)) = (g.in_channels, g.kernel);
+    let channels_last = w.dense_format() == Some(MemoryFormat::ChannelsLast);
+    move |o, ci, a, b| {
+        if channels_last {
+            ((o * kh + a) * kw + b) * c + ci
+        } else {
+            ((o * c + ci) * kh + a) * kw + b
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 fn amx_forward(
     amx: crate::cpu::amx::Amx,
@@ -69,13 +84,14 @@ fn amx_forward(
     let format = output_format(x, weight);
     let xd = dense(x)?;
     let xs = xd.read_dense_slice::<bf16>()?;
-    let wc = memory::contiguous(OP, weight)?;
-    let ws = wc.read_slice::<bf16>()?;
+    let wd = dense(weight)?;
+    let ws = wd.read_dense_slice::<bf16>()?;
     let b: Option<Vec<f32>> = bias
         .map(|b| memory::gather::<f32>(OP, &wide(b)?))
         .transpose()?;
-    let (c, (kh, kw)) = (g.in_channels, g.kernel);
-    let w = |o: usize, ci: usize, a: usize, bb: usize| ws[((o * c + ci) * kh + a) * kw + bb];
+    let c = g.in_channels;
+    let at = weight_index(&wd, g);
+    let w = |o: usize, ci: usize, a: usize, bb: usize| ws[at(o, ci, a, bb)];
     let src = Dense {
         values: &xs,
         format: xd.dense_format().unwrap_or(MemoryFormat::Contiguous),
@@ -139,17 +155,18 @@ fn amx_backward(
     let format_of = |t: &Tensor| t.dense_format().unwrap_or(MemoryFormat::Contiguous);
     let mut input = None;
     if needs.input {
-        let wc = memory::contiguous(OP, weight)?;
-        let ws = wc.read_slice::<bf16>()?;
         let format = format_of(x);
         let dx = if let Some(tg) = g.input_gradient_as_forward() {
-            let (c, (kh, kw)) = (g.in_channels, g.kernel);
+            let wd = dense(weight)?;
+            let ws = wd.read_dense_slice::<bf16>()?;
+            let (kh, kw) = g.kernel;
+            let at = weight_index(&wd, g);
             // The transposed layer's weight (o', c') = (c, o), flipped in both taps.
-            let w = |ci: usize, o: usize, a: usize, b: usize| {
-                ws[((o * c + ci) * kh + kh - 1 - a) * kw + kw - 1 - b]
-            };
+            let w = |ci: usize, o: usize, a: usize, b: usize| ws[at(o, ci, kh - 1 - a, kw - 1 - b)];
             forward(amx, dy, &tg, &w, None, format)?
         } else {
+            let wc = memory::contiguous(OP, weight)?;
+            let ws = wc.read_slice::<bf16>()?;
             input_grad_scatter(amx, dy, g, &ws, format)?
         };
         input = Some(Tensor::from_vec_in(dx, x.dims(), x.device(), format)?);
