@@ -394,6 +394,38 @@ mod tests {
     }
 
     #[test]
+    fn fills_and_scales_of_channels_last_tensors_walk_their_storage_run() {
+        let cl = MemoryFormat::ChannelsLast;
+        let x = iota(&[2, 3, 4, 5]).contiguous_in(cl).unwrap();
+        x.scale_(2.0).unwrap();
+        let want: Vec<f32> = iota(&[2, 3, 4, 5])
+            .to_vec::<f32>()
+            .unwrap()
+            .iter()
+            .map(|v| 2.0 * v)
+            .collect();
+        assert_eq!(x.to_vec::<f32>().unwrap(), want);
+        x.fill_(1.5).unwrap();
+        assert!(x.to_vec::<f32>().unwrap().iter().all(|&v| v == 1.5));
+        assert_eq!(x.memory_format(), cl);
+        // A channels-last view of one sample inside a larger buffer: only its run changes.
+        let whole = iota(&[2, 3, 4, 5]).contiguous_in(cl).unwrap();
+        let second = whole
+            .view_detached(crate::Layout::from_parts(
+                crate::layout::Shape::from_slice(&[1, 3, 4, 5]),
+                crate::layout::Strides::from_slice(&[60, 1, 15, 3]),
+                60,
+            ))
+            .unwrap();
+        assert!(second.is_contiguous_in(cl));
+        second.zero_().unwrap();
+        let got = whole.to_vec::<f32>().unwrap();
+        let before = iota(&[2, 3, 4, 5]).to_vec::<f32>().unwrap();
+        assert_eq!(&got[..60], &before[..60]);
+        assert!(got[60..].iter().all(|&v| v == 0.0));
+    }
+
+    #[test]
     fn casts_and_in_place_sums_keep_channels_last_and_the_values() {
         let cl = MemoryFormat::ChannelsLast;
         let (x, y) = (iota(&[2, 3, 4, 5]), iota(&[2, 3, 4, 5]));

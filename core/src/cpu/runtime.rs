@@ -42,7 +42,9 @@ pub(crate) fn map_in_place<T: Element>(
     let layout = t.layout().clone();
     let mut guard = t.storage().write_host(op)?;
     let data = T::slice_mut(&mut guard).expect("dtype checked by the caller");
-    if layout.is_contiguous() {
+    // A dense tensor (row-major or channels-last) covers one run of its storage: `f` applies
+    // to each element alone, so the run is walked in storage order.
+    if layout.is_contiguous() || layout.is_contiguous_in(crate::MemoryFormat::ChannelsLast) {
         let off = layout.offset();
         data[off..off + layout.numel()].iter_mut().for_each(f);
     } else {
