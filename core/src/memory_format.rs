@@ -426,6 +426,54 @@ mod tests {
     }
 
     #[test]
+    fn half_in_place_sums_widen_add_and_round_each_element_once() {
+        use half::{bf16, f16};
+        let shape = [3, 7, 9, 11]; // 2079 elements: chunks of 512 and a tail
+        let n: usize = shape.iter().product();
+        let values = |k: f32| -> Vec<f32> {
+            (0..n)
+                .map(|i| ((i as f32 * 0.37 + k).sin() * 300.0) / (1.0 + i as f32 % 13.0))
+                .collect()
+        };
+        let (a, b) = (values(0.0), values(1.0));
+        for format in [MemoryFormat::Contiguous, MemoryFormat::ChannelsLast] {
+            for dtype in [DType::BF16, DType::F16] {
+                let t = |v: &[f32]| {
+                    Tensor::from_vec(v.to_vec(), &shape, Device::Cpu)
+                        .unwrap()
+                        .to_dtype(dtype)
+                        .unwrap()
+                        .contiguous_in(format)
+                        .unwrap()
+                };
+                let (x, y) = (t(&a), t(&b));
+                let (xv, yv) = (
+                    x.to_dtype(DType::F32).unwrap().to_vec::<f32>().unwrap(),
+                    y.to_dtype(DType::F32).unwrap().to_vec::<f32>().unwrap(),
+                );
+                x.add_scaled_(&y, -0.75).unwrap();
+                let want: Vec<f32> = xv
+                    .iter()
+                    .zip(&yv)
+                    .map(|(&x, &y)| {
+                        let v = x + -0.75f32 * y;
+                        match dtype {
+                            DType::BF16 => bf16::from_f32(v).to_f32(),
+                            _ => f16::from_f32(v).to_f32(),
+                        }
+                    })
+                    .collect();
+                assert_eq!(
+                    x.to_dtype(DType::F32).unwrap().to_vec::<f32>().unwrap(),
+                    want,
+                    "{dtype} {format:?}"
+                );
+                assert_eq!(x.memory_format(), format);
+            }
+        }
+    }
+
+    #[test]
     fn casts_and_in_place_sums_keep_channels_last_and_the_values() {
         let cl = MemoryFormat::ChannelsLast;
         let (x, y) = (iota(&[2, 3, 4, 5]), iota(&[2, 3, 4, 5]));

@@ -53,6 +53,33 @@ pub(crate) fn map_in_place<T: Element>(
     Ok(())
 }
 
+/// The common case of [`zip_in_place`] (gradient accumulation, optimizer updates): two dense
+/// buffers whose storage orders agree (both row-major, or both channels-last), in different
+/// storages, handed to `f` as the two runs of storage they cover. `false` (nothing done) for
+/// any other pair.
+fn zip_runs<T: Element>(
+    op: &'static str,
+    dst: &Tensor,
+    src: &Tensor,
+    f: impl FnOnce(&mut [T], &[T]),
+) -> Result<bool> {
+    let same_order = (dst.is_contiguous() && src.is_contiguous())
+        || (dst.layout().is_channels_last()
+            && src.layout().is_channels_last()
+            && dst.layout().strides() == src.layout().strides());
+    if !same_order || dst.storage().same_buffer(src.storage()) {
+        return Ok(false);
+    }
+    let source = src.storage().read_host(op)?;
+    let (at, n) = (src.layout().offset(), src.numel());
+    let source = &T::slice(&source).expect("dtype checked")[at..at + n];
+    let mut dest = dst.storage().write_host(op)?;
+    let off = dst.layout().offset();
+    let dest = &mut T::slice_mut(&mut dest).expect("dtype checked")[off..off + dst.numel()];
+    f(dest, source);
+    Ok(true)
+}
+
 /// Applies `f(dst, src)` elementwise in place (same shape and dtype, checked by the caller).
 /// Reading from the same storage as the destination is handled by copying the source first.
 pub(crate) fn zip_in_place<T: Element>(
@@ -61,21 +88,9 @@ pub(crate) fn zip_in_place<T: Element>(
     src: &Tensor,
     mut f: impl FnMut(&mut T, T),
 ) -> Result<()> {
-    // The common case (gradient accumulation, optimizer updates): two dense buffers whose
-    // storage orders agree (both row-major, or both channels-last), walked in storage order.
-    let same_order = (dst.is_contiguous() && src.is_contiguous())
-        || (dst.layout().is_channels_last()
-            && src.layout().is_channels_last()
-            && dst.layout().strides() == src.layout().strides());
-    if same_order && !dst.storage().same_buffer(src.storage()) {
-        let source = src.storage().read_host(op)?;
-        let source = &T::slice(&source).expect("dtype checked")[src.layout().offset()..];
-        let mut dest = dst.storage().write_host(op)?;
-        let off = dst.layout().offset();
-        let dest = &mut T::slice_mut(&mut dest).expect("dtype checked")[off..off + dst.numel()];
-        dest.iter_mut()
-            .zip(source.iter())
-            .for_each(|(d, &s)| f(d, s));
+    if zip_runs::<T>(op, dst, src, |d, s| {
+        d.iter_mut().zip(s).for_each(|(d, &s)| f(d, s))
+    })? {
         return Ok(());
     }
     let src_values: Vec<T> = to_vec::<T>(src)?;
@@ -149,6 +164,22 @@ pub(crate) fn add_scaled_half<T: HalfElement>(
     alpha: f64,
 ) -> Result<()> {
     let a = alpha as f32;
+    // Dense pairs in chunks through the vector conversions (the same values: each element is
+    // widened exactly, added in f32 and rounded to nearest even).
+    const CHUNK: usize = 512;
+    let done = zip_runs::<T>("add_scaled_", dst, src, |dest, source| {
+        let (mut d32, mut s32) = ([0f32; CHUNK], [0f32; CHUNK]);
+        for (d, s) in dest.chunks_mut(CHUNK).zip(source.chunks(CHUNK)) {
+            let (dw, sw) = (&mut d32[..d.len()], &mut s32[..d.len()]);
+            crate::cpu::convert::widen(d, dw);
+            crate::cpu::convert::widen(s, sw);
+            dw.iter_mut().zip(sw.iter()).for_each(|(d, s)| *d += a * s);
+            crate::cpu::convert::narrow(dw, d);
+        }
+    })?;
+    if done {
+        return Ok(());
+    }
     zip_in_place::<T>("add_scaled_", dst, src, |d, s| {
         *d = T::from_f32(d.to_f32() + a * s.to_f32())
     })
