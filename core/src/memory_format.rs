@@ -167,41 +167,17 @@ impl Tensor {
     }
 
     /// Borrows the elements of a CPU tensor that is dense row-major or dense channels-last as
-    /// a slice in storage order (for channels-last, NHWC order). Errors when the tensor is neither, is not in host memory, or
-    /// `T` is not its dtype.
+    /// a slice in storage order (for channels-last, NHWC order). Errors when the tensor is
+    /// neither, is not in host memory, or `T` is not its dtype.
     pub fn read_dense_slice<T: Element>(&self) -> Result<MappedRwLockReadGuard<'_, [T]>> {
         if self.is_contiguous() {
             return self.read_slice::<T>();
         }
-        if !self.is_contiguous_in(MemoryFormat::ChannelsLast) {
-            return Err(Error::invalid(
-                "read_dense_slice",
-                format!(
-                    "tensor of shape {:?} with strides {:?} is dense in no memory format",
-                    self.dims(),
-                    self.layout().strides()
-                ),
-            ));
-        }
-        if self.dtype() != T::DTYPE {
-            return Err(Error::DTypeMismatch {
-                op: "read_dense_slice",
-                lhs: self.dtype(),
-                rhs: T::DTYPE,
-            });
-        }
-        let (start, end) = (
-            self.layout().offset(),
-            self.layout().offset() + self.numel(),
-        );
-        let guard = self.storage().read_host("read_dense_slice")?;
-        MappedRwLockReadGuard::try_map(guard, |s| T::slice(s).map(|v| &v[start..end])).map_err(
-            |_| Error::DTypeMismatch {
-                op: "read_dense_slice",
-                lhs: self.dtype(),
-                rhs: T::DTYPE,
-            },
-        )
+        let run = self.channels_last_run::<T>("read_dense_slice")?;
+        Ok(MappedRwLockReadGuard::map(
+            self.storage().read_host("read_dense_slice")?,
+            |s| &T::slice(s).expect("dtype checked")[run],
+        ))
     }
 
     /// Mutably borrows the elements of a CPU tensor that is dense row-major or dense
@@ -212,9 +188,19 @@ impl Tensor {
         if self.is_contiguous() {
             return self.write_slice::<T>();
         }
+        let run = self.channels_last_run::<T>("write_dense_slice")?;
+        Ok(MappedRwLockWriteGuard::map(
+            self.storage().write_host("write_dense_slice")?,
+            |s| &mut T::slice_mut(s).expect("dtype checked")[run],
+        ))
+    }
+
+    /// The run of storage a dense channels-last tensor of element type `T` covers; errors
+    /// naming `op` for another layout or dtype.
+    fn channels_last_run<T: Element>(&self, op: &'static str) -> Result<std::ops::Range<usize>> {
         if !self.is_contiguous_in(MemoryFormat::ChannelsLast) {
             return Err(Error::invalid(
-                "write_dense_slice",
+                op,
                 format!(
                     "tensor of shape {:?} with strides {:?} is dense in no memory format",
                     self.dims(),
@@ -222,15 +208,9 @@ impl Tensor {
                 ),
             ));
         }
-        self.expect_dtype::<T>("write_dense_slice")?;
-        let (start, end) = (
-            self.layout().offset(),
-            self.layout().offset() + self.numel(),
-        );
-        Ok(MappedRwLockWriteGuard::map(
-            self.storage().write_host("write_dense_slice")?,
-            |s| &mut T::slice_mut(s).expect("dtype checked")[start..end],
-        ))
+        self.expect_dtype::<T>(op)?;
+        let start = self.layout().offset();
+        Ok(start..start + self.numel())
     }
 
     /// A CPU tensor of `shape` dense in `format` that takes ownership of `data`, given in

@@ -403,67 +403,42 @@ mod tests {
             let f32s = |v: &[f64]| v.iter().map(|&v| v as f32).collect::<Vec<f32>>();
             let (a, b, k) = (f32s(&scale), f32s(&shift), f32s(&kk));
             let round = |v: Vec<f32>| v.into_iter().map(H::from_f32).collect::<Vec<H>>();
+            let direct = |u: &[H], m, k| map("t", u, c, m, k).unwrap();
+            let affine = Constants {
+                a: &a,
+                b: &b,
+                ..Constants::default()
+            };
+            let gradient = Constants { k: &k, ..affine };
+            let masked = Constants {
+                s: &ms,
+                t: &mt,
+                ..gradient
+            };
+            let normalize =
+                |e| round(nhwc::normalize::<f32>("t", &xf, c, &scale, &shift, e).unwrap());
+            let grad_input = |m| {
+                round(nhwc::grad_input::<f32>("t", &gf, &xf, c, &scale, &shift, &kk, m).unwrap())
+            };
             let cases: Vec<(&str, Vec<H>, Vec<H>)> = vec![
                 (
                     "affine",
-                    map(
-                        "t",
-                        &x,
-                        c,
-                        HalfMap::Affine { relu: false },
-                        Constants {
-                            a: &a,
-                            b: &b,
-                            ..Default::default()
-                        },
-                    )
-                    .unwrap(),
-                    round(
-                        nhwc::normalize::<f32>("t", &xf, c, &scale, &shift, Epilogue::Plain)
-                            .unwrap(),
-                    ),
+                    direct(&x, HalfMap::Affine { relu: false }, affine),
+                    normalize(Epilogue::Plain),
                 ),
                 (
                     "affine relu",
-                    map(
-                        "t",
-                        &x,
-                        c,
-                        HalfMap::Affine { relu: true },
-                        Constants {
-                            a: &a,
-                            b: &b,
-                            ..Default::default()
-                        },
-                    )
-                    .unwrap(),
-                    round(
-                        nhwc::normalize::<f32>("t", &xf, c, &scale, &shift, Epilogue::Relu)
-                            .unwrap(),
-                    ),
+                    direct(&x, HalfMap::Affine { relu: true }, affine),
+                    normalize(Epilogue::Relu),
                 ),
                 (
                     "affine add relu",
-                    map(
-                        "t",
-                        &x,
-                        c,
-                        HalfMap::AffineAddRelu(&r),
-                        Constants {
-                            a: &a,
-                            b: &b,
-                            ..Default::default()
-                        },
-                    )
-                    .unwrap(),
-                    round(
-                        nhwc::normalize::<f32>("t", &xf, c, &scale, &shift, Epilogue::AddRelu(&rf))
-                            .unwrap(),
-                    ),
+                    direct(&x, HalfMap::AffineAddRelu(&r), affine),
+                    normalize(Epilogue::AddRelu(&rf)),
                 ),
                 (
                     "keep positive",
-                    map("t", &g, c, HalfMap::KeepPositive(&r), Constants::default()).unwrap(),
+                    direct(&g, HalfMap::KeepPositive(&r), Constants::default()),
                     round(
                         nhwc::masked_grad_sums::<f32>("t", &gf, &rf, &xf, c, &scale)
                             .unwrap()
@@ -472,50 +447,27 @@ mod tests {
                 ),
                 (
                     "gradient",
-                    map(
-                        "t",
+                    direct(
                         &g,
-                        c,
                         HalfMap::Gradient {
                             x: &x,
                             masked: false,
                         },
-                        Constants {
-                            a: &a,
-                            b: &b,
-                            k: &k,
-                            ..Default::default()
-                        },
-                    )
-                    .unwrap(),
-                    round(
-                        nhwc::grad_input::<f32>("t", &gf, &xf, c, &scale, &shift, &kk, None)
-                            .unwrap(),
+                        gradient,
                     ),
+                    grad_input(None),
                 ),
                 (
                     "masked gradient",
-                    map(
-                        "t",
+                    direct(
                         &g,
-                        c,
                         HalfMap::Gradient {
                             x: &x,
                             masked: true,
                         },
-                        Constants {
-                            a: &a,
-                            b: &b,
-                            k: &k,
-                            s: &ms,
-                            t: &mt,
-                        },
-                    )
-                    .unwrap(),
-                    round(
-                        nhwc::grad_input::<f32>("t", &gf, &xf, c, &scale, &shift, &kk, Some(&mask))
-                            .unwrap(),
+                        masked,
                     ),
+                    grad_input(Some(&mask)),
                 ),
             ];
             for (name, got, want) in cases {
