@@ -207,36 +207,38 @@ pub(crate) fn apply(op: &'static str, args: &ApplyArgs<'_>) -> Result<Tensor> {
         return with_half_type!(op, x.dtype(), H => {
             let xs = xc.read_dense_slice::<H>()?;
             let units = units(x, format);
-            let run = |e| half::normalize::<H>(op, &xs, units, scale, shift, e);
-            let y = match args.epilogue {
-                Epilogue::AddRelu(r) => {
-                    let rc = dense(op, r, format)?;
-                    let rs = rc.read_dense_slice::<H>()?;
-                    run(passes::Epilogue::AddRelu(&rs))?
-                }
-                Epilogue::Relu => run(passes::Epilogue::Relu)?,
-                Epilogue::Plain => run(passes::Epilogue::Plain)?,
-            };
+            let y = with_epilogue::<H, _>(op, args.epilogue, format, |e| {
+                half::normalize::<H>(op, &xs, units, scale, shift, e)
+            })?;
             Tensor::from_vec_in(y, x.dims(), x.device(), format)
         });
     }
     with_float_type!(op, x.dtype(), T => {
         let xs = xc.read_dense_slice::<T>()?;
-        let run = |e: passes::Epilogue<'_, T>| match format {
+        let y = with_epilogue::<T, _>(op, args.epilogue, format, |e| match format {
             MemoryFormat::ChannelsLast => nhwc::normalize::<T>(op, &xs, d.c, scale, shift, e),
             MemoryFormat::Contiguous => passes::normalize::<T>(op, &xs, d, scale, shift, e),
-        };
-        let y = match args.epilogue {
-            Epilogue::AddRelu(r) => {
-                let rc = dense(op, r, format)?;
-                let rs = rc.read_dense_slice::<T>()?;
-                run(passes::Epilogue::AddRelu(&rs))?
-            }
-            Epilogue::Relu => run(passes::Epilogue::Relu)?,
-            Epilogue::Plain => run(passes::Epilogue::Plain)?,
-        };
+        })?;
         Tensor::from_vec_in(y, x.dims(), x.device(), format)
     })
+}
+
+/// `run` with the forward's epilogue in element type `T` (a residual read dense in `format`).
+fn with_epilogue<T: Element, R>(
+    op: &'static str,
+    epilogue: Epilogue<'_>,
+    format: MemoryFormat,
+    run: impl FnOnce(passes::Epilogue<'_, T>) -> Result<R>,
+) -> Result<R> {
+    match epilogue {
+        Epilogue::AddRelu(r) => {
+            let rc = dense(op, r, format)?;
+            let rs = rc.read_dense_slice::<T>()?;
+            run(passes::Epilogue::AddRelu(&rs))
+        }
+        Epilogue::Relu => run(passes::Epilogue::Relu),
+        Epilogue::Plain => run(passes::Epilogue::Plain),
+    }
 }
 
 /// Per-channel `[Σg', Σg'·(x − mean)]` of the masked gradient `g'`, and `g'` itself where the
