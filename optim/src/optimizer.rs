@@ -122,7 +122,7 @@ pub(crate) fn check_learning_rate(optimizer: &'static str, lr: f64) -> Result<()
     Ok(())
 }
 
-/// What an update kernel works on: the parameter's gradient and a contiguous tensor holding the
+/// What an update kernel works on: the parameter's gradient and a dense tensor holding the
 /// parameter's values (the parameter itself, or a copy to write back with [`write_back`]), and
 /// the device they are on (read once: the step dispatches on it).
 pub(crate) struct UpdateOperands {
@@ -132,33 +132,15 @@ pub(crate) struct UpdateOperands {
 }
 
 /// The operands for updating parameter `index`, or `None` when it has no gradient. The kernels
-/// borrow several buffers at once, so the gradient is made contiguous and never shares the
-/// parameter's buffer.
+/// borrow several buffers at once and work in storage order (the updates are elementwise), so
+/// the target is dense and the gradient dense in the same format, never sharing the
+/// parameter's buffer: a channels-last parameter in host memory is its own target with a
+/// channels-last gradient (copied only when it arrives otherwise); any other parameter that is
+/// not row-major is updated through a row-major copy written back with [`write_back`].
 pub(crate) fn update_operands(
     optimizer: &'static str,
     index: usize,
     param: &Tensor,
-) -> Result<Option<UpdateOperands>> {
-    operands(optimizer, index, param, false)
-}
-
-/// [`update_operands`] for a kernel that works in storage order (an elementwise update whose
-/// operands are all dense in one format): a channels-last parameter in host memory is its own
-/// target, and its gradient is dense channels-last too (copied only when it is not), so no
-/// copy of the parameter is made and written back.
-pub(crate) fn update_operands_in_storage_order(
-    optimizer: &'static str,
-    index: usize,
-    param: &Tensor,
-) -> Result<Option<UpdateOperands>> {
-    operands(optimizer, index, param, true)
-}
-
-fn operands(
-    optimizer: &'static str,
-    index: usize,
-    param: &Tensor,
-    storage_order: bool,
 ) -> Result<Option<UpdateOperands>> {
     let Some(grad) = param.grad() else {
         return Ok(None);
@@ -188,9 +170,7 @@ fn operands(
         ));
     }
     let format = match param.dense_format() {
-        Some(MemoryFormat::ChannelsLast) if storage_order && device == Device::Cpu => {
-            MemoryFormat::ChannelsLast
-        }
+        Some(MemoryFormat::ChannelsLast) if device == Device::Cpu => MemoryFormat::ChannelsLast,
         _ => MemoryFormat::Contiguous,
     };
     let grad = if grad.storage().same_buffer(param.storage()) {
@@ -216,6 +196,48 @@ pub(crate) fn write_back(param: &Tensor, target: &Tensor) -> Result<()> {
         param.copy_(target)?;
     }
     Ok(())
+}
+
+/// A state tensor (momentum, moments) ready for a storage-order update beside `target`: the
+/// state itself when it is laid out like `target` or can be re-laid out so in place (it keeps
+/// its identity), else a copy in `target`'s format that [`LaidOutState::finish`] copies back.
+/// A state from a checkpoint comes back row-major; a parameter converted to channels-last after
+/// its state was made is the other way round.
+pub(crate) struct LaidOutState {
+    tensor: Tensor,
+    copy_back_to: Option<Tensor>,
+}
+
+impl LaidOutState {
+    pub(crate) fn new(state: &Tensor, target: &Tensor) -> tandem_core::Result<Self> {
+        let format = target.dense_format().unwrap_or(MemoryFormat::Contiguous);
+        if state.dense_format() == Some(format) || state.to_memory_format_(format).is_ok() {
+            return Ok(LaidOutState {
+                tensor: state.clone(),
+                copy_back_to: None,
+            });
+        }
+        Ok(LaidOutState {
+            tensor: state
+                .contiguous_in(format)?
+                .copy_detached()?
+                .contiguous_in(format)?,
+            copy_back_to: Some(state.clone()),
+        })
+    }
+
+    /// The tensor to update, dense in the target's format.
+    pub(crate) fn tensor(&self) -> &Tensor {
+        &self.tensor
+    }
+
+    /// Writes an updated copy back into the state.
+    pub(crate) fn finish(self) -> tandem_core::Result<()> {
+        match self.copy_back_to {
+            Some(state) => state.copy_(&self.tensor),
+            None => Ok(()),
+        }
+    }
 }
 
 /// Moves a state tensor of parameter `index` to `device`, the parameter's, when the parameter

@@ -3,6 +3,7 @@
 use tandem_core::{with_float_type, Error as TensorError, FloatElement, Tensor};
 
 use super::{AdamConfig, AdamUpdate, UpdateRule};
+use crate::optimizer::LaidOutState;
 use crate::Result;
 
 /// Updates every parameter of `updates` (all in host memory), each at its own step count.
@@ -21,11 +22,39 @@ pub(super) fn update(
     Ok(())
 }
 
-/// One Adam(W) update of a contiguous parameter and its state, in its dtype.
+/// One Adam(W) update of a parameter dense in some format (row-major, or channels-last) with a
+/// gradient dense in the same format, in its dtype, in storage order; the moments are laid out
+/// like the parameter first ([`LaidOutState`]).
 fn update_in_place<T: FloatElement>(
     param: &Tensor,
     grad: &Tensor,
     state: &AdamUpdate,
+    rule: &UpdateRule,
+) -> std::result::Result<(), TensorError> {
+    let m = LaidOutState::new(&state.exp_avg, param)?;
+    let v = LaidOutState::new(&state.exp_avg_sq, param)?;
+    let v_max = match &state.max_exp_avg_sq {
+        Some(t) if rule.amsgrad => Some(LaidOutState::new(t, param)?),
+        _ => None,
+    };
+    update_dense::<T>(
+        param,
+        grad,
+        [m.tensor(), v.tensor()],
+        v_max.as_ref().map(LaidOutState::tensor),
+        rule,
+    )?;
+    m.finish()?;
+    v.finish()?;
+    v_max.map_or(Ok(()), LaidOutState::finish)
+}
+
+/// [`update_in_place`] once every operand is dense in the parameter's format.
+fn update_dense<T: FloatElement>(
+    param: &Tensor,
+    grad: &Tensor,
+    [exp_avg, exp_avg_sq]: [&Tensor; 2],
+    max_exp_avg_sq: Option<&Tensor>,
     rule: &UpdateRule,
 ) -> std::result::Result<(), TensorError> {
     let c = |v: f64| T::from_f64(v);
@@ -33,13 +62,13 @@ fn update_in_place<T: FloatElement>(
         (c(1.0 - rule.beta1), c(rule.beta2), c(1.0 - rule.beta2));
     let (l2, shrink, eps) = (c(rule.l2), c(rule.shrink), c(rule.eps));
     let (step_size, bias_correction2_sqrt) = (c(rule.step_size), c(rule.bias_correction2_sqrt));
-    let mut p = param.write_slice::<T>()?;
-    let g = grad.read_slice::<T>()?;
-    let mut m = state.exp_avg.write_slice::<T>()?;
-    let mut v = state.exp_avg_sq.write_slice::<T>()?;
-    let mut v_max = match &state.max_exp_avg_sq {
-        Some(t) if rule.amsgrad => Some(t.write_slice::<T>()?),
-        _ => None,
+    let mut p = param.write_dense_slice::<T>()?;
+    let g = grad.read_dense_slice::<T>()?;
+    let mut m = exp_avg.write_dense_slice::<T>()?;
+    let mut v = exp_avg_sq.write_dense_slice::<T>()?;
+    let mut v_max = match max_exp_avg_sq {
+        Some(t) => Some(t.write_dense_slice::<T>()?),
+        None => None,
     };
     let decay = rule.decays();
     let shrinks = rule.shrinks();

@@ -132,7 +132,14 @@ impl AdamCore {
                     state
                 }
                 slot @ None => {
-                    let zeros = || Tensor::zeros(param.dims(), param.dtype(), device);
+                    // Laid out like the target, so that the update runs in storage order.
+                    let zeros = || {
+                        let z = Tensor::zeros(param.dims(), param.dtype(), device)?;
+                        match target.dense_format() {
+                            Some(format) if device == Device::Cpu => z.contiguous_in(format),
+                            _ => Ok(z),
+                        }
+                    };
                     slot.insert(ParamState {
                         step: 0,
                         exp_avg: zeros()?,
@@ -784,5 +791,77 @@ mod tests {
         assert!(err.contains("parameter 3"), "{err}");
         let err = ams.load_state(&[("0.momentum_buffer".to_string(), state[0].1.clone())]);
         assert!(err.unwrap_err().to_string().contains("unknown entry"));
+    }
+    /// Channels-last parameters update in place in storage order, their moments channels-last
+    /// beside them, to the bits of the same updates of row-major parameters: Adam with L2
+    /// decay and amsgrad, AdamW, a row-major gradient, and moments reloaded row-major.
+    #[test]
+    fn channels_last_parameters_update_in_storage_order_to_the_row_major_bits() {
+        use tandem_core::{Generator, MemoryFormat};
+        let shape = [2, 3, 2, 4];
+        let mut gen = Generator::new(13);
+        let mut randn =
+            || Tensor::randn(&shape, 0.0, 1.0, DType::F32, Device::Cpu, &mut gen).unwrap();
+        let init = randn();
+        let grads: Vec<Tensor> = (0..4).map(|_| randn()).collect();
+        let (cl, rm) = (MemoryFormat::ChannelsLast, MemoryFormat::Contiguous);
+        let fresh = |format: MemoryFormat| {
+            init.copy_detached()
+                .unwrap()
+                .contiguous_in(format)
+                .unwrap()
+                .copy_detached()
+                .unwrap()
+                .contiguous_in(format)
+                .unwrap()
+                .with_requires_grad()
+                .unwrap()
+        };
+        // Runs 4 steps of `make`'s optimizer on a parameter in `format`, gradients in
+        // `grad_format`, the state reloaded row-major after two steps when `reload`.
+        let run = |adamw: bool, format, grad_format, reload: bool| {
+            let p = fresh(format);
+            let cfg = if adamw {
+                AdamConfig::adamw(0.05)
+            } else {
+                AdamConfig::new(0.05)
+                    .with_weight_decay(0.01)
+                    .with_amsgrad(true)
+            };
+            let make = |p: &Tensor| -> Box<dyn Optimizer> {
+                if adamw {
+                    Box::new(AdamW::new(vec![p.clone()], cfg).unwrap())
+                } else {
+                    Box::new(Adam::new(vec![p.clone()], cfg).unwrap())
+                }
+            };
+            let mut opt = make(&p);
+            for (step, g) in grads.iter().enumerate() {
+                if reload && step == 2 {
+                    let state: Vec<(String, Tensor)> = opt
+                        .state()
+                        .into_iter()
+                        .map(|(n, t)| (n, t.contiguous_in(rm).unwrap().copy_detached().unwrap()))
+                        .collect();
+                    opt = make(&p);
+                    opt.load_state(&state).unwrap();
+                }
+                p.set_grad(Some(g.contiguous_in(grad_format).unwrap()))
+                    .unwrap();
+                opt.step().unwrap();
+            }
+            assert_eq!(p.memory_format(), format);
+            p.to_vec::<f32>().unwrap()
+        };
+        for adamw in [false, true] {
+            let want = run(adamw, rm, rm, false);
+            for (grad_format, reload) in [(cl, false), (rm, false), (cl, true)] {
+                assert_eq!(
+                    run(adamw, cl, grad_format, reload),
+                    want,
+                    "adamw {adamw}, gradient {grad_format:?}, reload {reload}"
+                );
+            }
+        }
     }
 }

@@ -1,8 +1,9 @@
 //! The SGD step on the CPU: a host loop per parameter, in the parameter's dtype.
 
-use tandem_core::{with_float_type, Error as TensorError, FloatElement, MemoryFormat, Tensor};
+use tandem_core::{with_float_type, Error as TensorError, FloatElement, Tensor};
 
 use super::{SgdConfig, SgdUpdate, NAME};
+use crate::optimizer::LaidOutState;
 use crate::Result;
 
 /// Updates every parameter of `updates` (all in host memory).
@@ -16,9 +17,8 @@ pub(super) fn update(updates: &[&SgdUpdate], cfg: &SgdConfig) -> Result<()> {
 }
 
 /// One SGD update of a parameter dense in some format (row-major, or channels-last) with a
-/// gradient dense in the same format, in its dtype, in storage order. A momentum buffer laid
-/// out otherwise (one loaded from a checkpoint, say) is re-laid out like the parameter first,
-/// in place, or else updated through a copy.
+/// gradient dense in the same format, in its dtype, in storage order; the momentum buffer is
+/// laid out like the parameter first ([`LaidOutState`]).
 fn update_in_place<T: FloatElement>(
     param: &Tensor,
     grad: &Tensor,
@@ -26,19 +26,12 @@ fn update_in_place<T: FloatElement>(
     first: bool,
     cfg: &SgdConfig,
 ) -> std::result::Result<(), TensorError> {
-    let format = param.dense_format();
-    match buffer {
-        Some(b) if b.dense_format() != format => {
-            let format = format.unwrap_or(MemoryFormat::Contiguous);
-            if b.to_memory_format_(format).is_err() {
-                let copy = b.contiguous_in(format)?;
-                update_dense::<T>(param, grad, Some(&copy), first, cfg)?;
-                return b.copy_(&copy);
-            }
-            update_dense::<T>(param, grad, buffer, first, cfg)
-        }
-        _ => update_dense::<T>(param, grad, buffer, first, cfg),
-    }
+    let Some(buffer) = buffer else {
+        return update_dense::<T>(param, grad, None, first, cfg);
+    };
+    let buffer = LaidOutState::new(buffer, param)?;
+    update_dense::<T>(param, grad, Some(buffer.tensor()), first, cfg)?;
+    buffer.finish()
 }
 
 /// [`update_in_place`] once every operand is dense in the parameter's format.

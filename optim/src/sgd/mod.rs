@@ -25,7 +25,7 @@ use tandem_core::{DType, Device, Tensor};
 use crate::multi_tensor::TableCache;
 use crate::optimizer::{
     by_device, check_learning_rate, check_parameters, follow_parameter, state_for_parameter,
-    update_operands_in_storage_order, write_back, UpdateOperands,
+    update_operands, write_back, UpdateOperands,
 };
 use crate::{Error, Optimizer, Result};
 
@@ -194,7 +194,7 @@ impl Sgd {
                 grad,
                 target,
                 device,
-            }) = update_operands_in_storage_order(NAME, index, param)?
+            }) = update_operands(NAME, index, param)?
             else {
                 continue;
             };
