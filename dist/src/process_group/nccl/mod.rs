@@ -229,27 +229,30 @@ impl Shared {
     /// flight, tells the other ranks and the launcher, aborts the communicator.
     fn fail(&self, err: DistError) {
         {
-            let mut pending = self.pending.lock();
-            {
-                let mut broken = self.broken.lock();
-                if broken.is_some() {
-                    return;
-                }
-                *broken = Some(err.clone());
+            // Under the queue's lock, as the issuing path checks it: a collective issued from
+            // now on is settled with the failure there instead of joining the queue.
+            let _pending = self.pending.lock();
+            let mut broken = self.broken.lock();
+            if broken.is_some() {
+                return;
             }
-            for (i, p) in pending.drain(..).enumerate() {
-                if p.end.is_complete() {
-                    p.work.settle(Ok(()));
-                } else if i == 0 {
-                    p.work.settle(Err(err.clone()));
-                } else {
-                    p.work
-                        .settle(Err(self.group_broken(&p.desc, p.seq, err.clone())));
-                }
+            *broken = Some(err.clone());
+        }
+        // The launcher's report and the other ranks' notice go out before this rank's waiters
+        // wake: an application that exits on the error at once, or a peer that does, must not
+        // outrun them (the launcher then stops this rank before it has reported).
+        crate::failure_report::post(&self.store, self.rank, &err);
+        self.monitor.publish_failure(&err);
+        for (i, p) in self.pending.lock().drain(..).enumerate() {
+            if p.end.is_complete() {
+                p.work.settle(Ok(()));
+            } else if i == 0 {
+                p.work.settle(Err(err.clone()));
+            } else {
+                p.work
+                    .settle(Err(self.group_broken(&p.desc, p.seq, err.clone())));
             }
         }
-        self.monitor.publish_failure(&err);
-        crate::failure_report::post(&self.store, self.rank, &err);
         eprintln!(
             "tandem: rank {}: NCCL group {:?} failed; aborting its communicator: {err}",
             self.rank, self.group.name
