@@ -259,6 +259,8 @@ pub(crate) fn normalize<H: HalfElement>(
             Units::Rows { c } => nhwc::normalize::<f32>(op, xs, c, scale, shift, e)?,
         };
         narrow(&y, out);
+        // The f32 pass's output came from the cache: hand it back.
+        tandem_core::alloc::recycle(y);
         Ok(())
     })?;
     Ok(y)
@@ -327,6 +329,7 @@ pub(crate) fn masked_grad_sums<H: HalfElement>(
             Units::Rows { c } => nhwc::masked_grad_sums::<f32>(op, gs, ys, xs, c, mean)?,
         };
         narrow(&m, out);
+        tandem_core::alloc::recycle(m);
         Ok((sum_g, sum_gc))
     })?;
     let (sum_g, sum_gc) = add_sums(units.channels(), parts);
@@ -382,6 +385,7 @@ pub(crate) fn grad_input<H: HalfElement>(
             Units::Rows { c } => nhwc::grad_input::<f32>(op, gs, xs, c, a, b, k, mask)?,
         };
         narrow(&gx, out);
+        tandem_core::alloc::recycle(gx);
         Ok(())
     })?;
     Ok(gx)

@@ -128,11 +128,14 @@ fn forward<T: FloatElement>(x: &[T], w: &[T], bias: Option<&[T]>, g: &Geometry) 
     // The weights as the right operand `[patch, O]`: `w` is `[O, patch]` row-major.
     let rhs = MatRef::row_major(0, patch).t();
     per_sample(outs, xs, |_, out, x, par| {
-        let mut rows = if patch_is_input(g) {
-            Vec::new()
+        // Scratch hands its buffer back to the cache when dropped.
+        let rows_len = if patch_is_input(g) {
+            0
         } else {
-            memory::uninit::<T>(OP, TILE.min(pixels) * patch)?
+            TILE.min(pixels) * patch
         };
+        let mut rows = memory::Scratch::<T>::new(OP, rows_len)?;
+        let rows = &mut rows.buf;
         for p0 in (0..pixels).step_by(TILE) {
             let m = TILE.min(pixels - p0);
             let dst = &mut out[p0 * k..(p0 + m) * k];
@@ -165,7 +168,8 @@ fn input_grad<T: FloatElement>(dy: &[T], w: &[T], g: &Geometry) -> Result<Vec<T>
     let dxs: Vec<&mut [T]> = dx.chunks_mut(in_sample).collect();
     let dys: Vec<&[T]> = dy.chunks(pixels * k).collect();
     per_sample(dxs, dys, |_, dx, dy, par| {
-        let mut rows = memory::uninit::<T>(OP, TILE.min(pixels) * patch)?;
+        let mut rows = memory::Scratch::<T>::new(OP, TILE.min(pixels) * patch)?;
+        let rows = &mut rows.buf;
         for p0 in (0..pixels).step_by(TILE) {
             let m = TILE.min(pixels - p0);
             let lhs = &dy[p0 * k..(p0 + m) * k];
@@ -201,11 +205,13 @@ fn weight_grad<T: FloatElement>(x: &[T], dy: &[T], g: &Geometry) -> Result<Vec<T
         .collect();
     let partial = |(s, e): (usize, usize), par: bool| -> Result<Vec<T>> {
         let mut dw = memory::zeroed::<T>(OP, k * patch)?;
-        let mut rows = if patch_is_input(g) {
-            Vec::new()
+        let rows_len = if patch_is_input(g) {
+            0
         } else {
-            memory::uninit::<T>(OP, TILE.min(pixels) * patch)?
+            TILE.min(pixels) * patch
         };
+        let mut rows = memory::Scratch::<T>::new(OP, rows_len)?;
+        let rows = &mut rows.buf;
         for n in s..e {
             let xn = &x[n * in_sample..(n + 1) * in_sample];
             let dyn_ = &dy[n * pixels * k..(n + 1) * pixels * k];
@@ -241,6 +247,8 @@ fn weight_grad<T: FloatElement>(x: &[T], dy: &[T], g: &Geometry) -> Result<Vec<T
     };
     for p in parts {
         total.iter_mut().zip(&p).for_each(|(t, &v)| *t += v);
+        // The partial sums came from the cache: hand them back.
+        tandem_core::alloc::recycle(p);
     }
     Ok(total)
 }
