@@ -198,6 +198,16 @@ pub(crate) fn write_back(param: &Tensor, target: &Tensor) -> Result<()> {
     Ok(())
 }
 
+/// A fresh zero state tensor (momentum, moments) for `param`, laid out like its update `target`
+/// on the CPU, so that the update runs in storage order.
+pub(crate) fn zero_state(param: &Tensor, target: &Tensor, device: Device) -> Result<Tensor> {
+    let zeros = Tensor::zeros(param.dims(), param.dtype(), device)?;
+    Ok(match target.dense_format() {
+        Some(format) if device == Device::Cpu => zeros.contiguous_in(format)?,
+        _ => zeros,
+    })
+}
+
 /// A state tensor (momentum, moments) ready for a storage-order update beside `target`: the
 /// state itself when it is laid out like `target` or can be re-laid out so in place (it keeps
 /// its identity), else a copy in `target`'s format that [`LaidOutState::finish`] copies back.
@@ -218,10 +228,7 @@ impl LaidOutState {
             });
         }
         Ok(LaidOutState {
-            tensor: state
-                .contiguous_in(format)?
-                .copy_detached()?
-                .contiguous_in(format)?,
+            tensor: state.contiguous_in(format)?,
             copy_back_to: Some(state.clone()),
         })
     }

@@ -37,7 +37,7 @@ use tandem_core::{DType, Device, Tensor};
 use crate::multi_tensor::TableCache;
 use crate::optimizer::{
     by_device, check_learning_rate, check_parameters, follow_parameter, state_for_parameter,
-    update_operands, write_back, UpdateOperands,
+    update_operands, write_back, zero_state, UpdateOperands,
 };
 use crate::{Error, Optimizer, Result};
 
@@ -132,14 +132,7 @@ impl AdamCore {
                     state
                 }
                 slot @ None => {
-                    // Laid out like the target, so that the update runs in storage order.
-                    let zeros = || {
-                        let z = Tensor::zeros(param.dims(), param.dtype(), device)?;
-                        match target.dense_format() {
-                            Some(format) if device == Device::Cpu => z.contiguous_in(format),
-                            _ => Ok(z),
-                        }
-                    };
+                    let zeros = || zero_state(param, &target, device);
                     slot.insert(ParamState {
                         step: 0,
                         exp_avg: zeros()?,

@@ -25,7 +25,7 @@ use tandem_core::{DType, Device, Tensor};
 use crate::multi_tensor::TableCache;
 use crate::optimizer::{
     by_device, check_learning_rate, check_parameters, follow_parameter, state_for_parameter,
-    update_operands, write_back, UpdateOperands,
+    update_operands, write_back, zero_state, UpdateOperands,
 };
 use crate::{Error, Optimizer, Result};
 
@@ -207,12 +207,7 @@ impl Sgd {
                     Some(b.clone())
                 }
                 None => {
-                    // Laid out like the target, so that the update runs in storage order.
-                    let b = Tensor::zeros(param.dims(), param.dtype(), device)?;
-                    let b = match target.dense_format() {
-                        Some(format) if device == Device::Cpu => b.contiguous_in(format)?,
-                        _ => b,
-                    };
+                    let b = zero_state(param, &target, device)?;
                     *slot = Some(b.clone());
                     Some(b)
                 }
